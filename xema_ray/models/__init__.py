@@ -1,0 +1,62 @@
+"""Model registry: one ``ModelSpec`` per servable model, real size and tiny.
+
+Example:
+    >>> spec = get_model_spec("tiny-flux2")
+    >>> spec.family, spec.kind
+    ('flux2', 'image')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from xema_ray.models.base import BuildOptions, ModelSpec
+
+__all__ = ["BuildOptions", "ModelSpec", "MODEL_NAMES", "get_model_spec"]
+
+
+def _flux2(size: str) -> ModelSpec:
+    from xema_ray.models.flux2 import Flux2Spec
+
+    if size == "real":
+        return Flux2Spec("flux2", "real", "flux2dev_transformer.json", "flux2dev_vae.json", text_tokens=512)
+    return Flux2Spec("tiny-flux2", "tiny", "tiny_flux2_transformer.json", "tiny_flux2_vae.json", text_tokens=8)
+
+
+def _cogvideox(size: str) -> ModelSpec:
+    from xema_ray.models.cogvideox import CogVideoXSpec
+
+    if size == "real":
+        return CogVideoXSpec("cogvideox-5b", "real", "cogvideox5b_transformer.json", "cogvideox5b_vae.json")
+    return CogVideoXSpec("tiny-cogvideox", "tiny", "tiny_cogvideox_transformer.json", "tiny_cogvideox_vae.json")
+
+
+def _ltx2(size: str) -> ModelSpec:
+    from xema_ray.models.ltx2 import LTX2Spec
+
+    if size == "real":
+        return LTX2Spec("ltx2", "real", "ltx2_transformer.json", "ltx2_vae.json")
+    return LTX2Spec("tiny-ltx2", "tiny", "tiny_ltx2_transformer.json", "tiny_ltx2_vae.json")
+
+
+_FACTORIES: dict[str, Callable[[], ModelSpec]] = {
+    "flux2": lambda: _flux2("real"),
+    "cogvideox-5b": lambda: _cogvideox("real"),
+    "ltx2": lambda: _ltx2("real"),
+    "tiny-flux2": lambda: _flux2("tiny"),
+    "tiny-cogvideox": lambda: _cogvideox("tiny"),
+    "tiny-ltx2": lambda: _ltx2("tiny"),
+}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+
+
+@cache
+def get_model_spec(name: str) -> ModelSpec:
+    """The spec registered under ``name``; ValueError listing the known names otherwise."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}") from None
+    return factory()

@@ -1,0 +1,193 @@
+"""What every model spec provides: configs, builders, the pipeline, and the DiT block list.
+
+A ``ModelSpec`` is the only place that knows a model's architecture-specific facts: which
+diffusers classes it uses, what shapes a template implies, how to call its pipeline with
+prompt embeddings we provide, and which modules are the DiT blocks that mitigation addresses.
+Everything else (tracer, engine, planner) is model-agnostic and goes through this interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from xema_ray.templates import RequestTemplate
+
+ModelSize = Literal["real", "tiny"]
+ModelKind = Literal["image", "video"]
+
+
+def load_config(name: str) -> dict[str, Any]:
+    """A model config shipped in ``xema_ray/configs`` (copied from shared/model-configs)."""
+    text = resources.files("xema_ray.configs").joinpath(name).read_text()
+    return json.loads(text)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Construct modules directly in ``dtype``: building a 32 B model in fp32 then casting would
+    need twice the memory on the device."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to materialise a model.
+
+    Attributes:
+        device: "meta" for shape-only analysis, "cpu" or "cuda[:i]" for real execution.
+        dtype: parameter dtype (bf16 for real models, fp32 for tiny CPU tests).
+        weights_dir: a local diffusers directory to ``from_pretrained`` from; None = random weights
+            (architecture, memory and latency are real, pictures are noise).
+        seed: seed for random weights, so two workers build identical models.
+    """
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    weights_dir: Path | None = None
+    seed: int = 0
+
+
+class ModelSpec(ABC):
+    """One servable model (real size or tiny), as the registry hands it out."""
+
+    #: registry name, e.g. "cogvideox-5b" or "tiny-cogvideox"
+    name: str
+    #: model family shared by real and tiny variants ("flux2", "cogvideox", "ltx2")
+    family: str
+    kind: ModelKind
+    size: ModelSize
+
+    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
+        self.name = name
+        self.size = size
+        self.transformer_config: dict[str, Any] = load_config(transformer_config)
+        self.vae_config: dict[str, Any] = load_config(vae_config)
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    @abstractmethod
+    def spatial_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE factor × patch size)."""
+
+    @property
+    def temporal_compression(self) -> int:
+        """Frames per latent frame after the first (1 for image models)."""
+        return 1
+
+    def validate_shape(self, height: int, width: int, frames: int) -> None:
+        """Raise ValueError naming what is wrong and what is accepted."""
+        m = self.spatial_multiple
+        if height % m or width % m:
+            raise ValueError(
+                f"{self.name}: height and width must be multiples of {m}, got {width}x{height} "
+                f"(nearest valid: {round(width / m) * m}x{round(height / m) * m})"
+            )
+        if self.kind == "image":
+            if frames != 1:
+                raise ValueError(f"{self.name} is an image model: frames must be 1, got {frames}")
+        else:
+            r = self.temporal_compression
+            if frames < 1 or (frames - 1) % r:
+                raise ValueError(
+                    f"{self.name}: frames must be 1 + a multiple of {r} (the VAE's temporal compression), "
+                    f"got {frames} (nearest valid: {1 + round((frames - 1) / r) * r})"
+                )
+
+    @abstractmethod
+    def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
+        """Latent tensor shape for the whole batch, as the pipeline's prepare_latents builds it."""
+
+    @abstractmethod
+    def token_counts(self, t: RequestTemplate) -> dict[str, int]:
+        """Per-request sequence lengths by stream."""
+
+    # ------------------------------------------------------------------ builders
+    @abstractmethod
+    def transformer_class(self) -> type[nn.Module]: ...
+
+    @abstractmethod
+    def vae_class(self) -> type[nn.Module]: ...
+
+    def _build(self, cls: type[Any], config: dict[str, Any], subfolder: str, opts: BuildOptions) -> nn.Module:
+        if opts.weights_dir is not None:
+            if opts.device == "meta":
+                raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
+            model = cls.from_pretrained(opts.weights_dir, subfolder=subfolder, torch_dtype=opts.dtype)
+            return model.to(opts.device).eval()
+        cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+        if opts.device != "meta":
+            torch.manual_seed(opts.seed)
+        with default_dtype(opts.dtype), torch.device(opts.device):
+            model = cls.from_config(cfg)
+        return model.eval().requires_grad_(False)
+
+    def build_transformer(self, opts: BuildOptions) -> nn.Module:
+        """The DiT denoiser (real weights, random weights or meta, per ``opts``)."""
+        return self._build(self.transformer_class(), self.transformer_config, "transformer", opts)
+
+    def build_vae(self, opts: BuildOptions) -> nn.Module:
+        """The VAE (decoder used for the final pixels)."""
+        return self._build(self.vae_class(), self.vae_config, "vae", opts)
+
+    @abstractmethod
+    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
+        """The model's real diffusers pipeline. Text encoders are loaded only with real weights;
+        without them the pipeline is driven with prompt embeddings from ``prompt_embeddings``."""
+
+    # ------------------------------------------------------------------ calling the pipeline
+    @abstractmethod
+    def prompt_embeddings(
+        self, prompts: list[str], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """Pipeline kwargs holding prompt embeddings (and masks, negative prompts) for ``prompts``.
+
+        Without real text encoders the embeddings are derived deterministically from each prompt
+        (ARCHITECTURE.md, "Prompts"): same prompt, same embedding, on every worker.
+        """
+
+    @abstractmethod
+    def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
+        """Pipeline ``__call__`` kwargs for a template, excluding prompts, generator and output type."""
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 1.0
+
+    @abstractmethod
+    def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The DiT blocks in execution order, as (path relative to the transformer, module):
+        the units that block offload / HSDP / chunking address."""
+
+    def vae_decoder_modules(self, vae: nn.Module) -> list[tuple[str, nn.Module]]:
+        """VAE decoder up-blocks (path relative to the VAE, module): where VAE chunking applies."""
+        return [(f"decoder.up_blocks.{i}", b) for i, b in enumerate(vae.decoder.up_blocks)]
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    @staticmethod
+    def seeded_embedding(
+        prompt: str, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype, salt: str = ""
+    ) -> torch.Tensor:
+        """A deterministic stand-in embedding for ``prompt`` (unit variance, like encoder outputs)."""
+        digest = hashlib.sha256(f"{salt}\x00{prompt}".encode()).digest()
+        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        return x.to(device=device, dtype=dtype)

@@ -1,0 +1,121 @@
+"""CogVideoX-5B: 5.6 B-parameter video DiT (42 blocks), causal 3D VAE, classifier-free guidance."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from xema_ray.models.base import BuildOptions, ModelSpec
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from xema_ray.templates import RequestTemplate
+
+# CogVideoXDDIMScheduler config published with CogVideoX-5b. DDIM keeps no state across steps,
+# so every denoising step allocates the same pattern (the analyzer replicates one step).
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "num_train_timesteps": 1000,
+    "prediction_type": "v_prediction",
+    "rescale_betas_zero_snr": True,
+    "set_alpha_to_one": True,
+    "snr_shift_scale": 1.0,
+    "steps_offset": 0,
+    "timestep_spacing": "trailing",
+}
+
+
+class CogVideoXSpec(ModelSpec):
+    family = "cogvideox"
+    kind = "video"
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
+
+    @property
+    def spatial_multiple(self) -> int:
+        # latent = pixels / 8, then 2x2 patches: the latent size must be even
+        return self.vae_scale_factor * self.transformer_config["patch_size"]
+
+    @property
+    def temporal_compression(self) -> int:
+        return int(self.vae_config["temporal_compression_ratio"])
+
+    @property
+    def text_tokens(self) -> int:
+        return int(self.transformer_config["max_text_seq_length"])
+
+    def latent_frames(self, t: RequestTemplate) -> int:
+        return (t.frames - 1) // self.temporal_compression + 1
+
+    def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
+        f = self.vae_scale_factor
+        return (t.batch, self.latent_frames(t), self.transformer_config["in_channels"], t.height // f, t.width // f)
+
+    def token_counts(self, t: RequestTemplate) -> dict[str, int]:
+        m = self.spatial_multiple
+        return {"video": self.latent_frames(t) * (t.height // m) * (t.width // m), "text": self.text_tokens}
+
+    def transformer_class(self) -> type[nn.Module]:
+        from diffusers import CogVideoXTransformer3DModel
+
+        return CogVideoXTransformer3DModel
+
+    def vae_class(self) -> type[nn.Module]:
+        from diffusers import AutoencoderKLCogVideoX
+
+        return AutoencoderKLCogVideoX
+
+    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
+        from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+
+        text_encoder = tokenizer = None
+        if opts.weights_dir is not None:
+            from transformers import T5EncoderModel, T5Tokenizer
+
+            text_encoder = T5EncoderModel.from_pretrained(
+                opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
+            ).to(opts.device)
+            tokenizer = T5Tokenizer.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        pipe = CogVideoXPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=self.build_vae(opts),
+            transformer=self.build_transformer(opts),
+            scheduler=CogVideoXDDIMScheduler.from_config(SCHEDULER_CONFIG),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def prompt_embeddings(
+        self, prompts: list[str], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        shape = (1, self.text_tokens, self.transformer_config["text_embed_dim"])
+        pos = torch.cat([self.seeded_embedding(p, shape, device, dtype) for p in prompts])
+        # the negative prompt is the empty string, as in the pipeline's default
+        neg = torch.cat([self.seeded_embedding("", shape, device, dtype, salt="negative")] * len(prompts))
+        return {"prompt_embeds": pos, "negative_prompt_embeds": neg}
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 6.0
+
+    def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
+        return {
+            "height": t.height,
+            "width": t.width,
+            "num_frames": t.frames,
+            "num_inference_steps": t.steps,
+            "guidance_scale": self.default_guidance_scale if guidance_scale is None else guidance_scale,
+            "max_sequence_length": self.text_tokens,
+        }
+
+    def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]

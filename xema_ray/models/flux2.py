@@ -1,0 +1,115 @@
+"""Flux.2-dev: 32 B-parameter image DiT (8 double-stream + 48 single-stream blocks)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from xema_ray.models.base import BuildOptions, ModelSpec
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from xema_ray.templates import RequestTemplate
+
+# FlowMatchEulerDiscreteScheduler config published with FLUX.2-dev.
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+}
+
+
+class Flux2Spec(ModelSpec):
+    family = "flux2"
+    kind = "image"
+
+    def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int) -> None:
+        super().__init__(name, size, transformer_config, vae_config)  # type: ignore[arg-type]
+        # Mistral-3 prompt length the pipeline pads to (tokenizer_max_length = 512).
+        self.text_tokens = text_tokens
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_config["block_out_channels"]) - 1)
+
+    @property
+    def spatial_multiple(self) -> int:
+        # the VAE downsamples by 8 and the pipeline packs 2x2 latent patches
+        return self.vae_scale_factor * 2
+
+    def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
+        tokens = (t.height // self.spatial_multiple) * (t.width // self.spatial_multiple)
+        return (t.batch, tokens, self.transformer_config["in_channels"])
+
+    def token_counts(self, t: RequestTemplate) -> dict[str, int]:
+        return {
+            "image": (t.height // self.spatial_multiple) * (t.width // self.spatial_multiple),
+            "text": self.text_tokens,
+        }
+
+    def transformer_class(self) -> type[nn.Module]:
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel
+
+    def vae_class(self) -> type[nn.Module]:
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2
+
+    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+        text_encoder = tokenizer = None
+        if opts.weights_dir is not None:
+            from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+
+            text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
+                opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
+            ).to(opts.device)
+            tokenizer = AutoProcessor.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        pipe = Flux2Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+            vae=self.build_vae(opts),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=self.build_transformer(opts),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def prompt_embeddings(
+        self, prompts: list[str], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        dim = self.transformer_config["joint_attention_dim"]
+        embeds = torch.cat(
+            [self.seeded_embedding(p, (1, self.text_tokens, dim), device, dtype) for p in prompts]
+        )
+        return {"prompt_embeds": embeds}
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return 4.0
+
+    def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
+        # Flux.2-dev is guidance-distilled: guidance is an embedding input, not a second CFG pass.
+        return {
+            "height": t.height,
+            "width": t.width,
+            "num_inference_steps": t.steps,
+            "guidance_scale": self.default_guidance_scale if guidance_scale is None else guidance_scale,
+            "max_sequence_length": self.text_tokens,
+        }
+
+    def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+        double = [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
+        single = [(f"single_transformer_blocks.{i}", b) for i, b in enumerate(transformer.single_transformer_blocks)]
+        return double + single

@@ -1,0 +1,186 @@
+"""Request templates: the (model, height, width, frames, steps, batch) a request is served as.
+
+The paper (§2.1) plans per template because the operator sequence, tensor shapes and lifetimes
+are fixed by it. Validation lives here so every entry point (CLI, planner, HTTP API) rejects the
+same shapes with the same message.
+
+Paper resolutions that a model cannot take are mapped to the nearest valid size (ties go up, so
+memory is never under-estimated); ``PAPER_RESOLUTION_MAP`` records each mapping:
+
+======================  ==============  ==========================================================
+paper                   ours            why
+======================  ==============  ==========================================================
+CogVideoX 900p 1600x900  1600x896        latent height 900/8 = 112.5; patch 2 needs an even latent
+CogVideoX 1080p 1920x1080 1920x1088      latent height 135 is odd; 1072 and 1088 tie, take 1088
+LTX-2 480p 854x480      864x480         LTX-2 needs multiples of 32; 864 is nearest to 16:9's 853
+LTX-2 720p 1280x720     1280x704        720 is not a multiple of 32; 704 and 736 tie, 704 is what
+                                        the LTX-2 pipeline and ARCHITECTURE.md use
+LTX-2 1080p 1920x1080   1920x1088       1088 is the nearest multiple of 32
+======================  ==============  ==========================================================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from xema_ray.models.base import ModelSpec
+
+
+class RequestTemplate(BaseModel):
+    """One servable request shape.
+
+    Example:
+        >>> t = RequestTemplate(model="cogvideox-5b", height=720, width=1280, frames=49)
+        >>> t.key
+        'cogvideox-5b/1280x720x49/s50/b1'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Registry name: flux2, cogvideox-5b, ltx2 (or a tiny-* variant).")
+    height: int = Field(gt=0, description="Output height in pixels.")
+    width: int = Field(gt=0, description="Output width in pixels.")
+    frames: int = Field(default=1, ge=1, description="Output frames; 1 for image models.")
+    steps: int = Field(default=50, ge=1, le=1000, description="Denoising steps.")
+    batch: int = Field(default=1, ge=1, le=256, description="Requests executed together.")
+
+    @model_validator(mode="after")
+    def _check_against_model(self) -> RequestTemplate:
+        spec = self.spec
+        spec.validate_shape(self.height, self.width, self.frames)
+        return self
+
+    @property
+    def spec(self) -> ModelSpec:
+        from xema_ray.models import get_model_spec
+
+        return get_model_spec(self.model)
+
+    @property
+    def key(self) -> str:
+        """Stable string key used by plan tables, profile stores and file names."""
+        return f"{self.model}/{self.width}x{self.height}x{self.frames}/s{self.steps}/b{self.batch}"
+
+    @property
+    def shape_key(self) -> str:
+        """Key without steps and batch: what a client request maps onto."""
+        return f"{self.model}/{self.width}x{self.height}x{self.frames}"
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """Shape of the latent the denoiser works on (batch included), as the pipeline builds it."""
+        return self.spec.latent_shape(self)
+
+    def token_counts(self) -> dict[str, int]:
+        """Sequence lengths per stream (e.g. ``{"image": 4096, "text": 512}``) for one request."""
+        return self.spec.token_counts(self)
+
+    def with_(self, **changes: int | str) -> RequestTemplate:
+        """A validated copy with some fields changed (``model_copy`` would skip validation)."""
+        return RequestTemplate(**{**self.model_dump(), **changes})
+
+
+class PaperResolution(BaseModel):
+    """How a resolution named in the paper maps onto a valid size for one model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    name: str
+    paper_width: int
+    paper_height: int
+    width: int
+    height: int
+    reason: str = ""
+
+
+PAPER_RESOLUTION_MAP: list[PaperResolution] = [
+    *(
+        PaperResolution(model="flux2", name=f"{s}px", paper_width=s, paper_height=s, width=s, height=s)
+        for s in (256, 512, 768, 1024, 1280, 2048)
+    ),
+    PaperResolution(model="cogvideox-5b", name="720p", paper_width=1280, paper_height=720, width=1280, height=720),
+    PaperResolution(
+        model="cogvideox-5b",
+        name="900p",
+        paper_width=1600,
+        paper_height=900,
+        width=1600,
+        height=896,
+        reason="latent height 112.5 is not an integer; patch size 2 needs an even latent size",
+    ),
+    PaperResolution(
+        model="cogvideox-5b",
+        name="1080p",
+        paper_width=1920,
+        paper_height=1080,
+        width=1920,
+        height=1088,
+        reason="latent height 135 is odd; patch size 2 needs an even latent size (1072/1088 tie, go up)",
+    ),
+    PaperResolution(
+        model="ltx2",
+        name="480p",
+        paper_width=854,
+        paper_height=480,
+        width=864,
+        height=480,
+        reason="LTX-2 needs multiples of 32; 864 is the nearest to 854",
+    ),
+    PaperResolution(
+        model="ltx2",
+        name="720p",
+        paper_width=1280,
+        paper_height=720,
+        width=1280,
+        height=704,
+        reason="LTX-2 needs multiples of 32; 704/736 tie, 704 is the size the LTX-2 pipeline documents",
+    ),
+    PaperResolution(
+        model="ltx2",
+        name="1080p",
+        paper_width=1920,
+        paper_height=1080,
+        width=1920,
+        height=1088,
+        reason="LTX-2 needs multiples of 32; 1088 is the nearest to 1080",
+    ),
+]
+
+PAPER_FRAMES = (49, 65, 81)
+
+
+def paper_templates(steps: int = 50) -> list[RequestTemplate]:
+    """The paper's 21 templates (§9.1): 6 Flux.2 images, 9 CogVideoX-5B and 9 LTX-2 videos."""
+    out: list[RequestTemplate] = []
+    for res in PAPER_RESOLUTION_MAP:
+        frames = (1,) if res.model == "flux2" else PAPER_FRAMES
+        for f in frames:
+            out.append(RequestTemplate(model=res.model, height=res.height, width=res.width, frames=f, steps=steps))
+    return out
+
+
+def tiny_templates(steps: int = 4) -> list[RequestTemplate]:
+    """Small templates of the tiny models: what tests, CI and the CPU demo serve."""
+    return [
+        RequestTemplate(model="tiny-flux2", height=64, width=64, steps=steps),
+        RequestTemplate(model="tiny-flux2", height=128, width=128, steps=steps),
+        RequestTemplate(model="tiny-cogvideox", height=64, width=64, frames=9, steps=steps),
+        RequestTemplate(model="tiny-cogvideox", height=96, width=128, frames=13, steps=steps),
+        RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=steps),
+        RequestTemplate(model="tiny-ltx2", height=96, width=128, frames=17, steps=steps),
+    ]
+
+
+NAMED_TEMPLATE_SETS = {"paper": paper_templates, "tiny": tiny_templates}
+
+
+def named_templates(name: str, steps: int | None = None) -> list[RequestTemplate]:
+    """A named set ("paper" or "tiny"); ``steps`` overrides each set's default."""
+    try:
+        make = NAMED_TEMPLATE_SETS[name]
+    except KeyError:
+        raise ValueError(f"unknown template set {name!r}; known: {sorted(NAMED_TEMPLATE_SETS)}") from None
+    return make() if steps is None else make(steps=steps)
