@@ -44,6 +44,8 @@ class MemoryTrace:
         module: index into ``modules`` of the innermost module that made it (int32, -1 = none).
         phase: index into ``phases`` (int32).
         op: index into ``ops`` of the aten op that produced it (int32, -1 = none).
+        free_module: index into ``modules`` of the module running when it was freed (int32, -1 =
+            none or never freed); with ``module`` this places every event in a module.
         n_events: total number of events (allocations + frees).
         modules, phases, ops: string tables.
         meta: free-form provenance (template, config hash, tracer version).
@@ -57,6 +59,7 @@ class MemoryTrace:
     module: np.ndarray
     phase: np.ndarray
     op: np.ndarray
+    free_module: np.ndarray
     n_events: int
     modules: list[str] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
@@ -65,7 +68,7 @@ class MemoryTrace:
 
     def __post_init__(self) -> None:
         n = len(self.size)
-        for name in ("nbytes", "begin", "end", "category", "module", "phase", "op"):
+        for name in ("nbytes", "begin", "end", "category", "module", "phase", "op", "free_module"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trace column {name!r} has {len(getattr(self, name))} rows, size has {n}")
 
@@ -105,6 +108,7 @@ class MemoryTrace:
             module=self.module[mask],
             phase=self.phase[mask],
             op=self.op[mask],
+            free_module=self.free_module[mask],
             n_events=self.n_events,
             modules=self.modules,
             phases=self.phases,
@@ -138,6 +142,7 @@ class MemoryTrace:
             module=self.module.tolist(),
             phase=self.phase.tolist(),
             op=self.op.tolist(),
+            free_module=self.free_module.tolist(),
             modules=self.modules,
             phases=self.phases,
             ops=self.ops,
@@ -166,6 +171,7 @@ class MemoryTrace:
             module=np.asarray(f.module, dtype=np.int32),
             phase=np.asarray(f.phase, dtype=np.int32),
             op=np.asarray(f.op, dtype=np.int32),
+            free_module=np.asarray(f.free_module, dtype=np.int32),
             n_events=f.n_events,
             modules=list(f.modules),
             phases=list(f.phases),
@@ -189,6 +195,7 @@ class MemoryTraceFile(BaseModel):
     module: list[int]
     phase: list[int]
     op: list[int]
+    free_module: list[int]
     modules: list[str]
     phases: list[str]
     ops: list[str]

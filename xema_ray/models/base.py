@@ -177,6 +177,12 @@ class ModelSpec(ABC):
         """The DiT blocks in execution order, as (path relative to the transformer, module):
         the units that block offload / HSDP / chunking address."""
 
+    def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
+        """Patches that let the pipeline run on the meta device where it reads tensor *values*
+        to pick shapes (``.item()``-style calls fail on meta). Each shim must perform the same
+        allocations as the code it replaces, taking the value from the template instead."""
+        return contextlib.nullcontext()
+
     def vae_decoder_modules(self, vae: nn.Module) -> list[tuple[str, nn.Module]]:
         """VAE decoder up-blocks (path relative to the VAE, module): where VAE chunking applies."""
         return [(f"decoder.up_blocks.{i}", b) for i, b in enumerate(vae.decoder.up_blocks)]

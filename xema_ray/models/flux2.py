@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,6 +110,42 @@ class Flux2Spec(ModelSpec):
             "guidance_scale": self.default_guidance_scale if guidance_scale is None else guidance_scale,
             "max_sequence_length": self.text_tokens,
         }
+
+    @contextlib.contextmanager
+    def tracing_shims(self, t: RequestTemplate) -> Iterator[None]:
+        """``Flux2Pipeline._unpack_latents_with_ids`` reads the latent grid size from the position
+        ids (``torch.max(h_ids) + 1``); on meta the value comes from the template instead, with
+        the same allocations in the same order."""
+        from diffusers import Flux2Pipeline
+
+        H = t.height // self.spatial_multiple  # noqa: N806
+        W = t.width // self.spatial_multiple  # noqa: N806
+
+        def unpack(x: torch.Tensor, x_ids: torch.Tensor) -> torch.Tensor:
+            # same statements, names and order as diffusers' version, so temporaries are freed
+            # at the same points; only the grid size comes from the template (H, W)
+            outs = []
+            for data, pos in zip(x, x_ids, strict=True):
+                _, ch = data.shape
+                h_ids = pos[:, 1].to(torch.int64)
+                w_ids = pos[:, 2].to(torch.int64)
+                h = torch.max(h_ids) + 1
+                w = torch.max(w_ids) + 1
+                flat_ids = h_ids * w + w_ids
+                hw = h * w  # diffusers computes h * w as a tensor inside torch.zeros((h * w, ch))
+                out = torch.zeros((H * W, ch), device=data.device, dtype=data.dtype)
+                del hw
+                out.scatter_(0, flat_ids.unsqueeze(1).expand(-1, ch), data)
+                out = out.view(H, W, ch).permute(2, 0, 1)
+                outs.append(out)
+            return torch.stack(outs, dim=0)
+
+        original = Flux2Pipeline.__dict__["_unpack_latents_with_ids"]
+        Flux2Pipeline._unpack_latents_with_ids = staticmethod(unpack)
+        try:
+            yield
+        finally:
+            Flux2Pipeline._unpack_latents_with_ids = original
 
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         double = [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
