@@ -153,7 +153,10 @@ PAPER_FRAMES = (49, 65, 81)
 
 
 def paper_templates(steps: int = 50) -> list[RequestTemplate]:
-    """The paper's 21 templates (§9.1): 6 Flux.2 images, 9 CogVideoX-5B and 9 LTX-2 videos."""
+    """The paper's templates (§9.1): 6 Flux.2 images, 9 CogVideoX-5B and 9 LTX-2 videos.
+
+    The paper calls them "21 request templates" but enumerates 6 + 3×3 + 3×3 = 24; all 24 are here.
+    """
     out: list[RequestTemplate] = []
     for res in PAPER_RESOLUTION_MAP:
         frames = (1,) if res.model == "flux2" else PAPER_FRAMES

@@ -389,6 +389,10 @@ def _assemble(
             s, e = opened.pop(label[4:]), pos + shift
             phase[(begin >= s) & (begin < e) & after] = len(phases)
             phases.append(f"decode.{label[4:]}")
+    # canonical row order: by allocation event (replicated copies were appended at the end)
+    order = np.argsort(begin, kind="stable")
+    begin, end, phase = begin[order], end[order], phase[order]
+    cols = {k: v[order] for k, v in cols.items()}
     nbytes = cols["nbytes"]
     size = ((nbytes + 511) // 512) * 512
     resident = cols["category"] != Category.ACTIVATION

@@ -1,0 +1,110 @@
+"""``xema`` command line: ``xema analyze`` (memory analysis of one template).
+
+Example:
+    xema analyze --model cogvideox-5b --height 720 --width 1280 --frames 49 --budget 48GB \\
+        --json trace.json --plot trace.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from xema_ray.memory.analysis import MemorySummary, gb, parse_bytes, summarize
+from xema_ray.models import MODEL_NAMES
+from xema_ray.templates import RequestTemplate
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("analyze", help="shape-only memory trace of one request template (no weights, no GPU)")
+    p.add_argument("--model", required=True, choices=MODEL_NAMES)
+    p.add_argument("--height", type=int, required=True)
+    p.add_argument("--width", type=int, required=True)
+    p.add_argument("--frames", type=int, default=1)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--budget", default=None, help="per-GPU budget, e.g. 48GB (10^9) or 44.7GiB")
+    p.add_argument("--json", type=Path, default=None, help="write the trace and the summary as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
+    p.add_argument("--layout", action="store_true",
+                   help="also solve the static layout and compare with a simulated caching allocator")
+    p.set_defaults(func=cmd_analyze)
+
+
+def print_summary(s: MemorySummary, out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
+    w = out.write
+    w(f"template            {s.template}\n")
+    w(f"allocations         {s.n_allocations:,} ({s.n_events:,} events)\n")
+    w(f"peak (active)       {gb(s.peak_bytes)} at event {s.peak_event:,} in {s.peak_phase}, {s.peak_module}\n")
+    w(f"  weights           {gb(s.weight_bytes)}\n")
+    w(f"  inputs            {gb(s.input_bytes)}\n")
+    w(f"  activations       {gb(s.activation_bytes_at_peak)}\n")
+    groups: dict[str, int] = {}
+    for p in s.phase_peaks:
+        g = "denoise (max over steps)" if p.phase.startswith("denoise") else p.phase
+        groups[g] = max(groups.get(g, 0), p.peak_bytes)
+    for g, v in groups.items():
+        w(f"  phase {g:<26}{gb(v)}\n")
+    if s.dit_cdf:
+        w("DiT events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.dit_cdf.items()) + "\n")
+    if s.vae_cdf:
+        w("VAE events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.vae_cdf.items()) + "\n")
+    if s.budget_bytes is not None:
+        n = len(s.pressure_intervals)
+        w(f"budget              {gb(s.budget_bytes)}: {'fits' if n == 0 else f'{n} pressure interval(s), {s.pressure_event_fraction:.2%} of events'}\n")
+        for iv in s.pressure_intervals[:12]:
+            units = ", ".join(iv.units[:4]) + (" …" if len(iv.units) > 4 else "")
+            w(f"  events {iv.start:>9,}–{iv.stop:<9,} +{gb(iv.excess_bytes):>10}  {'/'.join(iv.phases)}: {units} [{', '.join(iv.ops[:3])}]\n")
+        if n > 12:
+            w(f"  … {n - 12} more\n")
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from xema_ray.memory.analyzer import trace_template
+
+    try:
+        template = RequestTemplate(model=args.model, height=args.height, width=args.width, frames=args.frames,
+                                   steps=args.steps, batch=args.batch)
+        budget = parse_bytes(args.budget) if args.budget is not None else None
+    except (ValidationError, ValueError) as e:
+        print(f"xema analyze: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    trace = trace_template(template)
+    elapsed = time.perf_counter() - t0
+    summary = summarize(trace, budget)
+    print_summary(summary)
+    print(f"analysis time       {elapsed:.1f} s")
+    result: dict[str, object] = {"summary": summary.model_dump(), "trace": trace.to_file().model_dump()}
+    if args.layout:
+        from xema_ray.layout.report import layout_report, print_layout_report
+
+        report = layout_report(trace)
+        print_layout_report(report)
+        result["layout"] = report.model_dump()
+    if args.json:
+        args.json.write_text(json.dumps(result))
+        print(f"wrote {args.json}")
+    if args.plot:
+        from xema_ray.memory.plot import plot_trace
+
+        plot_trace(trace, args.plot, budget)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_analyze(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,291 @@
+"""Reading a memory trace: peaks, pressure intervals, segments and the event CDF (paper §3.3, §5).
+
+Measurement (``analyzer``) and interpretation (this module) are separate, as in PyTorch's
+MemTracker: everything here is pure numpy over a ``MemoryTrace`` and never runs a model.
+
+Vocabulary:
+- *active curve*: live bytes after each event.
+- *pressure interval*: a maximal run of events where the curve exceeds the budget B (§7.3 stage 2).
+- *segment* e_i: a maximal run of events executed by one unit (a DiT block, a VAE up-block,
+  or the code between them) within one phase (§5.1). Segments with the same *pattern* (same
+  event sequence) are the same operator combination; the profiler measures one per pattern.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.memory.trace import Category, MemoryTrace
+
+_UNIT_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def unit_of(module_path: str) -> str:
+    """The mitigation unit a module belongs to: its path up to the first list index
+    (``transformer.transformer_blocks.3.attn1.to_q`` -> ``transformer.transformer_blocks.3``),
+    else its first two components (``vae.decoder``)."""
+    m = _UNIT_RE.match(module_path)
+    if m:
+        return m.group(1)
+    return ".".join(module_path.split(".")[:2])
+
+
+class PressureInterval(BaseModel):
+    """A contiguous event range whose live memory exceeds the budget."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start: int = Field(description="first event above the budget")
+    stop: int = Field(description="one past the last event above the budget")
+    peak_bytes: int
+    excess_bytes: int = Field(description="peak minus budget: what mitigation must remove")
+    phases: list[str]
+    units: list[str] = Field(description="mitigation units (blocks) running inside, in order")
+    ops: list[str] = Field(description="operators allocating inside, largest bytes first")
+
+
+class Segment(BaseModel):
+    """A maximal run of events of one unit in one phase (the paper's e_i)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start: int
+    stop: int
+    unit: str
+    phase: str
+    pattern: str = Field(description="hash of the segment's event sequence; equal = same operator combination")
+    peak_bytes: int
+    alloc_bytes: int = Field(description="bytes allocated inside the segment")
+
+
+class PhasePeak(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    phase: str
+    peak_bytes: int
+    event: int
+
+
+class MemorySummary(BaseModel):
+    """What ``xema analyze`` prints and writes; everything in bytes."""
+
+    template: str
+    n_allocations: int
+    n_events: int
+    peak_bytes: int
+    peak_event: int
+    peak_phase: str
+    peak_module: str
+    weight_bytes: int
+    input_bytes: int
+    activation_bytes_at_peak: int
+    phase_peaks: list[PhasePeak]
+    budget_bytes: int | None = None
+    pressure_intervals: list[PressureInterval] = Field(default_factory=list)
+    pressure_event_fraction: float = 0.0
+    dit_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of DiT events below x% of the DiT peak")
+    vae_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of VAE events below x% of the VAE peak")
+
+
+# ---------------------------------------------------------------------------- per-event views
+def event_modules(trace: MemoryTrace) -> np.ndarray:
+    """Module index active at each event (allocations: allocating module, frees: freeing module)."""
+    mod = np.full(trace.n_events, -1, dtype=np.int32)
+    mod[trace.begin] = trace.module
+    freed = trace.end < trace.n_events
+    mod[trace.end[freed]] = trace.free_module[freed]
+    return mod
+
+
+def event_phases(trace: MemoryTrace) -> np.ndarray:
+    """Phase index of each event: allocations carry theirs; frees inherit the latest allocation's."""
+    ph = np.full(trace.n_events, -1, dtype=np.int32)
+    ph[trace.begin] = trace.phase
+    # forward-fill frees with the phase of the most recent allocation event
+    idx = np.where(ph >= 0, np.arange(trace.n_events), 0)
+    np.maximum.accumulate(idx, out=idx)
+    return ph[idx]
+
+
+def phase_group(name: str) -> str:
+    if name.startswith("denoise"):
+        return "dit"
+    if name.startswith("decode"):
+        return "vae"
+    return name
+
+
+# ---------------------------------------------------------------------------- peaks
+def phase_peaks(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[PhasePeak]:
+    curve = trace.active_curve() if curve is None else curve
+    ph = event_phases(trace)
+    out = []
+    for i, name in enumerate(trace.phases):
+        sel = np.flatnonzero(ph == i)
+        if len(sel) == 0:
+            continue
+        j = sel[np.argmax(curve[sel])]
+        out.append(PhasePeak(phase=name, peak_bytes=int(curve[j]), event=int(j)))
+    return out
+
+
+def pressure_intervals(trace: MemoryTrace, budget: int, curve: np.ndarray | None = None, top_ops: int = 5) -> list[PressureInterval]:
+    """Maximal event ranges with live bytes above ``budget`` (stage 2 of the planner).
+
+    Example:
+        >>> # a trace that never exceeds its budget has no intervals
+        >>> pressure_intervals(trace, budget=trace.peak())  # doctest: +SKIP
+        []
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0 bytes, got {budget}")
+    curve = trace.active_curve() if curve is None else curve
+    over = curve > budget
+    if not over.any():
+        return []
+    edges = np.diff(np.concatenate([[0], over.astype(np.int8), [0]]))
+    starts = np.flatnonzero(edges == 1)
+    stops = np.flatnonzero(edges == -1)
+    mods = event_modules(trace)
+    phs = event_phases(trace)
+    order = np.argsort(trace.begin, kind="stable")
+    begins_sorted = trace.begin[order]
+    out = []
+    for s, e in zip(starts, stops, strict=True):
+        peak = int(curve[s:e].max())
+        units: list[str] = []
+        for m in mods[s:e]:
+            if m >= 0:
+                u = unit_of(trace.modules[m])
+                if not units or units[-1] != u:
+                    units.append(u)
+        phases = sorted({trace.phases[p] for p in phs[s:e] if p >= 0})
+        lo, hi = np.searchsorted(begins_sorted, [s, e])
+        rows = order[lo:hi]
+        by_op: dict[str, int] = {}
+        for r in rows:
+            name = trace.ops[trace.op[r]] if trace.op[r] >= 0 else "?"
+            by_op[name] = by_op.get(name, 0) + int(trace.size[r])
+        ops = [k for k, _ in sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]]
+        # list each unit once, in first-seen order (a unit may appear in several steps)
+        seen: dict[str, None] = dict.fromkeys(units)
+        out.append(
+            PressureInterval(
+                start=int(s), stop=int(e), peak_bytes=peak, excess_bytes=peak - budget,
+                phases=phases, units=list(seen), ops=ops,
+            )
+        )
+    return out
+
+
+def segments(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Segment]:
+    """Maximal runs of events of one unit within one phase, with a pattern hash per run."""
+    curve = trace.active_curve() if curve is None else curve
+    if trace.n_events == 0:
+        return []
+    mods = event_modules(trace)
+    phs = event_phases(trace)
+    unit_names = {m: unit_of(trace.modules[m]) for m in np.unique(mods) if m >= 0}
+    unit_names[-1] = "<pipeline>"
+    unit_ids = {u: i for i, u in enumerate(sorted(set(unit_names.values())))}
+    unit_of_event = np.fromiter((unit_ids[unit_names[m]] for m in mods), dtype=np.int64, count=len(mods))
+    key = unit_of_event * (len(trace.phases) + 1) + phs
+    change = np.flatnonzero(np.diff(key)) + 1
+    starts = np.concatenate([[0], change])
+    stops = np.concatenate([change, [trace.n_events]])
+    # signed byte delta per event, and each event's size: the pattern of a segment is its
+    # sequence of (alloc/free, size), which is what identical blocks share
+    delta = trace.event_deltas()
+    inv_units = {i: u for u, i in unit_ids.items()}
+    out = []
+    for s, e in zip(starts, stops, strict=True):
+        d = delta[s:e]
+        pattern = hashlib.blake2b(d.tobytes(), digest_size=8).hexdigest()
+        out.append(
+            Segment(
+                start=int(s), stop=int(e), unit=inv_units[int(unit_of_event[s])],
+                phase=trace.phases[phs[s]] if phs[s] >= 0 else "?", pattern=pattern,
+                peak_bytes=int(curve[s:e].max()), alloc_bytes=int(d[d > 0].sum()),
+            )
+        )
+    return out
+
+
+def event_cdf(trace: MemoryTrace, group: str, thresholds: tuple[int, ...] = (50, 70, 90), curve: np.ndarray | None = None) -> dict[str, float]:
+    """Fraction of the events of a phase group ("dit" or "vae") whose live memory is below x% of
+    that group's peak (the paper's Figure 2). Memory is measured above the resident floor
+    (weights and inputs), as the figure shows the phase's own dynamics."""
+    curve = trace.active_curve() if curve is None else curve
+    ph = event_phases(trace)
+    groups = np.array([phase_group(p) for p in trace.phases] + ["?"])
+    sel = groups[ph] == group
+    if not sel.any():
+        return {}
+    floor = int(trace.size[trace.category != Category.ACTIVATION].sum())
+    vals = curve[sel] - floor
+    peak = vals.max()
+    if peak <= 0:
+        return {}
+    return {f"<{x}%": float((vals < peak * x / 100).mean()) for x in thresholds}
+
+
+def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
+    """Everything ``xema analyze`` reports for one trace."""
+    curve = trace.active_curve()
+    j = int(np.argmax(curve)) if trace.n_events else 0
+    live = (trace.begin <= j) & (trace.end > j)
+    weights = int(trace.size[trace.category == Category.WEIGHT].sum())
+    inputs = int(trace.size[trace.category == Category.INPUT].sum())
+    act = int(trace.size[live & (trace.category == Category.ACTIVATION)].sum())
+    mods = event_modules(trace)
+    phs = event_phases(trace)
+    intervals = pressure_intervals(trace, budget, curve) if budget is not None else []
+    frac = float((curve > budget).mean()) if budget is not None and trace.n_events else 0.0
+    return MemorySummary(
+        template=trace.meta.get("template", "?"),
+        n_allocations=len(trace),
+        n_events=trace.n_events,
+        peak_bytes=int(curve[j]) if trace.n_events else 0,
+        peak_event=j,
+        peak_phase=trace.phases[phs[j]] if trace.n_events and phs[j] >= 0 else "?",
+        peak_module=trace.modules[mods[j]] if trace.n_events and mods[j] >= 0 else "<pipeline>",
+        weight_bytes=weights,
+        input_bytes=inputs,
+        activation_bytes_at_peak=act,
+        phase_peaks=phase_peaks(trace, curve),
+        budget_bytes=budget,
+        pressure_intervals=intervals,
+        pressure_event_fraction=frac,
+        dit_cdf=event_cdf(trace, "dit", curve=curve),
+        vae_cdf=event_cdf(trace, "vae", curve=curve),
+    )
+
+
+# ---------------------------------------------------------------------------- units
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_FACTORS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """"48GB" -> 48e9 bytes, "48GiB" -> 48·2^30, "1024" -> 1024.
+
+    Example:
+        >>> parse_bytes("48GB"), parse_bytes("1.5GiB")
+        (48000000000, 1610612736)
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 48GB (10^9), 48GiB (2^30) or a byte count")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _FACTORS[unit])
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
