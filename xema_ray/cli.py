@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from pydantic import ValidationError
 
@@ -36,8 +37,8 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_analyze)
 
 
-def print_summary(s: MemorySummary, out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
-    w = out.write
+def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
+    w = (out or sys.stdout).write
     w(f"template            {s.template}\n")
     w(f"allocations         {s.n_allocations:,} ({s.n_events:,} events)\n")
     w(f"peak (active)       {gb(s.peak_bytes)} at event {s.peak_event:,} in {s.peak_phase}, {s.peak_module}\n")
