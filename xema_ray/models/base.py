@@ -112,6 +112,17 @@ class ModelSpec(ABC):
                     f"got {frames} (nearest valid: {1 + round((frames - 1) / r) * r})"
                 )
 
+    @property
+    def attention_heads(self) -> int:
+        """Heads of the DiT's attention: Ulysses SP splits them, so its degree must divide this."""
+        return int(self.transformer_config["num_attention_heads"])
+
+    @property
+    def num_dit_blocks(self) -> int:
+        """Number of DiT blocks (``dit_blocks`` without building the model)."""
+        cfg = self.transformer_config
+        return int(cfg["num_layers"]) + int(cfg.get("num_single_layers", 0))
+
     @abstractmethod
     def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
         """Latent tensor shape for the whole batch, as the pipeline's prepare_latents builds it."""

@@ -1,0 +1,133 @@
+"""Execution configurations: how one batch of one template runs (paper §2.3, §7.1).
+
+An ``ExecutionConfig`` is what the planner chooses and the serving runtime executes: sequence
+parallelism (Ulysses × ring), data parallelism, batch size, and the list of fine-grained
+mitigations with their location and intensity. It crosses process and file boundaries (plan
+tables, Ray task arguments), so it is pydantic and hashable by content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xema_ray.templates import RequestTemplate
+
+MitigationKind = Literal[
+    "block_offload",  # §5.1 selective weight offload of K DiT blocks (K = all: layerwise offload)
+    "hsdp",  # §5.1 selective HSDP: shard chosen blocks' weights across the SP/DP group
+    "activation_offload",  # long-lived activations (VAE conv caches, cross-step tensors) to host
+    "dit_chunking",  # sequence-chunked attention pre-processing / feed-forward at chosen blocks
+    "vae_chunking",  # exact spatially chunked VAE up-blocks (halo convs, global group norm, fused upsample)
+    "temporary_serialization",  # §5.2 run chosen segments of a batch in sub-batches
+]
+MITIGATION_KINDS: tuple[str, ...] = MitigationKind.__args__  # type: ignore[attr-defined]
+
+
+class Mitigation(BaseModel):
+    """One mitigation action: a primitive, where it applies, and how strongly.
+
+    Exactly one location is given. ``intensity`` means, per kind: blocks offloaded / sharded
+    (block_offload, hsdp: also the length of ``blocks`` when given), chunks (dit_chunking,
+    vae_chunking), sub-batches (temporary_serialization), tensors moved (activation_offload).
+
+    Example:
+        >>> Mitigation(kind="block_offload", blocks=[0, 4, 8, 12], intensity=4).location_kind
+        'blocks'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: MitigationKind
+    blocks: tuple[int, ...] | None = Field(default=None, description="DiT block indices (ModelSpec.dit_blocks order)")
+    modules: tuple[str, ...] | None = Field(default=None, description="module paths, e.g. 'vae.decoder.up_blocks.3'")
+    events: tuple[int, int] | None = Field(default=None, description="[start, stop) event range of the template's trace")
+    intensity: int = Field(ge=1, description="blocks / chunks / sub-batches / tensors, per kind")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> Mitigation:
+        given = [n for n in ("blocks", "modules", "events") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"{self.kind}: give exactly one location (blocks, modules or events), got {given or 'none'}")
+        if self.blocks is not None:
+            if any(b < 0 for b in self.blocks) or len(set(self.blocks)) != len(self.blocks):
+                raise ValueError(f"{self.kind}: block indices must be distinct and >= 0, got {list(self.blocks)}")
+            if self.kind in ("block_offload", "hsdp") and self.intensity != len(self.blocks):
+                raise ValueError(f"{self.kind}: intensity {self.intensity} must equal the number of blocks {len(self.blocks)}")
+        if self.events is not None and not (0 <= self.events[0] < self.events[1]):
+            raise ValueError(f"{self.kind}: event range must satisfy 0 <= start < stop, got {self.events}")
+        return self
+
+    @property
+    def location_kind(self) -> str:
+        return "blocks" if self.blocks is not None else "modules" if self.modules is not None else "events"
+
+
+class ExecutionConfig(BaseModel):
+    """How one batch of a template runs on a group of ``sp`` GPUs; ``dp`` such groups serve in parallel.
+
+    Example:
+        >>> t = RequestTemplate(model="cogvideox-5b", height=720, width=1280, frames=49)
+        >>> cfg = ExecutionConfig(template=t, ulysses=2, dp=2, batch=1)
+        >>> cfg.sp, cfg.gpus
+        (2, 4)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    template: RequestTemplate = Field(description="the per-request template (its batch must be 1)")
+    ulysses: int = Field(default=1, ge=1, description="Ulysses (all-to-all head split) degree")
+    ring: int = Field(default=1, ge=1, description="ring-attention degree")
+    dp: int = Field(default=1, ge=1, description="data-parallel groups running concurrently")
+    batch: int = Field(default=1, ge=1, description="requests executed together in one group")
+    mitigations: tuple[Mitigation, ...] = Field(default=(), description="applied for the batch, in order")
+    layout_ref: str | None = Field(default=None, description="static layout id (hash of the solved trace), if any")
+
+    @model_validator(mode="after")
+    def _check(self) -> ExecutionConfig:
+        if self.template.batch != 1:
+            raise ValueError(f"template batch must be 1 (batching is the config's `batch`), got {self.template.batch}")
+        spec = self.template.spec
+        heads = spec.attention_heads
+        if heads % self.ulysses:
+            raise ValueError(f"ulysses={self.ulysses} must divide {spec.name}'s {heads} attention heads")
+        tokens = sum(self.template.token_counts().values())
+        if self.sp > tokens:
+            raise ValueError(f"sp={self.sp} exceeds the {tokens} tokens of {self.template.key}")
+        n_blocks = spec.num_dit_blocks
+        for m in self.mitigations:
+            if m.blocks is not None and max(m.blocks) >= n_blocks:
+                raise ValueError(f"{m.kind}: block {max(m.blocks)} out of range ({spec.name} has {n_blocks} DiT blocks)")
+            if m.kind == "hsdp" and self.gpus == 1:
+                raise ValueError("hsdp shards weights across GPUs; it needs sp * dp >= 2")
+            if m.kind == "temporary_serialization" and m.intensity > self.batch:
+                raise ValueError(f"temporary_serialization: {m.intensity} sub-batches exceed batch {self.batch}")
+        return self
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def gpus(self) -> int:
+        return self.sp * self.dp
+
+    @property
+    def batched_template(self) -> RequestTemplate:
+        """The template at this config's batch size: what the analyzer traces."""
+        return self.template.with_(batch=self.batch)
+
+    def config_hash(self) -> str:
+        """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
+        payload = self.model_dump_json(exclude={"layout_ref", "dp"})
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """Short human form, e.g. 'SP2(u2) DP2 BS1 + block_offload×16'."""
+        sp = f"SP{self.sp}" + (f"(u{self.ulysses}r{self.ring})" if self.ring > 1 else "")
+        parts = [f"{sp} DP{self.dp} BS{self.batch}"]
+        parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
+        return " + ".join(parts)
+
