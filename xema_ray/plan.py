@@ -131,3 +131,85 @@ class ExecutionConfig(BaseModel):
         parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
         return " + ".join(parts)
 
+
+
+# ---------------------------------------------------------------------------- plan tables
+PLAN_TABLE_SCHEMA_VERSION = 1
+
+
+class PlanPrediction(BaseModel):
+    """What the planner predicts for a chosen configuration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    peak_bytes: int = Field(description="predicted reserved peak per GPU (static layout + dynamic margin)")
+    latency_s: float = Field(description="predicted end-to-end latency of one batch")
+    goodput_rps: float = Field(description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
+    slo_s: float = Field(description="the template's SLO used in planning")
+    latency_source: str = Field(description="measured | profiled | cost_model (an estimate)")
+
+
+class PlanEntry(BaseModel):
+    """The plan for one template on one hardware configuration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: ExecutionConfig
+    prediction: PlanPrediction
+    runner_up: str | None = Field(default=None, description="the next-best configuration and why it lost")
+    candidates_profiled: int = Field(default=0, ge=0)
+
+
+class PlanTable(BaseModel):
+    """Plans for every supported template on one hardware configuration (JSON on disk).
+
+    The serving runtime refuses a table whose ``hardware`` differs from the machine it runs on
+    unless forced (``check_hardware``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = PLAN_TABLE_SCHEMA_VERSION
+    hardware: str = Field(description="hardware fingerprint, e.g. '8xNVIDIA RTX A6000 48GB' or 'cpu:4'")
+    gpus: int = Field(ge=1)
+    budget_bytes: int = Field(ge=1)
+    slo_scale: float = Field(default=1.0, gt=0)
+    planner: str = Field(default="xema", description="which planner or baseline produced it")
+    entries: dict[str, PlanEntry] = Field(default_factory=dict, description="keyed by RequestTemplate.shape_key")
+    provenance: dict[str, str] = Field(default_factory=dict, description="versions, time, command line")
+
+    def lookup(self, template: RequestTemplate) -> PlanEntry:
+        """The plan for a template (any batch/steps given by the request map to its shape)."""
+        try:
+            return self.entries[template.shape_key]
+        except KeyError:
+            raise KeyError(
+                f"no plan for {template.shape_key}; planned templates: {', '.join(sorted(self.entries))}"
+            ) from None
+
+    def check_hardware(self, fingerprint: str, force: bool = False) -> None:
+        """Raise ValueError if this table was planned for other hardware (unless ``force``)."""
+        if fingerprint != self.hardware and not force:
+            raise ValueError(
+                f"plan table was made for {self.hardware!r} but this machine is {fingerprint!r}; "
+                "re-plan for this hardware or pass force=True to use it anyway"
+            )
+
+    def save(self, path: str) -> None:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str) -> PlanTable:
+        from pathlib import Path
+
+        data = Path(path).read_text()
+        table = cls.model_validate_json(data)
+        if table.schema_version != PLAN_TABLE_SCHEMA_VERSION:
+            raise ValueError(
+                f"{path}: plan table schema {table.schema_version} is not supported (this build reads "
+                f"{PLAN_TABLE_SCHEMA_VERSION}); re-plan with this version"
+            )
+        return table

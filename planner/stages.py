@@ -1,0 +1,269 @@
+"""The planner's four stages (paper §7.3, Figure 8), against ``PlannerModel``.
+
+1. Parallelism and batch search: SP ∈ factors(N), DP = N / SP, BS = 1, 2, ... per layout, pruned
+   by the memory rule (infeasible even with every mitigation at full intensity) and the SLO rule
+   (unmitigated latency already over the SLO); a layout stops growing its batch once pruned.
+2. Locate where memory exceeds the budget: the candidate's pressure intervals.
+3. Mitigation search per interval: zero-overhead choices first, then the remaining options; keep
+   those that bring the interval under budget; the lowest-latency one wins (profiled).
+4. Select: latency and goodput per assembled configuration, SLO filter, best goodput.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from xema_ray.memory.analysis import PressureInterval
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.templates import RequestTemplate
+
+from planner.model import CostCounter, MemoryView, PlannerModel
+
+SLO_FACTOR = 2.5  # §9.1: SLO = 2.5 × latency of the template's best feasible configuration
+REPLACEABLE = ("block_offload", "hsdp")  # one action per kind: a larger K supersedes a smaller one
+
+
+@dataclass
+class StageLog:
+    """What each stage did, for the summary table and the tests."""
+
+    pruned_memory: list[str] = field(default_factory=list)
+    pruned_slo: list[str] = field(default_factory=list)
+    survivors: list[str] = field(default_factory=list)
+    intervals: dict[str, int] = field(default_factory=dict)
+    infeasible: list[str] = field(default_factory=list)
+    assembled: dict[str, float] = field(default_factory=dict)  # config -> latency
+
+
+@dataclass
+class CountingModel:
+    """Wraps a model to memoise by configuration and count distinct profiled / analysed configs."""
+
+    model: PlannerModel
+    counter: CostCounter = field(default_factory=CostCounter)
+    _lat: dict[str, float] = field(default_factory=dict)
+    _mem: dict[tuple[str, int], MemoryView] = field(default_factory=dict)
+
+    def memory(self, cfg: ExecutionConfig, budget: int) -> MemoryView:
+        key = (_key(cfg), budget)
+        if key not in self._mem:
+            self.counter.analysed.add(key[0])
+            self._mem[key] = self.model.memory(cfg, budget)
+        return self._mem[key]
+
+    def latency(self, cfg: ExecutionConfig) -> float:
+        key = _key(cfg)
+        if key not in self._lat:
+            self.counter.profiled.add(key)
+            self._lat[key] = self.model.latency(cfg)
+        return self._lat[key]
+
+    def options(self, cfg: ExecutionConfig, interval: PressureInterval):  # type: ignore[no-untyped-def]
+        return self.model.options(cfg, interval)
+
+    def full_mitigation(self, cfg: ExecutionConfig) -> tuple[Mitigation, ...]:
+        return self.model.full_mitigation(cfg)
+
+
+def _key(cfg: ExecutionConfig) -> str:
+    return cfg.model_dump_json()
+
+
+def factors(n: int) -> list[int]:
+    if n < 1:
+        raise ValueError(f"GPU count must be >= 1, got {n}")
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sp_split(sp: int, heads: int) -> tuple[int, int]:
+    """(ulysses, ring) for an SP degree: as much Ulysses as the heads allow (all-to-all is cheaper
+    than ring passes on one node), the rest as ring."""
+    ulysses = math.gcd(sp, heads)
+    return ulysses, sp // ulysses
+
+
+def with_actions(cfg: ExecutionConfig, actions: tuple[Mitigation, ...]) -> ExecutionConfig:
+    """``cfg`` plus ``actions``; a block offload / HSDP action replaces an earlier one of its kind,
+    a chunking or serialization action replaces one at the same location."""
+    current = list(cfg.mitigations)
+    for a in actions:
+        current = [
+            m for m in current
+            if not (m.kind == a.kind and (a.kind in REPLACEABLE or (m.modules, m.events, m.blocks) == (a.modules, a.events, a.blocks)))
+        ]
+        current.append(a)
+    return cfg.model_copy(update={"mitigations": tuple(current)})
+
+
+def _overlaps(a: PressureInterval, b: PressureInterval) -> bool:
+    return a.start < b.stop and b.start < a.stop
+
+
+# ---------------------------------------------------------------------------- stage 1
+def stage1(
+    model: CountingModel,
+    template: RequestTemplate,
+    gpus: int,
+    budget: int,
+    slo_s: float | None,
+    max_batch: int,
+    log: StageLog,
+    sp_degrees: list[int] | None = None,
+) -> list[ExecutionConfig]:
+    """Candidates (SP, DP, BS) surviving the memory and SLO rules."""
+    heads = template.spec.attention_heads
+    survivors = []
+    for sp in sp_degrees or factors(gpus):
+        ulysses, ring = sp_split(sp, heads)
+        for bs in range(1, max_batch + 1):
+            try:
+                cfg = ExecutionConfig(template=template, ulysses=ulysses, ring=ring, dp=gpus // sp, batch=bs)
+            except ValueError as e:  # e.g. more ranks than tokens
+                log.pruned_memory.append(f"SP{sp} BS{bs}: invalid ({e})")
+                break
+            full = with_actions(cfg, model.full_mitigation(cfg))
+            if not model.memory(full, budget).fits:
+                log.pruned_memory.append(cfg.describe())
+                break
+            if slo_s is not None and model.latency(cfg) > slo_s:
+                log.pruned_slo.append(cfg.describe())
+                break
+            survivors.append(cfg)
+            log.survivors.append(cfg.describe())
+    return survivors
+
+
+# ---------------------------------------------------------------------------- stages 2 + 3
+def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageLog) -> ExecutionConfig | None:
+    """Stages 2 and 3 for one survivor: locate pressure intervals, mitigate each, assemble.
+
+    Returns the mitigated configuration, or None if some interval cannot be brought under budget.
+    """
+    current = cfg
+    view = model.memory(current, budget)
+    log.intervals[cfg.describe()] = len(view.intervals)
+    for _ in range(64):  # each round removes at least one interval; 64 bounds a pathological model
+        if view.fits:
+            return current
+        interval = view.intervals[0]
+        opts = model.options(current, interval)
+
+        def relieves(candidate: ExecutionConfig, iv: PressureInterval = interval) -> MemoryView | None:
+            v = model.memory(candidate, budget)
+            return v if not any(_overlaps(iv, other) for other in v.intervals) else None
+
+        chosen: tuple[ExecutionConfig, MemoryView] | None = None
+        for opt in opts:  # zero-overhead choices first: the mildest that works costs nothing
+            if opt.zero_overhead:
+                cand = with_actions(current, opt.actions)
+                v = relieves(cand)
+                if v is not None:
+                    chosen = (cand, v)
+                    break
+        if chosen is None:
+            feasible = []
+            for opt in opts:
+                if opt.zero_overhead:
+                    continue
+                cand = with_actions(current, opt.actions)
+                v = relieves(cand)
+                if v is not None:
+                    feasible.append((model.latency(cand), cand, v))
+            if not feasible:
+                log.infeasible.append(cfg.describe())
+                return None
+            _, cand, v = min(feasible, key=lambda f: (f[0], len(f[1].mitigations)))
+            chosen = (cand, v)
+        current, view = chosen
+    log.infeasible.append(cfg.describe())
+    return None
+
+
+# ---------------------------------------------------------------------------- stage 4
+@dataclass(frozen=True)
+class Scored:
+    config: ExecutionConfig
+    latency: float
+    goodput: float
+    peak: int
+
+
+def goodput(cfg: ExecutionConfig, latency: float, slo_s: float) -> float:
+    """Requests per second that meet the SLO: each of the DP groups finishes ``batch`` requests
+    every ``latency`` seconds, or none in time if the batch latency exceeds the SLO."""
+    return cfg.dp * cfg.batch / latency if latency <= slo_s else 0.0
+
+
+def stage4(model: CountingModel, configs: list[ExecutionConfig], budget: int, slo_s: float) -> list[Scored]:
+    """Score assembled configurations, best first (goodput, then lower latency, then fewer GPUs per group)."""
+    scored = []
+    for cfg in configs:
+        lat = model.latency(cfg)
+        scored.append(Scored(cfg, lat, goodput(cfg, lat, slo_s), model.memory(cfg, budget).peak_bytes))
+    scored.sort(key=lambda s: (-s.goodput, s.latency, s.config.sp, len(s.config.mitigations)))
+    return scored
+
+
+def why_lost(best: Scored, other: Scored, slo_s: float) -> str:
+    if other.goodput == 0:
+        return f"{other.config.describe()}: latency {other.latency:.2f} s over the SLO {slo_s:.2f} s"
+    return (f"{other.config.describe()}: goodput {other.goodput * 60:.2f}/min < {best.goodput * 60:.2f}/min "
+            f"(latency {other.latency:.2f} s)")
+
+
+# ---------------------------------------------------------------------------- whole template
+@dataclass
+class TemplatePlan:
+    entry: PlanEntry | None
+    log: StageLog
+    counter: CostCounter
+    slo_s: float | None
+    ranked: list[Scored]
+
+
+def best_feasible_latency(model: CountingModel, template: RequestTemplate, gpus: int, budget: int,
+                          log: StageLog, sp_degrees: list[int] | None = None) -> float | None:
+    """Latency of the template's best feasible configuration at batch 1 (the SLO's reference)."""
+    cands = stage1(model, template, gpus, budget, None, 1, log, sp_degrees)
+    done = [c for c in (resolve(model, c, budget, log) for c in cands) if c is not None]
+    return min((model.latency(c) for c in done), default=None)
+
+
+def plan_template(
+    model: PlannerModel,
+    template: RequestTemplate,
+    gpus: int,
+    budget: int,
+    slo_scale: float = 1.0,
+    slo_s: float | None = None,
+    max_batch: int = 8,
+    latency_source: str = "cost_model",
+    sp_degrees: list[int] | None = None,
+    resolve_fn: Callable[[CountingModel, ExecutionConfig, int, StageLog], ExecutionConfig | None] = resolve,
+) -> TemplatePlan:
+    """Run the four stages for one template. ``slo_s`` overrides the 2.5×-best-latency SLO."""
+    counting = model if isinstance(model, CountingModel) else CountingModel(model)
+    log = StageLog()
+    if slo_s is None:
+        ref = best_feasible_latency(counting, template, gpus, budget, StageLog(), sp_degrees)
+        if ref is None:
+            return TemplatePlan(None, log, counting.counter, None, [])
+        slo_s = SLO_FACTOR * ref * slo_scale
+    survivors = stage1(counting, template, gpus, budget, slo_s, max_batch, log, sp_degrees)
+    assembled = [c for c in (resolve_fn(counting, c, budget, log) for c in survivors) if c is not None]
+    ranked = stage4(counting, assembled, budget, slo_s)
+    for s in ranked:
+        log.assembled[s.config.describe()] = s.latency
+    if not ranked or ranked[0].goodput == 0:
+        return TemplatePlan(None, log, counting.counter, slo_s, ranked)
+    best = ranked[0]
+    entry = PlanEntry(
+        config=best.config,
+        prediction=PlanPrediction(peak_bytes=best.peak, latency_s=best.latency, goodput_rps=best.goodput,
+                                  slo_s=slo_s, latency_source=latency_source),
+        runner_up=why_lost(best, ranked[1], slo_s) if len(ranked) > 1 else None,
+        candidates_profiled=len(counting.counter.profiled),
+    )
+    return TemplatePlan(entry, log, counting.counter, slo_s, ranked)

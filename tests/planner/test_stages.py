@@ -1,0 +1,103 @@
+"""The four planner stages on the synthetic model (tests/planner/synthetic.py), with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.stages import (
+    CountingModel,
+    StageLog,
+    factors,
+    goodput,
+    plan_template,
+    resolve,
+    sp_split,
+    stage1,
+    stage4,
+    with_actions,
+)
+from tests.planner.synthetic import GB, Synthetic
+from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.templates import RequestTemplate
+
+T = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4)
+
+
+def cfg(**kw) -> ExecutionConfig:  # type: ignore[no-untyped-def]
+    return ExecutionConfig(template=T, **kw)
+
+
+def test_factors_and_sp_split() -> None:
+    assert factors(8) == [1, 2, 4, 8]
+    assert sp_split(4, heads=48) == (4, 1)
+    assert sp_split(4, heads=2) == (2, 2)  # tiny models have 2 heads: the rest goes to ring
+    with pytest.raises(ValueError):
+        factors(0)
+
+
+def test_memory_rule_prunes_and_stops_the_batch() -> None:
+    # weights 43 GB, 3 offloadable -> 40 GB; the DiT needs 6·bs/4 GB with full chunking, so with
+    # a 44 GB budget BS <= 2 fits and BS3 (44.5 GB) is pruned; BS4 is never tried
+    m = CountingModel(Synthetic(W=43 * GB, V=1 * GB))
+    log = StageLog()
+    out = stage1(m, T, gpus=1, budget=44 * GB, slo_s=None, max_batch=8, log=log)
+    assert [c.batch for c in out] == [1, 2]
+    assert log.pruned_memory == ["SP1 DP1 BS3"]
+    assert not any('"batch":4' in k for k in m.counter.analysed)
+
+
+def test_slo_rule_prunes_and_stops_the_batch() -> None:
+    m = CountingModel(Synthetic(W=1 * GB))
+    log = StageLog()
+    out = stage1(m, T, gpus=1, budget=100 * GB, slo_s=25.0, max_batch=8, log=log)
+    assert [c.batch for c in out] == [1, 2, 3]  # BS4 takes 10·4^0.7 = 26.4 s > 25 s
+    assert log.pruned_slo == ["SP1 DP1 BS4"]
+
+
+def test_stage3_prefers_zero_overhead_offload() -> None:
+    # 41 GB weights + 6 GB DiT > 46.5: offloading one block (free) is enough
+    m = CountingModel(Synthetic(W=41 * GB, V=1 * GB))
+    out = resolve(m, cfg(), budget=int(46.5 * GB), log=StageLog())
+    assert out is not None and out.mitigations == (Mitigation(kind="block_offload", blocks=(0,), intensity=1),)
+
+
+def test_stage3_picks_lowest_latency_feasible_option() -> None:
+    # need 3 GB off the DiT interval: offload 3 blocks costs 4 s, dit chunking x2 costs 1 s -> chunking
+    m = CountingModel(Synthetic(W=40 * GB, V=1 * GB, offload_free=0))
+    out = resolve(m, cfg(), budget=43 * GB, log=StageLog())
+    assert out is not None
+    assert [x.kind for x in out.mitigations] == ["dit_chunking"] and out.mitigations[0].intensity == 2
+
+
+def test_stage3_handles_each_interval_and_reports_infeasible() -> None:
+    m = CountingModel(Synthetic(W=40 * GB, offload_free=0))
+    out = resolve(m, cfg(batch=2), budget=46 * GB, log=StageLog())
+    assert out is not None
+    kinds = sorted(x.kind for x in out.mitigations)
+    assert kinds == ["dit_chunking", "vae_chunking"] or "temporary_serialization" in kinds
+    log = StageLog()
+    assert resolve(m, cfg(), budget=30 * GB, log=log) is None
+    assert log.infeasible == ["SP1 DP1 BS1"]
+
+
+def test_with_actions_replaces_offload_of_the_same_kind() -> None:
+    c = with_actions(cfg(), (Mitigation(kind="block_offload", blocks=(0,), intensity=1),))
+    c = with_actions(c, (Mitigation(kind="block_offload", blocks=(0, 1), intensity=2),))
+    assert [m.intensity for m in c.mitigations] == [2]
+
+
+def test_goodput_and_stage4_ranking() -> None:
+    c = cfg(dp=2, batch=2)
+    assert goodput(c, latency=20.0, slo_s=30.0) == pytest.approx(0.2)
+    assert goodput(c, latency=40.0, slo_s=30.0) == 0.0
+    m = CountingModel(Synthetic(W=1 * GB))
+    ranked = stage4(m, [cfg(batch=1), cfg(batch=2), cfg(batch=4)], budget=100 * GB, slo_s=25.0)
+    assert [s.config.batch for s in ranked] == [2, 1, 4]  # BS4 misses the SLO; BS2 has the best goodput
+
+
+def test_plan_template_uses_2_5x_best_latency_as_slo() -> None:
+    plan = plan_template(Synthetic(W=1 * GB, comm=100.0), T, gpus=1, budget=100 * GB, max_batch=4)
+    assert plan.slo_s == pytest.approx(25.0)  # best feasible latency 10 s at BS1
+    assert plan.entry is not None and plan.entry.config.batch == 3  # BS4 misses the SLO
+    assert plan.entry.prediction.goodput_rps == pytest.approx(3 / (10 * 3**0.7))
+    assert plan.entry.runner_up and "SLO" not in plan.entry.runner_up
