@@ -22,7 +22,8 @@ from xema_ray.templates import RequestTemplate
 from planner.model import CostCounter, MemoryView, PlannerModel
 
 SLO_FACTOR = 2.5  # §9.1: SLO = 2.5 × latency of the template's best feasible configuration
-REPLACEABLE = ("block_offload", "hsdp")  # one action per kind: a larger K supersedes a smaller one
+REPLACEABLE = ("block_offload", "hsdp")
+MAX_ROUNDS = 512  # stage-3 rounds per candidate; a VAE can have a hundred short intervals  # one action per kind: a larger K supersedes a smaller one
 
 
 @dataclass
@@ -144,7 +145,7 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
     current = cfg
     view = model.memory(current, budget)
     log.intervals[cfg.describe()] = len(view.intervals)
-    for _ in range(64):  # each round removes at least one interval; 64 bounds a pathological model
+    for _ in range(MAX_ROUNDS):  # each round removes at least one interval
         if view.fits:
             return current
         interval = view.intervals[0]

@@ -1,0 +1,162 @@
+"""Per-GPU memory of a candidate configuration, derived from the analyzer's trace (stage 2).
+
+The analyzer traces each (template, batch) once on the meta device. A candidate's memory is that
+trace's active curve transformed by what the configuration changes, event by event, so pressure
+intervals keep their event positions across candidates (stage 3 compares them):
+
+- sequence parallelism: the DiT phase's activations above the resident floor are split across
+  the SP ranks (Ulysses and ring both give each rank 1/SP of the token-proportional tensors);
+  the VAE decodes on one rank and is unchanged;
+- block offload / HSDP of K blocks: those blocks' weights leave the resident floor, plus the
+  buffer that holds the block being computed and the one being fetched;
+- chunking (DiT blocks, VAE up-blocks) by c: inside each chunked unit, what the unit allocates
+  above its entry level is divided by c (the chunk's share);
+- temporary serialization into k sub-batches: inside the serialized phase, what is allocated
+  above the phase's entry level is divided by k.
+- static layout: reserved = weights + activations × the layout solver's overhead (≤ 1.02 on the
+  real traces, issue #3), plus the paper's 5 % dynamic region for workspaces and NCCL buffers (§6.2).
+
+The planner confirms its chosen configuration by tracing it with the mitigations applied when the
+mitigation library is installed (``confirm``); the transform is the fast model used in the search.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from xema_ray.memory.analysis import PressureInterval, event_modules, event_phases, phase_group, pressure_intervals, unit_of
+from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.plan import ExecutionConfig, Mitigation
+
+LAYOUT_OVERHEAD = 1.02  # static reserved / lower bound on the analyzer's real traces (issue #3 target)
+DYNAMIC_MARGIN = 0.05  # §6.2: dynamic region = 5 % beyond the static reserved peak
+
+_BLOCK_RE = re.compile(r"^transformer\.(\w+)\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class TraceProfile:
+    """What the memory model needs from one trace, computed once."""
+
+    trace: MemoryTrace
+    block_paths: list[str]  # DiT block unit names in execution order ("transformer.transformer_blocks.3")
+    curve: np.ndarray = field(init=False)
+    floor: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.curve = self.trace.active_curve().astype(np.float64)
+        self.floor = int(self.trace.size[self.trace.category != Category.ACTIVATION].sum())
+
+    @cached_property
+    def groups(self) -> np.ndarray:
+        """Phase group per event: 'dit', 'vae', 'setup', 'post'."""
+        ph = event_phases(self.trace)
+        names = np.array([phase_group(p) for p in self.trace.phases] + ["?"])
+        return names[ph]
+
+    @cached_property
+    def units(self) -> np.ndarray:
+        """Mitigation unit per event (object array of str)."""
+        mods = event_modules(self.trace)
+        table = np.array([unit_of(m) for m in self.trace.modules] + ["<pipeline>"], dtype=object)
+        return table[mods]
+
+    @cached_property
+    def block_weights(self) -> np.ndarray:
+        """Resident weight bytes of each DiT block (index = position in ``block_paths``)."""
+        index = {p: i for i, p in enumerate(self.block_paths)}
+        w = np.zeros(len(self.block_paths), dtype=np.int64)
+        resident = np.flatnonzero(self.trace.category == Category.WEIGHT)
+        for r in resident:
+            name = self.trace.modules[self.trace.module[r]]
+            m = _BLOCK_RE.match(name)
+            if m:
+                key = f"transformer.{m.group(1)}.{m.group(2)}"
+                if key in index:
+                    w[index[key]] += self.trace.size[r]
+        return w
+
+    def runs(self, mask: np.ndarray) -> list[tuple[int, int]]:
+        """Maximal [start, stop) runs of True in an event mask."""
+        edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+        return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
+def _shrink_runs(curve: np.ndarray, base: np.ndarray, runs: list[tuple[int, int]], factor: float) -> None:
+    """Inside each run, divide what lies above the run's entry level by ``factor`` (in place).
+    ``base`` is the untransformed curve, whose entry level is what the unit starts from."""
+    for s, e in runs:
+        level = base[s - 1] if s > 0 else 0.0
+        above = np.maximum(base[s:e] - level, 0.0)
+        curve[s:e] -= above * (1.0 - 1.0 / factor)
+
+
+class MemoryModel:
+    """Reserved memory per GPU for candidate configurations of one template family."""
+
+    def __init__(self, profile_for_batch, layout_overhead: float = LAYOUT_OVERHEAD,  # type: ignore[no-untyped-def]
+                 dynamic_margin: float = DYNAMIC_MARGIN) -> None:
+        """``profile_for_batch(batch) -> TraceProfile`` supplies (cached) traces per batch size."""
+        self._profile_for_batch = profile_for_batch
+        self.layout_overhead = layout_overhead
+        self.dynamic_margin = dynamic_margin
+
+    def reserved_curve(self, cfg: ExecutionConfig) -> tuple[np.ndarray, TraceProfile]:
+        prof: TraceProfile = self._profile_for_batch(cfg.batch)
+        base = prof.curve
+        curve = base.copy()
+        dit = prof.groups == "dit"
+        if cfg.sp > 1:
+            curve[dit] = prof.floor + (base[dit] - prof.floor) / cfg.sp
+        for m in cfg.mitigations:
+            self._apply(curve, base, prof, cfg, m)
+        # weights are laid out once and never freed, so the layout's overhead only touches activations
+        static = prof.floor + (curve - prof.floor) * self.layout_overhead
+        return static * (1.0 + self.dynamic_margin), prof
+
+    def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> None:
+        if m.kind in ("block_offload", "hsdp"):
+            blocks = list(m.blocks) if m.blocks is not None else evenly_spaced(len(prof.block_paths), m.intensity)
+            w = prof.block_weights[blocks]
+            if len(w) == 0:
+                return
+            if m.kind == "block_offload":
+                # the block running and the one being prefetched are on the GPU at once
+                saved = w.sum() - 2 * w.max()
+            else:
+                group = cfg.gpus
+                saved = w.sum() * (1 - 1 / group) - w.max()  # shards stay; one block is gathered at a time
+            curve -= max(0, saved)
+        elif m.kind == "dit_chunking":
+            paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
+            mask = np.isin(prof.units, paths) & (prof.groups == "dit")
+            _shrink_runs(curve, base, prof.runs(mask), m.intensity)
+        elif m.kind == "vae_chunking":
+            paths = list(m.modules or ())
+            mask = np.isin(prof.units, paths) & (prof.groups == "vae")
+            _shrink_runs(curve, base, prof.runs(mask), m.intensity)
+        elif m.kind == "temporary_serialization":
+            group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
+            _shrink_runs(curve, base, prof.runs(prof.groups == group), m.intensity)
+        elif m.kind == "activation_offload":
+            raise ValueError("activation_offload has no analytic memory model here; confirm it by tracing")
+
+    def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
+        curve, prof = self.reserved_curve(cfg)
+        as_int = curve.astype(np.int64)
+        ivs = pressure_intervals(prof.trace, budget, curve=as_int)
+        return int(as_int.max()), tuple(ivs)
+
+
+def evenly_spaced(n: int, k: int) -> list[int]:
+    """k of n block indices spread evenly (§5.1: the overlap window grows to about n/k blocks)."""
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot pick {k} of {n} blocks")
+    if k == 0:
+        return []
+    # the centre of each of k equal slices: strictly increasing because slices are >= 1 block wide
+    return [int((i + 0.5) * n / k) for i in range(k)]

@@ -1,0 +1,140 @@
+"""The real ``PlannerModel``: analyzer traces for memory, the profiler / cost model for latency.
+
+Memory comes from ``planner.memory_model`` (one meta-device trace per batch size, transformed per
+candidate). Latency comes from a ``latency_fn(config) -> seconds`` — the latency profiler where a
+profile store has the segments, the roofline cost model elsewhere. Mitigation options for an
+interval are the primitives applicable to the operators inside it (§7.3 stage 3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from xema_ray.memory.analysis import PressureInterval
+from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.templates import RequestTemplate
+
+from planner.memory_model import MemoryModel, TraceProfile, evenly_spaced
+from planner.model import MemoryView, MitigationOption
+from planner.traces import TraceCache
+
+CHUNKS = (2, 4, 8)  # chunk counts tried for DiT / VAE chunking
+_BLOCK_UNIT = re.compile(r"^transformer\.\w+\.(\d+)$")
+ZERO_OVERHEAD_TOL = 1e-3  # relative latency change under which a mitigation counts as free
+
+
+def block_paths(template: RequestTemplate) -> list[str]:
+    """DiT block unit names in execution order, from the spec (no model needed)."""
+    spec = template.spec
+    cfg = spec.transformer_config
+    if spec.family == "flux2":
+        return [f"transformer.transformer_blocks.{i}" for i in range(cfg["num_layers"])] + [
+            f"transformer.single_transformer_blocks.{i}" for i in range(cfg["num_single_layers"])
+        ]
+    return [f"transformer.transformer_blocks.{i}" for i in range(cfg["num_layers"])]
+
+
+@dataclass
+class TracePlannerModel:
+    """Planner model for one template on one hardware configuration."""
+
+    template: RequestTemplate
+    latency_fn: Callable[[ExecutionConfig], float]
+    traces: TraceCache
+    _profiles: dict[int, TraceProfile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._blocks = block_paths(self.template)
+        self._memory = MemoryModel(self._profile)
+
+    def _profile(self, batch: int) -> TraceProfile:
+        if batch not in self._profiles:
+            trace = self.traces.get(self.template.with_(batch=batch))
+            self._profiles[batch] = TraceProfile(trace, self._blocks)
+        return self._profiles[batch]
+
+    # ------------------------------------------------------------------ PlannerModel
+    def memory(self, config: ExecutionConfig, budget: int) -> MemoryView:
+        peak, ivs = self._memory.view(config, budget)
+        return MemoryView(peak_bytes=peak, intervals=ivs)
+
+    def latency(self, config: ExecutionConfig) -> float:
+        return self.latency_fn(config)
+
+    def full_mitigation(self, config: ExecutionConfig) -> tuple[Mitigation, ...]:
+        n = len(self._blocks)
+        out = [
+            Mitigation(kind="block_offload", blocks=tuple(range(n)), intensity=n),
+            Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=max(CHUNKS)),
+            Mitigation(kind="vae_chunking", modules=tuple(self._vae_units()), intensity=max(CHUNKS)),
+        ]
+        if config.batch > 1:
+            out += [
+                Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=config.batch),
+                Mitigation(kind="temporary_serialization", modules=("vae",), intensity=config.batch),
+            ]
+        return tuple(out)
+
+    def options(self, config: ExecutionConfig, interval: PressureInterval) -> list[MitigationOption]:
+        prof = self._profile(config.batch)
+        opts: list[MitigationOption] = []
+        n = len(self._blocks)
+        # weights: offload (or shard) the fewest blocks that could cover the excess, then more
+        heaviest = [int(i) for i in sorted(range(n), key=lambda i: (-prof.block_weights[i], i))]
+        # fewest blocks that could cover the excess even if the heaviest are taken: no smaller K can
+        cum = np.cumsum(prof.block_weights[heaviest]) - 2 * (prof.block_weights.max() if n else 0)
+        k_min = min(n, int(np.searchsorted(cum, interval.excess_bytes)) + 1) if n else 0
+        ladder = sorted({*range(max(1, k_min), n + 1, max(1, n // 12)), n}) if n else []
+        current_k = max((m.intensity for m in config.mitigations if m.kind == "block_offload"), default=0)
+        for k in ladder:
+            if k > current_k:
+                # evenly spaced blocks hide transfers best (§5.1); the heaviest blocks free the most
+                # bytes per block (Flux.2's double-stream blocks are twice the single ones)
+                for blocks in {tuple(evenly_spaced(n, k)), tuple(sorted(heaviest[:k]))}:
+                    opts.append(self._option(config, Mitigation(kind="block_offload", blocks=blocks, intensity=k)))
+        if config.gpus > 1:
+            for k in ladder:
+                opts.append(self._option(config, Mitigation(kind="hsdp", blocks=tuple(evenly_spaced(n, k)), intensity=k)))
+        groups = {p.split(".")[0] for p in interval.phases}
+        if "denoise" in groups:
+            idx = sorted({int(m.group(1)) + self._offset(u) for u in interval.units if (m := _BLOCK_UNIT.match(u))})
+            for c in CHUNKS:
+                if idx:
+                    opts.append(self._option(config, Mitigation(kind="dit_chunking", blocks=tuple(idx), intensity=c)))
+            if config.batch > 1:
+                for k in _divisors(config.batch):
+                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=k)))
+        if "decode" in groups:
+            ups = [u for u in interval.units if u.startswith("vae.decoder.up_blocks")] or self._vae_units()
+            for c in CHUNKS:
+                opts.append(self._option(config, Mitigation(kind="vae_chunking", modules=tuple(ups), intensity=c)))
+            if config.batch > 1:
+                for k in _divisors(config.batch):
+                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae",), intensity=k)))
+        return opts
+
+    # ------------------------------------------------------------------ helpers
+    def _offset(self, unit: str) -> int:
+        """Flux.2's single-stream blocks come after its double-stream ones in block order."""
+        return self.template.spec.transformer_config["num_layers"] if ".single_transformer_blocks." in unit else 0
+
+    def _vae_units(self) -> list[str]:
+        n_up = len(self.template.spec.vae_config.get("decoder_block_out_channels")
+                   or self.template.spec.vae_config["block_out_channels"])
+        return [f"vae.decoder.up_blocks.{i}" for i in range(n_up)]
+
+    def _option(self, config: ExecutionConfig, action: Mitigation) -> MitigationOption:
+        from planner.stages import with_actions
+
+        base = self.latency_fn(config)
+        after = self.latency_fn(with_actions(config, (action,)))
+        return MitigationOption((action,), zero_overhead=after <= base * (1 + ZERO_OVERHEAD_TOL),
+                                label=f"{action.kind}×{action.intensity}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]

@@ -1,0 +1,47 @@
+"""Trace cache for the planner: each (template, batch) is traced once on the meta device, kept in
+memory and, optionally, on disk as JSON (so a Ray task or a later planning run reuses it)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xema_ray.memory.analyzer import TRACER_VERSION, trace_template
+from xema_ray.memory.trace import MemoryTrace
+from xema_ray.templates import RequestTemplate
+
+
+@dataclass
+class TraceCache:
+    """``get(template)`` returns the template's meta-device trace, tracing it at most once.
+
+    Args:
+        directory: where traces persist as JSON (None: memory only).
+    """
+
+    directory: Path | None = None
+    _mem: dict[str, MemoryTrace] = field(default_factory=dict)
+    traced: int = 0
+
+    def _path(self, template: RequestTemplate) -> Path | None:
+        if self.directory is None:
+            return None
+        digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}".encode()).hexdigest()[:16]
+        return self.directory / f"{template.model}-{digest}.json"
+
+    def get(self, template: RequestTemplate) -> MemoryTrace:
+        key = template.key
+        if key in self._mem:
+            return self._mem[key]
+        path = self._path(template)
+        if path is not None and path.exists():
+            trace = MemoryTrace.load(path)
+        else:
+            trace = trace_template(template)
+            self.traced += 1
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                trace.save(path)
+        self._mem[key] = trace
+        return trace
