@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+
+from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
+
+
+def plans(**kw) -> dict[str, DispatchPlan]:  # type: ignore[no-untyped-def]
+    return {k: DispatchPlan(**v) for k, v in kw.items()}
+
+
+def test_batches_fill_up_to_the_plan_batch() -> None:
+    d: Dispatcher[None] = Dispatcher(plans(a={"batch": 2, "sp": 1, "slo_s": 10, "latency_s": 1}), workers=1, wait_window_s=1.0)
+    d.submit("a", "r1", now=0.0)
+    assert d.dispatch(now=0.1) == []  # waits for a second request within the window
+    d.submit("a", "r2", now=0.2)
+    (a,) = d.dispatch(now=0.2)
+    assert [r.request_id for r in a.requests] == ["r1", "r2"] and a.workers == (0,)
+
+
+def test_partial_batch_runs_after_the_wait_window() -> None:
+    d: Dispatcher[None] = Dispatcher(plans(a={"batch": 4, "sp": 1, "slo_s": 10, "latency_s": 1}), workers=1, wait_window_s=0.5)
+    d.submit("a", "r1", now=0.0)
+    assert d.next_wakeup(0.0) == 0.5
+    assert d.dispatch(now=0.4) == []
+    (a,) = d.dispatch(now=0.5)
+    assert len(a.requests) == 1
+
+
+def test_sp_groups_are_aligned_and_dp_runs_groups_concurrently() -> None:
+    d: Dispatcher[None] = Dispatcher(plans(a={"batch": 1, "sp": 2, "slo_s": 10, "latency_s": 1}), workers=4, wait_window_s=0)
+    for i in range(3):
+        d.submit("a", f"r{i}", now=0.0)
+    started = d.dispatch(now=0.0)
+    assert [s.workers for s in started] == [(0, 1), (2, 3)]  # DP = 2 groups of SP 2
+    assert d.queue_depth("a") == 1
+    d.complete(started[1].batch_id)
+    (nxt,) = d.dispatch(now=1.0)
+    assert nxt.workers == (2, 3)
+
+
+def test_earliest_deadline_first_across_templates() -> None:
+    d: Dispatcher[None] = Dispatcher(
+        plans(slow={"batch": 1, "sp": 1, "slo_s": 100, "latency_s": 1}, fast={"batch": 1, "sp": 1, "slo_s": 5, "latency_s": 1}),
+        workers=1, wait_window_s=0)
+    d.submit("slow", "s", now=0.0)
+    d.submit("fast", "f", now=1.0)  # arrives later but its deadline (6) is earlier than 100
+    (a,) = d.dispatch(now=1.0)
+    assert a.requests[0].request_id == "f"
+
+
+def test_requeue_keeps_deadlines_and_overflow_refuses() -> None:
+    d: Dispatcher[None] = Dispatcher(plans(a={"batch": 1, "sp": 1, "slo_s": 10, "latency_s": 1}), workers=1, wait_window_s=0, max_queue=1)
+    d.submit("a", "r1", now=0.0)
+    (a,) = d.dispatch(now=0.0)
+    d.complete(a.batch_id)
+    d.requeue(a)
+    assert d.queue_depth() == 1
+    with pytest.raises(OverflowError):
+        d.submit("a", "r2", now=0.0)
+    with pytest.raises(KeyError):
+        d.submit("nope", "r3", now=0.0)
+
+
+def test_error_raised_if_plan_needs_more_workers_than_the_group() -> None:
+    with pytest.raises(ValueError, match="SP 4"):
+        Dispatcher(plans(a={"batch": 1, "sp": 4, "slo_s": 1, "latency_s": 1}), workers=2)

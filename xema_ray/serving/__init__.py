@@ -1,0 +1,1 @@
+"""Serving runtime: dispatch policy shared by the live deployment and the simulator."""
