@@ -1,4 +1,5 @@
-"""``xema`` command line: ``xema analyze`` (memory analysis of one template).
+"""``xema`` command line: ``xema analyze`` (memory analysis of one template) and ``xema plan``
+(the offline planner, same as ``python -m planner plan``).
 
 Example:
     xema analyze --model cogvideox-5b --height 720 --width 1280 --frames 49 --budget 48GB \\
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)
+    from planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

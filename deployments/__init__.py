@@ -1,0 +1,1 @@
+"""Ray Serve application of Xema-Ray (``serve run deployments/xema.yaml``)."""

@@ -1,0 +1,178 @@
+"""``python -m planner plan ...`` (also ``xema plan`` and ``ray job submit -- python -m planner ...``).
+
+Each template is planned in its own Ray task holding one GPU (``num_gpus=1``): the task profiles
+its candidates on that GPU (or asks the cost model where the store has no measurement), so the
+templates spread across the cluster's GPUs. On a machine without GPUs the same code runs on
+logical GPUs (``ray.init(num_gpus=N)``).
+
+Example:
+    python -m planner plan --templates tiny --gpus 2 --budget 20MB --hardware cpu --out plans/tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from xema_ray.memory.analysis import gb, parse_bytes
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.templates import RequestTemplate, named_templates
+
+from planner.baselines import BASELINES, SearchSpace, run_baseline
+from planner.latency import LatencyModel, hardware_names
+from planner.stages import plan_template
+from planner.trace_model import TracePlannerModel
+from planner.traces import TraceCache
+
+PLANNERS = ("xema", *BASELINES)
+
+
+def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
+    """A named set ("paper", "tiny") or a comma list of MODEL:WxH[xF], e.g. "ltx2:1280x704x49"."""
+    if text in ("paper", "tiny"):
+        return named_templates(text, steps)
+    out = []
+    for item in text.split(","):
+        try:
+            model, dims = item.split(":")
+            parts = [int(x) for x in dims.lower().split("x")]
+        except ValueError:
+            raise ValueError(f"cannot read template {item!r}; use a set name (paper, tiny) or MODEL:WxH[xFRAMES]") from None
+        w, h, f = (parts + [1])[:3]
+        out.append(RequestTemplate(model=model, width=w, height=h, frames=f, **({"steps": steps} if steps else {})))
+    return out
+
+
+def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Plan one template (runs inside a Ray task or in-process)."""
+    t0 = time.perf_counter()
+    template = RequestTemplate.model_validate_json(template_json)
+    latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
+    if opts["hardware"] == "cpu":
+        latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
+    cache = TraceCache(Path(opts["trace_cache"]) if opts.get("trace_cache") else None)
+    model = TracePlannerModel(template, latency.seconds, cache)
+    budget, gpus = opts["budget"], opts["gpus"]
+    xema = plan_template(model, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
+                         latency_source=latency.source)
+    result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced}
+    if opts["planner"] == "xema":
+        entry = xema.entry
+        result.update(profiled=len(xema.counter.profiled), analysed=len(xema.counter.analysed), finished=True,
+                      pruned_memory=len(xema.log.pruned_memory), pruned_slo=len(xema.log.pruned_slo))
+    elif xema.slo_s is None:
+        entry = None
+        result.update(profiled=0, analysed=0, finished=True)
+    else:
+        space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=opts["max_batch"])
+        entry, counted, finished = run_baseline(opts["planner"], model, template, space, latency.source,
+                                                time_limit_s=opts.get("time_limit_s"))
+        result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
+    result["entry"] = entry.model_dump_json() if entry is not None else None
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bool) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    if not use_ray:
+        return [plan_one(t.model_dump_json(), opts) for t in tqdm(templates, desc="planning", unit="template")]
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()  # inside `ray job submit`: join the cluster
+        else:
+            ray.init(num_gpus=opts["gpus"], include_dashboard=False, log_to_driver=False)
+    task = ray.remote(num_gpus=1)(plan_one)
+    pending = {task.remote(t.model_dump_json(), opts): t for t in templates}
+    results = []
+    with tqdm(total=len(pending), desc="planning", unit="template") as bar:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                pending.pop(ref)
+                results.append(ray.get(ref))
+                bar.update(1)
+    order = {t.shape_key: i for i, t in enumerate(templates)}
+    return sorted(results, key=lambda r: order[r["template"]])
+
+
+def print_summary(results: list[dict[str, Any]], out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
+    w = out.write
+    w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
+    for r in results:
+        if r["entry"] is None:
+            w(f"{r['template']:<28} {'infeasible (no configuration fits the budget and the SLO)':<48}\n")
+            continue
+        e = PlanEntry.model_validate_json(r["entry"])
+        p = e.prediction
+        w(f"{r['template']:<28} {e.config.describe():<48} {gb(p.peak_bytes):>10} {p.latency_s:>8.2f}s "
+          f"{p.goodput_rps * 60:>7.2f}/min {r['profiled']:>8}  {e.runner_up or '-'}\n")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        templates = parse_templates(args.templates, args.steps)
+        budget = parse_bytes(args.budget)
+        if args.hardware not in hardware_names():
+            raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
+    except ValueError as e:
+        print(f"planner: {e}", file=sys.stderr)
+        return 2
+    opts = {"hardware": args.hardware, "budget": budget, "gpus": args.gpus, "slo_scale": args.slo_scale,
+            "max_batch": args.max_batch, "planner": args.planner, "trace_cache": args.trace_cache,
+            "time_limit_s": args.time_limit, "profile_store": args.profile_store}
+    t0 = time.perf_counter()
+    results = _run_all(templates, opts, use_ray=not args.no_ray)
+    wall = time.perf_counter() - t0
+    table = PlanTable(
+        hardware=LatencyModel(args.hardware).fingerprint(args.gpus), gpus=args.gpus, budget_bytes=budget,
+        slo_scale=args.slo_scale, planner=args.planner,
+        entries={r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]},
+        provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
+                    "profiled": str(sum(r["profiled"] for r in results)),
+                    "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
+                    "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    )
+    print_summary(results)
+    print(f"planned {len(results)} templates in {wall:.1f} s; {table.provenance['profiled']} candidates profiled")
+    if args.out:
+        table.save(args.out)
+        print(f"wrote {args.out}")
+    if args.stats:
+        Path(args.stats).write_text(json.dumps({"wall_s": wall, "results": results}, indent=1))
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan SP x DP x batch x mitigation per template (paper §7)")
+    p.add_argument("--templates", default="tiny", help="paper | tiny | MODEL:WxH[xF],...")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the set's own)")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--budget", default="48GB", help="per-GPU memory budget, e.g. 48GB or 44.7GiB")
+    p.add_argument("--hardware", default="a6000", help=f"hardware profile for latency ({', '.join(hardware_names())})")
+    p.add_argument("--slo-scale", type=float, default=1.0)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--planner", choices=PLANNERS, default="xema")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds per template for grid-style baselines")
+    p.add_argument("--trace-cache", default=None, help="directory to keep analyzer traces in (JSON)")
+    p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
+    p.add_argument("--out", default=None, help="plan table JSON to write")
+    p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
+    p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")
+    p.set_defaults(func=cmd_plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="planner", description="Xema offline planner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,103 @@
+"""Latency for the planner: ``xema_ray.profiling.estimate_latency`` on a named hardware profile.
+
+- "a6000" (the paper's 8× RTX A6000 48 GB box) and "h200": the roofline cost model, calibrated by
+  measurements of that hardware in the profile store when there are any; labelled an estimate.
+- "cpu": this machine's CPU (the tiny models of tests and the CPU demo). Before planning, one
+  request per template is *measured* here at SP 1, batch 1 (``calibrate``); other configurations
+  come from the cost model scaled by those measurements.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xema_ray.plan import ExecutionConfig
+from xema_ray.profiling import A6000_8X, H200, HardwareProfile, ProfileStore, estimate_latency
+from xema_ray.templates import RequestTemplate
+
+_PRESETS: dict[str, HardwareProfile] = {"a6000": A6000_8X, "a6000x8": A6000_8X, "h200": H200}
+
+
+def hardware_names() -> list[str]:
+    return [*_PRESETS, "cpu"]
+
+
+def cpu_profile() -> HardwareProfile:
+    """This CPU as a hardware profile. The roofline numbers are rough (a few cores, fp32,
+    collectives over loopback gloo); what makes CPU estimates usable is the calibration by
+    measured requests on this very machine, matched through the fingerprint."""
+    from xema_ray.platforms import get_platform
+
+    cpu = get_platform("cpu")
+    return HardwareProfile(
+        name=f"CPU {cpu.hardware_name()}", gpus=64,  # worker slots are logical on a CPU
+        memory_gb=24, bf16_tflops=0.05, mem_gbps=10, h2d_gbps=10,
+        nvlink_gbps=0, nvlink_domain=1, pcie_gbps=2, collective_latency_s=200e-6,
+        fingerprint=cpu.hardware_fingerprint(),
+    )
+
+
+class LatencyModel:
+    """``seconds(config)`` for one hardware profile, with an optional persistent profile store."""
+
+    def __init__(self, hardware: str, store: ProfileStore | None = None, store_path: str | Path | None = None) -> None:
+        if hardware == "cpu":
+            self.hardware = cpu_profile()
+            self.source = "profiled"
+        elif hardware in _PRESETS:
+            self.hardware = _PRESETS[hardware]
+            self.source = "cost_model"
+        elif hardware == "local-gpu":
+            self.hardware = _local_gpu()
+            self.source = "cost_model"
+        else:
+            raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(hardware_names())}, local-gpu")
+        self.name = hardware
+        self.store = store if store is not None else ProfileStore(store_path) if store_path else ProfileStore()
+
+    def seconds(self, config: ExecutionConfig) -> float:
+        return estimate_latency(config, self.hardware, self.store).total_s
+
+    def fingerprint(self, gpus: int) -> str:
+        """What a plan table made with this model is keyed by."""
+        return f"{gpus}x {self.hardware.name}"
+
+    def calibrate(self, templates: list[RequestTemplate], repeats: int = 1) -> int:
+        """Measure one request per template at SP 1, batch 1 on this machine (CPU profiles only),
+        so the cost model's estimates are scaled to it. Returns how many were measured."""
+        if self.name != "cpu":
+            raise ValueError("calibration by local measurement is for the 'cpu' profile; GPUs use `make gpu-check` data")
+        import torch
+
+        from xema_ray.models import BuildOptions
+        from xema_ray.profiling.profiler import LatencyProfiler
+        from xema_ray.runtime.engine import ExecutionEngine
+
+        done = 0
+        engines: dict[str, ExecutionEngine] = {}
+        for t in templates:
+            cfg = ExecutionConfig(template=t)
+            if self.store.get_request(self.hardware.fingerprint or "", t.model, cfg.config_hash(), "measured"):
+                continue
+            if t.model not in engines:
+                spec = t.spec
+                pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32))
+                engines[t.model] = ExecutionEngine(pipe, spec, torch.device("cpu"), torch.float32)
+            profiler = LatencyProfiler(engines[t.model], self.store)
+            # the first call of a pipeline pays one-off costs (lazy imports, allocator growth, kernel
+            # selection) that no later request pays: run it once unrecorded
+            engines[t.model].run_pipeline(cfg, ["warm-up"], [0], output_type="np")
+            profiler.measure(cfg, repeats=repeats)
+            done += 1
+        return done
+
+
+def _local_gpu() -> HardwareProfile:
+    """The preset matching this machine's GPU (by its NVML name)."""
+    from xema_ray.platforms import get_platform
+
+    name = get_platform("cuda").hardware_name().lower()
+    for key, preset in (("h200", H200), ("a6000", A6000_8X)):
+        if key in name:
+            return preset
+    raise ValueError(f"no latency profile for GPU {name!r}; set hardware: a6000 or h200 in the serve config")

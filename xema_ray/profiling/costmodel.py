@@ -1,0 +1,401 @@
+"""Roofline cost model and ``estimate_latency``: latency for hardware that is not at hand.
+
+Every number it returns is an *estimate* and says so (``LatencyEstimate.source``). Per DiT block
+and denoising step it takes the larger of compute time (GEMM FLOPs at ``matmul_efficiency`` of
+peak, attention FLOPs at ``attention_efficiency``) and weight-read time, then adds what does
+not overlap with compute:
+
+* SP: Ulysses all-to-alls (4 per attention: q, k, v out, output back) and the output gather,
+  at the group's link bandwidth (NVLink inside a domain, else PCIe); ring hops overlap the
+  per-hop attention and only their excess counts;
+* offloaded blocks (``block_offload``): host->device weight copies on one copy stream with two
+  staging buffers, simulated block by block — a copy starts when the previous copy is done and
+  the block two offloads back has finished computing — with compute slowed by
+  ``copy_interference`` while a copy runs (H200: offload hides only with >= 2 blocks between
+  offloaded blocks, ARCHITECTURE.md);
+* HSDP: the all-gather of each sharded block's weights, overlapped with the previous block;
+* chunking (per chunk launch overhead and efficiency loss) and temporary serialization
+  (``s`` sub-batches each pay the weight reads and lose batching efficiency);
+* batch size through the token count (compute grows linearly, weight reads do not).
+
+The VAE decode is a roofline over an analytic count of decoder convolution FLOPs. Fitted
+constants are the efficiencies in ``HardwareProfile`` (defaults chosen against the H200 points
+in ARCHITECTURE.md; ``bench/bench_profiler.py`` prints the comparison). When the profile store
+holds measured requests for the hardware's fingerprint, per-phase correction factors (median of
+measured / modelled) are applied.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.models import ModelSpec
+from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.profiling.hardware import HardwareProfile
+from xema_ray.profiling.store import ProfileStore
+from xema_ray.templates import RequestTemplate
+
+BYTES = 2  # bf16 weights and activations
+KERNEL_LAUNCH_S = 10e-6
+KERNELS_PER_BLOCK = 40  # launches of one DiT block (GEMMs, norms, rope, attention, elementwise)
+
+Source = Literal["measured", "profiled", "cost_model"]
+
+
+class LatencyEstimate(BaseModel):
+    """Latency of one batch under a config. ``source`` says how it was obtained; anything but
+    "measured" is an estimate."""
+
+    model_config = ConfigDict(frozen=True)
+
+    total_s: float = Field(ge=0)
+    per_phase: dict[str, float] = Field(description="seconds per phase: setup, denoise, decode")
+    source: Source
+    per_step_s: float | None = Field(default=None, description="one denoising step (cost model / profiled)")
+    calibrated: bool = Field(default=False, description="cost model corrected by measurements in the store")
+    label: str = Field(default="", description="human-readable provenance, e.g. 'estimate (roofline, H200)'")
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One DiT block's work for one transformer pass of the whole batch."""
+
+    name: str
+    linear_flops: float
+    attention_flops: float
+    weight_bytes: float
+    #: tokens whose activations cross the SP group per attention (q/k/v/out all-to-alls)
+    attention_tokens: list[tuple[float, int]]  # (tokens of the attended sequence, hidden size)
+
+
+# ---------------------------------------------------------------------------- transformer work
+
+
+def _rows_per_step(spec: ModelSpec, template: RequestTemplate, batch: int) -> int:
+    """Transformer batch rows per denoising step: CFG doubles them, LTX-2 runs three passes."""
+    if spec.family == "ltx2":
+        passes = spec.transformer_passes_per_step()  # type: ignore[attr-defined]
+        return batch * sum(passes)
+    if spec.family == "cogvideox" and spec.default_guidance_scale > 1.0:
+        return batch * 2
+    return batch  # Flux.2-dev is guidance-distilled: one pass
+
+
+def transformer_blocks(spec: ModelSpec, template: RequestTemplate, rows: int) -> list[BlockCost]:
+    """Per-block FLOPs and weight bytes of one pass over ``rows`` batch rows (analytic, from the
+    model config: the GEMM parameter count of each block times the tokens it sees)."""
+    cfg = spec.transformer_config
+    tokens = template.token_counts()
+    blocks: list[BlockCost] = []
+    if spec.family == "flux2":
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        m = cfg.get("mlp_ratio", 3.0)
+        s_img, s_txt = tokens["image"], tokens["text"]
+        s = s_img + s_txt
+        stream = (4 + 3 * m) * d * d  # q, k, v, out + SwiGLU (2 x m d in, m d out)
+        single = (3 + 2 * m + 1 + m) * d * d  # fused qkv + mlp-in, fused out over [attn, mlp]
+        for i in range(cfg["num_layers"]):
+            blocks.append(BlockCost(f"double.{i}", 2 * stream * s * rows, 4 * s * s * d * rows, 2 * stream * BYTES, [(s, d)]))
+        for i in range(cfg.get("num_single_layers", 0)):
+            blocks.append(BlockCost(f"single.{i}", 2 * single * s * rows, 4 * s * s * d * rows, single * BYTES, [(s, d)]))
+    elif spec.family == "cogvideox":
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        s = tokens["video"] + tokens["text"]
+        params = 12 * d * d
+        adaln = 2 * cfg["time_embed_dim"] * 6 * d  # two LayerNormZero modulations (weights only)
+        for i in range(cfg["num_layers"]):
+            blocks.append(BlockCost(f"block.{i}", 2 * params * s * rows, 4 * s * s * d * rows, (params + adaln) * BYTES, [(s, d)]))
+    elif spec.family == "ltx2":
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        da = cfg["audio_num_attention_heads"] * cfg["audio_attention_head_dim"]
+        sv, sa, st = tokens["video"], tokens["audio"], tokens["text"]
+        video = 12 * d * d * sv + 2 * d * d * sv + 2 * d * cfg.get("cross_attention_dim", d) * st
+        audio = 12 * da * da * sa + 2 * da * da * sa + 2 * da * cfg.get("audio_cross_attention_dim", da) * st
+        cross = (2 * d * da + 2 * da * da) * (sv + sa)  # a2v and v2a projections at the audio width
+        attn = 4 * (sv * sv * d + sv * st * d + sa * sa * da + sa * st * da + 2 * sv * sa * da)
+        params = 16 * d * d + 16 * da * da + 4 * d * da + 4 * da * da
+        for i in range(cfg["num_layers"]):
+            blocks.append(BlockCost(f"block.{i}", 2 * (video + audio + cross) * rows, attn * rows, params * BYTES, [(sv, d), (sa, da)]))
+    else:
+        raise ValueError(f"no cost model for model family {spec.family!r}")
+    return blocks
+
+
+def block_compute_s(block: BlockCost, hw: HardwareProfile, sp: int = 1, chunks: int = 1) -> float:
+    """Roofline time of one block on one GPU of an SP group of ``sp``."""
+    peak = hw.bf16_tflops * 1e12
+    compute = block.linear_flops / sp / (peak * hw.matmul_efficiency) + block.attention_flops / sp / (peak * hw.attention_efficiency)
+    weights = block.weight_bytes / (hw.mem_gbps * 1e9)
+    t = max(compute, weights) + KERNELS_PER_BLOCK * KERNEL_LAUNCH_S
+    if chunks > 1:
+        # each chunk relaunches the block's kernels and runs smaller, less efficient GEMMs
+        t = t * (1 + 0.02 * (chunks - 1)) + (chunks - 1) * KERNELS_PER_BLOCK * KERNEL_LAUNCH_S
+    return t
+
+
+def sp_comm_s(block: BlockCost, hw: HardwareProfile, rows: int, ulysses: int, ring: int, attention_s: float) -> float:
+    """Exposed communication of one block under USP (Ulysses all-to-alls + ring excess)."""
+    sp = ulysses * ring
+    if sp == 1:
+        return 0.0
+    t = 0.0
+    for tokens, hidden in block.attention_tokens:
+        local = rows * tokens / sp * hidden * BYTES  # one of q, k, v, out on this rank
+        if ulysses > 1:
+            bw = hw.link_gbps(ulysses) * 1e9
+            t += 4 * (local * (ulysses - 1) / ulysses / bw + hw.collective_latency_s)
+        if ring > 1:
+            bw = hw.link_gbps(ring) * 1e9
+            hop = 2 * local * ulysses / bw + hw.collective_latency_s  # k and v of a ulysses-gathered block
+            t += (ring - 1) * max(0.0, hop - attention_s / ring)
+    return t
+
+
+# ---------------------------------------------------------------------------- offload simulation
+
+
+def offload_step_s(compute: list[float], copy: list[float], offloaded: set[int], interference: float) -> float:
+    """Time of one forward over blocks with ``compute[i]`` seconds each, where the blocks in
+    ``offloaded`` first need a host->device copy of ``copy[i]`` seconds.
+
+    One copy stream, two staging buffers: the copy of an offloaded block starts once the
+    previous copy is done and the offloaded block two back has finished computing (its buffer
+    is free); a block starts when the previous block is done and its weights have arrived.
+    While a copy runs, compute proceeds ``1 + interference`` times slower.
+
+    Example:
+        >>> round(offload_step_s([1.0, 1.0, 1.0], [2.0, 0, 0], {0}, 0.0), 3)  # nothing to hide behind
+        5.0
+    """
+    order = sorted(offloaded)
+    copies: dict[int, tuple[float, float]] = {}
+    block_end: dict[int, float] = {}
+    copy_free = 0.0
+    issued = 0
+
+    def issue() -> None:
+        # issue every copy whose staging buffer is free: its start is never before "now",
+        # because the buffer frees when a block (the latest event) finishes
+        nonlocal copy_free, issued
+        while issued < len(order):
+            ready = 0.0
+            if issued >= 2:
+                dep = order[issued - 2]
+                if dep not in block_end:
+                    return
+                ready = block_end[dep]
+            start = max(copy_free, ready)
+            copies[order[issued]] = (start, start + copy[order[issued]])
+            copy_free = start + copy[order[issued]]
+            issued += 1
+
+    issue()
+    t = 0.0
+    for i in range(len(compute)):
+        if i in offloaded:
+            t = max(t, copies[i][1])  # its weights must have arrived
+        remaining = compute[i]
+        now = t
+        for s, e in sorted(copies.values()):
+            if e <= now or remaining <= 0:
+                continue
+            if s > now:
+                free = min(remaining, s - now)
+                now += free
+                remaining -= free
+                if remaining <= 0:
+                    break
+            # compute runs 1 + interference times slower while this copy is in flight
+            overlap = min(e - now, remaining * (1 + interference))
+            now += overlap
+            remaining -= overlap / (1 + interference)
+        now += max(0.0, remaining)
+        block_end[i] = now
+        t = now
+        issue()
+    return t
+
+
+# ---------------------------------------------------------------------------- VAE
+
+
+def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> float:
+    """Approximate decoder FLOPs: every up level's resnet convolutions (2 per resnet, 3x3 or
+    3x3x3) at that level's resolution, plus the mid block, for ``batch`` videos/images."""
+    cfg = spec.vae_config
+    video = spec.kind == "video"
+    k = 27 if video else 9
+    if "decoder_block_out_channels" in cfg:
+        chans = list(reversed(cfg["decoder_block_out_channels"]))
+        layers = list(reversed(cfg.get("decoder_layers_per_block", [3] * (len(chans) + 1))))
+    else:
+        chans = list(reversed(cfg["block_out_channels"]))
+        lpb = cfg.get("layers_per_block", 2)
+        layers = [lpb + 1] * len(chans)
+    levels = len(chans)
+    pixels = template.height * template.width
+    out_frames = template.frames
+    latent_frames = (out_frames - 1) // spec.temporal_compression + 1 if video else 1
+    flops = 0.0
+    for i, c in enumerate(chans):
+        spatial = pixels / 4 ** (levels - 1 - i)
+        frames = min(out_frames, latent_frames * 2**i) if video else 1
+        n_layers = layers[i] if i < len(layers) else layers[-1]
+        flops += 2 * n_layers * 2 * k * c * c * spatial * frames
+    mid_spatial = pixels / 4 ** (levels - 1)
+    flops += 4 * 2 * k * chans[0] ** 2 * mid_spatial * latent_frames
+    return flops * batch
+
+
+def vae_decode_s(spec: ModelSpec, template: RequestTemplate, batch: int, hw: HardwareProfile, chunks: int = 1, serial: int = 1) -> float:
+    flops = vae_decode_flops(spec, template, batch)
+    t = flops / (hw.bf16_tflops * 1e12 * hw.conv_efficiency)
+    if chunks > 1:
+        t *= 1 + 0.05 * (chunks - 1)  # halo recomputation and smaller convolutions
+    if serial > 1:
+        t *= 1 + 0.02 * (serial - 1)
+    return t
+
+
+# ---------------------------------------------------------------------------- the whole request
+
+
+def _blocks_of(m: Mitigation, n_blocks: int) -> set[int]:
+    if m.blocks is not None:
+        return set(m.blocks)
+    if m.modules is not None:
+        return {i for i in range(n_blocks) if any(f".{i}" in mod and "vae" not in mod for mod in m.modules)}
+    return set(range(n_blocks))  # an event range inside the DiT: conservatively all blocks
+
+
+def _vae_targeted(m: Mitigation) -> bool:
+    return m.modules is not None and any(mod.startswith("vae") for mod in m.modules)
+
+
+def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> LatencyEstimate:
+    """Uncalibrated roofline latency of one batch under ``config`` on ``hw`` (milliseconds to compute)."""
+    template = config.template
+    spec = template.spec
+    if config.gpus > hw.gpus:
+        raise ValueError(f"{config.describe()} needs {config.gpus} GPUs; {hw.name} has {hw.gpus}")
+    rows = _rows_per_step(spec, template, config.batch)
+    blocks = transformer_blocks(spec, template, rows)
+    n = len(blocks)
+    chunks = [1] * n
+    serial = [1] * n
+    offloaded: set[int] = set()
+    sharded: set[int] = set()
+    vae_chunks = vae_serial = 1
+    act_offload = 0
+    for m in config.mitigations:
+        if m.kind == "block_offload":
+            offloaded |= _blocks_of(m, n)
+        elif m.kind == "hsdp":
+            sharded |= _blocks_of(m, n)
+        elif m.kind == "dit_chunking" and not _vae_targeted(m):
+            for i in _blocks_of(m, n):
+                chunks[i] = max(chunks[i], m.intensity)
+        elif m.kind == "vae_chunking" or (m.kind == "dit_chunking" and _vae_targeted(m)):
+            vae_chunks = max(vae_chunks, m.intensity)
+        elif m.kind == "temporary_serialization":
+            if _vae_targeted(m):
+                vae_serial = max(vae_serial, m.intensity)
+            else:
+                for i in _blocks_of(m, n):
+                    serial[i] = max(serial[i], m.intensity)
+        elif m.kind == "activation_offload":
+            act_offload += m.intensity
+    compute = []
+    for i, b in enumerate(blocks):
+        if serial[i] > 1:
+            # s sub-batches: each runs rows/s and reads the weights again
+            part = BlockCost(b.name, b.linear_flops / serial[i], b.attention_flops / serial[i], b.weight_bytes, b.attention_tokens)
+            t = serial[i] * block_compute_s(part, hw, config.sp, chunks[i])
+        else:
+            t = block_compute_s(b, hw, config.sp, chunks[i])
+        attn_s = b.attention_flops / config.sp / (hw.bf16_tflops * 1e12 * hw.attention_efficiency)
+        t += sp_comm_s(b, hw, rows, config.ulysses, config.ring, attn_s)
+        if i in sharded:
+            gather_s = b.weight_bytes * (config.gpus - 1) / config.gpus / (hw.link_gbps(config.gpus) * 1e9)
+            prev = compute[i - 1] if i else 0.0
+            t += max(0.0, gather_s - prev)  # prefetched during the previous block
+        compute.append(t)
+    copies = [b.weight_bytes / (hw.h2d_gbps * 1e9) for b in blocks]
+    step = offload_step_s(compute, copies, offloaded, hw.copy_interference) if offloaded else sum(compute)
+    # SP: the output gather once per step (latent tokens x channels, tiny next to the blocks)
+    if config.sp > 1:
+        step += 2 * hw.collective_latency_s
+    latent = 1
+    for x in template.latent_shape():
+        latent *= x
+    step += 4 * latent * config.batch * 4 / (hw.mem_gbps * 1e9)  # scheduler update on fp32 latents
+    decode = vae_decode_s(spec, template, config.batch, hw, vae_chunks, vae_serial)
+    if act_offload:
+        # each offloaded tensor ~ one full-resolution decoder feature map, out and back, half hidden
+        feature = template.height * template.width * template.frames * spec.vae_config.get("block_out_channels", [128])[0] * BYTES
+        decode += act_offload * 2 * feature * config.batch / (hw.h2d_gbps * 1e9) * 0.5
+    per_phase = {"setup": 0.0, "denoise": step * template.steps, "decode": decode}
+    return LatencyEstimate(
+        total_s=sum(per_phase.values()), per_phase=per_phase, source="cost_model", per_step_s=step,
+        label=f"estimate (roofline, {hw.name})",
+    )
+
+
+def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[str, float]:
+    """Per phase, the median ratio measured / modelled over the store's measured requests of
+    this hardware and model family (empty when there are none)."""
+    if hw.fingerprint is None:
+        return {}
+    ratios: dict[str, list[float]] = {}
+    for rec in store.requests(hw.fingerprint):
+        if rec.source != "measured" or rec.config is None or rec.config.template.spec.family != family:
+            continue
+        model = cost_model_estimate(rec.config, hw)
+        for phase in ("denoise", "decode"):
+            if rec.per_phase.get(phase) and model.per_phase[phase] > 0:
+                ratios.setdefault(phase, []).append(rec.per_phase[phase] / model.per_phase[phase])
+    return {p: statistics.median(v) for p, v in ratios.items()}
+
+
+def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: ProfileStore | None = None) -> LatencyEstimate:
+    """Latency of one batch under ``config`` on ``hardware``: a measurement when the store has one
+    for this hardware and config, else the profiler's segment estimate, else the roofline cost
+    model (calibrated by the store's measurements of this hardware when there are any).
+
+    Args:
+        config: the execution configuration (template, SP, batch, mitigations).
+        hardware: a profile (``H200``, ``A6000_8X``, or one whose ``fingerprint`` matches the
+            machine the store's measurements came from).
+        store: profile store to consult (None: cost model only).
+
+    Example:
+        >>> from xema_ray.profiling.hardware import H200
+        >>> t = RequestTemplate(model="cogvideox-5b", height=720, width=1280, frames=49)
+        >>> est = estimate_latency(ExecutionConfig(template=t), H200)
+        >>> est.source, est.per_step_s > 1.0
+        ('cost_model', True)
+    """
+    model = config.template.model
+    if store is not None and hardware.fingerprint is not None:
+        for source in ("measured", "profiled"):
+            rec = store.get_request(hardware.fingerprint, model, config.config_hash(), source)
+            if rec is not None:
+                return LatencyEstimate(
+                    total_s=rec.total_s, per_phase=dict(rec.per_phase), source=rec.source,
+                    per_step_s=rec.per_phase.get("denoise", 0.0) / rec.steps if rec.per_phase.get("denoise") else None,
+                    label=("measurement" if source == "measured" else "estimate (segment profile)") + f" on {hardware.name}",
+                )
+    est = cost_model_estimate(config, hardware)
+    factors = _calibration_factors(store, hardware, config.template.spec.family) if store is not None else {}
+    if not factors:
+        return est
+    per_phase = {p: v * factors.get(p, 1.0) for p, v in est.per_phase.items()}
+    step = (est.per_step_s or 0.0) * factors.get("denoise", 1.0)
+    return LatencyEstimate(
+        total_s=sum(per_phase.values()), per_phase=per_phase, source="cost_model", per_step_s=step, calibrated=True,
+        label=f"estimate (roofline calibrated on {sum(1 for _ in factors)} phase(s) of measurements, {hardware.name})",
+    )

@@ -1,0 +1,373 @@
+"""The execution engine: one batch of one template, end to end, on one worker (paper §8).
+
+``ExecutionEngine.execute(batch)`` takes a ``Batch`` (an ``ExecutionConfig`` plus the requests)
+and returns a ``BatchResult``: PNG or MP4 bytes per request, per-phase timings and memory
+statistics. For the duration of the batch it installs, in this order and all removed afterwards:
+
+1. the config's mitigations, through the mitigation library's single entry point
+   ``xema_ray.mitigation.apply_mitigations(pipe, spec, mitigations)`` (imported lazily: the
+   engine works without that package as long as a config asks for no mitigation);
+2. the static layout named by ``layout_ref``, through an injected ``arm_layout`` callable (the
+   allocator binding owns how; on CPU none is installed and the result says so);
+3. sequence parallelism over the batch's SP group when ``ulysses x ring > 1``.
+
+Every rank of an SP group executes the same batch (same prompts and seeds, so the same initial
+noise); the transformer splits and gathers the sequence internally. Only the group's rank 0
+decodes and encodes: the others stop at the latents, which they hold too.
+
+Determinism: each request's noise comes from its own CPU generator seeded with its seed, so a
+request's output does not depend on which device runs it; the encoders are bit-exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from xema_ray.models import ModelSpec
+from xema_ray.parallel.groups import ProcessGroups
+from xema_ray.parallel.sp import Backend, apply_sequence_parallel
+from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.platforms import MemoryStats, Platform, current_platform
+from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
+
+ArmLayout = Callable[[str], contextlib.AbstractContextManager[None]]
+
+#: CogVideoX's published sampling frame rate (the diffusers examples export at 8 fps); models
+#: that know their own rate (LTX-2's ``frame_rate``) use that.
+DEFAULT_VIDEO_FPS = 8.0
+
+
+class MitigationLibraryMissing(ValueError):
+    """A config asks for mitigations but ``xema_ray.mitigation`` is not importable."""
+
+
+class GenerationRequest(BaseModel):
+    """One client request inside a batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
+    prompt: str = Field(description="text prompt")
+    seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
+
+
+class Batch(BaseModel):
+    """What a worker executes: requests of one template under one execution config."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: ExecutionConfig
+    requests: tuple[GenerationRequest, ...] = Field(min_length=1)
+    guidance_scale: float | None = Field(default=None, description="None = the model's default")
+
+    @model_validator(mode="after")
+    def _check(self) -> Batch:
+        if len(self.requests) != self.config.batch:
+            raise ValueError(
+                f"batch of {len(self.requests)} requests does not match the config's batch size {self.config.batch}"
+            )
+        return self
+
+
+class PhaseTimings(BaseModel):
+    """Wall-clock seconds per phase on this worker (device work synchronised at each boundary)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text_s: float = Field(ge=0, description="prompt -> embeddings (stand-in or the text encoder)")
+    denoise_s: float = Field(ge=0, description="latent preparation and the denoising loop")
+    decode_s: float = Field(ge=0, description="VAE decode (+ audio VAE and vocoder) and post-processing")
+    encode_s: float = Field(ge=0, description="PNG / MP4 / WAV encoding")
+    total_s: float = Field(ge=0, description="the whole batch, including mitigation and SP set-up")
+
+
+class RequestOutput(BaseModel):
+    """The encoded result of one request."""
+
+    model_config = ConfigDict(frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
+
+    request_id: str
+    seed: int
+    media_type: Literal["image/png", "video/mp4"]
+    data: bytes = Field(repr=False)
+    width: int
+    height: int
+    frames: int
+    audio_wav: bytes | None = Field(default=None, repr=False, description="LTX-2's sound track")
+
+
+class BatchResult(BaseModel):
+    """What ``execute`` returns: outputs on the group's output rank, timings and memory on all."""
+
+    model_config = ConfigDict(frozen=True)
+
+    template: str
+    config_hash: str
+    sp_rank: int = Field(description="this worker's rank in its SP group (0 when SP = 1)")
+    outputs: list[RequestOutput] = Field(description="empty on ranks other than the SP group's rank 0")
+    timings: PhaseTimings
+    memory: MemoryStats
+    mitigations: int = Field(description="mitigation actions installed for the batch")
+    layout_armed: bool = Field(description="the static layout was armed for this batch")
+
+
+@contextlib.contextmanager
+def apply_config_mitigations(pipe: Any, spec: ModelSpec, mitigations: tuple[Mitigation, ...]) -> Iterator[None]:
+    """Install ``mitigations`` through the mitigation library for the ``with`` block.
+
+    Raises:
+        MitigationLibraryMissing: mitigations were asked for and ``xema_ray.mitigation`` (or its
+            ``apply_mitigations``) is not available.
+    """
+    if not mitigations:
+        yield
+        return
+    try:
+        from xema_ray.mitigation import apply_mitigations
+    except ImportError as e:
+        kinds = sorted({m.kind for m in mitigations})
+        raise MitigationLibraryMissing(
+            f"the config asks for {len(mitigations)} mitigation(s) ({', '.join(kinds)}) but the mitigation "
+            f"library cannot be imported ({e}); install xema_ray.mitigation or run the config without mitigations"
+        ) from e
+    with apply_mitigations(pipe, spec, mitigations):
+        yield
+
+
+def _shadow(obj: Any, name: str, value: Callable[..., Any]) -> Callable[[], None]:
+    """Set an instance attribute that shadows a method; return the undo. Restores a previous
+    instance-level override (another hook, e.g. the analyzer's markers) instead of deleting it."""
+    previous = vars(obj).get(name)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if previous is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, previous)
+
+    return undo
+
+
+class _PhaseClock:
+    """Marks phase boundaries inside a pipeline call: time spent in ``encode_prompt`` and the
+    first entry into a decoder (video VAE, audio VAE, vocoder). Installed as instance
+    attributes / forward hooks and removed on exit."""
+
+    def __init__(self, pipe: Any, platform: Platform) -> None:
+        self.pipe = pipe
+        self.platform = platform
+        self.encode_prompt_s = 0.0
+        self.first_decode: float | None = None
+        self._undo: list[Callable[[], None]] = []
+
+    def _mark_decode(self) -> None:
+        if self.first_decode is None:
+            self.platform.synchronize()  # the denoising loop's kernels belong to the denoise phase
+            self.first_decode = time.perf_counter()
+
+    def __enter__(self) -> _PhaseClock:
+        pipe = self.pipe
+        if hasattr(pipe, "encode_prompt"):
+            original = pipe.encode_prompt
+
+            @functools.wraps(original)
+            def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.platform.synchronize()
+                    self.encode_prompt_s += time.perf_counter() - t0
+
+            self._undo.append(_shadow(pipe, "encode_prompt", encode_prompt))
+        for name in ("vae", "audio_vae"):
+            comp = getattr(pipe, name, None)
+            if comp is None or not hasattr(comp, "decode"):
+                continue
+            orig = comp.decode
+
+            def decode(*args: Any, _orig: Callable[..., Any] = orig, **kwargs: Any) -> Any:
+                self._mark_decode()
+                return _orig(*args, **kwargs)
+
+            self._undo.append(_shadow(comp, "decode", decode))
+        vocoder = getattr(pipe, "vocoder", None)
+        if isinstance(vocoder, nn.Module):
+            handle = vocoder.register_forward_pre_hook(lambda *_: self._mark_decode())
+            self._undo.append(handle.remove)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+class ExecutionEngine:
+    """Runs batches on one worker's loaded pipeline.
+
+    Args:
+        pipe: the model's diffusers pipeline, built on ``device`` (``ModelSpec.build_pipeline``).
+        spec: the model's spec (shapes, call kwargs, prompt embeddings).
+        device: where the pipeline lives.
+        dtype: the pipeline's compute dtype (prompt embeddings are made in it).
+        groups: the worker set's process groups (needed for configs with SP > 1).
+        platform: device abstraction (default: the current platform).
+        arm_layout: ``layout_ref -> context manager`` that arms a static layout (the allocator
+            binding provides it where the pluggable allocator is installed).
+        sp_backend: USP backend, see ``apply_sequence_parallel``.
+
+    Example:
+        >>> from xema_ray.models import BuildOptions, get_model_spec
+        >>> spec = get_model_spec("tiny-flux2")
+        >>> engine = ExecutionEngine(spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32)
+        >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)  # doctest: +SKIP
+        >>> engine.execute(Batch(config=ExecutionConfig(template=t),
+        ...     requests=(GenerationRequest(request_id="a", prompt="a cat", seed=1),))).outputs[0].media_type  # doctest: +SKIP
+        'image/png'
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        groups: ProcessGroups | None = None,
+        platform: Platform | None = None,
+        arm_layout: ArmLayout | None = None,
+        sp_backend: Backend = "auto",
+    ) -> None:
+        self.pipe = pipe
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+        self.groups = groups
+        self.platform = platform or current_platform()
+        self.arm_layout = arm_layout
+        self.sp_backend = sp_backend
+
+    # ------------------------------------------------------------------ validation
+    def _check(self, config: ExecutionConfig) -> None:
+        if config.template.model != self.spec.name:
+            raise ValueError(f"batch is for model {config.template.model!r}, this engine runs {self.spec.name!r}")
+        if config.sp > 1:
+            if self.groups is None:
+                raise ValueError(f"config {config.describe()} needs SP = {config.sp} but this engine has no process groups")
+            if self.groups.world_size < config.sp:
+                raise ValueError(f"SP = {config.sp} exceeds the worker set's {self.groups.world_size} workers")
+
+    # ------------------------------------------------------------------ running
+    def run_pipeline(
+        self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
+        output_type: str = "np",
+    ) -> tuple[Any, dict[str, float], int, bool]:
+        """One pipeline call under ``config``: returns (pipeline output, phase seconds, SP rank,
+        layout armed). ``output_type="latent"`` stops before the decoders."""
+        self._check(config)
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
+        template = config.template
+        armed = False
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations))
+            if config.layout_ref is not None and self.arm_layout is not None:
+                stack.enter_context(self.arm_layout(config.layout_ref))
+                armed = True
+            if group is not None:
+                stack.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
+            t0 = time.perf_counter()
+            if getattr(self.pipe, "text_encoder", None) is not None:
+                inputs: dict[str, Any] = {"prompt": list(prompts)}  # real weights: the model's own encoder
+            else:
+                inputs = self.spec.prompt_embeddings(list(prompts), self.device, self.dtype)
+            t_text = time.perf_counter() - t0
+            generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                out = self.pipe(
+                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type
+                )
+            self.platform.synchronize()
+            t_end = time.perf_counter()
+        decode_start = clock.first_decode if clock.first_decode is not None else t_end
+        phases = {
+            "text": t_text + clock.encode_prompt_s,
+            "denoise": max(0.0, decode_start - t1 - clock.encode_prompt_s),
+            "decode": t_end - decode_start,
+        }
+        return out, phases, group.rank if group is not None else 0, armed
+
+    def execute(self, batch: Batch) -> BatchResult:
+        """Run ``batch`` end to end; see the module docstring."""
+        t0 = time.perf_counter()
+        self.platform.reset_peak_memory()
+        config = batch.config
+        group_rank = self.groups.select(config.ulysses, config.ring).rank if config.sp > 1 and self.groups else 0
+        output_rank = group_rank == 0
+        prompts = [r.prompt for r in batch.requests]
+        seeds = [r.seed for r in batch.requests]
+        out, phases, sp_rank, armed = self.run_pipeline(
+            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent"
+        )
+        t_enc = time.perf_counter()
+        outputs = self._encode(batch, out) if output_rank else []
+        encode_s = time.perf_counter() - t_enc
+        return BatchResult(
+            template=config.template.key,
+            config_hash=config.config_hash(),
+            sp_rank=sp_rank,
+            outputs=outputs,
+            timings=PhaseTimings(
+                text_s=phases["text"], denoise_s=phases["denoise"], decode_s=phases["decode"], encode_s=encode_s,
+                total_s=time.perf_counter() - t0,
+            ),
+            memory=self.platform.memory_stats(),
+            mitigations=len(config.mitigations),
+            layout_armed=armed,
+        )
+
+    # ------------------------------------------------------------------ outputs
+    def _encode(self, batch: Batch, out: Any) -> list[RequestOutput]:
+        t = batch.config.template
+        outputs = []
+        if self.spec.kind == "image":
+            images = np.asarray(out.images)
+            for req, img in zip(batch.requests, images, strict=True):
+                outputs.append(
+                    RequestOutput(
+                        request_id=req.request_id, seed=req.seed, media_type="image/png", data=encode_png(img),
+                        width=img.shape[1], height=img.shape[0], frames=1,
+                    )
+                )
+            return outputs
+        videos = np.asarray(out.frames)  # [B, F, H, W, 3]
+        audio = getattr(out, "audio", None)
+        fps = float(getattr(self.spec, "frame_rate", DEFAULT_VIDEO_FPS))
+        for i, (req, frames) in enumerate(zip(batch.requests, videos, strict=True)):
+            wav = None
+            if audio is not None:
+                track = audio[i].float().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio[i])
+                rate = int(getattr(self.spec, "vocoder_config", {}).get("output_sampling_rate", 24000))
+                wav = encode_wav(track, rate)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id, seed=req.seed, media_type="video/mp4", data=encode_mp4(frames, fps),
+                    width=frames.shape[2], height=frames.shape[1], frames=frames.shape[0], audio_wav=wav,
+                )
+            )
+        if len(outputs) != len(batch.requests) or t.frames < 1:
+            raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(batch.requests)} requests")
+        return outputs

@@ -1,0 +1,118 @@
+"""HTTP API schemas (OpenAI-style) and the mapping of a request onto a template.
+
+Every field is validated here so that a bad request gets a 422 naming the field, and a request
+for a shape the deployment does not serve gets a 400 listing what it does serve.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from xema_ray.templates import RequestTemplate
+
+MAX_PROMPT_CHARS = 10_000
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """'1024x768' -> (width, height)."""
+    m = _SIZE.match(size)
+    if not m:
+        raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. '1024x1024'), got {size!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1, max_length=64)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    size: str = Field(description="WIDTHxHEIGHT")
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must contain non-whitespace text")
+        return v
+
+
+class ImageRequest(_Common):
+    """``POST /v1/images/generations`` (the OpenAI images API, plus diffusion knobs)."""
+
+    n: int = Field(default=1, ge=1, le=8, description="images for this prompt (each its own request)")
+    response_format: Literal["b64_json"] = "b64_json"
+    num_inference_steps: int | None = Field(default=None, ge=1, le=200)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+    quality: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
+    style: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
+    user: str | None = None
+
+
+class VideoRequest(_Common):
+    """``POST /v1/videos``: returns an MP4."""
+
+    num_frames: int = Field(ge=1, le=1024)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=200)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class TemplateInfo(BaseModel):
+    """One supported template, its plan and predictions (``GET /v1/templates``)."""
+
+    template: str
+    model: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    plan: str
+    predicted_latency_s: float
+    predicted_peak_gb: float
+    slo_s: float
+
+
+class UnsupportedTemplate(ValueError):
+    """A well-formed request for a shape this deployment does not serve (HTTP 400)."""
+
+    def __init__(self, message: str, supported: list[str]) -> None:
+        super().__init__(message)
+        self.supported = supported
+
+
+def match_template(model: str, width: int, height: int, frames: int, served: dict[str, RequestTemplate],
+                   kind: Literal["image", "video"]) -> RequestTemplate:
+    """The served template for (model, size, frames), or UnsupportedTemplate listing the served ones."""
+    ours = sorted(k for k, t in served.items() if t.model == model)
+    if not ours:
+        models = sorted({t.model for t in served.values()})
+        raise UnsupportedTemplate(f"model {model!r} is not served; served models: {', '.join(models)}", sorted(served))
+    spec_kind = served[ours[0]].spec.kind
+    if spec_kind != kind:
+        raise UnsupportedTemplate(
+            f"{model} is a{'n' if spec_kind == 'image' else ''} {spec_kind} model; use "
+            f"{'/v1/images/generations' if spec_kind == 'image' else '/v1/videos'}", ours)
+    key = f"{model}/{width}x{height}x{frames}"
+    if key not in served:
+        raise UnsupportedTemplate(f"{model} does not serve {width}x{height}x{frames}; served: {', '.join(ours)}", ours)
+    return served[key]

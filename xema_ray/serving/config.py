@@ -1,0 +1,59 @@
+"""The serving application's configuration: one typed object, read from ``serve run``'s YAML args."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xema_ray.models import MODEL_NAMES
+
+
+class TemplateSpec(BaseModel):
+    """A template to serve: ``{"width": 64, "height": 64, "frames": 1, "steps": 4}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    frames: int = Field(default=1, ge=1)
+    steps: int = Field(default=50, ge=1)
+
+
+class ModelGroupConfig(BaseModel):
+    """One model's worker set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description=f"registry name: {', '.join(MODEL_NAMES)}")
+    workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
+    weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
+    templates: list[TemplateSpec] = Field(min_length=1)
+    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
+    wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
+    max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
+
+    @model_validator(mode="after")
+    def _known(self) -> ModelGroupConfig:
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        return self
+
+
+class ServeConfig(BaseModel):
+    """The whole application (``deployments/xema.yaml`` ``args``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="cpu: CPU worker bundles (no GPU needed)")
+    models: list[ModelGroupConfig] = Field(min_length=1)
+    plan_table: Path | None = Field(default=None, description="planner output; None = plan at start-up")
+    force_plan_table: bool = Field(default=False, description="use a plan table made for other hardware")
+    budget: str = Field(default="48GB", description="per-GPU budget used when planning at start-up")
+    hardware: str | None = Field(default=None, description="latency profile for start-up planning (None: measure)")
+    slo_scale: float = Field(default=1.0, gt=0)
+    worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int = Field(default=256, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0)

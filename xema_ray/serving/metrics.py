@@ -1,0 +1,61 @@
+"""Serving metrics, exported through Ray Serve's Prometheus endpoint (``ray.serve.metrics``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ray.serve import metrics
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.engine import BatchResult
+
+_LATENCY_BOUNDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
+
+
+class ServingMetrics:
+    """Per model group: requests, latency, queue depth, batch size, SLO met/missed, memory peak per
+    batch and the static allocator's fallback allocations, tagged by template."""
+
+    def __init__(self, model: str) -> None:
+        tags = ("template",)
+        default = {"model": model}
+        self.requests = metrics.Counter("xema_requests", "requests completed", tag_keys=(*tags, "model"))
+        self.requests.set_default_tags(default)
+        self.slo_met = metrics.Counter("xema_slo_met", "requests finished within their SLO", tag_keys=(*tags, "model"))
+        self.slo_met.set_default_tags(default)
+        self.slo_missed = metrics.Counter("xema_slo_missed", "requests finished after their SLO", tag_keys=(*tags, "model"))
+        self.slo_missed.set_default_tags(default)
+        self.failed = metrics.Counter("xema_requests_failed", "requests that failed after retry", tag_keys=(*tags, "model"))
+        self.failed.set_default_tags(default)
+        self.rejected = metrics.Counter("xema_requests_rejected", "requests refused: queue full", tag_keys=(*tags, "model"))
+        self.rejected.set_default_tags(default)
+        self.retries = metrics.Counter("xema_batch_retries", "batches retried after a worker failure", tag_keys=(*tags, "model"))
+        self.retries.set_default_tags(default)
+        self.worker_restarts = metrics.Counter("xema_worker_set_restarts", "worker sets rebuilt", tag_keys=("model",))
+        self.worker_restarts.set_default_tags(default)
+        self.latency = metrics.Histogram("xema_request_latency_s", "arrival to result", boundaries=_LATENCY_BOUNDS,
+                                         tag_keys=(*tags, "model"))
+        self.latency.set_default_tags(default)
+        self.batch_seconds = metrics.Histogram("xema_batch_seconds", "batch execution time", boundaries=_LATENCY_BOUNDS,
+                                               tag_keys=(*tags, "model"))
+        self.batch_seconds.set_default_tags(default)
+        self.queue_depth = metrics.Gauge("xema_queue_depth", "requests waiting", tag_keys=(*tags, "model"))
+        self.queue_depth.set_default_tags(default)
+        self.batch_size = metrics.Gauge("xema_batch_size", "requests in the last batch", tag_keys=(*tags, "model"))
+        self.batch_size.set_default_tags(default)
+        self.peak_bytes = metrics.Gauge("xema_batch_peak_bytes", "device memory peak of the last batch", tag_keys=(*tags, "model"))
+        self.peak_bytes.set_default_tags(default)
+        self.fallback_allocs = metrics.Counter("xema_allocator_fallbacks", "static-layout misses served dynamically",
+                                               tag_keys=(*tags, "model"))
+        self.fallback_allocs.set_default_tags(default)
+
+    def observe_request(self, template: str, latency_s: float, met: bool) -> None:
+        t = {"template": template}
+        self.requests.inc(tags=t)
+        self.latency.observe(latency_s, tags=t)
+        (self.slo_met if met else self.slo_missed).inc(tags=t)
+
+    def observe_batch(self, template: str, size: int, result: BatchResult) -> None:
+        t = {"template": template}
+        self.batch_size.set(size, tags=t)
+        self.peak_bytes.set(float(result.memory.peak_bytes), tags=t)

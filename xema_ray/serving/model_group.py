@@ -1,0 +1,255 @@
+"""ModelGroup: one model's GPU worker set behind a Ray Serve deployment (paper §4, Figure 3).
+
+The deployment's replica owns a placement group with one bundle per GPU (``STRICT_PACK``) and
+starts one worker actor in each bundle; each worker loads the model once and creates every SP
+process group the plans need. The ``Dispatcher`` (shared with the simulator) forms batches per
+template, orders them by deadline and places each on a free SP group; DP is how many groups run
+at once. A worker that dies takes its worker set's process groups with it, so the set is rebuilt
+(weights reloaded) and the batch is retried once; if that fails too, its requests fail with a
+clear error — never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from xema_ray.plan import ExecutionConfig, PlanEntry
+from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.serving.metrics import ServingMetrics
+
+logger = logging.getLogger("xema_ray.serving")
+
+
+class GroupUnavailable(RuntimeError):
+    """The worker set failed twice for a batch (HTTP 503 with the reason)."""
+
+
+class QueueFull(RuntimeError):
+    """The template's queue is full (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Ticket:
+    prompt: str
+    seed: int
+    guidance_scale: float | None
+    future: asyncio.Future
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def batch_config(config: ExecutionConfig, n: int) -> ExecutionConfig:
+    """The planned config for a batch of ``n`` requests (a partial batch when the window expired):
+    sub-batch counts cannot exceed the batch."""
+    if n == config.batch:
+        return config
+    mitigations = tuple(
+        m.model_copy(update={"intensity": min(m.intensity, n)}) if m.kind == "temporary_serialization" else m
+        for m in config.mitigations
+    )
+    mitigations = tuple(m for m in mitigations if not (m.kind == "temporary_serialization" and m.intensity < 2))
+    return config.model_copy(update={"batch": n, "mitigations": mitigations})
+
+
+class ModelGroup:
+    """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
+
+    Args:
+        model: registry name of the model.
+        workers: size of the worker set (bundles of the placement group).
+        plans: template shape key -> plan entry JSON (from the plan table).
+        device: "cpu" or "cuda".
+        weights_dir: local diffusers directory or None (random weights).
+        worker_cpus: CPUs per worker actor.
+        wait_window_s, max_queue: dispatcher settings.
+    """
+
+    def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
+                 weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
+                 max_queue: int = 64) -> None:
+        self.model = model
+        self.n_workers = workers
+        self.device = device
+        self.weights_dir = weights_dir
+        self.worker_cpus = worker_cpus
+        self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
+        dispatch_plans = {
+            k: DispatchPlan(batch=e.config.batch, sp=e.config.sp, slo_s=e.prediction.slo_s, latency_s=e.prediction.latency_s)
+            for k, e in self.entries.items()
+        }
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue)
+        self.metrics = ServingMetrics(model)
+        self._layouts = sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})
+        self._generation = 0
+        self._rebuild_lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._actors: list[Any] = []
+        self._start_workers()
+
+    # ------------------------------------------------------------------ worker set
+    def _start_workers(self) -> None:
+        from xema_ray.parallel.groups import ParallelConfig, SPLayout
+        from xema_ray.runtime.worker import ModelLoadConfig, Worker
+
+        pg = get_current_placement_group()
+        actor_cls = ray.remote(Worker)
+        actors = []
+        for i in range(self.n_workers):
+            opts: dict[str, Any] = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.device == "cuda" else 0,
+                                    "max_restarts": 0}
+            if pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
+            actors.append(actor_cls.options(**opts).remote(platform=self.device))
+        port = _free_port()
+        layouts = tuple(SPLayout(ulysses=u, ring=r) for u, r in self._layouts) or None
+        ray.get([
+            a.init_device.remote(ParallelConfig(rank=i, world_size=self.n_workers, layouts=layouts,
+                                                init_method=f"tcp://127.0.0.1:{port}" if self.n_workers > 1 else None))
+            for i, a in enumerate(actors)
+        ])
+        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir)
+        ray.get([a.load_model.remote(load) for a in actors])
+        self._actors = actors
+        self._generation += 1
+
+    async def _rebuild(self, failed_generation: int) -> None:
+        """Recreate the whole worker set once per failure (a dead rank breaks every SP group)."""
+        assert self._rebuild_lock is not None
+        async with self._rebuild_lock:
+            if self._generation != failed_generation:
+                return  # another batch already rebuilt it
+            logger.warning("%s: worker set generation %d failed; restarting and reloading weights", self.model, failed_generation)
+            for a in self._actors:
+                ray.kill(a, no_restart=True)
+            await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
+            self.metrics.worker_restarts.inc()
+
+    # ------------------------------------------------------------------ requests
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._rebuild_lock = asyncio.Lock()
+            self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+
+    async def generate(self, template: str, request_id: str, prompt: str, seed: int,
+                       guidance_scale: float | None = None) -> dict[str, Any]:
+        """Queue one request and wait for its encoded output (RequestOutput as a dict)."""
+        self._ensure_loop()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        try:
+            self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(prompt, seed, guidance_scale, fut))
+        except OverflowError as e:
+            plan = self.dispatcher.plans[template]
+            self.metrics.rejected.inc(tags={"template": template})
+            raise QueueFull(str(e), retry_after_s=max(1.0, plan.latency_s)) from None
+        self.metrics.queue_depth.set(self.dispatcher.queue_depth(template), tags={"template": template})
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
+
+    async def _dispatch_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            now = time.monotonic()
+            for a in self.dispatcher.dispatch(now):
+                asyncio.get_running_loop().create_task(self._run(a))
+            wake = self.dispatcher.next_wakeup(now)
+            timeout = None if wake is None else max(0.0, wake - time.monotonic())
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+            except TimeoutError:
+                pass
+
+    async def _execute(self, a: Assignment[_Ticket]) -> dict[str, dict[str, Any]]:
+        """Run an assignment on its workers; requests with different guidance run as sub-batches."""
+        from xema_ray.runtime.engine import Batch, GenerationRequest
+
+        entry = self.entries[a.template]
+        by_guidance: dict[float | None, list] = {}
+        for r in a.requests:
+            by_guidance.setdefault(r.payload.guidance_scale, []).append(r)  # type: ignore[union-attr]
+        outputs: dict[str, dict[str, Any]] = {}
+        for guidance, reqs in by_guidance.items():
+            batch = Batch(
+                config=batch_config(entry.config, len(reqs)),
+                requests=tuple(GenerationRequest(request_id=r.request_id, prompt=r.payload.prompt, seed=r.payload.seed)
+                               for r in reqs),
+                guidance_scale=guidance,
+            )
+            refs = [self._actors[w].execute.remote(batch) for w in a.workers]
+            results = await asyncio.gather(*refs)
+            lead = next(r for r in results if r.sp_rank == 0)
+            self.metrics.observe_batch(a.template, len(reqs), lead)
+            for out in lead.outputs:
+                outputs[out.request_id] = out.model_dump()
+        return outputs
+
+    async def _run(self, a: Assignment[_Ticket]) -> None:
+        started = time.monotonic()
+        try:
+            for attempt in (1, 2):
+                generation = self._generation
+                try:
+                    outputs = await self._execute(a)
+                    break
+                except RayActorError as e:
+                    if attempt == 2:
+                        raise GroupUnavailable(
+                            f"{self.model}: the worker set failed twice running {a.template} ({e.__class__.__name__}); "
+                            "the request was not completed, retry later") from e
+                    self.metrics.retries.inc(tags={"template": a.template})
+                    await self._rebuild(generation)
+            now = time.monotonic()
+            for r in a.requests:
+                t: _Ticket = r.payload  # type: ignore[assignment]
+                if not t.future.done():
+                    t.future.set_result(outputs[r.request_id])
+                self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
+        except Exception as e:  # every request of the batch gets the error; none is dropped
+            for r in a.requests:
+                t = r.payload  # type: ignore[assignment]
+                if not t.future.done():
+                    t.future.set_exception(e)
+            self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
+        finally:
+            self.dispatcher.complete(a.batch_id)
+            self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
+            if self._wake is not None:
+                self._wake.set()
+
+    # ------------------------------------------------------------------ introspection
+    async def status(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "workers": self.n_workers,
+            "generation": self._generation,
+            "queued": self.dispatcher.queue_depth(),
+            "running": len(self.dispatcher.running),
+        }
+
+    async def kill_worker(self, index: int) -> None:
+        """Fault injection for tests and drills: kill one worker actor."""
+        if not 0 <= index < self.n_workers:
+            raise ValueError(f"worker index must be in [0, {self.n_workers}), got {index}")
+        ray.kill(self._actors[index], no_restart=True)
