@@ -18,36 +18,35 @@ class ServingMetrics:
 
     def __init__(self, model: str) -> None:
         tags = ("template",)
-        default = {"model": model}
         self.requests = metrics.Counter("xema_requests", "requests completed", tag_keys=(*tags, "model"))
-        self.requests.set_default_tags(default)
+        self.requests.set_default_tags({"model": model})  # Serve adds keys to the dict it gets
         self.slo_met = metrics.Counter("xema_slo_met", "requests finished within their SLO", tag_keys=(*tags, "model"))
-        self.slo_met.set_default_tags(default)
+        self.slo_met.set_default_tags({"model": model})
         self.slo_missed = metrics.Counter("xema_slo_missed", "requests finished after their SLO", tag_keys=(*tags, "model"))
-        self.slo_missed.set_default_tags(default)
+        self.slo_missed.set_default_tags({"model": model})
         self.failed = metrics.Counter("xema_requests_failed", "requests that failed after retry", tag_keys=(*tags, "model"))
-        self.failed.set_default_tags(default)
+        self.failed.set_default_tags({"model": model})
         self.rejected = metrics.Counter("xema_requests_rejected", "requests refused: queue full", tag_keys=(*tags, "model"))
-        self.rejected.set_default_tags(default)
+        self.rejected.set_default_tags({"model": model})
         self.retries = metrics.Counter("xema_batch_retries", "batches retried after a worker failure", tag_keys=(*tags, "model"))
-        self.retries.set_default_tags(default)
+        self.retries.set_default_tags({"model": model})
         self.worker_restarts = metrics.Counter("xema_worker_set_restarts", "worker sets rebuilt", tag_keys=("model",))
-        self.worker_restarts.set_default_tags(default)
+        self.worker_restarts.set_default_tags({"model": model})
         self.latency = metrics.Histogram("xema_request_latency_s", "arrival to result", boundaries=_LATENCY_BOUNDS,
                                          tag_keys=(*tags, "model"))
-        self.latency.set_default_tags(default)
+        self.latency.set_default_tags({"model": model})
         self.batch_seconds = metrics.Histogram("xema_batch_seconds", "batch execution time", boundaries=_LATENCY_BOUNDS,
                                                tag_keys=(*tags, "model"))
-        self.batch_seconds.set_default_tags(default)
+        self.batch_seconds.set_default_tags({"model": model})
         self.queue_depth = metrics.Gauge("xema_queue_depth", "requests waiting", tag_keys=(*tags, "model"))
-        self.queue_depth.set_default_tags(default)
+        self.queue_depth.set_default_tags({"model": model})
         self.batch_size = metrics.Gauge("xema_batch_size", "requests in the last batch", tag_keys=(*tags, "model"))
-        self.batch_size.set_default_tags(default)
+        self.batch_size.set_default_tags({"model": model})
         self.peak_bytes = metrics.Gauge("xema_batch_peak_bytes", "device memory peak of the last batch", tag_keys=(*tags, "model"))
-        self.peak_bytes.set_default_tags(default)
+        self.peak_bytes.set_default_tags({"model": model})
         self.fallback_allocs = metrics.Counter("xema_allocator_fallbacks", "static-layout misses served dynamically",
                                                tag_keys=(*tags, "model"))
-        self.fallback_allocs.set_default_tags(default)
+        self.fallback_allocs.set_default_tags({"model": model})
 
     def observe_request(self, template: str, latency_s: float, met: bool) -> None:
         t = {"template": template}

@@ -38,8 +38,12 @@ class QueueFull(RuntimeError):
     """The template's queue is full (HTTP 503 with Retry-After)."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
+        # both values in args: the exception crosses the replica -> router boundary by pickle
+        super().__init__(message, retry_after_s)
         self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclass
@@ -202,7 +206,9 @@ class ModelGroup:
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
             for out in lead.outputs:
-                outputs[out.request_id] = out.model_dump()
+                # where it ran travels with the result: the router exposes it as response headers
+                outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
+                                           "workers": list(a.workers)}
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:

@@ -5,7 +5,7 @@ template this deployment does not serve (with the list it does serve), 503 with 
 a template's queue is full or its worker set is down, 500 only for bugs.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: FastAPI must see the request models as real classes
 
 import asyncio
 import base64
@@ -48,6 +48,12 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     if "retry_after_s" in extra:
         headers["Retry-After"] = str(int(round(extra.pop("retry_after_s"))))
     return JSONResponse(status_code=status, content={"error": {"message": message, **extra}}, headers=headers)
+
+
+def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
+    """Response headers saying how the request ran: template, batch and the workers of its group."""
+    return {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
+            "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"]))}
 
 
 @serve.ingress(app)
@@ -102,11 +108,12 @@ class Router:
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported)
 
-        async def run() -> ImageResponse:
+        async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
-            return ImageResponse(created=int(time.time()),
+            body = ImageResponse(created=int(time.time()),
                                  data=[ImageData(b64_json=base64.b64encode(o["data"]).decode()) for o in outs])
+            return JSONResponse(content=body.model_dump(), headers=_where(t, outs[0]))
 
         return await self._guarded(run())
 
@@ -121,7 +128,7 @@ class Router:
         async def run() -> Response:
             out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
             return Response(content=out["data"], media_type="video/mp4",
-                            headers={"X-Xema-Template": t.shape_key, "X-Xema-Frames": str(out["frames"])})
+                            headers={**_where(t, out), "X-Xema-Frames": str(out["frames"])})
 
         return await self._guarded(run())
 

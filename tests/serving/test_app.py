@@ -1,0 +1,168 @@
+"""Integration: the Ray Serve application on CPU (tiny models, CPU worker bundles), HTTP in and out.
+
+One application for the module (start-up costs seconds): tiny-flux2 64² planned at batch 2
+(SP 1, DP 1 on one worker), tiny-flux2 128² at batch 1, and tiny-cogvideox 64²×9 planned at SP 2
+across two workers. Plans are given as a table so each behaviour is pinned.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import socket
+import time
+
+import imageio.v3 as iio
+import pytest
+import requests
+from PIL import Image
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
+from xema_ray.serving.config import ServeConfig  # noqa: E402
+from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
+from xema_ray.templates import RequestTemplate  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FLUX_S = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
+FLUX_L = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
+COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, dp: int = 1) -> PlanEntry:
+    cfg = ExecutionConfig(template=t, ulysses=ulysses, dp=dp, batch=batch)
+    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=30.0,
+                                                            latency_source="measured"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):  # type: ignore[no-untyped-def]
+    args = {
+        "device": "cpu",
+        "worker_cpus": 0.25,
+        "models": [
+            {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.5, "max_queue": 3,
+             "templates": [{"width": 64, "height": 64, "steps": 2}, {"width": 128, "height": 128, "steps": 2}]},
+            {"model": "tiny-cogvideox", "workers": 2, "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2}]},
+        ],
+    }
+    table = PlanTable(
+        hardware=machine_fingerprint(ServeConfig.model_validate(args), 2), gpus=2, budget_bytes=10**9,
+        entries={FLUX_S.shape_key: _entry(FLUX_S, batch=2), FLUX_L.shape_key: _entry(FLUX_L),
+                 COG.shape_key: _entry(COG, ulysses=2)},
+    )
+    path = tmp_path_factory.mktemp("plans") / "table.json"
+    table.save(str(path))
+    args["plan_table"] = str(path)
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="xema", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _image(url: str, **overrides) -> requests.Response:  # type: ignore[no-untyped-def]
+    body = {"model": "tiny-flux2", "prompt": "a red fox", "size": "64x64", "seed": 3, **overrides}
+    return requests.post(f"{url}/v1/images/generations", json=body, timeout=120)
+
+
+def test_templates_and_models_are_listed(server: str) -> None:
+    got = requests.get(f"{server}/v1/templates", timeout=30).json()
+    assert {g["template"] for g in got} == {FLUX_S.shape_key, FLUX_L.shape_key, COG.shape_key}
+    assert {m["id"] for m in requests.get(f"{server}/v1/models", timeout=30).json()["data"]} == {"tiny-flux2", "tiny-cogvideox"}
+
+
+def test_image_request_returns_a_png(server: str) -> None:
+    r = _image(server, size="128x128")
+    assert r.status_code == 200, r.text
+    img = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+    assert img.format == "PNG" and img.size == (128, 128)
+    assert r.headers["X-Xema-Template"] == FLUX_L.shape_key
+
+
+def test_openai_client_gets_a_png(server: str) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    resp = client.images.generate(model="tiny-flux2", prompt="a lighthouse", size="64x64", response_format="b64_json")  # type: ignore[arg-type]
+    img = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
+    assert img.format == "PNG" and img.size == (64, 64)
+
+
+def test_two_concurrent_requests_share_a_batch_of_two(server: str) -> None:
+    with cf.ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda s: _image(server, seed=s), (10, 11))
+    assert a.status_code == b.status_code == 200
+    assert a.headers["X-Xema-Batch-Size"] == b.headers["X-Xema-Batch-Size"] == "2"
+    assert a.headers["X-Xema-Batch-Id"] == b.headers["X-Xema-Batch-Id"]
+
+
+def test_sp2_video_runs_across_two_workers_and_decodes(server: str) -> None:
+    body = {"model": "tiny-cogvideox", "prompt": "waves", "size": "64x64", "num_frames": 9, "seed": 1}
+    r = requests.post(f"{server}/v1/videos", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "video/mp4" and r.headers["X-Xema-Workers"] == "0,1"
+    frames = iio.imread(r.content, extension=".mp4")
+    assert frames.shape[0] == 9 and frames.shape[1:3] == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/images/generations", {"model": "nope", "prompt": "x", "size": "64x64"}, 400),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "96x96"}, 400),
+        ("/v1/videos", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_frames": 9}, 400),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_inference_steps": -1}, 422),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_inference_steps": 7}, 400),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "", "size": "64x64"}, 422),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x" * 100_000, "size": "64x64"}, 422),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": 5, "size": "64x64"}, 422),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": 64}, 422),
+        ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "seed": "1"}, 422),
+        ("/v1/videos", {"model": "tiny-cogvideox", "prompt": "x", "size": "64by64", "num_frames": 9}, 422),
+    ],
+)
+def test_error_raised_if_input_is_bad(server: str, path: str, body: dict, status: int) -> None:
+    r = requests.post(f"{server}{path}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["supported_templates"]
+    assert _image(server, size="128x128").status_code == 200  # and the server keeps serving
+
+
+def test_queue_overflow_gets_503_with_retry_after(server: str) -> None:
+    # max_queue 3 for the 64² template (batch 2, one worker): a burst of 12 overflows the queue
+    with cf.ThreadPoolExecutor(12) as pool:
+        rs = list(pool.map(lambda s: _image(server, seed=100 + s), range(12)))
+    codes = [r.status_code for r in rs]
+    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+    assert all("Retry-After" in r.headers for r in rs if r.status_code == 503)
+
+
+def test_killed_worker_is_replaced_and_the_request_retried(server: str) -> None:
+    group = serve.get_deployment_handle("ModelGroup:tiny-cogvideox", app_name="xema")
+    before = group.status.remote().result()["generation"]
+    group.kill_worker.remote(1).result()
+    body = {"model": "tiny-cogvideox", "prompt": "after the crash", "size": "64x64", "num_frames": 9, "seed": 2}
+    r = requests.post(f"{server}/v1/videos", json=body, timeout=300)
+    assert r.status_code in (200, 503), r.text  # a retried success, or a clean error naming the failure
+    deadline = time.time() + 120
+    while group.status.remote().result()["generation"] == before and time.time() < deadline:
+        time.sleep(1)
+    assert group.status.remote().result()["generation"] == before + 1
+    r2 = requests.post(f"{server}/v1/videos", json={**body, "seed": 4}, timeout=300)
+    assert r2.status_code == 200, r2.text  # the group recovered
