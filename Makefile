@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: install test test-all serve bench gpu-check clean
+RATE ?= 0.5
+DURATION ?= 60
+MIX ?= uniform
+
+.PHONY: install test serve plan loadtest figures bench gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,14 +26,31 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest -q -m "not gpu"
 
+# The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
 serve: install
-	@echo "make serve: not yet — the Ray Serve application (deployments/xema.yaml) lands with the serving issue (#7)."
-	@echo "Meanwhile the memory analyzer runs on CPU:  $(VENV)/bin/xema analyze --model tiny-cogvideox --height 64 --width 64 --frames 9 --steps 4"
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema.yaml
+
+# Plan the paper's templates for the reference box (cost model; no GPU needed).
+plan: install
+	$(PY) -m planner plan --templates paper --gpus 8 --budget 48GB --hardware a6000 --out plans/a6000x8.json
+
+# Open-loop Poisson load test against the app (started if not running), then the simulator on the same arrivals.
+loadtest: install
+	mkdir -p loadtests/results
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --rate $(RATE) --duration $(DURATION) --mix $(MIX)
+
+# Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
+figures: install
+	mkdir -p bench/results
+	$(PY) bench/figures.py --out bench/results
 
 bench: install
 	mkdir -p bench/results
 	$(PY) bench/bench_analyzer.py --out bench/results/analyzer.json
-	@if [ -f bench/bench_layout.py ]; then $(PY) bench/bench_layout.py --out bench/results/layout.json; fi
+	$(PY) bench/bench_layout.py --out bench/results/layout.json
+	$(PY) bench/bench_profiler.py --out bench/results/profiler.json
+	$(PY) bench/bench_planner.py --out bench/results/planner.json
+	$(PY) bench/bench_mitigation.py --out bench/results/mitigation.json
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks, JSON under $(OUT).
 gpu-check:

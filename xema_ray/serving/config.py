@@ -53,6 +53,9 @@ class ServeConfig(BaseModel):
     budget: str = Field(default="48GB", description="per-GPU budget used when planning at start-up")
     hardware: str | None = Field(default=None, description="latency profile for start-up planning (None: measure)")
     slo_scale: float = Field(default=1.0, gt=0)
+    cache_dir: Path | None = Field(
+        default=Path.home() / ".cache" / "xema-ray",
+        description="profile store and analyzer traces kept across restarts (None: keep nothing)")
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)

@@ -151,6 +151,11 @@ class Router:
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
         return out
 
+    @app.get("/v1/plans")
+    async def plans(self) -> dict[str, Any]:
+        """The plan table this deployment serves with (for the simulator and for operators)."""
+        return self.table.model_dump(mode="json")
+
     @app.get("/v1/stats")
     async def stats(self) -> dict[str, int]:
         """Requests received by this router replica (valid ones: malformed input is refused earlier)."""

@@ -54,10 +54,11 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
 
     budget = parse_bytes(cfg.budget)
     hardware = cfg.hardware or ("cpu" if cfg.device == "cpu" else "local-gpu")
-    latency = LatencyModel(hardware)
+    cache_dir = cfg.cache_dir
+    latency = LatencyModel(hardware, store_path=cache_dir / "profiles.json" if cache_dir else None)
     if hardware == "cpu":
         latency.calibrate(templates)  # one measured request per template: seconds for the tiny models
-    cache = TraceCache()
+    cache = TraceCache(cache_dir / "traces" if cache_dir else None)
     entries = {}
     infeasible = []
     gpus_of = {g.model: g.workers for g in cfg.models}

@@ -1,0 +1,177 @@
+"""``make figures``: the analogues of the paper's Figures 9, 10 and 14 from the cluster simulator.
+
+Plans every paper template for the 8× A6000 box's GPUs (cost model) with Xema and the baselines,
+then simulates Poisson load on each model's templates:
+
+- Figure 9 row 1: SLO attainment vs arrival rate on 4 GPUs;
+- Figure 9 row 2: vs GPU count (1, 2, 4, 8) with the rate scaled with the GPUs;
+- Figure 9 row 3: vs SLO scale on 4 GPUs at the default rate;
+- Figure 10: the skewed template mix (p ∝ exp(α L / L_max)) vs rate on 4 GPUs;
+- Figure 14: Xema's ablations vs rate on 4 GPUs.
+
+Writes PNGs and a markdown summary (bench/results/figures.md) with the paper's stated values
+beside ours where the paper states them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from planner.baselines import SearchSpace, run_baseline
+from planner.latency import LatencyModel
+from planner.stages import plan_template
+from planner.trace_model import TracePlannerModel
+from planner.traces import TraceCache
+from xema_ray.memory.analysis import parse_bytes
+from xema_ray.plan import PlanTable
+from xema_ray.sim.simulate import poisson_arrivals, simulate, template_weights
+from xema_ray.templates import RequestTemplate, paper_templates
+
+MODELS = {"flux2": "Flux.2", "ltx2": "LTX-2", "cogvideox-5b": "CogVideoX-5B"}
+DEFAULT_RATE = {"flux2": 5.0, "ltx2": 7.0, "cogvideox-5b": 0.2}  # §9.1, requests/min
+RATES = {"flux2": [2, 5, 8, 11, 14], "ltx2": [1, 3, 5, 7, 9], "cogvideox-5b": [0.1, 0.2, 0.3, 0.4, 0.5]}
+SYSTEMS = ("vllm-omni", "extendedlib", "heuristic", "xema")
+ABLATIONS = ("no-memory-planning", "no-parallelism-planning", "no-concurrency", "xema")
+LABEL = {"vllm-omni": "vLLM-Omni", "extendedlib": "vLLM-Omni+ExtendedLib", "heuristic": "Heuristic", "xema": "Xema",
+         "no-memory-planning": "w/o memory planning", "no-parallelism-planning": "w/o parallelism planning",
+         "no-concurrency": "w/o concurrency"}
+# Values the paper states in its text (§9.2), as (figure, model, system, x) -> attainment %
+PAPER = {
+    ("9-rate", "flux2", "xema", 8): 66.6, ("9-rate", "flux2", "vllm-omni", 8): 18.2,
+    ("9-rate", "flux2", "extendedlib", 8): 18.2, ("9-rate", "flux2", "xema", 11): 50.4, ("9-rate", "flux2", "xema", 14): 49.5,
+    ("9-rate", "ltx2", "xema", 9): 68.8, ("9-rate", "cogvideox-5b", "xema", 0.5): 58.1,
+    ("9-rate", "cogvideox-5b", "extendedlib", 0.5): 45.1, ("9-rate", "cogvideox-5b", "heuristic", 0.5): 44.4,
+    ("9-rate", "cogvideox-5b", "vllm-omni", 0.5): 33.3,
+    ("9-slo", "flux2", "xema", 1.0): 82.2, ("9-slo", "ltx2", "xema", 1.0): 75.6, ("9-slo", "cogvideox-5b", "xema", 1.0): 83.9,
+    ("9-slo", "flux2", "heuristic", 1.0): 30.0, ("9-slo", "ltx2", "heuristic", 1.0): 54.6,
+    ("9-slo", "cogvideox-5b", "heuristic", 1.0): 69.3,
+}
+
+
+def plan_tables(templates: list[RequestTemplate], gpus: int, budget: int, planners: tuple[str, ...],
+                cache: TraceCache, latency: LatencyModel) -> tuple[dict[str, PlanTable], dict[str, float]]:
+    """One plan table per planner, all with Xema's SLOs (the shared candidate space, §9.1)."""
+    tables = {p: PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, planner=p) for p in planners}
+    slos: dict[str, float] = {}
+    for t in templates:
+        model = TracePlannerModel(t, latency.seconds, cache)
+        xema = plan_template(model, t, gpus, budget)
+        if xema.slo_s is None:
+            continue  # no planner can serve it: every request fails in the simulation
+        slos[t.shape_key] = xema.slo_s
+        space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=8)
+        for p in planners:
+            entry = xema.entry if p == "xema" else run_baseline(p, model, t, space)[0]
+            if entry is not None:
+                tables[p].entries[t.shape_key] = entry
+    return tables, slos
+
+
+def attainment(table: PlanTable, slos: dict[str, float], keys: list[str], rate: float, duration_s: float,
+               mix: str = "uniform", slo_scale: float = 1.0, seeds: int = 3) -> float:
+    lat = {k: slos.get(k, 1.0) / 2.5 for k in keys}
+    w = template_weights(lat, mix)
+    out = []
+    for seed in range(seeds):
+        arr = poisson_arrivals(rate, duration_s, w, seed=seed)
+        # templates no planner can serve still get requests; give them an SLO so they count as failed
+        all_slos = {k: slos.get(k, 1.0) for k in keys}
+        out.append(simulate(table, arr, slo_scale=slo_scale, slos=all_slos).attainment)
+    return 100 * float(np.mean(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--budget", default="48GB")
+    ap.add_argument("--trace-cache", default="plans/.traces")
+    ap.add_argument("--duration-min", type=float, default=240.0, help="simulated minutes per point")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget = parse_bytes(args.budget)
+    latency = LatencyModel("a6000")
+    cache = TraceCache(Path(args.trace_cache))
+    templates = paper_templates()
+    results: dict[str, dict] = {}
+    duration = args.duration_min * 60
+
+    tables4, slos = plan_tables(templates, 4, budget, SYSTEMS + ABLATIONS[:-1], cache, latency)
+    for p, tbl in tables4.items():
+        tbl.save(str(args.out / f"plans_4gpu_{p}.json"))
+    for m in MODELS:
+        keys = [t.shape_key for t in templates if t.model == m]
+        sub = lambda tbl: tbl.model_copy(update={"entries": {k: v for k, v in tbl.entries.items() if k in keys}})  # noqa: E731
+        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration) for r in RATES[m]] for p in SYSTEMS}
+        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, DEFAULT_RATE[m], duration, slo_scale=s)
+                                     for s in (1, 2, 3, 4, 5)] for p in SYSTEMS}
+        results[f"10/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration, mix="skewed") for r in RATES[m]]
+                              for p in SYSTEMS}
+        results[f"14/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration) for r in RATES[m]] for p in ABLATIONS}
+    gpu_counts = (1, 2, 4, 8)
+    per_gpu = {g: plan_tables(templates, g, budget, ("vllm-omni", "heuristic", "xema"), cache, latency) for g in gpu_counts}
+    for m in MODELS:
+        keys = [t.shape_key for t in templates if t.model == m]
+        results[f"9-gpus/{m}"] = {}
+        for p in ("vllm-omni", "heuristic", "xema"):
+            row = []
+            for g in gpu_counts:
+                tbl, s = per_gpu[g]
+                t = tbl[p].model_copy(update={"entries": {k: v for k, v in tbl[p].entries.items() if k in keys}})
+                row.append(attainment(t, s, keys, DEFAULT_RATE[m] * g / 4, duration))
+            results[f"9-gpus/{m}"][p] = row
+    (args.out / "figures.json").write_text(json.dumps(results, indent=1))
+    _plots(results, args.out)
+    (args.out / "figures.md").write_text(_markdown(results))
+    print(_markdown(results))
+
+
+def _xs(fig: str, m: str) -> list[float]:
+    return {"9-rate": RATES[m], "10": RATES[m], "14": RATES[m], "9-slo": [1, 2, 3, 4, 5], "9-gpus": [1, 2, 4, 8]}[fig]
+
+
+def _plots(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for fig, xlabel in (("9-rate", "rate (req/min)"), ("9-gpus", "#GPUs (rate scaled)"), ("9-slo", "SLO scale"),
+                        ("10", "rate (req/min), skewed mix"), ("14", "rate (req/min)")):
+        f, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+        for ax, m in zip(axes, MODELS, strict=True):
+            for p, ys in results[f"{fig}/{m}"].items():
+                ax.plot(_xs(fig, m), ys, marker="o", label=LABEL[p])
+            ax.set_title(MODELS[m])
+            ax.set_xlabel(xlabel)
+            ax.set_ylim(0, 105)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("SLO attainment (%)")
+        axes[0].legend(fontsize=7)
+        f.tight_layout()
+        f.savefig(out / f"figure{fig}.png", dpi=100)
+        plt.close(f)
+
+
+def _markdown(results: dict) -> str:
+    lines = []
+    for key, rows in results.items():
+        fig, m = key.split("/")
+        xs = _xs(fig, m)
+        lines.append(f"\n**Figure {fig} — {MODELS[m]}** (SLO attainment %, simulated; paper's value in brackets where stated)\n")
+        lines.append("| system | " + " | ".join(str(x) for x in xs) + " |")
+        lines.append("|---|" + "---|" * len(xs))
+        for p, ys in rows.items():
+            cells = []
+            for x, y in zip(xs, ys, strict=True):
+                ref = PAPER.get((fig, m, p, x))
+                cells.append(f"{y:.1f}" + (f" [{ref}]" if ref is not None else ""))
+            lines.append(f"| {LABEL[p]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Fine-grained memory mitigation (paper §5): each primitive applied only where needed and
+only as much as needed, as removable hooks on a diffusers pipeline.
+
+One file per primitive, each with a ``Config``, hooks and a public ``apply_*``:
+
+=====================  ===================================  ============================================
+Mitigation.kind         module                              location / intensity
+=====================  ===================================  ============================================
+block_offload           ``block_offload``                   DiT blocks / how many (K)
+hsdp                    ``hsdp``                            DiT blocks / how many
+activation_offload      ``activation_offload``              module paths / tensors per module
+dit_chunking            ``dit_chunking``                    DiT blocks / sequence chunks
+vae_chunking            ``vae_chunking``                    decoder module paths / bands
+temporary_serialization ``serialization``                   module paths or blocks / sub-batches
+=====================  ===================================  ============================================
+
+``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``), applies lists
+(``apply_mitigations``) and estimates savings without running (``estimate_saving``);
+``tracing.trace_with_mitigations`` has the analyzer trace a mitigated pipeline at real size.
+"""
+
+from xema_ray.mitigation.activation_offload import ActivationOffloadConfig, apply_activation_offload
+from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
+from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
+from xema_ray.mitigation.hooks import MemorySaving, MitigationHandle, evenly_spread
+from xema_ray.mitigation.hsdp import HSDPConfig, ProcessGroupCollective, ShapeOnlyGroup, apply_hsdp
+from xema_ray.mitigation.registry import apply_mitigations, estimate_saving, primitive_for
+from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
+from xema_ray.mitigation.tracing import trace_with_mitigations
+from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "BlockOffloadConfig",
+    "DitChunkingConfig",
+    "HSDPConfig",
+    "MemorySaving",
+    "MitigationHandle",
+    "ProcessGroupCollective",
+    "SerializationConfig",
+    "ShapeOnlyGroup",
+    "VaeChunkingConfig",
+    "apply_activation_offload",
+    "apply_block_offload",
+    "apply_dit_chunking",
+    "apply_hsdp",
+    "apply_mitigations",
+    "apply_serialization",
+    "apply_vae_chunking",
+    "estimate_saving",
+    "evenly_spread",
+    "primitive_for",
+    "trace_with_mitigations",
+]

@@ -1,0 +1,234 @@
+"""Machinery shared by every mitigation primitive (shaped like ``diffusers.hooks``).
+
+Each primitive lives in its own file with a pydantic ``XConfig``, one or more ``XHook``
+(``diffusers.hooks.ModelHook``) and a public ``apply_x`` that returns a ``MitigationHandle``;
+``handle.remove()`` detaches every hook and restores weights and state, so the pipeline is
+exactly as before. Hooks are registered under names from ``HOOK_NAMES`` on diffusers'
+per-module ``HookRegistry``, so they compose with diffusers' own hooks.
+
+Where tensors live is a ``Placement``: the compute device plus how a "host" copy is kept.
+On CUDA the host copy is pinned CPU memory and transfers run on a side stream; on CPU the
+"device" is host memory, so the host copy is the tensor itself and transfers are copies on
+the one stream; on the meta device (shape-only analysis) a host copy holds only the tensor's
+shape and dtype: nothing is allocated anywhere, and bringing it back allocates a fresh meta
+tensor, which is exactly the allocation the analyzer must see. This is how a 32 B-parameter
+model is analysed with K blocks "on host" without 64 GB of host RAM.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from xema_ray.mitigation import _device
+
+HOOK_NAMES = {
+    "block_offload": "xema_block_offload",
+    "block_offload_first": "xema_block_offload_first",
+    "hsdp": "xema_hsdp",
+    "hsdp_first": "xema_hsdp_first",
+    "conv_cache_offload": "xema_conv_cache_offload",
+    "input_offload": "xema_input_offload",
+    "dit_chunk_tokens": "xema_dit_chunk_tokens",
+    "dit_chunk_block": "xema_dit_chunk_block",
+    "vae_chunk": "xema_vae_chunk",
+    "vae_chunk_norm": "xema_vae_chunk_norm",
+    "serialize": "xema_serialize",
+}
+
+
+class MemorySaving(BaseModel):
+    """What a mitigation is predicted to remove from each phase's peak, in bytes (analytic;
+    the analyzer confirms by tracing). Phases are the analyzer's groups: "dit" (denoising),
+    "vae" (decode), "setup" (before the first step)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str
+    per_phase: dict[str, int] = Field(description="phase group -> bytes removed from that phase's peak")
+    note: str = Field(default="", description="how the number was derived")
+
+    def at(self, phase: str) -> int:
+        return self.per_phase.get(phase, 0)
+
+
+# ---------------------------------------------------------------------------- hook registry
+def register_hook(module: nn.Module, hook: ModelHook, name: str) -> None:
+    """Attach ``hook`` to ``module`` under ``name`` (ValueError if one is already there)."""
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+
+
+def remove_hook(module: nn.Module, name: str) -> None:
+    """Detach the hook ``name`` from ``module`` only (not from its children); restores forward."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None:
+        registry.remove_hook(name, recurse=False)
+
+
+@dataclass
+class MitigationHandle:
+    """An applied primitive: ``remove()`` undoes it (idempotent)."""
+
+    kind: str
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+    removed: bool = False
+    #: device tensors the primitive keeps that no module owns (HSDP shards): the analyzer
+    #: registers them as resident weights
+    resident: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add_undo(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        # undo in reverse order: later steps (hooks) may depend on earlier ones (sharded weights)
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+        self.removed = True
+
+    def __enter__(self) -> MitigationHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def hook_module(handle: MitigationHandle, module: nn.Module, hook: ModelHook, name: str) -> None:
+    """Register ``hook`` and record its removal on ``handle``."""
+    register_hook(module, hook, name)
+    handle.add_undo(lambda: remove_hook(module, name))
+
+
+def resolve_module(root: Any, path: str) -> nn.Module:
+    """``root.<path>`` for a pipeline or module, e.g. ``vae.decoder.up_blocks.3``; ValueError
+    naming the missing component otherwise."""
+    obj = root
+    for part in path.split("."):
+        nxt = obj[int(part)] if part.isdigit() and isinstance(obj, (nn.ModuleList, nn.Sequential)) else getattr(obj, part, None)
+        if nxt is None:
+            raise ValueError(f"module path {path!r}: {type(obj).__name__} has no {part!r}")
+        obj = nxt
+    if not isinstance(obj, nn.Module):
+        raise ValueError(f"module path {path!r} names a {type(obj).__name__}, not an nn.Module")
+    return obj
+
+
+def check_blocks(kind: str, blocks: tuple[int, ...], n_blocks: int) -> None:
+    bad = [b for b in blocks if not 0 <= b < n_blocks]
+    if bad:
+        raise ValueError(f"{kind}: block indices {bad} out of range; the model has {n_blocks} DiT blocks")
+    if len(set(blocks)) != len(blocks):
+        raise ValueError(f"{kind}: block indices must be distinct, got {list(blocks)}")
+
+
+def evenly_spread(k: int, n: int) -> tuple[int, ...]:
+    """K of N block indices spread evenly (§5.1: the overlap window between two mitigated
+    blocks is then ~N/K blocks). ``evenly_spread(4, 8) == (0, 2, 4, 6)``."""
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot choose {k} of {n} blocks")
+    return tuple(sorted({(i * n) // k for i in range(k)})) if k else ()
+
+
+# ---------------------------------------------------------------------------- host copies
+_SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one shared element (a stride-0 expand): what a
+    parameter points to while its real data lives elsewhere. Modules that read
+    ``.shape``/``.dtype`` outside ``forward`` keep working; the hooks guarantee the real data
+    is back before ``forward`` reads values. One scalar per (dtype, device) backs them all, so
+    the analyzer counts it once (512 B), not once per parameter."""
+    key = (dtype, torch.device(device))
+    base = _SCALARS.get(key)
+    if base is None:
+        base = _SCALARS[key] = torch.zeros((), dtype=dtype, device=device)
+    return base.expand(shape)
+
+
+def placeholder_like(t: torch.Tensor) -> torch.Tensor:
+    return placeholder(t.shape, t.dtype, t.device)
+
+
+class HostCopy:
+    """A tensor's data kept off the compute device (see the module docstring per device).
+
+    Args:
+        t: the device tensor to copy.
+        pin: pin the CUDA host copy (needed for asynchronous copies; done once here).
+        keep: on CPU, keep ``t`` itself as the host copy instead of cloning it (weights, whose
+            storage nobody else frees).
+    """
+
+    __slots__ = ("shape", "dtype", "device", "data")
+
+    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False) -> None:
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.device = t.device
+        if t.device.type == "meta":
+            self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
+        elif t.device.type == "cpu":
+            self.data = t if keep else t.clone()
+        else:
+            self.data = _device.to_host(t, pin=pin)
+
+    def to_device(self, stream: _device.TransferStream | None = None) -> torch.Tensor:
+        """A fresh device tensor with the host data (allocated now, on ``stream`` if given)."""
+        if self.data is None:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            return self.data.clone()
+        return _device.to_device(self.data, self.device, stream)
+
+    def placeholder(self) -> torch.Tensor:
+        """What the original tensor object points to while offloaded: the host data itself on
+        CPU and CUDA (so a stray read fails loudly with a device mismatch on CUDA and still
+        sees the right values on CPU), a storage-less stand-in on meta."""
+        if self.data is None:
+            return placeholder(self.shape, self.dtype, self.device)
+        return self.data
+
+
+class OffloadedTensor:
+    """A tensor waiting on the host in place of the tensor itself (e.g. a conv cache in the
+    caller's dict); ``load()`` brings it back. Primitives that restructure calls (VAE bands)
+    load these before slicing and offload their reassembled results again."""
+
+    __slots__ = ("host", "stream")
+
+    def __init__(self, t: torch.Tensor, stream: _device.TransferStream | None = None) -> None:
+        self.host = HostCopy(t)
+        self.stream = stream
+
+    def load(self) -> torch.Tensor:
+        t = self.host.to_device(self.stream)
+        if self.stream is not None:
+            # the tensor is read right away: order compute after the copy
+            self.stream.wait(self.stream.record(), [t])
+        return t
+
+
+class ChunkedHook(ModelHook):
+    """Base for hooks that replace a module's forward by a chunked one (``new_forward``)."""
+
+    @abstractmethod
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class Primitive(ABC):
+    """What the registry needs from each primitive module (one per ``Mitigation.kind``)."""
+
+    kind: str
+
+    @abstractmethod
+    def apply(self, pipe: Any) -> MitigationHandle: ...
