@@ -89,6 +89,8 @@ class LatencyModel:
             engines[t.model].run_pipeline(cfg, ["warm-up"], [0], output_type="np")
             profiler.measure(cfg, repeats=repeats)
             done += 1
+        if done:
+            self.store.save()  # a restart reuses these measurements (no-op for an in-memory store)
         return done
 
 

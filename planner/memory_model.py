@@ -143,7 +143,15 @@ class MemoryModel:
             group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
             _shrink_runs(curve, base, prof.runs(prof.groups == group), m.intensity)
         elif m.kind == "activation_offload":
-            raise ValueError("activation_offload has no analytic memory model here; confirm it by tracing")
+            # the mitigation library's estimate (caches live at the phase peak, read from this
+            # trace), taken off every event of the phase down to the phase's entry level
+            from xema_ray.mitigation.registry import estimate_saving
+
+            group = "dit" if any(p.startswith("transformer") for p in (m.modules or ())) else "vae"
+            saved = estimate_saving(m, cfg.batched_template, baseline=prof.trace).at(group)
+            for s, e in prof.runs(prof.groups == group):
+                level = base[s - 1] if s > 0 else 0.0
+                curve[s:e] = np.maximum(curve[s:e] - saved, np.minimum(curve[s:e], level))
 
     def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
         curve, prof = self.reserved_curve(cfg)

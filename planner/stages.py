@@ -86,13 +86,17 @@ def sp_split(sp: int, heads: int) -> tuple[int, int]:
 
 
 def with_actions(cfg: ExecutionConfig, actions: tuple[Mitigation, ...]) -> ExecutionConfig:
-    """``cfg`` plus ``actions``; a block offload / HSDP action replaces an earlier one of its kind,
-    a chunking or serialization action replaces one at the same location."""
+    """``cfg`` plus ``actions``; a block offload / HSDP action replaces any earlier weight action,
+    a chunking or serialization action replaces one of its kind at the same location."""
     current = list(cfg.mitigations)
     for a in actions:
         current = [
             m for m in current
-            if not (m.kind == a.kind and (a.kind in REPLACEABLE or (m.modules, m.events, m.blocks) == (a.modules, a.events, a.blocks)))
+            if not (
+                # a block's weights are either offloaded or sharded: one weight action at a time
+                (a.kind in REPLACEABLE and m.kind in REPLACEABLE)
+                or (m.kind == a.kind and (m.modules, m.events, m.blocks) == (a.modules, a.events, a.blocks))
+            )
         ]
         current.append(a)
     return cfg.model_copy(update={"mitigations": tuple(current)})
@@ -214,6 +218,12 @@ def why_lost(best: Scored, other: Scored, slo_s: float) -> str:
             f"(latency {other.latency:.2f} s)")
 
 
+def partial_batch_latencies(model: CountingModel, cfg: ExecutionConfig) -> dict[int, float]:
+    """Latency of the config run with fewer requests than its batch (the dispatcher starts a
+    partial batch when its wait window expires); the simulator replays these."""
+    return {n: model.latency(cfg.for_batch(n)) for n in range(1, cfg.batch)}
+
+
 # ---------------------------------------------------------------------------- whole template
 @dataclass
 class TemplatePlan:
@@ -263,7 +273,8 @@ def plan_template(
     entry = PlanEntry(
         config=best.config,
         prediction=PlanPrediction(peak_bytes=best.peak, latency_s=best.latency, goodput_rps=best.goodput,
-                                  slo_s=slo_s, latency_source=latency_source),
+                                  slo_s=slo_s, latency_source=latency_source,
+                                  latency_by_batch=partial_batch_latencies(counting, best.config)),
         runner_up=why_lost(best, ranked[1], slo_s) if len(ranked) > 1 else None,
         candidates_profiled=len(counting.counter.profiled),
     )

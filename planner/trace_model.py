@@ -23,8 +23,13 @@ from planner.model import MemoryView, MitigationOption
 from planner.traces import TraceCache
 
 CHUNKS = (2, 4, 8)  # chunk counts tried for DiT / VAE chunking
+ALL_TENSORS = 4096  # activation offload intensity meaning "every cache the modules produce"
 _BLOCK_UNIT = re.compile(r"^transformer\.\w+\.(\d+)$")
 ZERO_OVERHEAD_TOL = 1e-3  # relative latency change under which a mitigation counts as free
+
+
+class UnrunnableBatch(RuntimeError):
+    """The pipeline cannot run the template at this batch size, whatever the memory."""
 
 
 def block_paths(template: RequestTemplate) -> list[str]:
@@ -46,20 +51,35 @@ class TracePlannerModel:
     latency_fn: Callable[[ExecutionConfig], float]
     traces: TraceCache
     _profiles: dict[int, TraceProfile] = field(default_factory=dict)
+    _failed: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._blocks = block_paths(self.template)
         self._memory = MemoryModel(self._profile)
 
     def _profile(self, batch: int) -> TraceProfile:
+        if batch in self._failed:
+            raise UnrunnableBatch(self._failed[batch])
         if batch not in self._profiles:
-            trace = self.traces.get(self.template.with_(batch=batch))
+            try:
+                trace = self.traces.get(self.template.with_(batch=batch))
+            except RuntimeError as e:
+                # the real pipeline cannot run this shape at all (e.g. diffusers' CogVideoX
+                # SafeConv3d splits a large batch into pieces shorter than its kernel): no
+                # mitigation makes it fit, so the planner must see it as infeasible
+                self._failed[batch] = f"pipeline fails at batch {batch}: {str(e).splitlines()[0]}"
+                raise UnrunnableBatch(self._failed[batch]) from e
             self._profiles[batch] = TraceProfile(trace, self._blocks)
         return self._profiles[batch]
 
     # ------------------------------------------------------------------ PlannerModel
     def memory(self, config: ExecutionConfig, budget: int) -> MemoryView:
-        peak, ivs = self._memory.view(config, budget)
+        try:
+            peak, ivs = self._memory.view(config, budget)
+        except UnrunnableBatch as e:
+            never = PressureInterval(start=0, stop=1, peak_bytes=2**62, excess_bytes=2**62 - budget, phases=[],
+                                     units=[], ops=[str(e)])
+            return MemoryView(peak_bytes=2**62, intervals=(never,))
         return MemoryView(peak_bytes=peak, intervals=ivs)
 
     def latency(self, config: ExecutionConfig) -> float:
@@ -80,7 +100,10 @@ class TracePlannerModel:
         return tuple(out)
 
     def options(self, config: ExecutionConfig, interval: PressureInterval) -> list[MitigationOption]:
-        prof = self._profile(config.batch)
+        try:
+            prof = self._profile(config.batch)
+        except UnrunnableBatch:
+            return []
         opts: list[MitigationOption] = []
         n = len(self._blocks)
         # weights: offload (or shard) the fewest blocks that could cover the excess, then more
@@ -112,6 +135,9 @@ class TracePlannerModel:
             ups = [u for u in interval.units if u.startswith("vae.decoder.up_blocks")] or self._vae_units()
             for c in CHUNKS:
                 opts.append(self._option(config, Mitigation(kind="vae_chunking", modules=tuple(ups), intensity=c)))
+            if self.template.spec.family == "cogvideox":  # causal VAE: its conv caches can move to host
+                opts.append(self._option(config, Mitigation(kind="activation_offload", modules=("vae.decoder",),
+                                                            intensity=ALL_TENSORS)))
             if config.batch > 1:
                 for k in _divisors(config.batch):
                     opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae",), intensity=k)))

@@ -119,6 +119,22 @@ class ExecutionConfig(BaseModel):
         """The template at this config's batch size: what the analyzer traces."""
         return self.template.with_(batch=self.batch)
 
+    def for_batch(self, n: int) -> ExecutionConfig:
+        """This plan run with ``n`` requests (a partial batch when the dispatcher's wait window
+        expired): sub-batch counts cannot exceed the batch, and one sub-batch is no serialization."""
+        if n == self.batch:
+            return self
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"a partial batch must have 1..{self.batch} requests, got {n}")
+        mitigations = []
+        for m in self.mitigations:
+            if m.kind == "temporary_serialization":
+                if min(m.intensity, n) < 2:
+                    continue
+                m = m.model_copy(update={"intensity": min(m.intensity, n)})
+            mitigations.append(m)
+        return self.model_copy(update={"batch": n, "mitigations": tuple(mitigations)})
+
     def config_hash(self) -> str:
         """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
         payload = self.model_dump_json(exclude={"layout_ref", "dp"})
@@ -147,6 +163,8 @@ class PlanPrediction(BaseModel):
     goodput_rps: float = Field(description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
     slo_s: float = Field(description="the template's SLO used in planning")
     latency_source: str = Field(description="measured | profiled | cost_model (an estimate)")
+    latency_by_batch: dict[int, float] = Field(
+        default_factory=dict, description="predicted latency of a partial batch of n requests (n < batch)")
 
 
 class PlanEntry(BaseModel):

@@ -52,3 +52,18 @@ def test_poisson_rate_and_mix() -> None:
     assert len(arr) == pytest.approx(3600, rel=0.05)
     with pytest.raises(ValueError):
         template_weights({"a": 1.0}, "zipf")
+
+
+def test_shared_cores_slow_concurrent_batches() -> None:
+    # two 1 s batches at once on 2 workers: independent GPUs finish both at 1 s; one shared core
+    # runs each at half speed, so both finish at 2 s (SLO 2.5 s still met), three at 3 s (missed)
+    arrivals = [Arrival(t=0.0, template=A.shape_key, request_id=str(i)) for i in range(2)]
+    assert simulate(table(), arrivals, wait_window_s=0).per_template[A.shape_key].latencies_s == [1.0, 1.0]
+    shared = simulate(table(), arrivals, wait_window_s=0, shared_cores=1)
+    assert shared.per_template[A.shape_key].latencies_s == pytest.approx([2.0, 2.0])
+
+
+def test_overhead_is_added_to_every_request() -> None:
+    arrivals = [Arrival(t=0.0, template=A.shape_key, request_id="a")]
+    r = simulate(table(), arrivals, wait_window_s=0, overhead_s=2.0)
+    assert r.per_template[A.shape_key].latencies_s == pytest.approx([3.0]) and r.met == 0

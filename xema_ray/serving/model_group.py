@@ -60,19 +60,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def batch_config(config: ExecutionConfig, n: int) -> ExecutionConfig:
-    """The planned config for a batch of ``n`` requests (a partial batch when the window expired):
-    sub-batch counts cannot exceed the batch."""
-    if n == config.batch:
-        return config
-    mitigations = tuple(
-        m.model_copy(update={"intensity": min(m.intensity, n)}) if m.kind == "temporary_serialization" else m
-        for m in config.mitigations
-    )
-    mitigations = tuple(m for m in mitigations if not (m.kind == "temporary_serialization" and m.intensity < 2))
-    return config.model_copy(update={"batch": n, "mitigations": mitigations})
-
-
 class ModelGroup:
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
@@ -196,19 +183,21 @@ class ModelGroup:
         outputs: dict[str, dict[str, Any]] = {}
         for guidance, reqs in by_guidance.items():
             batch = Batch(
-                config=batch_config(entry.config, len(reqs)),
+                config=entry.config.for_batch(len(reqs)),
                 requests=tuple(GenerationRequest(request_id=r.request_id, prompt=r.payload.prompt, seed=r.payload.seed)
                                for r in reqs),
                 guidance_scale=guidance,
             )
+            t0 = time.monotonic()
             refs = [self._actors[w].execute.remote(batch) for w in a.workers]
             results = await asyncio.gather(*refs)
+            seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
-                                           "workers": list(a.workers)}
+                                           "workers": list(a.workers), "batch_seconds": seconds}
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:

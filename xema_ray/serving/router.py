@@ -53,7 +53,8 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
 def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
     return {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
-            "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"]))}
+            "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
+            "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
 
 
 @serve.ingress(app)

@@ -13,7 +13,6 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import cast
 
 from pydantic import BaseModel, Field
 
@@ -86,66 +85,86 @@ def simulate(
     slos: dict[str, float] | None = None,
     wait_window_s: float = 0.05,
     batch_latency: Callable[[str, int], float] | None = None,
+    overhead_s: float = 0.0,
+    shared_cores: float | None = None,
 ) -> SimResult:
-    """Run ``arrivals`` through the table's plans on ``table.gpus`` workers.
+    """Run ``arrivals`` through the table's plans, each model on its own ``table.gpus`` workers.
 
     Args:
         slos: base SLO per template (default: from the table); requests of templates missing
             from the table still need an SLO to count (they fail).
         batch_latency: ``(template, n) -> seconds`` for a batch of n (default: the plan's
-            predicted latency for its full batch, whatever n — a partial batch is never faster
-            in the model, which keeps the simulation conservative).
+            prediction, ``latency_by_batch[n]`` for a partial batch).
+        overhead_s: fixed time each request spends outside its batch (HTTP, router, handles),
+            measured on the live system; 0 models an ideal front end.
+        shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
+            are logical and share the cores: running batches then progress at
+            ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
     """
+    def predicted(template: str, n: int) -> float:
+        p = table.entries[template].prediction
+        return p.latency_by_batch.get(n, p.latency_s)
+
+    batch_latency = batch_latency or predicted
     slos = dict(slos or base_slos(table))
-    plans = {
-        k: DispatchPlan(batch=e.config.batch, sp=e.config.sp, slo_s=slos[k] * slo_scale, latency_s=e.prediction.latency_s)
-        for k, e in table.entries.items()
+    by_model: dict[str, dict[str, DispatchPlan]] = {}
+    for k, e in table.entries.items():
+        by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan(
+            batch=e.config.batch, sp=e.config.sp, slo_s=slos[k] * slo_scale, latency_s=e.prediction.latency_s)
+    disps: dict[str, Dispatcher[None]] = {
+        m: Dispatcher(p, workers=table.gpus, wait_window_s=wait_window_s, max_queue=10**9) for m, p in by_model.items()
     }
-    disp: Dispatcher[None] = Dispatcher(plans, workers=table.gpus, wait_window_s=wait_window_s, max_queue=10**9)
+    model_of = {k: e.config.template.model for k, e in table.entries.items()}
     stats: dict[str, TemplateStats] = {}
-    events: list[tuple[float, int, str, object]] = []
-    seq = 0
-
-    def push(t: float, kind: str, data: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, data))
-        seq += 1
-
-    for a in arrivals:
-        push(a.t, "arrival", a)
-    end = max((a.t for a in arrivals), default=0.0)
-    wakes: set[float] = set()
-    while events:
-        now, _, kind, data = heapq.heappop(events)
-        if kind == "arrival":
-            data = cast(Arrival, data)
-            st = stats.setdefault(data.template, TemplateStats())
+    pending = sorted(arrivals, key=lambda a: a.t)
+    nxt = 0
+    running: dict[tuple[str, int], tuple[float, int]] = {}  # (model, batch id) -> (work left s, workers)
+    wakes: list[float] = []
+    now = 0.0
+    inf = float("inf")
+    while True:
+        busy = sum(w for _, w in running.values())
+        rate = 1.0 if shared_cores is None else min(1.0, shared_cores / max(1, busy))
+        t_done = min((now + left / rate for left, _ in running.values()), default=inf)
+        t_arr = pending[nxt].t if nxt < len(pending) else inf
+        t_wake = wakes[0] if wakes else inf
+        t = min(t_done, t_arr, t_wake)
+        if t == inf:
+            break
+        for key, (left, w) in list(running.items()):
+            running[key] = (left - (t - now) * rate, w)
+        now = t
+        if t == t_done:
+            for key, (left, _) in list(running.items()):
+                if left <= 1e-9:
+                    del running[key]
+                    a = disps[key[0]].complete(key[1])
+                    for r in a.requests:
+                        st = stats[r.template]
+                        lat = now - r.arrival + overhead_s
+                        st.latencies_s.append(lat)
+                        st.met += lat <= r.deadline - r.arrival + 1e-9
+        elif t == t_arr:
+            arr = pending[nxt]
+            nxt += 1
+            st = stats.setdefault(arr.template, TemplateStats())
             st.sent += 1
-            if data.template not in plans:
+            if arr.template not in model_of:
                 st.failed += 1
             else:
-                disp.submit(data.template, data.request_id, now)
-        elif kind == "done":
-            a = disp.complete(int(data))  # type: ignore[arg-type]
-            for r in a.requests:
-                st = stats[r.template]
-                lat = now - r.arrival
-                st.latencies_s.append(lat)
-                st.met += lat <= r.deadline - r.arrival + 1e-9
-            end = max(end, now)
-        elif kind == "wake":
-            wakes.discard(now)
-        for a in disp.dispatch(now):
-            dur = batch_latency(a.template, len(a.requests)) if batch_latency else a.plan.latency_s
-            push(now + dur, "done", a.batch_id)
-        wake = disp.next_wakeup(now)
-        if wake is not None and wake > now and wake not in wakes:
-            wakes.add(wake)
-            push(wake, "wake", None)
+                disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+        else:
+            heapq.heappop(wakes)
+        for m, d in disps.items():
+            for a in d.dispatch(now):
+                running[(m, a.batch_id)] = (batch_latency(a.template, len(a.requests)), len(a.workers))
+            w = d.next_wakeup(now)
+            if w is not None and w > now and w not in wakes:
+                heapq.heappush(wakes, w)
     sent = sum(s.sent for s in stats.values())
     met = sum(s.met for s in stats.values())
     duration = max((a.t for a in arrivals), default=0.0) or 1.0
     return SimResult(
-        duration_s=end, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
+        duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
         attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
     )
