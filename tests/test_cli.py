@@ -29,3 +29,13 @@ def test_error_raised_if_budget_unreadable(capsys) -> None:  # type: ignore[no-u
     rc = main(["analyze", "--model", "tiny-flux2", "--height", "64", "--width", "64", "--budget", "big"])
     assert rc == 2
     assert "48GB" in capsys.readouterr().err
+
+
+def test_analyze_layout_compares_allocators(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "t.png"
+    rc = main(["analyze", "--model", "tiny-flux2", "--height", "64", "--width", "64", "--steps", "3",
+               "--layout", "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "static layout" in text and "caching allocator" in text
+    assert (tmp_path / "t.layout.png").stat().st_size > 10_000

@@ -84,11 +84,23 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     print(f"analysis time       {elapsed:.1f} s")
     result: dict[str, object] = {"summary": summary.model_dump(), "trace": trace.to_file().model_dump()}
     if args.layout:
-        from xema_ray.layout.report import layout_report, print_layout_report
+        from xema_ray.layout.caching_sim import simulate_caching_allocator
+        from xema_ray.layout.solver import solve_layout
 
-        report = layout_report(trace)
-        print_layout_report(report)
-        result["layout"] = report.model_dump()
+        layout = solve_layout(trace)
+        caching = simulate_caching_allocator(trace)
+        lb = layout.lower_bound_bytes
+        print(f"lower bound         {gb(lb)} (max live bytes)")
+        print(f"static layout       {gb(layout.reserved_bytes)} ({layout.reserved_bytes / lb:.3f}x, solved in {layout.solve_seconds:.2f} s)")
+        print(f"caching allocator   {gb(caching.reserved_peak_bytes)} ({caching.reserved_peak_bytes / lb:.3f}x, simulated)")
+        result["layout"] = {"lower_bound_bytes": lb, "static_reserved_bytes": layout.reserved_bytes,
+                            "caching_reserved_bytes": caching.reserved_peak_bytes, "solve_seconds": layout.solve_seconds}
+        if args.plot:
+            from xema_ray.layout.plot import plot_address_time
+
+            fig7 = args.plot.with_name(args.plot.stem + ".layout" + args.plot.suffix)
+            plot_address_time(trace, layout, caching, fig7)
+            print(f"wrote {fig7}")
     if args.json:
         args.json.write_text(json.dumps(result))
         print(f"wrote {args.json}")

@@ -1,0 +1,111 @@
+// One device's memory under the static allocator: the arena (static region at the planned
+// offsets, then a dynamic region with a best-fit free list), the driver fallback, the loaded
+// plans, the armed request's cursor and the statistics. Every public method takes the arena's
+// own mutex, so devices never contend with each other. Declarations only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "device_backend.h"
+#include "xema_alloc.h"
+
+namespace xema::runtime {
+
+// Per planned allocation, in the order the allocator sees them: rounded size and static offset.
+struct Plan {
+  std::vector<uint64_t> sizes;
+  std::vector<uint64_t> offsets;
+  uint64_t static_bytes_needed = 0;  // max(offset + size)
+};
+
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  void set_device(int device) noexcept { device_ = device; }
+
+  // nullptr (with `error` set) when neither the arena nor the backend can serve the request.
+  void* allocate(std::size_t requested, xema_stream_t stream, Backend& backend,
+                 std::string& error);
+  void deallocate(void* ptr, xema_stream_t stream);
+
+  int reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend& backend,
+              std::string& error);
+  int release(std::string& error);
+
+  int64_t load_plan(const uint64_t* sizes, const uint64_t* offsets, uint64_t n,
+                    std::string& error);
+  int unload_plan(int64_t plan_id, std::string& error);
+  int arm(int64_t plan_id, xema_stream_t stream, std::string& error);
+  int disarm();
+
+  void stats(xema_stats& out);
+  void reset_peaks();
+
+  int record_start();
+  int record_stop();
+  int64_t record_read(xema_event* out, uint64_t capacity);
+
+  // True while the arena is reserved or any block (arena or driver) is live.
+  bool holds_memory();
+
+ private:
+  struct Live {
+    uint64_t size;
+    int region;
+    uint64_t offset;   // within the arena (static and dynamic regions)
+    Backend* backend;  // driver blocks return to the backend that made them
+  };
+  struct DynBlock {
+    uint64_t size;
+    bool free;
+    uint64_t stream_tag;
+  };
+  using FreeKey = std::tuple<uint64_t, uint64_t, uint64_t>;  // (stream tag, size, offset)
+
+  bool static_conflict(uint64_t offset, uint64_t size) const;
+  void* dynamic_allocate(uint64_t size, uint64_t stream_tag);
+  void dynamic_free(uint64_t offset);
+  void record(uint64_t ptr, uint64_t size, uint64_t requested, xema_stream_t stream,
+              uint64_t kind, int region);
+  void update_peaks();
+
+  std::mutex mutex_;
+  int device_ = 0;
+
+  // Arena: [base_, base_ + static_bytes_) is the static region, the dynamic region follows.
+  char* base_ = nullptr;
+  uint64_t static_bytes_ = 0;
+  uint64_t dynamic_bytes_ = 0;
+  Backend* arena_backend_ = nullptr;
+
+  std::unordered_map<uintptr_t, Live> live_;
+  std::map<uint64_t, uint64_t> static_live_;  // offset -> end of live static blocks (disjoint)
+  std::map<uint64_t, DynBlock> dyn_blocks_;   // tiles the dynamic region, keyed by offset
+  std::set<FreeKey> dyn_free_;
+
+  std::unordered_map<int64_t, std::shared_ptr<const Plan>> plans_;
+  int64_t next_plan_id_ = 0;
+  std::shared_ptr<const Plan> armed_plan_;
+  uintptr_t armed_stream_ = 0;
+  uint64_t cursor_ = 0;
+  bool fell_back_ = false;
+
+  bool recording_ = false;
+  std::vector<xema_event> events_;
+
+  xema_stats stats_{};
+};
+
+}  // namespace xema::runtime

@@ -1,0 +1,150 @@
+#include "device_backend.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+namespace xema::runtime {
+
+namespace {
+
+constexpr std::size_t kHostAlignment = 4096;
+
+// Sonames in the order torch builds use them (CUDA 13 on the GPU machine, then 12, 11). The
+// RTLD_NOLOAD pass finds the copy torch already loaded, so we call into the same runtime.
+constexpr const char* kCudartNames[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0",
+                                        "libcudart.so"};
+
+// Restores the caller's current device: torch passes `device` explicitly and expects the
+// thread's current device to be unchanged afterwards.
+class DeviceGuard {
+ public:
+  DeviceGuard(int (*get)(int*), int (*set)(int), int device) : set_(set) {
+    if (get(&previous_) == 0 && previous_ != device) {
+      switched_ = set(device) == 0;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) set_(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int (*set_)(int);
+  int previous_ = -1;
+  bool switched_ = false;
+};
+
+}  // namespace
+
+void* HostBackend::allocate(std::size_t bytes, int /*device*/, std::string& error) noexcept {
+  // aligned_alloc requires a size that is a multiple of the alignment.
+  const std::size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
+  void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
+  if (p == nullptr) {
+    try {
+      error = "host aligned_alloc of " + std::to_string(bytes) + " bytes failed";
+    } catch (...) {
+    }
+  }
+  return p;
+}
+
+bool HostBackend::deallocate(void* ptr, int /*device*/, std::string& /*error*/) noexcept {
+  std::free(ptr);
+  return true;
+}
+
+bool CudaBackend::load(const char* path, std::string& error) noexcept {
+  std::lock_guard<std::mutex> lock(load_mutex_);
+  if (handle_ != nullptr) return true;
+  try {
+    if (path != nullptr && path[0] != '\0') {
+      handle_ = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+      if (handle_ == nullptr) {
+        const char* why = dlerror();
+        error = std::string("dlopen(") + path + ") failed: " + (why ? why : "unknown");
+        return false;
+      }
+    } else {
+      for (int pass = 0; pass < 2 && handle_ == nullptr; ++pass) {
+        for (const char* soname : kCudartNames) {
+          handle_ = dlopen(soname, RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0));
+          if (handle_ != nullptr) break;
+        }
+      }
+      if (handle_ == nullptr) {
+        error = "libcudart not found (tried libcudart.so.13/.12/.11.0/.so); pass its path";
+        return false;
+      }
+    }
+    malloc_ = reinterpret_cast<MallocFn>(dlsym(handle_, "cudaMalloc"));
+    free_ = reinterpret_cast<FreeFn>(dlsym(handle_, "cudaFree"));
+    get_device_ = reinterpret_cast<GetDeviceFn>(dlsym(handle_, "cudaGetDevice"));
+    set_device_ = reinterpret_cast<SetDeviceFn>(dlsym(handle_, "cudaSetDevice"));
+    error_string_ = reinterpret_cast<ErrorStringFn>(dlsym(handle_, "cudaGetErrorString"));
+    if (!malloc_ || !free_ || !get_device_ || !set_device_) {
+      error = "libcudart lacks cudaMalloc/cudaFree/cudaGetDevice/cudaSetDevice";
+      dlclose(handle_);
+      handle_ = nullptr;
+      return false;
+    }
+    return true;
+  } catch (...) {
+    error = "unexpected exception while loading libcudart";
+    return false;
+  }
+}
+
+bool CudaBackend::ensure_loaded(std::string& error) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(load_mutex_);
+    if (handle_ != nullptr) return true;
+  }
+  return load(nullptr, error);
+}
+
+std::string CudaBackend::describe(int code) const noexcept {
+  try {
+    std::string text = "cudaError " + std::to_string(code);
+    if (error_string_ != nullptr) text += std::string(" (") + error_string_(code) + ")";
+    return text;
+  } catch (...) {
+    return "cudaError";
+  }
+}
+
+void* CudaBackend::allocate(std::size_t bytes, int device, std::string& error) noexcept {
+  if (!ensure_loaded(error)) return nullptr;
+  DeviceGuard guard(get_device_, set_device_, device);
+  void* p = nullptr;
+  const int rc = malloc_(&p, bytes);
+  if (rc != 0) {
+    try {
+      error = "cudaMalloc(" + std::to_string(bytes) + ") on device " + std::to_string(device) +
+              " failed: " + describe(rc);
+    } catch (...) {
+    }
+    return nullptr;
+  }
+  return p;
+}
+
+bool CudaBackend::deallocate(void* ptr, int device, std::string& error) noexcept {
+  if (!ensure_loaded(error)) return false;
+  DeviceGuard guard(get_device_, set_device_, device);
+  const int rc = free_(ptr);
+  if (rc != 0) {
+    try {
+      error = "cudaFree on device " + std::to_string(device) + " failed: " + describe(rc);
+    } catch (...) {
+    }
+    return false;
+  }
+  return true;
+}
+
+}  // namespace xema::runtime
