@@ -80,7 +80,7 @@ def global_switches(model: PlannerModel, cfg: ExecutionConfig, kinds: tuple[str,
     """Every subset of the model's full-intensity mitigations whose kind is in ``kinds``
     (each subset = one combination of global on/off switches)."""
     full = [m for m in model.full_mitigation(cfg) if m.kind in kinds]
-    if "hsdp" in kinds and cfg.gpus > 1:
+    if "hsdp" in kinds and cfg.sp > 1:
         offload = next((m for m in model.full_mitigation(cfg) if m.kind == "block_offload"), None)
         if offload is not None:
             full.append(Mitigation(kind="hsdp", blocks=offload.blocks, intensity=offload.intensity))

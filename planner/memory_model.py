@@ -128,7 +128,7 @@ class MemoryModel:
                 # the block running and the one being prefetched are on the GPU at once
                 saved = w.sum() - 2 * w.max()
             else:
-                group = cfg.gpus
+                group = cfg.sp  # sharded across the SP group that runs the batch
                 saved = w.sum() * (1 - 1 / group) - w.max()  # shards stay; one block is gathered at a time
             curve -= max(0, saved)
         elif m.kind == "dit_chunking":

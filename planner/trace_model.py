@@ -119,7 +119,7 @@ class TracePlannerModel:
                 # bytes per block (Flux.2's double-stream blocks are twice the single ones)
                 for blocks in {tuple(evenly_spaced(n, k)), tuple(sorted(heaviest[:k]))}:
                     opts.append(self._option(config, Mitigation(kind="block_offload", blocks=blocks, intensity=k)))
-        if config.gpus > 1:
+        if config.sp > 1:
             for k in ladder:
                 opts.append(self._option(config, Mitigation(kind="hsdp", blocks=tuple(evenly_spaced(n, k)), intensity=k)))
         groups = {p.split(".")[0] for p in interval.phases}

@@ -100,8 +100,9 @@ class ExecutionConfig(BaseModel):
         for m in self.mitigations:
             if m.blocks is not None and max(m.blocks) >= n_blocks:
                 raise ValueError(f"{m.kind}: block {max(m.blocks)} out of range ({spec.name} has {n_blocks} DiT blocks)")
-            if m.kind == "hsdp" and self.gpus == 1:
-                raise ValueError("hsdp shards weights across GPUs; it needs sp * dp >= 2")
+            if m.kind == "hsdp" and self.sp == 1:
+                # DP groups run different batches; only the ranks of one SP group gather together
+                raise ValueError("hsdp shards weights across the SP group running the batch; it needs sp >= 2")
             if m.kind == "temporary_serialization" and m.intensity > self.batch:
                 raise ValueError(f"temporary_serialization: {m.intensity} sub-batches exceed batch {self.batch}")
         return self

@@ -320,7 +320,8 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         attn_s = b.attention_flops / config.sp / (hw.bf16_tflops * 1e12 * hw.attention_efficiency)
         t += sp_comm_s(b, hw, rows, config.ulysses, config.ring, attn_s)
         if i in sharded:
-            gather_s = b.weight_bytes * (config.gpus - 1) / config.gpus / (hw.link_gbps(config.gpus) * 1e9)
+            # sharded across the SP group that runs the batch
+            gather_s = b.weight_bytes * (config.sp - 1) / config.sp / (hw.link_gbps(config.sp) * 1e9)
             prev = compute[i - 1] if i else 0.0
             t += max(0.0, gather_s - prev)  # prefetched during the previous block
         compute.append(t)

@@ -121,8 +121,11 @@ class BatchResult(BaseModel):
 
 
 @contextlib.contextmanager
-def apply_config_mitigations(pipe: Any, spec: ModelSpec, mitigations: tuple[Mitigation, ...]) -> Iterator[None]:
-    """Install ``mitigations`` through the mitigation library for the ``with`` block.
+def apply_config_mitigations(pipe: Any, spec: ModelSpec, mitigations: tuple[Mitigation, ...],
+                             sp_group: Any = None) -> Iterator[None]:
+    """Install ``mitigations`` through the mitigation library for the ``with`` block. HSDP shards
+    weights across the batch's SP group (the ranks that run the same batch), so it gets that
+    group's process group as its collective.
 
     Raises:
         MitigationLibraryMissing: mitigations were asked for and ``xema_ray.mitigation`` (or its
@@ -139,7 +142,14 @@ def apply_config_mitigations(pipe: Any, spec: ModelSpec, mitigations: tuple[Miti
             f"the config asks for {len(mitigations)} mitigation(s) ({', '.join(kinds)}) but the mitigation "
             f"library cannot be imported ({e}); install xema_ray.mitigation or run the config without mitigations"
         ) from e
-    with apply_mitigations(pipe, spec, mitigations):
+    comm = None
+    if any(m.kind == "hsdp" for m in mitigations):
+        if sp_group is None:
+            raise ValueError("hsdp shards weights across the SP group; this batch runs without one (SP = 1)")
+        from xema_ray.mitigation.hsdp import ProcessGroupCollective
+
+        comm = ProcessGroupCollective(sp_group.group)
+    with apply_mitigations(pipe, spec, mitigations, comm=comm):
         yield
 
 
@@ -281,7 +291,7 @@ class ExecutionEngine:
         template = config.template
         armed = False
         with contextlib.ExitStack() as stack:
-            stack.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations))
+            stack.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
             if config.layout_ref is not None and self.arm_layout is not None:
                 stack.enter_context(self.arm_layout(config.layout_ref))
                 armed = True
