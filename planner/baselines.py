@@ -95,9 +95,17 @@ def global_switches(model: PlannerModel, cfg: ExecutionConfig, kinds: tuple[str,
 
 def grid_over(model: CountingModel, bases: list[ExecutionConfig], space: SearchSpace,
               mitigation_sets, deadline: float | None = None) -> tuple[list[Scored], bool]:  # type: ignore[no-untyped-def]
-    """Evaluate every base × mitigation set that fits; returns (ranked, finished)."""
+    """Evaluate every base × mitigation set; returns (ranked configurations that fit, finished).
+
+    Bases come per layout in increasing batch; once nothing fits at some batch, larger batches of
+    that layout are skipped (memory only grows with the batch), as any grid search would."""
     fits = []
+    dead: set[tuple[int, int, int]] = set()
     for base in bases:
+        layout = (base.ulysses, base.ring, base.dp)
+        if layout in dead:
+            continue
+        any_fit = False
         for actions in mitigation_sets(base):
             if deadline is not None and time.monotonic() > deadline:
                 return stage4(model, fits, space.budget, space.slo_s), False
@@ -105,6 +113,9 @@ def grid_over(model: CountingModel, bases: list[ExecutionConfig], space: SearchS
             model.latency(cfg)  # the grid profiles every point it visits
             if model.memory(cfg, space.budget).fits:
                 fits.append(cfg)
+                any_fit = True
+        if not any_fit:
+            dead.add(layout)
     return stage4(model, fits, space.budget, space.slo_s), True
 
 

@@ -63,6 +63,13 @@ class Platform(ABC):
     def device_count(self) -> int:
         """Devices of this kind visible to the process."""
 
+    def device_topology(self, local_index: int = 0) -> tuple[str, set[str]]:
+        """(a device id unique on this machine, ids of the devices it has a direct fast link to).
+        Default: no links (CPU workers are interchangeable)."""
+        import os
+
+        return f"{self.name}:{os.getpid()}:{local_index}", set()
+
     def hardware_fingerprint(self) -> str:
         """Stable key for the hardware a measurement was taken on (keys the profile store):
         device model, device count and the torch build, hashed. Two machines with the same

@@ -41,6 +41,34 @@ def _nvml_used_bytes(index: int) -> int | None:
     return int(info.used)
 
 
+def _norm_bus_id(bus_id: str | bytes) -> str:
+    text = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
+    return text.strip().lower()[-12:]  # NVML and torch pad the PCI domain differently
+
+
+def _nvlink_peers(bus_id: str) -> set[str]:
+    """PCI bus ids this GPU reaches over an active NVLink (empty without NVML or NVLink)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode() if isinstance(bus_id, str) else bus_id)
+            peers = set()
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                        continue
+                    peers.add(_norm_bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId))
+                except pynvml.NVMLError:  # link index not present on this GPU
+                    continue
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML / driver: treat as no NVLink, ordering falls back to bundle order
+        return set()
+    return peers
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
@@ -80,3 +108,9 @@ class CudaPlatform(Platform):
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
+
+    def device_topology(self, local_index: int = 0) -> tuple[str, set[str]]:
+        """(this GPU's PCI bus id, bus ids of its NVLink peers)."""
+        props = torch.cuda.get_device_properties(local_index)
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return _norm_bus_id(bus), _nvlink_peers(bus)

@@ -66,6 +66,11 @@ class Worker:
         #: how many times a model was built: SP switches must leave it at 1
         self.load_count = 0
 
+    def device_topology(self, local_index: int = 0) -> tuple[str, list[str]]:
+        """This worker's device id and its direct-link peers (for NVLink-aware rank order)."""
+        dev, peers = self.platform.device_topology(local_index)
+        return dev, sorted(peers)
+
     def init_device(self, parallel: ParallelConfig, local_index: int = 0) -> None:
         """Bind this process's device and create every SP process group of the worker set."""
         self.platform.set_device(local_index)

@@ -111,6 +111,11 @@ class ModelGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
             actors.append(actor_cls.options(**opts).remote(platform=self.device))
+        # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
+        # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)
+        topo = ray.get([a.device_topology.remote() for a in actors])
+        order = pair_order([d for d, _ in topo], {d: set(p) for d, p in topo})
+        actors = [actors[i] for i in order]
         port = _free_port()
         layouts = tuple(SPLayout(ulysses=u, ring=r) for u, r in self._layouts) or None
         ray.get([
