@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,27 @@ SCHEDULER_CONFIG: dict[str, Any] = {
     "steps_offset": 0,
     "timestep_spacing": "trailing",
 }
+
+
+def unsplit_safe_convs(vae: nn.Module) -> int:
+    """Run diffusers' ``CogVideoXSafeConv3d`` layers as the plain ``Conv3d`` they wrap.
+
+    SafeConv3d splits an input above 2 GiB along time into ``int(GiB / 2) + 1`` pieces; the VAE
+    decodes 2–3 latent frames at a time, so from 1080p up (and at 720p with batch 2) the pieces
+    are shorter than the 3-frame kernel and the convolution fails, on GPUs as well. Below 2 GiB it
+    never splits. So for every shape we serve it either does nothing or fails; the plain
+    convolution computes the same output, and memory for large decodes is what VAE chunking is
+    for. Patched per instance: other diffusers users in the process are unaffected.
+    Returns how many layers were patched.
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXSafeConv3d
+
+    n = 0
+    for module in vae.modules():
+        if isinstance(module, CogVideoXSafeConv3d):
+            module.forward = types.MethodType(nn.Conv3d.forward, module)  # type: ignore[method-assign]
+            n += 1
+    return n
 
 
 class CogVideoXSpec(ModelSpec):
@@ -84,10 +106,12 @@ class CogVideoXSpec(ModelSpec):
                 opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
             ).to(opts.device)
             tokenizer = T5Tokenizer.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        vae = self.build_vae(opts)
+        unsplit_safe_convs(vae)
         pipe = CogVideoXPipeline(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
-            vae=self.build_vae(opts),
+            vae=vae,
             transformer=self.build_transformer(opts),
             scheduler=CogVideoXDDIMScheduler.from_config(SCHEDULER_CONFIG),
         )
