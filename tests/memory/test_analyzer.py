@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from xema_ray.memory.analyzer import StepPatternError, TraceOptions, trace_template
 from xema_ray.memory.trace import Category, MemoryTrace

@@ -23,7 +23,8 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from xema_ray.plan import ExecutionConfig, PlanEntry
+from xema_ray.plan import PlanEntry
+from xema_ray.platforms.topology import pair_order
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
 from xema_ray.serving.metrics import ServingMetrics
 
