@@ -224,6 +224,27 @@ def partial_batch_latencies(model: CountingModel, cfg: ExecutionConfig) -> dict[
     return {n: model.latency(cfg.for_batch(n)) for n in range(1, cfg.batch)}
 
 
+MAX_CONFIRMATIONS = 3  # traced confirmations per template before giving up on the ranking
+
+
+def _confirmed(model: CountingModel, ranked: list[Scored], budget: int, log: StageLog) -> list[Scored]:
+    """Drop leading configurations that the model's ``confirm`` (a trace with the mitigations
+    applied) rejects; models without ``confirm`` (synthetic ones) are taken at their word."""
+    confirm = getattr(model.model, "confirm", None)
+    if confirm is None:
+        return ranked
+    out = list(ranked)
+    for _ in range(MAX_CONFIRMATIONS):
+        if not out or out[0].goodput == 0:
+            break
+        reason = confirm(out[0].config, budget)
+        if reason is None:
+            break
+        log.infeasible.append(f"{out[0].config.describe()}: {reason}")
+        out.pop(0)
+    return out
+
+
 # ---------------------------------------------------------------------------- whole template
 @dataclass
 class TemplatePlan:
@@ -267,6 +288,7 @@ def plan_template(
     ranked = stage4(counting, assembled, budget, slo_s)
     for s in ranked:
         log.assembled[s.config.describe()] = s.latency
+    ranked = _confirmed(counting, ranked, budget, log)
     if not ranked or ranked[0].goodput == 0:
         return TemplatePlan(None, log, counting.counter, slo_s, ranked)
     best = ranked[0]

@@ -148,6 +148,26 @@ class TracePlannerModel:
                     opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae",), intensity=k)))
         return opts
 
+    def confirm(self, config: ExecutionConfig, budget: int) -> str | None:
+        """Trace ``config`` with its mitigations really applied (the mitigation library on the
+        meta device) and check it fits; None if it does, else why not. The search uses the fast
+        analytic transform; this is the analyzer's word on the configuration the planner picks."""
+        if not config.mitigations:
+            return None  # the search already used this exact trace
+        from xema_ray.mitigation.tracing import trace_with_mitigations
+
+        t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
+        try:
+            trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp))
+        except RuntimeError as e:
+            return f"the pipeline fails with these mitigations: {str(e).splitlines()[0]}"
+        prof = TraceProfile(trace, self._blocks)
+        # the traced curve already holds the mitigations; SP and the layout margins still apply
+        peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)
+        if ivs:
+            return f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget"
+        return None
+
     # ------------------------------------------------------------------ helpers
     def _offset(self, unit: str) -> int:
         """Flux.2's single-stream blocks come after its double-stream ones in block order."""

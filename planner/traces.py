@@ -20,15 +20,19 @@ class TraceCache:
         directory: where traces persist as JSON (None: memory only).
     """
 
-    directory: Path | None = None
+    directory: Path | str | None = None
     _mem: dict[str, MemoryTrace] = field(default_factory=dict)
     traced: int = 0
+
+    def __post_init__(self) -> None:
+        if self.directory is not None:
+            self.directory = Path(self.directory)
 
     def _path(self, template: RequestTemplate) -> Path | None:
         if self.directory is None:
             return None
         digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}".encode()).hexdigest()[:16]
-        return self.directory / f"{template.model}-{digest}.json"
+        return Path(self.directory) / f"{template.model}-{digest}.json"
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
         key = template.key
