@@ -152,7 +152,7 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
 
         def native(b: ExecutionConfig) -> list[tuple[Mitigation, ...]]:
             # VAE slicing decodes one request at a time: serialization of the VAE only
-            return [tuple(m for m in s if not (m.kind == "temporary_serialization" and m.modules != ("vae",)))
+            return [tuple(m for m in s if not (m.kind == "temporary_serialization" and m.modules != ("vae.decoder",)))
                     for s in global_switches(counting, b, kinds)]
 
         ranked, done = grid_over(counting, _base_configs(template, space), space, native, deadline)

@@ -97,10 +97,12 @@ class TracePlannerModel:
             Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=max(CHUNKS)),
             Mitigation(kind="vae_chunking", modules=tuple(self._vae_units()), intensity=max(CHUNKS)),
         ]
+        if self.template.spec.family == "cogvideox":
+            out.append(Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=ALL_TENSORS))
         if config.batch > 1:
             out += [
                 Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=config.batch),
-                Mitigation(kind="temporary_serialization", modules=("vae",), intensity=config.batch),
+                Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=config.batch),
             ]
         return tuple(out)
 
@@ -145,7 +147,7 @@ class TracePlannerModel:
                                                             intensity=ALL_TENSORS)))
             if config.batch > 1:
                 for k in _divisors(config.batch):
-                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae",), intensity=k)))
+                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=k)))
         return opts
 
     def confirm(self, config: ExecutionConfig, budget: int) -> str | None:
@@ -159,8 +161,10 @@ class TracePlannerModel:
         t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
         try:
             trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp))
-        except RuntimeError as e:
-            return f"the pipeline fails with these mitigations: {str(e).splitlines()[0]}"
+        except (RuntimeError, ValueError) as e:
+            # the pipeline fails at this shape, or the library cannot combine these primitives
+            # (e.g. serialization cannot rejoin offloaded conv caches): not a runnable plan
+            return f"cannot run with these mitigations: {str(e).splitlines()[0]}"
         prof = TraceProfile(trace, self._blocks)
         # the traced curve already holds the mitigations; SP and the layout margins still apply
         peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)

@@ -75,7 +75,7 @@ class Synthetic:
             opts += [MitigationOption((Mitigation(kind="vae_chunking", modules=("vae.decoder.up_blocks.3",), intensity=c),))
                      for c in (2, 4)]
             if cfg.batch > 1:
-                opts += [MitigationOption((Mitigation(kind="temporary_serialization", modules=("vae",), intensity=cfg.batch),))]
+                opts += [MitigationOption((Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=cfg.batch),))]
         else:
             opts += [MitigationOption((Mitigation(kind="dit_chunking", blocks=(0,), intensity=c),)) for c in (2, 4)]
         return opts
@@ -85,5 +85,5 @@ class Synthetic:
                 Mitigation(kind="dit_chunking", blocks=(0,), intensity=4),
                 Mitigation(kind="vae_chunking", modules=("vae.decoder.up_blocks.3",), intensity=4)]
         if cfg.batch > 1:
-            full.append(Mitigation(kind="temporary_serialization", modules=("vae",), intensity=cfg.batch))
+            full.append(Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=cfg.batch))
         return tuple(full)
