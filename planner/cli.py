@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from xema_ray.memory.analysis import gb, parse_bytes
 from xema_ray.plan import PlanEntry, PlanTable
@@ -104,8 +104,8 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
     return sorted(results, key=lambda r: order[r["template"]])
 
 
-def print_summary(results: list[dict[str, Any]], out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
-    w = out.write
+def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    w = (out or sys.stdout).write
     w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
     for r in results:
         if r["entry"] is None:
