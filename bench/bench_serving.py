@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import random
-import socket
 import tempfile
 import threading
 import time
@@ -23,12 +22,8 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
+from xema_ray.net import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -73,7 +68,7 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "plans.json"
     table.save(str(path))
     serve_args["plan_table"] = str(path)
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(serve_args), name="xema", route_prefix="/")

@@ -30,6 +30,7 @@ import numpy as np
 
 from xema_ray.memory.analysis import PressureInterval, event_modules, event_phases, phase_group, pressure_intervals, unit_of
 from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.mitigation.hooks import evenly_spread
 from xema_ray.plan import ExecutionConfig, Mitigation
 
 LAYOUT_OVERHEAD = 1.02  # static reserved / lower bound on the analyzer's real traces (issue #3 target)
@@ -120,7 +121,7 @@ class MemoryModel:
 
     def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> None:
         if m.kind in ("block_offload", "hsdp"):
-            blocks = list(m.blocks) if m.blocks is not None else evenly_spaced(len(prof.block_paths), m.intensity)
+            blocks = list(m.blocks) if m.blocks is not None else list(evenly_spread(m.intensity, len(prof.block_paths)))
             w = prof.block_weights[blocks]
             if len(w) == 0:
                 return
@@ -158,13 +159,3 @@ class MemoryModel:
         as_int = curve.astype(np.int64)
         ivs = pressure_intervals(prof.trace, budget, curve=as_int)
         return int(as_int.max()), tuple(ivs)
-
-
-def evenly_spaced(n: int, k: int) -> list[int]:
-    """k of n block indices spread evenly (§5.1: the overlap window grows to about n/k blocks)."""
-    if not 0 <= k <= n:
-        raise ValueError(f"cannot pick {k} of {n} blocks")
-    if k == 0:
-        return []
-    # the centre of each of k equal slices: strictly increasing because slices are >= 1 block wide
-    return [int((i + 0.5) * n / k) for i in range(k)]

@@ -18,7 +18,8 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 
-from planner.memory_model import MemoryModel, TraceProfile, evenly_spaced
+from planner.memory_model import MemoryModel, TraceProfile
+from xema_ray.mitigation.hooks import evenly_spread
 from planner.model import MemoryView, MitigationOption
 from planner.traces import TraceCache
 
@@ -124,11 +125,11 @@ class TracePlannerModel:
             if k > current_k:
                 # evenly spaced blocks hide transfers best (§5.1); the heaviest blocks free the most
                 # bytes per block (Flux.2's double-stream blocks are twice the single ones)
-                for blocks in {tuple(evenly_spaced(n, k)), tuple(sorted(heaviest[:k]))}:
+                for blocks in {evenly_spread(k, n), tuple(sorted(heaviest[:k]))}:
                     opts.append(self._option(config, Mitigation(kind="block_offload", blocks=blocks, intensity=k)))
         if config.sp > 1:
             for k in ladder:
-                opts.append(self._option(config, Mitigation(kind="hsdp", blocks=tuple(evenly_spaced(n, k)), intensity=k)))
+                opts.append(self._option(config, Mitigation(kind="hsdp", blocks=evenly_spread(k, n), intensity=k)))
         groups = {p.split(".")[0] for p in interval.phases}
         if "denoise" in groups:
             idx = sorted({int(m.group(1)) + self._offset(u) for u in interval.units if (m := _BLOCK_UNIT.match(u))})

@@ -6,22 +6,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from xema_ray.net import free_port
 
 WORLD = 2
 MODELS = ("tiny-flux2", "tiny-cogvideox", "tiny-ltx2")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -61,7 +56,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_hsdp_is_bitwise_over_gloo(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,16 +15,12 @@ from pathlib import Path
 import pytest
 
 from xema_ray.plan import PlanTable
+from xema_ray.net import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop_cluster(temp_dir: Path) -> None:
@@ -48,7 +43,7 @@ def _stop_cluster(temp_dir: Path) -> None:
 
 
 def test_ray_job_submit_writes_a_plan_table(tmp_path: Path) -> None:
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     # Ray's unix sockets live under the temp dir and their paths must stay under 108 bytes
     ray_dir = Path(tempfile.mkdtemp(prefix="xr-", dir="/tmp"))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
@@ -56,8 +51,8 @@ def test_ray_job_submit_writes_a_plan_table(tmp_path: Path) -> None:
     start = [str(BIN / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--num-gpus=2",
              f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
              # the agent's ports default to fixed numbers another local cluster may hold
-             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
              f"--temp-dir={ray_dir}"]
     subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
     out = tmp_path / "tiny.json"

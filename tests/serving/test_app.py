@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
-import socket
 import time
 
 import imageio.v3 as iio
@@ -25,6 +24,7 @@ from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable 
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
+from xema_ray.net import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,6 @@ FLUX_S = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 FLUX_L = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
 COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, dp: int = 1) -> PlanEntry:
@@ -67,7 +62,7 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
 
     from deployments.app import build_app
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="xema", route_prefix="/")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from xema_ray.plan import PlanEntry
 from xema_ray.platforms.topology import pair_order
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
 from xema_ray.serving.metrics import ServingMetrics
+from xema_ray.net import free_port
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -54,11 +54,6 @@ class _Ticket:
     guidance_scale: float | None
     future: asyncio.Future
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ModelGroup:
@@ -117,7 +112,7 @@ class ModelGroup:
         topo = ray.get([a.device_topology.remote() for a in actors])
         order = pair_order([d for d, _ in topo], {d: set(p) for d, p in topo})
         actors = [actors[i] for i in order]
-        port = _free_port()
+        port = free_port()
         layouts = tuple(SPLayout(ulysses=u, ring=r) for u, r in self._layouts) or None
         ray.get([
             a.init_device.remote(ParallelConfig(rank=i, world_size=self.n_workers, layouts=layouts,
