@@ -161,7 +161,8 @@ class TracePlannerModel:
 
         t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
         try:
-            trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp))
+            trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp),
+                                           pipeline=self.traces.pipeline(t))
         except (RuntimeError, ValueError) as e:
             # the pipeline fails at this shape, or the library cannot combine these primitives
             # (e.g. serialization cannot rejoin offloaded conv caches): not a runnable plan

@@ -57,6 +57,7 @@ class TraceOptions:
         dtype: parameter/activation dtype; None = bf16 for real models, fp32 for tiny ones.
         count_host: count host tensors too (only for the meta-vs-CPU correctness test).
         replicate: trace two steps and replicate; False traces every step (reference runs).
+        memoise: reuse meta-kernel results per operator signature (exact; False only to check it).
         prompt: the prompt the stand-in embeddings are derived from.
         seed: generator seed for the initial noise.
     """
@@ -65,6 +66,7 @@ class TraceOptions:
     dtype: torch.dtype | None = None
     count_host: bool = False
     replicate: bool = True
+    memoise: bool = True
     prompt: str = "a photo of a cat"
     seed: int = 0
 
@@ -104,7 +106,7 @@ def trace_template(
     run_template = template.with_(steps=traced_steps)
 
     inputs = spec.prompt_embeddings([opts.prompt] * template.batch, opts.device, dtype)
-    tracer = AllocationTracer(opts.device, _module_names(pipe), count_host=opts.count_host)
+    tracer = AllocationTracer(opts.device, _module_names(pipe), count_host=opts.count_host, memoise=opts.memoise)
     for name, module in _components(pipe):
         tracer.register_module(name, module)
     tracer.register_resident(dict(inputs), Category.INPUT)
@@ -134,6 +136,8 @@ def trace_template(
             "traced_steps": str(traced_steps),
         }
     )
+    if tracer.memo is not None:
+        raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
     return expand_steps(raw, template.steps)
 
 

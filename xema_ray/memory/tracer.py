@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from xema_ray.memory.meta_memo import MetaKernelMemo
 from xema_ray.memory.trace import Category
 
 # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512 and round_size() rounds every request
@@ -83,6 +84,8 @@ class AllocationTracer(TorchDispatchMode):
         count_host: also count CPU tensors when tracing meta. Only for the correctness test
             that compares a meta trace with a CPU run (where host and device are the same
             memory): a same-dtype host→device copy is then the same allocation, not a new one.
+        memoise: run each distinct meta kernel signature once (``meta_memo``); exact, and
+            several times faster on real pipelines. False only to check that claim.
 
     Example:
         >>> tracer = AllocationTracer("meta", {})
@@ -92,8 +95,9 @@ class AllocationTracer(TorchDispatchMode):
         [0, 1]
     """
 
-    def __init__(self, device: str, module_names: dict[int, str], count_host: bool = False) -> None:
+    def __init__(self, device: str, module_names: dict[int, str], count_host: bool = False, memoise: bool = True) -> None:
         super().__init__()
+        self.memo = MetaKernelMemo() if memoise else None
         self.device = torch.device(device).type
         self.count_host = count_host and self.device != "cpu"
         self._module_names = module_names
@@ -204,7 +208,7 @@ class AllocationTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if self.memo is None else self.memo.call(func, args, kwargs)
         if self._paused:
             return out
         alias_of = None
