@@ -3,7 +3,8 @@
 - ``grid``: exhaustive search over SP × BS × every combination of the mitigation catalogue
   (the same space Xema searches; the paper's 6.3 h point of comparison).
 - ``heuristic``: the paper's Heuristic — fine-grained primitives, but greedy: the smallest SP that
-  fits, mitigations by largest memory saving first, batch grown while goodput improves.
+  fits and meets the SLO, mitigations by largest memory saving first, batch grown while goodput
+  improves.
 - ``vllm-omni``: only vLLM-Omni's native controls, applied globally (layerwise offload of every
   block, VAE slicing = decode one request at a time, HSDP of every block), grid-searched.
 - ``extendedlib``: Xema's primitives but each applied globally at full intensity, grid-searched.
@@ -193,7 +194,8 @@ def _ablation(name: str, model: CountingModel, template: RequestTemplate, space:
 
 def _heuristic(model: CountingModel, template: RequestTemplate, space: SearchSpace, source: str) -> PlanEntry | None:
     """Greedy: for SP = 1, 2, ...: at each batch, add the option that frees the most memory until
-    the configuration fits; keep the first SP that fits and grow the batch while goodput improves."""
+    the configuration fits; keep the first SP whose fitted single request meets the SLO and grow
+    its batch while goodput improves."""
     def greedy_fit(cfg: ExecutionConfig) -> ExecutionConfig | None:
         for _ in range(64):
             view = model.memory(cfg, space.budget)
@@ -219,6 +221,8 @@ def _heuristic(model: CountingModel, template: RequestTemplate, space: SearchSpa
             fitted = greedy_fit(base)
             if fitted is None:
                 break
+            if bs == 1 and model.latency(fitted) > space.slo_s:
+                break  # this SP cannot meet the SLO even alone: greedily try the next one
             if chosen and stage4(model, [chosen[-1], fitted], space.budget, space.slo_s)[0].config != fitted:
                 break  # goodput stopped improving
             chosen.append(fitted)

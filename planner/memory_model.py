@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from xema_ray.memory.analysis import PressureInterval, event_modules, event_phases, phase_group, pressure_intervals, unit_of
+from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.hooks import evenly_spread
 from xema_ray.plan import ExecutionConfig, Mitigation
@@ -47,6 +47,7 @@ class TraceProfile:
     block_paths: list[str]  # DiT block unit names in execution order ("transformer.transformer_blocks.3")
     curve: np.ndarray = field(init=False)
     floor: int = field(init=False)
+    _runs: dict[tuple[object, str], list[tuple[int, int]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.curve = self.trace.active_curve().astype(np.float64)
@@ -60,11 +61,25 @@ class TraceProfile:
         return names[ph]
 
     @cached_property
-    def units(self) -> np.ndarray:
-        """Mitigation unit per event (object array of str)."""
-        mods = event_modules(self.trace)
-        table = np.array([unit_of(m) for m in self.trace.modules] + ["<pipeline>"], dtype=object)
-        return table[mods]
+    def interval_index(self) -> IntervalIndex:
+        return IntervalIndex(self.trace)
+
+    def group_runs(self, group: str) -> list[tuple[int, int]]:
+        """Runs of events of a phase group (cached: every candidate asks again)."""
+        key = ("group", group)
+        if key not in self._runs:
+            self._runs[key] = self.runs(self.groups == group)
+        return self._runs[key]
+
+    def unit_runs(self, paths: list[str], group: str) -> list[tuple[int, int]]:
+        """Runs of events of the given mitigation units within a phase group (cached)."""
+        key = (tuple(sorted(paths)), group)
+        if key not in self._runs:
+            index = self.interval_index
+            wanted = np.zeros(len(index.unit_names) + 1, dtype=bool)  # last slot: events of no unit
+            wanted[[i for i, u in enumerate(index.unit_names) if u in set(paths)]] = True
+            self._runs[key] = self.runs(wanted[index.event_unit] & (self.groups == group))
+        return self._runs[key]
 
     @cached_property
     def block_weights(self) -> np.ndarray:
@@ -110,9 +125,9 @@ class MemoryModel:
         prof: TraceProfile = self._profile_for_batch(cfg.batch)
         base = prof.curve
         curve = base.copy()
-        dit = prof.groups == "dit"
         if cfg.sp > 1:
-            curve[dit] = prof.floor + (base[dit] - prof.floor) / cfg.sp
+            for s, e in prof.group_runs("dit"):
+                curve[s:e] = prof.floor + (base[s:e] - prof.floor) / cfg.sp
         for m in cfg.mitigations:
             self._apply(curve, base, prof, cfg, m)
         # weights are laid out once and never freed, so the layout's overhead only touches activations
@@ -134,15 +149,12 @@ class MemoryModel:
             curve -= max(0, saved)
         elif m.kind == "dit_chunking":
             paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
-            mask = np.isin(prof.units, paths) & (prof.groups == "dit")
-            _shrink_runs(curve, base, prof.runs(mask), m.intensity)
+            _shrink_runs(curve, base, prof.unit_runs(paths, "dit"), m.intensity)
         elif m.kind == "vae_chunking":
-            paths = list(m.modules or ())
-            mask = np.isin(prof.units, paths) & (prof.groups == "vae")
-            _shrink_runs(curve, base, prof.runs(mask), m.intensity)
+            _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "vae"), m.intensity)
         elif m.kind == "temporary_serialization":
             group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
-            _shrink_runs(curve, base, prof.runs(prof.groups == group), m.intensity)
+            _shrink_runs(curve, base, prof.group_runs(group), m.intensity)
         elif m.kind == "activation_offload":
             # the mitigation library's estimate (caches live at the phase peak, read from this
             # trace), taken off every event of the phase down to the phase's entry level
@@ -150,12 +162,12 @@ class MemoryModel:
 
             group = "dit" if any(p.startswith("transformer") for p in (m.modules or ())) else "vae"
             saved = estimate_saving(m, cfg.batched_template, baseline=prof.trace).at(group)
-            for s, e in prof.runs(prof.groups == group):
+            for s, e in prof.group_runs(group):
                 level = base[s - 1] if s > 0 else 0.0
                 curve[s:e] = np.maximum(curve[s:e] - saved, np.minimum(curve[s:e], level))
 
     def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
         curve, prof = self.reserved_curve(cfg)
         as_int = curve.astype(np.int64)
-        ivs = pressure_intervals(prof.trace, budget, curve=as_int)
+        ivs = prof.interval_index.intervals(budget, as_int)
         return int(as_int.max()), tuple(ivs)

@@ -78,3 +78,14 @@ def test_error_raised_if_baseline_unknown(setting) -> None:  # type: ignore[no-u
     model, space = setting
     with pytest.raises(ValueError, match="known"):
         run_baseline("magic", model, T, space)
+
+
+def test_heuristic_takes_the_smallest_sp_that_fits_and_meets_the_slo() -> None:
+    model = Synthetic(W=40 * GB, offload_free=1, L=20.0, comm=0.5)
+    loose, _, _ = run_baseline("heuristic", model, T, SearchSpace(gpus=2, budget=46 * GB, slo_s=1e6, max_batch=1))
+    assert loose is not None and loose.config.sp == 1
+    # an SLO the fitted SP = 1 configuration misses: the greedy search moves on to SP = 2
+    tight = loose.prediction.latency_s * 0.9
+    entry, _, _ = run_baseline("heuristic", model, T, SearchSpace(gpus=2, budget=46 * GB, slo_s=tight, max_batch=1))
+    assert entry is not None and entry.config.sp == 2
+    assert entry.prediction.latency_s <= tight

@@ -133,59 +133,84 @@ def phase_peaks(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Pha
     return out
 
 
-def pressure_intervals(trace: MemoryTrace, budget: int, curve: np.ndarray | None = None, top_ops: int = 5) -> list[PressureInterval]:
+def pressure_intervals(trace: MemoryTrace, budget: int, curve: np.ndarray | None = None, top_ops: int = 5,
+                       index: IntervalIndex | None = None) -> list[PressureInterval]:
     """Maximal event ranges with live bytes above ``budget`` (stage 2 of the planner).
+
+    ``curve`` replaces the trace's active curve (the planner's transformed per-GPU curve);
+    ``index`` reuses the per-trace tables across calls on the same trace.
 
     Example:
         >>> # a trace that never exceeds its budget has no intervals
         >>> pressure_intervals(trace, budget=trace.peak())  # doctest: +SKIP
         []
     """
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0 bytes, got {budget}")
-    curve = trace.active_curve() if curve is None else curve
-    over = curve > budget
-    if not over.any():
-        return []
-    edges = np.diff(np.concatenate([[0], over.astype(np.int8), [0]]))
-    starts = np.flatnonzero(edges == 1)
-    stops = np.flatnonzero(edges == -1)
-    # vectorised per event: a Flux.2 request is above a 48 GB budget for 99.8 % of its events,
-    # and the planner asks for intervals hundreds of times per template
-    mods = event_modules(trace)
-    phs = event_phases(trace)
-    unit_names = sorted({unit_of(m) for m in trace.modules})
-    unit_id = {u: i for i, u in enumerate(unit_names)}
-    module_unit = np.array([unit_id[unit_of(m)] for m in trace.modules] + [-1], dtype=np.int64)
-    event_unit = module_unit[mods]  # module -1 indexes the trailing -1
-    order = np.argsort(trace.begin, kind="stable")
-    begins_sorted = trace.begin[order]
-    n_ops = len(trace.ops)
-    op_names = [*trace.ops, "?"]
-    out = []
-    for s, e in zip(starts, stops, strict=True):
-        peak = int(curve[s:e].max())
+    return (index or IntervalIndex(trace)).intervals(budget, trace.active_curve() if curve is None else curve, top_ops)
+
+
+class IntervalIndex:
+    """Per-trace tables that turn any curve over the trace's events into pressure intervals.
+
+    Built once per trace: the planner asks for the intervals of hundreds of transformed curves
+    of the same trace, and a Flux.2 request is above a 48 GB budget for 99.8 % of its events, so
+    everything per event is vectorised and everything per trace is done here once."""
+
+    def __init__(self, trace: MemoryTrace) -> None:
+        self.trace = trace
+        self.unit_names = sorted({unit_of(m) for m in trace.modules})
+        unit_id = {u: i for i, u in enumerate(self.unit_names)}
+        module_unit = np.array([unit_id[unit_of(m)] for m in trace.modules] + [-1], dtype=np.int64)
+        self.event_unit = module_unit[event_modules(trace)]  # module -1 indexes the trailing -1
+        self.event_phase = event_phases(trace)
+        self.order = np.argsort(trace.begin, kind="stable")
+        self.begins_sorted = trace.begin[self.order]
+        n_ops = len(trace.ops)
+        self.op_names = [*trace.ops, "?"]
+        self.op_sorted = np.where(trace.op[self.order] >= 0, trace.op[self.order], n_ops)
+        self.size_sorted = trace.size[self.order].astype(np.float64)
+        # (start, stop, top_ops) -> (units, phases, ops): what runs in a range never changes
+        self._described: dict[tuple[int, int, int], tuple[list[str], list[str], list[str]]] = {}
+
+    def _describe(self, s: int, e: int, lo: int, hi: int, top_ops: int) -> tuple[list[str], list[str], list[str]]:
+        """(units, phases, ops) of events [s, e); allocations lo:hi of the begin-sorted order."""
         # each unit once, in first-seen order (a unit may run in several steps)
-        u = event_unit[s:e]
+        u = self.event_unit[s:e]
         u = u[u >= 0]
         ids, first = np.unique(u, return_index=True)
-        units = [unit_names[i] for i in ids[np.argsort(first)]]
-        phases = sorted(trace.phases[p] for p in np.unique(phs[s:e]) if p >= 0)
-        lo, hi = np.searchsorted(begins_sorted, [s, e])
-        rows = order[lo:hi]
-        op = np.where(trace.op[rows] >= 0, trace.op[rows], n_ops)
-        nbytes = np.bincount(op, weights=trace.size[rows].astype(np.float64), minlength=n_ops + 1)
-        present, first_row = np.unique(op, return_index=True)
+        units = [self.unit_names[i] for i in ids[np.argsort(first)]]
+        phases = sorted(self.trace.phases[p] for p in np.unique(self.event_phase[s:e]) if p >= 0)
+        op = self.op_sorted[lo:hi]
+        present, first_row, inverse = np.unique(op, return_index=True, return_inverse=True)
+        nbytes = np.bincount(inverse.ravel(), weights=self.size_sorted[lo:hi], minlength=len(present))
         # largest bytes first; ties in first-allocation order
-        rank = np.lexsort((first_row, -nbytes[present]))
-        ops = [op_names[i] for i in present[rank][:top_ops]]
-        out.append(
-            PressureInterval(
-                start=int(s), stop=int(e), peak_bytes=peak, excess_bytes=peak - budget,
-                phases=phases, units=units, ops=ops,
-            )
-        )
-    return out
+        rank = np.lexsort((first_row, -nbytes))
+        return units, phases, [self.op_names[i] for i in present[rank][:top_ops]]
+
+    def intervals(self, budget: int, curve: np.ndarray, top_ops: int = 5) -> list[PressureInterval]:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0 bytes, got {budget}")
+        over = curve > budget
+        if not over.any():
+            return []
+        edges = np.diff(np.concatenate([[0], over.astype(np.int8), [0]]))
+        starts = np.flatnonzero(edges == 1)
+        stops = np.flatnonzero(edges == -1)
+        lo_hi = np.searchsorted(self.begins_sorted, np.stack([starts, stops]))
+        bounds = np.empty(2 * len(starts), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = starts, stops
+        peaks = np.maximum.reduceat(np.append(curve, curve[-1]), bounds)[0::2].tolist()  # max of each [start, stop)
+        out = []
+        for s, e, lo, hi, peak in zip(starts.tolist(), stops.tolist(), lo_hi[0].tolist(), lo_hi[1].tolist(), peaks, strict=True):
+            described = self._described.get((s, e, top_ops))
+            if described is None:
+                described = self._describe(s, e, lo, hi, top_ops)
+                if len(self._described) > 100_000:  # bound the memo; candidates share most ranges
+                    self._described.clear()
+                self._described[(s, e, top_ops)] = described
+            units, phases, ops = described
+            out.append(PressureInterval(start=s, stop=e, peak_bytes=int(peak), excess_bytes=int(peak) - budget,
+                                        phases=phases, units=units, ops=ops))
+        return out
 
 
 def segments(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Segment]:
