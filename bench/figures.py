@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
 from xema_ray.memory.analysis import parse_bytes
-from xema_ray.plan import PlanTable
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.sim.simulate import poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate, paper_templates
 
@@ -39,6 +41,7 @@ ABLATIONS = ("no-memory-planning", "no-parallelism-planning", "no-concurrency", 
 LABEL = {"vllm-omni": "vLLM-Omni", "extendedlib": "vLLM-Omni+ExtendedLib", "heuristic": "Heuristic", "xema": "Xema",
          "no-memory-planning": "w/o memory planning", "no-parallelism-planning": "w/o parallelism planning",
          "no-concurrency": "w/o concurrency"}
+LATENT_LENGTH: dict[str, int] = {}  # template -> latent tokens, for the skewed mix
 # Values the paper states in its text (§9.2), as (figure, model, system, x) -> attainment %
 PAPER = {
     ("9-rate", "flux2", "xema", 8): 66.6, ("9-rate", "flux2", "vllm-omni", 8): 18.2,
@@ -52,29 +55,53 @@ PAPER = {
 }
 
 
-def plan_tables(templates: list[RequestTemplate], gpus: int, budget: int, planners: tuple[str, ...],
-                cache: TraceCache, latency: LatencyModel) -> tuple[dict[str, PlanTable], dict[str, float]]:
-    """One plan table per planner, all with Xema's SLOs (the shared candidate space, §9.1)."""
-    tables = {p: PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, planner=p) for p in planners}
-    slos: dict[str, float] = {}
-    for t in templates:
-        model = TracePlannerModel(t, latency.seconds, cache)
-        xema = plan_template(model, t, gpus, budget)
+GPU_COUNTS = (1, 2, 4, 8)
+SCALING_SYSTEMS = ("vllm-omni", "heuristic", "xema")
+
+
+def _plan_template(args: tuple[RequestTemplate, int, str]) -> dict[int, tuple[float | None, dict[str, str]]]:
+    """Every planner's entry for one template at every GPU count: {gpus: (Xema's SLO, {planner: entry JSON})}.
+    All planners share Xema's SLO (the shared candidate space, §9.1)."""
+    template, budget, trace_dir = args
+    latency = LatencyModel("a6000")
+    model = TracePlannerModel(template, latency.seconds, TraceCache(Path(trace_dir)))
+    out: dict[int, tuple[float | None, dict[str, str]]] = {}
+    for gpus in GPU_COUNTS:
+        xema = plan_template(model, template, gpus, budget)
         if xema.slo_s is None:
-            continue  # no planner can serve it: every request fails in the simulation
-        slos[t.shape_key] = xema.slo_s
+            out[gpus] = (None, {})  # no planner can serve it: every request fails in the simulation
+            continue
         space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=8)
-        for p in planners:
-            entry = xema.entry if p == "xema" else run_baseline(p, model, t, space)[0]
+        entries = {}
+        for p in SYSTEMS + ABLATIONS[:-1] if gpus == 4 else SCALING_SYSTEMS:
+            entry = xema.entry if p == "xema" else run_baseline(p, model, template, space)[0]
             if entry is not None:
-                tables[p].entries[t.shape_key] = entry
-    return tables, slos
+                entries[p] = entry.model_dump_json()
+        out[gpus] = (xema.slo_s, entries)
+    return out
+
+
+def plan_tables(templates: list[RequestTemplate], budget: int, trace_dir: str,
+                workers: int) -> dict[int, tuple[dict[str, PlanTable], dict[str, float]]]:
+    """{gpus: ({planner: plan table}, {template: SLO})}, templates planned in parallel processes."""
+    latency = LatencyModel("a6000")
+    planners = SYSTEMS + ABLATIONS[:-1]
+    tables = {g: ({p: PlanTable(hardware=latency.fingerprint(g), gpus=g, budget_bytes=budget, planner=p) for p in planners}, {})
+              for g in GPU_COUNTS}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for t, per_gpus in zip(templates, pool.map(_plan_template, [(t, budget, trace_dir) for t in templates]), strict=True):
+            for g, (slo, entries) in per_gpus.items():
+                if slo is not None:
+                    tables[g][1][t.shape_key] = slo
+                for p, js in entries.items():
+                    tables[g][0][p].entries[t.shape_key] = PlanEntry.model_validate_json(js)
+            print(f"planned {t.shape_key}", flush=True)
+    return tables
 
 
 def attainment(table: PlanTable, slos: dict[str, float], keys: list[str], rate: float, duration_s: float,
                mix: str = "uniform", slo_scale: float = 1.0, seeds: int = 3) -> float:
-    lat = {k: slos.get(k, 1.0) / 2.5 for k in keys}
-    w = template_weights(lat, mix)
+    w = template_weights({k: LATENT_LENGTH[k] for k in keys}, mix)
     out = []
     for seed in range(seeds):
         arr = poisson_arrivals(rate, duration_s, w, seed=seed)
@@ -90,39 +117,33 @@ def main() -> None:
     ap.add_argument("--budget", default="48GB")
     ap.add_argument("--trace-cache", default="plans/.traces")
     ap.add_argument("--duration-min", type=float, default=240.0, help="simulated minutes per point")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="planning processes")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     budget = parse_bytes(args.budget)
-    latency = LatencyModel("a6000")
-    cache = TraceCache(Path(args.trace_cache))
     templates = paper_templates()
+    LATENT_LENGTH.update({t.shape_key: t.latent_length for t in templates})
     results: dict[str, dict] = {}
     duration = args.duration_min * 60
 
-    tables4, slos = plan_tables(templates, 4, budget, SYSTEMS + ABLATIONS[:-1], cache, latency)
+    per_gpu = plan_tables(templates, budget, args.trace_cache, args.workers)
+    tables4, slos = per_gpu[4]
     for p, tbl in tables4.items():
         tbl.save(str(args.out / f"plans_4gpu_{p}.json"))
+
+    def sub(tbl: PlanTable, keys: list[str]) -> PlanTable:
+        return tbl.model_copy(update={"entries": {k: v for k, v in tbl.entries.items() if k in keys}})
+
     for m in MODELS:
         keys = [t.shape_key for t in templates if t.model == m]
-        sub = lambda tbl: tbl.model_copy(update={"entries": {k: v for k, v in tbl.entries.items() if k in keys}})  # noqa: E731
-        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration) for r in RATES[m]] for p in SYSTEMS}
-        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, DEFAULT_RATE[m], duration, slo_scale=s)
-                                     for s in (1, 2, 3, 4, 5)] for p in SYSTEMS}
-        results[f"10/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration, mix="skewed") for r in RATES[m]]
+        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in RATES[m]] for p in SYSTEMS}
+        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, DEFAULT_RATE[m], duration, slo_scale=x)
+                                     for x in (1, 2, 3, 4, 5)] for p in SYSTEMS}
+        results[f"10/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration, mix="skewed") for r in RATES[m]]
                               for p in SYSTEMS}
-        results[f"14/{m}"] = {p: [attainment(sub(tables4[p]), slos, keys, r, duration) for r in RATES[m]] for p in ABLATIONS}
-    gpu_counts = (1, 2, 4, 8)
-    per_gpu = {g: plan_tables(templates, g, budget, ("vllm-omni", "heuristic", "xema"), cache, latency) for g in gpu_counts}
-    for m in MODELS:
-        keys = [t.shape_key for t in templates if t.model == m]
-        results[f"9-gpus/{m}"] = {}
-        for p in ("vllm-omni", "heuristic", "xema"):
-            row = []
-            for g in gpu_counts:
-                tbl, s = per_gpu[g]
-                t = tbl[p].model_copy(update={"entries": {k: v for k, v in tbl[p].entries.items() if k in keys}})
-                row.append(attainment(t, s, keys, DEFAULT_RATE[m] * g / 4, duration))
-            results[f"9-gpus/{m}"][p] = row
+        results[f"14/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in RATES[m]] for p in ABLATIONS}
+        results[f"9-gpus/{m}"] = {p: [attainment(sub(per_gpu[g][0][p], keys), per_gpu[g][1], keys, DEFAULT_RATE[m] * g / 4, duration)
+                                      for g in GPU_COUNTS] for p in SCALING_SYSTEMS}
     (args.out / "figures.json").write_text(json.dumps(results, indent=1))
     _plots(results, args.out)
     (args.out / "figures.md").write_text(_markdown(results))

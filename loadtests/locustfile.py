@@ -37,14 +37,14 @@ GRACE = float(os.environ.get("XEMA_GRACE", "120"))
 
 
 def _weights(templates: list[dict]) -> list[float]:
-    """Uniform, or Figure 10's skew: p_i ∝ exp(α L_i / L_max) with L_i the template's latency."""
+    """Uniform, or Figure 10's skew: p_i ∝ exp(α L_i / L_max) with L_i the template's latent length."""
     if MIX == "uniform":
         return [1.0] * len(templates)
     if MIX == "skewed":
-        top = max(t["predicted_latency_s"] for t in templates)
+        top = max(t["latent_length"] for t in templates)
         import math
 
-        return [math.exp(ALPHA * t["predicted_latency_s"] / top) for t in templates]
+        return [math.exp(ALPHA * t["latent_length"] / top) for t in templates]
     raise ValueError(f"XEMA_MIX must be 'uniform' or 'skewed', got {MIX!r}")
 
 

@@ -68,3 +68,12 @@ def test_named_sets() -> None:
     assert all(t.steps == 2 for t in named_templates("tiny", steps=2))
     with pytest.raises(ValueError, match="known"):
         named_templates("huge")
+
+
+def test_latent_length_is_the_image_or_video_token_count() -> None:
+    flux = RequestTemplate(model="flux2", height=1024, width=1024, batch=3)
+    assert flux.latent_length == (1024 // 16) ** 2  # per request: the batch does not count
+    cog = RequestTemplate(model="cogvideox-5b", height=480, width=720, frames=49)
+    assert cog.latent_length == 13 * (480 // 16) * (720 // 16)  # 13 latent frames, 2×2 patches of /8
+    ltx = RequestTemplate(model="ltx2", height=480, width=864, frames=49)
+    assert ltx.latent_length == ltx.token_counts()["video"] < ltx.with_(height=704, width=1280).latent_length

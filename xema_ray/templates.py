@@ -77,6 +77,13 @@ class RequestTemplate(BaseModel):
         """Sequence lengths per stream (e.g. ``{"image": 4096, "text": 512}``) for one request."""
         return self.spec.token_counts(self)
 
+    @property
+    def latent_length(self) -> int:
+        """Latent tokens of one request's image or video stream: the L_i of the paper's skewed
+        request mix (Figure 10, p_i ∝ exp(α L_i / L_max))."""
+        counts = self.spec.token_counts(self.with_(batch=1))
+        return counts["video"] if "video" in counts else counts["image"]
+
     def with_(self, **changes: int | str) -> RequestTemplate:
         """A validated copy with some fields changed (``model_copy`` would skip validation)."""
         return RequestTemplate(**{**self.model_dump(), **changes})

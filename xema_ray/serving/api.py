@@ -86,6 +86,7 @@ class TemplateInfo(BaseModel):
     height: int
     frames: int
     steps: int
+    latent_length: int
     plan: str
     predicted_latency_s: float
     predicted_peak_gb: float

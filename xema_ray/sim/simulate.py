@@ -52,13 +52,14 @@ def base_slos(table: PlanTable) -> dict[str, float]:
     return {k: e.prediction.slo_s / table.slo_scale for k, e in table.entries.items()}
 
 
-def template_weights(latencies: dict[str, float], mix: str, alpha: float = 1.0) -> dict[str, float]:
-    """Sampling weights: uniform, or the skewed mix of Figure 10 (p_i ∝ exp(α L_i / L_max))."""
+def template_weights(latent_lengths: dict[str, float], mix: str, alpha: float = 1.0) -> dict[str, float]:
+    """Sampling weights per template: uniform, or the skewed mix of Figure 10
+    (p_i ∝ exp(α L_i / L_max), L_i the template's latent length, ``RequestTemplate.latent_length``)."""
     if mix == "uniform":
-        return {k: 1.0 for k in latencies}
+        return {k: 1.0 for k in latent_lengths}
     if mix == "skewed":
-        top = max(latencies.values())
-        return {k: math.exp(alpha * v / top) for k, v in latencies.items()}
+        top = max(latent_lengths.values())
+        return {k: math.exp(alpha * v / top) for k, v in latent_lengths.items()}
     raise ValueError(f"unknown mix {mix!r}; use 'uniform' or 'skewed'")
 
 
