@@ -41,6 +41,7 @@ ABLATIONS = ("no-memory-planning", "no-parallelism-planning", "no-concurrency", 
 LABEL = {"vllm-omni": "vLLM-Omni", "extendedlib": "vLLM-Omni+ExtendedLib", "heuristic": "Heuristic", "xema": "Xema",
          "no-memory-planning": "w/o memory planning", "no-parallelism-planning": "w/o parallelism planning",
          "no-concurrency": "w/o concurrency"}
+RATE_SCALE: dict[str, float] = {}  # model -> our rate per paper rate (see main)
 LATENT_LENGTH: dict[str, int] = {}  # template -> latent tokens, for the skewed mix
 # Values the paper states in its text (§9.2), as (figure, model, system, x) -> attainment %
 PAPER = {
@@ -99,6 +100,31 @@ def plan_tables(templates: list[RequestTemplate], budget: int, trace_dir: str,
     return tables
 
 
+def capacity_per_min(table: PlanTable, keys: list[str]) -> float:
+    """Requests/min the box sustains on a uniform mix of ``keys`` with ``table``'s plans: each
+    template's plan serves goodput_rps when it has the GPUs to itself, so the mix's mean service
+    time is the mean of 1 / goodput over the templates (unplanned ones excluded)."""
+    rates = [table.entries[k].prediction.goodput_rps for k in keys if k in table.entries]
+    rates = [r for r in rates if r > 0]
+    if not rates:
+        return 0.0
+    return 60.0 / float(np.mean([1.0 / r for r in rates]))
+
+
+def _save_tables(per_gpu: dict[int, tuple[dict[str, PlanTable], dict[str, float]]], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for g, (tables, _) in per_gpu.items():
+        for p, tbl in tables.items():
+            tbl.save(str(directory / f"{g}gpu_{p}.json"))
+    (directory / "slos.json").write_text(json.dumps({g: slos for g, (_, slos) in per_gpu.items()}, indent=1))
+
+
+def _load_tables(directory: Path) -> dict[int, tuple[dict[str, PlanTable], dict[str, float]]]:
+    slos = json.loads((directory / "slos.json").read_text())
+    planners = SYSTEMS + ABLATIONS[:-1]
+    return {g: ({p: PlanTable.load(str(directory / f"{g}gpu_{p}.json")) for p in planners}, slos[str(g)]) for g in GPU_COUNTS}
+
+
 def attainment(table: PlanTable, slos: dict[str, float], keys: list[str], rate: float, duration_s: float,
                mix: str = "uniform", slo_scale: float = 1.0, seeds: int = 3) -> float:
     w = template_weights({k: LATENT_LENGTH[k] for k in keys}, mix)
@@ -118,6 +144,7 @@ def main() -> None:
     ap.add_argument("--trace-cache", default="plans/.traces")
     ap.add_argument("--duration-min", type=float, default=240.0, help="simulated minutes per point")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="planning processes")
+    ap.add_argument("--reuse-plans", action="store_true", help="simulate with the plan tables of a previous run (OUT/plans)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     budget = parse_bytes(args.budget)
@@ -126,28 +153,45 @@ def main() -> None:
     results: dict[str, dict] = {}
     duration = args.duration_min * 60
 
-    per_gpu = plan_tables(templates, budget, args.trace_cache, args.workers)
+    plans_dir = args.out / "plans"
+    if args.reuse_plans and (plans_dir / "slos.json").exists():
+        per_gpu = _load_tables(plans_dir)
+    else:
+        per_gpu = plan_tables(templates, budget, args.trace_cache, args.workers)
+        _save_tables(per_gpu, plans_dir)
     tables4, slos = per_gpu[4]
-    for p, tbl in tables4.items():
-        tbl.save(str(args.out / f"plans_4gpu_{p}.json"))
+    # Our cost-model latencies on 8x A6000 are several times what the paper's arrival rates imply
+    # (Flux.2 1024^2, 50 steps: ~84 s on 2 GPUs; the paper loads 4 GPUs with 5-14 req/min), so at
+    # the paper's absolute rates every system is saturated. Each model's rate axis is therefore
+    # scaled so that the paper's highest rate equals Xema's capacity on 4 GPUs (where the paper's
+    # Xema still meets ~50-70 % of SLOs); the tables show both rates.
+    for m in MODELS:
+        keys = [t.shape_key for t in templates if t.model == m]
+        RATE_SCALE[m] = capacity_per_min(tables4["xema"], keys) / max(RATES[m])
 
     def sub(tbl: PlanTable, keys: list[str]) -> PlanTable:
         return tbl.model_copy(update={"entries": {k: v for k, v in tbl.entries.items() if k in keys}})
 
     for m in MODELS:
         keys = [t.shape_key for t in templates if t.model == m]
-        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in RATES[m]] for p in SYSTEMS}
-        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, DEFAULT_RATE[m], duration, slo_scale=x)
+        rates = [r * RATE_SCALE[m] for r in RATES[m]]
+        default = DEFAULT_RATE[m] * RATE_SCALE[m]
+        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in rates] for p in SYSTEMS}
+        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, default, duration, slo_scale=x)
                                      for x in (1, 2, 3, 4, 5)] for p in SYSTEMS}
-        results[f"10/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration, mix="skewed") for r in RATES[m]]
+        results[f"10/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration, mix="skewed") for r in rates]
                               for p in SYSTEMS}
-        results[f"14/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in RATES[m]] for p in ABLATIONS}
-        results[f"9-gpus/{m}"] = {p: [attainment(sub(per_gpu[g][0][p], keys), per_gpu[g][1], keys, DEFAULT_RATE[m] * g / 4, duration)
+        results[f"14/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in rates] for p in ABLATIONS}
+        results[f"9-gpus/{m}"] = {p: [attainment(sub(per_gpu[g][0][p], keys), per_gpu[g][1], keys, default * g / 4, duration)
                                       for g in GPU_COUNTS] for p in SCALING_SYSTEMS}
+    results["rate_scale"] = dict(RATE_SCALE)
     (args.out / "figures.json").write_text(json.dumps(results, indent=1))
     _plots(results, args.out)
     (args.out / "figures.md").write_text(_markdown(results))
     print(_markdown(results))
+
+
+RATE_FIGS = ("9-rate", "10", "14")
 
 
 def _xs(fig: str, m: str) -> list[float]:
@@ -160,13 +204,14 @@ def _plots(results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for fig, xlabel in (("9-rate", "rate (req/min)"), ("9-gpus", "#GPUs (rate scaled)"), ("9-slo", "SLO scale"),
-                        ("10", "rate (req/min), skewed mix"), ("14", "rate (req/min)")):
+    for fig, xlabel in (("9-rate", "paper's rate (req/min)"), ("9-gpus", "#GPUs (rate scaled)"), ("9-slo", "SLO scale"),
+                        ("10", "paper's rate (req/min), skewed mix"), ("14", "paper's rate (req/min)")):
         f, axes = plt.subplots(1, 3, figsize=(13, 3.4))
         for ax, m in zip(axes, MODELS, strict=True):
             for p, ys in results[f"{fig}/{m}"].items():
                 ax.plot(_xs(fig, m), ys, marker="o", label=LABEL[p])
-            ax.set_title(MODELS[m])
+            scaled = f" (rates ×{results['rate_scale'][m]:.3g})" if fig in RATE_FIGS else ""
+            ax.set_title(MODELS[m] + scaled, fontsize=9)
             ax.set_xlabel(xlabel)
             ax.set_ylim(0, 105)
             ax.grid(alpha=0.3)
@@ -180,10 +225,16 @@ def _plots(results: dict, out: Path) -> None:
 def _markdown(results: dict) -> str:
     lines = []
     for key, rows in results.items():
+        if "/" not in key:
+            continue
         fig, m = key.split("/")
         xs = _xs(fig, m)
         lines.append(f"\n**Figure {fig} — {MODELS[m]}** (SLO attainment %, simulated; paper's value in brackets where stated)\n")
-        lines.append("| system | " + " | ".join(str(x) for x in xs) + " |")
+        if fig in RATE_FIGS:  # columns: the paper's rate, and ours after scaling (req/min)
+            head = [f"{x} ({x * results['rate_scale'][m]:.3g})" for x in xs]
+        else:
+            head = [str(x) for x in xs]
+        lines.append("| system | " + " | ".join(head) + " |")
         lines.append("|---|" + "---|" * len(xs))
         for p, ys in rows.items():
             cells = []

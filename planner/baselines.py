@@ -28,6 +28,7 @@ from planner.stages import (
     Scored,
     StageLog,
     TemplatePlan,
+    confirmed,
     factors,
     plan_template,
     sp_split,
@@ -64,7 +65,11 @@ def _base_configs(template: RequestTemplate, space: SearchSpace, sps: Iterable[i
     return out
 
 
-def _entry(model: CountingModel, ranked: list[Scored], slo_s: float, source: str) -> PlanEntry | None:
+def _entry(model: CountingModel, ranked: list[Scored], space: SearchSpace, source: str) -> PlanEntry | None:
+    """The best-ranked configuration that survives traced confirmation, as Xema's is confirmed:
+    every planner's choice is checked against the same analyzer before it is served."""
+    slo_s = space.slo_s
+    ranked = confirmed(model, ranked, space.budget, slo_s, StageLog())
     if not ranked or ranked[0].goodput == 0:
         return None
     best = ranked[0]
@@ -147,7 +152,7 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
     if name == "grid":
         bases = _base_configs(template, space)
         ranked, done = grid_over(counting, bases, space, lambda b: catalogue(counting, b, space.budget), deadline)
-        return _entry(counting, ranked, space.slo_s, source), counting, done
+        return _entry(counting, ranked, space, source), counting, done
     if name == "vllm-omni":
         kinds = ("block_offload", "hsdp", "temporary_serialization")
 
@@ -157,12 +162,12 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
                     for s in global_switches(counting, b, kinds)]
 
         ranked, done = grid_over(counting, _base_configs(template, space), space, native, deadline)
-        return _entry(counting, ranked, space.slo_s, source), counting, done
+        return _entry(counting, ranked, space, source), counting, done
     if name == "extendedlib":
         kinds = ("block_offload", "hsdp", "dit_chunking", "vae_chunking", "temporary_serialization")
         ranked, done = grid_over(counting, _base_configs(template, space), space,
                                  lambda b: global_switches(counting, b, kinds), deadline)
-        return _entry(counting, ranked, space.slo_s, source), counting, done
+        return _entry(counting, ranked, space, source), counting, done
     if name == "heuristic":
         return _heuristic(counting, template, space, source), counting, True
     if name in ("no-memory-planning", "no-parallelism-planning", "no-concurrency"):
@@ -228,5 +233,5 @@ def _heuristic(model: CountingModel, template: RequestTemplate, space: SearchSpa
             chosen.append(fitted)
         if chosen:
             ranked = stage4(model, chosen, space.budget, space.slo_s)
-            return _entry(model, ranked, space.slo_s, source)
+            return _entry(model, ranked, space, source)
     return None

@@ -39,6 +39,17 @@ class MitigationOption:
     label: str = ""
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """Why a traced confirmation rejected a configuration (``PlannerModel.confirm``).
+
+    ``overshoot_bytes`` > 0: the configuration runs but peaks that far above the budget, so the
+    same base configuration with stronger mitigation may still fit; 0: it cannot run at all."""
+
+    reason: str
+    overshoot_bytes: int = 0
+
+
 @dataclass
 class CostCounter:
     """How much work planning did: distinct configurations whose latency was profiled/estimated

@@ -106,6 +106,9 @@ def _overlaps(a: PressureInterval, b: PressureInterval) -> bool:
     return a.start < b.stop and b.start < a.stop
 
 
+ResolveFn = Callable[["CountingModel", ExecutionConfig, int, StageLog], "ExecutionConfig | None"]
+
+
 # ---------------------------------------------------------------------------- stage 1
 def stage1(
     model: CountingModel,
@@ -207,8 +210,12 @@ def stage4(model: CountingModel, configs: list[ExecutionConfig], budget: int, sl
     for cfg in configs:
         lat = model.latency(cfg)
         scored.append(Scored(cfg, lat, goodput(cfg, lat, slo_s), model.memory(cfg, budget).peak_bytes))
-    scored.sort(key=lambda s: (-s.goodput, s.latency, s.config.sp, len(s.config.mitigations)))
+    scored.sort(key=_rank)
     return scored
+
+
+def _rank(s: Scored) -> tuple[float, float, int, int]:
+    return (-s.goodput, s.latency, s.config.sp, len(s.config.mitigations))
 
 
 def why_lost(best: Scored, other: Scored, slo_s: float) -> str:
@@ -224,24 +231,39 @@ def partial_batch_latencies(model: CountingModel, cfg: ExecutionConfig) -> dict[
     return {n: model.latency(cfg.for_batch(n)) for n in range(1, cfg.batch)}
 
 
-MAX_CONFIRMATIONS = 3  # traced confirmations per template before giving up on the ranking
+MAX_CONFIRMATIONS = 4  # traced confirmations per template before giving up on the ranking
 
 
-def _confirmed(model: CountingModel, ranked: list[Scored], budget: int, log: StageLog) -> list[Scored]:
+def confirmed(model: CountingModel, ranked: list[Scored], budget: int, slo_s: float, log: StageLog,
+              resolve_fn: ResolveFn | None = None) -> list[Scored]:
     """Drop leading configurations that the model's ``confirm`` (a trace with the mitigations
-    applied) rejects; models without ``confirm`` (synthetic ones) are taken at their word."""
+    applied) rejects; models without ``confirm`` (synthetic ones) are taken at their word.
+
+    With ``resolve_fn``, a configuration that runs but overshoots the budget is resolved again
+    (stages 2-3) against a budget tighter by the overshoot, and the result competes in the
+    ranking: the analytic memory model was that far off for this candidate, so only its
+    mitigation, not its parallelism or batch, was wrong."""
     confirm = getattr(model.model, "confirm", None)
     if confirm is None:
         return ranked
     out = list(ranked)
+    retried: set[str] = set()
     for _ in range(MAX_CONFIRMATIONS):
         if not out or out[0].goodput == 0:
             break
-        reason = confirm(out[0].config, budget)
-        if reason is None:
+        top = out[0]
+        rejection = confirm(top.config, budget)
+        if rejection is None:
             break
-        log.infeasible.append(f"{out[0].config.describe()}: {reason}")
+        log.infeasible.append(f"{top.config.describe()}: {rejection.reason}")
         out.pop(0)
+        base = top.config.model_copy(update={"mitigations": ()})
+        if resolve_fn is not None and rejection.overshoot_bytes > 0 and base.describe() not in retried:
+            retried.add(base.describe())
+            tighter = budget - rejection.overshoot_bytes - budget // 200  # + 0.5 % slack
+            again = resolve_fn(model, base, tighter, log)
+            if again is not None:
+                out = sorted([*out, *stage4(model, [again], budget, slo_s)], key=_rank)
     return out
 
 
@@ -273,7 +295,7 @@ def plan_template(
     max_batch: int = 8,
     latency_source: str = "cost_model",
     sp_degrees: list[int] | None = None,
-    resolve_fn: Callable[[CountingModel, ExecutionConfig, int, StageLog], ExecutionConfig | None] = resolve,
+    resolve_fn: ResolveFn = resolve,
 ) -> TemplatePlan:
     """Run the four stages for one template. ``slo_s`` overrides the 2.5×-best-latency SLO."""
     counting = model if isinstance(model, CountingModel) else CountingModel(model)
@@ -288,7 +310,7 @@ def plan_template(
     ranked = stage4(counting, assembled, budget, slo_s)
     for s in ranked:
         log.assembled[s.config.describe()] = s.latency
-    ranked = _confirmed(counting, ranked, budget, log)
+    ranked = confirmed(counting, ranked, budget, slo_s, log, resolve_fn)
     if not ranked or ranked[0].goodput == 0:
         return TemplatePlan(None, log, counting.counter, slo_s, ranked)
     best = ranked[0]

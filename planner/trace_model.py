@@ -20,7 +20,7 @@ from xema_ray.templates import RequestTemplate
 
 from planner.memory_model import MemoryModel, TraceProfile
 from xema_ray.mitigation.hooks import evenly_spread
-from planner.model import MemoryView, MitigationOption
+from planner.model import MemoryView, MitigationOption, Rejection
 from planner.traces import TraceCache
 
 CHUNKS = (2, 4, 8)  # chunk counts tried for DiT / VAE chunking
@@ -57,6 +57,7 @@ class TracePlannerModel:
     traces: TraceCache
     _profiles: dict[int, TraceProfile] = field(default_factory=dict)
     _failed: dict[int, str] = field(default_factory=dict)
+    _confirmations: dict[tuple[str, int], Rejection | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._blocks = block_paths(self.template)
@@ -151,12 +152,19 @@ class TracePlannerModel:
                     opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=k)))
         return opts
 
-    def confirm(self, config: ExecutionConfig, budget: int) -> str | None:
+    def confirm(self, config: ExecutionConfig, budget: int) -> Rejection | None:
         """Trace ``config`` with its mitigations really applied (the mitigation library on the
         meta device) and check it fits; None if it does, else why not. The search uses the fast
-        analytic transform; this is the analyzer's word on the configuration the planner picks."""
+        analytic transform; this is the analyzer's word on the configuration the planner picks.
+        Results are kept: several planners often pick the same configuration."""
         if not config.mitigations:
             return None  # the search already used this exact trace
+        key = (config.model_dump_json(), budget)
+        if key not in self._confirmations:
+            self._confirmations[key] = self._confirm(config, budget)
+        return self._confirmations[key]
+
+    def _confirm(self, config: ExecutionConfig, budget: int) -> Rejection | None:
         from xema_ray.mitigation.tracing import trace_with_mitigations
 
         t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
@@ -166,12 +174,13 @@ class TracePlannerModel:
         except (RuntimeError, ValueError) as e:
             # the pipeline fails at this shape, or the library cannot combine these primitives
             # (e.g. serialization cannot rejoin offloaded conv caches): not a runnable plan
-            return f"cannot run with these mitigations: {str(e).splitlines()[0]}"
+            return Rejection(f"cannot run with these mitigations: {str(e).splitlines()[0]}")
         prof = TraceProfile(trace, self._blocks)
         # the traced curve already holds the mitigations; SP and the layout margins still apply
         peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)
         if ivs:
-            return f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget"
+            return Rejection(f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget",
+                             overshoot_bytes=peak - budget)
         return None
 
     # ------------------------------------------------------------------ helpers

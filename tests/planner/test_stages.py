@@ -16,6 +16,7 @@ from planner.stages import (
     stage4,
     with_actions,
 )
+from planner.model import Rejection
 from tests.planner.synthetic import GB, Synthetic
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
@@ -101,3 +102,27 @@ def test_plan_template_uses_2_5x_best_latency_as_slo() -> None:
     assert plan.entry is not None and plan.entry.config.batch == 3  # BS4 misses the SLO
     assert plan.entry.prediction.goodput_rps == pytest.approx(3 / (10 * 3**0.7))
     assert plan.entry.runner_up and "SLO" not in plan.entry.runner_up
+
+
+class _UnderPredicting(Synthetic):
+    """A model whose analytic memory is 1 GB optimistic: the traced confirmation sees the truth."""
+
+    def confirm(self, config: ExecutionConfig, budget: int) -> Rejection | None:
+        if not config.mitigations:
+            return None
+        true_peak = self.memory(config, budget).peak_bytes + GB
+        return Rejection("over", overshoot_bytes=true_peak - budget) if true_peak > budget else None
+
+
+def test_a_rejected_choice_is_resolved_again_with_the_overshoot_not_dropped() -> None:
+    # 41 GB weights, budget 46.5 GB: the search offloads 1 block (free) but the trace says that
+    # peaks 0.5 GB over; the same SP/batch is resolved again with ~1 GB less budget
+    model = _UnderPredicting(W=41 * GB, V=1 * GB)
+    plan = plan_template(model, T, gpus=1, budget=int(46.5 * GB), max_batch=1, slo_s=1e6)
+    assert plan.entry is not None
+    chosen = plan.entry.config
+    assert chosen.sp == 1 and chosen.batch == 1
+    first_choice = (Mitigation(kind="block_offload", blocks=(0,), intensity=1),)
+    assert chosen.mitigations and chosen.mitigations != first_choice
+    assert model.confirm(chosen, int(46.5 * GB)) is None
+    assert any("over" in line for line in plan.log.infeasible)
