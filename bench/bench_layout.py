@@ -39,7 +39,8 @@ GIB = float(1 << 30)
 # overlap all others (weights) are stacked first: they conflict with everything, so this changes no
 # gap Algorithm 1 could use, and without it LTX-2's 4,049 weights make every query scan them
 # (1.68 M allocations: minutes instead of seconds).
-ALGORITHM_1 = SolverOptions(orders=("size",), hoist_universal=True, compact=False, segment_size=0, refine_iterations=0)
+ALGORITHM_1 = SolverOptions(orders=("size",), hoist_universal=True, compact=False, segment_size=0, refine_iterations=0,
+                            descent=False)
 
 # (model, height, width, frames): the templates the issue names, 50 steps, batch 1.
 REAL_TEMPLATES = [

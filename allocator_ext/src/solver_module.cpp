@@ -35,7 +35,7 @@ std::size_t common_length(const Int64Array& size, const Int64Array& begin, const
 py::dict solve(const Int64Array& size, const Int64Array& begin, const Int64Array& end,
                int64_t alignment, const std::vector<std::string>& orders, bool hoist_universal,
                bool compact, int64_t segment_size, double segment_max_crossing,
-               int refine_iterations) {
+               int refine_iterations, bool descent) {
   const std::size_t n = common_length(size, begin, end);
   xema::layout::SolveOptions options;
   options.alignment = alignment;
@@ -44,6 +44,7 @@ py::dict solve(const Int64Array& size, const Int64Array& begin, const Int64Array
   options.segment_size = segment_size;
   options.segment_max_crossing = segment_max_crossing;
   options.refine_iterations = refine_iterations;
+  options.descent = descent;
   options.orders.clear();
   for (const auto& name : orders) options.orders.push_back(xema::layout::parse_order(name));
 
@@ -89,13 +90,15 @@ int64_t lower_bound(const Int64Array& size, const Int64Array& begin, const Int64
 PYBIND11_MODULE(_solver, m) {
   m.doc() = "Static memory layout solver (Xema Algorithm 1) over numpy arrays";
   m.def("solve", &solve, py::arg("size"), py::arg("begin"), py::arg("end"),
-        py::arg("alignment") = 512, py::arg("orders") = std::vector<std::string>{"size"},
+        py::arg("alignment") = 512,
+        py::arg("orders") = std::vector<std::string>{"size", "long_first"},
         py::arg("hoist_universal") = true, py::arg("compact") = true,
         py::arg("segment_size") = 4096, py::arg("segment_max_crossing") = 0.1,
-        py::arg("refine_iterations") = 48,
+        py::arg("refine_iterations") = 48, py::arg("descent") = true,
         "Place every allocation; returns a dict with offsets (int64 array), reserved, "
-        "lower_bound, order, candidates (reserved per order before refinement), seconds, "
-        "reserved_greedy (before refinement), segments, crossers and refine_rounds.");
+        "lower_bound, order, candidates (the greedy's reserved per order, before compaction), "
+        "seconds, reserved_greedy (before refinement and descent), segments, crossers and "
+        "refine_rounds.");
   m.def("lower_bound", &lower_bound, py::arg("size"), py::arg("begin"), py::arg("end"),
         py::arg("alignment") = 512, "Max live aligned bytes at any instant.");
 }

@@ -28,5 +28,6 @@ def solve(
     segment_size: int = 4096,
     segment_max_crossing: float = 0.1,
     refine_iterations: int = 48,
+    descent: bool = True,
 ) -> SolveOutput: ...
 def lower_bound(size: npt.ArrayLike, begin: npt.ArrayLike, end: npt.ArrayLike, alignment: int = 512) -> int: ...
