@@ -10,7 +10,12 @@ then simulates Poisson load on each model's templates:
 - Figure 14: Xema's ablations vs rate on 4 GPUs.
 
 Writes PNGs and a markdown summary (bench/results/figures.md) with the paper's stated values
-beside ours where the paper states them.
+beside ours where the paper states them, and the plan tables it simulated (bench/results/plans/;
+``--reuse-plans`` simulates again from them without planning).
+
+Rates: each model's rate axis is the paper's, scaled so that its highest rate equals Xema's
+capacity on 4 GPUs (our cost-model latencies are several times what the paper's rates imply;
+see ``main``). Every point simulates at least ``MIN_REQUESTS`` arrivals, 3 seeds.
 """
 
 from __future__ import annotations
@@ -125,8 +130,12 @@ def _load_tables(directory: Path) -> dict[int, tuple[dict[str, PlanTable], dict[
     return {g: ({p: PlanTable.load(str(directory / f"{g}gpu_{p}.json")) for p in planners}, slos[str(g)]) for g in GPU_COUNTS}
 
 
+MIN_REQUESTS = 400  # per simulated point: long enough that one request is not a 1/3 swing
+
+
 def attainment(table: PlanTable, slos: dict[str, float], keys: list[str], rate: float, duration_s: float,
                mix: str = "uniform", slo_scale: float = 1.0, seeds: int = 3) -> float:
+    duration_s = max(duration_s, MIN_REQUESTS / rate * 60.0)
     w = template_weights({k: LATENT_LENGTH[k] for k in keys}, mix)
     out = []
     for seed in range(seeds):

@@ -37,6 +37,8 @@ from planner.stages import (
     with_actions,
 )
 
+# every primitive of Xema's library, each switched on globally at full intensity
+EXTENDED_LIBRARY = ("block_offload", "hsdp", "dit_chunking", "vae_chunking", "activation_offload", "temporary_serialization")
 BASELINES = ("grid", "heuristic", "vllm-omni", "extendedlib", "no-memory-planning", "no-parallelism-planning", "no-concurrency")
 
 
@@ -164,7 +166,7 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
         ranked, done = grid_over(counting, _base_configs(template, space), space, native, deadline)
         return _entry(counting, ranked, space, source), counting, done
     if name == "extendedlib":
-        kinds = ("block_offload", "hsdp", "dit_chunking", "vae_chunking", "temporary_serialization")
+        kinds = EXTENDED_LIBRARY
         ranked, done = grid_over(counting, _base_configs(template, space), space,
                                  lambda b: global_switches(counting, b, kinds), deadline)
         return _entry(counting, ranked, space, source), counting, done
@@ -178,7 +180,7 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
 
 def _global_resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageLog) -> ExecutionConfig | None:
     """Stage 3 without memory-control planning: the fastest set of global switches that fits."""
-    kinds = ("block_offload", "hsdp", "dit_chunking", "vae_chunking", "temporary_serialization")
+    kinds = EXTENDED_LIBRARY
     fits = [with_actions(cfg, s) for s in global_switches(model, cfg, kinds)]
     fits = [c for c in fits if model.memory(c, budget).fits]
     if not fits:

@@ -223,6 +223,37 @@ def offload_step_s(compute: list[float], copy: list[float], offloaded: set[int],
 # ---------------------------------------------------------------------------- VAE
 
 
+def _decoder_levels(spec: ModelSpec) -> tuple[list[int], list[int]]:
+    """(channels, resnets) of each decoder up level, lowest resolution first."""
+    cfg = spec.vae_config
+    if "decoder_block_out_channels" in cfg:
+        chans = list(reversed(cfg["decoder_block_out_channels"]))
+        layers = list(reversed(cfg.get("decoder_layers_per_block", [3] * (len(chans) + 1))))
+    else:
+        chans = list(reversed(cfg["block_out_channels"]))
+        layers = [cfg.get("layers_per_block", 2) + 1] * len(chans)
+    return chans, [layers[i] if i < len(layers) else layers[-1] for i in range(len(chans))]
+
+
+CAUSAL_FRAME_BATCH = 2  # latent frames a causal VAE decodes at once (CogVideoX's frame_batch_size)
+CAUSAL_CACHE_FRAMES = 2  # a temporal-kernel-3 causal convolution keeps its input's last 2 frames
+
+
+def conv_cache_traffic(spec: ModelSpec, template: RequestTemplate, batch: int) -> tuple[float, int]:
+    """(bytes, caches per frame batch) of the conv caches a causal VAE decode writes: every
+    resnet convolution keeps the last frames of its input for the next frame batch. Activation
+    offload moves each of them to the host and back once."""
+    chans, layers = _decoder_levels(spec)
+    levels = len(chans)
+    pixels = template.height * template.width
+    per_batch = sum(2 * n * c * pixels / 4 ** (levels - 1 - i) for i, (c, n) in enumerate(zip(chans, layers, strict=True)))
+    per_batch += 4 * chans[0] * pixels / 4 ** (levels - 1)  # mid block: 2 resnets
+    latent_frames = (template.frames - 1) // spec.temporal_compression + 1
+    frame_batches = -(-latent_frames // CAUSAL_FRAME_BATCH)
+    caches = 2 * sum(layers) + 4
+    return per_batch * CAUSAL_CACHE_FRAMES * BYTES * frame_batches * batch, caches
+
+
 def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> float:
     """Approximate decoder FLOPs: every up level's resnet convolutions (2 per resnet, 3x3 or
     3x3x3) at that level's resolution, plus the mid block, for ``batch`` videos/images."""
@@ -335,10 +366,11 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         latent *= x
     step += 4 * latent * config.batch * 4 / (hw.mem_gbps * 1e9)  # scheduler update on fp32 latents
     decode = vae_decode_s(spec, template, config.batch, hw, vae_chunks, vae_serial)
-    if act_offload:
-        # each offloaded tensor ~ one full-resolution decoder feature map, out and back, half hidden
-        feature = template.height * template.width * template.frames * spec.vae_config.get("block_out_channels", [128])[0] * BYTES
-        decode += act_offload * 2 * feature * config.batch / (hw.h2d_gbps * 1e9) * 0.5
+    if act_offload and spec.kind == "video":
+        # the conv caches (intensity = how many per frame batch; the plan's "all" is larger than
+        # any decoder has) go to the host and come back once each, half hidden behind the convs
+        moved, caches = conv_cache_traffic(spec, template, config.batch)
+        decode += min(1.0, act_offload / caches) * 2 * moved / (hw.h2d_gbps * 1e9) * 0.5
     per_phase = {"setup": 0.0, "denoise": step * template.steps, "decode": decode}
     return LatencyEstimate(
         total_s=sum(per_phase.values()), per_phase=per_phase, source="cost_model", per_step_s=step,
