@@ -6,8 +6,12 @@ analyzer tracing real-size pipelines (meta device, bf16, no weights) with mitiga
    Flux.2 weights are GiB) and for 48 * 10^9 bytes; predicted peak before and after, and K = 56
    (layerwise offload) for reference.
 2. CogVideoX-5B (paper Figure 11): 49 frames at 720p, 1080p, 2K, 4K and 1080p at 49, 129, 209,
-   289 frames, each with the least mitigation (cheapest first: conv-cache offload, VAE bands
-   2..64, DiT chunking 2..16, CFG serialization) that fits the budget.
+   289 frames, each with the least mitigation that fits the budget: on the VAE side (cheapest
+   first) conv-cache offload, then per-unit VAE bands 2..64, then a VAE chain from the last
+   upsampler through conv_out in 2..64 bands, then a chain from up_blocks.2; on the DiT side
+   DiT chunking 2..16, then CFG serialization + chunking. The two sides act on different
+   phases, so each side's least option is searched separately (per mode: its strongest
+   option says whether it can fit, a bisection finds its least intensity).
 
 Steps: every template is traced with 3 denoising steps (``--steps``): the peak lies in one
 step or in the VAE decode, and every step allocates the same pattern, so more steps change
@@ -20,17 +24,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import os
 import platform
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from xema_ray.memory.analysis import phase_group, phase_peaks
-from xema_ray.memory.analyzer import trace_template
+import numpy as np
+from torch import nn
+
+from xema_ray.memory.analysis import event_phases, phase_group, phase_peaks
+from xema_ray.memory.analyzer import default_dtype_for, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.mitigation import estimate_saving, evenly_spread, trace_with_mitigations
+from xema_ray.mitigation.hooks import resolve_module
+from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
 
@@ -100,66 +112,146 @@ def unsplit_safe_conv() -> Iterator[None]:
         CogVideoXSafeConv3d.forward = original  # type: ignore[method-assign]
 
 
-def vae_ladder(t: RequestTemplate) -> list[list[Mitigation]]:
-    """VAE options, cheapest first."""
-    ups = ["vae.decoder.up_blocks.3", "vae.decoder.up_blocks.2"]
+CHUNKS = (2, 4, 8, 16, 32, 64)
+OFFLOAD = Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=1000)
+Plan = list[Mitigation]
+
+
+def vae_modes(t: RequestTemplate) -> list[list[Plan]]:
+    """VAE options as modes, cheapest mode first; within a mode, more bands save more memory
+    and cost more (halos, smaller kernels). Modes: nothing; conv-cache offload; + each unit
+    of the top up-blocks in bands; + the top up-blocks' lower units in bands and a *chain*
+    from the last upsampler through conv_out (its group norms cost one recompute pass each:
+    9 passes); + a chain from up_blocks.2 (17 passes)."""
+    lower = ["vae.decoder.up_blocks.2"]
     if t.height * t.width > 1920 * 1088:
-        ups.append("vae.decoder.up_blocks.1")
-    tail = ["vae.decoder.norm_out", "vae.decoder.conv_out"]
-    offload = Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=1000)
-    out = [[], [offload]]
-    for chunks in (2, 4, 8, 16, 32, 64):
-        out.append([offload, Mitigation(kind="vae_chunking", modules=tuple(ups + tail), intensity=chunks)])
-    return out
+        lower.append("vae.decoder.up_blocks.1")
+    shapes = [
+        ["vae.decoder.up_blocks.3", *lower, "vae.decoder.norm_out", "vae.decoder.conv_out"],
+        [*lower, "vae.decoder[up_blocks.2.upsamplers.0:]"],
+        [*lower[1:], "vae.decoder[up_blocks.2:]"],
+    ]
+    modes: list[list[Plan]] = [[[]], [[OFFLOAD]]]
+    for mods in shapes:
+        modes.append([[OFFLOAD, Mitigation(kind="vae_chunking", modules=tuple(mods), intensity=c)] for c in CHUNKS])
+    return modes
 
 
-def dit_ladder(t: RequestTemplate) -> list[list[Mitigation]]:
+def dit_modes(t: RequestTemplate) -> list[list[Plan]]:
     n = t.spec.num_dit_blocks
-    out: list[list[Mitigation]] = [[]]
-    for chunks in (2, 4, 8, 16):
-        out.append([Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=chunks)])
     serial = Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=2)
-    for chunks in (4, 8, 16):
-        out.append([serial, Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=chunks)])
-    return out
+    return [
+        [[]],
+        [[Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=c)] for c in (2, 4, 8, 16)],
+        [[serial, Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=c)] for c in (4, 8, 16)],
+    ]
+
+
+def least(modes: list[list[Plan]], fits) -> Plan:  # type: ignore[no-untyped-def]
+    """The first option, in order, that fits: per mode, its strongest option decides whether
+    the mode can fit at all, then a bisection finds its least intensity that fits (memory falls
+    with intensity within a mode). Nothing fits: the strongest option of the last mode."""
+    for mode in modes:
+        if not fits(mode[-1]):
+            continue
+        lo, hi = 0, len(mode) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mode[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return mode[hi]
+    return modes[-1][-1]
+
+
+def describe(plan: Plan) -> str:
+    out = []
+    for m in plan:
+        if m.kind == "vae_chunking":
+            chains = [p for p in m.modules or () if "[" in p]
+            units = [p.removeprefix("vae.decoder.").replace("up_blocks.", "up") for p in m.modules or () if "[" not in p]
+            parts = ([f"units of {','.join(units)}"] if units else []) + [f"chain {c.removeprefix('vae.decoder')}" for c in chains]
+            where = " + ".join(parts)
+            out.append(f"vae_chunking×{m.intensity} ({where})")
+        else:
+            out.append(f"{m.kind}×{m.intensity}")
+    return " + ".join(out) or "none"
+
+
+@functools.cache
+def _meta_pipe(model: str) -> Any:
+    spec = RequestTemplate(model=model, height=64, width=64).spec
+    return spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))
+
+
+def vae_conv_flops(trace: MemoryTrace, model: str) -> float:
+    """FLOPs of the decode's convolutions, read off the trace: each convolution output (its
+    bytes, its module) times 2 x in-channels / groups x kernel volume. What chunking costs in
+    compute (recomputed statistics passes, halos) shows up here; time splits do not."""
+    ph = event_phases(trace)[trace.begin]
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "vae"])
+    conv = np.array([o == "convolution" for o in trace.ops] + [False])[trace.op]
+    pipe = _meta_pipe(model)
+    per_elem: dict[int, float] = {}
+    total = 0.0
+    for i in np.flatnonzero(vae & conv & (trace.module >= 0)):
+        mi = int(trace.module[i])
+        if mi not in per_elem:
+            m = resolve_module(pipe, trace.modules[mi])
+            if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                raise ValueError(f"a convolution output attributed to {trace.modules[mi]}, not a convolution module")
+            per_elem[mi] = 2.0 * m.in_channels / m.groups * math.prod(m.kernel_size) / m.weight.element_size()
+        total += trace.nbytes[i] * per_elem[mi]
+    return total
 
 
 def cogvideox_point(t: RequestTemplate, budget: int) -> dict:
     t0 = time.perf_counter()
     with unsplit_safe_conv():
-        before = group_peaks(trace_template(t))
-    vl, dl = vae_ladder(t), dit_ladder(t)
-    vi = 0 if before.get("vae", 0) <= budget else 1
-    di = 0 if before.get("dit", 0) <= budget else 1
-    traces = 1
+        base = trace_template(t)
+    before = group_peaks(base)
+    cache: dict[tuple[str, bool], dict | None] = {}
     failed: list[str] = []
-    while True:
-        plan = vl[vi] + dl[di]
-        try:
-            after = group_peaks(trace_with_mitigations(t, plan)) if plan else before
-        except RuntimeError as e:
-            # a decoder piece still above diffusers' 2 GiB SafeConv3d threshold splits along
-            # time and fails (on a GPU too): this plan cannot run, try the next VAE option
-            failed.append(f"{' + '.join(f'{m.kind}x{m.intensity}' for m in plan)}: {str(e)[:80]}")
-            if vi + 1 >= len(vl):
-                raise
-            vi += 1
-            traces += 1
-            continue
-        traces += 1
-        vae_over = after.get("vae", 0) > budget and vi + 1 < len(vl)
-        dit_over = after.get("dit", 0) > budget and di + 1 < len(dl)
-        if not (vae_over or dit_over):
-            break
-        vi += int(vae_over)
-        di += int(dit_over)
+
+    def traced(plan: Plan, unsplit: bool = False) -> dict | None:
+        """Group peaks and conv bytes of ``plan``; None where the plan fails to run (a decoder
+        piece still above diffusers' 2 GiB SafeConv3d threshold splits along time and fails,
+        on a GPU too). ``unsplit`` traces with the plain convolution (DiT probes)."""
+        if not plan:
+            return {"peaks": before, "conv": vae_conv_flops(base, t.model)}
+        key = (json.dumps([m.model_dump(exclude_none=True) for m in plan]), unsplit)
+        if key not in cache:
+            try:
+                with unsplit_safe_conv() if unsplit else contextlib.nullcontext():
+                    tr = trace_with_mitigations(t, plan)
+                cache[key] = {"peaks": group_peaks(tr), "conv": vae_conv_flops(tr, t.model)}
+            except RuntimeError as e:
+                failed.append(f"{describe(plan)}: {str(e)[:80]}")
+                cache[key] = None
+        return cache[key]
+
+    def fits(plan: Plan, group: str, unsplit: bool = False) -> bool:
+        r = traced(plan, unsplit)
+        return r is not None and r["peaks"].get(group, 0) <= budget
+
+    # the DiT and the VAE options act on different phases: find each side's least option
+    # (DiT probes with the decoder unmitigated and unsplit), then the VAE's with that DiT plan
+    dit = least(dit_modes(t), lambda d: fits(d, "dit", unsplit=True))
+    vae = least(vae_modes(t), lambda v: fits(v + dit, "vae"))
+    plan = vae + dit
+    final = traced(plan) or {"peaks": {}, "conv": 0}
+    after = final["peaks"]
+    estimate = before.get("vae", 0) - sum(estimate_saving(m, t, baseline=base).at("vae") for m in vae)
     return {
         "template": t.key, "budget_bytes": budget,
-        "before": before, "after": after, "peak_before": max(before.values()), "peak_after": max(after.values()),
-        "fits": max(after.values()) <= budget,
+        "before": before, "after": after, "peak_before": max(before.values()),
+        "peak_after": max(after.values()) if after else None,
+        "fits": bool(after) and max(after.values()) <= budget,
         "mitigations": [m.model_dump(exclude_none=True) for m in plan],
-        "describe": " + ".join(f"{m.kind}×{m.intensity}" for m in plan) or "none",
-        "traces": traces, "seconds": time.perf_counter() - t0, "failed_plans": failed,
+        "describe": describe(plan), "vae_estimate": estimate,
+        "vae_conv_flops": final["conv"], "vae_conv_flops_before": vae_conv_flops(base, t.model),
+        "traces": 1 + len(cache), "seconds": time.perf_counter() - t0, "failed_plans": failed,
     }
 
 
@@ -177,7 +269,7 @@ def cogvideox_sweeps(steps: int, budget: int, only: list[str] | None) -> list[di
         row = cogvideox_point(t, budget)
         row["point"] = name
         rows.append(row)
-        print(f"{name}: {row['peak_before'] / 1e9:.1f} -> {row['peak_after'] / 1e9:.1f} GB with {row['describe']} "
+        print(f"{name}: {row['peak_before'] / 1e9:.1f} -> {(row['peak_after'] or 0) / 1e9:.1f} GB with {row['describe']} "
               f"({row['traces']} traces, {row['seconds']:.0f} s)", flush=True)
     return rows
 
@@ -194,7 +286,7 @@ def plot(flux: list[dict], cog: list[dict], budget: int, path: Path) -> None:
     for ax, rows, title in ((axes[0], res, "CogVideoX-5B, 49 frames"), (axes[1], frames, "CogVideoX-5B, 1080p")):
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["peak_before"] / 1e9 for r in rows], 0.4, label="no mitigation")
-        ax.bar([i + 0.2 for i in x], [r["peak_after"] / 1e9 for r in rows], 0.4, label="least mitigation")
+        ax.bar([i + 0.2 for i in x], [(r["peak_after"] or 0) / 1e9 for r in rows], 0.4, label="least mitigation")
         ax.axhline(budget / 1e9, color="k", ls="--", lw=1, label=f"budget {budget / 1e9:.0f} GB")
         ax.set_xticks(list(x), [r["point"] for r in rows])
         ax.set_yscale("log")
@@ -231,12 +323,15 @@ def main() -> None:
                   f"{km1} | {r['peak_layerwise'] / 1e9:.2f} |")
         print()
     if cog:
-        print("| CogVideoX-5B | DiT peak before GB | VAE peak before GB | DiT after GB | VAE after GB | fits | least mitigation | analysis s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| CogVideoX-5B | DiT peak before GB | VAE peak before GB | DiT after GB | VAE after GB | fits | least mitigation "
+              "| VAE est. GB | VAE conv FLOPs × | traces | analysis s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in cog:
             b, a = r["before"], r["after"]
             print(f"| {r['point']} | {b.get('dit', 0) / 1e9:.1f} | {b.get('vae', 0) / 1e9:.1f} | {a.get('dit', 0) / 1e9:.1f} | "
-                  f"{a.get('vae', 0) / 1e9:.1f} | {'yes' if r['fits'] else 'NO'} | {r['describe']} | {r['seconds']:.0f} |")
+                  f"{a.get('vae', 0) / 1e9:.1f} | {'yes' if r['fits'] else 'NO'} | {r['describe']} | "
+                  f"{r['vae_estimate'] / 1e9:.1f} | {r['vae_conv_flops'] / r['vae_conv_flops_before']:.2f} | {r['traces']} | "
+                  f"{r['seconds']:.0f} |")
 
 
 if __name__ == "__main__":

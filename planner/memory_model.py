@@ -13,6 +13,8 @@ intervals keep their event positions across candidates (stage 3 compares them):
   above its entry level is divided by c (the chunk's share);
 - temporary serialization into k sub-batches: inside the serialized phase, what is allocated
   above the phase's entry level is divided by k.
+- activation offload: at each event, the conv caches alive then (all but the one being read)
+  leave the device.
 - static layout: reserved = weights + activations × the layout solver's overhead (≤ 1.02 on the
   real traces, issue #3), plus the paper's 5 % dynamic region for workspaces and NCCL buffers (§6.2).
 
@@ -48,6 +50,7 @@ class TraceProfile:
     curve: np.ndarray = field(init=False)
     floor: int = field(init=False)
     _runs: dict[tuple[object, str], list[tuple[int, int]]] = field(init=False, default_factory=dict)
+    _curves: dict[tuple[object, ...], np.ndarray] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.curve = self.trace.active_curve().astype(np.float64)
@@ -70,6 +73,22 @@ class TraceProfile:
         if key not in self._runs:
             self._runs[key] = self.runs(self.groups == group)
         return self._runs[key]
+
+    def live_caches(self, paths: tuple[str, ...]) -> np.ndarray:
+        """Per event, the bytes of conv caches (clones returned by modules under ``paths``)
+        alive after it, less the largest one (cached)."""
+        key = ("caches", paths)
+        if key not in self._curves:
+            t = self.trace
+            under = np.array([any(n == p or n.startswith(p + ".") for p in paths) for n in t.modules] + [False])
+            clone = np.array([o == "clone" for o in t.ops] + [False])
+            sel = np.flatnonzero(under[t.module] & clone[t.op])
+            delta = np.zeros(t.n_events + 1, dtype=np.float64)
+            np.add.at(delta, t.begin[sel], t.size[sel].astype(np.float64))
+            np.add.at(delta, t.end[sel], -t.size[sel].astype(np.float64))
+            largest = float(t.size[sel].max()) if len(sel) else 0.0
+            self._curves[key] = np.maximum(np.cumsum(delta)[:-1] - largest, 0.0)
+        return self._curves[key]
 
     def unit_runs(self, paths: list[str], group: str) -> list[tuple[int, int]]:
         """Runs of events of the given mitigation units within a phase group (cached)."""
@@ -156,15 +175,12 @@ class MemoryModel:
             group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
             _shrink_runs(curve, base, prof.group_runs(group), m.intensity)
         elif m.kind == "activation_offload":
-            # the mitigation library's estimate (caches live at the phase peak, read from this
-            # trace), taken off every event of the phase down to the phase's entry level
-            from xema_ray.mitigation.registry import estimate_saving
-
+            # event by event, the conv caches (the clones the targeted modules return) alive then
+            # leave the device, except the largest: the one being read is back
             group = "dit" if any(p.startswith("transformer") for p in (m.modules or ())) else "vae"
-            saved = estimate_saving(m, cfg.batched_template, baseline=prof.trace).at(group)
+            live = prof.live_caches(tuple(m.modules or ()))
             for s, e in prof.group_runs(group):
-                level = base[s - 1] if s > 0 else 0.0
-                curve[s:e] = np.maximum(curve[s:e] - saved, np.minimum(curve[s:e], level))
+                curve[s:e] -= live[s:e]
 
     def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
         curve, prof = self.reserved_curve(cfg)

@@ -180,13 +180,39 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
                 if v is not None:
                     feasible.append((model.latency(cand), cand, v))
             if not feasible:
-                log.infeasible.append(cfg.describe())
-                return None
+                # no single option clears the interval: combine (stage 3's enumeration of
+                # combinations) by taking the one that lowers the interval's peak the most and
+                # going round again; give up when nothing lowers it
+                step = _steepest(model, current, opts, interval, budget)
+                if step is None:
+                    log.infeasible.append(cfg.describe())
+                    return None
+                current, view = step
+                continue
             _, cand, v = min(feasible, key=lambda f: (f[0], len(f[1].mitigations)))
             chosen = (cand, v)
         current, view = chosen
     log.infeasible.append(cfg.describe())
     return None
+
+
+def _interval_peak(view: MemoryView, interval: PressureInterval) -> int:
+    return max((iv.peak_bytes for iv in view.intervals if _overlaps(iv, interval)), default=0)
+
+
+def _steepest(model: CountingModel, current: ExecutionConfig, opts: list, interval: PressureInterval,  # type: ignore[type-arg]
+              budget: int) -> tuple[ExecutionConfig, MemoryView] | None:
+    """The option that lowers ``interval``'s peak the most (ties: lower latency), or None."""
+    best: tuple[int, float, ExecutionConfig, MemoryView] | None = None
+    for opt in opts:
+        cand = with_actions(current, opt.actions)
+        if cand.mitigations == current.mitigations:
+            continue
+        v = model.memory(cand, budget)
+        key = (_interval_peak(v, interval), model.latency(cand))
+        if key[0] < interval.peak_bytes and (best is None or key < best[:2]):
+            best = (*key, cand, v)
+    return None if best is None else (best[2], best[3])
 
 
 # ---------------------------------------------------------------------------- stage 4

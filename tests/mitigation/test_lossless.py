@@ -58,12 +58,29 @@ def cases(model: str, pipe: Any) -> list[tuple[str, list[Mitigation], bool]]:
              Mitigation(kind="vae_chunking", modules=tuple(ups[-2:]), intensity=3)],
             False,
         ),
+        # chains: the top up-blocks, output norm and conv_out banded as one
+        ("vae-chain-top-3", [Mitigation(kind="vae_chunking", modules=(_chain(ups[-1]),), intensity=3)], False),
+        ("vae-chain-two-4", [Mitigation(kind="vae_chunking", modules=(_chain(ups[-2]),), intensity=4)], False),
+        (
+            # the shape the Figure 11 benchmark uses at 4K: per-unit bands below, a chain from
+            # the last upsampler on, conv caches offloaded (streamed to the host per band)
+            "vae-chain-upsampler+act-offload",
+            [Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=64),
+             Mitigation(kind="vae_chunking", modules=(ups[-2], _chain(f"{ups[-2]}.upsamplers.0")), intensity=3)],
+            False,
+        ),
     ]
+
+
+def _chain(path: str) -> str:
+    """``vae.decoder.up_blocks.2`` -> ``vae.decoder[up_blocks.2:]``."""
+    return "vae.decoder[" + path.removeprefix("vae.decoder.") + ":]"
 
 
 CASE_IDS = [
     "offload-first", "offload-spread", "offload-all", "act-offload-vae", "act-offload-vae-2", "act-offload-dit",
     "dit-chunk-last-2", "dit-chunk-all-5", "vae-chunk-top-2", "vae-chunk-two-4", "vae-chunk+act-offload",
+    "vae-chain-top-3", "vae-chain-two-4", "vae-chain-upsampler+act-offload",
 ]
 
 

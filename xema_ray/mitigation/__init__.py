@@ -10,7 +10,7 @@ block_offload           ``block_offload``                   DiT blocks / how man
 hsdp                    ``hsdp``                            DiT blocks / how many
 activation_offload      ``activation_offload``              module paths / tensors per module
 dit_chunking            ``dit_chunking``                    DiT blocks / sequence chunks
-vae_chunking            ``vae_chunking``                    decoder module paths / bands
+vae_chunking            ``vae_chunking``                    decoder paths or chains PARENT[START:] / bands
 temporary_serialization ``serialization``                   module paths or blocks / sub-batches
 =====================  ===================================  ============================================
 

@@ -8,7 +8,9 @@ read them, and each gets a hook:
   cache that the *same* convolution reads on the next frame batch. Until then the caches of all
   convolutions sit on the device: at CogVideoX-5B 720p they are 24 of the 42 GB of VAE
   activations at the decode peak. The hook moves each cache to the host as it is returned and
-  brings it back when that convolution runs again.
+  brings it back when that convolution runs again. Caches of convolutions with a temporal
+  kernel of 1 (the spatial norms' ``conv_y``/``conv_b``, which return their whole input as a
+  cache) are never read: they are dropped, not moved.
 - **Arguments reused across calls** (``ReusedInputOffloadHook``), e.g. the prompt embeddings
   (CFG-concatenated) that every denoising step passes to the transformer again: after a call,
   an argument that was also an argument of the previous call (same tensor object) moves to the
@@ -72,6 +74,10 @@ class ConvCacheOffloadHook(ModelHook):
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], torch.Tensor):
             out, cache = output
+            if getattr(module, "time_kernel_size", None) == 1:
+                # a temporal kernel of 1 never reads its cache (CogVideoX's causal conv returns
+                # its whole input as one anyway): drop it instead of copying it out and back
+                return out, None
             if cache.numel() * cache.element_size() >= self.min_bytes:
                 return out, OffloadedTensor(cache, self.stream)
         return output

@@ -40,6 +40,7 @@ HOOK_NAMES = {
     "dit_chunk_block": "xema_dit_chunk_block",
     "vae_chunk": "xema_vae_chunk",
     "vae_chunk_norm": "xema_vae_chunk_norm",
+    "vae_chain": "xema_vae_chain",
     "serialize": "xema_serialize",
 }
 
@@ -198,6 +199,32 @@ class HostCopy:
             return placeholder(self.shape, self.dtype, self.device)
         return self.data
 
+    @classmethod
+    def empty(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> HostCopy:
+        """An uninitialised host buffer for a tensor of ``device`` (pinned on CUDA, nothing on
+        meta): the target of band-wise writes (``copy_rows``) that never exist whole on the device."""
+        obj = cls.__new__(cls)
+        obj.shape, obj.dtype, obj.device = torch.Size(shape), dtype, torch.device(device)
+        if obj.device.type == "meta":
+            obj.data = None
+        else:
+            obj.data = torch.empty(obj.shape, dtype=dtype, pin_memory=obj.device.type == "cuda")
+        return obj
+
+    def narrow(self, dim: int, start: int, length: int) -> HostCopy:
+        """The rows ``[start, start + length)`` along ``dim``: a view of the host data, no copy."""
+        obj = HostCopy.__new__(HostCopy)
+        shape = list(self.shape)
+        shape[dim] = length
+        obj.shape, obj.dtype, obj.device = torch.Size(shape), self.dtype, self.device
+        obj.data = None if self.data is None else self.data.narrow(dim, start, length)
+        return obj
+
+    def copy_rows(self, dim: int, start: int, src: HostCopy, src_start: int, length: int) -> None:
+        """Host-to-host: ``self[start:start+length] = src[src_start:src_start+length]`` along ``dim``."""
+        if self.data is not None and src.data is not None:
+            self.data.narrow(dim, start, length).copy_(src.data.narrow(dim, src_start, length))
+
 
 class OffloadedTensor:
     """A tensor waiting on the host in place of the tensor itself (e.g. a conv cache in the
@@ -209,6 +236,17 @@ class OffloadedTensor:
     def __init__(self, t: torch.Tensor, stream: _device.TransferStream | None = None) -> None:
         self.host = HostCopy(t)
         self.stream = stream
+
+    @classmethod
+    def from_host(cls, host: HostCopy, stream: _device.TransferStream | None = None) -> OffloadedTensor:
+        """Wrap a host copy that is already there (a band of a whole cache, a buffer written band by band)."""
+        obj = cls.__new__(cls)
+        obj.host, obj.stream = host, stream
+        return obj
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.host.shape
 
     def load(self) -> torch.Tensor:
         t = self.host.to_device(self.stream)

@@ -8,6 +8,9 @@ Location and intensity per kind (``Mitigation`` docs): blocks for block_offload 
 dit_chunking (and temporary_serialization of single blocks), module paths for
 activation_offload / vae_chunking / temporary_serialization, or an event range of the
 template's baseline trace, mapped here to the units (blocks, up-blocks) running inside it.
+A vae_chunking path may be a chain ``PARENT[START:]`` (``vae.decoder[up_blocks.2:]``: START and
+all PARENT runs after it banded as one, see ``vae_chunking``); per-unit paths and chains mix
+in one list, all with the same bands.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunki
 from xema_ray.mitigation.hooks import MemorySaving, MitigationHandle
 from xema_ray.mitigation.hsdp import Collective, HSDPConfig, apply_hsdp, estimate_hsdp
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization, estimate_serialization
-from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
+from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking, chain_paths, parse_chain
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
@@ -258,12 +261,19 @@ def estimate_saving(
         saved = int(sizes.sum() - (sizes.max() if len(sizes) else 0))
         return MemorySaving(kind=m.kind, per_phase={group: saved}, note=f"{len(sizes)} conv caches live at the {group} peak")
     if m.kind == "vae_chunking":
-        sel = mine & ~clone
-        sizes = np.sort(baseline.size[sel])[::-1]
-        # the unit's input and output stay whole; the temporaries between shrink to one band
-        # (plus halos: counted as one extra band)
-        shrink = sizes[2:].sum() if len(sizes) > 2 else 0
-        saved = int(shrink * (1 - min(1.0, 2.0 / m.intensity)))
-        return MemorySaving(kind=m.kind, per_phase={group: saved}, note=f"{int(sel.sum())} activations of the chunked units")
+        # a chain: every map its modules allocate exists one band at a time (its input was
+        # allocated before it, its final output is small); per unit: the unit's input and
+        # output stay whole, the temporaries between shrink to one band. Halos count as one
+        # more band. Conv caches (clones) are activation offload's to estimate.
+        chains = [p for p in paths if parse_chain(p) is not None]
+        pipe = _meta_pipeline(spec.name) if chains else None
+        in_chain = _under(baseline, [q for p in chains for q in chain_paths(pipe, p)]) if chains else np.zeros_like(mine)
+        fraction = 1 - min(1.0, 2.0 / m.intensity)
+        chained = baseline.size[live & in_chain & ~clone]
+        unit = np.sort(baseline.size[mine & ~in_chain & ~clone])[::-1]
+        shrink = unit[2:].sum() if len(unit) > 2 else 0
+        saved = int((chained.sum() + shrink) * fraction)
+        return MemorySaving(kind=m.kind, per_phase={group: saved},
+                            note=f"{len(chained)} activations of chains, {len(unit)} of chunked units")
     b = batch if batch is not None else 2 * template.batch
     return estimate_serialization(int(baseline.size[mine].sum()), b, m.intensity, group)
