@@ -126,3 +126,13 @@ def test_a_rejected_choice_is_resolved_again_with_the_overshoot_not_dropped() ->
     assert chosen.mitigations and chosen.mitigations != first_choice
     assert model.confirm(chosen, int(46.5 * GB)) is None
     assert any("over" in line for line in plan.log.infeasible)
+
+
+def test_stage3_combines_options_when_no_single_one_clears_an_interval() -> None:
+    # VAE interval: 44 + 12 GB over a 46.5 GB budget; offloading all 3 blocks leaves 53 GB and
+    # VAE chunking x4 leaves 47 GB: only the two together fit (41 + 3 GB)
+    m = CountingModel(Synthetic(W=44 * GB, A=1 * GB, V=12 * GB))
+    out = resolve(m, cfg(), budget=int(46.5 * GB), log=StageLog())
+    assert out is not None
+    assert {x.kind for x in out.mitigations} == {"block_offload", "vae_chunking"}
+    assert m.memory(out, int(46.5 * GB)).fits
