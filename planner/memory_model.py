@@ -33,6 +33,7 @@ import numpy as np
 from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.hooks import evenly_spread
+from xema_ray.mitigation.registry import conv_cache_allocations
 from xema_ray.plan import ExecutionConfig, Mitigation
 
 LAYOUT_OVERHEAD = 1.02  # static reserved / lower bound on the analyzer's real traces (issue #3 target)
@@ -80,9 +81,7 @@ class TraceProfile:
         key = ("caches", paths)
         if key not in self._curves:
             t = self.trace
-            under = np.array([any(n == p or n.startswith(p + ".") for p in paths) for n in t.modules] + [False])
-            clone = np.array([o == "clone" for o in t.ops] + [False])
-            sel = np.flatnonzero(under[t.module] & clone[t.op])
+            sel = np.flatnonzero(conv_cache_allocations(t, paths))
             delta = np.zeros(t.n_events + 1, dtype=np.float64)
             np.add.at(delta, t.begin[sel], t.size[sel].astype(np.float64))
             np.add.at(delta, t.end[sel], -t.size[sel].astype(np.float64))

@@ -210,6 +210,16 @@ def _under(trace: MemoryTrace, paths: Sequence[str]) -> np.ndarray:
     return names[trace.module]  # module == -1 indexes the trailing False
 
 
+def _clones(trace: MemoryTrace) -> np.ndarray:
+    return np.array([o == "clone" for o in trace.ops] + [False])[trace.op]
+
+
+def conv_cache_allocations(trace: MemoryTrace, paths: Sequence[str]) -> np.ndarray:
+    """Mask of the allocations that are conv caches of modules under ``paths``: the causal
+    convolutions' caches are the clones they return (what activation offload moves)."""
+    return _under(trace, paths) & _clones(trace)
+
+
 def estimate_saving(
     m: Mitigation, template: RequestTemplate, baseline: MemoryTrace | None = None, world_size: int = 2,
     batch: int | None = None,
@@ -253,9 +263,9 @@ def estimate_saving(
         return MemorySaving(kind=m.kind, per_phase={}, note=f"no {group} phase in the trace")
     _, live = found
     mine = live & _under(baseline, paths)
-    clone = np.array([o == "clone" for o in baseline.ops] + [False])[baseline.op]
+    clone = _clones(baseline)
     if m.kind == "activation_offload":
-        sel = mine & clone  # the causal convs' caches are the clones they return
+        sel = live & conv_cache_allocations(baseline, paths)
         sizes = np.sort(baseline.size[sel])[::-1][: m.intensity]
         # the cache of the convolution running at the peak is back on the device
         saved = int(sizes.sum() - (sizes.max() if len(sizes) else 0))
