@@ -50,7 +50,7 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
 
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
     if opts["hardware"] == "cpu":
@@ -75,7 +75,19 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
     result["entry"] = entry.model_dump_json() if entry is not None else None
     result["seconds"] = time.perf_counter() - t0
+    result["started_unix"], result["worker_pid"] = started, os.getpid()  # for the planning timeline
     return result
+
+
+def _planning_work(template: RequestTemplate) -> tuple[int, int]:
+    """Rough order of a template's planning time, to start the longest first (fewer idle GPUs at
+    the end): meta tracing costs per operator, not per byte, so it grows with the transformer
+    passes per denoising step and the blocks per pass; latent length breaks ties."""
+    spec = template.spec
+    passes = spec.transformer_passes_per_step() if hasattr(spec, "transformer_passes_per_step") else (1,)
+    cfg = spec.transformer_config
+    blocks = int(cfg.get("num_layers", 1)) + int(cfg.get("num_single_layers", 0))
+    return len(passes) * blocks, template.latent_length
 
 
 def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bool) -> list[dict[str, Any]]:
@@ -90,8 +102,10 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
             ray.init()  # inside `ray job submit`: join the cluster
         else:
             ray.init(num_gpus=opts["gpus"], include_dashboard=False, log_to_driver=False)
-    task = ray.remote(num_gpus=1)(plan_one)
-    pending = {task.remote(t.model_dump_json(), opts): t for t in templates}
+    # max_calls=0: Ray retires a GPU task's worker after one call by default (to free its CUDA
+    # memory); planning tasks hold none, and a reused worker keeps its imports and meta pipelines
+    task = ray.remote(num_gpus=1, max_calls=0)(plan_one)
+    pending = {task.remote(t.model_dump_json(), opts): t for t in sorted(templates, key=_planning_work, reverse=True)}
     results = []
     with tqdm(total=len(pending), desc="planning", unit="template") as bar:
         while pending:

@@ -1,9 +1,10 @@
 """Trace cache for the planner: each (template, batch) is traced once on the meta device, kept in
 memory and, optionally, on disk as JSON (so a Ray task or a later planning run reuses it).
 
-The meta pipeline of each model is built once per cache and reused by every trace of that model
-(building LTX-2's takes ~1.5 s; diffusers pipelines keep no state across calls that changes what
-a call allocates — the tests check reused and fresh pipelines give identical traces)."""
+The meta pipeline of each model is built once per process and reused by every trace of that model,
+across caches too: a planning worker plans many templates in turn (building LTX-2's takes 1.5–3 s;
+diffusers pipelines keep no state across calls that changes what a call allocates — the tests
+check reused and fresh pipelines give identical traces)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from xema_ray.models import BuildOptions
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.templates import RequestTemplate
 
+# model name -> its meta-device pipeline, shared by every TraceCache in this process
+_META_PIPELINES: dict[str, Any] = {}
+
 
 @dataclass
 class TraceCache:
@@ -28,7 +32,6 @@ class TraceCache:
 
     directory: Path | str | None = None
     _mem: dict[str, MemoryTrace] = field(default_factory=dict)
-    _pipelines: dict[str, Any] = field(default_factory=dict)
     traced: int = 0
 
     def __post_init__(self) -> None:
@@ -42,12 +45,12 @@ class TraceCache:
         return Path(self.directory) / f"{template.model}-{digest}.json"
 
     def pipeline(self, template: RequestTemplate) -> Any:
-        """The model's meta-device pipeline, built on first use."""
-        pipe = self._pipelines.get(template.model)
+        """The model's meta-device pipeline, built on first use in this process."""
+        pipe = _META_PIPELINES.get(template.model)
         if pipe is None:
             spec = template.spec
             pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))
-            self._pipelines[template.model] = pipe
+            _META_PIPELINES[template.model] = pipe
         return pipe
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
