@@ -7,8 +7,9 @@ intervals keep their event positions across candidates (stage 3 compares them):
 - sequence parallelism: the DiT phase's activations above the resident floor are split across
   the SP ranks (Ulysses and ring both give each rank 1/SP of the token-proportional tensors);
   the VAE decodes on one rank and is unchanged;
-- block offload / HSDP of K blocks: those blocks' weights leave the resident floor, plus the
-  buffer that holds the block being computed and the one being fetched;
+- block offload / HSDP of K blocks: the mitigation library's own estimate — outside the DiT
+  those blocks' weights (all but each rank's shard) leave the device; in the DiT the block being
+  computed and the prefetched next one are back whole;
 - chunking (DiT blocks, VAE up-blocks) by c: inside each chunked unit, what the unit allocates
   above its entry level is divided by c (the chunk's share);
 - temporary serialization into k sub-batches: inside the serialized phase, what is allocated
@@ -32,7 +33,9 @@ import numpy as np
 
 from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
 from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.mitigation.block_offload import BlockOffloadConfig, estimate_block_offload
 from xema_ray.mitigation.hooks import evenly_spread
+from xema_ray.mitigation.hsdp import HSDPConfig, estimate_hsdp
 from xema_ray.mitigation.registry import conv_cache_allocations
 from xema_ray.plan import ExecutionConfig, Mitigation
 
@@ -52,6 +55,9 @@ class TraceProfile:
     floor: int = field(init=False)
     _runs: dict[tuple[object, str], list[tuple[int, int]]] = field(init=False, default_factory=dict)
     _curves: dict[tuple[object, ...], np.ndarray] = field(init=False, default_factory=dict)
+    #: per event, bytes of block weights a mitigation in the traced run holds whole on the device
+    #: (traced as activations, but not split by sequence parallelism); None for unmitigated traces
+    held_weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.curve = self.trace.active_curve().astype(np.float64)
@@ -99,9 +105,28 @@ class TraceProfile:
             self._runs[key] = self.runs(wanted[index.event_unit] & (self.groups == group))
         return self._runs[key]
 
+    def block_windows(self) -> np.ndarray | None:
+        """Per DiT block, its [start, stop) event run in each transformer forward, as an array
+        (blocks, forwards, 2); None if the blocks' runs do not line up one per forward."""
+        if "windows" not in self._curves:
+            runs = [self.unit_runs([p], "dit") for p in self.block_paths]
+            same = runs and all(len(r) == len(runs[0]) and r for r in runs)
+            self._curves["windows"] = np.array(runs, dtype=np.int64) if same else None  # type: ignore[assignment]
+        return self._curves["windows"]  # type: ignore[return-value]
+
     @cached_property
     def block_weights(self) -> np.ndarray:
-        """Resident weight bytes of each DiT block (index = position in ``block_paths``)."""
+        """Resident weight bytes of each DiT block (index = position in ``block_paths``), as the
+        allocator holds them: one rounded allocation per parameter."""
+        return self._block_sum(self.trace.size)
+
+    @cached_property
+    def block_flat_weights(self) -> np.ndarray:
+        """Each DiT block's weights flattened into one buffer (HSDP's gather unit): the
+        parameters' own bytes, without per-allocation rounding."""
+        return self._block_sum(self.trace.nbytes)
+
+    def _block_sum(self, sizes: np.ndarray) -> np.ndarray:
         index = {p: i for i, p in enumerate(self.block_paths)}
         w = np.zeros(len(self.block_paths), dtype=np.int64)
         resident = np.flatnonzero(self.trace.category == Category.WEIGHT)
@@ -111,13 +136,23 @@ class TraceProfile:
             if m:
                 key = f"transformer.{m.group(1)}.{m.group(2)}"
                 if key in index:
-                    w[index[key]] += self.trace.size[r]
+                    w[index[key]] += sizes[r]
         return w
 
     def runs(self, mask: np.ndarray) -> list[tuple[int, int]]:
         """Maximal [start, stop) runs of True in an event mask."""
         edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
         return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
+def add_block_windows(curve: np.ndarray, windows: np.ndarray, order: list[int], weights: np.ndarray) -> None:
+    """Add each offloaded / sharded block's whole weights while they are on the device: from when
+    the previous chosen block starts (its hook issues this one's copy or all-gather) until this
+    block ends (its hook frees them), in every transformer forward (in place)."""
+    for k, b in enumerate(order):
+        frm = windows[order[k - 1]][:, 0] if k else windows[b][:, 0]
+        for s, e in zip(frm.tolist(), windows[b][:, 1].tolist(), strict=True):
+            curve[s:e] += weights[b]
 
 
 def _shrink_runs(curve: np.ndarray, base: np.ndarray, runs: list[tuple[int, int]], factor: float) -> None:
@@ -144,27 +179,47 @@ class MemoryModel:
         base = prof.curve
         curve = base.copy()
         if cfg.sp > 1:
+            # token-proportional DiT activations split across the ranks; weights a mitigation
+            # holds on the device for a while (a traced offload / HSDP window) do not
+            held = prof.held_weights
             for s, e in prof.group_runs("dit"):
-                curve[s:e] = prof.floor + (base[s:e] - prof.floor) / cfg.sp
+                kept = held[s:e] if held is not None else 0.0
+                curve[s:e] = prof.floor + kept + (base[s:e] - prof.floor - kept) / cfg.sp
+        floor = float(prof.floor)
         for m in cfg.mitigations:
-            self._apply(curve, base, prof, cfg, m)
-        # weights are laid out once and never freed, so the layout's overhead only touches activations
-        static = prof.floor + (curve - prof.floor) * self.layout_overhead
+            floor -= self._apply(curve, base, prof, cfg, m)
+        # weights are laid out once and never freed, so the layout's overhead only touches
+        # activations (and the weights a mitigation holds for a while), not the resident floor
+        static = floor + (curve - floor) * self.layout_overhead
         return static * (1.0 + self.dynamic_margin), prof
 
-    def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> None:
+    def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> int:
+        """Apply one mitigation to ``curve`` in place; returns the bytes it takes off the resident floor."""
         if m.kind in ("block_offload", "hsdp"):
-            blocks = list(m.blocks) if m.blocks is not None else list(evenly_spread(m.intensity, len(prof.block_paths)))
-            w = prof.block_weights[blocks]
-            if len(w) == 0:
-                return
-            if m.kind == "block_offload":
-                # the block running and the one being prefetched are on the GPU at once
-                saved = w.sum() - 2 * w.max()
+            blocks = tuple(m.blocks) if m.blocks is not None else evenly_spread(m.intensity, len(prof.block_paths))
+            if not blocks:
+                return 0
+            order = sorted(blocks)
+            world = max(2, cfg.sp)  # HSDP shards across the SP group that runs the batch
+            if m.kind == "hsdp":  # each rank keeps 1/world of the flattened block; all of it is gathered
+                w, flat = prof.block_weights, prof.block_flat_weights
+                removed = sum(int(w[b]) - int(flat[b]) // world for b in order)
+                w = flat
             else:
-                group = cfg.sp  # sharded across the SP group that runs the batch
-                saved = w.sum() * (1 - 1 / group) - w.max()  # shards stay; one block is gathered at a time
-            curve -= max(0, saved)
+                w = prof.block_weights
+                removed = sum(int(w[b]) for b in order)
+            # off the device (or all but this rank's shard) outside the blocks' windows
+            curve -= removed
+            windows = prof.block_windows()
+            if windows is None:  # block runs do not line up per forward: the library's phase-wide bound
+                sizes = w.tolist()
+                saving = (estimate_block_offload(sizes, BlockOffloadConfig(blocks=blocks)) if m.kind == "block_offload"
+                          else estimate_hsdp(sizes, HSDPConfig(blocks=blocks), world))
+                for s, e in prof.group_runs("dit"):
+                    curve[s:e] += saving.at("vae") - max(0, saving.at("dit"))
+                return removed
+            add_block_windows(curve, windows, order, w)
+            return removed
         elif m.kind == "dit_chunking":
             paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
             _shrink_runs(curve, base, prof.unit_runs(paths, "dit"), m.intensity)
@@ -180,6 +235,7 @@ class MemoryModel:
             live = prof.live_caches(tuple(m.modules or ()))
             for s, e in prof.group_runs(group):
                 curve[s:e] -= live[s:e]
+        return 0
 
     def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
         curve, prof = self.reserved_curve(cfg)

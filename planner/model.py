@@ -32,11 +32,21 @@ class MitigationOption:
 
     ``zero_overhead`` marks choices known not to add latency (offload whose transfer hides
     behind compute, chunking that keeps operator throughput): stage 3 tries those first.
+
+    ``family`` groups options that differ only in intensity (default: their kinds and
+    locations). Within a family, listed mildest first, memory must not rise and latency must not
+    fall with intensity: stage 3 then profiles only a family's mildest option that clears.
     """
 
     actions: tuple[Mitigation, ...]
     zero_overhead: bool = False
     label: str = ""
+    family: str = ""
+
+    @property
+    def family_key(self) -> str:
+        return self.family or "+".join(f"{a.kind}@{','.join(a.modules or ())}@{a.blocks if a.kind == 'dit_chunking' else ''}"
+                                       for a in self.actions)
 
 
 @dataclass(frozen=True)
@@ -77,4 +87,14 @@ class PlannerModel(Protocol):
 
     def full_mitigation(self, config: ExecutionConfig) -> tuple[Mitigation, ...]:
         """Every applicable mitigation at full intensity (stage 1's memory rule)."""
+        ...
+
+
+class RefiningModel(PlannerModel, Protocol):
+    """A model whose option ladders are coarser than its primitives (optional)."""
+
+    def milder(self, config: ExecutionConfig, action: Mitigation) -> list[Mitigation]:
+        """Variants of ``action`` (same family) at the intensities between the option ladder's
+        rung below it and its own, strongest first: stage 3 takes the mildest that still clears
+        the interval ("only as much as needed")."""
         ...

@@ -19,7 +19,7 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
 from xema_ray.templates import RequestTemplate
 
-from planner.model import CostCounter, MemoryView, PlannerModel
+from planner.model import CostCounter, MemoryView, MitigationOption, PlannerModel
 
 SLO_FACTOR = 2.5  # §9.1: SLO = 2.5 × latency of the template's best feasible configuration
 REPLACEABLE = ("block_offload", "hsdp")
@@ -171,14 +171,7 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
                     chosen = (cand, v)
                     break
         if chosen is None:
-            feasible = []
-            for opt in opts:
-                if opt.zero_overhead:
-                    continue
-                cand = with_actions(current, opt.actions)
-                v = relieves(cand)
-                if v is not None:
-                    feasible.append((model.latency(cand), cand, v))
+            feasible = _cheapest_clearing(model, current, opts, interval, budget, relieves)
             if not feasible:
                 # no single option clears the interval: combine (stage 3's enumeration of
                 # combinations) by taking the one that lowers the interval's peak the most and
@@ -194,6 +187,95 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
         current, view = chosen
     log.infeasible.append(cfg.describe())
     return None
+
+
+Relieves = Callable[[ExecutionConfig], "MemoryView | None"]
+
+
+def _families(opts: list[MitigationOption]) -> list[list[MitigationOption]]:
+    fams: dict[str, list[MitigationOption]] = {}
+    for o in opts:
+        if not o.zero_overhead:
+            fams.setdefault(o.family_key, []).append(o)
+    return list(fams.values())
+
+
+def _first_clearing(model: CountingModel, current: ExecutionConfig, family: list[MitigationOption],
+                    relieves: Relieves) -> tuple[int, ExecutionConfig | None, MemoryView | None]:
+    """Binary search (memory falls with intensity) for the family's mildest option that clears,
+    taken down further where the model's ladder is coarser than the primitive (``_milder``);
+    returns (its index or len(family), config, view)."""
+    lo, hi, hit = 0, len(family), None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        cand = with_actions(current, family[mid].actions)
+        v = relieves(cand)
+        if v is not None:
+            hi, hit = mid, (cand, v)
+        else:
+            lo = mid + 1
+    if hit is None or lo >= len(family):
+        return len(family), None, None
+    return (lo, *_milder(model, *hit, family[lo].actions, relieves))
+
+
+def _cheapest_clearing(model: CountingModel, current: ExecutionConfig, opts: list[MitigationOption],
+                       interval: PressureInterval, budget: int,
+                       relieves: Relieves) -> list[tuple[float, ExecutionConfig, MemoryView]]:
+    """Stage 3's candidates for one interval, each with its profiled latency: per family, the
+    mildest option that clears it (a stronger one of the same family only costs more); then
+    pairs — an activation option too weak alone (chunking, serialization, activation offload)
+    plus the mildest weight option that clears what it leaves, when that is milder than the
+    weight option needed alone (the combinations grid search finds: e.g. Flux.2 at 256² fits
+    with fewer sharded blocks once the batch's requests are serialized)."""
+    feasible, alone_weight = [], {}
+    partials: list[MitigationOption] = []
+    for fam in _families(opts):
+        i, cand, v = _first_clearing(model, current, fam, relieves)
+        if cand is not None and v is not None:
+            feasible.append((model.latency(cand), cand, v))
+            if _is_weight(fam[i]):
+                alone_weight[fam[i].family_key] = fam[i].actions[0].intensity
+        if not _is_weight(fam[0]):
+            partials += fam[:i]
+    if not alone_weight:
+        return feasible
+    for p in partials:
+        base = with_actions(current, p.actions)
+        if base.mitigations == current.mitigations:
+            continue
+        left = [iv for iv in model.memory(base, budget).intervals if _overlaps(iv, interval)]
+        if not left or max(iv.peak_bytes for iv in left) >= interval.peak_bytes:
+            continue  # clears alone (then it was no partial) or does not help here
+        for fam in _families(model.options(base, max(left, key=lambda iv: iv.peak_bytes))):
+            needed = alone_weight.get(fam[0].family_key)
+            if needed is None or not _is_weight(fam[0]):
+                continue
+            i, cand, v = _first_clearing(model, base, fam, relieves)
+            if cand is not None and v is not None and fam[i].actions[0].intensity < needed:
+                feasible.append((model.latency(cand), cand, v))
+    return feasible
+
+
+def _is_weight(opt: MitigationOption) -> bool:
+    return len(opt.actions) == 1 and opt.actions[0].kind in REPLACEABLE
+
+
+def _milder(model: CountingModel, cand: ExecutionConfig, view: MemoryView, actions: tuple[Mitigation, ...],
+            relieves: Relieves) -> tuple[ExecutionConfig, MemoryView]:
+    """Take a weight action down to the mildest intensity that still clears, where the model's
+    option ladder is coarser than its primitive (``RefiningModel.milder``): memory only."""
+    milder = getattr(model.model, "milder", None)
+    if milder is None or len(actions) != 1 or actions[0].kind not in REPLACEABLE:
+        return cand, view
+    best = (cand, view)
+    for action in milder(cand, actions[0]):
+        c = with_actions(cand, (action,))
+        v = relieves(c)
+        if v is None:
+            break
+        best = (c, v)
+    return best
 
 
 def _interval_peak(view: MemoryView, interval: PressureInterval) -> int:

@@ -18,7 +18,7 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 
-from planner.memory_model import MemoryModel, TraceProfile
+from planner.memory_model import MemoryModel, TraceProfile, add_block_windows
 from xema_ray.mitigation.hooks import evenly_spread
 from planner.model import MemoryView, MitigationOption, Rejection
 from planner.traces import TraceCache
@@ -30,7 +30,6 @@ CHUNKS = (2, 4, 8)  # chunk counts tried for DiT / VAE chunking
 PLANNER_STEPS = 4
 ALL_TENSORS = 4096  # activation offload intensity meaning "every cache the modules produce"
 _BLOCK_UNIT = re.compile(r"^transformer\.\w+\.(\d+)$")
-ZERO_OVERHEAD_TOL = 1e-3  # relative latency change under which a mitigation counts as free
 
 
 class UnrunnableBatch(RuntimeError):
@@ -120,14 +119,15 @@ class TracePlannerModel:
         # fewest blocks that could cover the excess even if the heaviest are taken: no smaller K can
         cum = np.cumsum(prof.block_weights[heaviest]) - 2 * (prof.block_weights.max() if n else 0)
         k_min = min(n, int(np.searchsorted(cum, interval.excess_bytes)) + 1) if n else 0
-        ladder = sorted({*range(max(1, k_min), n + 1, max(1, n // 12)), n}) if n else []
+        ladder = sorted({*range(max(1, k_min), n + 1, _ladder_step(n)), n}) if n else []
         current_k = max((m.intensity for m in config.mitigations if m.kind == "block_offload"), default=0)
         for k in ladder:
             if k > current_k:
                 # evenly spaced blocks hide transfers best (§5.1); the heaviest blocks free the most
                 # bytes per block (Flux.2's double-stream blocks are twice the single ones)
-                for blocks in {evenly_spread(k, n), tuple(sorted(heaviest[:k]))}:
-                    opts.append(self._option(config, Mitigation(kind="block_offload", blocks=blocks, intensity=k)))
+                for rule, blocks in (("even", evenly_spread(k, n)), ("heaviest", tuple(sorted(heaviest[:k])))):
+                    opts.append(self._option(config, Mitigation(kind="block_offload", blocks=blocks, intensity=k),
+                                             family=f"block_offload:{rule}"))
         if config.sp > 1:
             for k in ladder:
                 opts.append(self._option(config, Mitigation(kind="hsdp", blocks=evenly_spread(k, n), intensity=k)))
@@ -152,6 +152,23 @@ class TracePlannerModel:
                     opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=k)))
         return opts
 
+    def milder(self, config: ExecutionConfig, action: Mitigation) -> list[Mitigation]:
+        """``action`` (block offload or HSDP) on 1, 2, ... fewer blocks, down to the rung below it
+        on ``options``' ladder, picked by the same rule (evenly spread or heaviest first)."""
+        n = len(self._blocks)
+        if action.kind not in ("block_offload", "hsdp") or n == 0:
+            return []
+        k = action.intensity
+        even = action.blocks is None or tuple(action.blocks) == evenly_spread(k, n)
+        if not even:
+            w = self._profile(config.batch).block_weights
+            heaviest = sorted(range(n), key=lambda i: (-w[i], i))
+        out = []
+        for j in range(k - 1, max(0, k - _ladder_step(n)), -1):
+            blocks = evenly_spread(j, n) if even else tuple(sorted(heaviest[:j]))
+            out.append(Mitigation(kind=action.kind, blocks=blocks, intensity=j))
+        return out
+
     def confirm(self, config: ExecutionConfig, budget: int) -> Rejection | None:
         """Trace ``config`` with its mitigations really applied (the mitigation library on the
         meta device) and check it fits; None if it does, else why not. The search uses the fast
@@ -165,23 +182,42 @@ class TracePlannerModel:
         return self._confirmations[key]
 
     def _confirm(self, config: ExecutionConfig, budget: int) -> Rejection | None:
-        from xema_ray.mitigation.tracing import trace_with_mitigations
-
-        t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
         try:
-            trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp),
-                                           pipeline=self.traces.pipeline(t))
+            prof = self.traced_profile(config)
         except (RuntimeError, ValueError) as e:
             # the pipeline fails at this shape, or the library cannot combine these primitives
             # (e.g. serialization cannot rejoin offloaded conv caches): not a runnable plan
             return Rejection(f"cannot run with these mitigations: {str(e).splitlines()[0]}")
-        prof = TraceProfile(trace, self._blocks)
         # the traced curve already holds the mitigations; SP and the layout margins still apply
         peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)
         if ivs:
             return Rejection(f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget",
                              overshoot_bytes=peak - budget)
         return None
+
+    def traced_profile(self, config: ExecutionConfig) -> TraceProfile:
+        """The trace of ``config``'s batch with its mitigations really applied (meta device)."""
+        from xema_ray.mitigation.tracing import trace_with_mitigations
+
+        t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
+        trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp),
+                                       pipeline=self.traces.pipeline(t))
+        prof = TraceProfile(trace, self._blocks)
+        prof.held_weights = self._held_weights(prof, config)
+        return prof
+
+    def _held_weights(self, traced: TraceProfile, config: ExecutionConfig) -> np.ndarray | None:
+        """Per event of a mitigated trace, the offloaded / sharded blocks' weights held whole."""
+        weight_actions = [m for m in config.mitigations if m.kind in ("block_offload", "hsdp")]
+        windows = traced.block_windows()
+        if not weight_actions or windows is None:
+            return None
+        held = np.zeros(traced.trace.n_events, dtype=np.float64)
+        base = self._profile(config.batch)  # unmitigated: every block's full weights
+        for m in weight_actions:
+            order = sorted(m.blocks) if m.blocks is not None else list(evenly_spread(m.intensity, len(self._blocks)))
+            add_block_windows(held, windows, order, base.block_flat_weights if m.kind == "hsdp" else base.block_weights)
+        return held
 
     # ------------------------------------------------------------------ helpers
     def _offset(self, unit: str) -> int:
@@ -193,13 +229,17 @@ class TracePlannerModel:
                    or self.template.spec.vae_config["block_out_channels"])
         return [f"vae.decoder.up_blocks.{i}" for i in range(n_up)]
 
-    def _option(self, config: ExecutionConfig, action: Mitigation) -> MitigationOption:
-        from planner.stages import with_actions
+    def _option(self, config: ExecutionConfig, action: Mitigation, family: str = "") -> MitigationOption:
+        # None is marked zero-overhead up front: telling would take a latency estimate of every
+        # option's configuration. Stage 3 profiles only each family's mildest option that clears,
+        # and a free one then wins on latency.
+        return MitigationOption((action,), label=f"{action.kind}×{action.intensity}", family=family)
 
-        base = self.latency_fn(config)
-        after = self.latency_fn(with_actions(config, (action,)))
-        return MitigationOption((action,), zero_overhead=after <= base * (1 + ZERO_OVERHEAD_TOL),
-                                label=f"{action.kind}×{action.intensity}")
+
+def _ladder_step(n_blocks: int) -> int:
+    """Block counts tried for offload / HSDP go up in steps of ~1/12 of the blocks (stage 3 then
+    takes the chosen one down block by block, ``milder``)."""
+    return max(1, n_blocks // 12)
 
 
 def _divisors(n: int) -> list[int]:
