@@ -152,6 +152,7 @@ def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, spac
     counting = CountingModel(model)
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
     if name == "grid":
+        counting.compact = True  # only fits / peak are asked of the points it visits
         bases = _base_configs(template, space)
         ranked, done = grid_over(counting, bases, space, lambda b: catalogue(counting, b, space.budget), deadline)
         return _entry(counting, ranked, space, source), counting, done

@@ -5,7 +5,13 @@
    (unmitigated latency already over the SLO); a layout stops growing its batch once pruned.
 2. Locate where memory exceeds the budget: the candidate's pressure intervals.
 3. Mitigation search per interval: zero-overhead choices first, then the remaining options; keep
-   those that bring the interval under budget; the lowest-latency one wins (profiled).
+   those that bring the interval under budget; the lowest-latency one wins (profiled). Options
+   come in families that differ only in intensity (offload / shard K blocks, chunk by c, ...):
+   memory falls and latency rises along a family, so only its mildest clearing option is
+   profiled (found by binary search on memory), a coarse rung is taken down block by block where
+   the model can (``RefiningModel.milder``), and combinations are enumerated as pairs of an
+   activation option too weak alone with the mildest weight option that then clears; when no
+   single option clears, the steepest one is applied and the interval is searched again.
 4. Select: latency and goodput per assembled configuration, SLO filter, best goodput.
 """
 
@@ -44,6 +50,9 @@ class CountingModel:
 
     model: PlannerModel
     counter: CostCounter = field(default_factory=CostCounter)
+    #: keep only each view's peak and first interval (enough for fits / peak): grid search visits
+    #: tens of thousands of configurations, and a video view can hold a hundred VAE intervals
+    compact: bool = False
     _lat: dict[str, float] = field(default_factory=dict)
     _mem: dict[tuple[str, int], MemoryView] = field(default_factory=dict)
 
@@ -51,7 +60,8 @@ class CountingModel:
         key = (_key(cfg), budget)
         if key not in self._mem:
             self.counter.analysed.add(key[0])
-            self._mem[key] = self.model.memory(cfg, budget)
+            view = self.model.memory(cfg, budget)
+            self._mem[key] = MemoryView(view.peak_bytes, view.intervals[:1]) if self.compact else view
         return self._mem[key]
 
     def latency(self, cfg: ExecutionConfig) -> float:
@@ -152,8 +162,15 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
     current = cfg
     view = model.memory(current, budget)
     log.intervals[cfg.describe()] = len(view.intervals)
+    # candidates met on the way that already fit everywhere: per-interval choices are greedy,
+    # and one option that clears every interval can beat the sum of cheaper local ones
+    complete: list[tuple[float, ExecutionConfig]] = []
     for _ in range(MAX_ROUNDS):  # each round removes at least one interval
         if view.fits:
+            if complete:
+                lat, best = min(complete, key=lambda c: (c[0], len(c[1].mitigations)))
+                if lat < model.latency(current):
+                    return best
             return current
         interval = view.intervals[0]
         opts = model.options(current, interval)
@@ -182,6 +199,7 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
                     return None
                 current, view = step
                 continue
+            complete += [(lat, c) for lat, c, fv in feasible if fv.fits]
             _, cand, v = min(feasible, key=lambda f: (f[0], len(f[1].mitigations)))
             chosen = (cand, v)
         current, view = chosen
@@ -235,7 +253,7 @@ def _cheapest_clearing(model: CountingModel, current: ExecutionConfig, opts: lis
         if cand is not None and v is not None:
             feasible.append((model.latency(cand), cand, v))
             if _is_weight(fam[i]):
-                alone_weight[fam[i].family_key] = fam[i].actions[0].intensity
+                alone_weight[fam[i].family_key] = _weight_blocks(cand)
         if not _is_weight(fam[0]):
             partials += fam[:i]
     if not alone_weight:
@@ -252,9 +270,14 @@ def _cheapest_clearing(model: CountingModel, current: ExecutionConfig, opts: lis
             if needed is None or not _is_weight(fam[0]):
                 continue
             i, cand, v = _first_clearing(model, base, fam, relieves)
-            if cand is not None and v is not None and fam[i].actions[0].intensity < needed:
+            if cand is not None and v is not None and _weight_blocks(cand) < needed:
                 feasible.append((model.latency(cand), cand, v))
     return feasible
+
+
+def _weight_blocks(cfg: ExecutionConfig) -> int:
+    """How many blocks the configuration's weight action (offload or HSDP) covers."""
+    return max((m.intensity for m in cfg.mitigations if m.kind in REPLACEABLE), default=0)
 
 
 def _is_weight(opt: MitigationOption) -> bool:

@@ -180,3 +180,14 @@ def test_stage3_takes_a_coarse_rung_down_to_the_blocks_needed() -> None:
     out = resolve(m, cfg(), budget=int(46.5 * GB), log=StageLog())
     assert out is not None
     assert [(x.kind, x.intensity) for x in out.mitigations] == [("block_offload", 4)]
+
+
+def test_stage3_prefers_one_option_that_clears_every_interval_to_a_costlier_sum_of_local_ones() -> None:
+    # DiT interval 44 + 5 GB, VAE interval 44 + 4 GB, budget 46.5. Greedy per interval: chunk the
+    # DiT x2 (cost 2, cheaper than offloading 3 blocks: 2.4), then offload 2 blocks for the VAE
+    # (1.6): 3.6 in all. Offloading 3 blocks clears both intervals alone for 2.4.
+    m = CountingModel(Synthetic(W=44 * GB, A=5 * GB, V=4 * GB, n_blocks=8, offload_free=0,
+                                offload_cost=0.8, chunk_cost=1.0))
+    out = resolve(m, cfg(), budget=int(46.5 * GB), log=StageLog())
+    assert out is not None and m.memory(out, int(46.5 * GB)).fits
+    assert [(x.kind, x.intensity) for x in out.mitigations] == [("block_offload", 3)]
