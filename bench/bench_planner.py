@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--budget", default="48GB")
     ap.add_argument("--grid-time-limit", type=float, default=600.0, help="seconds per template for grid search")
-    ap.add_argument("--grid-templates", default="flux2,cogvideox-5b:1280x720x49,ltx2:864x480x49",
+    # the video templates first: they run to the time limit, the Flux.2 ones fill the other core
+    ap.add_argument("--grid-templates",
+                    default="ltx2,cogvideox-5b,flux2",
                     help="templates grid search runs on: model names or MODEL:WxHxF, comma-separated")
     ap.add_argument("--trace-cache", default=None, help="reuse traces (default: a fresh, cold cache)")
     args = ap.parse_args()
@@ -94,7 +96,7 @@ def main() -> None:
                 row = {"template": key, "finished": False, "note": f"grid search failed: {type(e).__name__}: {e}"}
             print(row, flush=True)
             grid_rows.append(row)
-    order = {t.shape_key: i for i, t in enumerate(picks)}
+    order = {t.shape_key: i for i, t in enumerate(templates)}
     grid_rows.sort(key=lambda r: order[r["template"]])
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
     data = {"machine": machine, "xema_wall_s": xema_wall, "xema_profiled": xema_profiled, "xema": results, "grid": grid_rows}

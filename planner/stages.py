@@ -167,6 +167,7 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
     complete: list[tuple[float, ExecutionConfig]] = []
     for _ in range(MAX_ROUNDS):  # each round removes at least one interval
         if view.fits:
+            current = _relaxed(model, cfg, current, budget)
             if complete:
                 lat, best = min(complete, key=lambda c: (c[0], len(c[1].mitigations)))
                 if lat < model.latency(current):
@@ -208,6 +209,46 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
 
 
 Relieves = Callable[[ExecutionConfig], "MemoryView | None"]
+
+
+def _relaxed(model: CountingModel, base: ExecutionConfig, done: ExecutionConfig, budget: int) -> ExecutionConfig:
+    """One pass over the assembled mitigations: each activation action is taken down to a milder
+    member of its family — alone if the others still fit, or traded for the fewest weight blocks
+    that then fit (profiled, kept if faster). An action chosen for an early interval, or on the
+    steepest-descent path, can be stronger than the later ones leave necessary."""
+    added = [m for m in done.mitigations if m not in base.mitigations]
+    if len(added) < 2:
+        return done  # a single action is already its family's mildest that clears
+    families: dict[str, list[MitigationOption]] = {}
+    for iv in model.memory(base, budget).intervals[:8]:  # the options of the first intervals
+        for fam in _families(model.options(base, iv)):
+            families.setdefault(fam[0].family_key, fam)
+    weights = [f for f in families.values() if _is_weight(f[0])]
+
+    def fits(c: ExecutionConfig) -> MemoryView | None:
+        v = model.memory(c, budget)
+        return v if v.fits else None
+
+    current = done
+    for action in added:
+        if action.kind in REPLACEABLE:
+            continue
+        fam = next((f for f in families.values() if any(o.actions == (action,) for o in f)), None)
+        if fam is None:
+            continue
+        at = next(i for i, o in enumerate(fam) if o.actions == (action,))
+        best = (model.latency(current), current)
+        for o in fam[:at]:
+            cand = with_actions(current, o.actions)
+            if fits(cand) is not None:
+                best = min(best, (model.latency(cand), cand), key=lambda b: b[0])
+                break
+            for wf in weights:
+                _, traded, _ = _first_clearing(model, cand, wf, fits)
+                if traded is not None:
+                    best = min(best, (model.latency(traded), traded), key=lambda b: b[0])
+        current = best[1]
+    return current
 
 
 def _families(opts: list[MitigationOption]) -> list[list[MitigationOption]]:
