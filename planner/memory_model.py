@@ -7,9 +7,11 @@ intervals keep their event positions across candidates (stage 3 compares them):
 - sequence parallelism: the DiT phase's activations above the resident floor are split across
   the SP ranks (Ulysses and ring both give each rank 1/SP of the token-proportional tensors);
   the VAE decodes on one rank and is unchanged;
-- block offload / HSDP of K blocks: the mitigation library's own estimate — outside the DiT
-  those blocks' weights (all but each rank's shard) leave the device; in the DiT the block being
-  computed and the prefetched next one are back whole;
+- block offload / HSDP of K blocks: those blocks' weights (all but each rank's shard) leave the
+  resident floor; each is whole on the device again from when the previous chosen block starts
+  (its hook issues the copy / all-gather: the library's prefetch) until the block ends, in every
+  forward, and sequence parallelism does not split it (the library's phase-wide estimate,
+  ``estimate_block_offload`` / ``estimate_hsdp``, where block runs do not line up per forward);
 - chunking (DiT blocks, VAE up-blocks) by c: inside each chunked unit, what the unit allocates
   above its entry level is divided by c (the chunk's share);
 - temporary serialization into k sub-batches: inside the serialized phase, what is allocated
