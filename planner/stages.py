@@ -29,7 +29,7 @@ from planner.model import CostCounter, MemoryView, MitigationOption, PlannerMode
 
 SLO_FACTOR = 2.5  # §9.1: SLO = 2.5 × latency of the template's best feasible configuration
 REPLACEABLE = ("block_offload", "hsdp")
-MAX_ROUNDS = 512  # stage-3 rounds per candidate; a VAE can have a hundred short intervals  # one action per kind: a larger K supersedes a smaller one
+MAX_ROUNDS = 512  # stage-3 rounds per candidate; a VAE can have a hundred short intervals
 
 
 @dataclass

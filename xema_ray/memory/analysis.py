@@ -204,7 +204,8 @@ class IntervalIndex:
             described = self._described.get((s, e, top_ops))
             if described is None:
                 described = self._describe(s, e, lo, hi, top_ops)
-                if len(self._described) > 20_000:  # bound the memo (grid search visits many ranges); candidates share most
+                # bound the memo: candidates share most ranges, but grid search visits many
+                if len(self._described) > 20_000:
                     self._described.clear()
                 self._described[(s, e, top_ops)] = described
             units, phases, ops = described
