@@ -123,6 +123,12 @@ class TraceProfile:
         return self._block_sum(self.trace.size)
 
     @cached_property
+    def blocks_by_weight(self) -> list[int]:
+        """DiT block indices, heaviest first (ties: execution order)."""
+        w = self.block_weights
+        return sorted(range(len(w)), key=lambda i: (-int(w[i]), i))
+
+    @cached_property
     def block_flat_weights(self) -> np.ndarray:
         """Each DiT block's weights flattened into one buffer (HSDP's gather unit): the
         parameters' own bytes, without per-allocation rounding."""
@@ -145,6 +151,18 @@ class TraceProfile:
         """Maximal [start, stop) runs of True in an event mask."""
         edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
         return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
+def weight_action_bytes(prof: TraceProfile, m: Mitigation, world: int) -> tuple[list[int], np.ndarray, int]:
+    """For a block offload / HSDP action: its blocks in execution order, the bytes each one is
+    whole on the device inside its window, and the bytes the action takes off the resident floor
+    (``prof`` is the unmitigated trace; HSDP keeps 1/world of each flattened block per rank)."""
+    n = len(prof.block_paths)
+    order = sorted(m.blocks) if m.blocks is not None else list(evenly_spread(m.intensity, n))
+    if m.kind == "hsdp":
+        w, flat = prof.block_weights, prof.block_flat_weights
+        return order, flat, sum(int(w[b]) - int(flat[b]) // world for b in order)
+    return order, prof.block_weights, sum(int(prof.block_weights[b]) for b in order)
 
 
 def add_block_windows(curve: np.ndarray, windows: np.ndarray, order: list[int], weights: np.ndarray) -> None:
@@ -198,18 +216,11 @@ class MemoryModel:
     def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> int:
         """Apply one mitigation to ``curve`` in place; returns the bytes it takes off the resident floor."""
         if m.kind in ("block_offload", "hsdp"):
-            blocks = tuple(m.blocks) if m.blocks is not None else evenly_spread(m.intensity, len(prof.block_paths))
-            if not blocks:
-                return 0
-            order = sorted(blocks)
             world = max(2, cfg.sp)  # HSDP shards across the SP group that runs the batch
-            if m.kind == "hsdp":  # each rank keeps 1/world of the flattened block; all of it is gathered
-                w, flat = prof.block_weights, prof.block_flat_weights
-                removed = sum(int(w[b]) - int(flat[b]) // world for b in order)
-                w = flat
-            else:
-                w = prof.block_weights
-                removed = sum(int(w[b]) for b in order)
+            order, w, removed = weight_action_bytes(prof, m, world)
+            if not order:
+                return 0
+            blocks = tuple(order)
             # off the device (or all but this rank's shard) outside the blocks' windows
             curve -= removed
             windows = prof.block_windows()

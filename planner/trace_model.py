@@ -18,7 +18,7 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 
-from planner.memory_model import MemoryModel, TraceProfile, add_block_windows
+from planner.memory_model import MemoryModel, TraceProfile, add_block_windows, weight_action_bytes
 from xema_ray.mitigation.hooks import evenly_spread
 from planner.model import MemoryView, MitigationOption, Rejection
 from planner.traces import TraceCache
@@ -115,7 +115,7 @@ class TracePlannerModel:
         opts: list[MitigationOption] = []
         n = len(self._blocks)
         # weights: offload (or shard) the fewest blocks that could cover the excess, then more
-        heaviest = [int(i) for i in sorted(range(n), key=lambda i: (-prof.block_weights[i], i))]
+        heaviest = prof.blocks_by_weight
         # fewest blocks that could cover the excess even if the heaviest are taken: no smaller K can
         cum = np.cumsum(prof.block_weights[heaviest]) - 2 * (prof.block_weights.max() if n else 0)
         k_min = min(n, int(np.searchsorted(cum, interval.excess_bytes)) + 1) if n else 0
@@ -160,9 +160,7 @@ class TracePlannerModel:
             return []
         k = action.intensity
         even = action.blocks is None or tuple(action.blocks) == evenly_spread(k, n)
-        if not even:
-            w = self._profile(config.batch).block_weights
-            heaviest = sorted(range(n), key=lambda i: (-w[i], i))
+        heaviest = [] if even else self._profile(config.batch).blocks_by_weight
         out = []
         for j in range(k - 1, max(0, k - _ladder_step(n)), -1):
             blocks = evenly_spread(j, n) if even else tuple(sorted(heaviest[:j]))
@@ -215,8 +213,8 @@ class TracePlannerModel:
         held = np.zeros(traced.trace.n_events, dtype=np.float64)
         base = self._profile(config.batch)  # unmitigated: every block's full weights
         for m in weight_actions:
-            order = sorted(m.blocks) if m.blocks is not None else list(evenly_spread(m.intensity, len(self._blocks)))
-            add_block_windows(held, windows, order, base.block_flat_weights if m.kind == "hsdp" else base.block_weights)
+            order, whole, _ = weight_action_bytes(base, m, max(2, config.sp))
+            add_block_windows(held, windows, order, whole)
         return held
 
     # ------------------------------------------------------------------ helpers
