@@ -242,6 +242,24 @@ def _markers(pipe: Any, tracer: AllocationTracer, device: str) -> Iterator[None]
             delattr(comp, attr)
 
 
+@contextlib.contextmanager
+def shape_only_execution(pipe: Any, spec: ModelSpec, template: RequestTemplate) -> Iterator[None]:
+    """What a pipeline call needs to run on the meta device (the analyzer's own set-up): the
+    model's value-reading shims, the scheduler on the host, host timesteps moved onto meta as
+    the DiT is entered, and attention allocating what CUDA's kernels allocate. The serving
+    engine enters it when its device is meta, so ``xema verify`` runs the worker's own code."""
+
+    def to_meta(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return _to_device(args, "meta"), _to_device(kwargs, "meta")
+
+    handle = pipe.transformer.register_forward_pre_hook(to_meta, with_kwargs=True)
+    try:
+        with spec.tracing_shims(template), _scheduler_on_host(pipe), cuda_like_attention(None):
+            yield
+    finally:
+        handle.remove()
+
+
 # ---------------------------------------------------------------------------- step replication
 def _step_bounds(raw: RawTrace) -> list[int]:
     """Event index of each scheduler-step entry: region k = [bound[k-1], bound[k]) holds the

@@ -139,6 +139,15 @@ def evenly_spread(k: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({(i * n) // k for i in range(k)})) if k else ()
 
 
+def compute_device(module: nn.Module) -> torch.device:
+    """The device ``module`` computes on: recorded by the loader (a host-homed block's tensors
+    are on the CPU while the model computes on CUDA), else its first parameter's."""
+    from xema_ray.models.loading import COMPUTE_DEVICE_ATTR
+
+    recorded = getattr(module, COMPUTE_DEVICE_ATTR, None)
+    return recorded if recorded is not None else next(module.parameters()).device
+
+
 # ---------------------------------------------------------------------------- host copies
 _SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -168,16 +177,21 @@ class HostCopy:
         pin: pin the CUDA host copy (needed for asynchronous copies; done once here).
         keep: on CPU, keep ``t`` itself as the host copy instead of cloning it (weights, whose
             storage nobody else frees).
+        device: the compute device the copy returns to (default ``t.device``; given when ``t``
+            is already on the host, e.g. a block the worker homed there at load).
     """
 
     __slots__ = ("shape", "dtype", "device", "data")
 
-    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False) -> None:
+    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False, device: torch.device | None = None) -> None:
         self.shape = t.shape
         self.dtype = t.dtype
-        self.device = t.device
-        if t.device.type == "meta":
+        self.device = device if device is not None else t.device
+        if self.device.type == "meta":
             self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
+        elif t.device.type == "cpu" and self.device.type != "cpu":
+            # already on the host: keep it (pinned once, at load, for asynchronous copies)
+            self.data = t if (t.is_pinned() or not pin) else t.pin_memory()
         elif t.device.type == "cpu":
             self.data = t if keep else t.clone()
         else:

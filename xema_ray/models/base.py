@@ -57,13 +57,21 @@ class BuildOptions:
         dtype: parameter dtype (bf16 for real models, fp32 for tiny CPU tests).
         weights_dir: a local diffusers directory to ``from_pretrained`` from; None = random weights
             (architecture, memory and latency are real, pictures are noise).
-        seed: seed for random weights, so two workers build identical models.
+        seed: seed for random weights, so two workers build identical models (the values do
+            not depend on placement: ``xema_ray.models.loading.SeededWeights``).
+        host_modules: module paths (relative to the pipeline, e.g. ``transformer.transformer_blocks.3``)
+            whose weights are homed on (pinned) host memory from the start: the device never
+            holds them (the worker's residency, ``xema_ray.runtime.residency``).
     """
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     weights_dir: Path | None = None
     seed: int = 0
+    host_modules: tuple[str, ...] = ()
+    #: place weights tensor by tensor on meta too (the worker does, so ``xema verify`` counts each
+    #: weight as it is placed); analysis registers a meta tree's weights itself and skips it
+    place_on_meta: bool = False
 
 
 class ModelSpec(ABC):
@@ -139,17 +147,53 @@ class ModelSpec(ABC):
     def vae_class(self) -> type[nn.Module]: ...
 
     def _build(self, cls: type[Any], config: dict[str, Any], subfolder: str, opts: BuildOptions) -> nn.Module:
+        """Build one component module by module at its home (never whole on the device, then
+        moved): meta tree from the config, then each module's tensors from the checkpoint or the
+        seeded generator, on the device or the host as ``opts.host_modules`` says."""
+        from xema_ray.models.loading import (
+            CheckpointWeights,
+            SeededWeights,
+            WeightHome,
+            WeightSource,
+            build_on_meta,
+            checkpoint_dtype,
+            materialize,
+            PLACEMENT_ATTR,
+        )
+
+        source: WeightSource
         if opts.weights_dir is not None:
             if opts.device == "meta":
                 raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
-            model = cls.from_pretrained(opts.weights_dir, subfolder=subfolder, torch_dtype=opts.dtype)
-            return model.to(opts.device).eval()
-        cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-        if opts.device != "meta":
-            torch.manual_seed(opts.seed)
-        with default_dtype(opts.dtype), torch.device(opts.device):
-            model = cls.from_config(cfg)
-        return model.eval().requires_grad_(False)
+            directory = Path(opts.weights_dir) / subfolder
+            config_file = directory / "config.json"
+            if not config_file.is_file():
+                from xema_ray.models.loading import CheckpointError
+
+                raise CheckpointError(f"{config_file}: missing (expected the {subfolder} component's config.json, "
+                                      f"as save_pretrained writes it)")
+            config = json.loads(config_file.read_text())
+            stored = checkpoint_dtype(directory)
+            if stored is not None and stored != opts.dtype:
+                from xema_ray.models.loading import CheckpointError
+
+                raise CheckpointError(f"{directory}: weights are stored as {stored}, this worker loads "
+                                      f"{opts.dtype} (set the model's dtype to match the checkpoint)")
+            source = CheckpointWeights(directory)
+        else:
+            source = SeededWeights(opts.seed, subfolder)
+        model = build_on_meta(cls, config, opts.dtype)
+        prefixes = tuple(p.removeprefix(subfolder + ".") for p in opts.host_modules if p.startswith(subfolder + "."))
+        if opts.device == "meta" and not prefixes and not opts.place_on_meta:
+            return model  # analysis: the meta tree is the model
+
+        def home_of(path: str) -> WeightHome:
+            host = any(path == p or path.startswith(p + ".") for p in prefixes)
+            return WeightHome.HOST if host else WeightHome.DEVICE
+
+        report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of)
+        setattr(model, PLACEMENT_ATTR, report)
+        return model
 
     def build_transformer(self, opts: BuildOptions) -> nn.Module:
         """The DiT denoiser (real weights, random weights or meta, per ``opts``)."""

@@ -118,6 +118,8 @@ class BatchResult(BaseModel):
     memory: MemoryStats
     mitigations: int = Field(description="mitigation actions installed for the batch")
     layout_armed: bool = Field(description="the static layout was armed for this batch")
+    residency_bytes_moved: int = Field(default=0, description="weight bytes a residency switch moved before the batch")
+    host_weight_bytes: int = Field(default=0, description="weight bytes homed on host memory while the batch ran")
 
 
 @contextlib.contextmanager
@@ -266,6 +268,8 @@ class ExecutionEngine:
         self.platform = platform or current_platform()
         self.arm_layout = arm_layout
         self.sp_backend = sp_backend
+        #: on the meta device the engine runs shape-only (``xema verify``): same code, no values
+        self.shape_only = device.type == "meta"
 
     # ------------------------------------------------------------------ validation
     def _check(self, config: ExecutionConfig) -> None:
@@ -297,6 +301,11 @@ class ExecutionEngine:
                 armed = True
             if group is not None:
                 stack.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            if self.shape_only:
+                from xema_ray.memory.analyzer import shape_only_execution
+
+                stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
+                output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
             t0 = time.perf_counter()
             if getattr(self.pipe, "text_encoder", None) is not None:
@@ -333,7 +342,7 @@ class ExecutionEngine:
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent"
         )
         t_enc = time.perf_counter()
-        outputs = self._encode(batch, out) if output_rank else []
+        outputs = self._encode(batch, out) if output_rank and not self.shape_only else []
         encode_s = time.perf_counter() - t_enc
         return BatchResult(
             template=config.template.key,

@@ -16,10 +16,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.loading import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import Backend
+from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
+from xema_ray.runtime.residency import Residency, ResidencyManager
+
+ResidencyPolicy = Literal["per_template", "shared"]
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +39,19 @@ class ModelLoadConfig(BaseModel):
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     dtype: DTypeName | None = Field(default=None, description="None = bfloat16 for real models, float32 for tiny ones")
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
+    plans: tuple[ExecutionConfig, ...] = Field(
+        default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
+    residency: ResidencyPolicy = Field(
+        default="per_template",
+        description="per_template: each batch's plan decides, switching moves only the difference; "
+                    "shared: one residency (every plan's offloaded blocks) for the whole group, no switches")
+
+    def initial_residency(self) -> Residency:
+        """Where weights are placed at load: every plan's host blocks (shared), else the first plan's."""
+        per_plan = [Residency.of_config(c) for c in self.plans]
+        if self.residency == "shared":
+            return Residency.union(per_plan)
+        return per_plan[0] if per_plan else Residency()
 
 
 class LoadedModel(BaseModel):
@@ -43,6 +61,28 @@ class LoadedModel(BaseModel):
     device: str
     dtype: str
     parameters: int
+    device_bytes: int = Field(description="weight bytes placed on the device at load")
+    host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
+    host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
+
+
+def with_residency(config: ExecutionConfig, residency: Residency) -> ExecutionConfig:
+    """``config`` streaming every host-homed block: a shared residency may keep blocks on the
+    host that this plan alone would not offload, and a block that is not on the device must be
+    streamed through it (the planner costs the shared residency with the same rule)."""
+    covered = {b for m in config.mitigations if m.kind in ("block_offload", "hsdp") and m.blocks for b in m.blocks}
+    extra = [b for b in residency.host_blocks if b not in covered]
+    if not extra:
+        return config
+    mitigations = list(config.mitigations)
+    for k, m in enumerate(mitigations):
+        if m.kind == "block_offload" and m.blocks is not None:
+            blocks = tuple(sorted({*m.blocks, *extra}))
+            mitigations[k] = m.model_copy(update={"blocks": blocks, "intensity": len(blocks)})
+            break
+    else:
+        mitigations.insert(0, Mitigation(kind="block_offload", blocks=tuple(extra), intensity=len(extra)))
+    return config.model_copy(update={"mitigations": tuple(mitigations)})
 
 
 class Worker:
@@ -63,6 +103,8 @@ class Worker:
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
+        self.residency: ResidencyManager | None = None
+        self.load_config: ModelLoadConfig | None = None
         #: how many times a model was built: SP switches must leave it at 1
         self.load_count = 0
 
@@ -78,31 +120,62 @@ class Worker:
         self.groups = init_process_groups(parallel)
 
     def load_model(self, load: ModelLoadConfig) -> LoadedModel:
-        """Build the pipeline on this worker's device (replacing any previous model)."""
+        """Build the pipeline on this worker's device (replacing any previous model), each weight
+        placed once where ``load``'s plans keep it: the device never holds a block they offload."""
         if self.device is None:
             raise ValueError("call init_device before load_model")
         spec = get_model_spec(load.model)
+        for c in load.plans:
+            if c.template.model != spec.name:
+                raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
         dtype = _DTYPES[load.dtype] if load.dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
+        residency = load.initial_residency()
+        self.engine = self.residency = None  # drop the previous model before placing the next
         pipe = spec.build_pipeline(
-            BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed)
+            BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
+                         host_modules=residency.host_modules(spec), place_on_meta=True)
         )
         self.engine = ExecutionEngine(
             pipe, spec, self.device, dtype, groups=self.groups, platform=self.platform,
             arm_layout=self.arm_layout, sp_backend=self.sp_backend,
         )
+        self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        self.load_config = load
         self.load_count += 1
+        placed = PlacementReport()
+        for comp in pipe.components.values():
+            report = getattr(comp, PLACEMENT_ATTR, None)
+            if report is not None:
+                placed.add(report)
         params = sum(p.numel() for p in pipe.transformer.parameters())
-        return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."), parameters=params)
+        return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
+                           parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
+                           host_blocks=residency.host_blocks)
+
+    def target_residency(self, config: ExecutionConfig) -> Residency:
+        """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
+        assert self.load_config is not None and self.residency is not None
+        if self.load_config.residency == "shared":
+            return self.residency.current
+        return Residency.of_config(config)
 
     def execute(self, batch: Batch) -> BatchResult:
-        """Run one batch (every rank of the batch's SP group must call this with the same batch)."""
-        if self.engine is None:
+        """Run one batch (every rank of the batch's SP group must call this with the same batch).
+        First the residency is switched to the batch's, moving only the blocks whose home changes."""
+        if self.engine is None or self.residency is None:
             raise ValueError("no model loaded: call load_model first")
-        return self.engine.execute(batch)
+        switch = self.residency.switch(self.target_residency(batch.config))
+        config = with_residency(batch.config, self.residency.current)
+        if config is not batch.config:
+            batch = batch.model_copy(update={"config": config})
+        result = self.engine.execute(batch)
+        return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
+                                         "host_weight_bytes": self.residency.host_bytes()})
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""
         self.engine = None
+        self.residency = None
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None
