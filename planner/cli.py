@@ -48,16 +48,32 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
     return out
 
 
+def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]]:
+    """``model -> GPUs of its group`` and the served templates of a ``serve run`` YAML."""
+    import yaml
+
+    from xema_ray.serving.config import ServeConfig
+    from xema_ray.serving.startup import served_templates
+
+    doc = yaml.safe_load(path.read_text())
+    apps = doc.get("applications") or []
+    if not apps or "args" not in apps[0]:
+        raise ValueError(f"{path}: expected a Serve config with applications[0].args (as deployments/xema.yaml)")
+    cfg = ServeConfig.model_validate(apps[0]["args"])
+    return {g.model: g.workers for g in cfg.models}, served_templates(cfg)
+
+
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
     t0, started = time.perf_counter(), time.time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
+    gpus = opts.get("group_gpus", {}).get(template.model, opts["gpus"])  # the template's own group
     if opts["hardware"] == "cpu":
         latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
     cache = TraceCache(Path(opts["trace_cache"]) if opts.get("trace_cache") else None)
     model = TracePlannerModel(template, latency.seconds, cache)
-    budget, gpus = opts["budget"], opts["gpus"]
+    budget = opts["budget"]
     xema = plan_template(model, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
                          latency_source=latency.source)
     result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced}
@@ -132,23 +148,34 @@ def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> N
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    group_gpus: dict[str, int] = {}
     try:
-        templates = parse_templates(args.templates, args.steps)
+        if args.deployment is not None:
+            group_gpus, served = deployment_groups(Path(args.deployment))
+            templates = parse_templates(args.templates, args.steps) if args.templates else served
+            outside = sorted({t.model for t in templates} - set(group_gpus))
+            if outside:
+                raise ValueError(f"{args.deployment} has no model group for {', '.join(outside)}; "
+                                 f"its groups: {', '.join(f'{m} ({n} GPUs)' for m, n in group_gpus.items())}")
+            gpus = sum(group_gpus.values())
+        else:
+            templates = parse_templates(args.templates or "tiny", args.steps)
+            gpus = args.gpus
         budget = parse_bytes(args.budget)
         if args.hardware not in hardware_names():
             raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"planner: {e}", file=sys.stderr)
         return 2
-    opts = {"hardware": args.hardware, "budget": budget, "gpus": args.gpus, "slo_scale": args.slo_scale,
-            "max_batch": args.max_batch, "planner": args.planner, "trace_cache": args.trace_cache,
-            "time_limit_s": args.time_limit, "profile_store": args.profile_store}
+    opts = {"hardware": args.hardware, "budget": budget, "gpus": gpus, "group_gpus": group_gpus,
+            "slo_scale": args.slo_scale, "max_batch": args.max_batch, "planner": args.planner,
+            "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store}
     t0 = time.perf_counter()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
     table = PlanTable(
-        hardware=LatencyModel(args.hardware).fingerprint(args.gpus), gpus=args.gpus, budget_bytes=budget,
-        slo_scale=args.slo_scale, planner=args.planner,
+        hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
+        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner,
         entries={r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]},
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
@@ -167,9 +194,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan SP x DP x batch x mitigation per template (paper §7)")
-    p.add_argument("--templates", default="tiny", help="paper | tiny | MODEL:WxH[xF],...")
+    p.add_argument("--templates", default=None,
+                   help="paper | tiny | MODEL:WxH[xF],... (default: the deployment's templates, else tiny)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the set's own)")
-    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs every template may use (ignored with --deployment)")
+    p.add_argument("--deployment", default=None,
+                   help="a serve YAML (deployments/X.yaml): each template is planned for its model group's own GPUs")
     p.add_argument("--budget", default="48GB", help="per-GPU memory budget, e.g. 48GB or 44.7GiB")
     p.add_argument("--hardware", default="a6000", help=f"hardware profile for latency ({', '.join(hardware_names())})")
     p.add_argument("--slo-scale", type=float, default=1.0)

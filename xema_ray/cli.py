@@ -1,5 +1,6 @@
-"""``xema`` command line: ``xema analyze`` (memory analysis of one template) and ``xema plan``
-(the offline planner, same as ``python -m planner plan``).
+"""``xema`` command line: ``xema analyze`` (memory analysis of one template), ``xema plan``
+(the offline planner, same as ``python -m planner plan``) and ``xema verify`` (the serving
+worker's own load + execute of every plan entry, counted on the meta device).
 
 Example:
     xema analyze --model cogvideox-5b --height 720 --width 1280 --frames 49 --budget 48GB \\
@@ -112,10 +113,54 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="run the serving worker's own load + execute for every plan entry on the "
+                                      "meta device and check its device bytes against the budget")
+    p.add_argument("--plan-table", type=Path, required=True, help="a plan table (xema plan --out)")
+    p.add_argument("--templates", default=None, help="comma-separated shape keys to verify (default: all entries)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON (list `entries`)")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from xema_ray.plan import PlanTable
+    from xema_ray.runtime.verify import verify_table
+
+    try:
+        table = PlanTable.load(str(args.plan_table))
+    except (OSError, ValidationError, ValueError) as e:
+        print(f"xema verify: {args.plan_table}: {e}", file=sys.stderr)
+        return 2
+    keys = None
+    if args.templates:
+        keys = [k.strip() for k in args.templates.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in table.entries]
+        if unknown:
+            print(f"xema verify: no entry for {', '.join(unknown)}; the table has {', '.join(sorted(table.entries))}",
+                  file=sys.stderr)
+            return 2
+    report = verify_table(table, keys, path=str(args.plan_table))
+    w = sys.stdout.write
+    w(f"{'template':<32}{'plan':<44}{'device peak':>13}{'load peak':>12}{'host':>11}{'budget':>10}  fits\n")
+    for e in report.entries:
+        w(f"{e.template:<32}{e.plan[:43]:<44}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
+          f"{gb(e.host_bytes):>11}{gb(e.budget_bytes):>10}  {'yes' if e.fits else 'NO'}\n")
+        if e.error:
+            w(f"    error: {e.error}\n")
+    w(f"{sum(e.fits for e in report.entries)} of {len(report.entries)} entries fit "
+      f"({sum(e.seconds for e in report.entries):.1f} s)\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(report.model_dump_json(indent=1))
+        print(f"wrote {args.json}")
+    return 0 if report.all_fit else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)
+    _add_verify(sub)
     from planner.cli import add_plan_parser
 
     add_plan_parser(sub)

@@ -190,7 +190,11 @@ class PlanTable(BaseModel):
 
     schema_version: int = PLAN_TABLE_SCHEMA_VERSION
     hardware: str = Field(description="hardware fingerprint, e.g. '8xNVIDIA RTX A6000 48GB' or 'cpu:4'")
-    gpus: int = Field(ge=1)
+    gpus: int = Field(ge=1, description="GPUs of the machine the table was planned for")
+    group_gpus: dict[str, int] = Field(
+        default_factory=dict,
+        description="model -> GPUs of its model group when planned for a deployment (xema plan --deployment); "
+                    "empty: every template could use all `gpus`")
     budget_bytes: int = Field(ge=1)
     slo_scale: float = Field(default=1.0, gt=0)
     planner: str = Field(default="xema", description="which planner or baseline produced it")

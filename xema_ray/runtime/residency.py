@@ -86,6 +86,28 @@ def _block_paths(model: str) -> tuple[str, ...]:
     return tuple(p for p, _ in spec.dit_blocks(transformer))
 
 
+def block_sizes(spec: ModelSpec) -> list[int]:
+    """Weight bytes of each DiT block at the dtype a worker loads the model in (meta build)."""
+    return list(_block_sizes(spec.name))
+
+
+@cache
+def _block_sizes(model: str) -> tuple[int, ...]:
+    from xema_ray.models import get_model_spec
+    from xema_ray.models.loading import build_on_meta
+
+    spec = get_model_spec(model)
+    dtype = torch.bfloat16 if spec.size == "real" else torch.float32
+    transformer = build_on_meta(spec.transformer_class(), spec.transformer_config, dtype)
+    return tuple(block_weight_bytes(b) for _, b in spec.dit_blocks(transformer))
+
+
+def residency_host_bytes(spec: ModelSpec, residency: Residency) -> int:
+    """Host memory a worker of ``spec`` holds for ``residency`` (pinned on CUDA)."""
+    sizes = block_sizes(spec)
+    return sum(sizes[i] for i in residency.host_blocks)
+
+
 def switch_bytes(sizes: list[int], current: Residency, target: Residency) -> int:
     """Bytes a switch moves between host and device (both directions)."""
     up, down = current.difference(target)

@@ -65,14 +65,17 @@ class ModelGroup:
         plans: template shape key -> plan entry JSON (from the plan table).
         device: "cpu" or "cuda".
         weights_dir: local diffusers directory or None (random weights).
+        residency: "per_template" (each batch's plan decides; a switch moves only the difference)
+            or "shared" (one residency for the group).
         worker_cpus: CPUs per worker actor.
         wait_window_s, max_queue: dispatcher settings.
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, residency: str = "per_template") -> None:
         self.model = model
+        self.residency = residency
         self.n_workers = workers
         self.device = device
         self.weights_dir = weights_dir
@@ -119,7 +122,9 @@ class ModelGroup:
                                                 init_method=f"tcp://127.0.0.1:{port}" if self.n_workers > 1 else None))
             for i, a in enumerate(actors)
         ])
-        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir)
+        # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
+        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir, residency=self.residency,  # type: ignore[arg-type]
+                               plans=tuple(e.config for _, e in sorted(self.entries.items())))
         ray.get([a.load_model.remote(load) for a in actors])
         self._actors = actors
         self._generation += 1
