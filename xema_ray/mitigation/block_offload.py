@@ -25,7 +25,7 @@ from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation import _device
+from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import (
     HOOK_NAMES,
     HostCopy,
