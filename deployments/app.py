@@ -45,7 +45,8 @@ def build_app(args: dict[str, Any]) -> Application:
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue, residency=g.residency,
+            wait_window_s=g.wait_window_s, max_queue=g.max_queue,
+            residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
         )
     router = serve.deployment(Router, name="Router", max_ongoing_requests=cfg.max_ongoing_requests,
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options={"num_cpus": 0})

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from xema_ray.memory.analysis import gb, parse_bytes
-from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, hardware_names
+from planner.residency import choose_group_residency
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
@@ -134,6 +135,20 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
     return sorted(results, key=lambda r: order[r["template"]])
 
 
+def group_residencies(entries: dict[str, PlanEntry], latency: LatencyModel
+                      ) -> tuple[dict[str, PlanEntry], dict[str, GroupResidency]]:
+    """Per model group: the residency policy with more goodput, and the entries it serves with."""
+    by_model: dict[str, dict[str, PlanEntry]] = {}
+    for k, e in entries.items():
+        by_model.setdefault(e.config.template.model, {})[k] = e
+    out: dict[str, PlanEntry] = {}
+    chosen: dict[str, GroupResidency] = {}
+    for model, mine in sorted(by_model.items()):
+        chosen[model], served = choose_group_residency(mine, latency.seconds, latency.hardware.h2d_gbps)
+        out.update(served)
+    return {k: out[k] for k in entries}, chosen
+
+
 def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> None:
     w = (out or sys.stdout).write
     w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
@@ -173,16 +188,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
+    entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
+    residency = {}
+    if args.planner == "xema":
+        entries, residency = group_residencies(entries, LatencyModel(args.hardware, store_path=args.profile_store))
     table = PlanTable(
         hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
-        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner,
-        entries={r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]},
+        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner, residency=residency,
+        entries=entries,
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     print_summary(results)
+    for model, r in table.residency.items():
+        figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
+        print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
     print(f"planned {len(results)} templates in {wall:.1f} s; {table.provenance['profiled']} candidates profiled")
     if args.out:
         table.save(args.out)

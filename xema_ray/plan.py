@@ -179,6 +179,25 @@ class PlanEntry(BaseModel):
     candidates_profiled: int = Field(default=0, ge=0)
 
 
+class GroupResidency(BaseModel):
+    """How a model group's workers hold weights across its templates (chosen by the planner).
+
+    ``per_template``: each batch runs under its own plan's residency; moving to another
+    template's residency moves only the blocks whose home differs, costing ``switch_s[from][to]``
+    seconds. ``shared``: every template's offloaded blocks (``host_blocks``) stay on the host for
+    all templates (no switches; the entries' plans stream them all, which their latencies include).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: Literal["per_template", "shared"]
+    host_blocks: tuple[int, ...] = Field(default=(), description="shared: the blocks homed on the host")
+    switch_s: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="per_template: seconds to switch from one template's residency to another's")
+    goodput_rps: dict[str, float] = Field(default_factory=dict, description="the group's predicted goodput per policy")
+    host_bytes_per_worker: int = Field(default=0, ge=0, description="pinned host memory a worker holds at most")
+
+
 class PlanTable(BaseModel):
     """Plans for every supported template on one hardware configuration (JSON on disk).
 
@@ -198,6 +217,8 @@ class PlanTable(BaseModel):
     budget_bytes: int = Field(ge=1)
     slo_scale: float = Field(default=1.0, gt=0)
     planner: str = Field(default="xema", description="which planner or baseline produced it")
+    residency: dict[str, GroupResidency] = Field(
+        default_factory=dict, description="model -> how its group holds weights across templates (absent: per_template)")
     entries: dict[str, PlanEntry] = Field(default_factory=dict, description="keyed by RequestTemplate.shape_key")
     provenance: dict[str, str] = Field(default_factory=dict, description="versions, time, command line")
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from xema_ray.models import ModelSpec
 from xema_ray.models.loading import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
-from xema_ray.plan import ExecutionConfig
+from xema_ray.plan import ExecutionConfig, Mitigation
 
 
 class Residency(BaseModel):
@@ -84,6 +84,30 @@ def _block_paths(model: str) -> tuple[str, ...]:
     spec = get_model_spec(model)
     transformer = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.float32)
     return tuple(p for p, _ in spec.dit_blocks(transformer))
+
+
+def with_residency(config: ExecutionConfig, residency: Residency) -> ExecutionConfig:
+    """``config`` streaming every host-homed block: a shared residency may keep blocks on the
+    host that this plan alone would not offload, and a block that is not on the device must be
+    streamed through it (the planner costs the shared residency with the same rule)."""
+    covered = {b for m in config.mitigations if m.kind in ("block_offload", "hsdp") and m.blocks for b in m.blocks}
+    extra = [b for b in residency.host_blocks if b not in covered]
+    if not extra:
+        return config
+    mitigations = list(config.mitigations)
+    for k, m in enumerate(mitigations):
+        if m.kind == "block_offload" and m.blocks is not None:
+            blocks = tuple(sorted({*m.blocks, *extra}))
+            mitigations[k] = m.model_copy(update={"blocks": blocks, "intensity": len(blocks)})
+            break
+    else:
+        mitigations.insert(0, Mitigation(kind="block_offload", blocks=tuple(extra), intensity=len(extra)))
+    return config.model_copy(update={"mitigations": tuple(mitigations)})
+
+
+def switch_seconds(sizes: list[int], current: Residency, target: Residency, h2d_gbps: float) -> float:
+    """Time a switch takes at the host link's bandwidth (blocks leave before others arrive)."""
+    return switch_bytes(sizes, current, target) / (h2d_gbps * 1e9)
 
 
 def block_sizes(spec: ModelSpec) -> list[int]:

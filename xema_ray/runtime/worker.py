@@ -19,10 +19,10 @@ from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.loading import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import Backend
-from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
-from xema_ray.runtime.residency import Residency, ResidencyManager
+from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
 
 ResidencyPolicy = Literal["per_template", "shared"]
 
@@ -64,25 +64,6 @@ class LoadedModel(BaseModel):
     device_bytes: int = Field(description="weight bytes placed on the device at load")
     host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
-
-
-def with_residency(config: ExecutionConfig, residency: Residency) -> ExecutionConfig:
-    """``config`` streaming every host-homed block: a shared residency may keep blocks on the
-    host that this plan alone would not offload, and a block that is not on the device must be
-    streamed through it (the planner costs the shared residency with the same rule)."""
-    covered = {b for m in config.mitigations if m.kind in ("block_offload", "hsdp") and m.blocks for b in m.blocks}
-    extra = [b for b in residency.host_blocks if b not in covered]
-    if not extra:
-        return config
-    mitigations = list(config.mitigations)
-    for k, m in enumerate(mitigations):
-        if m.kind == "block_offload" and m.blocks is not None:
-            blocks = tuple(sorted({*m.blocks, *extra}))
-            mitigations[k] = m.model_copy(update={"blocks": blocks, "intensity": len(blocks)})
-            break
-    else:
-        mitigations.insert(0, Mitigation(kind="block_offload", blocks=tuple(extra), intensity=len(extra)))
-    return config.model_copy(update={"mitigations": tuple(mitigations)})
 
 
 class Worker:

@@ -33,10 +33,11 @@ class ModelGroupConfig(BaseModel):
     replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
-    residency: Literal["per_template", "shared"] = Field(
-        default="per_template",
+    residency: Literal["per_template", "shared"] | None = Field(
+        default=None,
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
-                    "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches)")
+                    "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
+                    "None = what the plan table chose for the group (per_template if it chose nothing)")
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:
