@@ -84,6 +84,11 @@ class ExecutionConfig(BaseModel):
     batch: int = Field(default=1, ge=1, description="requests executed together in one group")
     mitigations: tuple[Mitigation, ...] = Field(default=(), description="applied for the batch, in order")
     layout_ref: str | None = Field(default=None, description="static layout id (hash of the solved trace), if any")
+    text_encoder: Literal["device", "streamed", "cpu"] | None = Field(
+        default=None,
+        description="where the text encoder runs: resident on the device, streamed layer by layer through it "
+                    "during set-up only, or on the host CPU; None = no encoder planned (stand-in embeddings, or "
+                    "the deployment's default)")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:

@@ -252,9 +252,11 @@ def shape_only_execution(pipe: Any, spec: ModelSpec, template: RequestTemplate) 
     def to_meta(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         return _to_device(args, "meta"), _to_device(kwargs, "meta")
 
+    from xema_ray.models.text_encoders import meta_shims
+
     handle = pipe.transformer.register_forward_pre_hook(to_meta, with_kwargs=True)
     try:
-        with spec.tracing_shims(template), _scheduler_on_host(pipe), cuda_like_attention(None):
+        with spec.tracing_shims(template), _scheduler_on_host(pipe), cuda_like_attention(None), meta_shims():
             yield
     finally:
         handle.remove()

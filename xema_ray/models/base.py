@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 ModelSize = Literal["real", "tiny"]
 ModelKind = Literal["image", "video"]
+#: where the text encoder runs: on the device for the whole request, streamed layer by layer
+#: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
+#: (prompt embeddings are seeded stand-ins, ARCHITECTURE.md "Prompts")
+TextEncoderPlacement = Literal["device", "streamed", "cpu"]
 
 
 def load_config(name: str) -> dict[str, Any]:
@@ -72,6 +76,18 @@ class BuildOptions:
     #: place weights tensor by tensor on meta too (the worker does, so ``xema verify`` counts each
     #: weight as it is placed); analysis registers a meta tree's weights itself and skips it
     place_on_meta: bool = False
+    #: the text encoder: None = with real weights (a ``text_encoder`` folder in ``weights_dir``) on
+    #: the device, else none; or a placement (random weights at the real config without a checkpoint)
+    text_encoder: TextEncoderPlacement | Literal["none"] | None = None
+
+    def encoder_placement(self) -> TextEncoderPlacement | None:
+        """The encoder placement these options ask for (None: no encoder)."""
+        if self.text_encoder == "none":
+            return None
+        if self.text_encoder is not None:
+            return self.text_encoder
+        has = self.weights_dir is not None and (Path(self.weights_dir) / "text_encoder").is_dir()
+        return "device" if has else None
 
 
 class ModelSpec(ABC):
@@ -83,6 +99,9 @@ class ModelSpec(ABC):
     family: str
     kind: ModelKind
     size: ModelSize
+
+    #: the model's text encoder (configs and builder); None: the model has none
+    text_encoder: Any = None
 
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
         self.name = name
@@ -182,10 +201,10 @@ class ModelSpec(ABC):
             source = CheckpointWeights(directory)
         else:
             source = SeededWeights(opts.seed, subfolder)
-        model = build_on_meta(cls, config, opts.dtype)
         prefixes = tuple(p.removeprefix(subfolder + ".") for p in opts.host_modules if p.startswith(subfolder + "."))
         if opts.device == "meta" and not prefixes and not opts.place_on_meta:
-            return model  # analysis: the meta tree is the model
+            return build_on_meta(cls, config, opts.dtype, real_buffers=False)  # analysis: the meta tree is the model
+        model = build_on_meta(cls, config, opts.dtype)
 
         def home_of(path: str) -> WeightHome:
             host = any(path == p or path.startswith(p + ".") for p in prefixes)
@@ -194,6 +213,57 @@ class ModelSpec(ABC):
         report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of)
         setattr(model, PLACEMENT_ATTR, report)
         return model
+
+    def build_text_encoder(self, opts: BuildOptions) -> tuple[nn.Module | None, Any]:
+        """(text encoder, tokenizer) placed as ``opts`` says, or (None, None) without one.
+
+        A checkpoint's encoder is read by transformers (its key conventions) onto the CPU and
+        then placed module by module: on the device, or on (pinned) host memory for layers that
+        stream (``host_modules`` under ``text_encoder.``), or left on the CPU to run there. A
+        random-weight encoder is built at the real config with seeded values the same way."""
+        from xema_ray.models.loading import (
+            PLACEMENT_ATTR,
+            LoadedWeights,
+            SeededWeights,
+            WeightHome,
+            WeightSource,
+            materialize,
+        )
+        from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, load_tokenizer
+
+        placement = opts.encoder_placement()
+        spec = self.text_encoder
+        if placement is None or spec is None:
+            return None, None
+        directory = Path(opts.weights_dir) / "text_encoder" if opts.weights_dir is not None else None
+        tok_dir = Path(opts.weights_dir) / "tokenizer" if opts.weights_dir is not None else None
+        tokenizer = load_tokenizer(tok_dir) if tok_dir is not None and tok_dir.is_dir() else build_tokenizer(spec)
+        source: WeightSource
+        if directory is not None and directory.is_dir():
+            if opts.device == "meta":
+                raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
+            loaded = spec.model_class().from_pretrained(str(directory), dtype=opts.dtype)
+            source = LoadedWeights(loaded, str(directory))
+        else:
+            source = SeededWeights(opts.seed, "text_encoder")
+        model = build_encoder_on_meta(spec, opts.dtype)
+        device = torch.device("cpu") if placement == "cpu" and opts.device != "meta" else torch.device(opts.device)
+        prefixes: tuple[str, ...] = spec.streamed_host_modules() if placement == "streamed" else ()
+        if placement == "cpu":
+            prefixes = ("",)  # all of it on the host: nothing on the device
+
+        def home_of(path: str) -> WeightHome:
+            host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+            return WeightHome.HOST if host else WeightHome.DEVICE
+
+        report = materialize(model, device, opts.dtype, source, home_of)
+        setattr(model, PLACEMENT_ATTR, report)
+        if placement == "streamed":
+            from xema_ray.models.loading import WEIGHT_HOME_ATTR
+
+            for _, layer in spec.layers(model):
+                setattr(layer, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks
+        return model, tokenizer
 
     def build_transformer(self, opts: BuildOptions) -> nn.Module:
         """The DiT denoiser (real weights, random weights or meta, per ``opts``)."""
@@ -218,6 +288,14 @@ class ModelSpec(ABC):
         Without real text encoders the embeddings are derived deterministically from each prompt
         (ARCHITECTURE.md, "Prompts"): same prompt, same embedding, on every worker.
         """
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The same kwargs as ``prompt_embeddings``, from the pipeline's own text encoder run on ``device``."""
+        raise NotImplementedError(f"{self.name} has no text encoder")
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        """Tokens ``prompt`` takes before the pipeline truncates it to ``text_tokens``."""
+        raise NotImplementedError(f"{self.name} has no text encoder")
 
     @abstractmethod
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ Values come from a ``WeightSource``:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -114,8 +115,8 @@ class SeededWeights(WeightSource):
 
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-        if not own:
-            return {}
+        if not any(t.is_meta for t in own.values()):
+            return {}  # buffers computed by the constructor keep their values
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(self.seed, self.component, path))
         # a CPU twin of the module's own tensors, initialised by its own reset_parameters where it has one
         out = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else dtype) for n, t in own.items()}
@@ -128,12 +129,12 @@ class SeededWeights(WeightSource):
                     with torch.no_grad():
                         reset_fn = getattr(twin, "reset_parameters")
                         reset_fn()
-                    return {n: _own_tensor(twin, n) for n in out}
+                    return {n: _own_tensor(twin, n) for n in out if own[n].is_meta}
                 except Exception:  # noqa: BLE001 — a reset that reaches into children: use the fallback
                     pass
         for n, t in out.items():
             _fallback_init(n, t, gen)
-        return out
+        return {n: t for n, t in out.items() if own[n].is_meta}
 
 
 def _own_tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -228,6 +229,34 @@ class CheckpointWeights(WeightSource):
                 "(a checkpoint of another model or config?)")
 
 
+@dataclass
+class LoadedWeights(WeightSource):
+    """Values from a module already loaded on the CPU (a transformers checkpoint, read with its
+    own key conventions); each is handed out once and then dropped, so the CPU copy shrinks as
+    the placed model grows."""
+
+    module: nn.Module
+    origin: str
+
+    def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        try:
+            src = self.module.get_submodule(path) if path else self.module
+        except AttributeError:
+            raise CheckpointError(f"{self.origin}: the checkpoint has no module {path!r}") from None
+        out = {}
+        for n, meta in (dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))).items():
+            t = src._parameters.get(n) if n in src._parameters else src._buffers.get(n)
+            if t is None:
+                raise CheckpointError(f"{self.origin}: tensor {path + '.' + n if path else n!r} is missing")
+            if tuple(t.shape) != tuple(meta.shape):
+                raise CheckpointError(f"{self.origin}: tensor {path}.{n} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}")
+            out[n] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+        return out
+
+    def finish(self) -> None:
+        self.module = nn.Module()
+
+
 def checkpoint_dtype(directory: Path) -> torch.dtype | None:
     """The floating dtype most tensors of a component directory are stored in (None if empty)."""
     from safetensors import safe_open
@@ -249,8 +278,29 @@ def _modules_in_order(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from root.named_modules(remove_duplicate=True)
 
 
-def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    """The component's module tree on the meta device (no memory, seconds for 32 B parameters).
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Construct modules with every parameter on the meta device (moved there as it is
+    registered, before any constructor initialises it) and every buffer real on the CPU: buffers
+    are small values computed by constructors (rotary frequencies, normalisation statistics)
+    that no checkpoint or seed could supply. accelerate's ``init_empty_weights`` does the same."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:
+    """The component's module tree with its parameters on the meta device (no memory, seconds
+    for 32 B parameters) and its buffers computed on the CPU (``real_buffers``; else on meta too).
 
     Built outside any active dispatch mode: the tree is only shapes, not an allocation of any
     device, so an allocation tracer around a worker's load (``xema verify``) counts each weight
@@ -258,7 +308,8 @@ def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype) ->
     from torch.utils._python_dispatch import _disable_current_modes
 
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    with _disable_current_modes(), default_dtype(dtype), torch.device("meta"):
+    where = parameters_on_meta() if real_buffers else torch.device("meta")
+    with _disable_current_modes(), default_dtype(dtype), where:
         model = cls.from_config(cfg)
     return model.eval().requires_grad_(False)
 
@@ -291,17 +342,20 @@ def materialize(
         home = home_of(path)
         values = {} if device.type == "meta" else source.values(path, sub, dtype)
         for name, meta in own.items():
-            nbytes = meta.numel() * (meta.element_size() if not meta.is_floating_point() else dtype.itemsize)
+            as_dtype = meta.is_floating_point() and name in sub._parameters
+            nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
             if device.type == "meta":
                 from xema_ray.mitigation.hooks import placeholder
 
-                t_dtype = dtype if meta.is_floating_point() else meta.dtype
+                t_dtype = dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
                 t = (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
                      else placeholder(meta.shape, t_dtype, torch.device("meta")))
             else:
                 v = values.get(name)
+                if v is None and not meta.is_meta:
+                    v = meta  # a buffer the constructor computed (not in a checkpoint, not seeded)
                 if v is None:
-                    continue  # a non-persistent buffer a checkpoint does not carry
+                    continue
                 if home is WeightHome.DEVICE:
                     t = v.to(device)
                 else:

@@ -41,10 +41,22 @@ class ModelLoadConfig(BaseModel):
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
     plans: tuple[ExecutionConfig, ...] = Field(
         default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
+    text_encoder: Literal["device", "streamed", "cpu", "none"] | None = Field(
+        default=None,
+        description="where the text encoder runs; None = the plans' choice (the most off-device one among them), "
+                    "else on the device when weights_dir has one; 'none' = stand-in embeddings")
     residency: ResidencyPolicy = Field(
         default="per_template",
         description="per_template: each batch's plan decides, switching moves only the difference; "
                     "shared: one residency (every plan's offloaded blocks) for the whole group, no switches")
+
+    def encoder_placement(self) -> str | None:
+        """The text encoder placement to load with (see ``text_encoder``)."""
+        if self.text_encoder is not None:
+            return self.text_encoder
+        order = {"device": 0, "streamed": 1, "cpu": 2}
+        chosen = [c.text_encoder for c in self.plans if c.text_encoder is not None]
+        return max(chosen, key=order.__getitem__) if chosen else None
 
     def initial_residency(self) -> Residency:
         """Where weights are placed at load: every plan's host blocks (shared), else the first plan's."""
@@ -64,6 +76,7 @@ class LoadedModel(BaseModel):
     device_bytes: int = Field(description="weight bytes placed on the device at load")
     host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
+    text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
 
 
 class Worker:
@@ -112,13 +125,14 @@ class Worker:
         dtype = _DTYPES[load.dtype] if load.dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
         residency = load.initial_residency()
         self.engine = self.residency = None  # drop the previous model before placing the next
-        pipe = spec.build_pipeline(
-            BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
-                         host_modules=residency.host_modules(spec), place_on_meta=True)
-        )
+        opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
+                            host_modules=residency.host_modules(spec), place_on_meta=True,
+                            text_encoder=load.encoder_placement())  # type: ignore[arg-type]
+        pipe = spec.build_pipeline(opts)
+        placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
             pipe, spec, self.device, dtype, groups=self.groups, platform=self.platform,
-            arm_layout=self.arm_layout, sp_backend=self.sp_backend,
+            arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
         self.load_config = load
@@ -131,7 +145,7 @@ class Worker:
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
-                           host_blocks=residency.host_blocks)
+                           host_blocks=residency.host_blocks, text_encoder=placement)
 
     def target_residency(self, config: ExecutionConfig) -> Residency:
         """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
