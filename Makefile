@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve plan verify loadtest figures bench gpu-check clean
+.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: install
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
 serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema.yaml
+
+# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
+checkpoints: install
+	$(PY) -m xema_ray.checkpoints --out checkpoints
+
+# The tiny models served from those directories (their own tokenizers and text encoders).
+serve-checkpoints: checkpoints
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema-checkpoints.yaml
 
 # Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
 plan: install

@@ -26,6 +26,7 @@ from xema_ray.templates import RequestTemplate, named_templates
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, hardware_names
 from planner.residency import choose_group_residency
+from planner.text_encoder import place_text_encoder
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
@@ -190,18 +191,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
     residency = {}
+    latency_model = LatencyModel(args.hardware, store_path=args.profile_store)
     if args.planner == "xema":
-        entries, residency = group_residencies(entries, LatencyModel(args.hardware, store_path=args.profile_store))
+        entries, residency = group_residencies(entries, latency_model)
+    encoders: dict[str, str] = {}
+    if args.text_encoder == "plan":
+        for k, e in list(entries.items()):
+            if e.config.template.spec.text_encoder is not None:
+                entries[k], costs = place_text_encoder(e, latency_model.hardware, budget)
+                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
+                encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
     table = PlanTable(
         hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
         group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner, residency=residency,
         entries=entries,
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
+                    "text_encoders": "; ".join(f"{k}: {v}" for k, v in encoders.items()),
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     print_summary(results)
+    for k, v in encoders.items():
+        print(f"text encoder {k}: {v}")
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
@@ -230,6 +242,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=None, help="seconds per template for grid-style baselines")
     p.add_argument("--trace-cache", default=None, help="directory to keep analyzer traces in (JSON)")
     p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
+    p.add_argument("--text-encoder", choices=("plan", "none"), default="plan",
+                   help="plan where each template's text encoder runs (device / streamed / cpu), or plan without one")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

@@ -34,6 +34,8 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default=None, help="per-GPU budget, e.g. 48GB (10^9) or 44.7GiB")
     p.add_argument("--json", type=Path, default=None, help="write the trace and the summary as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
+    p.add_argument("--text-encoder", choices=("device", "streamed", "cpu", "none"), default="device",
+                   help="trace the model's text encoder in the set-up phase, placed so (default: on the device)")
     p.add_argument("--layout", action="store_true",
                    help="also solve the static layout and compare with a simulated caching allocator")
     p.set_defaults(func=cmd_analyze)
@@ -44,7 +46,7 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
     w(f"template            {s.template}\n")
     w(f"allocations         {s.n_allocations:,} ({s.n_events:,} events)\n")
     w(f"peak (active)       {gb(s.peak_bytes)} at event {s.peak_event:,} in {s.peak_phase}, {s.peak_module}\n")
-    w(f"  weights           {gb(s.weight_bytes)}\n")
+    w(f"  weights           {gb(s.weight_bytes)}" + (" (" + ", ".join(f"{k} {gb(v)}" for k, v in s.weight_bytes_by_component.items()) + ")" if s.weight_bytes_by_component else "") + "\n")
     w(f"  inputs            {gb(s.input_bytes)}\n")
     w(f"  activations       {gb(s.activation_bytes_at_peak)}\n")
     groups: dict[str, int] = {}
@@ -53,6 +55,7 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
         groups[g] = max(groups.get(g, 0), p.peak_bytes)
     for g, v in groups.items():
         w(f"  phase {g:<26}{gb(v)}\n")
+    w(f"set-up peak         {gb(s.setup_peak_bytes)} (text encoding included when traced)\n")
     if s.dit_cdf:
         w("DiT events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.dit_cdf.items()) + "\n")
     if s.vae_cdf:
@@ -77,9 +80,20 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as e:
         print(f"xema analyze: {e}", file=sys.stderr)
         return 2
+    from xema_ray.memory.analyzer import TraceOptions
+    from xema_ray.models.text_encoders import encoder_weight_bytes
+
     t0 = time.perf_counter()
-    trace = trace_template(template)
+    placement = None if args.text_encoder == "none" else args.text_encoder
+    trace = trace_template(template, TraceOptions(text_encoder=placement))
     elapsed = time.perf_counter() - t0
+    enc = template.spec.text_encoder
+    if enc is not None:
+        import torch
+
+        total, layers = encoder_weight_bytes(enc, torch.bfloat16 if template.spec.size == "real" else torch.float32)
+        print(f"text encoder        {enc.config.get('_class')}: {gb(total)} of weights in {len(layers)} layers, "
+              f"traced {'as ' + args.text_encoder if placement else 'not (stand-in embeddings)'}")
     summary = summarize(trace, budget)
     print_summary(summary)
     print(f"analysis time       {elapsed:.1f} s")
@@ -141,9 +155,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return 2
     report = verify_table(table, keys, path=str(args.plan_table))
     w = sys.stdout.write
-    w(f"{'template':<32}{'plan':<44}{'device peak':>13}{'load peak':>12}{'host':>11}{'budget':>10}  fits\n")
+    w(f"{'template':<32}{'plan':<44}{'encoder':>9}{'device peak':>13}{'load peak':>12}{'host':>11}{'budget':>10}  fits\n")
     for e in report.entries:
-        w(f"{e.template:<32}{e.plan[:43]:<44}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
+        w(f"{e.template:<32}{e.plan[:43]:<44}{e.text_encoder or '-':>9}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
           f"{gb(e.host_bytes):>11}{gb(e.budget_bytes):>10}  {'yes' if e.fits else 'NO'}\n")
         if e.error:
             w(f"    error: {e.error}\n")

@@ -261,8 +261,8 @@ class ModelSpec(ABC):
         if placement == "streamed":
             from xema_ray.models.loading import WEIGHT_HOME_ATTR
 
-            for _, layer in spec.layers(model):
-                setattr(layer, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks
+            for _, unit in spec.units(model):
+                setattr(unit, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks
         return model, tokenizer
 
     def build_transformer(self, opts: BuildOptions) -> nn.Module:

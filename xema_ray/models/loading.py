@@ -335,11 +335,16 @@ def materialize(
     """
     report = PlacementReport()
     pin = device.type == "cuda"
+    placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
     for path, sub in _modules_in_order(module):
         own = dict(sub.named_parameters(recurse=False)) | dict(sub.named_buffers(recurse=False))
         if not own:
             continue
         home = home_of(path)
+        for name in [n for n, p in sub._parameters.items() if p is not None and id(p) in placed]:
+            sub._parameters[name] = placed[id(own.pop(name))]
+        if not own:
+            continue
         values = {} if device.type == "meta" else source.values(path, sub, dtype)
         for name, meta in own.items():
             as_dtype = meta.is_floating_point() and name in sub._parameters
@@ -361,7 +366,7 @@ def materialize(
                 else:
                     t = v.pin_memory() if pin else v
             if name in sub._parameters:
-                sub._parameters[name] = nn.Parameter(t, requires_grad=False)
+                placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
             else:
                 sub._buffers[name] = t
             report.tensors += 1

@@ -75,12 +75,24 @@ class TextEncoderSpec:
         prefix = "model.language_model.layers"
         return [(f"{prefix}.{i}", b) for i, b in enumerate(lm.layers)]
 
-    def streamed_host_modules(self) -> tuple[str, ...]:
-        """What lives on the host when the encoder streams: its layers (brought in one by one)
-        and the vision tower, which text encoding never runs."""
+    def unit_paths(self) -> tuple[str, ...]:
+        """The parts a text encoding runs, in order, each streamed through the device on its own:
+        the embedding, every layer, the final norm (and the LM head the forward also applies)."""
+        n = self.num_layers
         if self.family == "t5":
-            return ("encoder.block",)
-        return ("model.language_model.layers", "model.vision_tower", "model.multi_modal_projector")
+            return ("shared", *(f"encoder.block.{i}" for i in range(n)), "encoder.final_layer_norm")
+        lm = "model.language_model"
+        return (f"{lm}.embed_tokens", *(f"{lm}.layers.{i}" for i in range(n)), f"{lm}.norm", "lm_head")
+
+    def units(self, encoder: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(p, encoder.get_submodule(p)) for p in self.unit_paths()]
+
+    def streamed_host_modules(self) -> tuple[str, ...]:
+        """What lives on the host when the encoder streams: every unit it runs (brought in one by
+        one) and the vision tower, which text encoding never runs."""
+        if self.family == "t5":
+            return self.unit_paths()
+        return (*self.unit_paths(), "model.vision_tower", "model.multi_modal_projector")
 
     @property
     def num_layers(self) -> int:

@@ -117,8 +117,8 @@ class PromptEncoder:
             return
         from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
 
-        layers = self.spec.text_encoder.layers(self.encoder)
-        with apply_block_offload(self.encoder, layers, BlockOffloadConfig(blocks=tuple(range(len(layers))))):
+        units = self.spec.text_encoder.units(self.encoder)
+        with apply_block_offload(self.encoder, units, BlockOffloadConfig(blocks=tuple(range(len(units))))):
             yield
 
     def _run_encoder(self, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ class VerifyEntry(BaseModel):
     device_peak_bytes: int = Field(description="device peak from the first weight placed to the end of the request")
     load_peak_bytes: int = Field(description="device peak while loading (the weights the device holds after load)")
     host_bytes: int = Field(description="weight bytes homed on (pinned) host memory")
+    text_encoder: str | None = Field(default=None, description="where the text encoder ran (None: stand-in embeddings)")
     budget_bytes: int
     predicted_peak_bytes: int | None = Field(default=None, description="the planner's prediction, for comparison")
     fits: bool
@@ -107,6 +108,7 @@ def verify_config(
     worker = Worker(platform="meta")
     error = None
     host = 0
+    encoder = None
     try:
         from xema_ray.parallel.groups import ParallelConfig, SPLayout
         from xema_ray.runtime.engine import Batch, GenerationRequest
@@ -123,7 +125,7 @@ def verify_config(
             loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency))
             tracer.mark(LOAD_END)
             worker.execute(batch)
-        host = loaded.host_bytes
+        host, encoder = loaded.host_bytes, loaded.text_encoder
     except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
@@ -131,7 +133,7 @@ def verify_config(
     peak, load_peak = device_peaks(tracer.raw())
     return VerifyEntry(
         template=template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
-        host_bytes=host, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
+        host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
         fits=error is None and peak <= budget_bytes, steps_traced=steps, seconds=time.perf_counter() - t0,
         error=error,
     )

@@ -43,6 +43,10 @@ class ModelGroupConfig(BaseModel):
     def _known(self) -> ModelGroupConfig:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        if self.weights_dir is not None:
+            # workers run in other directories: a relative path means the one `serve run` started in
+            # (its contents are checked where the weights are read: on the workers' machines)
+            self.weights_dir = self.weights_dir.expanduser().resolve()
         return self
 
 
