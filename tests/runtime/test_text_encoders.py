@@ -122,4 +122,4 @@ def test_planner_places_encoder_by_fit_then_speed() -> None:
     chosen = {b: place_text_encoder(entry, hw, b)[0] for b in budgets}
     assert [chosen[b].config.text_encoder for b in budgets] == ["device", "streamed", "cpu"]
     assert all(e.prediction.latency_s > 1.0 for e in chosen.values())
-    json.loads(chosen[10**9].model_dump_json())
+    json.loads(chosen[need["device"]].model_dump_json())
