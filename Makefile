@@ -41,6 +41,7 @@ serve-checkpoints: checkpoints
 # Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
 plan: install
 	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
+	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
 
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
 PLAN_TABLE ?= plans/a6000x8.json

@@ -19,7 +19,9 @@ Values come from a ``WeightSource``:
   order modules are loaded in: two workers, or one worker under two residencies, hold the same
   weights bit for bit. Modules with ``reset_parameters`` use it (the library's own init); other
   tensors get a documented fallback (1-D ``*weight``/``*scale``/``*std`` ones, other 1-D
-  zeros, matrices N(0, 1/fan_in)).
+  zeros, matrices N(0, 1/fan_in)); modules with a tensor over 2^24 elements (real sizes only) get
+  a seeded 2^20-element uniform pattern repeated, so building 55 B random parameters takes
+  seconds, not minutes.
 - ``CheckpointWeights(dir, subfolder)``: a local diffusers directory
   (``diffusion_pytorch_model*.safetensors``, sharded or not), read tensor by tensor with
   ``safetensors.safe_open``; a missing tensor, an unexpected one or a shape mismatch is an
@@ -95,6 +97,26 @@ def _seed_for(seed: int, component: str, path: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+#: tensors above this many elements get a tiled random pattern (see ``_tiled_init``)
+TILE_THRESHOLD = 2**24
+_TILE = 2**20
+
+
+def _tiled_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """A real-size tensor (a 131072 x 5120 embedding, a 5120 x 32768 MLP) filled with a seeded
+    2^20-element pattern repeated: as deterministic and placement-independent as the rest, at
+    memory speed instead of the CPU generator's (minutes for 55 B parameters)."""
+    if t.dim() <= 1 or not t.is_floating_point():
+        _fallback_init(name, t, gen)
+        return
+    bound = t.shape[-1] ** -0.5
+    base = torch.empty(_TILE, dtype=t.dtype).uniform_(-bound, bound, generator=gen)
+    flat = t.view(-1)
+    for start in range(0, flat.numel(), _TILE):
+        n = min(_TILE, flat.numel() - start)
+        flat[start : start + n].copy_(base[:n])
+
+
 def _fallback_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
     if t.dim() <= 1:
         leaf = name.rsplit(".", 1)[-1].lower()
@@ -120,6 +142,10 @@ class SeededWeights(WeightSource):
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(self.seed, self.component, path))
         # a CPU twin of the module's own tensors, initialised by its own reset_parameters where it has one
         out = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else dtype) for n, t in own.items()}
+        if any(t.numel() > TILE_THRESHOLD for t in own.values()):
+            for n, t in out.items():
+                _tiled_init(n, t, gen)
+            return {n: t for n, t in out.items() if own[n].is_meta}
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             twin = _cpu_twin(module, out)
