@@ -34,6 +34,9 @@ _BODY_STATUS = {
 }
 #: request schema -> the model kind it is for
 _REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video"}
+#: operations whose 200 may carry a media type FastAPI cannot see (the endpoint builds the
+#: Response itself); added next to what FastAPI documents, never replacing it
+_EXTRA_200_MEDIA = {("post", "/v1/videos"): {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}
 
 
 def _error_response(description: str, retry: bool) -> dict[str, Any]:
@@ -68,6 +71,10 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
                 statuses.update(_BODY_STATUS)
             for status, description in statuses.items():
                 responses[status] = _error_response(description, retry=status == "503")
+            path = next(p for p, item in schema["paths"].items() if item is path_item)
+            extra = _EXTRA_200_MEDIA.get((method, path))
+            if extra and "200" in responses:
+                responses["200"].setdefault("content", {}).update(extra)
     for name, kind in _REQUEST_KINDS.items():
         props = components.get(name, {}).get("properties")
         if props is None:
