@@ -27,7 +27,7 @@ from ray import serve  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
+from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
 from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 
@@ -68,14 +68,16 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     from deployments.app import build_app
 
     port = free_port()
-    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # the proxy process inherits it from the raylet
+    saved_env = dict(os.environ)
+    apply_ray_env(open_ports=False)  # as `make serve`: local-only ports, the proxy's JSON errors
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="xema", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
-    os.environ.pop(PROXY_CALLBACK_ENV, None)
+    os.environ.clear()
+    os.environ.update(saved_env)
     if RECOVERY:
         print("\nrecovery seconds (kill -> next 200):", json.dumps({k: round(v, 1) for k, v in RECOVERY.items()}))
         print("in-flight outcomes (200, JSON 503):", json.dumps(OUTCOMES))
@@ -108,15 +110,27 @@ def _assert_answered(rs: list[requests.Response]) -> tuple[int, int]:
     return sum(r.status_code == 200 for r in rs), sum(r.status_code == 503 for r in rs)
 
 
-def _burst(url: str, n: int, during: Callable[[], None] | None = None, delay_s: float = 1.0,
-           body: Callable[[int], dict] | None = None) -> list[requests.Response]:
-    """``n`` concurrent image requests; ``during`` runs ``delay_s`` after they were sent."""
+def _burst(url: str, n: int, during: Callable[[], None] | None = None, body: Callable[[int], dict] | None = None,
+           in_flight: int = 0) -> list[requests.Response]:
+    """``n`` concurrent image requests; ``during`` runs once tiny-flux2's group holds at least
+    ``in_flight`` of them (queued or running), so that a fault hits requests in flight."""
     with cf.ThreadPoolExecutor(n) as pool:
         futs = [pool.submit(_post, url, body(i) if body else {**IMAGE, "seed": 1000 + i}) for i in range(n)]
         if during is not None:
-            time.sleep(delay_s)
+            _wait_in_flight(in_flight)
             during()
         return [f.result() for f in futs]
+
+
+def _wait_in_flight(n: int, timeout_s: float = 30) -> None:
+    group = serve.get_deployment_handle("ModelGroup:tiny-flux2", app_name="xema")
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        s = group.status.remote().result(timeout_s=10)
+        if s["queued"] + 2 * s["running"] >= n:  # a running batch holds 2
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never {n} requests in flight")
 
 
 def _actors(class_prefix: str) -> list[dict]:
@@ -146,6 +160,24 @@ def _recovery(url: str, since: float, name: str, timeout_s: float = 120,
         _assert_json_error(r, 503)
         time.sleep(0.5)
     raise AssertionError(f"{name}: no 200 within {timeout_s} s")
+
+
+# ---------------------------------------------------------------------------- ports
+def test_every_port_of_the_cluster_listens_on_localhost_only(server: str) -> None:
+    import psutil
+
+    ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert len(listening) >= 5, listening  # GCS, raylet, workers, replicas, proxy, agents
+    exposed = [x for x in listening if x[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    # the one exception Ray offers no setting for: each Serve replica's inter-deployment gRPC
+    # server, which Ray Serve 2.60 binds to "[::]:0" (serve/_private/replica.py); README "Ports"
+    def is_replica(pid: int) -> bool:
+        return any(part.startswith("ray::ServeReplica") for part in psutil.Process(pid).cmdline())
+
+    assert not [x for x in exposed if not is_replica(x[2])], exposed
+    assert len([x for x in exposed if is_replica(x[2])]) <= 4  # Router, Stats, two ModelGroups: one each
 
 
 # ---------------------------------------------------------------------------- OpenAPI + fuzz
@@ -259,7 +291,8 @@ def test_overload_gets_json_503_with_retry_after(server: str) -> None:
 def test_killed_worker_with_requests_in_flight(server: str) -> None:
     group = serve.get_deployment_handle("ModelGroup:tiny-flux2", app_name="xema")
     t0: list[float] = []
-    rs = _burst(server, 16, during=lambda: (t0.append(time.time()), group.kill_worker.remote(0).result()))
+    rs = _burst(server, 16, during=lambda: (t0.append(time.time()), group.kill_worker.remote(0).result()),
+                in_flight=8)
     ok, unavailable = _assert_answered(rs)
     _recovery(server, t0[0], "worker", outcome=(ok, unavailable))
     assert ok + unavailable == 16
@@ -277,7 +310,7 @@ def test_killed_model_group_replica_with_requests_in_flight(server: str) -> None
         h = requests.get(f"{server}/healthz", timeout=10).json()
         health.append((time.time() - start, h))
 
-    rs = _burst(server, 16, during=kill)
+    rs = _burst(server, 16, during=kill, in_flight=8)
     ok, unavailable = _assert_answered(rs)
     assert ok + unavailable == 16
     seconds, h = health[0]
@@ -291,7 +324,8 @@ def test_killed_model_group_replica_with_requests_in_flight(server: str) -> None
 def test_killed_router_with_requests_in_flight_keeps_the_counters(server: str) -> None:
     before = requests.get(f"{server}/v1/stats", timeout=30).json()["received"]
     t0: list[float] = []
-    rs = _burst(server, 16, during=lambda: (t0.append(time.time()), _sigkill("ServeReplica:xema:Router")))
+    rs = _burst(server, 16, during=lambda: (t0.append(time.time()), _sigkill("ServeReplica:xema:Router")),
+                in_flight=8)
     ok, unavailable = _assert_answered(rs)
     assert ok + unavailable == 16
     _recovery(server, t0[0], "router", outcome=(ok, unavailable))
