@@ -27,8 +27,9 @@ test: install
 	$(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
+# Ray's internal ports listen on 127.0.0.1 only; XEMA_RAY_OPEN_PORTS=1 opens them (README "Ports").
 serve: install
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema.yaml
+	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema.yaml
 
 # Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
 checkpoints: install

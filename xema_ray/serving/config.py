@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
+from xema_ray.serving.api import RequestLimits
 
 
 class TemplateSpec(BaseModel):
@@ -69,3 +70,5 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    limits: RequestLimits = Field(default_factory=RequestLimits,
+                                  description="body and field size limits, and the Router's in-flight limit")

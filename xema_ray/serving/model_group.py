@@ -32,7 +32,18 @@ logger = logging.getLogger("xema_ray.serving")
 
 
 class GroupUnavailable(RuntimeError):
-    """The worker set failed twice for a batch (HTTP 503 with the reason)."""
+    """The worker set failed twice for a batch, or could not be rebuilt (HTTP 503 with the reason)."""
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot run (HTTP 422 naming the field); refused before it joins a batch."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param)  # both in args: it crosses the replica -> router boundary by pickle
+        self.param = param
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class QueueFull(RuntimeError):
@@ -49,10 +60,28 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class _Ticket:
-    prompt: str
-    seed: int
+    request: Any  # GenerationRequest, validated on arrival
     guidance_scale: float | None
     future: asyncio.Future
+
+
+def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | None) -> Any:
+    """The request as the batch builder will see it, checked now: a request that cannot run
+    fails alone (HTTP 422) instead of failing the batch it would join."""
+    import math
+
+    from pydantic import ValidationError
+
+    from xema_ray.runtime.engine import GenerationRequest
+
+    if guidance_scale is not None and not (isinstance(guidance_scale, int | float) and math.isfinite(guidance_scale)):
+        raise InvalidRequest(f"guidance_scale must be a finite number, got {guidance_scale!r}", "guidance_scale")
+    try:
+        return GenerationRequest(request_id=request_id, prompt=prompt, seed=seed)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
 
@@ -93,6 +122,9 @@ class ModelGroup:
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._actors: list[Any] = []
+        self._rebuilding = False
+        self._last_failure: str | None = None
+        self._starting: list[Any] = []
         self._start_workers()
 
     # ------------------------------------------------------------------ worker set
@@ -110,6 +142,7 @@ class ModelGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
             actors.append(actor_cls.options(**opts).remote(platform=self.device))
+        self._starting = actors  # a failed rebuild kills these: they hold the group's bundles
         # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
         # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)
         topo = ray.get([a.device_topology.remote() for a in actors])
@@ -138,7 +171,21 @@ class ModelGroup:
             logger.warning("%s: worker set generation %d failed; restarting and reloading weights", self.model, failed_generation)
             for a in self._actors:
                 ray.kill(a, no_restart=True)
-            await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
+            self._rebuilding = True
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
+            except Exception as e:
+                # a worker of the new set died while it was being built (or its node went away):
+                # the set stays at this generation, so the next batch tries again
+                self._last_failure = f"rebuild failed: {type(e).__name__}"
+                for a in self._starting:
+                    ray.kill(a, no_restart=True)
+                raise GroupUnavailable(
+                    f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
+                    f"({type(e).__name__}); the request was not completed, retry later") from e
+            finally:
+                self._rebuilding = False
+            self._last_failure = None
             self.metrics.worker_restarts.inc()
 
     # ------------------------------------------------------------------ requests
@@ -152,9 +199,12 @@ class ModelGroup:
                        guidance_scale: float | None = None) -> dict[str, Any]:
         """Queue one request and wait for its encoded output (RequestOutput as a dict)."""
         self._ensure_loop()
+        request = _validated(request_id, prompt, seed, guidance_scale)
+        if template not in self.dispatcher.plans:
+            raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(prompt, seed, guidance_scale, fut))
+            self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
         except OverflowError as e:
             plan = self.dispatcher.plans[template]
             self.metrics.rejected.inc(tags={"template": template})
@@ -180,7 +230,7 @@ class ModelGroup:
 
     async def _execute(self, a: Assignment[_Ticket]) -> dict[str, dict[str, Any]]:
         """Run an assignment on its workers; requests with different guidance run as sub-batches."""
-        from xema_ray.runtime.engine import Batch, GenerationRequest
+        from xema_ray.runtime.engine import Batch
 
         entry = self.entries[a.template]
         by_guidance: dict[float | None, list] = {}
@@ -190,8 +240,7 @@ class ModelGroup:
         for guidance, reqs in by_guidance.items():
             batch = Batch(
                 config=entry.config.for_batch(len(reqs)),
-                requests=tuple(GenerationRequest(request_id=r.request_id, prompt=r.payload.prompt, seed=r.payload.seed)
-                               for r in reqs),
+                requests=tuple(r.payload.request for r in reqs),  # type: ignore[union-attr]
                 guidance_scale=guidance,
             )
             t0 = time.monotonic()
@@ -215,6 +264,7 @@ class ModelGroup:
                     outputs = await self._execute(a)
                     break
                 except RayActorError as e:
+                    self._last_failure = f"worker died: {type(e).__name__}"
                     if attempt == 2:
                         raise GroupUnavailable(
                             f"{self.model}: the worker set failed twice running {a.template} ({e.__class__.__name__}); "
@@ -241,8 +291,13 @@ class ModelGroup:
 
     # ------------------------------------------------------------------ introspection
     async def status(self) -> dict[str, Any]:
+        """The group's state for ``/healthz``: ``ok``, or ``degraded`` while its worker set is
+        being rebuilt or after its last rebuild failed (with the reason)."""
+        degraded = self._rebuilding or self._last_failure is not None
         return {
             "model": self.model,
+            "status": "degraded" if degraded else "ok",
+            "reason": "rebuilding the worker set" if self._rebuilding else self._last_failure,
             "workers": self.n_workers,
             "generation": self._generation,
             "queued": self.dispatcher.queue_depth(),
