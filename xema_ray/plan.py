@@ -246,9 +246,12 @@ class PlanTable(BaseModel):
             if key != e.config.template.shape_key:
                 raise ValueError(f"plan table key {key!r} holds the plan of {e.config.template.shape_key!r}; "
                                  "each entry must be keyed by its own template's shape key")
-            if e.config.gpus > self.gpus:
+            model = e.config.template.model
+            available = self.group_gpus.get(model, self.gpus)
+            if e.config.gpus > available:
+                where = f"{model}'s group of {available}" if model in self.group_gpus else f"the table's {available}"
                 raise ValueError(f"{key}: plan {e.config.describe()} needs {e.config.gpus} GPUs "
-                                 f"(SP {e.config.sp} x DP {e.config.dp}) but the table is for {self.gpus}")
+                                 f"(SP {e.config.sp} x DP {e.config.dp}) but the table is for {where}")
         return self
 
     def lookup(self, template: RequestTemplate) -> PlanEntry:

@@ -127,7 +127,7 @@ def test_error_raised_if_group_cannot_run_plan() -> None:
     with pytest.raises(PlanNotRunnable, match=r"tiny-cogvideox/64x64x9: plan SP2 DP1 BS1 needs SP groups of 2 workers, "
                                               r"but the tiny-cogvideox group has 3"):
         check_runnable(table, cfg, [t])
-    table = _table({t: ExecutionConfig(template=t, ulysses=1, dp=4)})
+    table = _table({t: ExecutionConfig(template=t, ulysses=1, dp=4)}, gpus=8)
     with pytest.raises(PlanNotRunnable, match=r"uses 4 GPUs \(SP 1 x DP 4\), the tiny-cogvideox group has 3"):
         check_runnable(table, cfg, [t])
 
