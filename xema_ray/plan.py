@@ -249,7 +249,7 @@ class PlanTable(BaseModel):
             model = e.config.template.model
             available = self.group_gpus.get(model, self.gpus)
             if e.config.gpus > available:
-                where = f"{model}'s group of {available}" if model in self.group_gpus else f"the table's {available}"
+                where = f"{model}'s group of {available}" if model in self.group_gpus else str(available)
                 raise ValueError(f"{key}: plan {e.config.describe()} needs {e.config.gpus} GPUs "
                                  f"(SP {e.config.sp} x DP {e.config.dp}) but the table is for {where}")
         return self
