@@ -13,6 +13,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
@@ -48,6 +49,7 @@ def build_app(args: dict[str, Any]) -> Application:
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
             wait_window_s=g.wait_window_s, max_queue=g.max_queue,
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
+            layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
         )
     stats = serve.deployment(Stats, name="Stats", ray_actor_options={"num_cpus": 0}).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so

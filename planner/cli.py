@@ -211,6 +211,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
+    if args.layouts:
+        if not args.out:
+            print("planner: --layouts writes the layouts next to the table: give --out", file=sys.stderr)
+            return 2
+        from planner.layouts import attach_layout
+
+        for k, e in list(table.entries.items()):
+            table.entries[k], ratio = attach_layout(e, args.out, latency_model.hardware.gpu_model)
+            p = table.entries[k].prediction
+            over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
+            print(f"layout {k}: {table.entries[k].config.layout_ref}, reserved/lower bound {ratio:.3f}, "
+                  f"predicted peak {gb(p.peak_bytes)}{over}")
     print_summary(results)
     for k, v in encoders.items():
         print(f"text encoder {k}: {v}")
@@ -244,6 +256,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
     p.add_argument("--text-encoder", choices=("plan", "none"), default="plan",
                    help="plan where each template's text encoder runs (device / streamed / cpu), or plan without one")
+    p.add_argument("--layouts", action="store_true",
+                   help="solve each entry's static layout from the worker's allocation stream (next to --out)")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

@@ -159,6 +159,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for e in report.entries:
         w(f"{e.template:<32}{e.plan[:43]:<44}{e.text_encoder or '-':>9}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
           f"{gb(e.host_bytes):>11}{gb(e.budget_bytes):>10}  {'yes' if e.fits else 'NO'}\n")
+        if e.layout_misses is not None:
+            w(f"    static layout: reserved {gb(e.static_reserved_bytes or 0)} = "
+              f"{(e.static_reserved_bytes or 0) / max(1, e.lower_bound_bytes or 0):.3f} x the lower bound "
+              f"{gb(e.lower_bound_bytes or 0)}, {e.layout_misses} misses replaying the worker's stream\n")
         if e.error:
             w(f"    error: {e.error}\n")
     w(f"{sum(e.fits for e in report.entries)} of {len(report.entries)} entries fit "

@@ -1,6 +1,7 @@
 #include "device_backend.h"
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <cstdlib>
 #include <mutex>
@@ -11,6 +12,7 @@ namespace xema::runtime {
 namespace {
 
 constexpr std::size_t kHostAlignment = 4096;
+constexpr std::size_t kMapThreshold = std::size_t{1} << 30;  // 1 GiB
 
 // Sonames in the order torch builds use them (CUDA 13 on the GPU machine, then 12, 11). The
 // RTLD_NOLOAD pass finds the copy torch already loaded, so we call into the same runtime.
@@ -43,6 +45,24 @@ class DeviceGuard {
 void* HostBackend::allocate(std::size_t bytes, int /*device*/, std::string& error) noexcept {
   // aligned_alloc requires a size that is a multiple of the alignment.
   const std::size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
+  if (rounded >= kMapThreshold) {
+    void* m = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) {
+      try {
+        error = "host mmap of " + std::to_string(bytes) + " bytes failed";
+      } catch (...) {
+      }
+      return nullptr;
+    }
+    try {
+      std::lock_guard<std::mutex> lock(mapped_mutex_);
+      mapped_[m] = rounded;
+    } catch (...) {
+      munmap(m, rounded);
+      return nullptr;
+    }
+    return m;
+  }
   void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
   if (p == nullptr) {
     try {
@@ -54,6 +74,16 @@ void* HostBackend::allocate(std::size_t bytes, int /*device*/, std::string& erro
 }
 
 bool HostBackend::deallocate(void* ptr, int /*device*/, std::string& /*error*/) noexcept {
+  std::size_t mapped = 0;
+  {
+    std::lock_guard<std::mutex> lock(mapped_mutex_);
+    auto it = mapped_.find(ptr);
+    if (it != mapped_.end()) {
+      mapped = it->second;
+      mapped_.erase(it);
+    }
+  }
+  if (mapped != 0) return munmap(ptr, mapped) == 0;
   std::free(ptr);
   return true;
 }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 namespace xema::runtime {
 
@@ -23,6 +24,12 @@ class HostBackend final : public Backend {
   void* allocate(std::size_t bytes, int device, std::string& error) noexcept override;
   bool deallocate(void* ptr, int device, std::string& error) noexcept override;
   const char* name() const noexcept override { return "host"; }
+
+ private:
+  // Large regions (arenas sized for a real GPU: tens of GB on a CPU test machine) are mapped
+  // without reserving swap, so a replay that only computes offsets never needs the memory.
+  std::mutex mapped_mutex_;
+  std::unordered_map<void*, std::size_t> mapped_;
 };
 
 class CudaBackend final : public Backend {

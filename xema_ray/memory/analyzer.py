@@ -300,6 +300,12 @@ def _markers(pipe: Any, tracer: AllocationTracer, device: str) -> Iterator[None]
             delattr(comp, attr)
 
 
+def trace_markers(pipe: Any, tracer: AllocationTracer, device: str) -> contextlib.AbstractContextManager[None]:
+    """The analyzer's step / DiT / decode markers on ``pipe`` (what ``expand_steps`` reads), for
+    callers that trace a pipeline run by other code (``xema verify`` tracing the serving worker)."""
+    return _markers(pipe, tracer, device)
+
+
 @contextlib.contextmanager
 def shape_only_execution(pipe: Any, spec: ModelSpec, template: RequestTemplate) -> Iterator[None]:
     """What a pipeline call needs to run on the meta device (the analyzer's own set-up): the

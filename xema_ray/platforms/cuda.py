@@ -41,6 +41,31 @@ def _nvml_used_bytes(index: int) -> int | None:
     return int(info.used)
 
 
+def _nvml_index(local_index: int) -> int:
+    """The NVML index of this process's ``local_index``-th visible GPU (CUDA_VISIBLE_DEVICES maps them)."""
+    import os
+
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and local_index < len(visible) and visible[local_index].isdigit():
+        return int(visible[local_index])
+    return local_index
+
+
+def _nvml_bus_id(local_index: int) -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(local_index)))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or no driver
+        return None
+    bus = info.busId
+    return bus.decode() if isinstance(bus, bytes) else str(bus)
+
+
 def _norm_bus_id(bus_id: str | bytes) -> str:
     text = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
     return text.strip().lower()[-12:]  # NVML and torch pad the PCI domain differently
@@ -110,7 +135,11 @@ class CudaPlatform(Platform):
         return torch.cuda.device_count()
 
     def device_topology(self, local_index: int = 0) -> tuple[str, set[str]]:
-        """(this GPU's PCI bus id, bus ids of its NVLink peers)."""
-        props = torch.cuda.get_device_properties(local_index)
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        """(this GPU's PCI bus id, bus ids of its NVLink peers), read through NVML: asking torch
+        (``get_device_properties``) would initialise CUDA, after which the static allocator can no
+        longer be installed in this process."""
+        bus = _nvml_bus_id(local_index)
+        if bus is None:  # no NVML: torch's view (initialises CUDA; the static allocator is then not installable)
+            props = torch.cuda.get_device_properties(local_index)
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         return _norm_bus_id(bus), _nvlink_peers(bus)

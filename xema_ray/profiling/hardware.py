@@ -22,6 +22,7 @@ class HardwareProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
+    gpu_model: str = Field(default="any", description="the GPU's model name as NVML reports it (keys static layouts)")
     gpus: int = Field(ge=1, description="GPUs in the box")
     memory_gb: float = Field(gt=0, description="memory per GPU, GB (10^9)")
     bf16_tflops: float = Field(gt=0, description="dense bf16 tensor-core peak, TFLOP/s")
@@ -56,7 +57,7 @@ class HardwareProfile(BaseModel):
 #: NVIDIA H200 SXM (HGX): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 4 (900 GB/s
 #: bidirectional); host copies measured at 55 GB/s (ARCHITECTURE.md).
 H200 = HardwareProfile(
-    name="NVIDIA H200", gpus=8, memory_gb=141, bf16_tflops=989, mem_gbps=4800, h2d_gbps=55,
+    name="NVIDIA H200", gpu_model="NVIDIA H200", gpus=8, memory_gb=141, bf16_tflops=989, mem_gbps=4800, h2d_gbps=55,
     nvlink_gbps=450, nvlink_domain=8, pcie_gbps=50,
 )
 
@@ -64,7 +65,7 @@ H200 = HardwareProfile(
 #: x16 (~25 GB/s achievable), two NUMA domains, NVLink bridges joining GPU pairs (112.5 GB/s
 #: bidirectional).
 A6000_8X = HardwareProfile(
-    name="8x NVIDIA RTX A6000 48GB", gpus=8, memory_gb=48, bf16_tflops=154.8, mem_gbps=768, h2d_gbps=25,
+    name="8x NVIDIA RTX A6000 48GB", gpu_model="NVIDIA RTX A6000", gpus=8, memory_gb=48, bf16_tflops=154.8, mem_gbps=768, h2d_gbps=25,
     nvlink_gbps=56.25, nvlink_domain=2, pcie_gbps=25,
 )
 

@@ -124,6 +124,9 @@ class BatchResult(BaseModel):
     layout_armed: bool = Field(description="the static layout was armed for this batch")
     residency_bytes_moved: int = Field(default=0, description="weight bytes a residency switch moved before the batch")
     host_weight_bytes: int = Field(default=0, description="weight bytes homed on host memory while the batch ran")
+    layout_status: str | None = Field(default=None, description="the worker's static layouts: armed, or why not")
+    layout_hits: int = Field(default=0, description="allocations the armed layout placed")
+    layout_misses: int = Field(default=0, description="allocations that fell back to the dynamic region")
 
 
 @contextlib.contextmanager

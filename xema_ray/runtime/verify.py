@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 from collections.abc import Iterable
 
 import numpy as np
@@ -30,6 +32,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.memory.analyzer import REPLICATE_FROM
+from xema_ray.layout.solver import StaticLayout
+from xema_ray.memory.trace import MemoryTrace
 from xema_ray.memory.tracer import ALLOC, AllocationTracer, RawTrace, round_size
 from xema_ray.plan import ExecutionConfig, PlanTable
 from xema_ray.runtime.worker import ModelLoadConfig, ResidencyPolicy, Worker
@@ -56,6 +60,10 @@ class VerifyEntry(BaseModel):
     sp_rank_traced: int = Field(default=0, description="the SP rank whose allocations were counted")
     seconds: float
     error: str | None = Field(default=None, description="why the worker could not run the entry (then fits is false)")
+    static_reserved_bytes: int | None = Field(default=None, description="the entry's static layout: reserved bytes")
+    lower_bound_bytes: int | None = Field(default=None, description="max live bytes of the request (no layout can do better)")
+    layout_misses: int | None = Field(default=None, description="allocations of the worker's stream the layout did not "
+                                                                "place (replayed through the host arena)")
 
 
 class VerifyReport(BaseModel):
@@ -83,33 +91,17 @@ def device_peaks(raw: RawTrace) -> tuple[int, int]:
     return int(live.max()), load_peak
 
 
-def verify_config(
-    config: ExecutionConfig,
-    budget_bytes: int,
-    group_plans: Iterable[ExecutionConfig] = (),
-    residency: ResidencyPolicy = "per_template",
-    predicted_peak_bytes: int | None = None,
-) -> VerifyEntry:
-    """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
-
-    Args:
-        config: the plan to run.
-        budget_bytes: the per-GPU budget it must stay within.
-        group_plans: the other plans of the worker's group (they shape the residency at load).
-        residency: the group's residency policy.
-        predicted_peak_bytes: the planner's prediction, reported beside the count.
-    """
-    t0 = time.perf_counter()
+def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
+                group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
+                layouts_dir: Path | None = None) -> tuple[int, str | None, str | None]:
+    """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
+    meta under ``tracer``; (host bytes, text encoder placement, error)."""
     template = config.template
-    steps = min(template.steps, VERIFY_STEPS)
     run = config.model_copy(update={"template": template.with_(steps=steps)})
     plans = (config, *[p for p in group_plans if p != config])
-    tracer = AllocationTracer("meta", {})
     worker = Worker(platform="meta")
-    error = None
-    host = 0
-    encoder = None
     try:
+        from xema_ray.memory.analyzer import trace_markers
         from xema_ray.parallel.groups import ParallelConfig, SPLayout
         from xema_ray.runtime.engine import Batch, GenerationRequest
 
@@ -122,20 +114,75 @@ def verify_config(
                                                                     seed=i) for i in range(config.batch)))
         with torch.no_grad(), tracer:
             worker.init_device(parallel)
-            loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency))
+            loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency,
+                                                       layouts_dir=layouts_dir))
             tracer.mark(LOAD_END)
-            worker.execute(batch)
-        host, encoder = loaded.host_bytes, loaded.text_encoder
+            assert worker.engine is not None
+            with trace_markers(worker.engine.pipe, tracer, "meta") if markers else contextlib.nullcontext():
+                worker.execute(batch)
+        return loaded.host_bytes, loaded.text_encoder, None
     except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return 0, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
         worker.shutdown()
+
+
+def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None) -> MemoryTrace:
+    """The allocations one batch of ``config`` makes in the serving worker after its weights are
+    placed, for the template's full step count (steps traced and replicated like the analyzer's)."""
+    from xema_ray.memory.analyzer import expand_steps
+
+    tracer = AllocationTracer("meta", {})
+    _, _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS), tracer, markers=True,
+                              layouts_dir=layouts_dir)
+    if error is not None:
+        raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
+    raw = tracer.raw()
+    load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
+    trace = expand_steps(raw, config.template.steps)
+    return trace.subset(trace.begin >= load_end)
+
+
+def verify_config(
+    config: ExecutionConfig,
+    budget_bytes: int,
+    group_plans: Iterable[ExecutionConfig] = (),
+    residency: ResidencyPolicy = "per_template",
+    predicted_peak_bytes: int | None = None,
+    layout: StaticLayout | None = None,
+    layouts_dir: Path | None = None,
+) -> VerifyEntry:
+    """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
+
+    Args:
+        config: the plan to run.
+        budget_bytes: the per-GPU budget it must stay within.
+        group_plans: the other plans of the worker's group (they shape the residency at load).
+        residency: the group's residency policy.
+        predicted_peak_bytes: the planner's prediction, reported beside the count.
+        layout: the entry's static layout: the worker's full request stream is replayed through
+            the C++ allocator's host arena against it (misses, reserved bytes reported).
+        layouts_dir: the plan table's layouts folder (the worker validates the layouts it names).
+    """
+    t0 = time.perf_counter()
+    steps = min(config.template.steps, VERIFY_STEPS)
+    tracer = AllocationTracer("meta", {})
+    host, encoder, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
+                                       residency=residency, layouts_dir=layouts_dir)
     peak, load_peak = device_peaks(tracer.raw())
+    replayed = None
+    if layout is not None and error is None:
+        from xema_ray.runtime.layouts import replay
+
+        replayed = replay(layout, worker_trace(config, layouts_dir))
     return VerifyEntry(
-        template=template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
+        template=config.template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
         host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
-        fits=error is None and peak <= budget_bytes, steps_traced=steps, seconds=time.perf_counter() - t0,
-        error=error,
+        fits=error is None and peak <= budget_bytes and (replayed is None or replayed.misses == 0),
+        steps_traced=steps, seconds=time.perf_counter() - t0, error=error,
+        static_reserved_bytes=replayed.static_reserved_bytes if replayed else None,
+        lower_bound_bytes=replayed.lower_bound_bytes if replayed else None,
+        layout_misses=replayed.misses if replayed else None,
     )
 
 
@@ -148,6 +195,12 @@ def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path:
     out = []
     for key in keys:
         e = table.entries[key]
+        layout = folder = None
+        if e.config.layout_ref is not None and path is not None:
+            from xema_ray.runtime.layouts import load_artifact, layouts_dir
+
+            folder = layouts_dir(path)
+            layout = load_artifact(folder, e.config.layout_ref).solved()
         out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
-                                 predicted_peak_bytes=e.prediction.peak_bytes))
+                                 predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder))
     return VerifyReport(plan_table=path, entries=out)

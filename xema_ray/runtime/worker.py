@@ -9,8 +9,10 @@ wrapped as a Ray actor (``ray.remote(Worker)``) unchanged.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +47,8 @@ class ModelLoadConfig(BaseModel):
         default=None,
         description="where the text encoder runs; None = the plans' choice (the most off-device one among them), "
                     "else on the device when weights_dir has one; 'none' = stand-in embeddings")
+    layouts_dir: Path | None = Field(
+        default=None, description="the plan table's layouts folder (<table>.layouts/): plans with a layout_ref arm theirs")
     residency: ResidencyPolicy = Field(
         default="per_template",
         description="per_template: each batch's plan decides, switching moves only the difference; "
@@ -90,10 +94,23 @@ class Worker:
         result = w.execute(batch)
     """
 
-    def __init__(self, platform: Platform | str | None = None, sp_backend: Backend = "auto", arm_layout: ArmLayout | None = None) -> None:
+    def __init__(self, platform: Platform | str | None = None, sp_backend: Backend = "auto", arm_layout: ArmLayout | None = None,
+                 static_allocator: bool = False) -> None:
         self.platform = get_platform(platform) if isinstance(platform, str) else (platform or current_platform())  # type: ignore[arg-type]
         self.sp_backend: Backend = sp_backend
         self.arm_layout = arm_layout
+        self.allocator: Any = None
+        #: layout_ref -> solved layout, validated at load (hash, version, GPU model)
+        self.layouts: dict[str, Any] = {}
+        self.layout_status: str | None = None
+        self.last_layout_report: Any = None
+        if static_allocator and self.platform.name == "cuda":
+            # before anything touches CUDA: the pluggable allocator is process-wide and must be
+            # installed before the caching allocator initialises (ARCHITECTURE.md)
+            from xema_ray.runtime.allocator import install_cuda_allocator
+
+            self.allocator = install_cuda_allocator()
+            self.arm_layout = arm_layout or self._arm
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
@@ -135,6 +152,7 @@ class Worker:
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        self._load_layouts(load)
         self.load_config = load
         self.load_count += 1
         placed = PlacementReport()
@@ -146,6 +164,40 @@ class Worker:
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
                            host_blocks=residency.host_blocks, text_encoder=placement)
+
+    def _load_layouts(self, load: ModelLoadConfig) -> None:
+        """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the
+        static allocator installed, reserve one arena for all of them and warm up once."""
+        from xema_ray.runtime.layouts import load_artifact
+
+        refs = sorted({c.layout_ref for c in load.plans if c.layout_ref is not None})
+        self.layouts = {}
+        if not refs:
+            self.layout_status = None
+            return
+        if load.layouts_dir is None:
+            raise ValueError(f"plans name static layouts {refs} but no layouts_dir was given (the plan table's .layouts folder)")
+        gpu = self.platform.hardware_name() if self.platform.name == "cuda" else None
+        for ref in refs:
+            self.layouts[ref] = load_artifact(Path(load.layouts_dir), ref, gpu=gpu).solved()
+        if self.allocator is None:
+            why = ("the static allocator is a CUDA pluggable allocator; this worker runs on "
+                   f"{self.platform.name}" if self.platform.name != "cuda" else "the worker was started without it")
+            self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {why}"
+            return
+        self.allocator.reserve_for(list(self.layouts.values()))
+        self.allocator.warm_up()  # cuBLAS workspaces, attention scratch: into the dynamic region, once
+        self.layout_status = f"{len(refs)} layout(s) armed per batch"
+
+    @contextlib.contextmanager
+    def _arm(self, layout_ref: str) -> Iterator[None]:
+        layout = self.layouts.get(layout_ref)
+        if layout is None or self.allocator is None:
+            yield
+            return
+        with self.allocator.armed(layout.replay_plan()) as report:
+            yield
+        self.last_layout_report = report
 
     def target_residency(self, config: ExecutionConfig) -> Residency:
         """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
@@ -163,9 +215,14 @@ class Worker:
         config = with_residency(batch.config, self.residency.current)
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
+        self.last_layout_report = None
         result = self.engine.execute(batch)
+        rep = self.last_layout_report
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
-                                         "host_weight_bytes": self.residency.host_bytes()})
+                                         "host_weight_bytes": self.residency.host_bytes(),
+                                         "layout_status": self.layout_status,
+                                         "layout_hits": rep.hits if rep is not None else 0,
+                                         "layout_misses": rep.misses if rep is not None else 0})
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""

@@ -102,14 +102,20 @@ class ModelGroup:
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
-                 max_queue: int = 64, residency: str = "per_template") -> None:
+                 max_queue: int = 64, residency: str = "per_template", layouts_dir: str | None = None) -> None:
         self.model = model
         self.residency = residency
+        self.layouts_dir = layouts_dir
+        #: per template: batches run with the layout armed, its hits and misses, the workers' status
+        self.layout_stats: dict[str, dict[str, int]] = {}
+        self.layout_status: str | None = None
         self.n_workers = workers
         self.device = device
         self.weights_dir = weights_dir
         self.worker_cpus = worker_cpus
         self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
+        # a CUDA worker installs the static allocator when its plans carry layouts to arm
+        self._static = device == "cuda" and any(e.config.layout_ref for e in self.entries.values())
         dispatch_plans = {
             k: DispatchPlan(batch=e.config.batch, sp=e.config.sp, slo_s=e.prediction.slo_s, latency_s=e.prediction.latency_s)
             for k, e in self.entries.items()
@@ -141,7 +147,7 @@ class ModelGroup:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
-            actors.append(actor_cls.options(**opts).remote(platform=self.device))
+            actors.append(actor_cls.options(**opts).remote(platform=self.device, static_allocator=self._static))
         self._starting = actors  # a failed rebuild kills these: they hold the group's bundles
         # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
         # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)
@@ -157,7 +163,8 @@ class ModelGroup:
         ])
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir, residency=self.residency,  # type: ignore[arg-type]
-                               plans=tuple(e.config for _, e in sorted(self.entries.items())))
+                               plans=tuple(e.config for _, e in sorted(self.entries.items())),
+                               layouts_dir=self.layouts_dir)
         ray.get([a.load_model.remote(load) for a in actors])
         self._actors = actors
         self._generation += 1
@@ -249,6 +256,11 @@ class ModelGroup:
             seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
+            st = self.layout_stats.setdefault(a.template, {"armed_batches": 0, "hits": 0, "fallbacks": 0})
+            st["armed_batches"] += int(lead.layout_armed)
+            st["hits"] += lead.layout_hits
+            st["fallbacks"] += lead.layout_misses
+            self.layout_status = lead.layout_status
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
@@ -301,6 +313,7 @@ class ModelGroup:
             "workers": self.n_workers,
             "generation": self._generation,
             "queued": self.dispatcher.queue_depth(),
+            "static_layouts": {"status": self.layout_status, "per_template": self.layout_stats},
             "running": len(self.dispatcher.running),
         }
 
