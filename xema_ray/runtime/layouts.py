@@ -41,7 +41,7 @@ class LayoutArtifact(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: int = LAYOUT_FILE_VERSION
-    layout_id: str = Field(description="content hash of the solved layout (StaticLayout.key)")
+    layout_id: str = Field(description="content hash of the solved layout (``content_id``: its inputs and offsets)")
     gpu: str = Field(description="GPU model the layout is for, e.g. 'NVIDIA RTX A6000' ('any' on CPU tables)")
     template: str
     config_hash: str = Field(description="ExecutionConfig.config_hash of the entry it was solved for")
@@ -55,6 +55,16 @@ class LayoutArtifact(BaseModel):
 
     def solved(self) -> StaticLayout:
         return StaticLayout.from_file(self.layout)
+
+
+def content_id(layout: StaticLayout) -> str:
+    """Hash of a solved layout: what it was solved for (``StaticLayout.key``) and its offsets."""
+    import hashlib
+
+    h = hashlib.sha256(layout.key().encode())
+    h.update(np.ascontiguousarray(layout.offset, dtype=np.int64).tobytes())
+    h.update(str(layout.reserved_bytes).encode())
+    return h.hexdigest()[:16]
 
 
 def layouts_dir(table_path: str | Path) -> Path:
@@ -75,7 +85,7 @@ def solve_entry_layout(config: ExecutionConfig, gpu: str) -> LayoutArtifact:
     trace = request_trace(config)
     layout = solve_layout(trace)
     layout.verify()
-    return LayoutArtifact(layout_id=layout.key(), gpu=gpu, template=config.template.shape_key,
+    return LayoutArtifact(layout_id=content_id(layout), gpu=gpu, template=config.template.shape_key,
                           config_hash=config.config_hash(), steps=config.template.steps, layout=layout.to_file())
 
 
@@ -99,9 +109,14 @@ def load_artifact(directory: Path, layout_id: str, gpu: str | None = None) -> La
     art = LayoutArtifact.model_validate_json(path.read_text())
     if art.version != LAYOUT_FILE_VERSION:
         raise LayoutMismatch(f"{path}: layout file version {art.version}, this build reads {LAYOUT_FILE_VERSION}")
-    actual = art.solved().key()
+    solved = art.solved()
+    actual = content_id(solved)
     if actual != layout_id or art.layout_id != layout_id:
         raise LayoutMismatch(f"{path}: content hashes to {actual}, the plan names {layout_id} (file edited or corrupt)")
+    try:
+        solved.verify()  # aligned, inside the region, no two live blocks overlapping
+    except ValueError as e:
+        raise LayoutMismatch(f"{path}: {e}") from None
     if gpu is not None and art.gpu not in ("any", gpu):
         raise LayoutMismatch(f"{path}: layout solved for {art.gpu!r}, this worker runs on {gpu!r}; "
                              "a layout is per GPU model (attention and cuBLAS scratch differ): re-plan for this GPU")
