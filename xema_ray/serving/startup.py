@@ -47,6 +47,8 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
     Raises:
         PlanNotRunnable: naming the template, the plan and the group size.
     """
+    import torch
+
     from xema_ray.runtime.residency import Residency, residency_host_bytes
 
     workers = {g.model: g.workers for g in cfg.models}
@@ -63,7 +65,13 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
             elif c.gpus > g.workers:
                 problems.append(f"{t.shape_key}: plan {c.describe()} uses {c.gpus} GPUs (SP {c.sp} x DP {c.dp}), "
                                 f"the {g.model} group has {g.workers}")
-            per_worker = max(per_worker, residency_host_bytes(t.spec, Residency.of_config(c)))
+            host = residency_host_bytes(t.spec, Residency.of_config(c))
+            if c.text_encoder in ("streamed", "cpu") and t.spec.text_encoder is not None:
+                from xema_ray.models.text_encoders import encoder_weight_bytes
+
+                dtype = torch.bfloat16 if t.spec.size == "real" else torch.float32
+                host += encoder_weight_bytes(t.spec.text_encoder, dtype)[0]  # its weights live on the host
+            per_worker = max(per_worker, host)
         planned = table.group_gpus.get(g.model)
         if planned is not None and planned != workers[g.model]:
             problems.append(f"{g.model}: the table was planned for a group of {planned} GPUs, the deployment gives it "
