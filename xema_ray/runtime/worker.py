@@ -20,6 +20,7 @@ from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process
 from xema_ray.parallel.sp import Backend
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
+from xema_ray.runtime.progress import StepObserver
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,11 +95,12 @@ class Worker:
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."), parameters=params)
 
-    def execute(self, batch: Batch) -> BatchResult:
-        """Run one batch (every rank of the batch's SP group must call this with the same batch)."""
+    def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
+        """Run one batch (every rank of the batch's SP group must call this with the same batch);
+        ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``)."""
         if self.engine is None:
             raise ValueError("no model loaded: call load_model first")
-        return self.engine.execute(batch)
+        return self.engine.execute(batch, observer)
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""
