@@ -45,8 +45,9 @@ def build_app(args: dict[str, Any]) -> Application:
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue,
+            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
         )
-    router = serve.deployment(Router, name="Router", max_ongoing_requests=cfg.max_ongoing_requests,
+    router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
+                              max_ongoing_requests=cfg.max_ongoing_requests,
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options={"num_cpus": 0})
-    return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates])
+    return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], cfg.jobs.model_dump_json())

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
+from xema_ray.serving.jobs import JobStoreConfig
 
 
 class TemplateSpec(BaseModel):
@@ -60,3 +61,6 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
+    jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
+                                 description="video jobs and image URLs: sqlite (one node) or redis (several)")
