@@ -251,11 +251,18 @@ def test_job_survives_killing_the_router_replica(client: Any, server: str) -> No
 
 
 def test_a_job_no_group_holds_is_dispatched_again(client: Any, store: JobStore) -> None:
-    # what a replica that died between storing a job and handing it to the group leaves behind
-    rec = store.create(JobRecord(id=new_job_id(), model="tiny-cogvideox", template=COG.shape_key, prompt="orphan",
-                                 seed=5, size="64x64", seconds="1", frames=9, predicted_s=4.0, created_at=time.time()))
-    done = client.videos.poll(rec.id)
-    assert done.status == "completed" and (store.get(rec.id) or rec).attempts == 1
+    def orphan(**kw: Any) -> JobRecord:
+        return store.create(JobRecord(id=new_job_id(), model="tiny-cogvideox", template=COG.shape_key, prompt="orphan",
+                                      seed=5, size="64x64", seconds="1", frames=9, predicted_s=4.0,
+                                      created_at=time.time(), **kw))
+
+    # what a router replica that died between storing a job and handing it over leaves behind
+    unsent = orphan()
+    # and what a model group replica that died while running a job leaves (its lease lapses)
+    stranded = orphan(status="in_progress", owner="tiny-cogvideox-dead", attempts=1, step=3, progress=0.5)
+    for rec, attempts in ((unsent, 1), (stranded, 2)):
+        done = client.videos.poll(rec.id)
+        assert done.status == "completed" and (store.get(rec.id) or rec).attempts == attempts
 
 
 # ---------------------------------------------------------------------- errors

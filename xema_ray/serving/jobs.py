@@ -427,6 +427,18 @@ class SQLiteJobStore(JobStore):
             self.delete_file(n)
 
 
+def store_faults() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the store is unreachable or busy (a 503 with Retry-After, not a bug)."""
+    faults: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError)
+    try:
+        import redis
+
+        faults += (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+    except ImportError:
+        pass
+    return faults
+
+
 @functools.lru_cache(maxsize=8)
 def _open(cfg_json: str) -> JobStore:
     cfg = JobStoreConfig.model_validate_json(cfg_json)

@@ -109,6 +109,7 @@ class ModelGroup:
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self._job_ids: set[str] = set()  # jobs queued or running here
         self._heartbeat_task: asyncio.Task | None = None
+        self._beating = False  # the last heartbeat reached the store
         self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
                                                      e.config.template.spec.kind == "video")
                           for k, e in self.entries.items()}
@@ -178,7 +179,9 @@ class ModelGroup:
         while True:
             try:
                 await asyncio.to_thread(self._store().heartbeat, self.owner)
+                self._beating = True
             except Exception:  # a store hiccup must not kill the loop; the next beat retries
+                self._beating = False
                 logger.exception("%s: job store heartbeat failed", self.model)
             await asyncio.sleep(self.jobs_cfg.lease_s / 4)
 
@@ -186,10 +189,12 @@ class ModelGroup:
                          guidance_scale: float | None = None) -> bool:
         """Queue a stored job (idempotent). False: the job is gone or finished. Raises QueueFull."""
         self._ensure_loop()
-        if job_id in self._job_ids:
-            return True
         store = self._store()
-        await asyncio.to_thread(store.heartbeat, self.owner)
+        if job_id in self._job_ids:  # ours already; re-claim it in case a lapsed lease gave it away
+            await asyncio.to_thread(store.accept, job_id, self.owner)
+            return True
+        if not self._beating:  # the lease must be live before the first job names this owner
+            await asyncio.to_thread(store.heartbeat, self.owner)
         if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
             return False
         try:

@@ -35,7 +35,7 @@ from xema_ray.serving.api import (
     match_template,
     parse_size,
 )
-from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.model_group import GroupUnavailable, QueueFull
 from xema_ray.serving.video_jobs import ApiError, VideoJobs
@@ -179,6 +179,9 @@ class Router:
             return await call(self.jobs)
         except ApiError as e:
             return _error(e.status, e.message, type=e.type, param=e.param, **e.extra)
+        except store_faults() as e:  # nothing was lost: the client retries
+            return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
+                          type="service_unavailable", retry_after_s=5)
 
     @app.post("/v1/videos", response_model=None, openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": VideoCreate.model_json_schema()},

@@ -41,6 +41,8 @@ logger = logging.getLogger("xema_ray.serving")
 
 #: how often each replica purges expired jobs and files
 PURGE_INTERVAL_S = 60.0
+#: how long a replica reuses a group's predicted run time for new jobs
+ESTIMATE_TTL_S = 10.0
 
 
 class ApiError(Exception):
@@ -102,6 +104,7 @@ class VideoJobs:
         self.replica = uuid.uuid4().hex[:8]
         self._task: asyncio.Task | None = None
         self._last_purge = 0.0
+        self._estimates: dict[str, tuple[float, float]] = {}  # template -> (seconds, when asked)
 
     def store(self) -> JobStore:
         return open_store(self.cfg)
@@ -162,7 +165,7 @@ class VideoJobs:
                 raise ApiError(503, str(full), type="server_overloaded", retry_after_s=full.retry_after_s) from None
             # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
             logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
-        return self._video(await asyncio.to_thread(store.get, rec.id) or rec)
+        return self._video(rec)
 
     async def retrieve(self, video_id: str) -> Response:
         return self._video(await self._live(video_id))
@@ -214,10 +217,16 @@ class VideoJobs:
 
     # ------------------------------------------------------------------ dispatch
     async def _predicted_s(self, t: RequestTemplate) -> float:
+        """The group's current estimate for ``t`` (asked at most every ``ESTIMATE_TTL_S``)."""
+        cached = self._estimates.get(t.shape_key)
+        if cached is not None and time.monotonic() - cached[1] < ESTIMATE_TTL_S:
+            return cached[0]
         try:
-            return float(await self.groups[t.model].estimate.remote(t.shape_key))
+            value = float(await self.groups[t.model].estimate.remote(t.shape_key))
         except Exception:  # the group is unreachable: the plan's prediction
-            return max(1e-3, self.table.entries[t.shape_key].prediction.latency_s)
+            value = max(1e-3, self.table.entries[t.shape_key].prediction.latency_s)
+        self._estimates[t.shape_key] = (value, time.monotonic())
+        return value
 
     async def _dispatch(self, rec: JobRecord) -> bool:
         return bool(await self.groups[rec.model].submit_job.remote(
