@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/bench_planner.py --out bench/results/planner.json
 	$(PY) bench/bench_mitigation.py --out bench/results/mitigation.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_serving.py --out bench/results/serving.json
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_jobs.py --loadtest-seconds 40 --out bench/results/jobs.json
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks, JSON under $(OUT).
 gpu-check:

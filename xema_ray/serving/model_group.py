@@ -35,7 +35,7 @@ from xema_ray.platforms.topology import pair_order
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
-from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.videos import result_name
 
@@ -349,7 +349,7 @@ class ModelGroup:
             rec = await asyncio.to_thread(store.get, job_id)
             if rec is None:
                 return
-            if isinstance(e, GroupUnavailable | OSError | ConnectionError) and rec.attempts < MAX_JOB_ATTEMPTS:
+            if isinstance(e, (GroupUnavailable, *store_faults())) and rec.attempts < MAX_JOB_ATTEMPTS:
                 await asyncio.to_thread(store.requeue, job_id, self.owner)
             else:
                 await asyncio.to_thread(store.fail, job_id, "generation_failed", f"{type(e).__name__}: {e}")

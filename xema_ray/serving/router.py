@@ -5,7 +5,7 @@ template this deployment does not serve (with the list it does serve), 503 with 
 a template's queue is full or its worker set is down, 500 only for bugs.
 
 Video jobs (``/v1/videos``, the OpenAI video API) live in the job store; every replica answers
-for every job, and each replica re-dispatches jobs no model group holds (``_reconcile``).
+for every job, and each replica re-dispatches jobs no model group holds (``VideoJobs.reconcile``).
 """
 
 # no `from __future__ import annotations`: FastAPI must see the request models as real classes
@@ -13,7 +13,6 @@ for every job, and each replica re-dispatches jobs no model group holds (``_reco
 import asyncio
 import base64
 import itertools
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,8 +40,6 @@ from xema_ray.serving.model_group import GroupUnavailable, QueueFull
 from xema_ray.serving.video_jobs import ApiError, VideoJobs
 from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
-
-logger = logging.getLogger("xema_ray.serving")
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 
