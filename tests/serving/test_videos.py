@@ -124,3 +124,12 @@ def test_image_formats_and_thumbnail() -> None:
     frames = np.stack([np.full((16, 24, 3), v, np.uint8) for v in (40, 200)])
     thumb = np.asarray(Image.open(io.BytesIO(first_frame_png(encode_mp4(frames, 8.0)))), dtype=np.int16)
     assert thumb.shape == (16, 24, 3) and np.abs(thumb - 40).max() <= 3
+
+
+def test_an_unreachable_store_costs_progress_not_the_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from xema_ray.serving.job_progress import JobProgress
+
+    cfg = JobStoreConfig(backend="redis", redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    obs = JobProgress(cfg, ["video_a"], others=0, estimate=PhaseEstimate(4, 0.0, 1.0, 0.0, 0.0))
+    assert obs.on_step(1, 4) is False  # keep going
+    obs.on_decoded()

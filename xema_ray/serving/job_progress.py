@@ -9,10 +9,13 @@ batch, which frees the workers at that step boundary (``xema_ray.runtime.progres
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from xema_ray.runtime.engine import PhaseTimings
 from xema_ray.serving.jobs import JobStoreConfig, open_store
+
+logger = logging.getLogger("xema_ray.serving")
 
 
 @dataclass(frozen=True)
@@ -68,17 +71,24 @@ class JobProgress:
         self.estimate = estimate
 
     def on_step(self, step: int, total: int) -> bool:
-        store = open_store(self.store_cfg)
-        gone = store.cancelled(self.live)
-        for j in gone:
-            store.stopped(j, step)
-        self.live = [j for j in self.live if j not in gone]
-        frac = self.estimate.after_step(step)
-        for j in self.live:
-            store.set_progress(j, frac, step)
+        try:
+            store = open_store(self.store_cfg)
+            gone = store.cancelled(self.live)
+            for j in gone:
+                store.stopped(j, step)
+            self.live = [j for j in self.live if j not in gone]
+            frac = self.estimate.after_step(step)
+            for j in self.live:
+                store.set_progress(j, frac, step)
+        except Exception:  # an unreachable store costs this step's progress, never the batch
+            logger.exception("job progress after step %d not recorded", step)
+            return False
         return not self.live and self.others == 0
 
     def on_decoded(self) -> None:
-        store = open_store(self.store_cfg)
-        for j in self.live:
-            store.set_progress(j, self.estimate.after_decode(), self.estimate.steps)
+        try:
+            store = open_store(self.store_cfg)
+            for j in self.live:
+                store.set_progress(j, self.estimate.after_decode(), self.estimate.steps)
+        except Exception:
+            logger.exception("job progress after the decode not recorded")
