@@ -340,3 +340,17 @@ def test_error_raised_if_image_option_is_unknown_or_too_large(server: str, extra
     r = requests.post(f"{server}/v1/images/generations", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# last in the module: it restarts the video model group
+def test_jobs_of_a_dead_model_group_replica_are_dispatched_again(client: Any, store: JobStore) -> None:
+    video = client.videos.create(model="tiny-cogvideox", prompt="the group dies", size="64x64", seconds="2")
+    before = _wait(store, video.id, lambda r: r.step >= 1)
+    [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "serve" and "ModelGroup:tiny-cogvideox" in a["name"]]
+    ray.kill(ray.get_actor(replica["name"], namespace="serve"), no_restart=False)  # its workers go with it
+    done = client.videos.poll(video.id)
+    assert done.status == "completed"
+    after = store.get(video.id)
+    assert after is not None and after.owner != before.owner and after.attempts == before.attempts + 1
+    assert iio.imread(client.videos.download_content(video.id).read(), extension=".mp4").shape[0] == COG_SP.frames
