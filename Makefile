@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve plan loadtest figures bench gpu-check clean
+.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,12 +27,27 @@ test: install
 	$(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
+# Ray's internal ports listen on 127.0.0.1 only; XEMA_RAY_OPEN_PORTS=1 opens them (README "Ports").
 serve: install
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema.yaml
+	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema.yaml
 
-# Plan the paper's templates for the reference box (cost model; no GPU needed).
+# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
+checkpoints: install
+	$(PY) -m xema_ray.checkpoints --out checkpoints
+
+# The tiny models served from those directories (their own tokenizers and text encoders).
+serve-checkpoints: checkpoints
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema-checkpoints.yaml
+
+# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
 plan: install
-	$(PY) -m planner plan --templates paper --gpus 8 --budget 48GB --hardware a6000 --out plans/a6000x8.json
+	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
+	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
+
+# The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
+PLAN_TABLE ?= plans/a6000x8.json
+verify: install
+	$(VENV)/bin/xema verify --plan-table $(PLAN_TABLE) --json bench/results/verify.json
 
 # Open-loop Poisson load test against the app (started if not running), then the simulator on the same arrivals.
 loadtest: install
@@ -51,13 +66,14 @@ bench: install
 	$(PY) bench/bench_profiler.py --out bench/results/profiler.json
 	$(PY) bench/bench_planner.py --out bench/results/planner.json
 	$(PY) bench/bench_mitigation.py --out bench/results/mitigation.json
+	$(PY) bench/bench_residency.py --out bench/results/residency.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_serving.py --out bench/results/serving.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_jobs.py --loadtest-seconds 40 --out bench/results/jobs.json
 
-# On a GPU machine: the -m gpu tests plus GPU benchmarks, JSON under $(OUT).
+# On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) -m pytest -q -m gpu --junitxml=$(OUT)/gpu-tests.xml tests
+	$(PYTHON) bench/gpu_check.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

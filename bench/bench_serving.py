@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
+from xema_ray.serving.ray_env import apply_ray_env
 from xema_ray.net import free_port
 
 
@@ -69,6 +70,7 @@ def main() -> None:
     table.save(str(path))
     serve_args["plan_table"] = str(path)
     port = free_port()
+    apply_ray_env()  # local-only ports, JSON errors from the proxy: as `make serve`
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(serve_args), name="xema", route_prefix="/")

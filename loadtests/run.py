@@ -19,6 +19,7 @@ from pathlib import Path
 import requests
 
 from xema_ray.plan import PlanTable
+from xema_ray.serving.ray_env import ray_env
 from xema_ray.sim.simulate import Arrival, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def start_app(url: str, timeout_s: float) -> subprocess.Popen | None:
     serve = Path(sys.executable).parent / "serve"
     log = open(ROOT / "loadtests" / "results" / "serve.log", "w")  # noqa: SIM115 - lives as long as the app
     proc = subprocess.Popen([str(serve), "run", "deployments/xema.yaml"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=ray_env(base={**os.environ, "PYTHONPATH": str(ROOT)}))
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from xema_ray.memory.analysis import gb, parse_bytes
-from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, hardware_names
+from planner.residency import choose_group_residency
+from planner.text_encoder import place_text_encoder
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
@@ -48,16 +50,32 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
     return out
 
 
+def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]]:
+    """``model -> GPUs of its group`` and the served templates of a ``serve run`` YAML."""
+    import yaml
+
+    from xema_ray.serving.config import ServeConfig
+    from xema_ray.serving.startup import served_templates
+
+    doc = yaml.safe_load(path.read_text())
+    apps = doc.get("applications") or []
+    if not apps or "args" not in apps[0]:
+        raise ValueError(f"{path}: expected a Serve config with applications[0].args (as deployments/xema.yaml)")
+    cfg = ServeConfig.model_validate(apps[0]["args"])
+    return {g.model: g.workers for g in cfg.models}, served_templates(cfg)
+
+
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
     t0, started = time.perf_counter(), time.time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
+    gpus = opts.get("group_gpus", {}).get(template.model, opts["gpus"])  # the template's own group
     if opts["hardware"] == "cpu":
         latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
     cache = TraceCache(Path(opts["trace_cache"]) if opts.get("trace_cache") else None)
     model = TracePlannerModel(template, latency.seconds, cache)
-    budget, gpus = opts["budget"], opts["gpus"]
+    budget = opts["budget"]
     xema = plan_template(model, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
                          latency_source=latency.source)
     result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced}
@@ -118,6 +136,20 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
     return sorted(results, key=lambda r: order[r["template"]])
 
 
+def group_residencies(entries: dict[str, PlanEntry], latency: LatencyModel
+                      ) -> tuple[dict[str, PlanEntry], dict[str, GroupResidency]]:
+    """Per model group: the residency policy with more goodput, and the entries it serves with."""
+    by_model: dict[str, dict[str, PlanEntry]] = {}
+    for k, e in entries.items():
+        by_model.setdefault(e.config.template.model, {})[k] = e
+    out: dict[str, PlanEntry] = {}
+    chosen: dict[str, GroupResidency] = {}
+    for model, mine in sorted(by_model.items()):
+        chosen[model], served = choose_group_residency(mine, latency.seconds, latency.hardware.h2d_gbps)
+        out.update(served)
+    return {k: out[k] for k in entries}, chosen
+
+
 def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> None:
     w = (out or sys.stdout).write
     w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
@@ -132,30 +164,59 @@ def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> N
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    group_gpus: dict[str, int] = {}
     try:
-        templates = parse_templates(args.templates, args.steps)
+        if args.deployment is not None:
+            group_gpus, served = deployment_groups(Path(args.deployment))
+            templates = parse_templates(args.templates, args.steps) if args.templates else served
+            outside = sorted({t.model for t in templates} - set(group_gpus))
+            if outside:
+                raise ValueError(f"{args.deployment} has no model group for {', '.join(outside)}; "
+                                 f"its groups: {', '.join(f'{m} ({n} GPUs)' for m, n in group_gpus.items())}")
+            gpus = sum(group_gpus.values())
+        else:
+            templates = parse_templates(args.templates or "tiny", args.steps)
+            gpus = args.gpus
         budget = parse_bytes(args.budget)
         if args.hardware not in hardware_names():
             raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"planner: {e}", file=sys.stderr)
         return 2
-    opts = {"hardware": args.hardware, "budget": budget, "gpus": args.gpus, "slo_scale": args.slo_scale,
-            "max_batch": args.max_batch, "planner": args.planner, "trace_cache": args.trace_cache,
-            "time_limit_s": args.time_limit, "profile_store": args.profile_store}
+    opts = {"hardware": args.hardware, "budget": budget, "gpus": gpus, "group_gpus": group_gpus,
+            "slo_scale": args.slo_scale, "max_batch": args.max_batch, "planner": args.planner,
+            "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store}
     t0 = time.perf_counter()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
+    entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
+    residency = {}
+    latency_model = LatencyModel(args.hardware, store_path=args.profile_store)
+    if args.planner == "xema":
+        entries, residency = group_residencies(entries, latency_model)
+    encoders: dict[str, str] = {}
+    if args.text_encoder == "plan":
+        for k, e in list(entries.items()):
+            if e.config.template.spec.text_encoder is not None:
+                entries[k], costs = place_text_encoder(e, latency_model.hardware, budget)
+                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
+                encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
     table = PlanTable(
-        hardware=LatencyModel(args.hardware).fingerprint(args.gpus), gpus=args.gpus, budget_bytes=budget,
-        slo_scale=args.slo_scale, planner=args.planner,
-        entries={r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]},
+        hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
+        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner, residency=residency,
+        entries=entries,
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
+                    "text_encoders": "; ".join(f"{k}: {v}" for k, v in encoders.items()),
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     print_summary(results)
+    for k, v in encoders.items():
+        print(f"text encoder {k}: {v}")
+    for model, r in table.residency.items():
+        figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
+        print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
     print(f"planned {len(results)} templates in {wall:.1f} s; {table.provenance['profiled']} candidates profiled")
     if args.out:
         table.save(args.out)
@@ -167,9 +228,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan SP x DP x batch x mitigation per template (paper §7)")
-    p.add_argument("--templates", default="tiny", help="paper | tiny | MODEL:WxH[xF],...")
+    p.add_argument("--templates", default=None,
+                   help="paper | tiny | MODEL:WxH[xF],... (default: the deployment's templates, else tiny)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the set's own)")
-    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs every template may use (ignored with --deployment)")
+    p.add_argument("--deployment", default=None,
+                   help="a serve YAML (deployments/X.yaml): each template is planned for its model group's own GPUs")
     p.add_argument("--budget", default="48GB", help="per-GPU memory budget, e.g. 48GB or 44.7GiB")
     p.add_argument("--hardware", default="a6000", help=f"hardware profile for latency ({', '.join(hardware_names())})")
     p.add_argument("--slo-scale", type=float, default=1.0)
@@ -178,6 +242,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=None, help="seconds per template for grid-style baselines")
     p.add_argument("--trace-cache", default=None, help="directory to keep analyzer traces in (JSON)")
     p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
+    p.add_argument("--text-encoder", choices=("plan", "none"), default="plan",
+                   help="plan where each template's text encoder runs (device / streamed / cpu), or plan without one")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

@@ -1,5 +1,6 @@
-"""``xema`` command line: ``xema analyze`` (memory analysis of one template) and ``xema plan``
-(the offline planner, same as ``python -m planner plan``).
+"""``xema`` command line: ``xema analyze`` (memory analysis of one template), ``xema plan``
+(the offline planner, same as ``python -m planner plan``) and ``xema verify`` (the serving
+worker's own load + execute of every plan entry, counted on the meta device).
 
 Example:
     xema analyze --model cogvideox-5b --height 720 --width 1280 --frames 49 --budget 48GB \\
@@ -33,6 +34,8 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default=None, help="per-GPU budget, e.g. 48GB (10^9) or 44.7GiB")
     p.add_argument("--json", type=Path, default=None, help="write the trace and the summary as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
+    p.add_argument("--text-encoder", choices=("device", "streamed", "cpu", "none"), default="device",
+                   help="trace the model's text encoder in the set-up phase, placed so (default: on the device)")
     p.add_argument("--layout", action="store_true",
                    help="also solve the static layout and compare with a simulated caching allocator")
     p.set_defaults(func=cmd_analyze)
@@ -43,7 +46,7 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
     w(f"template            {s.template}\n")
     w(f"allocations         {s.n_allocations:,} ({s.n_events:,} events)\n")
     w(f"peak (active)       {gb(s.peak_bytes)} at event {s.peak_event:,} in {s.peak_phase}, {s.peak_module}\n")
-    w(f"  weights           {gb(s.weight_bytes)}\n")
+    w(f"  weights           {gb(s.weight_bytes)}" + (" (" + ", ".join(f"{k} {gb(v)}" for k, v in s.weight_bytes_by_component.items()) + ")" if s.weight_bytes_by_component else "") + "\n")
     w(f"  inputs            {gb(s.input_bytes)}\n")
     w(f"  activations       {gb(s.activation_bytes_at_peak)}\n")
     groups: dict[str, int] = {}
@@ -52,6 +55,7 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
         groups[g] = max(groups.get(g, 0), p.peak_bytes)
     for g, v in groups.items():
         w(f"  phase {g:<26}{gb(v)}\n")
+    w(f"set-up peak         {gb(s.setup_peak_bytes)} (text encoding included when traced)\n")
     if s.dit_cdf:
         w("DiT events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.dit_cdf.items()) + "\n")
     if s.vae_cdf:
@@ -76,9 +80,20 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as e:
         print(f"xema analyze: {e}", file=sys.stderr)
         return 2
+    from xema_ray.memory.analyzer import TraceOptions
+    from xema_ray.models.text_encoders import encoder_weight_bytes
+
     t0 = time.perf_counter()
-    trace = trace_template(template)
+    placement = None if args.text_encoder == "none" else args.text_encoder
+    trace = trace_template(template, TraceOptions(text_encoder=placement))
     elapsed = time.perf_counter() - t0
+    enc = template.spec.text_encoder
+    if enc is not None:
+        import torch
+
+        total, layers = encoder_weight_bytes(enc, torch.bfloat16 if template.spec.size == "real" else torch.float32)
+        print(f"text encoder        {enc.config.get('_class')}: {gb(total)} of weights in {len(layers)} layers, "
+              f"traced {'as ' + args.text_encoder if placement else 'not (stand-in embeddings)'}")
     summary = summarize(trace, budget)
     print_summary(summary)
     print(f"analysis time       {elapsed:.1f} s")
@@ -112,10 +127,54 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="run the serving worker's own load + execute for every plan entry on the "
+                                      "meta device and check its device bytes against the budget")
+    p.add_argument("--plan-table", type=Path, required=True, help="a plan table (xema plan --out)")
+    p.add_argument("--templates", default=None, help="comma-separated shape keys to verify (default: all entries)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON (list `entries`)")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from xema_ray.plan import PlanTable
+    from xema_ray.runtime.verify import verify_table
+
+    try:
+        table = PlanTable.load(str(args.plan_table))
+    except (OSError, ValidationError, ValueError) as e:
+        print(f"xema verify: {args.plan_table}: {e}", file=sys.stderr)
+        return 2
+    keys = None
+    if args.templates:
+        keys = [k.strip() for k in args.templates.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in table.entries]
+        if unknown:
+            print(f"xema verify: no entry for {', '.join(unknown)}; the table has {', '.join(sorted(table.entries))}",
+                  file=sys.stderr)
+            return 2
+    report = verify_table(table, keys, path=str(args.plan_table))
+    w = sys.stdout.write
+    w(f"{'template':<32}{'plan':<44}{'encoder':>9}{'device peak':>13}{'load peak':>12}{'host':>11}{'budget':>10}  fits\n")
+    for e in report.entries:
+        w(f"{e.template:<32}{e.plan[:43]:<44}{e.text_encoder or '-':>9}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
+          f"{gb(e.host_bytes):>11}{gb(e.budget_bytes):>10}  {'yes' if e.fits else 'NO'}\n")
+        if e.error:
+            w(f"    error: {e.error}\n")
+    w(f"{sum(e.fits for e in report.entries)} of {len(report.entries)} entries fit "
+      f"({sum(e.seconds for e in report.entries):.1f} s)\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(report.model_dump_json(indent=1))
+        print(f"wrote {args.json}")
+    return 0 if report.all_fit else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)
+    _add_verify(sub)
     from planner.cli import add_plan_parser
 
     add_plan_parser(sub)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import json
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from xema_ray.templates import RequestTemplate
 
@@ -84,6 +87,11 @@ class ExecutionConfig(BaseModel):
     batch: int = Field(default=1, ge=1, description="requests executed together in one group")
     mitigations: tuple[Mitigation, ...] = Field(default=(), description="applied for the batch, in order")
     layout_ref: str | None = Field(default=None, description="static layout id (hash of the solved trace), if any")
+    text_encoder: Literal["device", "streamed", "cpu"] | None = Field(
+        default=None,
+        description="where the text encoder runs: resident on the device, streamed layer by layer through it "
+                    "during set-up only, or on the host CPU; None = no encoder planned (stand-in embeddings, or "
+                    "the deployment's default)")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
@@ -155,17 +163,26 @@ PLAN_TABLE_SCHEMA_VERSION = 1
 
 
 class PlanPrediction(BaseModel):
-    """What the planner predicts for a chosen configuration."""
+    """What the planner predicts for a chosen configuration. Every figure is finite and
+    non-negative (a NaN latency would order batches and hint Retry-After with garbage)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    peak_bytes: int = Field(description="predicted reserved peak per GPU (static layout + dynamic margin)")
-    latency_s: float = Field(description="predicted end-to-end latency of one batch")
-    goodput_rps: float = Field(description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
-    slo_s: float = Field(description="the template's SLO used in planning")
+    peak_bytes: int = Field(ge=0, description="predicted reserved peak per GPU (static layout + dynamic margin)")
+    latency_s: float = Field(ge=0, description="predicted end-to-end latency of one batch")
+    goodput_rps: float = Field(ge=0, description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
+    slo_s: float = Field(gt=0, description="the template's SLO used in planning")
     latency_source: str = Field(description="measured | profiled | cost_model (an estimate)")
     latency_by_batch: dict[int, float] = Field(
         default_factory=dict, description="predicted latency of a partial batch of n requests (n < batch)")
+
+    @field_validator("latency_by_batch")
+    @classmethod
+    def _partial_latencies(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {n: s for n, s in v.items() if n < 1 or not math.isfinite(s) or s < 0}
+        if bad:
+            raise ValueError(f"latency_by_batch needs batch sizes >= 1 and finite latencies >= 0, got {bad}")
+        return v
 
 
 class PlanEntry(BaseModel):
@@ -179,6 +196,25 @@ class PlanEntry(BaseModel):
     candidates_profiled: int = Field(default=0, ge=0)
 
 
+class GroupResidency(BaseModel):
+    """How a model group's workers hold weights across its templates (chosen by the planner).
+
+    ``per_template``: each batch runs under its own plan's residency; moving to another
+    template's residency moves only the blocks whose home differs, costing ``switch_s[from][to]``
+    seconds. ``shared``: every template's offloaded blocks (``host_blocks``) stay on the host for
+    all templates (no switches; the entries' plans stream them all, which their latencies include).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: Literal["per_template", "shared"]
+    host_blocks: tuple[int, ...] = Field(default=(), description="shared: the blocks homed on the host")
+    switch_s: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="per_template: seconds to switch from one template's residency to another's")
+    goodput_rps: dict[str, float] = Field(default_factory=dict, description="the group's predicted goodput per policy")
+    host_bytes_per_worker: int = Field(default=0, ge=0, description="pinned host memory a worker holds at most")
+
+
 class PlanTable(BaseModel):
     """Plans for every supported template on one hardware configuration (JSON on disk).
 
@@ -186,16 +222,37 @@ class PlanTable(BaseModel):
     unless forced (``check_hardware``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    schema_version: int = PLAN_TABLE_SCHEMA_VERSION
+    schema_version: StrictInt = Field(
+        default=PLAN_TABLE_SCHEMA_VERSION, description="required in a file (``load`` refuses a table without one)")
     hardware: str = Field(description="hardware fingerprint, e.g. '8xNVIDIA RTX A6000 48GB' or 'cpu:4'")
-    gpus: int = Field(ge=1)
+    gpus: int = Field(ge=1, description="GPUs of the machine the table was planned for")
+    group_gpus: dict[str, int] = Field(
+        default_factory=dict,
+        description="model -> GPUs of its model group when planned for a deployment (xema plan --deployment); "
+                    "empty: every template could use all `gpus`")
     budget_bytes: int = Field(ge=1)
     slo_scale: float = Field(default=1.0, gt=0)
     planner: str = Field(default="xema", description="which planner or baseline produced it")
+    residency: dict[str, GroupResidency] = Field(
+        default_factory=dict, description="model -> how its group holds weights across templates (absent: per_template)")
     entries: dict[str, PlanEntry] = Field(default_factory=dict, description="keyed by RequestTemplate.shape_key")
     provenance: dict[str, str] = Field(default_factory=dict, description="versions, time, command line")
+
+    @model_validator(mode="after")
+    def _entries_match(self) -> PlanTable:
+        for key, e in self.entries.items():
+            if key != e.config.template.shape_key:
+                raise ValueError(f"plan table key {key!r} holds the plan of {e.config.template.shape_key!r}; "
+                                 "each entry must be keyed by its own template's shape key")
+            model = e.config.template.model
+            available = self.group_gpus.get(model, self.gpus)
+            if e.config.gpus > available:
+                where = f"{model}'s group of {available}" if model in self.group_gpus else str(available)
+                raise ValueError(f"{key}: plan {e.config.describe()} needs {e.config.gpus} GPUs "
+                                 f"(SP {e.config.sp} x DP {e.config.dp}) but the table is for {where}")
+        return self
 
     def lookup(self, template: RequestTemplate) -> PlanEntry:
         """The plan for a template (any batch/steps given by the request map to its shape)."""
@@ -225,6 +282,16 @@ class PlanTable(BaseModel):
         from pathlib import Path
 
         data = Path(path).read_text()
+        try:
+            raw = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON plan table ({e})") from None
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        # a file must say which schema it follows: a missing or non-integer version is refused,
+        # never taken as the current one (bool is an int subclass in Python, so exclude it)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"{path}: plan table needs an integer schema_version "
+                             f"(this build reads {PLAN_TABLE_SCHEMA_VERSION}), got {version!r}")
         table = cls.model_validate_json(data)
         if table.schema_version != PLAN_TABLE_SCHEMA_VERSION:
             raise ValueError(

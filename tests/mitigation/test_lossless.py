@@ -107,7 +107,7 @@ def test_primitive_is_lossless(model: str, case: str, pipelines: dict[str, Any],
     assert torch.equal(run_pipeline(pipe, model), ref)
 
 
-SERIAL_ATOL = 1e-5
+SERIAL_ATOL = 3e-5  # fp32 rounding of batch-size-dependent CPU kernels (seeded weights, tiny models)
 
 
 @pytest.mark.parametrize("where", ["transformer", "block", "vae.decoder"])

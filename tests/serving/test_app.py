@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
+import os
 import time
 
 import imageio.v3 as iio
@@ -25,6 +26,7 @@ from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
+from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +66,16 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     from deployments.app import build_app
 
     port = free_port()
+    saved_env = dict(os.environ)
+    apply_ray_env(open_ports=False)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="xema", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    os.environ.clear()
+    os.environ.update(saved_env)
 
 
 def _image(url: str, **overrides) -> requests.Response:  # type: ignore[no-untyped-def]

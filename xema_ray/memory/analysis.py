@@ -87,6 +87,9 @@ class MemorySummary(BaseModel):
     budget_bytes: int | None = None
     pressure_intervals: list[PressureInterval] = Field(default_factory=list)
     pressure_event_fraction: float = 0.0
+    weight_bytes_by_component: dict[str, int] = Field(
+        default_factory=dict, description="device-resident weights per pipeline component (transformer, vae, text_encoder, ...)")
+    setup_peak_bytes: int = Field(default=0, description="peak before the first denoising step (text encoding included)")
     dit_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of DiT events below x% of the DiT peak")
     vae_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of VAE events below x% of the VAE peak")
 
@@ -277,6 +280,12 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
     phs = event_phases(trace)
     intervals = pressure_intervals(trace, budget, curve) if budget is not None else []
     frac = float((curve > budget).mean()) if budget is not None and trace.n_events else 0.0
+    by_component: dict[str, int] = {}
+    is_w = trace.category == Category.WEIGHT
+    for m, size in zip(trace.module[is_w], trace.size[is_w], strict=True):
+        comp = trace.modules[m].split(".", 1)[0] if m >= 0 else "?"
+        by_component[comp] = by_component.get(comp, 0) + int(size)
+    setup = [p.peak_bytes for p in phase_peaks(trace, curve) if p.phase == "setup"]
     return MemorySummary(
         template=trace.meta.get("template", "?"),
         n_allocations=len(trace),
@@ -294,6 +303,8 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
         pressure_event_fraction=frac,
         dit_cdf=event_cdf(trace, "dit", curve=curve),
         vae_cdf=event_cdf(trace, "vae", curve=curve),
+        weight_bytes_by_component=dict(sorted(by_component.items(), key=lambda kv: -kv[1])),
+        setup_peak_bytes=max(setup, default=0),
     )
 
 

@@ -69,6 +69,10 @@ class TraceOptions:
     memoise: bool = True
     prompt: str = "a photo of a cat"
     seed: int = 0
+    #: trace the model's real text encoder (built from its config) in the set-up phase, placed
+    #: "device" (resident all request), "streamed" (layers through the device during set-up) or
+    #: "cpu" (nothing on the device: the embeddings arrive as inputs); None = stand-in inputs
+    text_encoder: str | None = None
 
 
 def default_dtype_for(spec: ModelSpec) -> torch.dtype:
@@ -105,27 +109,41 @@ def trace_template(
     traced_steps = min(template.steps, REPLICATE_FROM) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
-    inputs = spec.prompt_embeddings([opts.prompt] * template.batch, opts.device, dtype)
+    prompts = [opts.prompt] * template.batch
+    encoder = _attach_text_encoder(pipe, spec, opts, dtype)
     tracer = AllocationTracer(opts.device, _module_names(pipe), count_host=opts.count_host, memoise=opts.memoise)
     for name, module in _components(pipe):
         tracer.register_module(name, module)
-    tracer.register_resident(dict(inputs), Category.INPUT)
+    if encoder is None:
+        inputs = spec.prompt_embeddings(prompts, opts.device, dtype)
+        tracer.register_resident(dict(inputs), Category.INPUT)
 
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     call = dict(spec.call_kwargs(run_template))
     extra = prepare(pipe, tracer) if prepare is not None else contextlib.nullcontext()
     shims = spec.tracing_shims(run_template) if opts.device == "meta" else contextlib.nullcontext()
-    with (
-        shims,
-        torch.no_grad(),
-        _scheduler_on_host(pipe),
-        _markers(pipe, tracer, opts.device),
-        cuda_like_attention(tracer),
-        extra,
-        tracer,
-    ):
-        pipe(**call, **inputs, generator=generator, output_type="pt")
-        del inputs
+    from xema_ray.models.text_encoders import meta_shims
+
+    try:
+        with (
+            shims,
+            torch.no_grad(),
+            _scheduler_on_host(pipe),
+            _markers(pipe, tracer, opts.device),
+            cuda_like_attention(tracer),
+            meta_shims() if opts.device == "meta" else contextlib.nullcontext(),
+            extra,
+            tracer,
+        ):
+            if encoder is not None:  # text encoding is the first part of the set-up phase
+                tracer.mark("begin:text_encoder")
+                inputs = spec.encode_prompts(pipe, prompts, torch.device(opts.device), dtype)
+                tracer.mark("end:text_encoder")
+            pipe(**call, **inputs, generator=generator, output_type="pt")
+            del inputs
+    finally:
+        if encoder is not None:
+            encoder.detach()
     raw = tracer.raw()
     raw.meta.update(
         {
@@ -134,11 +152,51 @@ def trace_template(
             "dtype": str(dtype).removeprefix("torch."),
             "tracer_version": TRACER_VERSION,
             "traced_steps": str(traced_steps),
+            "text_encoder": opts.text_encoder or "none",
         }
     )
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
     return expand_steps(raw, template.steps)
+
+
+@dataclass
+class _AttachedEncoder:
+    pipe: Any
+    previous: tuple[Any, Any]
+    handle: Any = None
+
+    def detach(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.pipe.text_encoder, self.pipe.tokenizer = self.previous
+
+
+def _attach_text_encoder(pipe: Any, spec: ModelSpec, opts: TraceOptions, dtype: torch.dtype) -> _AttachedEncoder | None:
+    """Give ``pipe`` the model's real text encoder (meta, from its config) for the trace, placed
+    as ``opts.text_encoder`` says; None when the trace uses stand-in embeddings (no encoder, or
+    an encoder on the host CPU: its embeddings are then inputs, like the stand-ins)."""
+    if opts.text_encoder in (None, "cpu") or spec.text_encoder is None:
+        return None
+    if opts.device != "meta":
+        raise ValueError("tracing the text encoder is for the meta device (its weights are not built here)")
+    from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
+    from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer
+
+    enc_spec = spec.text_encoder
+    encoder = build_encoder_on_meta(enc_spec, dtype, real_buffers=False)
+    attached = _AttachedEncoder(pipe, (getattr(pipe, "text_encoder", None), getattr(pipe, "tokenizer", None)))
+    if opts.text_encoder == "streamed":
+        # before the tracer registers resident weights: the streamed layers are not resident
+        units = enc_spec.units(encoder)
+        attached.handle = apply_block_offload(encoder, units, BlockOffloadConfig(blocks=tuple(range(len(units)))))
+        from xema_ray.mitigation.hooks import HostCopy
+
+        for prefix in enc_spec.streamed_host_modules()[len(units):]:  # the vision tower: on the host, never run
+            for t in encoder.get_submodule(prefix).parameters():
+                t.data = HostCopy(t.data).placeholder()
+    pipe.text_encoder, pipe.tokenizer = encoder, build_tokenizer(enc_spec)
+    return attached
 
 
 # ---------------------------------------------------------------------------- pipeline plumbing
@@ -240,6 +298,26 @@ def _markers(pipe: Any, tracer: AllocationTracer, device: str) -> Iterator[None]
             h.remove()
         for comp, attr in patched:
             delattr(comp, attr)
+
+
+@contextlib.contextmanager
+def shape_only_execution(pipe: Any, spec: ModelSpec, template: RequestTemplate) -> Iterator[None]:
+    """What a pipeline call needs to run on the meta device (the analyzer's own set-up): the
+    model's value-reading shims, the scheduler on the host, host timesteps moved onto meta as
+    the DiT is entered, and attention allocating what CUDA's kernels allocate. The serving
+    engine enters it when its device is meta, so ``xema verify`` runs the worker's own code."""
+
+    def to_meta(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return _to_device(args, "meta"), _to_device(kwargs, "meta")
+
+    from xema_ray.models.text_encoders import meta_shims
+
+    handle = pipe.transformer.register_forward_pre_hook(to_meta, with_kwargs=True)
+    try:
+        with spec.tracing_shims(template), _scheduler_on_host(pipe), cuda_like_attention(None), meta_shims():
+            yield
+    finally:
+        handle.remove()
 
 
 # ---------------------------------------------------------------------------- step replication

@@ -273,7 +273,7 @@ class AllocationTracer(TorchDispatchMode):
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
-def make_cuda_like_sdpa(tracer: AllocationTracer) -> Callable[..., torch.Tensor]:
+def make_cuda_like_sdpa(tracer: AllocationTracer | None) -> Callable[..., torch.Tensor]:
     """An SDPA that allocates what CUDA's fused kernels allocate (ARCHITECTURE.md):
 
     - output: ``[B, Sq, H, Dv]`` contiguous, returned transposed to ``[B, H, Sq, Dv]`` (the fused
@@ -299,7 +299,7 @@ def make_cuda_like_sdpa(tracer: AllocationTracer) -> Callable[..., torch.Tensor]
         dv = value.shape[-1]
         out = torch.empty((*batch, sq, heads, dv), dtype=query.dtype, device=query.device).transpose(-3, -2)
         if query.device.type != "meta":
-            with tracer.paused():
+            with tracer.paused() if tracer is not None else contextlib.nullcontext():
                 ref = _ORIGINAL_SDPA(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                     scale=scale, enable_gqa=enable_gqa,
@@ -315,7 +315,7 @@ def make_cuda_like_sdpa(tracer: AllocationTracer) -> Callable[..., torch.Tensor]
 
 
 @contextlib.contextmanager
-def cuda_like_attention(tracer: AllocationTracer) -> Iterator[None]:
+def cuda_like_attention(tracer: AllocationTracer | None) -> Iterator[None]:
     """Swap ``F.scaled_dot_product_attention`` for ``make_cuda_like_sdpa`` while tracing.
 
     diffusers looks the function up on ``torch.nn.functional`` at call time, so patching the

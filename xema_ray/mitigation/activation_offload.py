@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from xema_ray.mitigation import _device
+from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import HOOK_NAMES, HostCopy, MitigationHandle, OffloadedTensor, hook_module, resolve_module
 
 
@@ -107,7 +107,7 @@ class ReusedInputOffloadHook(ModelHook):
         if self.max_tensors is not None:
             reused = reused[: self.max_tensors]
         for t in reused:
-            host = HostCopy(t.data)
+            host = HostCopy(t.data, stream=self.stream)  # device->host on the side stream
             t.data = host.placeholder()  # in place: the caller's reference now points at the host copy
             self.offloaded.append((weakref.ref(t), host))
         self.previous = [weakref.ref(t) for t in self.current]

@@ -25,15 +25,17 @@ from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation import _device
+from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import (
     HOOK_NAMES,
     HostCopy,
     MemorySaving,
     MitigationHandle,
     check_blocks,
+    compute_device,
     hook_module,
 )
+from xema_ray.models.loading import WEIGHT_HOME_ATTR, WeightHome
 
 
 class BlockOffloadConfig(BaseModel):
@@ -47,14 +49,21 @@ class BlockOffloadConfig(BaseModel):
 
 
 class _OffloadedBlock:
-    """One block's weights: host copies made (and pinned) once, onloaded per forward."""
+    """One block's weights on the host, onloaded per forward.
 
-    def __init__(self, block: nn.Module, stream: _device.TransferStream, pin: bool) -> None:
+    A block the worker homed on the host at load (``WEIGHT_HOME_ATTR``, see
+    ``xema_ray.runtime.residency``) is streamed from where it already is: nothing is copied
+    when the primitive is applied, and removing it leaves the block on the host. A block that is
+    on the device (a pipeline built whole, as the analyzer's) is copied to the host once here and
+    put back by ``restore``."""
+
+    def __init__(self, block: nn.Module, stream: _device.TransferStream, pin: bool, device: torch.device) -> None:
         self.block = block
         self.stream = stream
+        self.homed_on_host = getattr(block, WEIGHT_HOME_ATTR, None) == WeightHome.HOST.value
         self.tensors: list[tuple[torch.Tensor, HostCopy]] = []
         for t in [*block.parameters(), *block.buffers()]:
-            host = HostCopy(t.data, pin=pin, keep=True)
+            host = HostCopy(t.data, pin=pin, keep=True, device=device)
             self.tensors.append((t, host))
             t.data = host.placeholder()
         self.bytes = sum(t.numel() * t.element_size() for t, _ in self.tensors)
@@ -83,7 +92,11 @@ class _OffloadedBlock:
         self.onloaded = False
 
     def restore(self) -> None:
-        """Undo: the weights go back to the device for good (``remove``)."""
+        """Undo: a block homed on the host stays there (its home is worker state); one that was
+        on the device goes back for good."""
+        if self.homed_on_host:
+            self.release()
+            return
         self.onload()
         self.wait()
 
@@ -133,16 +146,17 @@ def apply_block_offload(
         config: which to offload.
 
     Returns:
-        A handle whose ``remove()`` puts the weights back on the device and detaches the hooks.
+        A handle whose ``remove()`` detaches the hooks and returns each block to its home: the
+        host for blocks the worker placed there at load, the device for the others.
     """
     check_blocks("block_offload", config.blocks, len(blocks))
     handle = MitigationHandle("block_offload")
     if not config.blocks:
         return handle
-    device = next(blocks[config.blocks[0]][1].parameters()).device
+    device = compute_device(transformer)
     stream = _device.TransferStream(device)
     order = sorted(config.blocks)
-    groups = [_OffloadedBlock(blocks[i][1], stream, config.pin_memory) for i in order]
+    groups = [_OffloadedBlock(blocks[i][1], stream, config.pin_memory, device) for i in order]
     for g in groups:
         handle.add_undo(g.restore)
     for k, (i, g) in enumerate(zip(order, groups, strict=True)):

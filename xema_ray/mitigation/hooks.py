@@ -27,7 +27,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation import _device
+from xema_ray.platforms import streams as _device
 
 HOOK_NAMES = {
     "block_offload": "xema_block_offload",
@@ -139,6 +139,15 @@ def evenly_spread(k: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({(i * n) // k for i in range(k)})) if k else ()
 
 
+def compute_device(module: nn.Module) -> torch.device:
+    """The device ``module`` computes on: recorded by the loader (a host-homed block's tensors
+    are on the CPU while the model computes on CUDA), else its first parameter's."""
+    from xema_ray.models.loading import COMPUTE_DEVICE_ATTR
+
+    recorded = getattr(module, COMPUTE_DEVICE_ATTR, None)
+    return recorded if recorded is not None else next(module.parameters()).device
+
+
 # ---------------------------------------------------------------------------- host copies
 _SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -168,20 +177,28 @@ class HostCopy:
         pin: pin the CUDA host copy (needed for asynchronous copies; done once here).
         keep: on CPU, keep ``t`` itself as the host copy instead of cloning it (weights, whose
             storage nobody else frees).
+        device: the compute device the copy returns to (default ``t.device``; given when ``t``
+            is already on the host, e.g. a block the worker homed there at load).
     """
 
-    __slots__ = ("shape", "dtype", "device", "data")
+    __slots__ = ("shape", "dtype", "device", "data", "pending")
 
-    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False) -> None:
+    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False, device: torch.device | None = None,
+                 stream: _device.TransferStream | None = None) -> None:
         self.shape = t.shape
         self.dtype = t.dtype
-        self.device = t.device
-        if t.device.type == "meta":
+        self.device = device if device is not None else t.device
+        #: event of an asynchronous device->host copy still in flight (CUDA with a ``stream``)
+        self.pending: object | None = None
+        if self.device.type == "meta":
             self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
+        elif t.device.type == "cpu" and self.device.type != "cpu":
+            # already on the host: keep it (pinned once, at load, for asynchronous copies)
+            self.data = t if (t.is_pinned() or not pin) else t.pin_memory()
         elif t.device.type == "cpu":
             self.data = t if keep else t.clone()
         else:
-            self.data = _device.to_host(t, pin=pin)
+            self.data, self.pending = _device.to_host(t, pin=pin, stream=stream)
 
     def to_device(self, stream: _device.TransferStream | None = None) -> torch.Tensor:
         """A fresh device tensor with the host data (allocated now, on ``stream`` if given)."""
@@ -189,7 +206,7 @@ class HostCopy:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             return self.data.clone()
-        return _device.to_device(self.data, self.device, stream)
+        return _device.to_device(self.data, self.device, stream, self.pending)
 
     def placeholder(self) -> torch.Tensor:
         """What the original tensor object points to while offloaded: the host data itself on
@@ -205,6 +222,7 @@ class HostCopy:
         meta): the target of band-wise writes (``copy_rows``) that never exist whole on the device."""
         obj = cls.__new__(cls)
         obj.shape, obj.dtype, obj.device = torch.Size(shape), dtype, torch.device(device)
+        obj.pending = None
         if obj.device.type == "meta":
             obj.data = None
         else:
@@ -217,12 +235,14 @@ class HostCopy:
         shape = list(self.shape)
         shape[dim] = length
         obj.shape, obj.dtype, obj.device = torch.Size(shape), self.dtype, self.device
+        obj.pending = self.pending
         obj.data = None if self.data is None else self.data.narrow(dim, start, length)
         return obj
 
     def copy_rows(self, dim: int, start: int, src: HostCopy, src_start: int, length: int) -> None:
         """Host-to-host: ``self[start:start+length] = src[src_start:src_start+length]`` along ``dim``."""
         if self.data is not None and src.data is not None:
+            _device.host_ready(src.pending)  # a CPU read: the asynchronous copy must have landed
             self.data.narrow(dim, start, length).copy_(src.data.narrow(dim, src_start, length))
 
 
@@ -234,7 +254,7 @@ class OffloadedTensor:
     __slots__ = ("host", "stream")
 
     def __init__(self, t: torch.Tensor, stream: _device.TransferStream | None = None) -> None:
-        self.host = HostCopy(t)
+        self.host = HostCopy(t, stream=stream)  # asynchronous on CUDA: the cache leaves on the side stream
         self.stream = stream
 
     @classmethod

@@ -29,7 +29,17 @@ from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation.hooks import HOOK_NAMES, MemorySaving, MitigationHandle, check_blocks, hook_module, placeholder_like
+from xema_ray.mitigation.hooks import (
+    HOOK_NAMES,
+    MemorySaving,
+    MitigationHandle,
+    check_blocks,
+    compute_device,
+    hook_module,
+    placeholder,
+    placeholder_like,
+)
+from xema_ray.models.loading import WEIGHT_HOME_ATTR, WeightHome
 
 
 class HSDPConfig(BaseModel):
@@ -79,11 +89,17 @@ class ShapeOnlyGroup:
 
 
 class _ShardedBlock:
-    """One block's parameters, grouped by dtype into flat buffers; this rank keeps its slice."""
+    """One block's parameters, grouped by dtype into flat buffers; this rank keeps its slice.
 
-    def __init__(self, block: nn.Module, comm: Collective) -> None:
+    A block the worker homed on the host at load (``WEIGHT_HOME_ATTR``) is cut from its host
+    copy: only this rank's shard reaches the device, and removing the primitive leaves the
+    block on the host. A block on the device is sharded in place and re-gathered by ``restore``."""
+
+    def __init__(self, block: nn.Module, comm: Collective, device: torch.device) -> None:
         self.comm = comm
+        self.homed_on_host = getattr(block, WEIGHT_HOME_ATTR, None) == WeightHome.HOST.value
         self.groups: list[tuple[list[torch.Tensor], int, torch.Tensor]] = []  # params, padded numel, shard
+        self.host_data: list[torch.Tensor] = []
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in block.parameters():
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -92,15 +108,20 @@ class _ShardedBlock:
             numel = sum(p.numel() for p in params)
             padded = -(-numel // w) * w
             n = padded // w
-            flat = torch.cat([p.data.reshape(-1) for p in params])
             start, stop = comm.rank * n, min((comm.rank + 1) * n, numel)
-            shard = torch.zeros(n, dtype=flat.dtype, device=flat.device)
-            if stop > start:
-                shard[: stop - start].copy_(flat[start:stop])
-            del flat
+            shard = torch.zeros(n, dtype=params[0].dtype, device=device)
+            if device.type != "meta" or not self.homed_on_host:
+                # a meta host copy has no values to cut (and concatenating it would be counted
+                # as a device allocation that a GPU never makes)
+                flat = torch.cat([p.data.reshape(-1) for p in params])
+                if stop > start:
+                    shard[: stop - start].copy_(flat[start:stop])
+                del flat
             self.groups.append((params, padded, shard))
             for p in params:
-                p.data = placeholder_like(p.data)
+                if self.homed_on_host:
+                    self.host_data.append(p.data)
+                p.data = placeholder(p.shape, p.dtype, device)
         self.bytes_full = sum(padded * s.element_size() for _, padded, s in self.groups)
         self.pending: list[Any] = []
         self.gathered = False
@@ -131,7 +152,15 @@ class _ShardedBlock:
         self.gathered = False
 
     def restore(self) -> None:
-        """Undo: gather once more and keep full, independent parameter storage."""
+        """Undo: a host-homed block points at its host copy again; a device block is gathered
+        once more into full, independent parameter storage."""
+        if self.homed_on_host:
+            self.pending.clear()
+            params = [p for ps, _, _ in self.groups for p in ps]
+            for p, host in zip(params, self.host_data, strict=True):
+                p.data = host
+            self.gathered = False
+            return
         self.wait()
         for params, _, _ in self.groups:
             for p in params:
@@ -187,7 +216,8 @@ def apply_hsdp(
         raise ValueError(f"hsdp needs a group of at least 2 ranks, got {comm.world_size}")
     handle = MitigationHandle("hsdp")
     order = sorted(config.blocks)
-    sharded = [_ShardedBlock(blocks[i][1], comm) for i in order]
+    device = compute_device(transformer)
+    sharded = [_ShardedBlock(blocks[i][1], comm, device) for i in order]
     for i, s in zip(order, sharded, strict=True):
         handle.add_undo(s.restore)
         for g, (_, _, shard) in enumerate(s.groups):

@@ -18,26 +18,41 @@ __all__ = ["BuildOptions", "ModelSpec", "MODEL_NAMES", "get_model_spec"]
 
 def _flux2(size: str) -> ModelSpec:
     from xema_ray.models.flux2 import Flux2Spec
+    from xema_ray.models.text_encoders import TextEncoderSpec
 
     if size == "real":
-        return Flux2Spec("flux2", "real", "flux2dev_transformer.json", "flux2dev_vae.json", text_tokens=512)
-    return Flux2Spec("tiny-flux2", "tiny", "tiny_flux2_transformer.json", "tiny_flux2_vae.json", text_tokens=8)
+        spec = Flux2Spec("flux2", "real", "flux2dev_transformer.json", "flux2dev_vae.json", text_tokens=512)
+        spec.text_encoder = TextEncoderSpec("mistral3", "flux2dev_text_encoder.json", 512, out_layers=(10, 20, 30))
+    else:
+        spec = Flux2Spec("tiny-flux2", "tiny", "tiny_flux2_transformer.json", "tiny_flux2_vae.json", text_tokens=8)
+        spec.text_encoder = TextEncoderSpec("mistral3", "tiny_flux2_text_encoder.json", 8, out_layers=(1,))
+    return spec
 
 
 def _cogvideox(size: str) -> ModelSpec:
     from xema_ray.models.cogvideox import CogVideoXSpec
+    from xema_ray.models.text_encoders import TextEncoderSpec
 
     if size == "real":
-        return CogVideoXSpec("cogvideox-5b", "real", "cogvideox5b_transformer.json", "cogvideox5b_vae.json")
-    return CogVideoXSpec("tiny-cogvideox", "tiny", "tiny_cogvideox_transformer.json", "tiny_cogvideox_vae.json")
+        spec = CogVideoXSpec("cogvideox-5b", "real", "cogvideox5b_transformer.json", "cogvideox5b_vae.json")
+        spec.text_encoder = TextEncoderSpec("t5", "cogvideox5b_text_encoder.json", spec.text_tokens)
+    else:
+        spec = CogVideoXSpec("tiny-cogvideox", "tiny", "tiny_cogvideox_transformer.json", "tiny_cogvideox_vae.json")
+        spec.text_encoder = TextEncoderSpec("t5", "tiny_cogvideox_text_encoder.json", spec.text_tokens)
+    return spec
 
 
 def _ltx2(size: str) -> ModelSpec:
     from xema_ray.models.ltx2 import LTX2Spec
+    from xema_ray.models.text_encoders import TextEncoderSpec
 
     if size == "real":
-        return LTX2Spec("ltx2", "real", "ltx2_transformer.json", "ltx2_vae.json")
-    return LTX2Spec("tiny-ltx2", "tiny", "tiny_ltx2_transformer.json", "tiny_ltx2_vae.json")
+        spec = LTX2Spec("ltx2", "real", "ltx2_transformer.json", "ltx2_vae.json")
+        spec.text_encoder = TextEncoderSpec("gemma3", "ltx2_text_encoder.json", spec.text_tokens)
+    else:
+        spec = LTX2Spec("tiny-ltx2", "tiny", "tiny_ltx2_transformer.json", "tiny_ltx2_vae.json")
+        spec.text_encoder = TextEncoderSpec("gemma3", "tiny_ltx2_text_encoder.json", spec.text_tokens)
+    return spec
 
 
 _FACTORIES: dict[str, Callable[[], ModelSpec]] = {

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 ModelSize = Literal["real", "tiny"]
 ModelKind = Literal["image", "video"]
+#: where the text encoder runs: on the device for the whole request, streamed layer by layer
+#: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
+#: (prompt embeddings are seeded stand-ins, ARCHITECTURE.md "Prompts")
+TextEncoderPlacement = Literal["device", "streamed", "cpu"]
 
 
 def load_config(name: str) -> dict[str, Any]:
@@ -57,13 +61,33 @@ class BuildOptions:
         dtype: parameter dtype (bf16 for real models, fp32 for tiny CPU tests).
         weights_dir: a local diffusers directory to ``from_pretrained`` from; None = random weights
             (architecture, memory and latency are real, pictures are noise).
-        seed: seed for random weights, so two workers build identical models.
+        seed: seed for random weights, so two workers build identical models (the values do
+            not depend on placement: ``xema_ray.models.loading.SeededWeights``).
+        host_modules: module paths (relative to the pipeline, e.g. ``transformer.transformer_blocks.3``)
+            whose weights are homed on (pinned) host memory from the start: the device never
+            holds them (the worker's residency, ``xema_ray.runtime.residency``).
     """
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     weights_dir: Path | None = None
     seed: int = 0
+    host_modules: tuple[str, ...] = ()
+    #: place weights tensor by tensor on meta too (the worker does, so ``xema verify`` counts each
+    #: weight as it is placed); analysis registers a meta tree's weights itself and skips it
+    place_on_meta: bool = False
+    #: the text encoder: None = with real weights (a ``text_encoder`` folder in ``weights_dir``) on
+    #: the device, else none; or a placement (random weights at the real config without a checkpoint)
+    text_encoder: TextEncoderPlacement | Literal["none"] | None = None
+
+    def encoder_placement(self) -> TextEncoderPlacement | None:
+        """The encoder placement these options ask for (None: no encoder)."""
+        if self.text_encoder == "none":
+            return None
+        if self.text_encoder is not None:
+            return self.text_encoder
+        has = self.weights_dir is not None and (Path(self.weights_dir) / "text_encoder").is_dir()
+        return "device" if has else None
 
 
 class ModelSpec(ABC):
@@ -75,6 +99,9 @@ class ModelSpec(ABC):
     family: str
     kind: ModelKind
     size: ModelSize
+
+    #: the model's text encoder (configs and builder); None: the model has none
+    text_encoder: Any = None
 
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
         self.name = name
@@ -139,17 +166,104 @@ class ModelSpec(ABC):
     def vae_class(self) -> type[nn.Module]: ...
 
     def _build(self, cls: type[Any], config: dict[str, Any], subfolder: str, opts: BuildOptions) -> nn.Module:
+        """Build one component module by module at its home (never whole on the device, then
+        moved): meta tree from the config, then each module's tensors from the checkpoint or the
+        seeded generator, on the device or the host as ``opts.host_modules`` says."""
+        from xema_ray.models.loading import (
+            CheckpointWeights,
+            SeededWeights,
+            WeightHome,
+            WeightSource,
+            build_on_meta,
+            checkpoint_dtype,
+            materialize,
+            PLACEMENT_ATTR,
+        )
+
+        source: WeightSource
         if opts.weights_dir is not None:
             if opts.device == "meta":
                 raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
-            model = cls.from_pretrained(opts.weights_dir, subfolder=subfolder, torch_dtype=opts.dtype)
-            return model.to(opts.device).eval()
-        cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-        if opts.device != "meta":
-            torch.manual_seed(opts.seed)
-        with default_dtype(opts.dtype), torch.device(opts.device):
-            model = cls.from_config(cfg)
-        return model.eval().requires_grad_(False)
+            directory = Path(opts.weights_dir) / subfolder
+            config_file = directory / "config.json"
+            if not config_file.is_file():
+                from xema_ray.models.loading import CheckpointError
+
+                raise CheckpointError(f"{config_file}: missing (expected the {subfolder} component's config.json, "
+                                      f"as save_pretrained writes it)")
+            config = json.loads(config_file.read_text())
+            stored = checkpoint_dtype(directory)
+            if stored is not None and stored != opts.dtype:
+                from xema_ray.models.loading import CheckpointError
+
+                raise CheckpointError(f"{directory}: weights are stored as {stored}, this worker loads "
+                                      f"{opts.dtype} (set the model's dtype to match the checkpoint)")
+            source = CheckpointWeights(directory)
+        else:
+            source = SeededWeights(opts.seed, subfolder)
+        prefixes = tuple(p.removeprefix(subfolder + ".") for p in opts.host_modules if p.startswith(subfolder + "."))
+        if opts.device == "meta" and not prefixes and not opts.place_on_meta:
+            return build_on_meta(cls, config, opts.dtype, real_buffers=False)  # analysis: the meta tree is the model
+        model = build_on_meta(cls, config, opts.dtype)
+
+        def home_of(path: str) -> WeightHome:
+            host = any(path == p or path.startswith(p + ".") for p in prefixes)
+            return WeightHome.HOST if host else WeightHome.DEVICE
+
+        report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of)
+        setattr(model, PLACEMENT_ATTR, report)
+        return model
+
+    def build_text_encoder(self, opts: BuildOptions) -> tuple[nn.Module | None, Any]:
+        """(text encoder, tokenizer) placed as ``opts`` says, or (None, None) without one.
+
+        A checkpoint's encoder is read by transformers (its key conventions) onto the CPU and
+        then placed module by module: on the device, or on (pinned) host memory for layers that
+        stream (``host_modules`` under ``text_encoder.``), or left on the CPU to run there. A
+        random-weight encoder is built at the real config with seeded values the same way."""
+        from xema_ray.models.loading import (
+            PLACEMENT_ATTR,
+            LoadedWeights,
+            SeededWeights,
+            WeightHome,
+            WeightSource,
+            materialize,
+        )
+        from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, load_tokenizer
+
+        placement = opts.encoder_placement()
+        spec = self.text_encoder
+        if placement is None or spec is None:
+            return None, None
+        directory = Path(opts.weights_dir) / "text_encoder" if opts.weights_dir is not None else None
+        tok_dir = Path(opts.weights_dir) / "tokenizer" if opts.weights_dir is not None else None
+        tokenizer = load_tokenizer(tok_dir) if tok_dir is not None and tok_dir.is_dir() else build_tokenizer(spec)
+        source: WeightSource
+        if directory is not None and directory.is_dir():
+            if opts.device == "meta":
+                raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
+            loaded = spec.model_class().from_pretrained(str(directory), dtype=opts.dtype)
+            source = LoadedWeights(loaded, str(directory))
+        else:
+            source = SeededWeights(opts.seed, "text_encoder")
+        model = build_encoder_on_meta(spec, opts.dtype)
+        device = torch.device("cpu") if placement == "cpu" and opts.device != "meta" else torch.device(opts.device)
+        prefixes: tuple[str, ...] = spec.streamed_host_modules() if placement == "streamed" else ()
+        if placement == "cpu":
+            prefixes = ("",)  # all of it on the host: nothing on the device
+
+        def home_of(path: str) -> WeightHome:
+            host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+            return WeightHome.HOST if host else WeightHome.DEVICE
+
+        report = materialize(model, device, opts.dtype, source, home_of)
+        setattr(model, PLACEMENT_ATTR, report)
+        if placement == "streamed":
+            from xema_ray.models.loading import WEIGHT_HOME_ATTR
+
+            for _, unit in spec.units(model):
+                setattr(unit, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks
+        return model, tokenizer
 
     def build_transformer(self, opts: BuildOptions) -> nn.Module:
         """The DiT denoiser (real weights, random weights or meta, per ``opts``)."""
@@ -174,6 +288,14 @@ class ModelSpec(ABC):
         Without real text encoders the embeddings are derived deterministically from each prompt
         (ARCHITECTURE.md, "Prompts"): same prompt, same embedding, on every worker.
         """
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The same kwargs as ``prompt_embeddings``, from the pipeline's own text encoder run on ``device``."""
+        raise NotImplementedError(f"{self.name} has no text encoder")
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        """Tokens ``prompt`` takes before the pipeline truncates it to ``text_tokens``."""
+        raise NotImplementedError(f"{self.name} has no text encoder")
 
     @abstractmethod
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:

@@ -98,14 +98,7 @@ class CogVideoXSpec(ModelSpec):
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
         from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
 
-        text_encoder = tokenizer = None
-        if opts.weights_dir is not None:
-            from transformers import T5EncoderModel, T5Tokenizer
-
-            text_encoder = T5EncoderModel.from_pretrained(
-                opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
-            ).to(opts.device)
-            tokenizer = T5Tokenizer.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        text_encoder, tokenizer = self.build_text_encoder(opts)
         vae = self.build_vae(opts)
         unsplit_safe_convs(vae)
         pipe = CogVideoXPipeline(
@@ -126,6 +119,15 @@ class CogVideoXSpec(ModelSpec):
         # the negative prompt is the empty string, as in the pipeline's default
         neg = torch.cat([self.seeded_embedding("", shape, device, dtype, salt="negative")] * len(prompts))
         return {"prompt_embeds": pos, "negative_prompt_embeds": neg}
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """T5 embeddings of the prompts and of the empty negative prompt (the pipeline's default)."""
+        pos, neg = pipe.encode_prompt(prompt=prompts, negative_prompt=None, do_classifier_free_guidance=True,
+                                      max_sequence_length=self.text_tokens, device=device, dtype=dtype)
+        return {"prompt_embeds": pos, "negative_prompt_embeds": neg}
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        return len(tokenizer(prompt, add_special_tokens=True).input_ids)
 
     @property
     def default_guidance_scale(self) -> float:

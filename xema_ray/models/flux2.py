@@ -37,6 +37,9 @@ class Flux2Spec(ModelSpec):
         super().__init__(name, size, transformer_config, vae_config)  # type: ignore[arg-type]
         # Mistral-3 prompt length the pipeline pads to (tokenizer_max_length = 512).
         self.text_tokens = text_tokens
+        #: the system message the pipeline puts before every prompt (diffusers' own for the real
+        #: model; none for the tiny one, whose 8 tokens would otherwise all go to it)
+        self.system_message: str | None = None if size == "real" else ""
 
     @property
     def vae_scale_factor(self) -> int:
@@ -70,14 +73,7 @@ class Flux2Spec(ModelSpec):
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
-        text_encoder = tokenizer = None
-        if opts.weights_dir is not None:
-            from transformers import AutoProcessor, Mistral3ForConditionalGeneration
-
-            text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
-                opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
-            ).to(opts.device)
-            tokenizer = AutoProcessor.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = Flux2Pipeline(
             scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
             vae=self.build_vae(opts),
@@ -85,6 +81,8 @@ class Flux2Spec(ModelSpec):
             tokenizer=tokenizer,
             transformer=self.build_transformer(opts),
         )
+        if self.system_message is not None:
+            pipe.system_message = self.system_message
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -96,6 +94,21 @@ class Flux2Spec(ModelSpec):
             [self.seeded_embedding(p, (1, self.text_tokens, dim), device, dtype) for p in prompts]
         )
         return {"prompt_embeds": embeds}
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The model's own Mistral-3 encoding (the hidden states of ``out_layers``, stacked)."""
+        embeds, _ = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=self.text_tokens,
+                                       text_encoder_out_layers=self.text_encoder.out_layers)
+        return {"prompt_embeds": embeds.to(dtype)}
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        """Tokens the chat-formatted prompt takes before truncation to ``text_tokens``."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
+
+        system = SYSTEM_MESSAGE if self.system_message is None else self.system_message
+        ids = tokenizer.apply_chat_template(format_input(prompts=[prompt], system_message=system),
+                                            add_generation_prompt=False, tokenize=True, return_dict=True)["input_ids"]
+        return len(ids[0]) if ids and isinstance(ids[0], list) else len(ids)
 
     @property
     def default_guidance_scale(self) -> float:

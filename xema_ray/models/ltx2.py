@@ -406,14 +406,7 @@ class LTX2Spec(ModelSpec):
         if opts.weights_dir is not None and opts.device == "meta":
             # checked here too: the text encoder would otherwise start loading before _build refuses
             raise ValueError(f"{self.name}: weights_dir is for real execution; analysis on meta needs no weights")
-        text_encoder = tokenizer = None
-        if opts.weights_dir is not None:
-            from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
-
-            text_encoder = Gemma3ForConditionalGeneration.from_pretrained(
-                opts.weights_dir, subfolder="text_encoder", torch_dtype=opts.dtype
-            ).to(opts.device)
-            tokenizer = AutoTokenizer.from_pretrained(opts.weights_dir, subfolder="tokenizer")
+        text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = LTX2Pipeline(
             scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
             vae=self.build_vae(opts),
@@ -470,6 +463,19 @@ class LTX2Spec(ModelSpec):
             out["negative_prompt_embeds"] = neg_embeds.expand(len(prompts), -1, -1).contiguous()
             out["negative_prompt_attention_mask"] = neg_mask.expand(len(prompts), -1).contiguous()
         return out
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Gemma-3's hidden states of every layer (and the empty negative prompt's under CFG)."""
+        pe, pm, ne, nm = pipe.encode_prompt(prompt=prompts, negative_prompt=None,
+                                            do_classifier_free_guidance=self.guidance.uses_cfg,
+                                            max_sequence_length=self.text_tokens, device=device, dtype=dtype)
+        out = {"prompt_embeds": pe, "prompt_attention_mask": pm}
+        if self.guidance.uses_cfg:
+            out |= {"negative_prompt_embeds": ne, "negative_prompt_attention_mask": nm}
+        return out
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        return len(tokenizer(prompt.strip(), add_special_tokens=True).input_ids)
 
     @property
     def default_guidance_scale(self) -> float:

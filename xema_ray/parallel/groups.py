@@ -179,7 +179,13 @@ def init_process_groups(config: ParallelConfig) -> ProcessGroups:
         return groups
     timeout = datetime.timedelta(seconds=config.timeout_s)
     backend = config.backend or current_platform().dist_backend
-    if not dist.is_initialized():
+    if not dist.is_initialized() and backend == "fake":
+        # shape-only verification (``xema verify``): one process stands for one rank of the set;
+        # torch's fake backend completes every collective without moving data (meta tensors)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group(backend="fake", store=FakeStore(), rank=config.rank, world_size=config.world_size)
+    elif not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
             init_method=config.init_method,

@@ -164,7 +164,10 @@ class SequenceParallelHandle:
 
     def _install(self) -> None:
         t = self.transformer
-        original = type(t).forward.__get__(t)
+        # a forward override already there (diffusers' HookRegistry: a mitigation's hook on the
+        # transformer, e.g. block offload's first prefetch) runs inside the split: SP wraps it
+        self._previous = vars(t).get("forward")
+        original = self._previous if self._previous is not None else type(t).forward.__get__(t)
         plan, usp = self.plan, self.usp
 
         @functools.wraps(original)
@@ -177,6 +180,7 @@ class SequenceParallelHandle:
             finally:
                 usp.ctx = None
 
+        forward._xema_sequence_parallel = True  # type: ignore[attr-defined]
         for name, module in t.named_modules():
             if module is t or not _is_attention(module):
                 continue
@@ -203,6 +207,8 @@ class SequenceParallelHandle:
     def remove(self) -> None:
         for module in self._patched:
             del module.forward  # the class's forward shows through again
+            if module is self.transformer and self._previous is not None:
+                module.forward = self._previous  # the override SP wrapped (a mitigation's hook)
         self._patched.clear()
 
     def __enter__(self) -> SequenceParallelHandle:
@@ -226,12 +232,13 @@ def apply_sequence_parallel(
 
     Raises:
         ValueError: unknown family, a transformer configuration the plan cannot split, or
-            the transformer already has SP (or another forward override) installed.
+            the transformer already has SP installed (other forward overrides, such as
+            diffusers hooks, are wrapped and restored on removal).
     """
     if backend not in ("auto", "native", "xfuser"):
         raise ValueError(f"backend must be 'auto', 'native' or 'xfuser', got {backend!r}")
-    if "forward" in vars(transformer):
-        raise ValueError("the transformer's forward is already overridden (sequence parallelism installed twice?)")
+    if getattr(vars(transformer).get("forward"), "_xema_sequence_parallel", False):
+        raise ValueError("sequence parallelism is already installed on this transformer")
     handle = SequenceParallelHandle(transformer, plan_for(family, transformer), USPAttention(group, backend))
     handle._install()
     return handle

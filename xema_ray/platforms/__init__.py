@@ -30,7 +30,11 @@ def get_platform(name: PlatformName) -> Platform:
         from xema_ray.platforms.cuda import CudaPlatform
 
         return CudaPlatform()
-    raise ValueError(f"unknown platform {name!r}; known: 'cpu', 'cuda'")
+    if name == "meta":
+        from xema_ray.platforms.meta import MetaPlatform
+
+        return MetaPlatform()
+    raise ValueError(f"unknown platform {name!r}; known: 'cpu', 'cuda', 'meta'")
 
 
 @cache

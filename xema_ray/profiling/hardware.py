@@ -37,6 +37,10 @@ class HardwareProfile(BaseModel):
     copy_interference: float = Field(
         default=0.3, ge=0, description="compute slow-down while a host->device copy runs (H200: 2-block forward 20.9 ms alone, 27.1 ms under a 17.7 ms copy)"
     )
+    host_tflops: float = Field(
+        default=1.5, gt=0,
+        description="achieved bf16 TFLOP/s of the host CPUs for a text encoder placed there (an estimate for a "
+                    "2-socket server with AMX; the CPU profile measures its own)")
     fingerprint: str | None = Field(default=None, description="platform fingerprint of this hardware, to match profile-store records")
 
     def link_gbps(self, group_size: int) -> float:

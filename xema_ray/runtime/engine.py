@@ -33,12 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from xema_ray.models import ModelSpec
+from xema_ray.models.base import TextEncoderPlacement
 from xema_ray.parallel.groups import ProcessGroups
 from xema_ray.parallel.sp import Backend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.progress import StepObserver, step_callback
+from xema_ray.runtime.text import EncodedPrompts
 
 ArmLayout = Callable[[str], contextlib.AbstractContextManager[None]]
 
@@ -104,6 +106,8 @@ class RequestOutput(BaseModel):
     height: int
     frames: int
     audio_wav: bytes | None = Field(default=None, repr=False, description="LTX-2's sound track")
+    prompt_tokens: int | None = Field(default=None, description="tokens of the prompt (None: no text encoder)")
+    prompt_truncated: bool = Field(default=False, description="the prompt was cut to the encoder's token limit")
 
 
 class BatchResult(BaseModel):
@@ -119,6 +123,8 @@ class BatchResult(BaseModel):
     memory: MemoryStats
     mitigations: int = Field(description="mitigation actions installed for the batch")
     layout_armed: bool = Field(description="the static layout was armed for this batch")
+    residency_bytes_moved: int = Field(default=0, description="weight bytes a residency switch moved before the batch")
+    host_weight_bytes: int = Field(default=0, description="weight bytes homed on host memory while the batch ran")
 
 
 @contextlib.contextmanager
@@ -258,7 +264,10 @@ class ExecutionEngine:
         platform: Platform | None = None,
         arm_layout: ArmLayout | None = None,
         sp_backend: Backend = "auto",
+        text_encoder_placement: TextEncoderPlacement = "device",
     ) -> None:
+        from xema_ray.runtime.text import PromptEncoder
+
         self.pipe = pipe
         self.spec = spec
         self.device = device
@@ -267,6 +276,10 @@ class ExecutionEngine:
         self.platform = platform or current_platform()
         self.arm_layout = arm_layout
         self.sp_backend = sp_backend
+        #: on the meta device the engine runs shape-only (``xema verify``): same code, no values
+        self.shape_only = device.type == "meta"
+        self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
+        self.last_prompts: EncodedPrompts | None = None
 
     # ------------------------------------------------------------------ validation
     def _check(self, config: ExecutionConfig) -> None:
@@ -299,13 +312,16 @@ class ExecutionEngine:
                 armed = True
             if group is not None:
                 stack.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            if self.shape_only:
+                from xema_ray.memory.analyzer import shape_only_execution
+
+                stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
+                output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
+            # the model's own encoder where it has one (placed as planned, cached), else stand-ins
+            self.last_prompts = self.prompts.encode(list(prompts))
+            inputs: dict[str, Any] = self.last_prompts.inputs
+            t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
-            t0 = time.perf_counter()
-            if getattr(self.pipe, "text_encoder", None) is not None:
-                inputs: dict[str, Any] = {"prompt": list(prompts)}  # real weights: the model's own encoder
-            else:
-                inputs = self.spec.prompt_embeddings(list(prompts), self.device, self.dtype)
-            t_text = time.perf_counter() - t0
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
             with torch.no_grad():
@@ -338,7 +354,7 @@ class ExecutionEngine:
         if observer is not None and output_rank:
             observer.on_decoded()
         t_enc = time.perf_counter()
-        outputs = self._encode(batch, out) if output_rank else []
+        outputs = self._encode(batch, out) if output_rank and not self.shape_only else []
         encode_s = time.perf_counter() - t_enc
         return BatchResult(
             template=config.template.key,
@@ -355,16 +371,22 @@ class ExecutionEngine:
         )
 
     # ------------------------------------------------------------------ outputs
+    def _prompt_fields(self, k: int) -> dict[str, Any]:
+        p = self.last_prompts
+        if p is None:
+            return {}
+        return {"prompt_tokens": p.tokens[k], "prompt_truncated": p.truncated[k]}
+
     def _encode(self, batch: Batch, out: Any) -> list[RequestOutput]:
         t = batch.config.template
         outputs = []
         if self.spec.kind == "image":
             images = np.asarray(out.images)
-            for req, img in zip(batch.requests, images, strict=True):
+            for k, (req, img) in enumerate(zip(batch.requests, images, strict=True)):
                 outputs.append(
                     RequestOutput(
                         request_id=req.request_id, seed=req.seed, media_type="image/png", data=encode_png(img),
-                        width=img.shape[1], height=img.shape[0], frames=1,
+                        width=img.shape[1], height=img.shape[0], frames=1, **self._prompt_fields(k),
                     )
                 )
             return outputs
@@ -381,6 +403,7 @@ class ExecutionEngine:
                 RequestOutput(
                     request_id=req.request_id, seed=req.seed, media_type="video/mp4", data=encode_mp4(frames, fps),
                     width=frames.shape[2], height=frames.shape[1], frames=frames.shape[0], audio_wav=wav,
+                    **self._prompt_fields(i),
                 )
             )
         if len(outputs) != len(batch.requests) or t.frames < 1:

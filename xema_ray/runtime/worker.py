@@ -16,11 +16,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.loading import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import Backend
+from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
 from xema_ray.runtime.progress import StepObserver
+from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
+
+ResidencyPolicy = Literal["per_template", "shared"]
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +40,31 @@ class ModelLoadConfig(BaseModel):
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     dtype: DTypeName | None = Field(default=None, description="None = bfloat16 for real models, float32 for tiny ones")
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
+    plans: tuple[ExecutionConfig, ...] = Field(
+        default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
+    text_encoder: Literal["device", "streamed", "cpu", "none"] | None = Field(
+        default=None,
+        description="where the text encoder runs; None = the plans' choice (the most off-device one among them), "
+                    "else on the device when weights_dir has one; 'none' = stand-in embeddings")
+    residency: ResidencyPolicy = Field(
+        default="per_template",
+        description="per_template: each batch's plan decides, switching moves only the difference; "
+                    "shared: one residency (every plan's offloaded blocks) for the whole group, no switches")
+
+    def encoder_placement(self) -> str | None:
+        """The text encoder placement to load with (see ``text_encoder``)."""
+        if self.text_encoder is not None:
+            return self.text_encoder
+        order = {"device": 0, "streamed": 1, "cpu": 2}
+        chosen = [c.text_encoder for c in self.plans if c.text_encoder is not None]
+        return max(chosen, key=order.__getitem__) if chosen else None
+
+    def initial_residency(self) -> Residency:
+        """Where weights are placed at load: every plan's host blocks (shared), else the first plan's."""
+        per_plan = [Residency.of_config(c) for c in self.plans]
+        if self.residency == "shared":
+            return Residency.union(per_plan)
+        return per_plan[0] if per_plan else Residency()
 
 
 class LoadedModel(BaseModel):
@@ -44,6 +74,10 @@ class LoadedModel(BaseModel):
     device: str
     dtype: str
     parameters: int
+    device_bytes: int = Field(description="weight bytes placed on the device at load")
+    host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
+    host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
+    text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
 
 
 class Worker:
@@ -64,6 +98,8 @@ class Worker:
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
+        self.residency: ResidencyManager | None = None
+        self.load_config: ModelLoadConfig | None = None
         #: how many times a model was built: SP switches must leave it at 1
         self.load_count = 0
 
@@ -79,32 +115,64 @@ class Worker:
         self.groups = init_process_groups(parallel)
 
     def load_model(self, load: ModelLoadConfig) -> LoadedModel:
-        """Build the pipeline on this worker's device (replacing any previous model)."""
+        """Build the pipeline on this worker's device (replacing any previous model), each weight
+        placed once where ``load``'s plans keep it: the device never holds a block they offload."""
         if self.device is None:
             raise ValueError("call init_device before load_model")
         spec = get_model_spec(load.model)
+        for c in load.plans:
+            if c.template.model != spec.name:
+                raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
         dtype = _DTYPES[load.dtype] if load.dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
-        pipe = spec.build_pipeline(
-            BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed)
-        )
+        residency = load.initial_residency()
+        self.engine = self.residency = None  # drop the previous model before placing the next
+        opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
+                            host_modules=residency.host_modules(spec), place_on_meta=True,
+                            text_encoder=load.encoder_placement())  # type: ignore[arg-type]
+        pipe = spec.build_pipeline(opts)
+        placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
             pipe, spec, self.device, dtype, groups=self.groups, platform=self.platform,
-            arm_layout=self.arm_layout, sp_backend=self.sp_backend,
+            arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
+        self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        self.load_config = load
         self.load_count += 1
+        placed = PlacementReport()
+        for comp in pipe.components.values():
+            report = getattr(comp, PLACEMENT_ATTR, None)
+            if report is not None:
+                placed.add(report)
         params = sum(p.numel() for p in pipe.transformer.parameters())
-        return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."), parameters=params)
+        return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
+                           parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
+                           host_blocks=residency.host_blocks, text_encoder=placement)
+
+    def target_residency(self, config: ExecutionConfig) -> Residency:
+        """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
+        assert self.load_config is not None and self.residency is not None
+        if self.load_config.residency == "shared":
+            return self.residency.current
+        return Residency.of_config(config)
 
     def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
-        """Run one batch (every rank of the batch's SP group must call this with the same batch);
+        """Run one batch (every rank of the batch's SP group must call this with the same batch).
+        First the residency is switched to the batch's, moving only the blocks whose home changes.
         ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``)."""
-        if self.engine is None:
+        if self.engine is None or self.residency is None:
             raise ValueError("no model loaded: call load_model first")
-        return self.engine.execute(batch, observer)
+        switch = self.residency.switch(self.target_residency(batch.config))
+        config = with_residency(batch.config, self.residency.current)
+        if config is not batch.config:
+            batch = batch.model_copy(update={"config": config})
+        result = self.engine.execute(batch, observer)
+        return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
+                                         "host_weight_bytes": self.residency.host_bytes()})
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""
         self.engine = None
+        self.residency = None
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None

@@ -1,7 +1,12 @@
 """HTTP API schemas (OpenAI-style) and the mapping of a request onto a template.
 
 Every field is validated here so that a bad request gets a 422 naming the field, and a request
-for a shape the deployment does not serve gets a 400 listing what it does serve.
+for a shape the deployment does not serve gets a 400 listing what it does serve. Everything a
+request carries into a batch is checked here, per request, so that no request can make the
+batch it joins fail (the seeds it derives included).
+
+Text-field limits come from ``RequestLimits`` (``ServeConfig.limits``); the Router installs the
+deployment's limits in its process with ``set_limits`` (each Router replica is its own process).
 """
 
 from __future__ import annotations
@@ -9,12 +14,50 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
+MAX_SEED = 2**63 - 1  # seeds feed torch.Generator.manual_seed, which takes a signed 64-bit integer
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class RequestLimits(BaseModel):
+    """Per-request size limits (``ServeConfig.limits``); each refusal names the limit.
+
+    Example:
+        >>> RequestLimits(max_prompt_chars=2000).max_body_bytes
+        4194304
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(default=4 * 2**20, ge=1024, description="request body (HTTP 413 beyond)")
+    max_prompt_chars: int = Field(default=MAX_PROMPT_CHARS, ge=1, description="prompt length in characters")
+    max_text_chars: int = Field(default=256, ge=1, description="other free-text fields: user, quality, style")
+    max_in_flight: int = Field(default=320, ge=1, description="generation requests one Router replica holds "
+                                                             "before answering 503 with Retry-After")
+    busy_retry_after_s: int = Field(default=2, ge=1, description="Retry-After of that 503")
+
+
+_limits = RequestLimits()
+
+
+def set_limits(limits: RequestLimits) -> None:
+    """Install the deployment's limits in this process (the Router does, at start-up)."""
+    global _limits
+    _limits = limits
+
+
+def current_limits() -> RequestLimits:
+    return _limits
+
+
+def _check_text(v: str | None, info: ValidationInfo, limit: int) -> str | None:
+    if v is not None and len(v) > limit:
+        raise ValueError(f"{info.field_name} is {len(v)} characters; at most {limit} are accepted")
+    return v
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -29,9 +72,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=64)
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    size: str = Field(description="WIDTHxHEIGHT")
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    prompt: str = Field(min_length=1)
+    size: str = Field(max_length=11, description="WIDTHxHEIGHT")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
     @field_validator("size")
     @classmethod
@@ -41,7 +84,8 @@ class _Common(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str) -> str:
+    def _prompt(cls, v: str, info: ValidationInfo) -> str:
+        _check_text(v, info, _limits.max_prompt_chars)
         if not v.strip():
             raise ValueError("prompt must contain non-whitespace text")
         return v
@@ -54,7 +98,8 @@ class ImageRequest(_Common):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    n: int = Field(default=1, ge=1, le=10, description="images for this prompt, up to the template's planned batch")
+    n: int = Field(default=1, ge=1, le=10, description="images for this prompt, up to the template's planned batch "
+                                                        "(each its own request, with seed, seed+1, ...)")
     response_format: Literal["b64_json", "url"] = Field(
         default="b64_json", description="url: a link on this server, valid as long as video results (jobs.ttl_s)")
     output_format: Literal["png", "jpeg", "webp"] = "png"
@@ -62,11 +107,24 @@ class ImageRequest(_Common):
                                            description="jpeg/webp: 100 - quality; png: zlib level (lossless)")
     background: Literal["auto", "opaque"] | None = Field(default=None, description="transparent backgrounds are not generated")
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
     quality: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     style: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     moderation: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     user: str | None = None
+
+    @field_validator("quality", "style", "moderation", "user")
+    @classmethod
+    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _check_text(v, info, _limits.max_text_chars)
+
+    @model_validator(mode="after")
+    def _seeds_in_range(self) -> ImageRequest:
+        # image i runs with seed + i: the last one must still be a valid seed
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed {self.seed} with n={self.n} derives seeds up to {self.seed + self.n - 1}, "
+                             f"beyond the largest seed {MAX_SEED}; use seed <= {MAX_SEED - self.n + 1}")
+        return self
 
 
 class VideoRequest(_Common):
@@ -74,7 +132,7 @@ class VideoRequest(_Common):
 
     num_frames: int = Field(ge=1, le=1024)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
 
 
 class ImageData(BaseModel):
@@ -109,9 +167,13 @@ class TemplateInfo(BaseModel):
 class UnsupportedTemplate(ValueError):
     """A well-formed request for a shape this deployment does not serve (HTTP 400)."""
 
-    def __init__(self, message: str, supported: list[str]) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, supported: list[str], param: str | None = None) -> None:
+        super().__init__(message, supported, param)  # all in args: it may cross processes by pickle
         self.supported = supported
+        self.param = param
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def match_template(model: str, width: int, height: int, frames: int, served: dict[str, RequestTemplate],
@@ -120,13 +182,16 @@ def match_template(model: str, width: int, height: int, frames: int, served: dic
     ours = sorted(k for k, t in served.items() if t.model == model)
     if not ours:
         models = sorted({t.model for t in served.values()})
-        raise UnsupportedTemplate(f"model {model!r} is not served; served models: {', '.join(models)}", sorted(served))
+        raise UnsupportedTemplate(f"model {model!r} is not served; served models: {', '.join(models)}", sorted(served),
+                                  "model")
     spec_kind = served[ours[0]].spec.kind
     if spec_kind != kind:
         raise UnsupportedTemplate(
             f"{model} is a{'n' if spec_kind == 'image' else ''} {spec_kind} model; use "
-            f"{'/v1/images/generations' if spec_kind == 'image' else '/v1/videos'}", ours)
+            f"{'/v1/images/generations' if spec_kind == 'image' else '/v1/videos'}", ours, "model")
     key = f"{model}/{width}x{height}x{frames}"
     if key not in served:
-        raise UnsupportedTemplate(f"{model} does not serve {width}x{height}x{frames}; served: {', '.join(ours)}", ours)
+        param = "size" if not any(served[k].width == width and served[k].height == height for k in ours) else "num_frames"
+        raise UnsupportedTemplate(f"{model} does not serve {width}x{height}x{frames}; served: {', '.join(ours)}", ours,
+                                  param)
     return served[key]

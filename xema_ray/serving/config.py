@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
+from xema_ray.serving.api import RequestLimits
 from xema_ray.serving.jobs import JobStoreConfig
 
 
@@ -34,11 +35,20 @@ class ModelGroupConfig(BaseModel):
     replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
+    residency: Literal["per_template", "shared"] | None = Field(
+        default=None,
+        description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
+                    "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
+                    "None = what the plan table chose for the group (per_template if it chose nothing)")
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        if self.weights_dir is not None:
+            # workers run in other directories: a relative path means the one `serve run` started in
+            # (its contents are checked where the weights are read: on the workers' machines)
+            self.weights_dir = self.weights_dir.expanduser().resolve()
         return self
 
 
@@ -64,3 +74,5 @@ class ServeConfig(BaseModel):
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")
+    limits: RequestLimits = Field(default_factory=RequestLimits,
+                                  description="body and field size limits, and the Router's in-flight limit")

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from xema_ray.runtime.engine import PhaseTimings
-from xema_ray.serving.jobs import JobStoreConfig, open_store
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -73,13 +73,12 @@ class JobProgress:
     def on_step(self, step: int, total: int) -> bool:
         try:
             store = open_store(self.store_cfg)
-            gone = store.cancelled(self.live)
-            for j in gone:
-                store.stopped(j, step)
-            self.live = [j for j in self.live if j not in gone]
+            # progress first, then the deletions: a DELETE that lands in between sees this step
+            # done and is honoured now, so a job never runs more than one step past its DELETE
             frac = self.estimate.after_step(step)
             for j in self.live:
                 store.set_progress(j, frac, step)
+            self._drop_deleted(store, step)
         except Exception:  # an unreachable store costs this step's progress, never the batch
             logger.exception("job progress after step %d not recorded", step)
             return False
@@ -90,5 +89,12 @@ class JobProgress:
             store = open_store(self.store_cfg)
             for j in self.live:
                 store.set_progress(j, self.estimate.after_decode(), self.estimate.steps)
+            self._drop_deleted(store, self.estimate.steps)
         except Exception:
             logger.exception("job progress after the decode not recorded")
+
+    def _drop_deleted(self, store: JobStore, step: int) -> None:
+        gone = store.cancelled(self.live)
+        for j in gone:
+            store.stopped(j, step)
+        self.live = [j for j in self.live if j not in gone]

@@ -44,6 +44,15 @@ class ServingMetrics:
         self.batch_size.set_default_tags({"model": model})
         self.peak_bytes = metrics.Gauge("xema_batch_peak_bytes", "device memory peak of the last batch", tag_keys=(*tags, "model"))
         self.peak_bytes.set_default_tags({"model": model})
+        self.residency_switches = metrics.Counter(
+            "xema_residency_switches", "batches that first moved weights between host and device", tag_keys=(*tags, "model"))
+        self.residency_switches.set_default_tags({"model": model})
+        self.residency_bytes = metrics.Counter(
+            "xema_residency_bytes_moved", "weight bytes moved by residency switches", tag_keys=(*tags, "model"))
+        self.residency_bytes.set_default_tags({"model": model})
+        self.host_weight_bytes = metrics.Gauge(
+            "xema_host_weight_bytes", "weight bytes homed on pinned host memory per worker", tag_keys=(*tags, "model"))
+        self.host_weight_bytes.set_default_tags({"model": model})
         self.fallback_allocs = metrics.Counter("xema_allocator_fallbacks", "static-layout misses served dynamically",
                                                tag_keys=(*tags, "model"))
         self.fallback_allocs.set_default_tags({"model": model})
@@ -58,3 +67,7 @@ class ServingMetrics:
         t = {"template": template}
         self.batch_size.set(size, tags=t)
         self.peak_bytes.set(float(result.memory.peak_bytes), tags=t)
+        self.host_weight_bytes.set(float(result.host_weight_bytes), tags=t)
+        if result.residency_bytes_moved:
+            self.residency_switches.inc(tags=t)
+            self.residency_bytes.inc(result.residency_bytes_moved, tags=t)

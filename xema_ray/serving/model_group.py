@@ -46,7 +46,18 @@ logger = logging.getLogger("xema_ray.serving")
 
 
 class GroupUnavailable(RuntimeError):
-    """The worker set failed twice for a batch (HTTP 503 with the reason)."""
+    """The worker set failed twice for a batch, or could not be rebuilt (HTTP 503 with the reason)."""
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot run (HTTP 422 naming the field); refused before it joins a batch."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param)  # both in args: it crosses the replica -> router boundary by pickle
+        self.param = param
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class QueueFull(RuntimeError):
@@ -63,11 +74,30 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class _Ticket:
-    prompt: str
-    seed: int
+    request: Any  # GenerationRequest, validated on arrival
     guidance_scale: float | None
     future: asyncio.Future | None  # None for a job: its result goes to the job store
     job_id: str | None = None
+
+
+def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | None) -> Any:
+    """The request as the batch builder will see it, checked now: a request that cannot run
+    fails alone (HTTP 422) instead of failing the batch it would join."""
+    import math
+
+    from pydantic import ValidationError
+
+    from xema_ray.runtime.engine import GenerationRequest
+
+    if guidance_scale is not None and not (isinstance(guidance_scale, int | float) and math.isfinite(guidance_scale)):
+        raise InvalidRequest(f"guidance_scale must be a finite number, got {guidance_scale!r}", "guidance_scale")
+    try:
+        return GenerationRequest(request_id=request_id, prompt=prompt, seed=seed)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        raise InvalidRequest(f"{field}: {err['msg']}", field) from None
+
 
 
 class ModelGroup:
@@ -79,6 +109,8 @@ class ModelGroup:
         plans: template shape key -> plan entry JSON (from the plan table).
         device: "cpu" or "cuda".
         weights_dir: local diffusers directory or None (random weights).
+        residency: "per_template" (each batch's plan decides; a switch moves only the difference)
+            or "shared" (one residency for the group).
         worker_cpus: CPUs per worker actor.
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
@@ -86,8 +118,9 @@ class ModelGroup:
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
-                 max_queue: int = 64, jobs: str | None = None) -> None:
+                 max_queue: int = 64, residency: str = "per_template", jobs: str | None = None) -> None:
         self.model = model
+        self.residency = residency
         self.n_workers = workers
         self.device = device
         self.weights_dir = weights_dir
@@ -105,6 +138,9 @@ class ModelGroup:
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._actors: list[Any] = []
+        self._rebuilding = False
+        self._last_failure: str | None = None
+        self._starting: list[Any] = []
         self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self._job_ids: set[str] = set()  # jobs queued or running here
@@ -130,6 +166,7 @@ class ModelGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
             actors.append(actor_cls.options(**opts).remote(platform=self.device))
+        self._starting = actors  # a failed rebuild kills these: they hold the group's bundles
         # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
         # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)
         topo = ray.get([a.device_topology.remote() for a in actors])
@@ -142,7 +179,9 @@ class ModelGroup:
                                                 init_method=f"tcp://127.0.0.1:{port}" if self.n_workers > 1 else None))
             for i, a in enumerate(actors)
         ])
-        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir)
+        # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
+        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir, residency=self.residency,  # type: ignore[arg-type]
+                               plans=tuple(e.config for _, e in sorted(self.entries.items())))
         ray.get([a.load_model.remote(load) for a in actors])
         self._actors = actors
         self._generation += 1
@@ -156,7 +195,21 @@ class ModelGroup:
             logger.warning("%s: worker set generation %d failed; restarting and reloading weights", self.model, failed_generation)
             for a in self._actors:
                 ray.kill(a, no_restart=True)
-            await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
+            self._rebuilding = True
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
+            except Exception as e:
+                # a worker of the new set died while it was being built (or its node went away):
+                # the set stays at this generation, so the next batch tries again
+                self._last_failure = f"rebuild failed: {type(e).__name__}"
+                for a in self._starting:
+                    ray.kill(a, no_restart=True)
+                raise GroupUnavailable(
+                    f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
+                    f"({type(e).__name__}); the request was not completed, retry later") from e
+            finally:
+                self._rebuilding = False
+            self._last_failure = None
             self.metrics.worker_restarts.inc()
 
     # ------------------------------------------------------------------ requests
@@ -193,12 +246,15 @@ class ModelGroup:
         if job_id in self._job_ids:  # ours already; re-claim it in case a lapsed lease gave it away
             await asyncio.to_thread(store.accept, job_id, self.owner)
             return True
+        request = _validated(job_id, prompt, seed, guidance_scale)
+        if template not in self.dispatcher.plans:
+            raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
         if not self._beating:  # the lease must be live before the first job names this owner
             await asyncio.to_thread(store.heartbeat, self.owner)
         if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
             return False
         try:
-            self.dispatcher.submit(template, job_id, time.monotonic(), _Ticket(prompt, seed, guidance_scale, None, job_id))
+            self.dispatcher.submit(template, job_id, time.monotonic(), _Ticket(request, guidance_scale, None, job_id))
         except OverflowError as e:
             await asyncio.to_thread(store.requeue, job_id, self.owner)
             self.metrics.rejected.inc(tags={"template": template})
@@ -224,9 +280,12 @@ class ModelGroup:
                        guidance_scale: float | None = None) -> dict[str, Any]:
         """Queue one request and wait for its encoded output (RequestOutput as a dict)."""
         self._ensure_loop()
+        request = _validated(request_id, prompt, seed, guidance_scale)
+        if template not in self.dispatcher.plans:
+            raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(prompt, seed, guidance_scale, fut))
+            self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
         except OverflowError as e:
             plan = self.dispatcher.plans[template]
             self.metrics.rejected.inc(tags={"template": template})
@@ -252,7 +311,7 @@ class ModelGroup:
 
     async def _execute(self, a: Assignment[_Ticket]) -> dict[str, dict[str, Any]]:
         """Run an assignment on its workers; requests with different guidance run as sub-batches."""
-        from xema_ray.runtime.engine import Batch, GenerationRequest
+        from xema_ray.runtime.engine import Batch
 
         entry = self.entries[a.template]
         by_guidance: dict[float | None, list] = {}
@@ -272,8 +331,7 @@ class ModelGroup:
                 if jobs and self.jobs_cfg is not None else None
             batch = Batch(
                 config=entry.config.for_batch(len(reqs)),
-                requests=tuple(GenerationRequest(request_id=r.request_id, prompt=r.payload.prompt, seed=r.payload.seed)
-                               for r in reqs),
+                requests=tuple(r.payload.request for r in reqs),  # type: ignore[union-attr]
                 guidance_scale=guidance,
             )
             t0 = time.monotonic()
@@ -303,6 +361,7 @@ class ModelGroup:
                     outputs = await self._execute(a)
                     break
                 except RayActorError as e:
+                    self._last_failure = f"worker died: {type(e).__name__}"
                     if attempt == 2:
                         raise GroupUnavailable(
                             f"{self.model}: the worker set failed twice running {a.template} ({e.__class__.__name__}); "
@@ -358,8 +417,13 @@ class ModelGroup:
 
     # ------------------------------------------------------------------ introspection
     async def status(self) -> dict[str, Any]:
+        """The group's state for ``/healthz``: ``ok``, or ``degraded`` while its worker set is
+        being rebuilt or after its last rebuild failed (with the reason)."""
+        degraded = self._rebuilding or self._last_failure is not None
         return {
             "model": self.model,
+            "status": "degraded" if degraded else "ok",
+            "reason": "rebuilding the worker set" if self._rebuilding else self._last_failure,
             "workers": self.n_workers,
             "generation": self._generation,
             "queued": self.dispatcher.queue_depth(),

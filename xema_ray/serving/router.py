@@ -1,8 +1,9 @@
 """The HTTP ingress (Ray Serve + FastAPI): OpenAI-style endpoints, template mapping, errors.
 
-Status codes: 422 malformed input (FastAPI names the field), 400 a well-formed request for a
-template this deployment does not serve (with the list it does serve), 503 with Retry-After when
-a template's queue is full or its worker set is down, 500 only for bugs.
+Status codes (``errors.py`` has the table and the JSON shape): 422 malformed input naming the
+field, 400 a well-formed request for a template this deployment does not serve (with the list it
+does serve), 413 / 415 a body too large / not JSON, 503 with Retry-After when a queue is full,
+the server is busy or a worker set / replica died, 500 only for bugs.
 
 Video jobs (``/v1/videos``, the OpenAI video API) live in the job store; every replica answers
 for every job, and each replica re-dispatches jobs no model group holds (``VideoJobs.reconcile``).
@@ -21,41 +22,55 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
-from ray.exceptions import RayTaskError
 
 from xema_ray.plan import PlanTable
 from xema_ray.serving.api import (
     ImageData,
     ImageRequest,
     ImageResponse,
+    RequestLimits,
     TemplateInfo,
     UnsupportedTemplate,
     VideoRequest,
     match_template,
     parse_size,
+    set_limits,
 )
+from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
+from xema_ray.serving.middleware import RequestGuard
+from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
-from xema_ray.serving.model_group import GroupUnavailable, QueueFull
 from xema_ray.serving.video_jobs import ApiError, VideoJobs
 from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
+install_error_handlers(app)
+app.add_middleware(RequestGuard)
 
-
-def _cause(e: BaseException) -> BaseException:
-    """The exception a replica raised (Ray wraps it in RayTaskError)."""
-    if isinstance(e, RayTaskError) and e.cause is not None:
-        return e.cause
-    return e
+#: /healthz waits at most this long for each group (all at once), so it answers within a second
+HEALTH_TIMEOUT_S = 0.5
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
-    headers = {}
-    if "retry_after_s" in extra:
-        headers["Retry-After"] = str(int(round(extra.pop("retry_after_s"))))
-    return JSONResponse(status_code=status, content={"error": {"message": message, **extra}}, headers=headers)
+    if "supported_templates" in extra:
+        extra.setdefault("code", "unsupported_template")
+    return error_response(status, message, **extra)
+
+
+_STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
+                404: "no such video or file: it never existed, was deleted or has expired"}
+
+
+def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of an endpoint: its error statuses and, where the endpoint builds the
+    answer itself, the media types of its 200."""
+    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+    if media:
+        out[200] = {"description": "the file", "content": {m: {"schema": {"type": "string", "format": "binary"}}
+                                                          for m in media}}
+    return out
 
 
 def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
@@ -69,15 +84,21 @@ def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
 class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
-    def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], jobs: str | None = None) -> None:
+    def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
+                 limits_json: str | None = None, jobs: str | None = None) -> None:
         self.groups = groups
+        self.stats = stats  # the Stats deployment: counters that outlive this replica
+        self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
+        set_limits(self.limits)
         self.table = PlanTable.model_validate_json(table_json)
         self.served: dict[str, RequestTemplate] = {}
         for raw in templates:
             t = RequestTemplate.model_validate_json(raw)
             self.served[t.shape_key] = t
         self._ids = itertools.count()
-        self.received = 0  # generation requests that reached the server: the load test's arrival count
+        self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
+        self._pending_counts: set[asyncio.Task] = set()
+        install_openapi(app, self.served, self.limits)
         self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
         self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table) if self.jobs_cfg else None
         if self.jobs is not None:
@@ -85,6 +106,19 @@ class Router:
                 self.jobs.start_background()
             except RuntimeError:  # no running loop here: the first request starts it
                 pass
+
+    def _count_received(self) -> None:
+        """One generation request arrived: counted here and, without waiting, in Stats."""
+        self.received += 1
+        if self.stats is not None:
+            async def add() -> None:
+                try:
+                    await self.stats.add.remote("received")
+                except Exception:  # the counter must never fail a request
+                    pass
+            task = asyncio.get_running_loop().create_task(add())
+            self._pending_counts.add(task)
+            task.add_done_callback(self._pending_counts.discard)
 
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -95,7 +129,7 @@ class Router:
         if steps is not None and steps != t.steps:
             raise UnsupportedTemplate(
                 f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={steps}",
-                sorted(self.served))
+                sorted(self.served), "num_inference_steps")
         return t
 
     async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> dict[str, Any]:
@@ -106,34 +140,30 @@ class Router:
     async def _guarded(self, coro) -> Any:  # type: ignore[no-untyped-def]
         try:
             return await coro
-        except Exception as e:  # translate the replica's error into an HTTP status
-            cause = _cause(e)
-            if isinstance(cause, UnsupportedTemplate):
-                return _error(400, str(cause), supported_templates=cause.supported)
-            if isinstance(cause, QueueFull):
-                return _error(503, str(cause), retry_after_s=cause.retry_after_s)
-            if isinstance(cause, GroupUnavailable):
-                return _error(503, str(cause), retry_after_s=5)
-            raise
+        except Exception as e:  # translate the replica's error into an HTTP status (errors.py)
+            mapped = exception_response(e)
+            if mapped is None:
+                raise
+            return mapped
 
     @app.post("/v1/images/generations", response_model=None)
     async def images(self, req: ImageRequest, request: Request) -> ImageResponse | JSONResponse:
-        self.received += 1
+        self._count_received()
         if req.model_extra:
             name = sorted(req.model_extra)[0]
             accepted = ", ".join(sorted(ImageRequest.model_fields))
-            return _error(400, f"unknown option {name!r}; accepted: {accepted}", type="invalid_request_error", param=name)
+            return _error(400, f"unknown option {name!r}; accepted: {accepted}", param=name, code="unknown_option")
         if req.response_format == "url" and self.jobs_cfg is None:
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
-                          type="invalid_request_error", param="response_format")
+                          param="response_format")
         try:
             t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
         except UnsupportedTemplate as e:
-            return _error(400, str(e), supported_templates=e.supported)
+            return _error(400, str(e), supported_templates=e.supported, param=e.param)
         batch = self.table.entries[t.shape_key].config.batch
         if req.n > batch:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
-                          type="invalid_request_error", param="n")
+                          param="n")
 
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
@@ -157,51 +187,53 @@ class Router:
         assert self.jobs_cfg is not None
         return open_store(self.jobs_cfg)
 
-    @app.get("/v1/images/files/{name}", response_model=None)
+    @app.get("/v1/images/files/{name}", response_model=None,
+             responses=_documented(404, media=("image/png", "image/jpeg", "image/webp")))
     async def image_file(self, name: str) -> Response:
         """An image generated with ``response_format="url"`` (until it expires)."""
         got = None
         if self.jobs_cfg is not None and name.startswith("img_") and "/" not in name:
             got = await asyncio.to_thread(self._store().get_file, name)
         if got is None:
-            return _error(404, f"no image {name!r} (it never existed or expired)", type="invalid_request_error", param="name")
+            return _error(404, f"no image {name!r} (it never existed or expired)", type_="not_found_error", param="name")
         return Response(content=got[0], media_type=got[1])
 
     # ------------------------------------------------------------------ video jobs (OpenAI video API)
     async def _job_api(self, call: Callable[[VideoJobs], Awaitable[Response]]) -> Response:
         if self.jobs is None:
-            return _error(400, "video jobs need the job store (jobs: in the deployment config)", type="invalid_request_error")
+            return _error(400, "video jobs need the job store (jobs: in the deployment config)")
         self.jobs.start_background()
         try:
             return await call(self.jobs)
         except ApiError as e:
-            return _error(e.status, e.message, type=e.type, param=e.param, **e.extra)
+            return _error(e.status, e.message, type_=e.type, param=e.param, **e.extra)
         except store_faults() as e:  # nothing was lost: the client retries
             return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
-                          type="service_unavailable", retry_after_s=5)
+                          type_="service_unavailable", code="store_unavailable", retry_after_s=5)
 
     @app.post("/v1/videos", response_model=None, openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": VideoCreate.model_json_schema()},
         "multipart/form-data": {"schema": VideoCreate.model_json_schema()}}}})
     async def create_video(self, request: Request) -> Response:
         """Create a video job (JSON or multipart, as ``openai.videos.create`` sends it)."""
-        self.received += 1
+        self._count_received()
         return await self._job_api(lambda j: j.create(request))
 
-    @app.get("/v1/videos", response_model=None)
+    @app.get("/v1/videos", response_model=None, responses=_documented(400))
     async def list_videos(self, after: str | None = None, limit: int = Query(default=20, ge=1, le=100),
                           order: Literal["asc", "desc"] = "desc") -> Response:
         return await self._job_api(lambda j: j.list(after, limit, order))
 
-    @app.get("/v1/videos/{video_id}", response_model=None)
+    @app.get("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
     async def retrieve_video(self, video_id: str) -> Response:
         return await self._job_api(lambda j: j.retrieve(video_id))
 
-    @app.delete("/v1/videos/{video_id}", response_model=None)
+    @app.delete("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
     async def delete_video(self, video_id: str) -> Response:
         return await self._job_api(lambda j: j.delete(video_id))
 
-    @app.get("/v1/videos/{video_id}/content", response_model=None)
+    @app.get("/v1/videos/{video_id}/content", response_model=None,
+             responses=_documented(400, 404, media=("video/mp4", "image/png")))
     async def video_content(self, video_id: str,
                             variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> Response:
         return await self._job_api(lambda j: j.content(video_id, variant))
@@ -209,11 +241,11 @@ class Router:
     @app.post("/v1/videos/sync", response_model=None)
     async def videos_sync(self, req: VideoRequest) -> Response:
         """The synchronous path: waits for the video and answers with the MP4."""
-        self.received += 1
+        self._count_received()
         try:
             t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")
         except UnsupportedTemplate as e:
-            return _error(400, str(e), supported_templates=e.supported)
+            return _error(400, str(e), supported_templates=e.supported, param=e.param)
 
         async def run() -> Response:
             out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
@@ -248,10 +280,40 @@ class Router:
 
     @app.get("/v1/stats")
     async def stats(self) -> dict[str, int]:
-        """Requests received by this router replica (valid ones: malformed input is refused earlier)."""
+        """Generation requests received (valid ones: malformed input is refused earlier), by every
+        Router replica since the application started (kept in the Stats deployment); this
+        replica's own count when Stats cannot be reached."""
+        if self.stats is not None:
+            try:
+                counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
+                return {"received": counts.get("received", 0)}
+            except Exception:
+                pass
         return {"received": self.received}
+
+    async def _stats_counts(self) -> dict[str, int]:
+        return await self.stats.get.remote()
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
-        statuses = {m: await h.status.remote() for m, h in self.groups.items()}
-        return {"status": "ok", "groups": statuses, "plan_hardware": self.table.hardware}
+        """Every group's status, asked all at once and each given ``HEALTH_TIMEOUT_S``: a group
+        that does not answer (its replica is restarting, its node is gone) is reported
+        ``unavailable`` rather than making the check hang. ``status`` is ``ok`` only when every
+        group is; ``degraded`` names the others."""
+
+        async def ask(h: Any) -> dict[str, Any]:
+            return await h.status.remote()
+
+        async def one(m: str, h: Any) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(ask(h), timeout=HEALTH_TIMEOUT_S)
+            except TimeoutError:
+                return {"model": m, "status": "unavailable", "reason": f"no answer within {HEALTH_TIMEOUT_S} s"}
+            except Exception as e:
+                return {"model": m, "status": "unavailable", "reason": type(e).__name__}
+
+        models = sorted(self.groups)
+        statuses = dict(zip(models, await asyncio.gather(*(one(m, self.groups[m]) for m in models)), strict=True))
+        degraded = sorted(m for m, s in statuses.items() if s.get("status", "ok") != "ok")
+        return {"status": "degraded" if degraded else "ok", "degraded": degraded, "groups": statuses,
+                "plan_hardware": self.table.hardware}

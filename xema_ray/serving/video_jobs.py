@@ -24,7 +24,8 @@ from xema_ray.plan import PlanTable
 from xema_ray.serving.api import UnsupportedTemplate
 from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
 from xema_ray.serving.media import first_frame_png
-from xema_ray.serving.model_group import QueueFull
+from xema_ray.serving.errors import cause_of
+from xema_ray.serving.model_group import InvalidRequest, QueueFull
 from xema_ray.serving.videos import (
     VideoCreate,
     VideoDeleted,
@@ -54,16 +55,14 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.extra = status, message, type, param, extra
 
 
-def _cause(e: BaseException) -> BaseException:
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
-
 async def _body(request: Request) -> dict[str, Any]:
-    """The create body as a dict, from JSON or a multipart / urlencoded form."""
-    ctype = request.headers.get("content-type", "")
-    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form()
+    """The create body as a dict, from JSON or a multipart / urlencoded form (415 for anything else)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form()
+        except Exception as e:  # a malformed form is the client's error, never a 500
+            raise ApiError(422, f"the form body could not be parsed ({type(e).__name__}: {e})", code="invalid_value") from None
         out: dict[str, Any] = {}
         for k, v in form.multi_items():
             out[k] = v if isinstance(v, str) else f"<file {getattr(v, 'filename', '')}>"
@@ -76,12 +75,16 @@ async def _body(request: Request) -> dict[str, Any]:
             except ValueError:
                 pass
         return out
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise ApiError(415, f"the request body must be JSON or multipart/form-data, got Content-Type {ctype!r}",
+                       code="unsupported_media_type")
+    raw = await request.body()
     try:
-        body = json.loads(await request.body() or b"null")
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the body is not valid JSON ({e.msg} at position {e.pos})") from None
+        body = json.loads(raw.decode("utf-8") if raw else "null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(422, f"the body is not valid JSON: {e}", code="invalid_value") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object with at least 'model' and 'prompt'")
+        raise ApiError(422, "the body must be a JSON object with at least 'model' and 'prompt'", code="invalid_value")
     return body
 
 
@@ -126,7 +129,8 @@ class VideoJobs:
     async def _live(self, video_id: str) -> JobRecord:
         rec = await asyncio.to_thread(self.store().get, video_id)
         if rec is None:
-            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired", param="video_id")
+            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                           type="not_found_error", param="video_id")
         return rec
 
     # ------------------------------------------------------------------ endpoints
@@ -148,7 +152,8 @@ class VideoJobs:
         try:
             t = map_video_request(req, self.served)
         except UnsupportedTemplate as e:
-            raise ApiError(400, str(e), param="size", supported_templates=e.supported) from None
+            raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
+                           supported_templates=e.supported) from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         predicted = await self._predicted_s(t)
         rec = JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
@@ -159,10 +164,14 @@ class VideoJobs:
         try:
             await self._dispatch(rec)
         except Exception as e:
-            full = _cause(e)
-            if isinstance(full, QueueFull):  # not accepted: the client retries after Retry-After
+            refused = cause_of(e)
+            if isinstance(refused, QueueFull):  # not accepted: the client retries after Retry-After
                 await asyncio.to_thread(store.delete, rec.id)
-                raise ApiError(503, str(full), type="server_overloaded", retry_after_s=full.retry_after_s) from None
+                raise ApiError(503, str(refused), type="service_unavailable", code="queue_full",
+                               retry_after_s=refused.retry_after_s) from None
+            if isinstance(refused, InvalidRequest):  # it could never run: refused like bad input
+                await asyncio.to_thread(store.delete, rec.id)
+                raise ApiError(422, str(refused), param=refused.param, code="invalid_value") from None
             # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
             logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
         return self._video(rec)
@@ -186,7 +195,8 @@ class VideoJobs:
         names = (result_name(video_id, "video"), result_name(video_id, "thumbnail"))
         before = await asyncio.to_thread(self.store().delete, video_id, names)
         if before is None:
-            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired", param="video_id")
+            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                           type="not_found_error", param="video_id")
         if before.status == "queued" and before.model in self.groups:
             try:
                 await self.groups[before.model].cancel_job.remote(video_id)
@@ -204,7 +214,7 @@ class VideoJobs:
         store = self.store()
         got = await asyncio.to_thread(store.get_file, result_name(video_id, "video"))
         if got is None:
-            raise ApiError(404, f"the result of {video_id} has expired", param="video_id")
+            raise ApiError(404, f"the result of {video_id} has expired", type="not_found_error", param="video_id")
         if variant == "thumbnail":
             thumb = await asyncio.to_thread(store.get_file, result_name(video_id, "thumbnail"))
             if thumb is None:
@@ -247,7 +257,7 @@ class VideoJobs:
             try:
                 n += await self._dispatch(rec)
             except Exception as e:  # full or unreachable: it stays an orphan for the next round
-                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, _cause(e))
+                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, cause_of(e))
         if time.time() - self._last_purge > PURGE_INTERVAL_S:
             self._last_purge = time.time()
             await asyncio.to_thread(store.purge_expired)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS
-from xema_ray.serving.api import MAX_PROMPT_CHARS, UnsupportedTemplate, parse_size
+from xema_ray.serving.api import MAX_SEED, UnsupportedTemplate, current_limits, parse_size
 from xema_ray.serving.jobs import JobRecord, JobStoreConfig
 from xema_ray.templates import RequestTemplate
 
@@ -27,18 +27,19 @@ DURATION_TOLERANCE = 0.25
 
 
 class VideoCreate(BaseModel):
-    """``POST /v1/videos`` (OpenAI's ``VideoCreateParams`` plus diffusion knobs)."""
+    """``POST /v1/videos`` (OpenAI's ``VideoCreateParams`` plus diffusion knobs). Strict types: a
+    multipart body's numeric fields are converted before validation (``video_jobs``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=64)
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    seconds: str | None = Field(default=None, description="clip length in seconds, e.g. '1' or '1.5'")
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the smallest served size")
+    prompt: str = Field(min_length=1)
+    seconds: str | float | None = Field(default=None, description="clip length in seconds, e.g. '1' or '1.5'")
+    size: str | None = Field(default=None, max_length=11, description="WIDTHxHEIGHT; default: the smallest served size")
     num_frames: int | None = Field(default=None, ge=1, le=1024, description="exact frames (instead of seconds)")
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
     input_reference: Any = Field(default=None, description="not supported: image-to-video is not served")
 
     @field_validator("seconds", mode="before")
@@ -66,6 +67,9 @@ class VideoCreate(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str) -> str:
+        limit = current_limits().max_prompt_chars
+        if len(v) > limit:
+            raise ValueError(f"prompt is {len(v)} characters; at most {limit} are accepted")
         if not v.strip():
             raise ValueError("prompt must contain non-whitespace text")
         return v
@@ -132,10 +136,10 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
     if not ours:
         models = sorted({t.model for t in served.values() if t.spec.kind == "video"})
         raise UnsupportedTemplate(f"model {req.model!r} is not served for video; video models: {', '.join(models)}",
-                                  sorted(served))
+                                  sorted(served), "model")
     keys = [t.shape_key for t in ours]
     if ours[0].spec.kind != "video":
-        raise UnsupportedTemplate(f"{req.model} is an image model; use /v1/images/generations", keys)
+        raise UnsupportedTemplate(f"{req.model} is an image model; use /v1/images/generations", keys, "model")
     if req.size is None:
         w, h = ours[0].width, ours[0].height
     else:
@@ -143,7 +147,8 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
     by_size = [t for t in ours
                if abs(t.width - w) <= SIZE_TOLERANCE * w and abs(t.height - h) <= SIZE_TOLERANCE * h]
     if not by_size:
-        raise UnsupportedTemplate(f"{req.model} does not serve a size near {w}x{h}; served: {_describe(ours)}", keys)
+        raise UnsupportedTemplate(f"{req.model} does not serve a size near {w}x{h}; served: {_describe(ours)}", keys,
+                                  "size")
     best = min(abs(math.log(t.width / w)) + abs(math.log(t.height / h)) for t in by_size)
     sized = [t for t in by_size if abs(math.log(t.width / w)) + abs(math.log(t.height / h)) == best]
     if req.num_frames is not None:
@@ -151,7 +156,7 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
         if not match:
             raise UnsupportedTemplate(
                 f"{req.model} does not serve {req.num_frames} frames at {sized[0].width}x{sized[0].height}; "
-                f"served: {_describe(ours)}", keys)
+                f"served: {_describe(ours)}", keys, "num_frames")
         t = match[0]
     elif req.seconds is None:
         t = min(sized, key=lambda t: t.frames)
@@ -163,10 +168,11 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
         if abs((t.frames - 1) / fps - want) > slack + 1e-9:
             raise UnsupportedTemplate(
                 f"{req.model} does not serve {req.seconds} s ({1 + round(want * fps)} frames at {fps:g} fps) at "
-                f"{t.width}x{t.height}; served: {_describe(ours)}", keys)
+                f"{t.width}x{t.height}; served: {_describe(ours)}", keys, "seconds")
     if req.num_inference_steps is not None and req.num_inference_steps != t.steps:
         raise UnsupportedTemplate(
-            f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={req.num_inference_steps}", keys)
+            f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={req.num_inference_steps}", keys,
+            "num_inference_steps")
     return t
 
 

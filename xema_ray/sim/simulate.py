@@ -89,7 +89,9 @@ def simulate(
     overhead_s: float = 0.0,
     shared_cores: float | None = None,
 ) -> SimResult:
-    """Run ``arrivals`` through the table's plans, each model on its own ``table.gpus`` workers.
+    """Run ``arrivals`` through the table's plans, each model on its group's workers
+    (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
+    group residency is per template.
 
     Args:
         slos: base SLO per template (default: from the table); requests of templates missing
@@ -113,8 +115,24 @@ def simulate(
         by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan(
             batch=e.config.batch, sp=e.config.sp, slo_s=slos[k] * slo_scale, latency_s=e.prediction.latency_s)
     disps: dict[str, Dispatcher[None]] = {
-        m: Dispatcher(p, workers=table.gpus, wait_window_s=wait_window_s, max_queue=10**9) for m, p in by_model.items()
+        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9)
+        for m, p in by_model.items()
     }
+    # per-template residency: a worker whose last batch was another template first moves the
+    # blocks whose home differs (the planner's switch costs); a shared residency never switches
+    last_template: dict[tuple[str, int], str] = {}
+
+    def switch_cost(model: str, template: str, workers: tuple[int, ...]) -> float:
+        r = table.residency.get(model)
+        if r is None or r.policy != "per_template" or not r.switch_s:
+            return 0.0
+        cost = 0.0
+        for w in workers:
+            prev = last_template.get((model, w))
+            if prev is not None and prev != template:
+                cost = max(cost, r.switch_s.get(prev, {}).get(template, 0.0))
+            last_template[(model, w)] = template
+        return cost
     model_of = {k: e.config.template.model for k, e in table.entries.items()}
     stats: dict[str, TemplateStats] = {}
     pending = sorted(arrivals, key=lambda a: a.t)
@@ -158,7 +176,8 @@ def simulate(
             heapq.heappop(wakes)
         for m, d in disps.items():
             for a in d.dispatch(now):
-                running[(m, a.batch_id)] = (batch_latency(a.template, len(a.requests)), len(a.workers))
+                work = batch_latency(a.template, len(a.requests)) + switch_cost(m, a.template, a.workers)
+                running[(m, a.batch_id)] = (work, len(a.workers))
             w = d.next_wakeup(now)
             if w is not None and w > now and w not in wakes:
                 heapq.heappush(wakes, w)

@@ -1,0 +1,202 @@
+"""Weight residency decided at load: the worker's own load + execute path, counted.
+
+On the meta device (what ``xema verify`` runs) a worker whose plan offloads blocks never holds
+them on the device; on the CPU its outputs equal the unmitigated worker's bit for bit; two
+templates with different residency served alternately move only the difference; a plan table
+a group cannot run is refused at start-up; weights load from a local diffusers directory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.loading import CheckpointError
+from xema_ray.parallel.groups import ParallelConfig
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.runtime.engine import Batch, GenerationRequest
+from xema_ray.runtime.residency import Residency, block_sizes
+from xema_ray.runtime.verify import verify_config
+from xema_ray.runtime.worker import ModelLoadConfig, Worker
+from xema_ray.serving.config import ServeConfig
+from xema_ray.serving.startup import PlanNotRunnable, check_runnable
+from xema_ray.templates import RequestTemplate
+
+TEMPLATES = {
+    "tiny-flux2": RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2),
+    "tiny-cogvideox": RequestTemplate(model="tiny-cogvideox", height=64, width=64, frames=9, steps=2),
+    "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=2),
+}
+
+
+def _offload(blocks: tuple[int, ...]) -> Mitigation:
+    return Mitigation(kind="block_offload", blocks=blocks, intensity=len(blocks))
+
+
+def _worker(model: str, plans: tuple[ExecutionConfig, ...] = (), platform: str = "cpu") -> Worker:
+    w = Worker(platform=platform)
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    w.load_model(ModelLoadConfig(model=model, plans=plans))
+    return w
+
+
+def _run(w: Worker, config: ExecutionConfig, seed: int = 3) -> bytes:
+    batch = Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=seed),))
+    return w.execute(batch).outputs[0].data
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_offloaded_blocks_never_on_device_and_budget_met(model: str) -> None:
+    t = TEMPLATES[model]
+    n = t.spec.num_dit_blocks
+    base = verify_config(ExecutionConfig(template=t), budget_bytes=10**12)
+    offloaded = tuple(range(0, n, 2))
+    sizes = block_sizes(t.spec)
+    # a budget the unmitigated worker misses and the offloading one must meet
+    budget = base.device_peak_bytes - sum(sizes[i] for i in offloaded) // 2
+    assert not verify_config(ExecutionConfig(template=t), budget_bytes=budget).fits
+    mitigated = verify_config(ExecutionConfig(template=t, mitigations=(_offload(offloaded),)), budget_bytes=budget)
+    assert mitigated.error is None and mitigated.fits, mitigated
+    # the load placed none of the offloaded blocks' bytes on the device: they are on the host
+    assert mitigated.host_bytes == sum(sizes[i] for i in offloaded)
+    assert mitigated.load_peak_bytes <= base.load_peak_bytes - mitigated.host_bytes + 512 * 4
+    # while executing, at most one offloaded block and the one prefetched are on the device on top
+    in_flight = max((sizes[a] + sizes[b] for a, b in zip(offloaded, offloaded[1:], strict=False)),
+                    default=max(sizes[i] for i in offloaded))
+    assert mitigated.device_peak_bytes <= base.device_peak_bytes - mitigated.host_bytes + in_flight + 4096
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_residency_outputs_bitwise_equal(model: str) -> None:
+    t = TEMPLATES[model]
+    n = t.spec.num_dit_blocks
+    plain = ExecutionConfig(template=t)
+    offload = ExecutionConfig(template=t, mitigations=(_offload(tuple(range(n))),))
+    ref = _run(_worker(model), plain)
+    w = _worker(model, (offload,))
+    assert w.residency is not None and w.residency.current.host_blocks == tuple(range(n))
+    assert _run(w, offload) == ref
+    assert _run(w, offload) == ref  # the second batch finds the blocks where the first left them
+
+
+def test_alternating_templates_move_only_the_difference() -> None:
+    model = "tiny-flux2"
+    a = ExecutionConfig(template=TEMPLATES[model], mitigations=(_offload((0, 1)),))
+    b = ExecutionConfig(template=TEMPLATES[model].with_(width=128, height=128), mitigations=(_offload((1, 2)),))
+    ref_w = _worker(model)
+    refs = {c.template.key: _run(ref_w, c.model_copy(update={"mitigations": ()})) for c in (a, b)}
+    w = _worker(model, (a, b))
+    sizes = block_sizes(get_model_spec(model))
+    moved = []
+    for c in (a, b, a, b):
+        batch = Batch(config=c, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),))
+        result = w.execute(batch)
+        assert result.outputs[0].data == refs[c.template.key]
+        moved.append(result.residency_bytes_moved)
+    assert moved == [0, sizes[0] + sizes[2], sizes[0] + sizes[2], sizes[0] + sizes[2]]
+    assert w.residency is not None and w.residency.switches == 3
+
+
+def test_shared_residency_streams_every_host_block() -> None:
+    model = "tiny-flux2"
+    a = ExecutionConfig(template=TEMPLATES[model], mitigations=(_offload((0,)),))
+    b = ExecutionConfig(template=TEMPLATES[model].with_(width=128, height=128), mitigations=(_offload((2,)),))
+    ref = _run(_worker(model), a.model_copy(update={"mitigations": ()}))
+    w = Worker(platform="cpu")
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    loaded = w.load_model(ModelLoadConfig(model=model, plans=(a, b), residency="shared"))
+    assert loaded.host_blocks == (0, 2)
+    result = w.execute(Batch(config=a, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),)))
+    assert result.outputs[0].data == ref and result.residency_bytes_moved == 0
+
+
+def _table(entries: dict[RequestTemplate, ExecutionConfig], gpus: int = 2) -> PlanTable:
+    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="estimated")
+    return PlanTable(hardware="x", gpus=gpus, budget_bytes=10**9,
+                     entries={t.shape_key: PlanEntry(config=c, prediction=pred) for t, c in entries.items()})
+
+
+def test_error_raised_if_group_cannot_run_plan() -> None:
+    t = TEMPLATES["tiny-cogvideox"]
+    cfg = ServeConfig.model_validate({"models": [{"model": t.model, "workers": 3,
+                                                  "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2}]}]})
+    table = _table({t: ExecutionConfig(template=t, ulysses=2)})
+    with pytest.raises(PlanNotRunnable, match=r"tiny-cogvideox/64x64x9: plan SP2 DP1 BS1 needs SP groups of 2 workers, "
+                                              r"but the tiny-cogvideox group has 3"):
+        check_runnable(table, cfg, [t])
+    table = _table({t: ExecutionConfig(template=t, ulysses=1, dp=4)}, gpus=8)
+    with pytest.raises(PlanNotRunnable, match=r"uses 4 GPUs \(SP 1 x DP 4\), the tiny-cogvideox group has 3"):
+        check_runnable(table, cfg, [t])
+
+
+def test_error_raised_if_host_memory_too_small() -> None:
+    t = TEMPLATES["tiny-flux2"]
+    cfg = ServeConfig.model_validate({"models": [{"model": t.model, "workers": 2,
+                                                  "templates": [{"width": 64, "height": 64, "steps": 2}]}]})
+    table = _table({t: ExecutionConfig(template=t, mitigations=(_offload((0, 1, 2)),))})
+    check_runnable(table, cfg, [t])  # the node has far more than a tiny model's blocks
+    with pytest.raises(PlanNotRunnable, match="pinned host memory"):
+        check_runnable(table, cfg, [t], host_memory_bytes=1000)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _save_component(module: torch.nn.Module, directory, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    module.to(dtype).save_pretrained(str(directory))
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_checkpoint_load_equals_seeded_build(model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = get_model_spec(model)
+    seeded = spec.build_transformer(BuildOptions(seed=7))
+    _save_component(seeded, tmp_path / "transformer", torch.float32)
+    n = spec.num_dit_blocks
+    loaded = spec.build_transformer(BuildOptions(weights_dir=tmp_path, host_modules=(f"transformer.{spec.dit_blocks(seeded)[n - 1][0]}",)))
+    ref, got = seeded.state_dict(), loaded.state_dict()
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_error_raised_if_checkpoint_is_wrong(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = get_model_spec("tiny-flux2")
+    with pytest.raises(CheckpointError, match=r"transformer/config.json: missing"):
+        spec.build_transformer(BuildOptions(weights_dir=tmp_path))
+    _save_component(spec.build_transformer(BuildOptions()), tmp_path / "transformer", torch.bfloat16)
+    with pytest.raises(CheckpointError, match=r"stored as torch.bfloat16, this worker loads torch.float32"):
+        spec.build_transformer(BuildOptions(weights_dir=tmp_path))
+    # a checkpoint of another config: shapes differ, named with the file and what was expected
+    cfg = json.loads((tmp_path / "transformer" / "config.json").read_text())
+    _save_component(spec.build_transformer(BuildOptions()), tmp_path / "transformer", torch.float32)
+    cfg["num_layers"] = cfg["num_layers"] + 1
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"is missing from the checkpoint"):
+        spec.build_transformer(BuildOptions(weights_dir=tmp_path))
+
+
+def test_verify_cli_reports_entries(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from xema_ray.cli import main
+
+    t = TEMPLATES["tiny-flux2"]
+    n = t.spec.num_dit_blocks
+    table = _table({t: ExecutionConfig(template=t, mitigations=(_offload(tuple(range(n))),))})
+    path = tmp_path / "plans.json"
+    table.save(str(path))
+    out = tmp_path / "verify.json"
+    assert main(["verify", "--plan-table", str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (entry,) = report["entries"]
+    assert entry["template"] == t.shape_key and entry["fits"] is True
+    assert set(entry) >= {"template", "device_peak_bytes", "load_peak_bytes", "host_bytes", "budget_bytes", "fits"}
+    assert entry["host_bytes"] == sum(block_sizes(t.spec))
+    small = table.model_copy(update={"budget_bytes": 1000})
+    small.save(str(path))
+    assert main(["verify", "--plan-table", str(path)]) == 1
+    assert "NO" in capsys.readouterr().out
+
+
+def test_residency_of_config() -> None:
+    t = TEMPLATES["tiny-flux2"]
+    c = ExecutionConfig(template=t, ulysses=2, mitigations=(_offload((0,)), Mitigation(kind="hsdp", blocks=(2,), intensity=1)))
+    assert Residency.of_config(c).host_blocks == (0, 2)

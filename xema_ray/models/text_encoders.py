@@ -1,0 +1,189 @@
+"""The three models' text encoders: configs, builders, tokenizers made locally, meta-device shims.
+
+| model   | encoder (transformers class)              | real size (bf16)  | prompt tokens |
+|---------|-------------------------------------------|-------------------|---------------|
+| Flux.2  | Mistral-Small-3.1 (Mistral3ForConditionalGeneration) | 23.3 B (46.7 GB) | 512 |
+| CogVideoX-5B | T5-v1.1-XXL encoder (T5EncoderModel)  | 4.76 B (9.5 GB)   | 226           |
+| LTX-2   | Gemma-3-12B (Gemma3ForConditionalGeneration) | 12.2 B (24.4 GB) | 1024          |
+
+Configs are in ``xema_ray/configs/*_text_encoder.json`` with their sources; the tiny versions
+are sized to the tiny transformers' text widths. The encoder is built like every other
+component (``loading.build_on_meta`` + ``materialize``), so its weights are placed module by
+module at their home (device, host for streaming, or the CPU to run there).
+
+Tokenizers are never downloaded: with real weights the checkpoint's tokenizer is loaded from
+its directory; ``build_tokenizer`` makes a byte-level BPE tokenizer locally (trained in
+milliseconds on a fixed corpus) for tiny checkpoints and for random-weight encoders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+EncoderFamily = Literal["mistral3", "t5", "gemma3"]
+
+_CORPUS = (
+    "a photo of a cat sitting on a red sofa in warm evening light. waves crash on a rocky shore at sunset. "
+    "a fox runs through snow in a pine forest. a city street at night with neon signs and rain. "
+    "an astronaut rides a horse on the moon, highly detailed, cinematic. a bowl of fruit on a wooden table. "
+    "slow motion of a hummingbird drinking nectar from a flower. aerial view of mountains and a winding river. "
+    "The quick brown fox jumps over the lazy dog 0123456789 !?,.;:'\"()-"
+)
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """One model's text encoder."""
+
+    family: EncoderFamily
+    config_file: str
+    max_tokens: int = 512
+    #: Flux.2 stacks these hidden states (None: the pipeline's own choice)
+    out_layers: tuple[int, ...] | None = None
+
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        from xema_ray.models.base import load_config
+
+        return load_config(self.config_file)
+
+    def model_class(self) -> type[nn.Module]:
+        import transformers
+
+        return getattr(transformers, self.config["_class"])
+
+    def hf_config(self) -> Any:
+        import transformers
+
+        cfg = {k: v for k, v in self.config.items() if not k.startswith("_")}
+        cls = {"mistral3": transformers.Mistral3Config, "t5": transformers.T5Config,
+               "gemma3": transformers.Gemma3Config}[self.family]
+        return cls(**cfg) if self.family == "t5" else cls.from_dict(cfg)
+
+    def layers(self, encoder: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The encoder's transformer layers in execution order (what streaming offloads)."""
+        if self.family == "t5":
+            return [(f"encoder.block.{i}", b) for i, b in enumerate(encoder.encoder.block)]
+        lm = encoder.model.language_model
+        prefix = "model.language_model.layers"
+        return [(f"{prefix}.{i}", b) for i, b in enumerate(lm.layers)]
+
+    def unit_paths(self) -> tuple[str, ...]:
+        """The parts a text encoding runs, in order, each streamed through the device on its own:
+        the embedding, every layer, the final norm (and the LM head the forward also applies)."""
+        n = self.num_layers
+        if self.family == "t5":
+            return ("shared", *(f"encoder.block.{i}" for i in range(n)), "encoder.final_layer_norm")
+        lm = "model.language_model"
+        return (f"{lm}.embed_tokens", *(f"{lm}.layers.{i}" for i in range(n)), f"{lm}.norm", "lm_head")
+
+    def units(self, encoder: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(p, encoder.get_submodule(p)) for p in self.unit_paths()]
+
+    def streamed_host_modules(self) -> tuple[str, ...]:
+        """What lives on the host when the encoder streams: every unit it runs (brought in one by
+        one) and the vision tower, which text encoding never runs."""
+        if self.family == "t5":
+            return self.unit_paths()
+        return (*self.unit_paths(), "model.vision_tower", "model.multi_modal_projector")
+
+    @property
+    def num_layers(self) -> int:
+        cfg = self.config if self.family == "t5" else self.config["text_config"]
+        return int(cfg["num_layers"] if self.family == "t5" else cfg["num_hidden_layers"])
+
+    @property
+    def vocab_size(self) -> int:
+        cfg = self.config if self.family == "t5" else self.config["text_config"]
+        return int(cfg["vocab_size"])
+
+
+def build_tokenizer(spec: TextEncoderSpec) -> Any:
+    """A byte-level BPE tokenizer made here (no download), with the special tokens and the
+    padding side each pipeline expects, and a chat template for Flux.2's ``apply_chat_template``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "</s>", "<unk>", "<s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    size = min(512, spec.vocab_size)
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    eos, bos = tok.token_to_id("</s>"), tok.token_to_id("<s>")
+    if spec.family == "t5":  # T5 appends </s>
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
+    else:  # Mistral and Gemma start with <s> / <bos>
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", bos_token="<s>",
+        model_max_length=spec.max_tokens, padding_side="left" if spec.family == "gemma3" else "right",
+    )
+    if spec.family == "mistral3":
+        # Flux.2 formats prompts as chat messages whose content is a list of {"type": "text"} parts
+        # (text parts only, empty ones skipped: a tiny encoder's few tokens go to the prompt)
+        fast.chat_template = (
+            "{% for m in messages %}{% if m['content'] is string %}{% if m['content'] %}{{ m['content'] + ' ' }}{% endif %}"
+            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' and c['text'] %}{{ c['text'] + ' ' }}"
+            "{% endif %}{% endfor %}{% endif %}{% endfor %}"
+        )
+    return fast
+
+
+def load_tokenizer(directory: Any) -> Any:
+    """A checkpoint's tokenizer: its processor where it has one (Flux.2's Mistral-3), else the tokenizer."""
+    from pathlib import Path
+
+    from transformers import AutoProcessor, AutoTokenizer
+
+    d = Path(directory)
+    if (d / "processor_config.json").exists() or (d / "preprocessor_config.json").exists():
+        return AutoProcessor.from_pretrained(str(d))
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@contextlib.contextmanager
+def meta_shims() -> Iterator[None]:
+    """transformers decides whether an attention mask can be skipped by reading it
+    (``padding_mask.all()``), which meta tensors cannot answer. Prompts are padded to the
+    encoder's length, so a real run has padding and builds the mask: on meta it always does."""
+    import transformers.masking_utils as mu
+
+    saved = {n: getattr(mu, n) for n in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa") if hasattr(mu, n)}
+    for n in saved:
+        setattr(mu, n, lambda *a, **k: False)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mu, n, f)
+
+
+def encoder_weight_bytes(spec: TextEncoderSpec, dtype: torch.dtype) -> tuple[int, list[int]]:
+    """(all weights, per layer) of the encoder at ``dtype``, from a meta build."""
+    enc = build_encoder_on_meta(spec, dtype)
+    total = sum(t.numel() * t.element_size() for t in [*enc.parameters(), *enc.buffers()])
+    per_layer = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in spec.layers(enc)]
+    return total, per_layer
+
+
+def build_encoder_on_meta(spec: TextEncoderSpec, dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:
+    """The encoder's module tree: parameters on meta, buffers (rotary frequencies) computed on
+    the CPU unless ``real_buffers`` is False (pure analysis)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from xema_ray.models.loading import parameters_on_meta
+
+    where = parameters_on_meta() if real_buffers else torch.device("meta")
+    with _disable_current_modes(), where:
+        model = spec.model_class()._from_config(spec.hf_config(), dtype=dtype)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,153 @@
+"""``xema verify``: the serving worker's own load + execute code, on the meta device, counted.
+
+For each plan-table entry a ``Worker`` is started on the meta platform (the same class a GPU
+worker actor runs; SP ranks join a fake process group, so one process stands for rank 0 of the
+batch's SP group), loads the model with the entry's plans (each weight placed where the
+residency says, exactly as on a GPU) and executes one batch of the plan's size, all under the
+``AllocationTracer``. Device bytes are counted from the first weight placed to the end of the
+request; host bytes (weights homed on pinned host memory) are reported separately. Nothing is
+modelled here: what is counted is what the worker allocates.
+
+Denoising steps repeat the same allocations (the analyzer checks it), so ``VERIFY_STEPS``
+steps stand for all of them.
+
+Example:
+    >>> from xema_ray.plan import ExecutionConfig
+    >>> from xema_ray.templates import RequestTemplate
+    >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)
+    >>> r = verify_config(ExecutionConfig(template=t), budget_bytes=10**9)
+    >>> r.fits, r.device_peak_bytes > r.load_peak_bytes > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.memory.analyzer import REPLICATE_FROM
+from xema_ray.memory.tracer import ALLOC, AllocationTracer, RawTrace, round_size
+from xema_ray.plan import ExecutionConfig, PlanTable
+from xema_ray.runtime.worker import ModelLoadConfig, ResidencyPolicy, Worker
+
+VERIFY_STEPS = REPLICATE_FROM
+LOAD_END = "verify:load_end"
+
+
+class VerifyEntry(BaseModel):
+    """What the worker's own code allocated for one plan entry."""
+
+    model_config = ConfigDict(frozen=True)
+
+    template: str
+    plan: str = Field(description="ExecutionConfig.describe() of the entry")
+    device_peak_bytes: int = Field(description="device peak from the first weight placed to the end of the request")
+    load_peak_bytes: int = Field(description="device peak while loading (the weights the device holds after load)")
+    host_bytes: int = Field(description="weight bytes homed on (pinned) host memory")
+    text_encoder: str | None = Field(default=None, description="where the text encoder ran (None: stand-in embeddings)")
+    budget_bytes: int
+    predicted_peak_bytes: int | None = Field(default=None, description="the planner's prediction, for comparison")
+    fits: bool
+    steps_traced: int
+    sp_rank_traced: int = Field(default=0, description="the SP rank whose allocations were counted")
+    seconds: float
+    error: str | None = Field(default=None, description="why the worker could not run the entry (then fits is false)")
+
+
+class VerifyReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    plan_table: str | None = None
+    entries: list[VerifyEntry]
+
+    @property
+    def all_fit(self) -> bool:
+        return all(e.fits for e in self.entries)
+
+
+def device_peaks(raw: RawTrace) -> tuple[int, int]:
+    """(whole-run peak, peak up to the load-end marker) of a raw trace, in caching-allocator bytes."""
+    kinds = np.asarray(raw.event_kind, dtype=np.int8)
+    sizes = np.asarray([round_size(r.nbytes) for r in raw.records], dtype=np.int64)
+    alloc_of = np.asarray(raw.event_alloc, dtype=np.int64)
+    if kinds.size == 0:
+        return 0, 0
+    delta = np.where(kinds == ALLOC, sizes[alloc_of], -sizes[alloc_of])
+    live = np.cumsum(delta)
+    load_end = next((pos for pos, label in raw.markers if label == LOAD_END), len(live))
+    load_peak = int(live[:load_end].max()) if load_end > 0 else 0
+    return int(live.max()), load_peak
+
+
+def verify_config(
+    config: ExecutionConfig,
+    budget_bytes: int,
+    group_plans: Iterable[ExecutionConfig] = (),
+    residency: ResidencyPolicy = "per_template",
+    predicted_peak_bytes: int | None = None,
+) -> VerifyEntry:
+    """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
+
+    Args:
+        config: the plan to run.
+        budget_bytes: the per-GPU budget it must stay within.
+        group_plans: the other plans of the worker's group (they shape the residency at load).
+        residency: the group's residency policy.
+        predicted_peak_bytes: the planner's prediction, reported beside the count.
+    """
+    t0 = time.perf_counter()
+    template = config.template
+    steps = min(template.steps, VERIFY_STEPS)
+    run = config.model_copy(update={"template": template.with_(steps=steps)})
+    plans = (config, *[p for p in group_plans if p != config])
+    tracer = AllocationTracer("meta", {})
+    worker = Worker(platform="meta")
+    error = None
+    host = 0
+    encoder = None
+    try:
+        from xema_ray.parallel.groups import ParallelConfig, SPLayout
+        from xema_ray.runtime.engine import Batch, GenerationRequest
+
+        layouts = tuple({(p.ulysses, p.ring) for p in plans if p.sp > 1 and p.sp <= config.sp})
+        parallel = (ParallelConfig(rank=0, world_size=1) if config.sp == 1 else
+                    ParallelConfig(rank=0, world_size=config.sp, init_method="fake://", backend="fake",
+                                   layouts=tuple(SPLayout(ulysses=u, ring=r) for u, r in sorted(layouts)
+                                                 if config.sp % (u * r) == 0)))
+        batch = Batch(config=run, requests=tuple(GenerationRequest(request_id=f"verify-{i}", prompt="a photo of a cat",
+                                                                    seed=i) for i in range(config.batch)))
+        with torch.no_grad(), tracer:
+            worker.init_device(parallel)
+            loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency))
+            tracer.mark(LOAD_END)
+            worker.execute(batch)
+        host, encoder = loaded.host_bytes, loaded.text_encoder
+    except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        worker.shutdown()
+    peak, load_peak = device_peaks(tracer.raw())
+    return VerifyEntry(
+        template=template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
+        host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
+        fits=error is None and peak <= budget_bytes, steps_traced=steps, seconds=time.perf_counter() - t0,
+        error=error,
+    )
+
+
+def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path: str | None = None) -> VerifyReport:
+    """``verify_config`` for every entry of ``table`` (or the named shape keys). Each entry is
+    loaded with its own plan first, as a per-template worker loads it for that template; a
+    switch from another template's residency only moves blocks out before others come in, so
+    it never exceeds the larger of the two residencies' device bytes."""
+    keys = list(templates) if templates is not None else sorted(table.entries)
+    out = []
+    for key in keys:
+        e = table.entries[key]
+        out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
+                                 predicted_peak_bytes=e.prediction.peak_bytes))
+    return VerifyReport(plan_table=path, entries=out)

@@ -1,0 +1,77 @@
+"""The environment a Ray cluster started for the app gets: local-only ports by default, and the
+proxy middleware that turns Ray Serve's own error answers into the API's JSON errors.
+
+Both are settings Ray reads from its processes' environment when they start (the raylet passes
+its environment to the workers, the Serve controller and the HTTP proxy), so they must be in
+the environment of whatever starts Ray: ``make serve`` (``serve run``), ``ray start``, or a
+test's ``ray.init``. Measured on Ray 2.60 (README "Ports"): by default the GCS, the raylet, every
+worker and replica and the dashboard agent listen on all interfaces; with
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes 127.0.0.1 as the node address and every one
+of them listens on 127.0.0.1 only. A cluster of several machines needs them reachable: open them
+with ``open_ports=True`` (``make serve XEMA_RAY_OPEN_PORTS=1``) and firewall them instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+#: Ray's switch: "0" makes a node use 127.0.0.1 as its address, so its servers bind only there
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: our setting: "1" leaves Ray's ports on all interfaces (a multi-node cluster)
+OPEN_PORTS_ENV = "XEMA_RAY_OPEN_PORTS"
+
+
+def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) plus the app's Ray settings.
+
+    Args:
+        open_ports: leave Ray's internal ports on all interfaces; None reads ``XEMA_RAY_OPEN_PORTS``.
+        base: the environment to extend.
+
+    Example:
+        >>> ray_env(open_ports=False, base={})["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+        '0'
+    """
+    env = dict(os.environ if base is None else base)
+    if open_ports is None:
+        open_ports = env.get(OPEN_PORTS_ENV, "0") == "1"
+    env.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    if open_ports:
+        env.pop(LOCAL_ONLY_ENV, None)
+    else:
+        env[LOCAL_ONLY_ENV] = "0"
+    return env
+
+
+def apply_ray_env(open_ports: bool | None = None) -> None:
+    """Put ``ray_env``'s settings into this process's environment, before it starts Ray
+    (``ray.init`` of a new local cluster). Never at import: callers do it explicitly."""
+    import sys
+
+    env = ray_env(open_ports)
+    if LOCAL_ONLY_ENV not in env:
+        os.environ.pop(LOCAL_ONLY_ENV, None)
+    os.environ.update(env)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        # Ray read the switch when it was imported, and the driver picks the node address it
+        # hands to the GCS and raylet from that reading (services.get_node_ip_address)
+        constants.ENABLE_RAY_CLUSTER = LOCAL_ONLY_ENV not in env
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m xema_ray.serving.ray_env COMMAND...``: run COMMAND (``serve run ...``,
+    ``ray start ...``) with the app's Ray settings in its environment."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit("usage: python -m xema_ray.serving.ray_env COMMAND [ARGS...]")
+    os.execvpe(args[0], args, ray_env())
+
+
+if __name__ == "__main__":
+    main()
