@@ -68,6 +68,7 @@ bench: install
 	$(PY) bench/bench_mitigation.py --out bench/results/mitigation.json
 	$(PY) bench/bench_residency.py --out bench/results/residency.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_serving.py --out bench/results/serving.json
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_jobs.py --loadtest-seconds 40 --out bench/results/jobs.json
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
 gpu-check:

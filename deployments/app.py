@@ -47,7 +47,7 @@ def build_app(args: dict[str, Any]) -> Application:
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue,
+            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
         )
@@ -55,8 +55,9 @@ def build_app(args: dict[str, Any]) -> Application:
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
     # Serve's own limits sit above it; Serve's backpressure stays a last resort with Retry-After
     in_flight = cfg.limits.max_in_flight
-    router = serve.deployment(Router, name="Router", max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
+    router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
+                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options={"num_cpus": 0},
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
-                       limits_json=cfg.limits.model_dump_json())
+                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json())

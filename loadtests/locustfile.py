@@ -10,6 +10,11 @@ Configuration (environment): XEMA_RATE (requests/s), XEMA_DURATION (s), XEMA_MIX
 skewed), XEMA_ALPHA (skew, default 1), XEMA_SLO_SCALE, XEMA_SEED, XEMA_OUT (results directory),
 XEMA_GRACE (s to wait for in-flight requests).
 
+Videos go through the job API as a client would use it: create (``POST /v1/videos``), poll
+``GET /v1/videos/{id}`` at the server's ``openai-poll-after-ms`` hint until the job finishes, then
+download the MP4. Each record carries the time to the first progress above 0 and the end-to-end
+latency (create to downloaded bytes).
+
 Run: ``make loadtest RATE=0.5 DURATION=60`` (starts the Serve app if needed).
 """
 
@@ -62,31 +67,66 @@ class OpenLoopDispatcher(HttpUser):
         stats = self.client.get("/v1/stats", name="/v1/stats").json()
         self.server_received_before = stats["received"]
 
+    def _image(self, t: dict, body: dict) -> tuple[int, str]:
+        with self.client.post("/v1/images/generations", json=body, name=t["template"], catch_response=True,
+                              timeout=GRACE + DURATION) as r:
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}")
+                return r.status_code, r.text[:200]
+        return 200, ""
+
+    def _video_job(self, t: dict, body: dict, start: float) -> tuple[int, str, float | None, int]:
+        """Create, poll at the server's hint, download: (status, error, time to first progress, polls)."""
+        timeout = GRACE + DURATION
+        with self.client.post("/v1/videos", json=body, name=f"{t['template']} create", catch_response=True,
+                              timeout=timeout) as r:
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}")
+                return r.status_code, r.text[:200], None, 0
+            video = r.json()
+            hint = int(r.headers.get("openai-poll-after-ms", "1000"))
+        first, polls = None, 0
+        while video["status"] in ("queued", "in_progress"):
+            gevent.sleep(hint / 1000)
+            with self.client.get(f"/v1/videos/{video['id']}", name=f"{t['template']} poll", catch_response=True,
+                                 timeout=timeout) as r:
+                polls += 1
+                if r.status_code != 200:
+                    r.failure(f"HTTP {r.status_code}")
+                    return r.status_code, r.text[:200], first, polls
+                video = r.json()
+                hint = int(r.headers.get("openai-poll-after-ms", str(hint)))
+            if first is None and (video["progress"] > 0 or video["status"] == "completed"):
+                first = time.time() - start
+            if time.time() - start > timeout:
+                return 0, f"still {video['status']} after {timeout:.0f} s", first, polls
+        if video["status"] != "completed":
+            return 500, f"job failed: {video.get('error')}", first, polls
+        with self.client.get(f"/v1/videos/{video['id']}/content", name=f"{t['template']} download",
+                             catch_response=True, timeout=timeout) as r:
+            if r.status_code != 200 or not r.content:
+                r.failure(f"HTTP {r.status_code}")
+                return r.status_code, r.text[:200], first, polls
+        return 200, "", first, polls
+
     def _fire(self, t: dict, scheduled: float, index: int) -> None:
         start = time.time()
         seed = self.rng.randrange(2**31)
-        if t["frames"] == 1:
-            path = "/v1/images/generations"
-            body = {"model": t["model"], "prompt": f"load test {index}", "size": f"{t['width']}x{t['height']}",
-                    "n": 1, "response_format": "b64_json", "seed": seed}
-        else:
-            path = "/v1/videos"
-            body = {"model": t["model"], "prompt": f"load test {index}", "size": f"{t['width']}x{t['height']}",
-                    "num_frames": t["frames"], "seed": seed}
-        status, error = 0, ""
+        body = {"model": t["model"], "prompt": f"load test {index}", "size": f"{t['width']}x{t['height']}", "seed": seed}
+        status, error, first, polls = 0, "", None, 0
         try:
-            with self.client.post(path, json=body, name=t["template"], catch_response=True, timeout=GRACE + DURATION) as r:
-                status = r.status_code
-                if status != 200:
-                    error = r.text[:200]
-                    r.failure(f"HTTP {status}")
+            if t["frames"] == 1:
+                status, error = self._image(t, {**body, "n": 1, "response_format": "b64_json"})
+            else:
+                status, error, first, polls = self._video_job(t, {**body, "num_frames": t["frames"]}, start)
         except Exception as e:  # a transport error is still an answered-or-lost request: record it
             error = f"{type(e).__name__}: {e}"
         latency = time.time() - start
         slo = t["slo_s"] * SLO_SCALE
         self.records.append(RequestRecord(index=index, template=t["template"], scheduled_s=scheduled, sent_at=start,
                                           latency_s=latency, status=status, slo_s=slo,
-                                          met=status == 200 and latency <= slo, error=error))
+                                          met=status == 200 and latency <= slo, error=error,
+                                          first_progress_s=first, polls=polls))
 
     @task
     def dispatch(self) -> None:

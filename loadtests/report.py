@@ -22,6 +22,8 @@ class RequestRecord(BaseModel):
     slo_s: float
     met: bool
     error: str = ""
+    first_progress_s: float | None = None  # video jobs: create to the first progress above 0
+    polls: int = 0  # video jobs: GET /v1/videos/{id} calls
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -42,6 +44,9 @@ def summarize(records: list[RequestRecord], sent: int, duration_s: float, target
             "sent": len(rs), "ok": len(lat), "met": sum(r.met for r in rs),
             "attainment": sum(r.met for r in rs) / len(rs),
             "p50_s": _pct(lat, 50), "p90_s": _pct(lat, 90), "p99_s": _pct(lat, 99), "slo_s": rs[0].slo_s,
+            "first_progress_p50_s": _pct([r.first_progress_s for r in rs if r.first_progress_s is not None], 50),
+            "first_progress_p90_s": _pct([r.first_progress_s for r in rs if r.first_progress_s is not None], 90),
+            "polls_per_request": sum(r.polls for r in rs) / len(rs),
             "errors": {str(s): sum(r.status == s for r in rs) for s in sorted({r.status for r in rs}) if s != 200},
         }
     return {

@@ -70,7 +70,7 @@ def measure_overhead(url: str, n: int = 8) -> float:
     to every request; it is measured before the load run, not fitted to it."""
     templates = requests.get(f"{url}/v1/templates", timeout=30).json()
     t = min(templates, key=lambda x: x["predicted_latency_s"])
-    path = "/v1/images/generations" if t["frames"] == 1 else "/v1/videos"
+    path = "/v1/images/generations" if t["frames"] == 1 else "/v1/videos/sync"
     body = {"model": t["model"], "prompt": "overhead probe", "size": f"{t['width']}x{t['height']}", "seed": 0}
     if t["frames"] > 1:
         body["num_frames"] = t["frames"]

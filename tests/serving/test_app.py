@@ -47,6 +47,7 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     args = {
         "device": "cpu",
         "worker_cpus": 0.25,
+        "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.5, "max_queue": 3,
              "templates": [{"width": 64, "height": 64, "steps": 2}, {"width": 128, "height": 128, "steps": 2}]},
@@ -114,7 +115,7 @@ def test_two_concurrent_requests_share_a_batch_of_two(server: str) -> None:
 
 def test_sp2_video_runs_across_two_workers_and_decodes(server: str) -> None:
     body = {"model": "tiny-cogvideox", "prompt": "waves", "size": "64x64", "num_frames": 9, "seed": 1}
-    r = requests.post(f"{server}/v1/videos", json=body, timeout=120)
+    r = requests.post(f"{server}/v1/videos/sync", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "video/mp4" and r.headers["X-Xema-Workers"] == "0,1"
     frames = iio.imread(r.content, extension=".mp4")
@@ -126,7 +127,7 @@ def test_sp2_video_runs_across_two_workers_and_decodes(server: str) -> None:
     [
         ("/v1/images/generations", {"model": "nope", "prompt": "x", "size": "64x64"}, 400),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "96x96"}, 400),
-        ("/v1/videos", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_frames": 9}, 400),
+        ("/v1/videos/sync", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_frames": 9}, 400),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_inference_steps": -1}, 422),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "num_inference_steps": 7}, 400),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "", "size": "64x64"}, 422),
@@ -134,7 +135,7 @@ def test_sp2_video_runs_across_two_workers_and_decodes(server: str) -> None:
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": 5, "size": "64x64"}, 422),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": 64}, 422),
         ("/v1/images/generations", {"model": "tiny-flux2", "prompt": "x", "size": "64x64", "seed": "1"}, 422),
-        ("/v1/videos", {"model": "tiny-cogvideox", "prompt": "x", "size": "64by64", "num_frames": 9}, 422),
+        ("/v1/videos/sync", {"model": "tiny-cogvideox", "prompt": "x", "size": "64by64", "num_frames": 9}, 422),
     ],
 )
 def test_error_raised_if_input_is_bad(server: str, path: str, body: dict, status: int) -> None:
@@ -159,11 +160,11 @@ def test_killed_worker_is_replaced_and_the_request_retried(server: str) -> None:
     before = group.status.remote().result()["generation"]
     group.kill_worker.remote(1).result()
     body = {"model": "tiny-cogvideox", "prompt": "after the crash", "size": "64x64", "num_frames": 9, "seed": 2}
-    r = requests.post(f"{server}/v1/videos", json=body, timeout=300)
+    r = requests.post(f"{server}/v1/videos/sync", json=body, timeout=300)
     assert r.status_code in (200, 503), r.text  # a retried success, or a clean error naming the failure
     deadline = time.time() + 120
     while group.status.remote().result()["generation"] == before and time.time() < deadline:
         time.sleep(1)
     assert group.status.remote().result()["generation"] == before + 1
-    r2 = requests.post(f"{server}/v1/videos", json={**body, "seed": 4}, timeout=300)
+    r2 = requests.post(f"{server}/v1/videos/sync", json={**body, "seed": 4}, timeout=300)
     assert r2.status_code == 200, r2.text  # the group recovered

@@ -65,3 +65,14 @@ def test_requeue_keeps_deadlines_and_overflow_refuses() -> None:
 def test_error_raised_if_plan_needs_more_workers_than_the_group() -> None:
     with pytest.raises(ValueError, match="SP 4"):
         Dispatcher(plans(a={"batch": 1, "sp": 4, "slo_s": 1, "latency_s": 1}), workers=2)
+
+
+def test_cancel_removes_only_a_queued_request() -> None:
+    d: Dispatcher[None] = Dispatcher({"t": DispatchPlan(batch=1, sp=1, slo_s=10, latency_s=1)}, workers=1)
+    for r in ("r1", "r2", "r3"):
+        d.submit("t", r, now=0.0)
+    [running] = d.dispatch(now=0.0)
+    assert not d.cancel(running.requests[0].request_id)  # running: the step hook stops it, not the queue
+    assert d.cancel("r2") and not d.cancel("r2")
+    d.complete(running.batch_id)
+    assert [a.requests[0].request_id for a in d.dispatch(now=0.0)] == ["r3"]

@@ -53,6 +53,7 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
         "device": "cpu",
         "worker_cpus": 0.25,
         "limits": {"max_in_flight": MAX_IN_FLIGHT, "max_prompt_chars": 2000},
+        "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.3,
              "templates": [{"width": 64, "height": 64, "steps": 2}]},

@@ -39,6 +39,7 @@ from xema_ray.parallel.sp import Backend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
+from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.text import EncodedPrompts
 
 ArmLayout = Callable[[str], contextlib.AbstractContextManager[None]]
@@ -296,10 +297,11 @@ class ExecutionEngine:
     # ------------------------------------------------------------------ running
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
-        output_type: str = "np",
+        output_type: str = "np", observer: StepObserver | None = None,
     ) -> tuple[Any, dict[str, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, phase seconds, SP rank,
-        layout armed). ``output_type="latent"`` stops before the decoders."""
+        layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
+        finished step and may stop the batch (``xema_ray.runtime.progress``)."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -327,7 +329,8 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.pipe(
-                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type
+                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type,
+                    **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device),
                 )
             self.platform.synchronize()
             t_end = time.perf_counter()
@@ -339,8 +342,8 @@ class ExecutionEngine:
         }
         return out, phases, group.rank if group is not None else 0, armed
 
-    def execute(self, batch: Batch) -> BatchResult:
-        """Run ``batch`` end to end; see the module docstring."""
+    def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
+        """Run ``batch`` end to end; see the module docstring. ``observer``: see ``run_pipeline``."""
         t0 = time.perf_counter()
         self.platform.reset_peak_memory()
         config = batch.config
@@ -349,8 +352,10 @@ class ExecutionEngine:
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
         out, phases, sp_rank, armed = self.run_pipeline(
-            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent"
+            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer
         )
+        if observer is not None and output_rank:
+            observer.on_decoded()
         t_enc = time.perf_counter()
         outputs = self._encode(batch, out) if output_rank and not self.shape_only else []
         encode_s = time.perf_counter() - t_enc

@@ -24,6 +24,7 @@ from xema_ray.parallel.sp import Backend
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
+from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
 
 ResidencyPolicy = Literal["per_template", "shared"]
@@ -206,9 +207,10 @@ class Worker:
             return self.residency.current
         return Residency.of_config(config)
 
-    def execute(self, batch: Batch) -> BatchResult:
+    def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
         """Run one batch (every rank of the batch's SP group must call this with the same batch).
-        First the residency is switched to the batch's, moving only the blocks whose home changes."""
+        First the residency is switched to the batch's, moving only the blocks whose home changes.
+        ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``)."""
         if self.engine is None or self.residency is None:
             raise ValueError("no model loaded: call load_model first")
         switch = self.residency.switch(self.target_residency(batch.config))
@@ -216,7 +218,7 @@ class Worker:
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
         self.last_layout_report = None
-        result = self.engine.execute(batch)
+        result = self.engine.execute(batch, observer)
         rep = self.last_layout_report
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
                                          "host_weight_bytes": self.residency.host_bytes(),

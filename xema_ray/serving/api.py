@@ -92,18 +92,28 @@ class _Common(BaseModel):
 
 
 class ImageRequest(_Common):
-    """``POST /v1/images/generations`` (the OpenAI images API, plus diffusion knobs)."""
+    """``POST /v1/images/generations`` (the OpenAI images API, plus diffusion knobs).
 
-    n: int = Field(default=1, ge=1, le=8, description="images for this prompt (each its own request, "
-                                                       "with seed, seed+1, ...)")
-    response_format: Literal["b64_json"] = "b64_json"
+    Unknown options are kept (``extra="allow"``) so that the endpoint can answer 400 naming them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    n: int = Field(default=1, ge=1, le=10, description="images for this prompt, up to the template's planned batch "
+                                                        "(each its own request, with seed, seed+1, ...)")
+    response_format: Literal["b64_json", "url"] = Field(
+        default="b64_json", description="url: a link on this server, valid as long as video results (jobs.ttl_s)")
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100,
+                                           description="jpeg/webp: 100 - quality; png: zlib level (lossless)")
+    background: Literal["auto", "opaque"] | None = Field(default=None, description="transparent backgrounds are not generated")
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
     quality: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     style: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
+    moderation: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     user: str | None = None
 
-    @field_validator("quality", "style", "user")
+    @field_validator("quality", "style", "moderation", "user")
     @classmethod
     def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _check_text(v, info, _limits.max_text_chars)
@@ -118,7 +128,7 @@ class ImageRequest(_Common):
 
 
 class VideoRequest(_Common):
-    """``POST /v1/videos``: returns an MP4."""
+    """``POST /v1/videos/sync``: waits for the video and returns the MP4 (``POST /v1/videos`` makes a job)."""
 
     num_frames: int = Field(ge=1, le=1024)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
@@ -126,13 +136,16 @@ class VideoRequest(_Common):
 
 
 class ImageData(BaseModel):
-    b64_json: str
+    b64_json: str | None = None
+    url: str | None = None
     revised_prompt: str | None = None
 
 
 class ImageResponse(BaseModel):
     created: int
     data: list[ImageData]
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    size: str | None = None
 
 
 class TemplateInfo(BaseModel):

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.serving.api import RequestLimits
+from xema_ray.serving.jobs import JobStoreConfig
 
 
 class TemplateSpec(BaseModel):
@@ -70,5 +71,8 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
+    jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
+                                 description="video jobs and image URLs: sqlite (one node) or redis (several)")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")

@@ -104,6 +104,16 @@ class Dispatcher(Generic[P]):
         for r in assignment.requests:
             heapq.heappush(self._queues[r.template], r)
 
+    def cancel(self, request_id: str) -> bool:
+        """Remove a queued request (False: it is not queued — running, finished or unknown)."""
+        for q in self._queues.values():
+            for i, r in enumerate(q):
+                if r.request_id == request_id:
+                    q.pop(i)
+                    heapq.heapify(q)
+                    return True
+        return False
+
     def queue_depth(self, template: str | None = None) -> int:
         if template is not None:
             return len(self._queues.get(template, ()))

@@ -7,6 +7,12 @@ template, orders them by deadline and places each on a free SP group; DP is how 
 at once. A worker that dies takes its worker set's process groups with it, so the set is rebuilt
 (weights reloaded) and the batch is retried once; if that fails too, its requests fail with a
 clear error — never silently.
+
+Video jobs (``submit_job``) go through the same dispatcher as synchronous requests; their state
+lives in the job store (``xema_ray.serving.jobs``): the group marks a job accepted (its owner id,
+kept alive by a heartbeat lease), started, its progress after every step (through the workers'
+step observer) and its result. A job deleted while it runs stops counting at the next step; a
+batch whose members are all deleted stops there and frees its workers.
 """
 
 from __future__ import annotations
@@ -14,19 +20,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from xema_ray.net import free_port
 from xema_ray.plan import PlanEntry
 from xema_ray.platforms.topology import pair_order
+from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.metrics import ServingMetrics
-from xema_ray.net import free_port
+from xema_ray.serving.videos import result_name
+
+#: a job whose worker set failed this many times fails instead of being re-dispatched
+MAX_JOB_ATTEMPTS = 3
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -62,7 +76,8 @@ class QueueFull(RuntimeError):
 class _Ticket:
     request: Any  # GenerationRequest, validated on arrival
     guidance_scale: float | None
-    future: asyncio.Future
+    future: asyncio.Future | None  # None for a job: its result goes to the job store
+    job_id: str | None = None
 
 
 def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | None) -> Any:
@@ -98,11 +113,13 @@ class ModelGroup:
             or "shared" (one residency for the group).
         worker_cpus: CPUs per worker actor.
         wait_window_s, max_queue: dispatcher settings.
+        jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
-                 max_queue: int = 64, residency: str = "per_template", layouts_dir: str | None = None) -> None:
+                 max_queue: int = 64, residency: str = "per_template", jobs: str | None = None,
+                 layouts_dir: str | None = None) -> None:
         self.model = model
         self.residency = residency
         self.layouts_dir = layouts_dir
@@ -131,6 +148,14 @@ class ModelGroup:
         self._rebuilding = False
         self._last_failure: str | None = None
         self._starting: list[Any] = []
+        self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
+        self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
+        self._job_ids: set[str] = set()  # jobs queued or running here
+        self._heartbeat_task: asyncio.Task | None = None
+        self._beating = False  # the last heartbeat reached the store
+        self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
+                                                     e.config.template.spec.kind == "video")
+                          for k, e in self.entries.items()}
         self._start_workers()
 
     # ------------------------------------------------------------------ worker set
@@ -201,6 +226,63 @@ class ModelGroup:
             self._wake = asyncio.Event()
             self._rebuild_lock = asyncio.Lock()
             self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+        if self.jobs_cfg is not None and self._heartbeat_task is None:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    def _store(self) -> JobStore:
+        if self.jobs_cfg is None:
+            raise RuntimeError(f"{self.model}: this model group was started without a job store")
+        return open_store(self.jobs_cfg)
+
+    async def _heartbeat(self) -> None:
+        """Keep this replica's lease on its jobs alive (a lapsed lease gets them re-dispatched)."""
+        assert self.jobs_cfg is not None
+        while True:
+            try:
+                await asyncio.to_thread(self._store().heartbeat, self.owner)
+                self._beating = True
+            except Exception:  # a store hiccup must not kill the loop; the next beat retries
+                self._beating = False
+                logger.exception("%s: job store heartbeat failed", self.model)
+            await asyncio.sleep(self.jobs_cfg.lease_s / 4)
+
+    async def submit_job(self, job_id: str, template: str, prompt: str, seed: int,
+                         guidance_scale: float | None = None) -> bool:
+        """Queue a stored job (idempotent). False: the job is gone or finished. Raises QueueFull."""
+        self._ensure_loop()
+        store = self._store()
+        if job_id in self._job_ids:  # ours already; re-claim it in case a lapsed lease gave it away
+            await asyncio.to_thread(store.accept, job_id, self.owner)
+            return True
+        request = _validated(job_id, prompt, seed, guidance_scale)
+        if template not in self.dispatcher.plans:
+            raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        if not self._beating:  # the lease must be live before the first job names this owner
+            await asyncio.to_thread(store.heartbeat, self.owner)
+        if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
+            return False
+        try:
+            self.dispatcher.submit(template, job_id, time.monotonic(), _Ticket(request, guidance_scale, None, job_id))
+        except OverflowError as e:
+            await asyncio.to_thread(store.requeue, job_id, self.owner)
+            self.metrics.rejected.inc(tags={"template": template})
+            raise QueueFull(str(e), retry_after_s=max(1.0, self.dispatcher.plans[template].latency_s)) from None
+        self._job_ids.add(job_id)
+        self.metrics.queue_depth.set(self.dispatcher.queue_depth(template), tags={"template": template})
+        assert self._wake is not None
+        self._wake.set()
+        return True
+
+    async def cancel_job(self, job_id: str) -> bool:
+        """Drop a queued job from the queue (a running one stops through its step observer)."""
+        removed = self.dispatcher.cancel(job_id)
+        if removed:
+            self._job_ids.discard(job_id)
+        return removed
+
+    async def estimate(self, template: str) -> float:
+        """Predicted seconds of one batch of ``template`` (the plan, refined by measured batches)."""
+        return self.estimates[template].total_s
 
     async def generate(self, template: str, request_id: str, prompt: str, seed: int,
                        guidance_scale: float | None = None) -> dict[str, Any]:
@@ -245,14 +327,29 @@ class ModelGroup:
             by_guidance.setdefault(r.payload.guidance_scale, []).append(r)  # type: ignore[union-attr]
         outputs: dict[str, dict[str, Any]] = {}
         for guidance, reqs in by_guidance.items():
+            jobs = [r.request_id for r in reqs if r.payload.job_id is not None]  # type: ignore[union-attr]
+            if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
+                store, est = self._store(), self.estimates[a.template]
+                started = {j for j in jobs if await asyncio.to_thread(store.start, j, self.owner, est.total_s)}
+                reqs = [r for r in reqs if r.payload.job_id is None or r.request_id in started]  # type: ignore[union-attr]
+                jobs = [j for j in jobs if j in started]
+                if not reqs:
+                    continue
+            observer = JobProgress(self.jobs_cfg, jobs, len(reqs) - len(jobs), self.estimates[a.template]) \
+                if jobs and self.jobs_cfg is not None else None
             batch = Batch(
                 config=entry.config.for_batch(len(reqs)),
                 requests=tuple(r.payload.request for r in reqs),  # type: ignore[union-attr]
                 guidance_scale=guidance,
             )
             t0 = time.monotonic()
-            refs = [self._actors[w].execute.remote(batch) for w in a.workers]
-            results = await asyncio.gather(*refs)
+            refs = [self._actors[w].execute.remote(batch, observer) for w in a.workers]
+            try:
+                results = await asyncio.gather(*refs)
+            except RayTaskError as e:
+                if isinstance(e, BatchCancelled) or isinstance(e.cause, BatchCancelled):
+                    continue  # every member was deleted: the workers stopped at a step boundary
+                raise
             seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
@@ -261,6 +358,7 @@ class ModelGroup:
             st["hits"] += lead.layout_hits
             st["fallbacks"] += lead.layout_misses
             self.layout_status = lead.layout_status
+            self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
@@ -283,23 +381,52 @@ class ModelGroup:
                             "the request was not completed, retry later") from e
                     self.metrics.retries.inc(tags={"template": a.template})
                     await self._rebuild(generation)
-            now = time.monotonic()
             for r in a.requests:
                 t: _Ticket = r.payload  # type: ignore[assignment]
-                if not t.future.done():
-                    t.future.set_result(outputs[r.request_id])
+                if t.job_id is not None:
+                    if r.request_id in outputs:  # absent: deleted while queued or running
+                        await self._store_result(t.job_id, outputs[r.request_id])
+                elif not t.future.done():  # type: ignore[union-attr]
+                    t.future.set_result(outputs[r.request_id])  # type: ignore[union-attr]
+                now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             for r in a.requests:
                 t = r.payload  # type: ignore[assignment]
-                if not t.future.done():
-                    t.future.set_exception(e)
+                if t.job_id is not None:
+                    await self._job_failed(t.job_id, e)
+                elif not t.future.done():  # type: ignore[union-attr]
+                    t.future.set_exception(e)  # type: ignore[union-attr]
             self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
         finally:
+            for r in a.requests:
+                self._job_ids.discard(r.request_id)
             self.dispatcher.complete(a.batch_id)
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
+
+    async def _store_result(self, job_id: str, out: dict[str, Any]) -> None:
+        try:
+            await asyncio.to_thread(self._store().complete, job_id, {result_name(job_id, "video"): (out["data"], out["media_type"])})
+        except Exception as e:  # the store is down: the job stays ours and unfinished, so it is re-run
+            logger.exception("%s: storing the result of %s failed", self.model, job_id)
+            await self._job_failed(job_id, e)
+
+    async def _job_failed(self, job_id: str, e: Exception) -> None:
+        """A fault (the worker set or the store) re-dispatches the job, up to MAX_JOB_ATTEMPTS
+        runs; any other error fails it with its message."""
+        store = self._store()
+        try:
+            rec = await asyncio.to_thread(store.get, job_id)
+            if rec is None:
+                return
+            if isinstance(e, (GroupUnavailable, *store_faults())) and rec.attempts < MAX_JOB_ATTEMPTS:
+                await asyncio.to_thread(store.requeue, job_id, self.owner)
+            else:
+                await asyncio.to_thread(store.fail, job_id, "generation_failed", f"{type(e).__name__}: {e}")
+        except Exception:
+            logger.exception("%s: could not record the failure of %s; its lease will lapse", self.model, job_id)
 
     # ------------------------------------------------------------------ introspection
     async def status(self) -> dict[str, Any]:
@@ -315,6 +442,8 @@ class ModelGroup:
             "queued": self.dispatcher.queue_depth(),
             "static_layouts": {"status": self.layout_status, "per_template": self.layout_stats},
             "running": len(self.dispatcher.running),
+            "jobs": len(self._job_ids),
+            "owner": self.owner,
         }
 
     async def kill_worker(self, index: int) -> None:

@@ -36,7 +36,7 @@ _BODY_STATUS = {
 _REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video"}
 #: operations whose 200 may carry a media type FastAPI cannot see (the endpoint builds the
 #: Response itself); added next to what FastAPI documents, never replacing it
-_EXTRA_200_MEDIA = {("post", "/v1/videos"): {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}
+_EXTRA_200_MEDIA = {("post", "/v1/videos/sync"): {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}
 
 
 def _error_response(description: str, retry: bool) -> dict[str, Any]:

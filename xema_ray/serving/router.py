@@ -4,6 +4,9 @@ Status codes (``errors.py`` has the table and the JSON shape): 422 malformed inp
 field, 400 a well-formed request for a template this deployment does not serve (with the list it
 does serve), 413 / 415 a body too large / not JSON, 503 with Retry-After when a queue is full,
 the server is busy or a worker set / replica died, 500 only for bugs.
+
+Video jobs (``/v1/videos``, the OpenAI video API) live in the job store; every replica answers
+for every job, and each replica re-dispatches jobs no model group holds (``VideoJobs.reconcile``).
 """
 
 # no `from __future__ import annotations`: FastAPI must see the request models as real classes
@@ -13,9 +16,10 @@ import base64
 import itertools
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
@@ -32,9 +36,13 @@ from xema_ray.serving.api import (
     parse_size,
     set_limits,
 )
-from xema_ray.serving.errors import error_response, exception_response, install_error_handlers
+from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.openapi import install_openapi
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
+from xema_ray.serving.media import MEDIA_TYPES, transcode_image
+from xema_ray.serving.video_jobs import ApiError, VideoJobs
+from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
@@ -51,6 +59,20 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return error_response(status, message, **extra)
 
 
+_STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
+                404: "no such video or file: it never existed, was deleted or has expired"}
+
+
+def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of an endpoint: its error statuses and, where the endpoint builds the
+    answer itself, the media types of its 200."""
+    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+    if media:
+        out[200] = {"description": "the file", "content": {m: {"schema": {"type": "string", "format": "binary"}}
+                                                          for m in media}}
+    return out
+
+
 def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
     return {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
@@ -63,7 +85,7 @@ class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
-                 limits_json: str | None = None) -> None:
+                 limits_json: str | None = None, jobs: str | None = None) -> None:
         self.groups = groups
         self.stats = stats  # the Stats deployment: counters that outlive this replica
         self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
@@ -77,6 +99,13 @@ class Router:
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
+        self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
+        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table) if self.jobs_cfg else None
+        if self.jobs is not None:
+            try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
+                self.jobs.start_background()
+            except RuntimeError:  # no running loop here: the first request starts it
+                pass
 
     def _count_received(self) -> None:
         """One generation request arrived: counted here and, without waiting, in Stats."""
@@ -118,24 +147,100 @@ class Router:
             return mapped
 
     @app.post("/v1/images/generations", response_model=None)
-    async def images(self, req: ImageRequest) -> ImageResponse | JSONResponse:
+    async def images(self, req: ImageRequest, request: Request) -> ImageResponse | JSONResponse:
         self._count_received()
+        if req.model_extra:
+            name = sorted(req.model_extra)[0]
+            accepted = ", ".join(sorted(ImageRequest.model_fields))
+            return _error(400, f"unknown option {name!r}; accepted: {accepted}", param=name, code="unknown_option")
+        if req.response_format == "url" and self.jobs_cfg is None:
+            return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
+                          param="response_format")
         try:
             t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        batch = self.table.entries[t.shape_key].config.batch
+        if req.n > batch:
+            return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
+                          param="n")
 
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
-            body = ImageResponse(created=int(time.time()),
-                                 data=[ImageData(b64_json=base64.b64encode(o["data"]).decode()) for o in outs])
-            return JSONResponse(content=body.model_dump(), headers=_where(t, outs[0]))
+            data = [await asyncio.to_thread(self._image_data, o["data"], req, str(request.base_url)) for o in outs]
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size)
+            return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
         return await self._guarded(run())
 
-    @app.post("/v1/videos", response_model=None)
-    async def videos(self, req: VideoRequest) -> Response:
+    def _image_data(self, png: bytes, req: ImageRequest, base_url: str) -> ImageData:
+        data = transcode_image(png, req.output_format, req.output_compression)
+        if req.response_format == "b64_json":
+            return ImageData(b64_json=base64.b64encode(data).decode())
+        assert self.jobs_cfg is not None
+        name = f"img_{uuid.uuid4().hex}.{req.output_format}"
+        self._store().put_file(name, data, MEDIA_TYPES[req.output_format], time.time() + self.jobs_cfg.ttl_s)
+        return ImageData(url=f"{base_url.rstrip('/')}/v1/images/files/{name}")
+
+    def _store(self) -> JobStore:
+        assert self.jobs_cfg is not None
+        return open_store(self.jobs_cfg)
+
+    @app.get("/v1/images/files/{name}", response_model=None,
+             responses=_documented(404, media=("image/png", "image/jpeg", "image/webp")))
+    async def image_file(self, name: str) -> Response:
+        """An image generated with ``response_format="url"`` (until it expires)."""
+        got = None
+        if self.jobs_cfg is not None and name.startswith("img_") and "/" not in name:
+            got = await asyncio.to_thread(self._store().get_file, name)
+        if got is None:
+            return _error(404, f"no image {name!r} (it never existed or expired)", type_="not_found_error", param="name")
+        return Response(content=got[0], media_type=got[1])
+
+    # ------------------------------------------------------------------ video jobs (OpenAI video API)
+    async def _job_api(self, call: Callable[[VideoJobs], Awaitable[Response]]) -> Response:
+        if self.jobs is None:
+            return _error(400, "video jobs need the job store (jobs: in the deployment config)")
+        self.jobs.start_background()
+        try:
+            return await call(self.jobs)
+        except ApiError as e:
+            return _error(e.status, e.message, type_=e.type, param=e.param, **e.extra)
+        except store_faults() as e:  # nothing was lost: the client retries
+            return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
+                          type_="service_unavailable", code="store_unavailable", retry_after_s=5)
+
+    @app.post("/v1/videos", response_model=None, openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": VideoCreate.model_json_schema()},
+        "multipart/form-data": {"schema": VideoCreate.model_json_schema()}}}})
+    async def create_video(self, request: Request) -> Response:
+        """Create a video job (JSON or multipart, as ``openai.videos.create`` sends it)."""
+        self._count_received()
+        return await self._job_api(lambda j: j.create(request))
+
+    @app.get("/v1/videos", response_model=None, responses=_documented(400))
+    async def list_videos(self, after: str | None = None, limit: int = Query(default=20, ge=1, le=100),
+                          order: Literal["asc", "desc"] = "desc") -> Response:
+        return await self._job_api(lambda j: j.list(after, limit, order))
+
+    @app.get("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
+    async def retrieve_video(self, video_id: str) -> Response:
+        return await self._job_api(lambda j: j.retrieve(video_id))
+
+    @app.delete("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
+    async def delete_video(self, video_id: str) -> Response:
+        return await self._job_api(lambda j: j.delete(video_id))
+
+    @app.get("/v1/videos/{video_id}/content", response_model=None,
+             responses=_documented(400, 404, media=("video/mp4", "image/png")))
+    async def video_content(self, video_id: str,
+                            variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> Response:
+        return await self._job_api(lambda j: j.content(video_id, variant))
+
+    @app.post("/v1/videos/sync", response_model=None)
+    async def videos_sync(self, req: VideoRequest) -> Response:
+        """The synchronous path: waits for the video and answers with the MP4."""
         self._count_received()
         try:
             t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")

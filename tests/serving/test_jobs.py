@@ -1,0 +1,111 @@
+"""The job store's semantics, identical on both backends (SQLite file, a real redis-server):
+creation order and paging, the run life cycle, cancellation tombstones, expiry, leases and the
+compare-and-set that keeps two model groups from running one job."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.serving.redis_server import redis_server
+from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, SQLiteJobStore, new_job_id
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> JobStore:
+    if request.param == "sqlite":
+        return SQLiteJobStore(JobStoreConfig(path=tmp_path, ttl_s=60, lease_s=0.5))
+    from xema_ray.serving.jobs_redis import RedisJobStore
+
+    url = request.getfixturevalue("redis_url")
+    return RedisJobStore(JobStoreConfig(backend="redis", redis_url=url, prefix=f"t{time.time_ns()}", ttl_s=60, lease_s=0.5))
+
+
+def _job(**kw: object) -> JobRecord:
+    base = {"id": new_job_id(), "model": "m", "template": "m/64x64x9", "prompt": "p", "seed": 1, "size": "64x64",
+            "seconds": "1", "frames": 9, "predicted_s": 2.0, "created_at": time.time()}
+    return JobRecord.model_validate({**base, **kw})
+
+
+def test_list_pages_in_creation_order(store: JobStore) -> None:
+    ids = [store.create(_job()).id for _ in range(5)]
+    page, more = store.list(limit=2, order="asc")
+    assert [r.id for r in page] == ids[:2] and more
+    page2, more2 = store.list(after=page[-1].id, limit=2, order="asc")
+    assert [r.id for r in page2] == ids[2:4] and more2
+    last, more3 = store.list(after=page2[-1].id, limit=2, order="asc")
+    assert [r.id for r in last] == ids[4:] and not more3
+    assert [r.id for r in store.list(limit=10)[0]] == ids[::-1]  # newest first by default
+    with pytest.raises(KeyError):
+        store.list(after="video_nope")
+
+
+def test_life_cycle_progress_and_result(store: JobStore) -> None:
+    j = store.create(_job())
+    assert store.accept(j.id, "g1") is not None
+    assert not store.start(j.id, "g2", 3.0)  # not its owner
+    assert store.start(j.id, "g1", 3.0)
+    store.set_progress(j.id, 0.4, 2)
+    store.set_progress(j.id, 0.3, 3)  # progress never moves backwards
+    rec = store.get(j.id)
+    assert rec is not None and rec.status == "in_progress" and rec.progress == 0.4 and rec.step == 3
+    assert store.complete(j.id, {f"{j.id}.mp4": (b"\x00mp4", "video/mp4")})
+    rec = store.get(j.id)
+    assert rec is not None and rec.status == "completed" and rec.progress == 1.0 and rec.expires_at
+    assert store.get_file(f"{j.id}.mp4") == (b"\x00mp4", "video/mp4")
+    assert store.accept(j.id, "g1") is None  # a finished job is never dispatched again
+
+
+def test_delete_leaves_a_tombstone_that_running_batches_see(store: JobStore) -> None:
+    j = store.create(_job())
+    store.accept(j.id, "g1")
+    store.start(j.id, "g1", 3.0)
+    store.set_progress(j.id, 0.5, 2)
+    before = store.delete(j.id)
+    assert before is not None and before.status == "in_progress"
+    assert store.get(j.id) is None and store.cancelled([j.id]) == {j.id}
+    assert store.delete(j.id) is None  # deleting twice: nothing left to delete
+    store.stopped(j.id, 3)
+    tomb = store.get(j.id, include_deleted=True)
+    assert tomb is not None and tomb.cancel_step == 2 and tomb.stopped_step == 3
+    assert not store.complete(j.id, {f"{j.id}.mp4": (b"x", "video/mp4")})
+    assert store.get_file(f"{j.id}.mp4") is None
+
+
+def test_orphans_are_unaccepted_or_of_dead_owners(store: JobStore) -> None:
+    lost = store.create(_job(created_at=time.time() - 5))
+    fresh = store.create(_job())
+    owned = store.create(_job())
+    store.heartbeat("g1")
+    store.accept(owned.id, "g1")
+    ids = {r.id for r in store.orphans(grace_s=2)}
+    assert lost.id in ids and fresh.id not in ids and owned.id not in ids
+    time.sleep(0.6)  # g1's lease (0.5 s) lapses
+    assert owned.id in {r.id for r in store.orphans(grace_s=2)}
+    assert store.requeue(owned.id, expected_owner="g1") is not None
+    assert store.requeue(owned.id, expected_owner="g1") is None  # compare-and-set: only one taker
+
+
+def test_finished_jobs_expire(tmp_path: Path) -> None:
+    s = SQLiteJobStore(JobStoreConfig(path=tmp_path, ttl_s=0.2))
+    j = s.create(_job())
+    s.accept(j.id, "g")
+    s.start(j.id, "g", 1.0)
+    s.complete(j.id, {f"{j.id}.mp4": (b"x", "video/mp4")})
+    time.sleep(0.3)
+    assert s.get(j.id) is None and s.get_file(f"{j.id}.mp4") is None
+    assert s.purge_expired() == 1 and not (tmp_path / "results" / f"{j.id}.mp4").exists()
+
+
+def test_error_raised_if_redis_backend_has_no_url() -> None:
+    with pytest.raises(ValueError, match="redis_url"):
+        JobStoreConfig(backend="redis")

@@ -1,0 +1,78 @@
+"""Per-step progress and cancellation of a running batch (the engine's only hook for jobs).
+
+A ``StepObserver`` is told about every finished denoising step and the end of the VAE decode on
+the batch's output rank (SP rank 0), and answers whether the batch should stop. The engine turns
+it into diffusers' ``callback_on_step_end``. Every rank of an SP group must leave the denoising
+loop at the same step (a rank that leaves early would strand the others in their next
+collective), so with SP > 1 the ranks agree on the answer with one ``all_reduce(MAX)`` of a
+one-element tensor per step; rank 0's vote is the only one that can be true.
+
+Stopping raises ``BatchCancelled`` at the step boundary rather than only setting the pipeline's
+``_interrupt`` flag: diffusers skips the remaining steps on that flag but still runs the VAE decode
+(seconds at 720p), and the point of stopping is to give the worker back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class BatchCancelled(RuntimeError):
+    """Every request of the batch was cancelled; the batch stopped after ``step`` steps."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"batch cancelled after {step} denoising step(s)", step)
+        self.step = step
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class StepObserver(Protocol):
+    """What the engine reports to while a batch runs (implemented by the serving layer's jobs)."""
+
+    def on_step(self, step: int, total: int) -> bool:
+        """``step`` of ``total`` denoising steps finished; return True to stop the batch now."""
+        ...
+
+    def on_decoded(self) -> None:
+        """The VAE decode (and any audio decode) finished; only encoding remains."""
+        ...
+
+
+def step_callback(pipe: Any, observer: StepObserver | None, total: int, sp_group: Any = None,
+                  output_rank: bool = True, device: torch.device | None = None) -> dict[str, Any]:
+    """Pipeline kwargs (``callback_on_step_end``) that report each step to ``observer``.
+
+    Args:
+        pipe: the diffusers pipeline being called (its ``_interrupt`` flag is set on a stop).
+        observer: who hears about steps; None: no kwargs, the pipeline runs unobserved.
+        total: denoising steps of the template.
+        sp_group: the batch's SP group (an object with ``.group``, a ProcessGroup) or None.
+        output_rank: whether this rank is the group's rank 0 (the only one that consults ``observer``).
+        device: where the agreement tensor lives (the collective backend's device).
+
+    Example:
+        >>> step_callback(object(), None, 4)
+        {}
+    """
+    if observer is None:
+        return {}
+
+    def callback(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        stop = bool(observer.on_step(i + 1, total)) if output_rank else False
+        if sp_group is not None:
+            flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp_group.group)
+            stop = bool(flag.item())
+        if stop:
+            p._interrupt = True
+            raise BatchCancelled(i + 1)
+        return tensors
+
+    cb: Callable[..., dict[str, Any]] = callback
+    return {"callback_on_step_end": cb}

@@ -1,0 +1,274 @@
+"""What the router does for the OpenAI video job API (``/v1/videos``), over the job store.
+
+A router replica keeps no job state: create writes the job to the store and hands it to the
+model's group; retrieve, list, download and delete read or change the store, so any replica
+answers for any job. Each replica also runs ``reconcile`` in the background: jobs that no live
+model group holds — created by a replica that died before dispatching them, or held by a group
+replica whose lease lapsed — are taken back (compare-and-set) and dispatched again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from xema_ray.plan import PlanTable
+from xema_ray.serving.api import UnsupportedTemplate
+from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
+from xema_ray.serving.media import first_frame_png
+from xema_ray.serving.errors import cause_of
+from xema_ray.serving.model_group import InvalidRequest, QueueFull
+from xema_ray.serving.videos import (
+    VideoCreate,
+    VideoDeleted,
+    VideoList,
+    map_video_request,
+    poll_after_ms,
+    result_name,
+    served_seconds,
+    video_view,
+)
+from xema_ray.templates import RequestTemplate
+
+logger = logging.getLogger("xema_ray.serving")
+
+#: how often each replica purges expired jobs and files
+PURGE_INTERVAL_S = 60.0
+#: how long a replica reuses a group's predicted run time for new jobs
+ESTIMATE_TTL_S = 10.0
+
+
+class ApiError(Exception):
+    """An HTTP error the router renders with its ``_error`` helper."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.extra = status, message, type, param, extra
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The create body as a dict, from JSON or a multipart / urlencoded form (415 for anything else)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form()
+        except Exception as e:  # a malformed form is the client's error, never a 500
+            raise ApiError(422, f"the form body could not be parsed ({type(e).__name__}: {e})", code="invalid_value") from None
+        out: dict[str, Any] = {}
+        for k, v in form.multi_items():
+            out[k] = v if isinstance(v, str) else f"<file {getattr(v, 'filename', '')}>"
+        for k in ("seed", "num_frames", "num_inference_steps"):  # form fields are text
+            if isinstance(out.get(k), str) and out[k].strip().lstrip("-").isdigit():
+                out[k] = int(out[k])
+        if isinstance(out.get("guidance_scale"), str):
+            try:
+                out["guidance_scale"] = float(out["guidance_scale"])
+            except ValueError:
+                pass
+        return out
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise ApiError(415, f"the request body must be JSON or multipart/form-data, got Content-Type {ctype!r}",
+                       code="unsupported_media_type")
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(422, f"the body is not valid JSON: {e}", code="invalid_value") from None
+    if not isinstance(body, dict):
+        raise ApiError(422, "the body must be a JSON object with at least 'model' and 'prompt'", code="invalid_value")
+    return body
+
+
+class VideoJobs:
+    """The video job endpoints' logic (one per router replica).
+
+    Args:
+        cfg: the job store.
+        groups: model name -> the model group's deployment handle.
+        served: shape key -> served template.
+        table: the plan table (predicted latency per template).
+    """
+
+    def __init__(self, cfg: JobStoreConfig, groups: dict[str, Any], served: dict[str, RequestTemplate],
+                 table: PlanTable) -> None:
+        self.cfg = cfg
+        self.groups = groups
+        self.served = served
+        self.table = table
+        self.replica = uuid.uuid4().hex[:8]
+        self._task: asyncio.Task | None = None
+        self._last_purge = 0.0
+        self._estimates: dict[str, tuple[float, float]] = {}  # template -> (seconds, when asked)
+
+    def store(self) -> JobStore:
+        return open_store(self.cfg)
+
+    def start_background(self) -> None:
+        """Start ``reconcile`` on this replica's event loop (once)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._background())
+
+    def _headers(self, rec: JobRecord | None = None) -> dict[str, str]:
+        h = {"X-Xema-Router": self.replica}
+        if rec is not None and rec.status in ("queued", "in_progress"):
+            h["openai-poll-after-ms"] = str(poll_after_ms(rec, self.cfg))
+        return h
+
+    def _video(self, rec: JobRecord, status: int = 200) -> JSONResponse:
+        return JSONResponse(video_view(rec).model_dump(mode="json"), status_code=status, headers=self._headers(rec))
+
+    async def _live(self, video_id: str) -> JobRecord:
+        rec = await asyncio.to_thread(self.store().get, video_id)
+        if rec is None:
+            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                           type="not_found_error", param="video_id")
+        return rec
+
+    # ------------------------------------------------------------------ endpoints
+    async def create(self, request: Request) -> Response:
+        body = await _body(request)
+        unknown = sorted(set(body) - set(VideoCreate.model_fields))
+        if unknown:
+            raise ApiError(400, f"unknown option {unknown[0]!r}; accepted: {', '.join(VideoCreate.model_fields)}",
+                           param=unknown[0])
+        try:
+            req = VideoCreate.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"]) or None
+            raise ApiError(422, f"{field}: {err['msg']}" if field else err["msg"], param=field) from None
+        if req.input_reference is not None:
+            raise ApiError(400, "input_reference (image-to-video) is not served; send a text prompt only",
+                           param="input_reference")
+        try:
+            t = map_video_request(req, self.served)
+        except UnsupportedTemplate as e:
+            raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
+                           supported_templates=e.supported) from None
+        seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        predicted = await self._predicted_s(t)
+        rec = JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
+                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
+                        frames=t.frames, predicted_s=predicted, created_at=time.time())
+        store = self.store()
+        rec = await asyncio.to_thread(store.create, rec)
+        try:
+            await self._dispatch(rec)
+        except Exception as e:
+            refused = cause_of(e)
+            if isinstance(refused, QueueFull):  # not accepted: the client retries after Retry-After
+                await asyncio.to_thread(store.delete, rec.id)
+                raise ApiError(503, str(refused), type="service_unavailable", code="queue_full",
+                               retry_after_s=refused.retry_after_s) from None
+            if isinstance(refused, InvalidRequest):  # it could never run: refused like bad input
+                await asyncio.to_thread(store.delete, rec.id)
+                raise ApiError(422, str(refused), param=refused.param, code="invalid_value") from None
+            # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
+            logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
+        return self._video(rec)
+
+    async def retrieve(self, video_id: str) -> Response:
+        return self._video(await self._live(video_id))
+
+    async def list(self, after: str | None, limit: int, order: str) -> Response:
+        try:
+            recs, more = await asyncio.to_thread(self.store().list, after, limit, order)  # type: ignore[arg-type]
+        except KeyError:
+            raise ApiError(400, f"after={after!r} names no video", param="after") from None
+        views = [video_view(r) for r in recs]
+        body = VideoList(data=views, first_id=views[0].id if views else None, last_id=views[-1].id if views else None,
+                         has_more=more)
+        return JSONResponse(body.model_dump(mode="json"), headers=self._headers())
+
+    async def delete(self, video_id: str) -> Response:
+        """Queued: leaves the queue. Running: its batch drops it at the next step (and stops if it
+        was the batch's last member). Finished: its files go."""
+        names = (result_name(video_id, "video"), result_name(video_id, "thumbnail"))
+        before = await asyncio.to_thread(self.store().delete, video_id, names)
+        if before is None:
+            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                           type="not_found_error", param="video_id")
+        if before.status == "queued" and before.model in self.groups:
+            try:
+                await self.groups[before.model].cancel_job.remote(video_id)
+            except Exception:  # the group drops it anyway when it finds the tombstone at start
+                logger.exception("cancel_job(%s) failed", video_id)
+        return JSONResponse(VideoDeleted(id=video_id).model_dump(), headers=self._headers())
+
+    async def content(self, video_id: str, variant: str) -> Response:
+        rec = await self._live(video_id)
+        if variant == "spritesheet":
+            raise ApiError(400, "variant 'spritesheet' is not produced; available: video, thumbnail", param="variant")
+        if rec.status != "completed":
+            raise ApiError(400, f"video {video_id} is not ready: status {rec.status}, progress {video_view(rec).progress}%",
+                           param="video_id")
+        store = self.store()
+        got = await asyncio.to_thread(store.get_file, result_name(video_id, "video"))
+        if got is None:
+            raise ApiError(404, f"the result of {video_id} has expired", type="not_found_error", param="video_id")
+        if variant == "thumbnail":
+            thumb = await asyncio.to_thread(store.get_file, result_name(video_id, "thumbnail"))
+            if thumb is None:
+                png = await asyncio.to_thread(first_frame_png, got[0])
+                await asyncio.to_thread(store.put_file, result_name(video_id, "thumbnail"), png, "image/png",
+                                        rec.expires_at or time.time() + self.cfg.ttl_s)
+                thumb = (png, "image/png")
+            got = thumb
+        return Response(content=got[0], media_type=got[1], headers=self._headers())
+
+    # ------------------------------------------------------------------ dispatch
+    async def _predicted_s(self, t: RequestTemplate) -> float:
+        """The group's current estimate for ``t`` (asked at most every ``ESTIMATE_TTL_S``)."""
+        cached = self._estimates.get(t.shape_key)
+        if cached is not None and time.monotonic() - cached[1] < ESTIMATE_TTL_S:
+            return cached[0]
+        try:
+            value = float(await self.groups[t.model].estimate.remote(t.shape_key))
+        except Exception:  # the group is unreachable: the plan's prediction
+            value = max(1e-3, self.table.entries[t.shape_key].prediction.latency_s)
+        self._estimates[t.shape_key] = (value, time.monotonic())
+        return value
+
+    async def _dispatch(self, rec: JobRecord) -> bool:
+        return bool(await self.groups[rec.model].submit_job.remote(
+            rec.id, rec.template, rec.prompt, rec.seed, rec.guidance_scale))
+
+    async def reconcile(self) -> int:
+        """Dispatch the jobs no live model group holds; returns how many were dispatched."""
+        store = self.store()
+        n = 0
+        for rec in await asyncio.to_thread(store.orphans, self.cfg.lease_s):
+            if rec.owner is not None:  # its group replica died: take the job back first (one taker wins)
+                taken = await asyncio.to_thread(store.requeue, rec.id, rec.owner)
+                if taken is None:
+                    continue
+                rec = taken
+            if rec.model not in self.groups:
+                continue
+            try:
+                n += await self._dispatch(rec)
+            except Exception as e:  # full or unreachable: it stays an orphan for the next round
+                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, cause_of(e))
+        if time.time() - self._last_purge > PURGE_INTERVAL_S:
+            self._last_purge = time.time()
+            await asyncio.to_thread(store.purge_expired)
+        return n
+
+    async def _background(self) -> None:
+        while True:
+            try:
+                dispatched = await self.reconcile()
+                if dispatched:
+                    logger.warning("re-dispatched %d orphaned video job(s)", dispatched)
+            except Exception:  # the store may be briefly unreachable; keep trying
+                logger.exception("video job reconciliation failed")
+            await asyncio.sleep(max(0.2, self.cfg.lease_s / 2))
