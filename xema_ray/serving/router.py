@@ -75,9 +75,14 @@ def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, 
 
 def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
-    return {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
-            "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
-            "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
+    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
+               "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
+               "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
+    if out.get("prompt_tokens") is not None:
+        # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
+        headers["X-Xema-Prompt-Tokens"] = str(out["prompt_tokens"])
+        headers["X-Xema-Prompt-Truncated"] = "true" if out.get("prompt_truncated") else "false"
+    return headers
 
 
 @serve.ingress(app)
