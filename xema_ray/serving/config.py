@@ -34,6 +34,9 @@ class ModelGroupConfig(BaseModel):
     replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
+    bundle_resources: dict[str, float] = Field(
+        default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
+                                          "that only some nodes have pins the group to them")
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:
@@ -61,5 +64,8 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray resources the Router and Stats replicas ask for (e.g. a custom "
+                                          "resource of the head node, to keep them next to the HTTP proxy)")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")
