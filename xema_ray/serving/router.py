@@ -84,8 +84,8 @@ class Router:
         if self.stats is not None:
             async def add() -> None:
                 try:
-                    await self.stats.add.remote("received")
-                except Exception:  # the counter must never fail a request
+                    await asyncio.wait_for(self._stats_add("received"), timeout=10.0)
+                except Exception:  # the counter must never fail (or hold) a request
                     pass
             task = asyncio.get_running_loop().create_task(add())
             self._pending_counts.add(task)
@@ -191,6 +191,9 @@ class Router:
             except Exception:
                 pass
         return {"received": self.received}
+
+    async def _stats_add(self, name: str) -> None:
+        await self.stats.add.remote(name)
 
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
