@@ -34,6 +34,7 @@ def build_app(args: dict[str, Any]) -> Application:
         bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
         if cfg.device == "cuda":
             bundle["GPU"] = 1
+        bundle.update(g.bundle_resources)
         deployment = serve.deployment(
             ModelGroup,
             name=f"ModelGroup:{g.model}",
@@ -51,13 +52,14 @@ def build_app(args: dict[str, Any]) -> Application:
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
         )
-    stats = serve.deployment(Stats, name="Stats", ray_actor_options={"num_cpus": 0}).bind()
+    ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
+    stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
     # Serve's own limits sit above it; Serve's backpressure stays a last resort with Retry-After
     in_flight = cfg.limits.max_in_flight
     router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
                               max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
-                              max_queued_requests=cfg.max_queued_requests, ray_actor_options={"num_cpus": 0},
+                              max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
                        limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json())

@@ -44,6 +44,9 @@ class LocalCluster:
 
     Args:
         env: extra environment for every node (the raylet passes it to workers and actors).
+        auth_mode: ``RAY_AUTH_MODE`` of the nodes; None keeps this process's (a driver in this
+            process must match the nodes, and Ray reads the mode once, at import). "token" is
+            what ``ray job submit`` against a local head needs once ``~/.ray/auth_token`` exists.
 
     Example::
 
@@ -54,11 +57,11 @@ class LocalCluster:
         cluster.shutdown()
     """
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, auth_mode: str | None = None) -> None:
         # Ray's unix sockets live under the temp dir and their paths must stay under 108 bytes
         self.temp_dir = Path(tempfile.mkdtemp(prefix="xr-", dir="/tmp"))
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-                    "PYTHONPATH": str(ROOT), **(env or {})}
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+                    **({"RAY_AUTH_MODE": auth_mode} if auth_mode else {}), **(env or {})}
         self.head: Node | None = None
         self.workers: list[Node] = []
 
@@ -105,7 +108,7 @@ class LocalCluster:
         return out, new
 
     def start_head(self, num_cpus: int, num_gpus: int = 0, dashboard: bool = True, attempts: int = 3,
-                   timeout_s: float = 90) -> Node:
+                   timeout_s: float = 90, resources: dict[str, float] | None = None) -> Node:
         ports = {"gcs": free_port(), "dashboard": free_port(), "agent_http": free_port(), "agent_grpc": free_port(),
                  "metrics": free_port(), "runtime_env": free_port()}
         args = [f"--head", f"--port={ports['gcs']}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
@@ -116,6 +119,10 @@ class LocalCluster:
                 f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--metrics-export-port={ports['metrics']}",
                 f"--runtime-env-agent-port={ports['runtime_env']}", f"--temp-dir={self.temp_dir}",
                 "--disable-usage-stats"]
+        if resources:
+            import json
+
+            args.append(f"--resources={json.dumps(resources)}")
 
         def ready(node: Node) -> bool:
             return self._port_up(node.ports["gcs"]) and (not dashboard or self._port_up(node.ports["dashboard"]))
@@ -128,7 +135,7 @@ class LocalCluster:
         """Start a worker node; returns once the GCS lists it alive."""
         import json
 
-        before = self._alive_nodes()
+        before = self.alive_nodes()
         ports = {"agent_http": free_port(), "agent_grpc": free_port(), "metrics": free_port(),
                  "runtime_env": free_port()}
         args = [f"--address={self.gcs_address}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
@@ -137,7 +144,7 @@ class LocalCluster:
                 f"--runtime-env-agent-port={ports['runtime_env']}", "--disable-usage-stats"]
         if resources:
             args.append(f"--resources={json.dumps(resources)}")
-        node = self._start(args, ports, lambda n: self._alive_nodes() > before, attempts, timeout_s,
+        node = self._start(args, ports, lambda n: self.alive_nodes() > before, attempts, timeout_s,
                            f"worker{len(self.workers)}")
         self.workers.append(node)
         return node
@@ -179,7 +186,12 @@ class LocalCluster:
             s.settimeout(1)
             return s.connect_ex(("127.0.0.1", port)) == 0
 
-    def _alive_nodes(self) -> int:
+    def alive_nodes(self) -> int:
+        """Nodes the GCS lists alive (through this process's Ray connection when there is one)."""
+        import ray
+
+        if ray.is_initialized():
+            return sum(1 for n in ray.nodes() if n["Alive"])
         out = subprocess.run([str(BIN / "ray"), "list", "nodes", f"--address={self.dashboard_url}", "--format=json",
                               "--filter", "state=ALIVE"], env=self.env, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_ray_job_submit_writes_a_plan_table(tmp_path: Path) -> None:
     # our own cluster (own temp dir and ports, retried on a port collision, stopped by process
     # tree): the job must not join another test's cluster
-    cluster = LocalCluster()
+    cluster = LocalCluster(auth_mode="token")
     out = tmp_path / "tiny.json"
     try:
         cluster.start_head(num_cpus=2, num_gpus=2)

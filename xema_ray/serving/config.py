@@ -40,6 +40,9 @@ class ModelGroupConfig(BaseModel):
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
                     "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
                     "None = what the plan table chose for the group (per_template if it chose nothing)")
+    bundle_resources: dict[str, float] = Field(
+        default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
+                                          "that only some nodes have pins the group to them")
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:
@@ -74,5 +77,8 @@ class ServeConfig(BaseModel):
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray resources the Router and Stats replicas ask for (e.g. a custom "
+                                          "resource of the head node, to keep them next to the HTTP proxy)")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")

@@ -37,7 +37,9 @@ from xema_ray.serving.api import (
     set_limits,
 )
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
+from xema_ray.serving.health import GroupHealth
 from xema_ray.serving.middleware import RequestGuard
+from xema_ray.serving.model_group import GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
@@ -48,9 +50,6 @@ from xema_ray.templates import RequestTemplate
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
-
-#: /healthz waits at most this long for each group (all at once), so it answers within a second
-HEALTH_TIMEOUT_S = 0.5
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -92,6 +91,7 @@ class Router:
     def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
                  limits_json: str | None = None, jobs: str | None = None) -> None:
         self.groups = groups
+        self.health = GroupHealth(groups)
         self.stats = stats  # the Stats deployment: counters that outlive this replica
         self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
         set_limits(self.limits)
@@ -118,8 +118,8 @@ class Router:
         if self.stats is not None:
             async def add() -> None:
                 try:
-                    await self.stats.add.remote("received")
-                except Exception:  # the counter must never fail a request
+                    await asyncio.wait_for(self._stats_add("received"), timeout=10.0)
+                except Exception:  # the counter must never fail (or hold) a request
                     pass
             task = asyncio.get_running_loop().create_task(add())
             self._pending_counts.add(task)
@@ -139,8 +139,14 @@ class Router:
 
     async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> dict[str, Any]:
         handle = self.groups[t.model]
+        self.health.ensure_started()
+        silent = self.health.unavailable(t.model)
+        if silent is not None:
+            raise GroupUnavailable(f"{t.model}: its model group has not answered for {silent:.0f} s (being replaced, "
+                                   "or its node is gone); retry later")
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        return await handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
+        return await self.health.call(t.model, handle.generate.remote(t.shape_key, self._request_id(), prompt, seed,
+                                                                       guidance))
 
     async def _guarded(self, coro) -> Any:  # type: ignore[no-untyped-def]
         try:
@@ -296,29 +302,19 @@ class Router:
                 pass
         return {"received": self.received}
 
+    async def _stats_add(self, name: str) -> None:
+        await self.stats.add.remote(name)
+
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
-        """Every group's status, asked all at once and each given ``HEALTH_TIMEOUT_S``: a group
-        that does not answer (its replica is restarting, its node is gone) is reported
+        """Every group's status, asked all at once, each given ``health.PROBE_TIMEOUT_S``: a group
+        that does not answer (its replica is being replaced, its node is gone) is reported
         ``unavailable`` rather than making the check hang. ``status`` is ``ok`` only when every
         group is; ``degraded`` names the others."""
-
-        async def ask(h: Any) -> dict[str, Any]:
-            return await h.status.remote()
-
-        async def one(m: str, h: Any) -> dict[str, Any]:
-            try:
-                return await asyncio.wait_for(ask(h), timeout=HEALTH_TIMEOUT_S)
-            except TimeoutError:
-                return {"model": m, "status": "unavailable", "reason": f"no answer within {HEALTH_TIMEOUT_S} s"}
-            except Exception as e:
-                return {"model": m, "status": "unavailable", "reason": type(e).__name__}
-
-        models = sorted(self.groups)
-        statuses = dict(zip(models, await asyncio.gather(*(one(m, self.groups[m]) for m in models)), strict=True))
+        statuses = await self.health.probe()
         degraded = sorted(m for m, s in statuses.items() if s.get("status", "ok") != "ok")
         return {"status": "degraded" if degraded else "ok", "degraded": degraded, "groups": statuses,
                 "plan_hardware": self.table.hardware}
