@@ -416,13 +416,14 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
 
 
 def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[str, float]:
-    """Per phase, the median ratio measured / modelled over the store's measured requests of
-    this hardware and model family (empty when there are none)."""
+    """Per phase, the median ratio measured / modelled over the store's requests of this
+    hardware and model family that were measured whole or from measured segments (the
+    segment-reuse profiler's "profiled" records); empty when there are none."""
     if hw.fingerprint is None:
         return {}
     ratios: dict[str, list[float]] = {}
     for rec in store.requests(hw.fingerprint):
-        if rec.source != "measured" or rec.config is None or rec.config.template.spec.family != family:
+        if rec.source not in ("measured", "profiled") or rec.config is None or rec.config.template.spec.family != family:
             continue
         model = cost_model_estimate(rec.config, hw)
         for phase in ("denoise", "decode"):
