@@ -471,11 +471,12 @@ def confirmed(model: CountingModel, ranked: list[Scored], budget: int, slo_s: fl
         out.pop(0)
         base = top.config.model_copy(update={"mitigations": ()})
         key = base.describe()
-        if resolve_fn is not None and rejection.overshoot_bytes > 0 and tightened.get(key, 0) < budget // 4:
-            # tighter by this overshoot on top of earlier ones (+ 0.5 % slack): the model was at
-            # least that optimistic for this base configuration
-            tightened[key] = tightened.get(key, 0) + rejection.overshoot_bytes + budget // 200
-            again = resolve_fn(model, base, budget - tightened[key], log)
+        # tighter by this overshoot on top of earlier ones (+ 0.5 % slack): the model was at
+        # least that optimistic for this base configuration
+        tighter = tightened.get(key, 0) + rejection.overshoot_bytes + budget // 200
+        if resolve_fn is not None and rejection.overshoot_bytes > 0 and tightened.get(key, 0) < budget // 4 < budget - tighter:
+            tightened[key] = tighter
+            again = resolve_fn(model, base, budget - tighter, log)
             if again is not None:
                 out = sorted([*out, *stage4(model, [again], budget, slo_s)], key=_rank)
     return out
@@ -528,9 +529,11 @@ def plan_template(
     if not ranked or ranked[0].goodput == 0:
         return TemplatePlan(None, log, counting.counter, slo_s, ranked)
     best = ranked[0]
+    # the traced confirmation's peak where there is one (the analytic transform only ranks)
+    traced = getattr(counting.model, "traced_peaks", {}).get(best.config.model_dump_json())
     entry = PlanEntry(
         config=best.config,
-        prediction=PlanPrediction(peak_bytes=best.peak, latency_s=best.latency, goodput_rps=best.goodput,
+        prediction=PlanPrediction(peak_bytes=traced if traced is not None else best.peak, latency_s=best.latency, goodput_rps=best.goodput,
                                   slo_s=slo_s, latency_source=latency_source,
                                   latency_by_batch=partial_batch_latencies(counting, best.config)),
         runner_up=why_lost(best, ranked[1], slo_s) if len(ranked) > 1 else None,

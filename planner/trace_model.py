@@ -60,6 +60,8 @@ class TracePlannerModel:
     _profiles: dict[int, TraceProfile] = field(default_factory=dict)
     _failed: dict[int, str] = field(default_factory=dict)
     _confirmations: dict[tuple[str, int], Rejection | None] = field(default_factory=dict)
+    #: reserved peak of each confirmed configuration, traced with its mitigations applied
+    traced_peaks: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._blocks = block_paths(self.template)
@@ -246,6 +248,7 @@ class TracePlannerModel:
             return Rejection(f"cannot run with these mitigations: {str(e).splitlines()[0]}")
         # the traced curve already holds the mitigations; SP and the layout margins still apply
         peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)
+        self.traced_peaks[config.model_dump_json()] = peak
         if ivs:
             return Rejection(f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget",
                              overshoot_bytes=peak - budget)
