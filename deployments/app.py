@@ -16,7 +16,8 @@ from ray.serve import Application
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
-from xema_ray.serving.startup import load_or_plan, served_templates
+from deployments.planning import load_or_plan
+from xema_ray.serving.startup import served_templates
 
 logger = logging.getLogger("xema_ray.serving")
 

@@ -36,12 +36,11 @@ import numpy as np
 
 from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group, unit_of
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.mitigation.block_offload import BlockOffloadConfig, estimate_block_offload
-from xema_ray.mitigation.hooks import evenly_spread
-from xema_ray.mitigation.hsdp import HSDPConfig, estimate_hsdp
-from xema_ray.mitigation.registry import conv_cache_allocations
+from xema_ray.mitigation.block_offload import BlockOffloadConfig
+from xema_ray.mitigation.hsdp import HSDPConfig
 from xema_ray.plan import ExecutionConfig, Mitigation
 
+from planner.estimates import conv_cache_allocations, estimate_block_offload, estimate_hsdp, evenly_spread
 from planner.vae_bands import BandGroup
 
 #: (modules, chunks) -> band groups of a VAE chunking action (``planner.vae_bands.VaeLayout.groups``)

@@ -18,8 +18,7 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 
-from xema_ray.mitigation.hooks import evenly_spread
-
+from planner.estimates import evenly_spread
 from planner.memory_model import MemoryModel, TraceProfile, add_block_windows, weight_action_bytes
 from planner.model import MemoryView, MitigationOption, Rejection
 from planner.traces import TraceCache

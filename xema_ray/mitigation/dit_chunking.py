@@ -51,7 +51,7 @@ from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation.hooks import HOOK_NAMES, MemorySaving, MitigationHandle, check_blocks, hook_module
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
 
 DitPart = Literal["ff", "qk_norm", "rotary", "attention"]
 DIT_PARTS: tuple[DitPart, ...] = ("ff", "qk_norm", "rotary", "attention")
@@ -360,19 +360,3 @@ def _chunk_processors(handle: MitigationHandle, block: nn.Module, chunks: int) -
             handle.add_undo(undo)
 
 
-def estimate_dit_chunking(tokens: int, batch: int, hidden: int, ff_mult: float, elem: int, config: DitChunkingConfig) -> MemorySaving:
-    """Saving at a chosen block's peak: the feed-forward's widest intermediate (``ff_mult``
-    times the hidden width; the activation makes a second one) or, where the attention
-    pre-processing peaks, the rotary fp32 temporaries (two fp32 copies of q or k), shrunk to
-    one chunk. Reported as the larger of the two, since they are not live together.
-
-    Example:
-        >>> estimate_dit_chunking(1000, 1, 8, 4.0, 2, DitChunkingConfig(blocks=(0,), chunks=4)).per_phase
-        {'dit': 96000}
-    """
-    keep = 1.0 / config.chunks
-    ff = 2 * tokens * batch * hidden * ff_mult * elem if "ff" in config.parts else 0.0
-    rot = 2 * tokens * batch * hidden * 4 if "rotary" in config.parts else 0.0
-    saved = int(max(ff, rot) * (1 - keep)) if config.blocks else 0
-    return MemorySaving(kind="dit_chunking", per_phase={"dit": saved},
-                        note=f"{config.chunks} chunks over {tokens * batch} tokens")
