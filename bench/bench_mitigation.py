@@ -40,7 +40,8 @@ from torch import nn
 from xema_ray.memory.analysis import event_phases, phase_group, phase_peaks
 from xema_ray.memory.analyzer import default_dtype_for, trace_template
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.mitigation import estimate_saving, evenly_spread, trace_with_mitigations
+from planner.estimates import estimate_saving, evenly_spread
+from xema_ray.mitigation import trace_with_mitigations
 from xema_ray.mitigation.hooks import resolve_module
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation

@@ -42,7 +42,7 @@ def main() -> None:
     from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
     from xema_ray.runtime.engine import Batch, ExecutionEngine, GenerationRequest
     from xema_ray.serving.config import ServeConfig
-    from xema_ray.serving.startup import machine_fingerprint
+    from deployments.planning import machine_fingerprint
     from xema_ray.templates import RequestTemplate
 
     t = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=4)

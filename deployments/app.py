@@ -17,8 +17,9 @@ from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
+from deployments.planning import load_or_plan
+from xema_ray.serving.startup import served_templates
 from xema_ray.serving.stats import Stats
-from xema_ray.serving.startup import load_or_plan, served_templates
 
 logger = logging.getLogger("xema_ray.serving")
 

@@ -1,9 +1,13 @@
 """``python -m planner plan ...`` (also ``xema plan`` and ``ray job submit -- python -m planner ...``).
 
-Each template is planned in its own Ray task holding one GPU (``num_gpus=1``): the task profiles
-its candidates on that GPU (or asks the cost model where the store has no measurement), so the
-templates spread across the cluster's GPUs. On a machine without GPUs the same code runs on
-logical GPUs (``ray.init(num_gpus=N)``).
+Each template is planned in its own Ray task. When the cluster has GPUs, the task holds one
+(``num_gpus=1``), builds the model there with random weights at its real config and measures
+the candidates with the segment-reuse profiler (``planner.measure``; profile store keyed by the
+GPU's NVML fingerprint); the roofline cost model answers only for what one GPU cannot measure
+(SP > 1, out of memory) and for what-if planning (``--hardware a6000`` on another GPU). On a
+cluster without GPUs the tasks request none and use the cost model (``--hardware cpu``: this CPU
+is measured). Every plan entry says which (``latency_source``), and the statistics count the
+candidates measured and estimated.
 
 Example:
     python -m planner plan --templates tiny --gpus 2 --budget 20MB --hardware cpu --out plans/tiny.json
@@ -20,11 +24,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from xema_ray.memory.analysis import gb, parse_bytes
-from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
+from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
-from planner.latency import LatencyModel, hardware_names
+from planner.latency import LatencyModel, combine, hardware_names
+from planner.measure import DeviceLatency, task_device
 from planner.residency import choose_group_residency
 from planner.text_encoder import place_text_encoder
 from planner.stages import plan_template
@@ -71,14 +76,20 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
     gpus = opts.get("group_gpus", {}).get(template.model, opts["gpus"])  # the template's own group
-    if opts["hardware"] == "cpu":
+    device = task_device(opts["hardware"], opts.get("measure", "auto"))
+    timer: LatencyModel | DeviceLatency = latency
+    if device is not None:
+        timer = DeviceLatency(template, latency, device)
+        latency.on_device(timer.fingerprint)  # estimates calibrated by this device's measurements
+    elif opts["hardware"] == "cpu":
         latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
     cache = TraceCache(Path(opts["trace_cache"]) if opts.get("trace_cache") else None)
-    model = TracePlannerModel(template, latency.seconds, cache)
+    model = TracePlannerModel(template, timer.seconds, cache)
     budget = opts["budget"]
     xema = plan_template(model, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
-                         latency_source=latency.source)
-    result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced}
+                         latency_source="estimated")
+    result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced,
+                              "device": device or "none"}
     if opts["planner"] == "xema":
         entry = xema.entry
         result.update(profiled=len(xema.counter.profiled), analysed=len(xema.counter.analysed), finished=True,
@@ -88,13 +99,32 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         result.update(profiled=0, analysed=0, finished=True)
     else:
         space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=opts["max_batch"])
-        entry, counted, finished = run_baseline(opts["planner"], model, template, space, latency.source,
+        entry, counted, finished = run_baseline(opts["planner"], model, template, space, "estimated",
                                                 time_limit_s=opts.get("time_limit_s"))
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
+    if entry is not None:
+        entry = with_latency_source(entry, timer)
+    if isinstance(timer, DeviceLatency):
+        result["measured"], result["estimated"] = len(timer.measured), len(timer.estimated)
+    else:  # the cost model; on a CPU, calibrated by one measured request (itself measured)
+        counted_keys = xema.counter.profiled if opts["planner"] == "xema" else set()
+        sources = [latency.source_of(ExecutionConfig.model_validate_json(k)) for k in counted_keys]
+        result["measured"] = sum(1 for x in sources if x == "measured")
+        result["estimated"] = result["profiled"] - result["measured"]
+    if isinstance(timer, DeviceLatency):
+        result["not_measured"] = timer.errors[:5]
+        timer.save()
     result["entry"] = entry.model_dump_json() if entry is not None else None
     result["seconds"] = time.perf_counter() - t0
     result["started_unix"], result["worker_pid"] = started, os.getpid()  # for the planning timeline
     return result
+
+
+def with_latency_source(entry: PlanEntry, timer: LatencyModel | DeviceLatency) -> PlanEntry:
+    """The entry labelled with where its latencies came from: its batch's and its partial batches'."""
+    configs = [entry.config, *(entry.config.for_batch(n) for n in entry.prediction.latency_by_batch)]
+    source = combine([timer.source_of(c) for c in configs])
+    return entry.model_copy(update={"prediction": entry.prediction.model_copy(update={"latency_source": source})})
 
 
 def _planning_work(template: RequestTemplate) -> tuple[int, int]:
@@ -119,10 +149,13 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
         if os.environ.get("RAY_ADDRESS"):
             ray.init()  # inside `ray job submit`: join the cluster
         else:
-            ray.init(num_gpus=opts["gpus"], include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False)  # this machine's own CPUs and GPUs
+    # a task holds a GPU only where the cluster has some: on a cluster without GPUs, asking for
+    # one would wait forever (tasks then plan on the cost model, one per CPU)
+    gpus_in_cluster = ray.cluster_resources().get("GPU", 0)
     # max_calls=0: Ray retires a GPU task's worker after one call by default (to free its CUDA
-    # memory); planning tasks hold none, and a reused worker keeps its imports and meta pipelines
-    task = ray.remote(num_gpus=1, max_calls=0)(plan_one)
+    # memory); a reused worker keeps its imports and meta pipelines
+    task = ray.remote(num_gpus=1 if gpus_in_cluster >= 1 else 0, max_calls=0)(plan_one)
     pending = {task.remote(t.model_dump_json(), opts): t for t in sorted(templates, key=_planning_work, reverse=True)}
     results = []
     with tqdm(total=len(pending), desc="planning", unit="template") as bar:
@@ -185,7 +218,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     opts = {"hardware": args.hardware, "budget": budget, "gpus": gpus, "group_gpus": group_gpus,
             "slo_scale": args.slo_scale, "max_batch": args.max_batch, "planner": args.planner,
-            "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store}
+            "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store,
+            "measure": args.measure}
     t0 = time.perf_counter()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
@@ -208,6 +242,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
                     "text_encoders": "; ".join(f"{k}: {v}" for k, v in encoders.items()),
+                    "measured": str(sum(r.get("measured", 0) for r in results)),
+                    "estimated": str(sum(r.get("estimated", 0) for r in results)),
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
@@ -229,7 +265,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
-    print(f"planned {len(results)} templates in {wall:.1f} s; {table.provenance['profiled']} candidates profiled")
+    print(f"planned {len(results)} templates in {wall:.1f} s; candidates' latencies: {table.provenance['measured']} "
+          f"measured, {table.provenance['estimated']} estimated")
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out}")
@@ -261,6 +298,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")
+    p.add_argument("--measure", choices=("auto", "always", "never"), default="auto",
+                   help="auto: measure candidates on the planning task's GPU when it matches --hardware (this CPU "
+                        "for --hardware cpu), else estimate; always: fail without a GPU; never: cost model only")
     p.set_defaults(func=cmd_plan)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xema_ray.plan import ExecutionConfig
-from xema_ray.profiling import A6000_8X, H200, HardwareProfile, ProfileStore, estimate_latency
+from xema_ray.plan import ExecutionConfig, LatencySource
+from xema_ray.profiling import A6000_8X, H200, HardwareProfile, LatencyEstimate, ProfileStore, estimate_latency
 from xema_ray.templates import RequestTemplate
 
 _PRESETS: dict[str, HardwareProfile] = {"a6000": A6000_8X, "a6000x8": A6000_8X, "h200": H200}
@@ -43,20 +43,42 @@ class LatencyModel:
     def __init__(self, hardware: str, store: ProfileStore | None = None, store_path: str | Path | None = None) -> None:
         if hardware == "cpu":
             self.hardware = cpu_profile()
-            self.source = "profiled"
+            self.source: LatencySource = "measured+estimated"
         elif hardware in _PRESETS:
             self.hardware = _PRESETS[hardware]
-            self.source = "cost_model"
+            self.source = "estimated"
         elif hardware == "local-gpu":
             self.hardware = _local_gpu()
-            self.source = "cost_model"
+            self.source = "estimated"
         else:
             raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(hardware_names())}, local-gpu")
         self.name = hardware
         self.store = store if store is not None else ProfileStore(store_path) if store_path else ProfileStore()
 
+    def estimate(self, config: ExecutionConfig) -> LatencyEstimate:
+        return estimate_latency(config, self.hardware, self.store)
+
     def seconds(self, config: ExecutionConfig) -> float:
-        return estimate_latency(config, self.hardware, self.store).total_s
+        return self.estimate(config).total_s
+
+    def source_of(self, config: ExecutionConfig) -> LatencySource:
+        """Where ``seconds(config)`` comes from: a measurement of this hardware in the store, the
+        cost model calibrated by such measurements, or the cost model alone."""
+        return source_label(self.estimate(config))
+
+    def on_device(self, fingerprint: str) -> None:
+        """Key this model's store look-ups by the device a planning task measures on (its NVML
+        fingerprint), so measurements made there calibrate the estimates of what is not measured."""
+        self.hardware = self.hardware.model_copy(update={"fingerprint": fingerprint})
+
+    def save_store(self) -> None:
+        """Write the store's measurements back to its file, merged with what other planning
+        tasks wrote there meanwhile (no-op for an in-memory store)."""
+        if self.store.path is None:
+            return
+        merged = ProfileStore(self.store.path)  # what is on disk now
+        merged.merge(self.store)
+        merged.save()
 
     def fingerprint(self, gpus: int) -> str:
         """What a plan table made with this model is keyed by."""
@@ -92,6 +114,22 @@ class LatencyModel:
         if done:
             self.store.save()  # a restart reuses these measurements (no-op for an in-memory store)
         return done
+
+
+def source_label(est: LatencyEstimate) -> LatencySource:
+    if est.source in ("measured", "profiled"):
+        return "measured"
+    return "measured+estimated" if est.calibrated else "estimated"
+
+
+def combine(sources: list[LatencySource]) -> LatencySource:
+    """One label for several latencies (an entry's batch latency and its partial batches)."""
+    kinds = set(sources)
+    if kinds == {"measured"}:
+        return "measured"
+    if kinds <= {"estimated"}:
+        return "estimated"
+    return "measured+estimated"
 
 
 def _local_gpu() -> HardwareProfile:

@@ -28,18 +28,23 @@ mitigation library is installed (``confirm``); the transform is the fast model u
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
+from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group, unit_of
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.mitigation.block_offload import BlockOffloadConfig, estimate_block_offload
-from xema_ray.mitigation.hooks import evenly_spread
-from xema_ray.mitigation.hsdp import HSDPConfig, estimate_hsdp
-from xema_ray.mitigation.registry import conv_cache_allocations
+from xema_ray.mitigation.block_offload import BlockOffloadConfig
+from xema_ray.mitigation.hsdp import HSDPConfig
 from xema_ray.plan import ExecutionConfig, Mitigation
+
+from planner.estimates import conv_cache_allocations, estimate_block_offload, estimate_hsdp, evenly_spread
+from planner.vae_bands import BandGroup
+
+#: (modules, chunks) -> band groups of a VAE chunking action (``planner.vae_bands.VaeLayout.groups``)
+VaeGroups = Callable[[tuple[str, ...], int], "list[BandGroup]"]
 
 LAYOUT_OVERHEAD = 1.02  # static reserved / lower bound on the analyzer's real traces (issue #3 target)
 DYNAMIC_MARGIN = 0.05  # §6.2: dynamic region = 5 % beyond the static reserved peak
@@ -93,8 +98,25 @@ class TraceProfile:
             delta = np.zeros(t.n_events + 1, dtype=np.float64)
             np.add.at(delta, t.begin[sel], t.size[sel].astype(np.float64))
             np.add.at(delta, t.end[sel], -t.size[sel].astype(np.float64))
-            largest = float(t.size[sel].max()) if len(sel) else 0.0
-            self._curves[key] = np.maximum(np.cumsum(delta)[:-1] - largest, 0.0)
+            # the cache being read is back on the device: the largest one of the convolution
+            # running (it reads its own cache, made by the same module one frame batch before)
+            owner_max: dict[str, float] = {}
+            for i in sel.tolist():
+                name = t.modules[t.module[i]]
+                if not name.rsplit(".", 1)[-1].startswith("conv"):
+                    continue  # a norm's short-lived clone, not a convolution's cache
+                owner_max[name] = max(owner_max.get(name, 0.0), float(t.size[i]))
+            per_module = np.zeros(len(t.modules) + 1, dtype=np.float64)  # last slot: no module
+            for j, name in enumerate(t.modules):
+                parts = name.split(".")
+                # the owner itself, or the inner convolution of a causal conv that owns the cache
+                for k in ((len(parts), len(parts) - 1) if parts[-1] == "conv" else (len(parts),)):
+                    got = owner_max.get(".".join(parts[:k]))
+                    if got is not None:
+                        per_module[j] = got
+                        break
+            kept = per_module[self.event_modules]
+            self._curves[key] = np.maximum(np.cumsum(delta)[:-1] - kept, 0.0)
         return self._curves[key]
 
     def unit_runs(self, paths: list[str], group: str) -> list[tuple[int, int]]:
@@ -106,6 +128,53 @@ class TraceProfile:
             wanted[[i for i, u in enumerate(index.unit_names) if u in set(paths)]] = True
             self._runs[key] = self.runs(wanted[index.event_unit] & (self.groups == group))
         return self._runs[key]
+
+    def module_runs(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> list[tuple[int, int]]:
+        """Runs of events of the modules under ``paths`` (module-path prefixes, finer than
+        mitigation units: an up-block's resnets one by one, a chain's modules) within a phase
+        group (cached). With ``glue`` (a chain's parent and the start's ancestors), their own
+        events and events of no module continue a run (code between the chain's modules, frees
+        when they return)."""
+        key = ("modules", paths, group, glue)
+        if key not in self._runs:
+            t = self.trace
+            under = np.array([any(n == p or n.startswith(p + ".") for p in paths) for n in t.modules] + [False])
+            mods = self.event_modules
+            inside = under[mods] & (self.groups == group)
+            if glue is None:
+                self._runs[key] = self.runs(inside)
+            else:
+                own = (np.array([n in glue for n in t.modules] + [True])[mods]) & (self.groups == group)
+                runs = []
+                for s, e in self.runs(inside | own):
+                    hits = np.flatnonzero(inside[s:e])
+                    if len(hits):
+                        runs.append((s + int(hits[0]), e))  # from the chain's first event on
+                self._runs[key] = runs
+        return self._runs[key]
+
+    def temporaries(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> np.ndarray:
+        """Per event, the bytes of allocations made *and freed* inside one run of the modules
+        under ``paths`` (what banding shrinks: a chunked unit's or chain's output, the conv
+        caches it returns and anything else it leaves behind stay whole) (cached)."""
+        key = ("temporaries", paths, group, glue)
+        if key not in self._curves:
+            t, index = self.trace, self.interval_index
+            delta = np.zeros(t.n_events + 1, dtype=np.float64)
+            for s, e in self.module_runs(paths, group, glue):
+                lo, hi = np.searchsorted(index.begins_sorted, [s, e])
+                sel = index.order[lo:hi]
+                sel = sel[t.end[sel] <= e]
+                np.add.at(delta, t.begin[sel], t.size[sel].astype(np.float64))
+                np.add.at(delta, t.end[sel], -t.size[sel].astype(np.float64))
+            self._curves[key] = np.cumsum(delta)[:-1]
+        return self._curves[key]
+
+    @cached_property
+    def event_modules(self) -> np.ndarray:
+        from xema_ray.memory.analysis import event_modules
+
+        return event_modules(self.trace)
 
     def block_windows(self) -> np.ndarray | None:
         """Per DiT block, its [start, stop) event run in each transformer forward, as an array
@@ -188,9 +257,13 @@ class MemoryModel:
     """Reserved memory per GPU for candidate configurations of one template family."""
 
     def __init__(self, profile_for_batch, layout_overhead: float = LAYOUT_OVERHEAD,  # type: ignore[no-untyped-def]
-                 dynamic_margin: float = DYNAMIC_MARGIN) -> None:
-        """``profile_for_batch(batch) -> TraceProfile`` supplies (cached) traces per batch size."""
+                 dynamic_margin: float = DYNAMIC_MARGIN, vae_groups: VaeGroups | None = None) -> None:
+        """``profile_for_batch(batch) -> TraceProfile`` supplies (cached) traces per batch size;
+        ``vae_groups(modules, chunks)`` maps a VAE chunking action to its band groups (per-unit
+        runs and chains with their effective band counts, ``planner.vae_bands``); without it
+        each path is one mitigation unit divided by the chunk count."""
         self._profile_for_batch = profile_for_batch
+        self._vae_groups = vae_groups
         self.layout_overhead = layout_overhead
         self.dynamic_margin = dynamic_margin
 
@@ -237,7 +310,11 @@ class MemoryModel:
             paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
             _shrink_runs(curve, base, prof.unit_runs(paths, "dit"), m.intensity)
         elif m.kind == "vae_chunking":
-            _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "vae"), m.intensity)
+            if self._vae_groups is None:
+                _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "vae"), m.intensity)
+            else:
+                for g in self._vae_groups(tuple(m.modules or ()), m.intensity):
+                    curve -= prof.temporaries(g.paths, "vae", g.glue) * (1.0 - 1.0 / g.divisor)
         elif m.kind == "temporary_serialization":
             group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
             _shrink_runs(curve, base, prof.group_runs(group), m.intensity)

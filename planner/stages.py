@@ -29,7 +29,10 @@ from planner.model import CostCounter, MemoryView, MitigationOption, PlannerMode
 
 SLO_FACTOR = 2.5  # §9.1: SLO = 2.5 × latency of the template's best feasible configuration
 REPLACEABLE = ("block_offload", "hsdp")
-MAX_ROUNDS = 512  # stage-3 rounds per candidate; a VAE can have a hundred short intervals
+#: kinds of which a configuration holds one action: a later one replaces it wherever it is
+#: (VAE chunking shapes overlap: per-unit paths and chains over the same up-blocks)
+SINGLE = ("vae_chunking",)
+MAX_ROUNDS = 4096  # stage-3 rounds per candidate; a 4K video has over a thousand intervals (per block, per step, per VAE unit)
 
 
 @dataclass
@@ -105,11 +108,26 @@ def with_actions(cfg: ExecutionConfig, actions: tuple[Mitigation, ...]) -> Execu
             if not (
                 # a block's weights are either offloaded or sharded: one weight action at a time
                 (a.kind in REPLACEABLE and m.kind in REPLACEABLE)
+                or (a.kind in SINGLE and m.kind == a.kind)
                 or (m.kind == a.kind and (m.modules, m.events, m.blocks) == (a.modules, a.events, a.blocks))
             )
         ]
         current.append(a)
     return cfg.model_copy(update={"mitigations": tuple(current)})
+
+
+def merged(cfg: ExecutionConfig) -> ExecutionConfig:
+    """One DiT chunking action per chunk count: stage 3 chunks the blocks of each interval it
+    meets (a long video has an interval per block and step), the plan lists them together."""
+    chunking = [m for m in cfg.mitigations if m.kind == "dit_chunking" and m.blocks is not None]
+    if len(chunking) < 2:
+        return cfg
+    by_chunks: dict[int, set[int]] = {}
+    for m in chunking:
+        by_chunks.setdefault(m.intensity, set()).update(m.blocks or ())
+    rest = [m for m in cfg.mitigations if m not in chunking]
+    joined = [Mitigation(kind="dit_chunking", blocks=tuple(sorted(b)), intensity=c) for c, b in sorted(by_chunks.items())]
+    return cfg.model_copy(update={"mitigations": (*rest, *joined)})
 
 
 def _overlaps(a: PressureInterval, b: PressureInterval) -> bool:
@@ -171,8 +189,8 @@ def resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log: StageL
             if complete:
                 lat, best = min(complete, key=lambda c: (c[0], len(c[1].mitigations)))
                 if lat < model.latency(current):
-                    return best
-            return current
+                    return merged(best)
+            return merged(current)
         interval = view.intervals[0]
         opts = model.options(current, interval)
 
@@ -248,7 +266,28 @@ def _relaxed(model: CountingModel, base: ExecutionConfig, done: ExecutionConfig,
                 if traded is not None:
                     best = min(best, (model.latency(traded), traded), key=lambda b: b[0])
         current = best[1]
-    return current
+    return _fewest_weight_blocks(model, current, weights, fits)
+
+
+def _fewest_weight_blocks(model: CountingModel, done: ExecutionConfig, weights: list[list[MitigationOption]],
+                          fits: Relieves) -> ExecutionConfig:
+    """The assembled weight action taken down to the fewest blocks (none at all) with which the
+    configuration still fits, when that is not slower: an interval met early may have been
+    cleared by offloading weights that the activation actions chosen later make unnecessary."""
+    action = next((m for m in done.mitigations if m.kind in REPLACEABLE), None)
+    if action is None:
+        return done
+    without = done.model_copy(update={"mitigations": tuple(m for m in done.mitigations if m is not action)})
+    if fits(without) is not None:
+        return without if model.latency(without) <= model.latency(done) else done
+    best = done
+    for wf in weights:
+        if wf[0].actions[0].kind != action.kind:
+            continue
+        _, cand, _ = _first_clearing(model, without, wf, fits)
+        if cand is not None and _weight_blocks(cand) < _weight_blocks(best) and model.latency(cand) <= model.latency(best):
+            best = cand
+    return best
 
 
 def _families(opts: list[MitigationOption]) -> list[list[MitigationOption]]:
@@ -403,7 +442,7 @@ def partial_batch_latencies(model: CountingModel, cfg: ExecutionConfig) -> dict[
     return {n: model.latency(cfg.for_batch(n)) for n in range(1, cfg.batch)}
 
 
-MAX_CONFIRMATIONS = 4  # traced confirmations per template before giving up on the ranking
+MAX_CONFIRMATIONS = 6  # traced confirmations per template before giving up on the ranking
 
 
 def confirmed(model: CountingModel, ranked: list[Scored], budget: int, slo_s: float, log: StageLog,
@@ -414,12 +453,13 @@ def confirmed(model: CountingModel, ranked: list[Scored], budget: int, slo_s: fl
     With ``resolve_fn``, a configuration that runs but overshoots the budget is resolved again
     (stages 2-3) against a budget tighter by the overshoot, and the result competes in the
     ranking: the analytic memory model was that far off for this candidate, so only its
-    mitigation, not its parallelism or batch, was wrong."""
+    mitigation, not its parallelism or batch, was wrong. If that overshoots as well, the budget
+    is tightened again by the new overshoot (up to a quarter of the budget in all)."""
     confirm = getattr(model.model, "confirm", None)
     if confirm is None:
         return ranked
     out = list(ranked)
-    retried: set[str] = set()
+    tightened: dict[str, int] = {}  # base config -> how far its budget was tightened so far
     for _ in range(MAX_CONFIRMATIONS):
         if not out or out[0].goodput == 0:
             break
@@ -430,10 +470,13 @@ def confirmed(model: CountingModel, ranked: list[Scored], budget: int, slo_s: fl
         log.infeasible.append(f"{top.config.describe()}: {rejection.reason}")
         out.pop(0)
         base = top.config.model_copy(update={"mitigations": ()})
-        if resolve_fn is not None and rejection.overshoot_bytes > 0 and base.describe() not in retried:
-            retried.add(base.describe())
-            tighter = budget - rejection.overshoot_bytes - budget // 200  # + 0.5 % slack
-            again = resolve_fn(model, base, tighter, log)
+        key = base.describe()
+        # tighter by this overshoot on top of earlier ones (+ 0.5 % slack): the model was at
+        # least that optimistic for this base configuration
+        tighter = tightened.get(key, 0) + rejection.overshoot_bytes + budget // 200
+        if resolve_fn is not None and rejection.overshoot_bytes > 0 and tightened.get(key, 0) < budget // 4 < budget - tighter:
+            tightened[key] = tighter
+            again = resolve_fn(model, base, budget - tighter, log)
             if again is not None:
                 out = sorted([*out, *stage4(model, [again], budget, slo_s)], key=_rank)
     return out
@@ -486,9 +529,11 @@ def plan_template(
     if not ranked or ranked[0].goodput == 0:
         return TemplatePlan(None, log, counting.counter, slo_s, ranked)
     best = ranked[0]
+    # the traced confirmation's peak where there is one (the analytic transform only ranks)
+    traced = getattr(counting.model, "traced_peaks", {}).get(best.config.model_dump_json())
     entry = PlanEntry(
         config=best.config,
-        prediction=PlanPrediction(peak_bytes=best.peak, latency_s=best.latency, goodput_rps=best.goodput,
+        prediction=PlanPrediction(peak_bytes=traced if traced is not None else best.peak, latency_s=best.latency, goodput_rps=best.goodput,
                                   slo_s=slo_s, latency_source=latency_source,
                                   latency_by_batch=partial_batch_latencies(counting, best.config)),
         runner_up=why_lost(best, ranked[1], slo_s) if len(ranked) > 1 else None,

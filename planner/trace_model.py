@@ -18,12 +18,14 @@ from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 
+from planner.estimates import evenly_spread
 from planner.memory_model import MemoryModel, TraceProfile, add_block_windows, weight_action_bytes
-from xema_ray.mitigation.hooks import evenly_spread
 from planner.model import MemoryView, MitigationOption, Rejection
 from planner.traces import TraceCache
+from planner.vae_bands import VaeLayout
 
-CHUNKS = (2, 4, 8)  # chunk counts tried for DiT / VAE chunking
+DIT_CHUNKS = (2, 4, 8, 16)  # sequence chunks tried for DiT chunking (feed-forward, norms, rotary, attention)
+VAE_CHUNKS = (2, 4, 8, 16, 32, 64)  # bands tried for VAE chunking (4K needs 32 on a 48 GB card)
 # Memory is searched on a 4-step trace: every step after the first repeats the same allocations
 # exactly (the analyzer checks it), so 4 steps hold every distinct memory state of a 50-step
 # request while the curve is ~12x shorter. Latency still comes from the full template.
@@ -57,10 +59,30 @@ class TracePlannerModel:
     _profiles: dict[int, TraceProfile] = field(default_factory=dict)
     _failed: dict[int, str] = field(default_factory=dict)
     _confirmations: dict[tuple[str, int], Rejection | None] = field(default_factory=dict)
+    #: reserved peak of each confirmed configuration, traced with its mitigations applied
+    traced_peaks: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._blocks = block_paths(self.template)
-        self._memory = MemoryModel(self._profile)
+        self._memory = MemoryModel(self._profile, vae_groups=self._vae_groups)
+        self._bands: dict[tuple[tuple[str, ...], int], list] = {}  # type: ignore[type-arg]
+
+    @property
+    def vae(self) -> VaeLayout:
+        if not hasattr(self, "_vae"):
+            self._vae = VaeLayout(self.template, self.traces.pipeline(self.template))
+        return self._vae
+
+    def _vae_groups(self, modules: tuple[str, ...], chunks: int) -> list:  # type: ignore[type-arg]
+        key = (modules, chunks)
+        if key not in self._bands:
+            self._bands[key] = self.vae.groups(modules, chunks)
+        return self._bands[key]
+
+    def dit_batch(self, batch: int) -> int:
+        """The batch one transformer forward runs for ``batch`` requests: the CFG pair (and
+        LTX-2's guidance passes) multiply it; temporary serialization splits this batch."""
+        return batch * self.template.spec.dit_batch_multiplier()
 
     def _profile(self, batch: int) -> TraceProfile:
         if batch in self._failed:
@@ -93,18 +115,19 @@ class TracePlannerModel:
 
     def full_mitigation(self, config: ExecutionConfig) -> tuple[Mitigation, ...]:
         n = len(self._blocks)
+        strongest_vae = self.vae.shapes([])[-1][1]
         out = [
             Mitigation(kind="block_offload", blocks=tuple(range(n)), intensity=n),
-            Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=max(CHUNKS)),
-            Mitigation(kind="vae_chunking", modules=tuple(self._vae_units()), intensity=max(CHUNKS)),
+            Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=max(DIT_CHUNKS)),
+            Mitigation(kind="vae_chunking", modules=strongest_vae, intensity=max(VAE_CHUNKS)),
         ]
         if self.template.spec.family == "cogvideox":
             out.append(Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=ALL_TENSORS))
+        if self.dit_batch(config.batch) > 1:  # the CFG pair too, at batch 1
+            out.append(Mitigation(kind="temporary_serialization", modules=("transformer",),
+                                  intensity=self.dit_batch(config.batch)))
         if config.batch > 1:
-            out += [
-                Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=config.batch),
-                Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=config.batch),
-            ]
+            out.append(Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=config.batch))
         return tuple(out)
 
     def options(self, config: ExecutionConfig, interval: PressureInterval) -> list[MitigationOption]:
@@ -133,23 +156,59 @@ class TracePlannerModel:
                 opts.append(self._option(config, Mitigation(kind="hsdp", blocks=evenly_spread(k, n), intensity=k)))
         groups = {p.split(".")[0] for p in interval.phases}
         if "denoise" in groups:
-            idx = sorted({int(m.group(1)) + self._offset(u) for u in interval.units if (m := _BLOCK_UNIT.match(u))})
-            for c in CHUNKS:
-                if idx:
-                    opts.append(self._option(config, Mitigation(kind="dit_chunking", blocks=tuple(idx), intensity=c)))
-            if config.batch > 1:
-                for k in _divisors(config.batch):
-                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=k)))
+            opts += self._dit_options(config, interval)
         if "decode" in groups:
-            ups = [u for u in interval.units if u.startswith("vae.decoder.up_blocks")] or self._vae_units()
-            for c in CHUNKS:
-                opts.append(self._option(config, Mitigation(kind="vae_chunking", modules=tuple(ups), intensity=c)))
-            if self.template.spec.family == "cogvideox":  # causal VAE: its conv caches can move to host
-                opts.append(self._option(config, Mitigation(kind="activation_offload", modules=("vae.decoder",),
-                                                            intensity=ALL_TENSORS)))
-            if config.batch > 1:
-                for k in _divisors(config.batch):
-                    opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=k)))
+            opts += self._vae_options(config, interval)
+        return opts
+
+    def _dit_options(self, config: ExecutionConfig, interval: PressureInterval) -> list[MitigationOption]:
+        """DiT chunking of the interval's blocks; serialization of the transformer's batch (the
+        CFG pair at batch 1); and the two combined (each sub-batch chunked), per sub-batch count
+        a family over the chunk counts."""
+        opts: list[MitigationOption] = []
+        idx = sorted({int(m.group(1)) + self._offset(u) for u in interval.units if (m := _BLOCK_UNIT.match(u))})
+        chunked = [Mitigation(kind="dit_chunking", blocks=tuple(idx), intensity=c) for c in DIT_CHUNKS] if idx else []
+        opts += [self._option(config, a) for a in chunked]
+        for k in _divisors(self.dit_batch(config.batch)):
+            serial = Mitigation(kind="temporary_serialization", modules=("transformer",), intensity=k)
+            opts.append(self._option(config, serial))
+            opts += [MitigationOption((serial, a), label=f"serialization×{k}+dit_chunking×{a.intensity}",
+                                      family=f"serialize{k}+dit_chunking") for a in chunked]
+        return opts
+
+    def _vae_options(self, config: ExecutionConfig, interval: PressureInterval) -> list[MitigationOption]:
+        """Per VAE chunking shape (per unit, chain from the last upsampler, chain from its
+        up-block: ``planner.vae_bands``) a family over the band counts; for CogVideoX's causal
+        VAE also conv-cache offload, alone and with each shape; serialization of the decoder's
+        batch."""
+        opts: list[MitigationOption] = []
+        ups = [u for u in interval.units if u.startswith("vae.decoder.up_blocks")]
+        # a configuration holds one VAE chunking action and a new one replaces it: propose only
+        # ones that keep what it covers (its up-blocks, its bands, its shape), so that clearing
+        # this interval never reopens an earlier one
+        held = next((m for m in config.mitigations if m.kind == "vae_chunking"), None)
+        least_shape, least_chunks = 0, 1
+        if held is not None:
+            ups = sorted({*ups, *(u for u in held.modules or () if u.startswith("vae.decoder.up_blocks"))})
+            least_chunks = held.intensity
+            least_shape = 2 if any("[" in u and "upsamplers" not in u for u in held.modules or ()) else (
+                1 if any("[" in u for u in held.modules or ()) else 0)
+        counts = [c for c in VAE_CHUNKS if c >= least_chunks]
+        offload = Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=ALL_TENSORS)
+        causal = self.template.spec.family == "cogvideox"  # its conv caches can move to the host
+        if causal:
+            opts.append(self._option(config, offload))
+        for label, mods in self.vae.shapes(ups)[least_shape:]:
+            for c in counts:
+                opts.append(self._option(config, Mitigation(kind="vae_chunking", modules=mods, intensity=c),
+                                         family=f"vae:{label}"))
+            if causal:
+                opts += [MitigationOption((offload, Mitigation(kind="vae_chunking", modules=mods, intensity=c)),
+                                          label=f"offload+vae:{label}×{c}", family=f"offload+vae:{label}")
+                         for c in counts]
+        if config.batch > 1:
+            for k in _divisors(config.batch):
+                opts.append(self._option(config, Mitigation(kind="temporary_serialization", modules=("vae.decoder",), intensity=k)))
         return opts
 
     def milder(self, config: ExecutionConfig, action: Mitigation) -> list[Mitigation]:
@@ -188,6 +247,7 @@ class TracePlannerModel:
             return Rejection(f"cannot run with these mitigations: {str(e).splitlines()[0]}")
         # the traced curve already holds the mitigations; SP and the layout margins still apply
         peak, ivs = MemoryModel(lambda _batch: prof).view(config.model_copy(update={"mitigations": ()}), budget)
+        self.traced_peaks[config.model_dump_json()] = peak
         if ivs:
             return Rejection(f"traced with its mitigations it peaks at {peak / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB budget",
                              overshoot_bytes=peak - budget)
@@ -221,11 +281,6 @@ class TracePlannerModel:
     def _offset(self, unit: str) -> int:
         """Flux.2's single-stream blocks come after its double-stream ones in block order."""
         return self.template.spec.transformer_config["num_layers"] if ".single_transformer_blocks." in unit else 0
-
-    def _vae_units(self) -> list[str]:
-        n_up = len(self.template.spec.vae_config.get("decoder_block_out_channels")
-                   or self.template.spec.vae_config["block_out_channels"])
-        return [f"vae.decoder.up_blocks.{i}" for i in range(n_up)]
 
     def _option(self, config: ExecutionConfig, action: Mitigation, family: str = "") -> MitigationOption:
         # None is marked zero-overhead up front: telling would take a latency estimate of every

@@ -111,8 +111,13 @@ class ExecutionConfig(BaseModel):
             if m.kind == "hsdp" and self.sp == 1:
                 # DP groups run different batches; only the ranks of one SP group gather together
                 raise ValueError("hsdp shards weights across the SP group running the batch; it needs sp >= 2")
-            if m.kind == "temporary_serialization" and m.intensity > self.batch:
-                raise ValueError(f"temporary_serialization: {m.intensity} sub-batches exceed batch {self.batch}")
+            if m.kind == "temporary_serialization":
+                # the transformer runs the CFG pair of every request as one batch: that is what it splits
+                dit = m.blocks is not None or any(p.startswith("transformer") for p in m.modules or ())
+                limit = self.batch * (spec.dit_batch_multiplier() if dit else 1)
+                if m.intensity > limit:
+                    raise ValueError(f"temporary_serialization: {m.intensity} sub-batches exceed the "
+                                     f"{'transformer' if dit else 'module'}'s batch {limit}")
         return self
 
     @property
@@ -162,17 +167,32 @@ class ExecutionConfig(BaseModel):
 PLAN_TABLE_SCHEMA_VERSION = 1
 
 
+LatencySource = Literal["measured", "estimated", "measured+estimated"]
+#: names earlier plan tables used
+_LEGACY_SOURCES = {"profiled": "measured", "cost_model": "estimated"}
+
+
 class PlanPrediction(BaseModel):
     """What the planner predicts for a chosen configuration. Every figure is finite and
     non-negative (a NaN latency would order batches and hint Retry-After with garbage)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_source(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("latency_source") in _LEGACY_SOURCES:
+            return {**data, "latency_source": _LEGACY_SOURCES[data["latency_source"]]}
+        return data
+
     peak_bytes: int = Field(ge=0, description="predicted reserved peak per GPU (static layout + dynamic margin)")
     latency_s: float = Field(ge=0, description="predicted end-to-end latency of one batch")
     goodput_rps: float = Field(ge=0, description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
     slo_s: float = Field(gt=0, description="the template's SLO used in planning")
-    latency_source: str = Field(description="measured | profiled | cost_model (an estimate)")
+    latency_source: LatencySource = Field(
+        description="measured: every latency behind the entry was measured on the device it plans for (the "
+        "segment-reuse profiler or a whole request); estimated: the roofline cost model only; "
+        "measured+estimated: some of each (e.g. the cost model calibrated by measurements)")
     latency_by_batch: dict[int, float] = Field(
         default_factory=dict, description="predicted latency of a partial batch of n requests (n < batch)")
 

@@ -7,9 +7,10 @@ import pytest
 
 from xema_ray.memory.analysis import phase_group, phase_peaks
 from xema_ray.memory.analyzer import trace_template
-from xema_ray.mitigation import estimate_saving, evenly_spread, primitive_for, trace_with_mitigations
+from planner.estimates import estimate_saving, evenly_spread
+from xema_ray.mitigation import primitive_for, trace_with_mitigations
 from xema_ray.mitigation.hooks import resolve_module
-from xema_ray.mitigation.registry import dit_block_bytes
+from planner.estimates import dit_block_bytes
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate

@@ -21,7 +21,8 @@ MODELS = ("tiny-flux2", "tiny-cogvideox", "tiny-ltx2")
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from tests.mitigation.conftest import run_pipeline
-    from xema_ray.mitigation import HSDPConfig, ProcessGroupCollective, apply_hsdp, evenly_spread
+    from planner.estimates import evenly_spread
+    from xema_ray.mitigation import HSDPConfig, ProcessGroupCollective, apply_hsdp
     from xema_ray.models import BuildOptions, get_model_spec
 
     torch.set_num_threads(1)

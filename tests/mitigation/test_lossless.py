@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.mitigation.conftest import TINY_MODELS, run_pipeline
-from xema_ray.mitigation import apply_mitigations, evenly_spread
+from planner.estimates import evenly_spread
+from xema_ray.mitigation import apply_mitigations
 from xema_ray.models import get_model_spec
 from xema_ray.plan import Mitigation
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from xema_ray.mitigation import BlockOffloadConfig, apply_block_offload, evenly_spread
+from planner.estimates import evenly_spread
+from xema_ray.mitigation import BlockOffloadConfig, apply_block_offload
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.templates import RequestTemplate
 

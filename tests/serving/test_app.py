@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
+from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402

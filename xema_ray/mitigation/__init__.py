@@ -14,17 +14,17 @@ vae_chunking            ``vae_chunking``                    decoder paths or cha
 temporary_serialization ``serialization``                   module paths or blocks / sub-batches
 =====================  ===================================  ============================================
 
-``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``), applies lists
-(``apply_mitigations``) and estimates savings without running (``estimate_saving``);
+``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``) and applies lists
+(``apply_mitigations``); the planner's analytic estimates live in ``planner.estimates``;
 ``tracing.trace_with_mitigations`` has the analyzer trace a mitigated pipeline at real size.
 """
 
 from xema_ray.mitigation.activation_offload import ActivationOffloadConfig, apply_activation_offload
 from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
-from xema_ray.mitigation.hooks import MemorySaving, MitigationHandle, evenly_spread
+from xema_ray.mitigation.hooks import MitigationHandle
 from xema_ray.mitigation.hsdp import HSDPConfig, ProcessGroupCollective, ShapeOnlyGroup, apply_hsdp
-from xema_ray.mitigation.registry import apply_mitigations, estimate_saving, primitive_for
+from xema_ray.mitigation.registry import apply_mitigations, primitive_for
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
 from xema_ray.mitigation.tracing import trace_with_mitigations
 from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
@@ -34,7 +34,6 @@ __all__ = [
     "BlockOffloadConfig",
     "DitChunkingConfig",
     "HSDPConfig",
-    "MemorySaving",
     "MitigationHandle",
     "ProcessGroupCollective",
     "SerializationConfig",
@@ -47,8 +46,6 @@ __all__ = [
     "apply_mitigations",
     "apply_serialization",
     "apply_vae_chunking",
-    "estimate_saving",
-    "evenly_spread",
     "primitive_for",
     "trace_with_mitigations",
 ]

@@ -29,7 +29,6 @@ from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import (
     HOOK_NAMES,
     HostCopy,
-    MemorySaving,
     MitigationHandle,
     check_blocks,
     compute_device,
@@ -167,31 +166,3 @@ def apply_block_offload(
     return handle
 
 
-def block_bytes(blocks: list[tuple[str, nn.Module]]) -> list[int]:
-    """Weight bytes per block (parameters + buffers)."""
-    return [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for _, b in blocks]
-
-
-def estimate_block_offload(sizes: list[int], config: BlockOffloadConfig) -> MemorySaving:
-    """Bytes removed from each phase's peak: outside the DiT all K blocks are on the host; in
-    the DiT the running block and (with prefetch) the next offloaded one are on the device, so
-    the saving there is the K blocks minus the largest such pair.
-
-    Example:
-        >>> estimate_block_offload([10, 10, 10, 10], BlockOffloadConfig(blocks=(0, 2))).per_phase
-        {'dit': 0, 'vae': 20, 'setup': 20}
-    """
-    check_blocks("block_offload", config.blocks, len(sizes))
-    order = sorted(config.blocks)
-    total = sum(sizes[i] for i in order)
-    if not order:
-        return MemorySaving(kind="block_offload", per_phase={"dit": 0, "vae": 0, "setup": 0})
-    if config.prefetch and len(order) > 1:
-        in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
-    else:
-        in_flight = max(sizes[i] for i in order)
-    return MemorySaving(
-        kind="block_offload",
-        per_phase={"dit": total - in_flight, "vae": total, "setup": total},
-        note=f"{len(order)} blocks, {total} B on host; {in_flight} B in flight at most during the DiT",
-    )

@@ -1,12 +1,24 @@
-"""DiT chunking: sequence-chunked token-wise pieces of chosen DiT blocks (paper §5.2).
+"""DiT chunking: sequence-chunked token-wise pieces of chosen DiT blocks (paper §5.2, §8).
 
 Inside a transformer block the peaks come from token-wise computations that run over the whole
 sequence at once: the feed-forward (a 4x-wide intermediate), the q/k normalisation and the
 rotary embedding (both upcast to fp32, so their temporaries are 2-4x the bf16 tensors they
 read). Each of these is exact per token, so running it over ``chunks`` slices of the sequence
 and writing each slice into one preallocated output gives the same result with temporaries a
-``chunks``-th of the size. Attention itself is not chunked (its fused kernels are already
-linear in memory).
+``chunks``-th of the size.
+
+Attention is chunked over query rows (part ``attention``): every query row's softmax reads all
+keys and values but no other query, so attention over a slice of the queries against the whole
+K and V is exact. Two levels:
+
+- the attention call itself (any processor: ``F.scaled_dot_product_attention`` is wrapped while
+  a chosen block runs, ``_ChunkedSDPA``): on CUDA's fused kernels this saves only the fp32
+  log-sum-exp (their memory is already linear); on the math path (CPU) it saves the
+  ``Sq x Sk`` score matrix;
+- CogVideoX's processor (``QueryChunkedCogVideoXProcessor``): the query projection, its norm and
+  rotary, the attention and the output projection run per query chunk, written into one
+  output, so the whole-sequence query and attention output never exist (two of the ~seven
+  sequence-sized tensors alive in its attention; K and V stay whole).
 
 - Feed-forwards and q/k norms are modules: ``TokenChunkHook`` replaces their forward.
 - The rotary embedding is a function the attention processors call
@@ -34,13 +46,15 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation.hooks import HOOK_NAMES, MemorySaving, MitigationHandle, check_blocks, hook_module
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
 
-DitPart = Literal["ff", "qk_norm", "rotary"]
+DitPart = Literal["ff", "qk_norm", "rotary", "attention"]
+DIT_PARTS: tuple[DitPart, ...] = ("ff", "qk_norm", "rotary", "attention")
 #: class names of token-wise feed-forward modules across the three models
 FEED_FORWARD_CLASSES = ("FeedForward", "Flux2FeedForward")
 QK_NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -53,7 +67,7 @@ class DitChunkingConfig(BaseModel):
 
     blocks: tuple[int, ...] = Field(description="indices into ModelSpec.dit_blocks")
     chunks: int = Field(ge=1, description="sequence slices")
-    parts: tuple[DitPart, ...] = Field(default=("ff", "qk_norm", "rotary"), description="pieces to chunk")
+    parts: tuple[DitPart, ...] = Field(default=DIT_PARTS, description="pieces to chunk")
 
 
 def sequence_dim(t: torch.Tensor) -> int:
@@ -106,7 +120,8 @@ class TokenChunkHook(ModelHook):
 
 
 class _State(threading.local):
-    chunks = 0
+    chunks = 0  # rotary chunks inside the running chosen block
+    attention = 0  # attention query chunks inside it (0: off)
 
 
 _STATE = _State()
@@ -115,18 +130,27 @@ _STATE = _State()
 class DitChunkBlockHook(ModelHook):
     """Marks a chosen block as running, so the wrapped rotary functions chunk inside it."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, attention: int = 0) -> None:
         super().__init__()
         self.chunks = chunks
-        self.outer = 0
+        self.attention = attention
+        self.outer: tuple[int, int] = (0, 0)
+        self.sdpa: Any = None
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        self.outer = _STATE.chunks
-        _STATE.chunks = self.chunks
+        self.outer = (_STATE.chunks, _STATE.attention)
+        _STATE.chunks, _STATE.attention = self.chunks, self.attention
+        if self.attention and not isinstance(F.scaled_dot_product_attention, _ChunkedSDPA):
+            # wrap whatever SDPA is current (the analyzer's CUDA-like one while tracing)
+            self.sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _ChunkedSDPA(self.sdpa)  # type: ignore[assignment]
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        _STATE.chunks = self.outer
+        _STATE.chunks, _STATE.attention = self.outer
+        if self.sdpa is not None:
+            F.scaled_dot_product_attention = self.sdpa
+            self.sdpa = None
         return output
 
 
@@ -214,9 +238,9 @@ def apply_dit_chunking(blocks: list[tuple[str, nn.Module]], config: DitChunkingC
         config: where and how much.
     """
     check_blocks("dit_chunking", config.blocks, len(blocks))
-    unknown = set(config.parts) - {"ff", "qk_norm", "rotary"}
+    unknown = set(config.parts) - set(DIT_PARTS)
     if unknown or not config.parts:
-        raise ValueError(f"dit_chunking: parts must be a non-empty subset of ff, qk_norm, rotary, got {config.parts}")
+        raise ValueError(f"dit_chunking: parts must be a non-empty subset of {', '.join(DIT_PARTS)}, got {config.parts}")
     handle = MitigationHandle("dit_chunking")
     if config.chunks == 1:
         return handle
@@ -229,27 +253,110 @@ def apply_dit_chunking(blocks: list[tuple[str, nn.Module]], config: DitChunkingC
             )
             if wanted and name:
                 hook_module(handle, sub, TokenChunkHook(config.chunks), HOOK_NAMES["dit_chunk_tokens"])
-        if "rotary" in config.parts:
-            hook_module(handle, block, DitChunkBlockHook(config.chunks), HOOK_NAMES["dit_chunk_block"])
+        if "attention" in config.parts:
+            _chunk_processors(handle, block, config.chunks)
+        if "rotary" in config.parts or "attention" in config.parts:
+            hook_module(handle, block, DitChunkBlockHook(config.chunks if "rotary" in config.parts else 1,
+                                                         attention=config.chunks if "attention" in config.parts else 0),
+                        HOOK_NAMES["dit_chunk_block"])
     if "rotary" in config.parts:
         _install_rotary()
         handle.add_undo(_uninstall_rotary)
     return handle
 
 
-def estimate_dit_chunking(tokens: int, batch: int, hidden: int, ff_mult: float, elem: int, config: DitChunkingConfig) -> MemorySaving:
-    """Saving at a chosen block's peak: the feed-forward's widest intermediate (``ff_mult``
-    times the hidden width; the activation makes a second one) or, where the attention
-    pre-processing peaks, the rotary fp32 temporaries (two fp32 copies of q or k), shrunk to
-    one chunk. Reported as the larger of the two, since they are not live together.
+# ---------------------------------------------------------------------------- attention
+class _ChunkedSDPA:
+    """``scaled_dot_product_attention`` over query-row slices, written into one output laid out
+    as the fused kernels write it (BSHD, returned as a BHSD view)."""
 
-    Example:
-        >>> estimate_dit_chunking(1000, 1, 8, 4.0, 2, DitChunkingConfig(blocks=(0,), chunks=4)).per_phase
-        {'dit': 96000}
-    """
-    keep = 1.0 / config.chunks
-    ff = 2 * tokens * batch * hidden * ff_mult * elem if "ff" in config.parts else 0.0
-    rot = 2 * tokens * batch * hidden * 4 if "rotary" in config.parts else 0.0
-    saved = int(max(ff, rot) * (1 - keep)) if config.blocks else 0
-    return MemorySaving(kind="dit_chunking", per_phase={"dit": saved},
-                        note=f"{config.chunks} chunks over {tokens * batch} tokens")
+    def __init__(self, sdpa: Callable[..., torch.Tensor]) -> None:
+        self.sdpa = sdpa
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        chunks = _STATE.attention
+        sq = query.shape[-2]
+        if chunks <= 1 or query.ndim != 4 or sq < 2 or kwargs.get("is_causal") or args[1:2] == (True,):
+            return self.sdpa(query, key, value, attn_mask, *args, **kwargs)
+        b, h, _, _ = query.shape
+        out = torch.empty((b, sq, h, value.shape[-1]), dtype=query.dtype, device=query.device).transpose(1, 2)
+        for a, e in _bounds(sq, chunks):
+            mask = attn_mask
+            if mask is not None and mask.ndim >= 2 and mask.shape[-2] == sq:
+                mask = mask.narrow(-2, a, e - a)
+            part = self.sdpa(query.narrow(-2, a, e - a), key, value, mask, *args, **kwargs)
+            out.narrow(-2, a, e - a).copy_(part)
+            del part
+        return out
+
+
+class QueryChunkedCogVideoXProcessor:
+    """CogVideoX's attention (``CogVideoXAttnProcessor2_0``, same arguments and result) with
+    the query side run per chunk of the joint text + video sequence: projection, norm, rotary
+    (on the chunk's video rows), attention against the whole K and V, output projection."""
+
+    def __init__(self, original: Any, chunks: int) -> None:
+        self.original = original
+        self.chunks = chunks
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> Any:
+        if attention_mask is not None or self.chunks <= 1:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask=attention_mask,
+                                 image_rotary_emb=image_rotary_emb)
+        from diffusers.models import embeddings  # looked up per call: DiT chunking may wrap it
+
+        text = encoder_hidden_states.size(1)
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        batch, seq, _ = hidden_states.shape
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        heads = attn.heads
+        head_dim = key.shape[-1] // heads
+        key = key.view(batch, -1, heads, head_dim).transpose(1, 2)
+        value = value.view(batch, -1, heads, head_dim).transpose(1, 2)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if image_rotary_emb is not None and not attn.is_cross_attention:
+            key[:, :, text:] = embeddings.apply_rotary_emb(key[:, :, text:], image_rotary_emb)
+        out: torch.Tensor | None = None
+        for a, b in _bounds(seq, self.chunks):
+            q = attn.to_q(hidden_states[:, a:b]).view(batch, -1, heads, head_dim).transpose(1, 2)
+            if attn.norm_q is not None:
+                q = attn.norm_q(q)
+            lo = max(a, text)
+            if image_rotary_emb is not None and b > lo:
+                cos, sin = image_rotary_emb
+                q[:, :, lo - a:] = embeddings.apply_rotary_emb(q[:, :, lo - a:], (cos[lo - text:b - text], sin[lo - text:b - text]))
+            outer, _STATE.attention = _STATE.attention, 0  # already a query chunk: not cut again
+            try:
+                o = F.scaled_dot_product_attention(q, key, value, dropout_p=0.0, is_causal=False)
+            finally:
+                _STATE.attention = outer
+            del q
+            o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).reshape(batch, -1, heads * head_dim)))
+            if out is None:
+                out = torch.empty((batch, seq, o.shape[-1]), dtype=o.dtype, device=o.device)
+            out[:, a:b].copy_(o)
+            del o
+        assert out is not None
+        encoder_hidden_states, hidden_states = out.split([text, seq - text], dim=1)
+        return hidden_states, encoder_hidden_states
+
+
+def _chunk_processors(handle: MitigationHandle, block: nn.Module, chunks: int) -> None:
+    """Swap CogVideoX attention processors inside ``block`` for the query-chunked one."""
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+
+    for sub in block.modules():
+        proc = getattr(sub, "processor", None)
+        if type(proc) is CogVideoXAttnProcessor2_0:
+            sub.processor = QueryChunkedCogVideoXProcessor(proc, chunks)
+
+            def undo(m: nn.Module = sub, p: Any = proc) -> None:
+                m.processor = p
+
+            handle.add_undo(undo)
+
+

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.platforms import streams as _device
@@ -43,21 +42,6 @@ HOOK_NAMES = {
     "vae_chain": "xema_vae_chain",
     "serialize": "xema_serialize",
 }
-
-
-class MemorySaving(BaseModel):
-    """What a mitigation is predicted to remove from each phase's peak, in bytes (analytic;
-    the analyzer confirms by tracing). Phases are the analyzer's groups: "dit" (denoising),
-    "vae" (decode), "setup" (before the first step)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    kind: str
-    per_phase: dict[str, int] = Field(description="phase group -> bytes removed from that phase's peak")
-    note: str = Field(default="", description="how the number was derived")
-
-    def at(self, phase: str) -> int:
-        return self.per_phase.get(phase, 0)
 
 
 # ---------------------------------------------------------------------------- hook registry
@@ -129,14 +113,6 @@ def check_blocks(kind: str, blocks: tuple[int, ...], n_blocks: int) -> None:
         raise ValueError(f"{kind}: block indices {bad} out of range; the model has {n_blocks} DiT blocks")
     if len(set(blocks)) != len(blocks):
         raise ValueError(f"{kind}: block indices must be distinct, got {list(blocks)}")
-
-
-def evenly_spread(k: int, n: int) -> tuple[int, ...]:
-    """K of N block indices spread evenly (§5.1: the overlap window between two mitigated
-    blocks is then ~N/K blocks). ``evenly_spread(4, 8) == (0, 2, 4, 6)``."""
-    if not 0 <= k <= n:
-        raise ValueError(f"cannot choose {k} of {n} blocks")
-    return tuple(sorted({(i * n) // k for i in range(k)})) if k else ()
 
 
 def compute_device(module: nn.Module) -> torch.device:

@@ -31,7 +31,6 @@ from torch import nn
 
 from xema_ray.mitigation.hooks import (
     HOOK_NAMES,
-    MemorySaving,
     MitigationHandle,
     check_blocks,
     compute_device,
@@ -230,26 +229,3 @@ def apply_hsdp(
     return handle
 
 
-def estimate_hsdp(sizes: list[int], config: HSDPConfig, world_size: int) -> MemorySaving:
-    """Each sharded block keeps 1/W resident; in the DiT up to two are gathered at once.
-
-    Example:
-        >>> estimate_hsdp([8, 8, 8, 8], HSDPConfig(blocks=(0, 2)), 2).per_phase
-        {'dit': -8, 'vae': 8, 'setup': 8}
-    """
-    check_blocks("hsdp", config.blocks, len(sizes))
-    if world_size < 2:
-        raise ValueError(f"hsdp needs world_size >= 2, got {world_size}")
-    order = sorted(config.blocks)
-    saved = sum(sizes[i] - sizes[i] // world_size for i in order)
-    if not order:
-        return MemorySaving(kind="hsdp", per_phase={"dit": 0, "vae": 0, "setup": 0})
-    if config.prefetch and len(order) > 1:
-        in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
-    else:
-        in_flight = max(sizes[i] for i in order)
-    return MemorySaving(
-        kind="hsdp",
-        per_phase={"dit": saved - in_flight, "vae": saved, "setup": saved},
-        note=f"{len(order)} blocks sharded {world_size} ways; up to {in_flight} B gathered during the DiT",
-    )

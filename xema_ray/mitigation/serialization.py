@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from xema_ray.mitigation.hooks import HOOK_NAMES, MemorySaving, MitigationHandle, hook_module, resolve_module
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, hook_module, resolve_module
 
 
 class SerializationConfig(BaseModel):
@@ -109,22 +109,3 @@ def apply_serialization(pipe: Any, config: SerializationConfig) -> MitigationHan
     return handle
 
 
-def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches: int, phase: str) -> MemorySaving:
-    """Activations proportional to the batch shrink to one part's share.
-
-    Args:
-        batch_activation_bytes: activation bytes live at the segment's peak (from the baseline
-            trace) that scale with the batch.
-        batch: the module's batch (requests x CFG).
-        sub_batches: parts.
-        phase: the phase group the segment is in ("dit" or "vae").
-
-    Example:
-        >>> estimate_serialization(100, 2, 2, "dit").per_phase
-        {'dit': 50}
-    """
-    n = min(sub_batches, batch)
-    per_part = -(-batch // n)
-    saved = batch_activation_bytes - batch_activation_bytes * per_part // batch
-    return MemorySaving(kind="temporary_serialization", per_phase={phase: saved},
-                        note=f"batch {batch} in {n} parts of <= {per_part}")

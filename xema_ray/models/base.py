@@ -305,6 +305,12 @@ class ModelSpec(ABC):
     def default_guidance_scale(self) -> float:
         return 1.0
 
+    def dit_batch_multiplier(self) -> int:
+        """Transformer batch per request of its widest forward: 2 with classifier-free guidance
+        (the conditional and unconditional pass run as one batch), else 1. Temporary
+        serialization of the transformer splits this batch (the CFG pair too, at batch 1)."""
+        return 2 if self.default_guidance_scale > 1 else 1
+
     @abstractmethod
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         """The DiT blocks in execution order, as (path relative to the transformer, module):

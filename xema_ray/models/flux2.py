@@ -114,6 +114,9 @@ class Flux2Spec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return 4.0
 
+    def dit_batch_multiplier(self) -> int:
+        return 1  # guidance-distilled: guidance is an embedding input, not a second pass
+
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
         # Flux.2-dev is guidance-distilled: guidance is an embedding input, not a second CFG pass.
         return {

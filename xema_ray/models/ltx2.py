@@ -481,6 +481,9 @@ class LTX2Spec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return self.guidance.guidance_scale
 
+    def dit_batch_multiplier(self) -> int:
+        return max(self.transformer_passes_per_step(), default=1)
+
     def transformer_passes_per_step(self) -> tuple[int, ...]:
         """Batch multiplier of each transformer forward a denoising step runs, per request
         (production: (2, 1, 1) = CFG, STG, modality isolation)."""

@@ -27,6 +27,7 @@ measured / modelled) are applied.
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Literal
@@ -254,9 +255,10 @@ def conv_cache_traffic(spec: ModelSpec, template: RequestTemplate, batch: int) -
     return per_batch * CAUSAL_CACHE_FRAMES * BYTES * frame_batches * batch, caches
 
 
-def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> float:
-    """Approximate decoder FLOPs: every up level's resnet convolutions (2 per resnet, 3x3 or
-    3x3x3) at that level's resolution, plus the mid block, for ``batch`` videos/images."""
+def vae_level_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> tuple[list[float], list[int], float]:
+    """Approximate decoder FLOPs per up level (lowest resolution first: index i = ``up_blocks.i``
+    and its resnets), each level's resnets, and the mid block's FLOPs, for ``batch`` videos/images:
+    every resnet convolution (2 per resnet, 3x3 or 3x3x3) at that level's resolution."""
     cfg = spec.vae_config
     video = spec.kind == "video"
     k = 27 if video else 9
@@ -271,20 +273,52 @@ def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> 
     pixels = template.height * template.width
     out_frames = template.frames
     latent_frames = (out_frames - 1) // spec.temporal_compression + 1 if video else 1
-    flops = 0.0
+    per_level, resnets = [], []
     for i, c in enumerate(chans):
         spatial = pixels / 4 ** (levels - 1 - i)
         frames = min(out_frames, latent_frames * 2**i) if video else 1
         n_layers = layers[i] if i < len(layers) else layers[-1]
-        flops += 2 * n_layers * 2 * k * c * c * spatial * frames
+        per_level.append(2 * n_layers * 2 * k * c * c * spatial * frames * batch)
+        resnets.append(n_layers)
     mid_spatial = pixels / 4 ** (levels - 1)
-    flops += 4 * 2 * k * chans[0] ** 2 * mid_spatial * latent_frames
-    return flops * batch
+    mid = 4 * 2 * k * chans[0] ** 2 * mid_spatial * latent_frames * batch
+    return per_level, resnets, mid
 
 
-def vae_decode_s(spec: ModelSpec, template: RequestTemplate, batch: int, hw: HardwareProfile, chunks: int = 1, serial: int = 1) -> float:
+def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> float:
+    """Approximate decoder FLOPs: every up level's resnet convolutions (2 per resnet, 3x3 or
+    3x3x3) at that level's resolution, plus the mid block, for ``batch`` videos/images."""
+    per_level, _, mid = vae_level_flops(spec, template, batch)
+    return sum(per_level) + mid
+
+
+_CHAIN = re.compile(r"\[up_blocks\.(\d+)(\.upsamplers\.0)?:\]$")
+
+
+def chain_recompute_factor(spec: ModelSpec, template: RequestTemplate, modules: tuple[str, ...]) -> float:
+    """Decode time multiplier of VAE chains (``PARENT[up_blocks.I:]`` or
+    ``PARENT[up_blocks.I.upsamplers.0:]``): a chain with N group norms runs in N + 1 passes,
+    pass k recomputing the chain up to its k-th norm, so the chain's levels cost about
+    (N + 2) / 2 times their plain compute (two norms per resnet and the output norm)."""
+    per_level, resnets, mid = vae_level_flops(spec, template, 1)
+    total = sum(per_level) + mid
+    extra = 0.0
+    for path in modules:
+        m = _CHAIN.search(path)
+        if m is None:
+            continue
+        first = int(m.group(1)) + (1 if m.group(2) else 0)  # an upsampler's output is the next level
+        levels = range(first, len(per_level))
+        norms = sum(2 * resnets[i] for i in levels) + 1
+        extra += sum(per_level[i] for i in levels) / total * norms / 2
+    return 1.0 + extra
+
+
+def vae_decode_s(spec: ModelSpec, template: RequestTemplate, batch: int, hw: HardwareProfile, chunks: int = 1, serial: int = 1,
+                 chains: float = 1.0) -> float:
+    """Decode seconds; ``chains`` is ``chain_recompute_factor`` of the plan's VAE chains."""
     flops = vae_decode_flops(spec, template, batch)
-    t = flops / (hw.bf16_tflops * 1e12 * hw.conv_efficiency)
+    t = flops / (hw.bf16_tflops * 1e12 * hw.conv_efficiency) * chains
     if chunks > 1:
         t *= 1 + 0.05 * (chunks - 1)  # halo recomputation and smaller convolutions
     if serial > 1:
@@ -321,6 +355,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
     offloaded: set[int] = set()
     sharded: set[int] = set()
     vae_chunks = vae_serial = 1
+    chains = 1.0
     act_offload = 0
     for m in config.mitigations:
         if m.kind == "block_offload":
@@ -332,6 +367,8 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
                 chunks[i] = max(chunks[i], m.intensity)
         elif m.kind == "vae_chunking" or (m.kind == "dit_chunking" and _vae_targeted(m)):
             vae_chunks = max(vae_chunks, m.intensity)
+            if m.modules:
+                chains = max(chains, chain_recompute_factor(spec, template, m.modules))
         elif m.kind == "temporary_serialization":
             if _vae_targeted(m):
                 vae_serial = max(vae_serial, m.intensity)
@@ -365,7 +402,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
     for x in template.latent_shape():
         latent *= x
     step += 4 * latent * config.batch * 4 / (hw.mem_gbps * 1e9)  # scheduler update on fp32 latents
-    decode = vae_decode_s(spec, template, config.batch, hw, vae_chunks, vae_serial)
+    decode = vae_decode_s(spec, template, config.batch, hw, vae_chunks, vae_serial, chains)
     if act_offload and spec.kind == "video":
         # the conv caches (intensity = how many per frame batch; the plan's "all" is larger than
         # any decoder has) go to the host and come back once each, half hidden behind the convs
@@ -379,13 +416,14 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
 
 
 def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[str, float]:
-    """Per phase, the median ratio measured / modelled over the store's measured requests of
-    this hardware and model family (empty when there are none)."""
+    """Per phase, the median ratio measured / modelled over the store's requests of this
+    hardware and model family that were measured whole or from measured segments (the
+    segment-reuse profiler's "profiled" records); empty when there are none."""
     if hw.fingerprint is None:
         return {}
     ratios: dict[str, list[float]] = {}
     for rec in store.requests(hw.fingerprint):
-        if rec.source != "measured" or rec.config is None or rec.config.template.spec.family != family:
+        if rec.source not in ("measured", "profiled") or rec.config is None or rec.config.template.spec.family != family:
             continue
         model = cost_model_estimate(rec.config, hw)
         for phase in ("denoise", "decode"):

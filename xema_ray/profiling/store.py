@@ -101,6 +101,11 @@ class ProfileStore:
         """Whole-request records, optionally of one hardware fingerprint (for calibration)."""
         return [r for r in self._requests.values() if fingerprint is None or r.fingerprint == fingerprint]
 
+    def merge(self, other: ProfileStore) -> None:
+        """Add ``other``'s records (``other`` wins where both hold the same key)."""
+        self._segments.update(other._segments)
+        self._requests.update(other._requests)
+
     def __len__(self) -> int:
         return len(self._segments) + len(self._requests)
 

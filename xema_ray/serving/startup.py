@@ -1,20 +1,16 @@
-"""Start-up of the serving application: the served templates and their plan table.
+"""Start-up of the serving application: the served templates and the checks on their plan table
+(every plan runnable by its model group, residencies within the node's host memory).
 
-A plan table given in the config is checked against this machine's hardware (refused if it was
-made for other hardware, unless forced); without one, the planner runs here on the configured
-templates (seconds for the tiny models).
+Loading or computing the plan table at start-up (``load_or_plan``) runs the planner, so it is
+composed where the app is built (``deployments.planning``): no library module of ``xema_ray``
+imports ``planner``.
 """
 
 from __future__ import annotations
 
-import logging
-
-from xema_ray.memory.analysis import parse_bytes
 from xema_ray.plan import PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.templates import RequestTemplate
-
-logger = logging.getLogger("xema_ray.serving")
 
 
 def served_templates(cfg: ServeConfig) -> list[RequestTemplate]:
@@ -24,14 +20,6 @@ def served_templates(cfg: ServeConfig) -> list[RequestTemplate]:
         for t in g.templates:
             out.append(RequestTemplate(model=g.model, width=t.width, height=t.height, frames=t.frames, steps=t.steps))
     return out
-
-
-def machine_fingerprint(cfg: ServeConfig, gpus: int) -> str:
-    """What this deployment runs on, in the form plan tables record."""
-    from planner.latency import LatencyModel
-
-    hardware = cfg.hardware or ("cpu" if cfg.device == "cpu" else "local-gpu")
-    return LatencyModel(hardware).fingerprint(gpus)
 
 
 class PlanNotRunnable(ValueError):
@@ -89,51 +77,3 @@ def node_memory_bytes() -> int:
     import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
-    """The plan table covering ``templates``: loaded and checked, or planned now."""
-    if cfg.plan_table is not None:
-        table = PlanTable.load(str(cfg.plan_table))
-        table.check_hardware(machine_fingerprint(cfg, table.gpus), force=cfg.force_plan_table)
-        missing = [t.shape_key for t in templates if t.shape_key not in table.entries]
-        if missing:
-            raise ValueError(f"plan table {cfg.plan_table} has no plan for {', '.join(missing)}")
-    else:
-        table = plan_now(cfg, templates)
-    check_runnable(table, cfg, templates)
-    return table
-
-
-def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
-    from planner.latency import LatencyModel
-    from planner.stages import plan_template
-    from planner.trace_model import TracePlannerModel
-    from planner.traces import TraceCache
-
-    budget = parse_bytes(cfg.budget)
-    hardware = cfg.hardware or ("cpu" if cfg.device == "cpu" else "local-gpu")
-    cache_dir = cfg.cache_dir
-    latency = LatencyModel(hardware, store_path=cache_dir / "profiles.json" if cache_dir else None)
-    if hardware == "cpu":
-        latency.calibrate(templates)  # one measured request per template: seconds for the tiny models
-    cache = TraceCache(cache_dir / "traces" if cache_dir else None)
-    entries = {}
-    infeasible = []
-    gpus_of = {g.model: g.workers for g in cfg.models}
-    for t in templates:
-        model = TracePlannerModel(t, latency.seconds, cache)
-        plan = plan_template(model, t, gpus_of[t.model], budget, slo_scale=cfg.slo_scale, latency_source=latency.source)
-        if plan.entry is None:
-            infeasible.append(t.shape_key)
-        else:
-            entries[t.shape_key] = plan.entry
-            logger.info("planned %s: %s", t.shape_key, plan.entry.config.describe())
-    if infeasible:
-        raise ValueError(
-            f"no configuration serves {', '.join(infeasible)} within the {cfg.budget} budget per worker; "
-            "raise the budget, add workers or drop these templates"
-        )
-    gpus = max(gpus_of.values())
-    return PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
-                     group_gpus=gpus_of, planner="xema", entries=entries, provenance={"planned": "at start-up"})
