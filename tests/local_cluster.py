@@ -171,7 +171,7 @@ class LocalCluster:
                 p.kill() if hard else p.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=20)
+        _, alive = psutil.wait_procs(procs, timeout=5)
         for p in alive:
             try:
                 p.kill()
