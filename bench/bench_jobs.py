@@ -78,7 +78,7 @@ def main() -> None:
     from deployments.app import build_app
     from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
     from xema_ray.serving.config import ServeConfig
-    from xema_ray.serving.startup import machine_fingerprint
+    from deployments.planning import machine_fingerprint
     from xema_ray.templates import RequestTemplate
 
     t = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=args.steps)

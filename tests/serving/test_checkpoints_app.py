@@ -24,7 +24,7 @@ from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
-from xema_ray.serving.startup import machine_fingerprint  # noqa: E402
+from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 
 pytestmark = pytest.mark.slow
