@@ -73,7 +73,8 @@ def cluster():  # type: ignore[no-untyped-def]
 def _plan_table(args: dict, path) -> str:  # type: ignore[no-untyped-def]
     from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
     from xema_ray.serving.config import ServeConfig
-    from deployments.planning import machine_fingerprint, served_templates
+    from deployments.planning import machine_fingerprint
+    from xema_ray.serving.startup import served_templates
 
     cfg = ServeConfig.model_validate(args)
     entries = {t.shape_key: PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
