@@ -84,7 +84,7 @@ def trace_encode(model: str, batch: int) -> int:
 
 def _resident_bytes(config: ExecutionConfig) -> int:
     """Device weights of the plan outside the DiT's streamed blocks (transformer + VAE + the rest)."""
-    from xema_ray.mitigation.registry import _meta_pipeline
+    from planner.estimates import _meta_pipeline
 
     pipe = _meta_pipeline(config.template.model)
     total = sum(t.numel() * t.element_size() for name, c in pipe.components.items()
