@@ -104,13 +104,13 @@ def test_groups_on_two_nodes_survive_losing_one(cluster: LocalCluster, tmp_path)
     url = f"http://127.0.0.1:{port}"
 
     assert _post(url, "/v1/images/generations", IMAGE).status_code == 200
-    assert _post(url, "/v1/videos", VIDEO).status_code == 200
+    assert _post(url, "/v1/videos/sync", VIDEO).status_code == 200
     assert len(set(_worker_nodes().values())) == 2  # the two groups' workers run on different nodes
 
     # lose the worker node with video requests in flight
     node_b = cluster.workers[0]
     with cf.ThreadPoolExecutor(6) as pool:
-        futs = [pool.submit(_post, url, "/v1/videos", {**VIDEO, "seed": 10 + i}) for i in range(4)]
+        futs = [pool.submit(_post, url, "/v1/videos/sync", {**VIDEO, "seed": 10 + i}) for i in range(4)]
         time.sleep(1.0)
         killed_at = time.time()
         cluster.kill_node(node_b)
@@ -122,7 +122,7 @@ def test_groups_on_two_nodes_survive_losing_one(cluster: LocalCluster, tmp_path)
     # the lost group is reported unavailable with a 503 (not queued for a node that may not return)
     deadline = time.time() + 60
     while True:
-        r = _post(url, "/v1/videos", VIDEO)
+        r = _post(url, "/v1/videos/sync", VIDEO)
         _ok_or_json_503(r)
         if r.status_code == 503:
             break
@@ -138,7 +138,7 @@ def test_groups_on_two_nodes_survive_losing_one(cluster: LocalCluster, tmp_path)
     cluster.add_node(num_cpus=2, num_gpus=2, resources={"xema_node_b": 100})
     deadline = time.time() + 150
     while True:
-        r = _post(url, "/v1/videos", VIDEO)
+        r = _post(url, "/v1/videos/sync", VIDEO)
         _ok_or_json_503(r)
         if r.status_code == 200:
             break
