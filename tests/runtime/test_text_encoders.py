@@ -55,7 +55,9 @@ def test_placements_and_checkpoint_give_the_same_bytes(model: str, checkpoints) 
     ref_w = _worker(ModelLoadConfig(model=model, text_encoder="device"))
     ref = _run(ref_w, model)
     assert ref.prompt_tokens is not None and not ref.prompt_truncated
-    for placement in ("streamed", "cpu"):
+    # the three placements run the same code for every model; each is checked on one model here
+    # (the streamed one on all: it is the one that moves weights) to keep the suite short
+    for placement in ("streamed", "cpu") if model == "tiny-flux2" else ("streamed",):
         assert _run(_worker(ModelLoadConfig(model=model, text_encoder=placement)), model).data == ref.data, placement
     from_dir = _worker(ModelLoadConfig(model=model, weights_dir=checkpoints / model))
     assert from_dir.engine is not None and from_dir.engine.pipe.text_encoder is not None
