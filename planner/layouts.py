@@ -17,15 +17,13 @@ from pathlib import Path
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.allocator import DEFAULT_DYNAMIC_FRACTION
 from xema_ray.runtime.layouts import layouts_dir, save_artifact, solve_entry_layout
-from xema_ray.runtime.verify import verify_config
 
 
 def attach_layout(entry: PlanEntry, table_path: str | Path, gpu: str) -> tuple[PlanEntry, float]:
     """``entry`` with its layout solved, saved and referenced; and the layout's reserved / lower bound."""
     art = solve_entry_layout(entry.config, gpu)
     save_artifact(art, layouts_dir(table_path))
-    loaded = verify_config(entry.config, budget_bytes=2**62).load_peak_bytes  # the weights the worker places
-    peak = loaded + art.reserved_bytes + math.ceil(art.reserved_bytes * DEFAULT_DYNAMIC_FRACTION)
+    peak = art.loaded_bytes + art.reserved_bytes + math.ceil(art.reserved_bytes * DEFAULT_DYNAMIC_FRACTION)
     cfg = entry.config.model_copy(update={"layout_ref": art.layout_id})
     pred = entry.prediction.model_copy(update={"peak_bytes": peak})
     ratio = art.reserved_bytes / max(1, art.layout.lower_bound_bytes)

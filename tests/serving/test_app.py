@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
-import os
 import time
 
 import imageio.v3 as iio
@@ -20,13 +19,12 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from serve_app import running_app  # noqa: E402
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,23 +57,8 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
         entries={FLUX_S.shape_key: _entry(FLUX_S, batch=2), FLUX_L.shape_key: _entry(FLUX_L),
                  COG.shape_key: _entry(COG, ulysses=2)},
     )
-    path = tmp_path_factory.mktemp("plans") / "table.json"
-    table.save(str(path))
-    args["plan_table"] = str(path)
-
-    from deployments.app import build_app
-
-    port = free_port()
-    saved_env = dict(os.environ)
-    apply_ray_env(open_ports=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="xema", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved_env)
+    with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
+        yield url
 
 
 def _image(url: str, **overrides) -> requests.Response:  # type: ignore[no-untyped-def]

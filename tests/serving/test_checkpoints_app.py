@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 
 import imageio.v3 as iio
 import pytest
@@ -17,13 +16,11 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
-from ray import serve  # noqa: E402
+from serve_app import running_app  # noqa: E402
 
 from xema_ray.checkpoints import TINY_MODELS, write_checkpoint  # noqa: E402
-from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 
@@ -50,23 +47,8 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
         entries[tpl.shape_key] = PlanEntry(config=ExecutionConfig(template=tpl, text_encoder="device"), prediction=pred)
     table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 1), gpus=1, budget_bytes=10**9,
                       entries=entries)
-    path = tmp_path_factory.mktemp("plans") / "table.json"
-    table.save(str(path))
-    args["plan_table"] = str(path)
-
-    from deployments.app import build_app
-
-    port = free_port()
-    saved_env = dict(os.environ)
-    apply_ray_env(open_ports=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="xema", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved_env)
+    with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
+        yield url
 
 
 def _png(client, prompt: str, seed: int) -> bytes:  # type: ignore[no-untyped-def]

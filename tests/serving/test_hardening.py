@@ -22,12 +22,11 @@ import pytest
 import requests
 
 ray = pytest.importorskip("ray")
+from serve_app import running_app  # noqa: E402
 from ray import serve  # noqa: E402
 
-from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.ray_env import apply_ray_env  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 
@@ -62,23 +61,8 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     }
     table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 1), gpus=1, budget_bytes=10**9,
                       entries={FLUX.shape_key: _entry(FLUX, batch=2), COG.shape_key: _entry(COG)})
-    path = tmp_path_factory.mktemp("plans") / "table.json"
-    table.save(str(path))
-    args["plan_table"] = str(path)
-
-    from deployments.app import build_app
-
-    port = free_port()
-    saved_env = dict(os.environ)
-    apply_ray_env(open_ports=False)  # as `make serve`: local-only ports, the proxy's JSON errors
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="xema", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved_env)
+    with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
+        yield url
     if RECOVERY:
         print("\nrecovery seconds (kill -> next 200):", json.dumps({k: round(v, 1) for k, v in RECOVERY.items()}))
         print("in-flight outcomes (200, JSON 503):", json.dumps(OUTCOMES))

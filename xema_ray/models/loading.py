@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -80,13 +81,13 @@ class PlacementReport:
 
 
 # ---------------------------------------------------------------------------- sources
-class WeightSource:
+class WeightSource(ABC):
     """Gives a module's own tensors their values (on the CPU)."""
 
+    @abstractmethod
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """``name -> CPU tensor`` for ``module``'s direct parameters and buffers (``path`` is
         the module's dotted path in its component)."""
-        raise NotImplementedError
 
     def finish(self) -> None:
         """Called once every module was placed (checks nothing was left unused)."""

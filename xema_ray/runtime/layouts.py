@@ -25,10 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.layout.solver import StaticLayout, StaticLayoutFile, solve_layout
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.plan import ExecutionConfig
+from xema_ray.runtime.allocator import DEFAULT_DYNAMIC_FRACTION as DYNAMIC_FRACTION
 
 LAYOUT_FILE_VERSION = 1
-#: §6.2: the dynamic region above the static one (fallbacks, allocations no layout knows)
-DYNAMIC_FRACTION = 0.05
 
 
 class LayoutMismatch(ValueError):
@@ -46,6 +45,7 @@ class LayoutArtifact(BaseModel):
     template: str
     config_hash: str = Field(description="ExecutionConfig.config_hash of the entry it was solved for")
     steps: int
+    loaded_bytes: int = Field(default=0, ge=0, description="device bytes the worker's load placed (weights), outside the layout")
     dynamic_fraction: float = DYNAMIC_FRACTION
     layout: StaticLayoutFile
 
@@ -73,20 +73,18 @@ def layouts_dir(table_path: str | Path) -> Path:
     return p.with_name(p.stem + ".layouts")
 
 
-def request_trace(config: ExecutionConfig) -> MemoryTrace:
-    """The serving worker's allocation stream for one batch of ``config``, steps expanded, load
-    excluded (the weights are placed before any request; the layout covers what a request allocates)."""
+def solve_entry_layout(config: ExecutionConfig, gpu: str) -> LayoutArtifact:
+    """Solve ``config``'s layout from the serving worker's allocation stream for one batch (steps
+    expanded; the load excluded: weights are placed before any request, the layout covers what a
+    request allocates)."""
     from xema_ray.runtime.verify import worker_trace
 
-    return worker_trace(config)
-
-
-def solve_entry_layout(config: ExecutionConfig, gpu: str) -> LayoutArtifact:
-    trace = request_trace(config)
+    trace = worker_trace(config)
     layout = solve_layout(trace)
     layout.verify()
     return LayoutArtifact(layout_id=content_id(layout), gpu=gpu, template=config.template.shape_key,
-                          config_hash=config.config_hash(), steps=config.template.steps, layout=layout.to_file())
+                          config_hash=config.config_hash(), steps=config.template.steps,
+                          loaded_bytes=int(trace.meta["loaded_bytes"]), layout=layout.to_file())
 
 
 def save_artifact(artifact: LayoutArtifact, directory: Path) -> Path:

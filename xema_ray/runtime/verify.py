@@ -139,8 +139,11 @@ def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None) -> Me
         raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
     raw = tracer.raw()
     load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
+    loaded = device_peaks(raw)[1]
     trace = expand_steps(raw, config.template.steps)
-    return trace.subset(trace.begin >= load_end)
+    request = trace.subset(trace.begin >= load_end)
+    request.meta["loaded_bytes"] = str(loaded)  # the weights the worker placed before the request
+    return request
 
 
 def verify_config(
