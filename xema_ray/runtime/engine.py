@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -39,6 +40,7 @@ from xema_ray.parallel.sp import Backend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
+from xema_ray.runtime.preemption import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.text import EncodedPrompts
 
@@ -128,6 +130,8 @@ class BatchResult(BaseModel):
     layout_status: str | None = Field(default=None, description="the worker's static layouts: armed, or why not")
     layout_hits: int = Field(default=0, description="allocations the armed layout placed")
     layout_misses: int = Field(default=0, description="allocations that fell back to the dynamic region")
+    pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
+    paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
 
 
 @contextlib.contextmanager
@@ -282,7 +286,17 @@ class ExecutionEngine:
         #: on the meta device the engine runs shape-only (``xema verify``): same code, no values
         self.shape_only = device.type == "meta"
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
-        self.last_prompts: EncodedPrompts | None = None
+        # per thread: a paused batch's thread and the batch that preempted it each keep their own
+        self._local = threading.local()
+
+    @property
+    def last_prompts(self) -> EncodedPrompts | None:
+        """The prompts of the last batch this thread ran."""
+        return getattr(self._local, "prompts", None)
+
+    @last_prompts.setter
+    def last_prompts(self, value: EncodedPrompts | None) -> None:
+        self._local.prompts = value
 
     # ------------------------------------------------------------------ validation
     def _check(self, config: ExecutionConfig) -> None:
@@ -297,24 +311,28 @@ class ExecutionEngine:
     # ------------------------------------------------------------------ running
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
-        output_type: str = "np", observer: StepObserver | None = None,
+        output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
     ) -> tuple[Any, dict[str, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, phase seconds, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
-        finished step and may stop the batch (``xema_ray.runtime.progress``)."""
+        finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
+        serving layer pause it at a step boundary (``xema_ray.runtime.preemption``: only on a
+        thread of its own, which the pause parks)."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
-        armed = False
+        armed = config.layout_ref is not None and self.arm_layout is not None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
-            if config.layout_ref is not None and self.arm_layout is not None:
-                stack.enter_context(self.arm_layout(config.layout_ref))
-                armed = True
-            if group is not None:
-                stack.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            env = [self._batch_env(config, group, arm=armed)]
+            stack.callback(lambda: env[0].close())
+
+            def detach() -> None:  # a pause takes the batch's hooks off the shared pipeline ...
+                env[0].close()
+
+            def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
+                env[0] = self._batch_env(config, group, arm=False)  # its allocation order restarted)
             if self.shape_only:
                 from xema_ray.memory.analyzer import shape_only_execution
 
@@ -330,7 +348,8 @@ class ExecutionEngine:
             with torch.no_grad():
                 out = self.pipe(
                     **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type,
-                    **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device),
+                    **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
+                                    control, (detach, attach)),
                 )
             self.platform.synchronize()
             t_end = time.perf_counter()
@@ -342,8 +361,25 @@ class ExecutionEngine:
         }
         return out, phases, group.rank if group is not None else 0, armed
 
-    def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
-        """Run ``batch`` end to end; see the module docstring. ``observer``: see ``run_pipeline``."""
+    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool) -> contextlib.ExitStack:
+        """The batch's mitigations, static layout and SP, entered on the pipeline (closing the
+        stack takes them off)."""
+        env = contextlib.ExitStack()
+        try:
+            env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
+            if arm:
+                assert self.arm_layout is not None and config.layout_ref is not None
+                env.enter_context(self.arm_layout(config.layout_ref))
+            if group is not None:
+                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    def execute(self, batch: Batch, observer: StepObserver | None = None, control: PauseControl | None = None) -> BatchResult:
+        """Run ``batch`` end to end; see the module docstring. ``observer``, ``control``: see
+        ``run_pipeline``."""
         t0 = time.perf_counter()
         self.platform.reset_peak_memory()
         config = batch.config
@@ -352,7 +388,8 @@ class ExecutionEngine:
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
         out, phases, sp_rank, armed = self.run_pipeline(
-            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer
+            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
+            control=control,
         )
         if observer is not None and output_rank:
             observer.on_decoded()

@@ -7,6 +7,12 @@ loop at the same step (a rank that leaves early would strand the others in their
 collective), so with SP > 1 the ranks agree on the answer with one ``all_reduce(MAX)`` of a
 one-element tensor per step; rank 0's vote is the only one that can be true.
 
+A preemptible batch also gets a ``PauseControl`` (``xema_ray.runtime.preemption``): its pause
+vote rides the same collective (0 = go on, 1 = pause keeping the state on the device, 2 = pause
+moving it to the host, 3 = stop; MAX wins, and any rank's pause request counts, since the
+serving layer asks every rank the same), and a pause parks the run's thread
+inside the callback until it is resumed.
+
 Stopping raises ``BatchCancelled`` at the step boundary rather than only setting the pipeline's
 ``_interrupt`` flag: diffusers skips the remaining steps on that flag but still runs the VAE decode
 (seconds at 720p), and the point of stopping is to give the worker back.
@@ -14,11 +20,17 @@ Stopping raises ``BatchCancelled`` at the step boundary rather than only setting
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.preemption import PauseControl
+
+_GO, _PAUSE, _PAUSE_OFFLOAD, _STOP = 0, 1, 2, 3
 
 
 class BatchCancelled(RuntimeError):
@@ -45,7 +57,9 @@ class StepObserver(Protocol):
 
 
 def step_callback(pipe: Any, observer: StepObserver | None, total: int, sp_group: Any = None,
-                  output_rank: bool = True, device: torch.device | None = None) -> dict[str, Any]:
+                  output_rank: bool = True, device: torch.device | None = None,
+                  control: PauseControl | None = None,
+                  env: tuple[Callable[[], None], Callable[[], None]] | None = None) -> dict[str, Any]:
     """Pipeline kwargs (``callback_on_step_end``) that report each step to ``observer``.
 
     Args:
@@ -55,23 +69,37 @@ def step_callback(pipe: Any, observer: StepObserver | None, total: int, sp_group
         sp_group: the batch's SP group (an object with ``.group``, a ProcessGroup) or None.
         output_rank: whether this rank is the group's rank 0 (the only one that consults ``observer``).
         device: where the agreement tensor lives (the collective backend's device).
+        control: a preemptible batch's pause control (None: the batch cannot be paused).
+        env: (detach, attach) of the batch's mitigations / SP / layout, for a pause.
 
     Example:
         >>> step_callback(object(), None, 4)
         {}
     """
-    if observer is None:
+    if observer is None and control is None:
         return {}
 
     def callback(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-        stop = bool(observer.on_step(i + 1, total)) if output_rank else False
+        vote = _GO
+        if observer is not None and output_rank and observer.on_step(i + 1, total):
+            vote = _STOP
+        elif control is not None and control.wants_pause() and i + 1 < total:
+            # never after the last step: nothing is left to run later
+            vote = _PAUSE_OFFLOAD if control.offload_requested() else _PAUSE
         if sp_group is not None:
-            flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=device)
+            flag = torch.tensor([vote], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp_group.group)
-            stop = bool(flag.item())
-        if stop:
+            vote = int(flag.item())
+        if vote == _STOP:
             p._interrupt = True
             raise BatchCancelled(i + 1)
+        if vote in (_PAUSE, _PAUSE_OFFLOAD) and control is not None and env is not None:
+            frame = sys._getframe(1)  # the pipeline's __call__: its locals are the batch's state
+            f_locals = frame.f_locals
+            del frame
+            control.park(p, f_locals, tensors, i + 1, total, *env, offload=vote == _PAUSE_OFFLOAD)
+            if sys.version_info < (3, 13):
+                f_locals.clear()  # a snapshot on these versions: it would pin this step's tensors
         return tensors
 
     cb: Callable[..., dict[str, Any]] = callback

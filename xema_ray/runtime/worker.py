@@ -5,11 +5,18 @@ here, once); ``load_model`` builds the pipeline once; ``execute`` runs a batch u
 execution config, including a different SP degree than the previous batch, without reloading;
 ``shutdown`` leaves the worker set. Arguments and results are pydantic, so the class can be
 wrapped as a Ray actor (``ray.remote(Worker)``) unchanged.
+
+Preemption: ``execute(batch, run_id=...)`` runs the batch on a thread of its own and returns
+either its result or, when ``pause(run_id)`` was asked meanwhile, a ``PausedRun`` once it parked
+at a step boundary; ``resume(run_id)`` switches the residency back to the batch's and continues
+it. The actor must then serve calls concurrently (``max_concurrency``), so ``pause`` reaches a
+worker that is busy in ``execute``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +31,7 @@ from xema_ray.parallel.sp import Backend
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
+from xema_ray.runtime.preemption import PausedRun, PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
 
@@ -104,7 +112,10 @@ class Worker:
         #: layout_ref -> solved layout, validated at load (hash, version, GPU model)
         self.layouts: dict[str, Any] = {}
         self.layout_status: str | None = None
-        self.last_layout_report: Any = None
+        self._local = threading.local()  # the layout report of the batch this thread runs
+        self._runs: dict[str, PreemptibleRun] = {}  # preemptible batches, running or paused
+        self._run_residency: dict[str, Residency] = {}
+        self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
         if static_allocator and self.platform.name == "cuda":
             # before anything touches CUDA: the pluggable allocator is process-wide and must be
             # installed before the caching allocator initialises (ARCHITECTURE.md)
@@ -198,7 +209,7 @@ class Worker:
             return
         with self.allocator.armed(layout.replay_plan()) as report:
             yield
-        self.last_layout_report = report
+        self._local.layout_report = report
 
     def target_residency(self, config: ExecutionConfig) -> Residency:
         """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
@@ -207,19 +218,75 @@ class Worker:
             return self.residency.current
         return Residency.of_config(config)
 
-    def execute(self, batch: Batch, observer: StepObserver | None = None) -> BatchResult:
+    def execute(self, batch: Batch, observer: StepObserver | None = None,
+                run_id: str | None = None) -> BatchResult | PausedRun:
         """Run one batch (every rank of the batch's SP group must call this with the same batch).
         First the residency is switched to the batch's, moving only the blocks whose home changes.
-        ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``)."""
+        ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``).
+        ``run_id``: the batch is preemptible (see the module docstring); None: it runs to its end."""
         if self.engine is None or self.residency is None:
             raise ValueError("no model loaded: call load_model first")
-        switch = self.residency.switch(self.target_residency(batch.config))
+        if run_id is None:
+            return self._execute(batch, observer, None)
+        if run_id in self._runs:
+            raise ValueError(f"run {run_id!r} is already running or paused on this worker")
+        run = PreemptibleRun(run_id, lambda control: self._execute(batch, observer, control))
+        self._runs[run_id] = run  # before it starts: the batch may be asked to pause at once
+        return self._settle(run_id, run.start)
+
+    def pause(self, run_id: str, offload: bool = False) -> bool:
+        """Ask a preemptible batch to park at its next step boundary, its between-step state on the
+        device (or on the host: ``offload``). False: no such run here (it already finished)."""
+        run = self._runs.get(run_id)
+        if run is None or run.done:
+            return False
+        run.control.request(offload)
+        return True
+
+    def resume(self, run_id: str) -> BatchResult | PausedRun:
+        """Continue a paused batch under its own residency; returns as ``execute`` does."""
+        run = self._runs.get(run_id)
+        if run is None or run.control.paused is None:
+            raise ValueError(f"run {run_id!r} is not paused on this worker")
+        assert self.residency is not None
+        moved = self.residency.switch(self._run_residency[run_id]).bytes_moved  # back to the batch's own
+        self._run_moved[run_id] = self._run_moved.get(run_id, 0) + moved
+        return self._settle(run_id, run.resume)
+
+    def paused_runs(self) -> list[PausedRun]:
+        """The batches parked on this worker."""
+        return [r.control.paused for r in self._runs.values() if r.control.paused is not None]
+
+    def _settle(self, run_id: str, step: Any) -> BatchResult | PausedRun:
+        try:
+            out = step()
+        except BaseException:
+            self._forget(run_id)
+            raise
+        if isinstance(out, PausedRun):
+            return out
+        run = self._runs[run_id]
+        moved = self._forget(run_id)
+        return out.model_copy(update={"paused_s": run.paused_s, "pauses": run.control.pauses,
+                                      "residency_bytes_moved": out.residency_bytes_moved + moved})
+
+    def _forget(self, run_id: str) -> int:
+        self._runs.pop(run_id, None)
+        self._run_residency.pop(run_id, None)
+        return self._run_moved.pop(run_id, 0)
+
+    def _execute(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
+        assert self.engine is not None and self.residency is not None
+        target = self.target_residency(batch.config)
+        switch = self.residency.switch(target)
+        if control is not None:
+            self._run_residency[control.run_id] = target
         config = with_residency(batch.config, self.residency.current)
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
-        self.last_layout_report = None
-        result = self.engine.execute(batch, observer)
-        rep = self.last_layout_report
+        self._local.layout_report = None
+        result = self.engine.execute(batch, observer, control)
+        rep = self._local.layout_report
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
                                          "host_weight_bytes": self.residency.host_bytes(),
                                          "layout_status": self.layout_status,
