@@ -13,22 +13,35 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from xema_ray.plan import PlanTable
 from xema_ray.runtime.layouts import layouts_dir
-from xema_ray.serving.config import ServeConfig
+from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
 from deployments.planning import load_or_plan
-from xema_ray.serving.startup import served_templates
+from xema_ray.serving.dispatcher import PreemptionPolicy
+from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
 
 logger = logging.getLogger("xema_ray.serving")
+
+
+def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> str | None:
+    """The group's step-level preemption policy (JSON), or None where the YAML turns it off."""
+    if g.max_preemptions == 0:
+        return None
+    r = table.residency.get(g.model)
+    switch = r.switch_s if r is not None and r.policy == "per_template" else {}
+    policy = PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
+                              max_preemptions=g.max_preemptions, switch_s=switch)
+    return policy.model_dump_json()
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
     cfg = ServeConfig.model_validate(args)
     templates = served_templates(cfg)
-    table = load_or_plan(cfg, templates)
+    table, spare_host = load_or_plan(cfg, templates)
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t).model_dump_json() for t in templates if t.model == g.model}
@@ -52,6 +65,7 @@ def build_app(args: dict[str, Any]) -> Application:
             wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
+            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg)),
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()

@@ -26,8 +26,9 @@ def machine_fingerprint(cfg: ServeConfig, gpus: int) -> str:
     return LatencyModel(hardware).fingerprint(gpus)
 
 
-def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
-    """The plan table covering ``templates``: loaded and checked, or planned now."""
+def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[PlanTable, int]:
+    """The plan table covering ``templates`` (loaded and checked, or planned now) and the host
+    memory the node has beyond its residencies (``check_runnable``)."""
     if cfg.plan_table is not None:
         table = PlanTable.load(str(cfg.plan_table))
         table.check_hardware(machine_fingerprint(cfg, table.gpus), force=cfg.force_plan_table)
@@ -36,12 +37,12 @@ def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTabl
             raise ValueError(f"plan table {cfg.plan_table} has no plan for {', '.join(missing)}")
     else:
         table = plan_now(cfg, templates)
-    check_runnable(table, cfg, templates)
-    return table
+    return table, check_runnable(table, cfg, templates)
 
 
 def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     from planner.latency import LatencyModel
+    from planner.pause_state import with_pause_bytes
     from planner.stages import plan_template
     from planner.trace_model import TracePlannerModel
     from planner.traces import TraceCache
@@ -62,7 +63,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
         if plan.entry is None:
             infeasible.append(t.shape_key)
         else:
-            entries[t.shape_key] = plan.entry
+            entries[t.shape_key] = with_pause_bytes(plan.entry, cache)
             logger.info("planned %s: %s", t.shape_key, plan.entry.config.describe())
     if infeasible:
         raise ValueError(

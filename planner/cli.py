@@ -31,6 +31,7 @@ from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, combine, hardware_names
 from planner.measure import DeviceLatency, task_device
 from planner.residency import choose_group_residency
+from planner.pause_state import with_pause_bytes
 from planner.text_encoder import place_text_encoder
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
@@ -103,7 +104,7 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
                                                 time_limit_s=opts.get("time_limit_s"))
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
     if entry is not None:
-        entry = with_latency_source(entry, timer)
+        entry = with_pause_bytes(with_latency_source(entry, timer), cache)
     if isinstance(timer, DeviceLatency):
         result["measured"], result["estimated"] = len(timer.measured), len(timer.estimated)
     else:  # the cost model; on a CPU, calibrated by one measured request (itself measured)

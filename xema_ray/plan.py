@@ -195,6 +195,10 @@ class PlanPrediction(BaseModel):
         "measured+estimated: some of each (e.g. the cost model calibrated by measurements)")
     latency_by_batch: dict[int, float] = Field(
         default_factory=dict, description="predicted latency of a partial batch of n requests (n < batch)")
+    pause_bytes: int | None = Field(
+        default=None, ge=0,
+        description="device bytes a batch holds between denoising steps besides weights (latents, prompt "
+                    "embeddings, scheduler state): what it keeps while paused; None: not known (never preempted)")
 
     @field_validator("latency_by_batch")
     @classmethod

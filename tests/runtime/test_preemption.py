@@ -129,3 +129,12 @@ def _sp2(rank: int, world: int, url: str, model: str, offload: bool) -> list[byt
 def test_sp2_ranks_pause_at_the_same_step_and_resume_bitwise(model: str) -> None:
     results = run_worker_set(_sp2, 2, model, model == "tiny-flux2")
     assert all(x == b"\x01" for r in results for x in r)
+
+
+def test_a_pause_that_overtakes_its_batch_parks_it_at_the_first_boundary() -> None:
+    """Calls to a threaded actor are not ordered: a pause may reach the worker before the batch."""
+    w = _worker("tiny-flux2")
+    assert w.pause("early", offload=True) is True
+    out = w.execute(_batch(LONG["tiny-flux2"], 2), run_id="early")
+    assert isinstance(out, PausedRun) and out.step == 1 and out.offloaded
+    assert not isinstance(w.resume("early"), PausedRun)

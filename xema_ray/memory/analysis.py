@@ -308,6 +308,30 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
     )
 
 
+def between_step_bytes(trace: MemoryTrace) -> int:
+    """Bytes live at a denoising step boundary besides weights: what a batch paused there holds
+    (latents, prompt and rotary embeddings, the step's guidance output, scheduler state). The
+    largest over the steady steps' boundaries (a scheduler-step entry: the next step's first
+    event); 0 when the trace has fewer than two steps."""
+    starts = []
+    for i, name in enumerate(trace.phases):
+        if name.startswith("denoise.step") and name != "denoise.step0":
+            sel = trace.begin[trace.phase == i]
+            if len(sel):
+                starts.append(int(sel.min()))
+    if not starts or trace.n_events == 0:
+        return 0
+    curve = trace.active_curve()
+    is_w = trace.category == Category.WEIGHT
+    deltas = np.zeros(trace.n_events + 1, dtype=np.int64)
+    np.add.at(deltas, trace.begin[is_w], trace.size[is_w])
+    np.add.at(deltas, trace.end[is_w], -trace.size[is_w])
+    weights = np.cumsum(deltas[:-1])
+    at = np.asarray(starts) - 1  # just before the boundary's first event
+    at = at[at >= 0]
+    return int((curve[at] - weights[at]).max()) if len(at) else 0
+
+
 # ---------------------------------------------------------------------------- units
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

@@ -85,16 +85,18 @@ def _weight_storages(pipe: Any) -> set[int]:
     return ptrs
 
 
-def state_tensors(pipe: Any, frame_locals: dict[str, Any], scheduler: Any, extra: dict[str, Any]) -> list[torch.Tensor]:
-    """Every non-weight tensor a paused pipeline call holds: its frame's locals, its scheduler's
-    attributes, the callback's tensors and the pipeline's own non-module attributes."""
+def state_tensors(pipe: Any, frame_locals: dict[str, Any], scheduler: Any, extra: dict[str, Any],
+                  device: torch.device | None = None) -> list[torch.Tensor]:
+    """Every non-weight tensor a paused pipeline call holds on ``device`` (None: on any device
+    but meta): its frame's locals, its scheduler's attributes, the callback's tensors and the
+    pipeline's own non-module attributes."""
     found: dict[int, torch.Tensor] = {}
     for source in (frame_locals, vars(scheduler) if scheduler is not None else {}, extra,
                    {k: v for k, v in vars(pipe).items() if not isinstance(v, nn.Module)}):
         _tensors_in(source, found)
     weights = _weight_storages(pipe)
-    return [t for t in found.values() if t.device.type != "meta" and t.untyped_storage().nbytes() > 0
-            and t.untyped_storage().data_ptr() not in weights]
+    return [t for t in found.values() if t.device.type != "meta" and (device is None or t.device == device)
+            and t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() not in weights]
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -142,6 +144,7 @@ class PauseControl:
     """
 
     run_id: str
+    device: torch.device | None = None  # where the state that counts lives (the worker's device)
     _want: threading.Event = field(default_factory=threading.Event)
     _offload: bool = False
     _resume: threading.Event = field(default_factory=threading.Event)
@@ -175,7 +178,7 @@ class PauseControl:
         detach()
         scheduler = pipe.scheduler
         own_attrs = {k: v for k, v in vars(pipe).items() if not isinstance(v, nn.Module)}
-        held = state_tensors(pipe, frame_locals, scheduler, tensors)
+        held = state_tensors(pipe, frame_locals, scheduler, tensors, self.device)
         nbytes = storage_bytes(held)
         moved = move_to_host(held, pin=True) if offload else []
         # other batches get a scheduler of their own; the paused call keeps this one (and its state)
@@ -202,8 +205,8 @@ class PreemptibleRun:
     its result, raise its error, or return the ``PausedRun`` when it parks.
     """
 
-    def __init__(self, run_id: str, body: Callable[[PauseControl], Any]) -> None:
-        self.control = PauseControl(run_id)
+    def __init__(self, run_id: str, body: Callable[[PauseControl], Any], device: torch.device | None = None) -> None:
+        self.control = PauseControl(run_id, device)
         self._result: Any = None
         self._error: BaseException | None = None
         self.done = False

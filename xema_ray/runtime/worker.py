@@ -15,6 +15,7 @@ worker that is busy in ``execute``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -116,6 +117,8 @@ class Worker:
         self._runs: dict[str, PreemptibleRun] = {}  # preemptible batches, running or paused
         self._run_residency: dict[str, Residency] = {}
         self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
+        self._early: dict[str, bool] = {}  # pauses asked for runs that have not started yet
+        self._ended: collections.deque[str] = collections.deque(maxlen=1024)  # recent finished run ids
         if static_allocator and self.platform.name == "cuda":
             # before anything touches CUDA: the pluggable allocator is process-wide and must be
             # installed before the caching allocator initialises (ARCHITECTURE.md)
@@ -230,7 +233,9 @@ class Worker:
             return self._execute(batch, observer, None)
         if run_id in self._runs:
             raise ValueError(f"run {run_id!r} is already running or paused on this worker")
-        run = PreemptibleRun(run_id, lambda control: self._execute(batch, observer, control))
+        run = PreemptibleRun(run_id, lambda control: self._execute(batch, observer, control), self.device)
+        if run_id in self._early:  # the pause overtook the batch (a threaded actor keeps no call order)
+            run.control.request(self._early.pop(run_id))
         self._runs[run_id] = run  # before it starts: the batch may be asked to pause at once
         return self._settle(run_id, run.start)
 
@@ -238,7 +243,12 @@ class Worker:
         """Ask a preemptible batch to park at its next step boundary, its between-step state on the
         device (or on the host: ``offload``). False: no such run here (it already finished)."""
         run = self._runs.get(run_id)
-        if run is None or run.done:
+        if run is None:
+            if run_id not in self._ended:
+                self._early[run_id] = offload  # not started yet: it pauses at its first boundary
+                return True
+            return False
+        if run.done:
             return False
         run.control.request(offload)
         return True
@@ -271,6 +281,8 @@ class Worker:
                                       "residency_bytes_moved": out.residency_bytes_moved + moved})
 
     def _forget(self, run_id: str) -> int:
+        self._ended.append(run_id)
+        self._early.pop(run_id, None)
         self._runs.pop(run_id, None)
         self._run_residency.pop(run_id, None)
         return self._run_moved.pop(run_id, 0)

@@ -40,6 +40,10 @@ class ModelGroupConfig(BaseModel):
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
                     "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
                     "None = what the plan table chose for the group (per_template if it chose nothing)")
+    max_preemptions: int = Field(
+        default=2, ge=0, le=16,
+        description="step-level preemption: most times one request is paused for a more urgent batch "
+                    "of another template (0: never preempt in this group)")
     bundle_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")

@@ -9,16 +9,35 @@ such groups run at once.
 
 The live ModelGroup deployment drives it with wall-clock time and the cluster simulator
 (``xema_ray.sim``) with virtual time: the same code decides in both.
+
+Step-level preemption (with a ``PreemptionPolicy``): a waiting batch whose head request would
+miss its deadline by waiting for a free group, but meets it if it starts now, may take the
+workers of running batches that are paused at their next denoising-step boundary — when each of
+them still meets its own deadline after the delay (or has lost it already), none of its requests
+has been preempted ``max_preemptions`` times, and memory allows it: on every worker the incoming
+batch's planned peak plus the paused state (kept on the device) is within the budget, else the
+paused state moves to host memory where the host has room, else there is no preemption. A paused
+batch resumes first, as soon as its workers are free; its workers take no other batch meanwhile
+except through this same rule. Every decision is logged (``decisions``), so the live group and
+the simulator can be compared.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from xema_ray.plan import PlanEntry
 
 P = TypeVar("P")  # what a request carries (the HTTP payload live, nothing in simulation)
+
+MAX_DECISIONS_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -29,6 +48,52 @@ class DispatchPlan:
     sp: int
     slo_s: float
     latency_s: float  # predicted batch latency, for the simulator and for Retry-After hints
+    steps: int = 1  # denoising steps: a pause waits for the next step boundary
+    peak_bytes: int | None = None  # planned device peak per worker (weights included)
+    pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
+
+    @classmethod
+    def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
+        """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's)."""
+        c, p = entry.config, entry.prediction
+        return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
+                   steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes)
+
+
+class PreemptionPolicy(BaseModel):
+    """When running batches may be paused for a waiting one (see the module docstring); it
+    travels from the app to each model group as JSON."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_bytes: int = Field(ge=1, description="device memory per worker")
+    host_bytes: int | None = Field(default=None, ge=0,
+                                   description="host memory per worker a paused state may move to (None: unbounded)")
+    max_preemptions: int = Field(default=2, ge=1, description="most times one request is paused")
+    switch_s: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="residency switch seconds, switch_s[from][to] (the plan table's)")
+    host_bandwidth: float = Field(default=20e9, gt=0, description="bytes/s of a paused state's move to the host and back")
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A running batch to pause at its next step boundary, its state kept or moved to the host."""
+
+    batch_id: int
+    offload: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One preemption decision, for logs and the live-versus-simulated comparison."""
+
+    t: float
+    kind: Literal["preempt", "resume"]
+    batch_id: int
+    template: str
+    requests: tuple[str, ...]
+    by: tuple[str, ...] = ()  # the preempting batch's requests
+    offload: bool = False
 
 
 @dataclass(order=True)
@@ -50,6 +115,21 @@ class Assignment(Generic[P]):
     workers: tuple[int, ...]
     requests: tuple[Pending[P], ...]
     plan: DispatchPlan
+    preempts: tuple[Preemption, ...] = ()  # batches that pause so this one runs on their workers
+    resume: bool = False  # a paused batch continuing on its own workers
+
+
+@dataclass
+class _Progress:
+    """How long a batch has run (for its remaining time) and where it holds paused state."""
+
+    ran_s: float = 0.0
+    since: float | None = None  # running since (None: paused)
+    offloaded: bool = False
+
+    def remaining(self, latency_s: float, now: float) -> float:
+        ran = self.ran_s + (now - self.since if self.since is not None else 0.0)
+        return max(0.0, latency_s - ran)
 
 
 class Dispatcher(Generic[P]):
@@ -70,7 +150,7 @@ class Dispatcher(Generic[P]):
     """
 
     def __init__(self, plans: dict[str, DispatchPlan], workers: int, wait_window_s: float = 0.05,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256, preemption: PreemptionPolicy | None = None) -> None:
         if workers < 1:
             raise ValueError(f"a model group needs at least one worker, got {workers}")
         for key, p in plans.items():
@@ -87,6 +167,14 @@ class Dispatcher(Generic[P]):
         self._running: dict[int, Assignment[P]] = {}
         self._seq = itertools.count()
         self._batch_ids = itertools.count()
+        self.preemption = preemption
+        self._progress: dict[int, _Progress] = {}
+        self._paused: dict[int, Assignment[P]] = {}
+        self._held: dict[int, int] = {}  # worker -> paused batch whose state it holds
+        self._times_preempted: dict[str, int] = {}  # request id -> pauses so far
+        #: the latest decisions (bounded: a server runs for months), and how many there were
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS_KEPT)
+        self.preemptions_total = 0
 
     # ------------------------------------------------------------------ queue
     def submit(self, template: str, request_id: str, now: float, payload: P | None = None) -> None:
@@ -123,7 +211,7 @@ class Dispatcher(Generic[P]):
     def _free_group(self, sp: int) -> tuple[int, ...] | None:
         for start in range(0, self.workers - sp + 1, sp):
             group = tuple(range(start, start + sp))
-            if not any(w in self._busy for w in group):
+            if not any(w in self._busy or w in self._held for w in group):
                 return group
         return None
 
@@ -136,30 +224,163 @@ class Dispatcher(Generic[P]):
         return len(q) >= plan.batch or now - oldest >= self.wait_window_s
 
     def dispatch(self, now: float) -> list[Assignment[P]]:
-        """Batches to start now: templates by earliest head deadline, each on a free SP group."""
-        started: list[Assignment[P]] = []
+        """Batches to start now: paused ones whose workers are free first, then templates by
+        earliest head deadline, each on a free SP group, or by preempting (see the module docstring)."""
+        started: list[Assignment[P]] = self._resumable(now)
         order = sorted((q[0].deadline, t) for t, q in self._queues.items() if q)
         for _, template in order:
             while self._ready(template, now):
                 plan = self.plans[template]
                 group = self._free_group(plan.sp)
+                preempts: tuple[Preemption, ...] = ()
                 if group is None:
-                    break
+                    chosen = self._preemptible_group(template, now)
+                    if chosen is None:
+                        break
+                    group, preempts = chosen
                 q = self._queues[template]
                 reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
-                a = Assignment(next(self._batch_ids), template, group, reqs, plan)
+                a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts)
+                for p in preempts:
+                    self._pause(p, a, now)
                 for w in group:
                     self._busy[w] = a.batch_id
                 self._running[a.batch_id] = a
+                self._progress[a.batch_id] = _Progress(since=now)
                 started.append(a)
         return started
 
     def complete(self, batch_id: int) -> Assignment[P]:
-        """Free the batch's workers (success or failure) and return its assignment."""
-        a = self._running.pop(batch_id)
+        """Free the batch's workers (success or failure) and return its assignment. A batch the
+        dispatcher paused may finish instead (its last step was already running): it is done."""
+        self._progress.pop(batch_id, None)
+        if batch_id in self._paused:
+            a = self._paused.pop(batch_id)
+            owner = self._held
+        else:
+            a = self._running.pop(batch_id)
+            owner = self._busy
         for w in a.workers:
-            self._busy.pop(w, None)
+            if owner.get(w) == batch_id:
+                del owner[w]
+        for r in a.requests:
+            self._times_preempted.pop(r.request_id, None)
         return a
+
+    # ------------------------------------------------------------------ preemption
+    def _resumable(self, now: float) -> list[Assignment[P]]:
+        out = []
+        for bid, a in sorted(self._paused.items(), key=lambda kv: _deadline(kv[1])):
+            if any(w in self._busy for w in a.workers):
+                continue
+            del self._paused[bid]
+            for w in a.workers:
+                self._held.pop(w, None)
+                self._busy[w] = bid
+            self._running[bid] = a
+            self._progress[bid].since = now
+            self.decisions.append(Decision(now, "resume", bid, a.template, _ids(a)))
+            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True))
+        return out
+
+    def _pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
+        a = self._running.pop(p.batch_id)
+        prog = self._progress[p.batch_id]
+        prog.ran_s += now - (prog.since if prog.since is not None else now)
+        prog.since, prog.offloaded = None, p.offload
+        self._paused[p.batch_id] = a
+        for w in a.workers:
+            if self._busy.get(w) == p.batch_id:
+                del self._busy[w]
+            self._held[w] = p.batch_id
+        for r in a.requests:
+            self._times_preempted[r.request_id] = self._times_preempted.get(r.request_id, 0) + 1
+        self.decisions.append(Decision(now, "preempt", p.batch_id, a.template, _ids(a), _ids(by), p.offload))
+        self.preemptions_total += 1
+
+    def _expected_end(self, bid: int, now: float) -> float:
+        a = self._running.get(bid) or self._paused[bid]
+        prog = self._progress[bid]
+        return now + prog.remaining(a.plan.latency_s, now)
+
+    def _free_at(self, group: tuple[int, ...], now: float) -> float:
+        """When ``group`` would be free without preemption (running batches end, paused ones
+        resume after them and end)."""
+        t = now
+        for w in group:
+            if w in self._busy:
+                t = max(t, self._expected_end(self._busy[w], now))
+        for w in group:
+            if w in self._held:
+                held = self._held[w]
+                t = max(t, t + self._progress[held].remaining(self._paused[held].plan.latency_s, now))
+        return t
+
+    def _switch_s(self, a: str, b: str) -> float:
+        assert self.preemption is not None
+        return self.preemption.switch_s.get(a, {}).get(b, 0.0) if a != b else 0.0
+
+    def _preemptible_group(self, template: str, now: float) -> tuple[tuple[int, ...], tuple[Preemption, ...]] | None:
+        """A group for ``template``'s next batch by pausing running batches, or None."""
+        pol = self.preemption
+        plan = self.plans[template]
+        if pol is None or plan.peak_bytes is None:
+            return None
+        head = self._queues[template][0]
+        groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.workers - plan.sp + 1, plan.sp)]
+        if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
+            return None  # waiting costs it nothing
+        best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...]] | None = None
+        for g in groups:
+            if any(w in self._held for w in g):
+                continue  # a worker already holds a paused batch
+            victims = sorted({self._busy[w] for w in g if w in self._busy})
+            pauses = []
+            wait = 0.0
+            for bid in victims:
+                p = self._pause_for(bid, template, plan, head.deadline, now)
+                if p is None:
+                    break
+                pauses.append(p)
+                v = self._running[bid].plan
+                wait = max(wait, v.latency_s / max(1, v.steps) + self._switch_s(self._running[bid].template, template))
+            else:
+                if now + wait + plan.latency_s > head.deadline:
+                    continue  # preempting does not save it either
+                slack = min((_deadline(self._running[b]) for b in victims), default=float("inf"))
+                key = (len(victims), -slack)
+                if best is None or key < best[0]:
+                    best = (key, g, tuple(pauses))
+        return None if best is None else (best[1], best[2])
+
+    def _pause_for(self, bid: int, template: str, plan: DispatchPlan, deadline: float, now: float) -> Preemption | None:
+        """How running batch ``bid`` would pause for a batch of ``template``, or None if it may not."""
+        pol = self.preemption
+        assert pol is not None and plan.peak_bytes is not None
+        a = self._running[bid]
+        v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
+        if v.pause_bytes is None or a.template == template or _deadline(a) <= deadline:
+            return None  # unknown state size; same template (EDF already orders it); more urgent
+        if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
+            return None
+        if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes:
+            offload, moves = False, 0.0
+        elif pol.host_bytes is None or v.pause_bytes <= pol.host_bytes:
+            offload, moves = True, 2 * v.pause_bytes / pol.host_bandwidth
+        else:
+            return None  # neither the device nor the host has room for the paused state
+        delay = plan.latency_s + self._switch_s(a.template, template) + self._switch_s(template, a.template) + moves
+        end = self._expected_end(bid, now)
+        if end + delay > _deadline(a) and end <= _deadline(a):
+            return None  # it would meet its deadline, and the pause would make it miss
+        return Preemption(bid, offload)
+
+    def preempted_count(self, request_id: str) -> int:
+        return self._times_preempted.get(request_id, 0)
+
+    @property
+    def paused(self) -> list[Assignment[P]]:
+        return list(self._paused.values())
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time a waiting partial batch becomes ready (None: nothing is waiting)."""
@@ -169,3 +390,11 @@ class Dispatcher(Generic[P]):
     @property
     def running(self) -> list[Assignment[P]]:
         return list(self._running.values())
+
+
+def _deadline(a: Assignment[P]) -> float:
+    return min(r.deadline for r in a.requests)
+
+
+def _ids(a: Assignment[P]) -> tuple[str, ...]:
+    return tuple(r.request_id for r in a.requests)

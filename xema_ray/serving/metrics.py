@@ -57,6 +57,26 @@ class ServingMetrics:
                                                tag_keys=(*tags, "model"))
         self.fallback_allocs.set_default_tags({"model": model})
 
+        self.preemptions = metrics.Counter("xema_preemptions", "batches paused at a step boundary for another",
+                                           tag_keys=(*tags, "model"))
+        self.preemptions.set_default_tags({"model": model})
+        self.paused_bytes = metrics.Gauge("xema_paused_bytes", "between-step state paused batches hold now",
+                                          tag_keys=(*tags, "model"))
+        self.paused_bytes.set_default_tags({"model": model})
+        self.paused_seconds = metrics.Counter("xema_paused_seconds", "seconds batches spent paused",
+                                              tag_keys=(*tags, "model"))
+        self.paused_seconds.set_default_tags({"model": model})
+
+    def observe_pause(self, template: str, held_bytes: int) -> None:
+        t = {"template": template}
+        self.preemptions.inc(tags=t)
+        self.paused_bytes.set(float(held_bytes), tags=t)
+
+    def observe_resume(self, template: str, paused_s: float, held_bytes: int) -> None:
+        t = {"template": template}
+        self.paused_seconds.inc(paused_s, tags=t)
+        self.paused_bytes.set(float(held_bytes), tags=t)
+
     def observe_request(self, template: str, latency_s: float, met: bool) -> None:
         t = {"template": template}
         self.requests.inc(tags=t)

@@ -13,11 +13,19 @@ lives in the job store (``xema_ray.serving.jobs``): the group marks a job accept
 kept alive by a heartbeat lease), started, its progress after every step (through the workers'
 step observer) and its result. A job deleted while it runs stops counting at the next step; a
 batch whose members are all deleted stops there and frees its workers.
+
+Step-level preemption (``preemption``, the dispatcher's ``PreemptionPolicy``): when the
+dispatcher pauses a running batch for a more urgent one, the group asks the batch's workers to
+park it at the next step boundary (its state kept on the device or moved to the host, as the
+dispatcher decided), starts the urgent batch once they have, and resumes the paused one when the
+dispatcher says so. Workers run as threaded actors then, so a pause reaches a busy worker. A
+paused video job stays ``in_progress``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,14 +41,18 @@ from xema_ray.net import free_port
 from xema_ray.plan import PlanEntry
 from xema_ray.platforms.topology import pair_order
 from xema_ray.runtime.progress import BatchCancelled
-from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, PreemptionPolicy
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.metrics import ServingMetrics
+from xema_ray.serving.preemption import PreemptionState
 from xema_ray.serving.videos import result_name
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
 MAX_JOB_ATTEMPTS = 3
+#: concurrent calls a worker actor serves with preemption on (a running batch, a pause, a
+#: preempting batch, a resume)
+WORKER_CONCURRENCY = 4
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -114,12 +126,13 @@ class ModelGroup:
         worker_cpus: CPUs per worker actor.
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
+        preemption: the step-level preemption policy (JSON of ``PreemptionPolicy``); None: off.
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
                  max_queue: int = 64, residency: str = "per_template", jobs: str | None = None,
-                 layouts_dir: str | None = None) -> None:
+                 layouts_dir: str | None = None, preemption: str | None = None) -> None:
         self.model = model
         self.residency = residency
         self.layouts_dir = layouts_dir
@@ -133,11 +146,10 @@ class ModelGroup:
         self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
         # a CUDA worker installs the static allocator when its plans carry layouts to arm
         self._static = device == "cuda" and any(e.config.layout_ref for e in self.entries.values())
-        dispatch_plans = {
-            k: DispatchPlan(batch=e.config.batch, sp=e.config.sp, slo_s=e.prediction.slo_s, latency_s=e.prediction.latency_s)
-            for k, e in self.entries.items()
-        }
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue)
+        dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
+        self.policy = PreemptionPolicy.model_validate_json(preemption) if preemption else None
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.preempt = PreemptionState()
         self.metrics = ServingMetrics(model)
         self._layouts = sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})
         self._generation = 0
@@ -169,6 +181,8 @@ class ModelGroup:
         for i in range(self.n_workers):
             opts: dict[str, Any] = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.device == "cuda" else 0,
                                     "max_restarts": 0}
+            if self.policy is not None:
+                opts["max_concurrency"] = WORKER_CONCURRENCY
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
@@ -308,6 +322,11 @@ class ModelGroup:
         while True:
             now = time.monotonic()
             for a in self.dispatcher.dispatch(now):
+                if a.resume:
+                    self.preempt.resume(a.batch_id)  # its own _run continues it
+                    continue
+                for p in a.preempts:
+                    self._request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
@@ -343,9 +362,8 @@ class ModelGroup:
                 guidance_scale=guidance,
             )
             t0 = time.monotonic()
-            refs = [self._actors[w].execute.remote(batch, observer) for w in a.workers]
             try:
-                results = await asyncio.gather(*refs)
+                results = await self._run_sub_batch(a, batch, observer, f"{a.batch_id}.{len(outputs)}")
             except RayTaskError as e:
                 if isinstance(e, BatchCancelled) or isinstance(e.cause, BatchCancelled):
                     continue  # every member was deleted: the workers stopped at a step boundary
@@ -365,9 +383,64 @@ class ModelGroup:
                                            "workers": list(a.workers), "batch_seconds": seconds}
         return outputs
 
+    # ------------------------------------------------------------------ preemption
+    def _request_pause(self, batch_id: int, offload: bool) -> None:
+        """The dispatcher paused ``batch_id``: ask its workers to park it at the next step boundary."""
+        self.preempt.want(batch_id, offload)
+        run_id = self.preempt.current_run.get(batch_id)
+        if run_id is not None:
+            a = next(x for x in self.dispatcher.paused if x.batch_id == batch_id)
+            for w in a.workers:
+                self._actors[w].pause.remote(run_id, offload)
+
+    async def _run_sub_batch(self, a: Assignment[_Ticket], batch: Any, observer: Any, run_id: str) -> list[Any]:
+        """One sub-batch on the assignment's workers: preemptible where the group preempts (it
+        may park and resume any number of times before its results come back)."""
+        from xema_ray.runtime.preemption import PausedRun
+
+        bid = a.batch_id
+        if self.policy is None:
+            return list(await asyncio.gather(*[self._actors[w].execute.remote(batch, observer) for w in a.workers]))
+        await self._park_between_sub_batches(a)
+        self.preempt.current_run[bid] = run_id
+        try:
+            results = await asyncio.gather(*[self._actors[w].execute.remote(batch, observer, run_id) for w in a.workers])
+            while any(isinstance(r, PausedRun) for r in results):
+                paused = [r for r in results if isinstance(r, PausedRun)]
+                if len(paused) != len(results):
+                    raise RuntimeError(f"{self.model}: batch {bid}'s SP ranks disagree about a pause ({results})")
+                resumed = await self._parked(a, max(r.state_bytes for r in paused), paused[0].offloaded)
+                results = await asyncio.gather(*[self._actors[w].resume.remote(run_id) for w in resumed])
+            return list(results)
+        finally:
+            self.preempt.current_run.pop(bid, None)
+
+    async def _park_between_sub_batches(self, a: Assignment[_Ticket]) -> None:
+        """A pause that lands between two sub-batches holds nothing: wait there for the resume."""
+        if self.preempt.wanted(a.batch_id):
+            await self._parked(a, 0, False)
+
+    async def _parked(self, a: Assignment[_Ticket], state_bytes: int, offloaded: bool) -> tuple[int, ...]:
+        """Record that ``a`` parked, let the preempting batch start, wait for the dispatcher's
+        resume; returns the workers to resume on."""
+        t0 = time.monotonic()
+        self.preempt.parked(a.batch_id, a.template, state_bytes, offloaded)
+        self.metrics.observe_pause(a.template, self.preempt.held_bytes(a.template))
+        # what the workers hold is the plan's figure from now on if it is larger (dispatcher checks)
+        plan = self.dispatcher.plans[a.template]
+        if plan.pause_bytes is not None and state_bytes > plan.pause_bytes:
+            self.dispatcher.plans[a.template] = dataclasses.replace(plan, pause_bytes=state_bytes)
+        await self.preempt.wait_resume(a.batch_id)
+        paused_s = time.monotonic() - t0
+        self.preempt.resumed(a.batch_id, a.template, paused_s)
+        self.metrics.observe_resume(a.template, paused_s, self.preempt.held_bytes(a.template))
+        return a.workers
+
     async def _run(self, a: Assignment[_Ticket]) -> None:
         started = time.monotonic()
         try:
+            for p in a.preempts:  # the paused batches' workers must have parked before this starts
+                await self.preempt.wait_parked(p.batch_id)
             for attempt in (1, 2):
                 generation = self._generation
                 try:
@@ -399,6 +472,7 @@ class ModelGroup:
                     t.future.set_exception(e)  # type: ignore[union-attr]
             self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
         finally:
+            self.preempt.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             for r in a.requests:
                 self._job_ids.discard(r.request_id)
             self.dispatcher.complete(a.batch_id)
@@ -442,9 +516,15 @@ class ModelGroup:
             "queued": self.dispatcher.queue_depth(),
             "static_layouts": {"status": self.layout_status, "per_template": self.layout_stats},
             "running": len(self.dispatcher.running),
+            "paused": len(self.dispatcher.paused),
             "jobs": len(self._job_ids),
             "owner": self.owner,
         }
+
+    async def preemption_stats(self) -> dict[str, Any]:
+        """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
+        the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
+        return self.preempt.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
 
     async def kill_worker(self, index: int) -> None:
         """Fault injection for tests and drills: kill one worker actor."""

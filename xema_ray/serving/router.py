@@ -290,17 +290,32 @@ class Router:
         return self.table.model_dump(mode="json")
 
     @app.get("/v1/stats")
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, Any]:
         """Generation requests received (valid ones: malformed input is refused earlier), by every
-        Router replica since the application started (kept in the Stats deployment); this
-        replica's own count when Stats cannot be reached."""
+        Router replica since the application started (kept in the Stats deployment; this
+        replica's own count when Stats cannot be reached), and each model group's step-level
+        preemption: per template, batches paused, bytes the paused ones hold, seconds paused
+        (a group that does not answer within 2 s is left out)."""
+        received = self.received
         if self.stats is not None:
             try:
                 counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
-                return {"received": counts.get("received", 0)}
+                received = counts.get("received", 0)
             except Exception:
                 pass
-        return {"received": self.received}
+        return {"received": received, "preemption": await self._preemption_stats()}
+
+    async def _preemption_stats(self) -> dict[str, Any]:
+        async def one(model: str) -> tuple[str, Any]:
+            try:
+                return model, await asyncio.wait_for(self._group_call(model, "preemption_stats"), timeout=2.0)
+            except Exception:
+                return model, None
+        pairs = await asyncio.gather(*(one(m) for m in sorted(self.groups)))
+        return {m: v for m, v in pairs if v is not None}
+
+    async def _group_call(self, model: str, method: str) -> Any:
+        return await getattr(self.groups[model], method).remote()
 
     async def _stats_add(self, name: str) -> None:
         await self.stats.add.remote(name)

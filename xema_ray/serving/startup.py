@@ -27,10 +27,13 @@ class PlanNotRunnable(ValueError):
 
 
 def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate],
-                   host_memory_bytes: int | None = None) -> None:
+                   host_memory_bytes: int | None = None) -> int:
     """Refuse, before anything starts, a plan a model group cannot run: its SP degree must divide
     the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
     it; and the pinned host memory every worker's residency needs must fit the node.
+
+    Returns:
+        the host memory the node has left beyond those residencies (for paused batches' state).
 
     Raises:
         PlanNotRunnable: naming the template, the plan and the group size.
@@ -71,6 +74,13 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
                         f"the node has {total / 1e9:.1f} GB")
     if problems:
         raise PlanNotRunnable("plan table cannot run on this deployment:\n  " + "\n  ".join(problems))
+    return total - host_needed
+
+
+def paused_host_bytes(spare_host_bytes: int, cfg: ServeConfig) -> int:
+    """Host memory one worker may give to paused batches' state: half of what the residencies
+    leave on the node (the other half for the processes themselves), shared by every worker."""
+    return max(0, spare_host_bytes // 2) // max(1, sum(g.workers for g in cfg.models))
 
 
 def node_memory_bytes() -> int:

@@ -5,6 +5,12 @@ Requests arrive (Poisson, or a recorded trace), are queued and batched by the ve
 (profile store or cost model). A request meets its SLO when it finishes within
 ``slo_scale × base SLO`` of its arrival; a template with no plan (infeasible for that planner)
 fails every request, as an OOM would.
+
+With ``preemption`` the dispatcher may pause running batches for waiting ones (step-level
+preemption, ``xema_ray.serving.dispatcher``): a paused batch runs on to its next step boundary
+(``latency / steps`` granularity; after its last step it is not paused but finishes), the
+preempting batch starts then, and the paused one resumes when its workers are free, charged the
+residency switches and the move of its state to the host and back where it was offloaded.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, Field
 
 from xema_ray.plan import PlanTable
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.serving.dispatcher import Assignment, Decision, Dispatcher, DispatchPlan, PreemptionPolicy
 
 
 class Arrival(BaseModel):
@@ -45,6 +51,9 @@ class SimResult(BaseModel):
     attainment: float = Field(description="share of requests finishing within their SLO")
     goodput_rpm: float = Field(description="requests per minute finishing within their SLO")
     per_template: dict[str, TemplateStats]
+    preemptions: int = Field(default=0, description="batches paused for another (step-level preemption)")
+    decisions: list[Decision] = Field(default_factory=list, description="the preempt / resume decisions, in order "
+                                      "(the latest dispatcher.MAX_DECISIONS_KEPT per model)")
 
 
 def base_slos(table: PlanTable) -> dict[str, float]:
@@ -88,6 +97,9 @@ def simulate(
     batch_latency: Callable[[str, int], float] | None = None,
     overhead_s: float = 0.0,
     shared_cores: float | None = None,
+    preemption: bool = False,
+    max_preemptions: int = 2,
+    host_bytes: int | None = None,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
@@ -103,6 +115,9 @@ def simulate(
         shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
             are logical and share the cores: running batches then progress at
             ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
+        preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
+            table's budget and residency switch costs, ``max_preemptions`` per request,
+            ``host_bytes`` of host memory per worker for paused state, None: unbounded).
     """
     def predicted(template: str, n: int) -> float:
         p = table.entries[template].prediction
@@ -112,10 +127,17 @@ def simulate(
     slos = dict(slos or base_slos(table))
     by_model: dict[str, dict[str, DispatchPlan]] = {}
     for k, e in table.entries.items():
-        by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan(
-            batch=e.config.batch, sp=e.config.sp, slo_s=slos[k] * slo_scale, latency_s=e.prediction.latency_s)
+        by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan.of_entry(e, slo_s=slos[k] * slo_scale)
+
+    def policy(model: str) -> PreemptionPolicy | None:
+        if not preemption:
+            return None
+        r = table.residency.get(model)
+        return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes, max_preemptions=max_preemptions,
+                                switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {})
     disps: dict[str, Dispatcher[None]] = {
-        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9)
+        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9,
+                      preemption=policy(m))
         for m, p in by_model.items()
     }
     # per-template residency: a worker whose last batch was another template first moves the
@@ -134,6 +156,35 @@ def simulate(
             last_template[(model, w)] = template
         return cost
     model_of = {k: e.config.template.model for k, e in table.entries.items()}
+    total: dict[tuple[str, int], float] = {}  # a batch's work when it started (to find its step boundaries)
+    paused_left: dict[tuple[str, int], float] = {}
+
+    def start(m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
+        """Work (seconds at full speed) of a batch starting or resuming now."""
+        key = (m, a.batch_id)
+        if a.resume:
+            p = d.plans[a.template]
+            moves = 2 * (p.pause_bytes or 0) / d.preemption.host_bandwidth if offloaded.pop(key, False) and d.preemption else 0.0
+            return paused_left.pop(key) + switch_cost(m, a.template, a.workers) + moves
+        wait = 0.0
+        for pre in a.preempts:  # each runs on to its next step boundary, then parks
+            vkey = (m, pre.batch_id)
+            left, w = running[vkey]
+            steps = max(1, d.plans[_template_of(d, pre.batch_id)].steps)
+            step_s = total[vkey] / steps
+            ran = total[vkey] - left
+            boundary = (math.floor(ran / step_s + 1e-9) + 1) * step_s
+            if boundary >= total[vkey] - 1e-9:
+                wait = max(wait, left)  # already in its last step: it finishes instead
+                continue
+            wait = max(wait, boundary - ran)
+            del running[vkey]
+            paused_left[vkey] = total[vkey] - boundary
+            offloaded[vkey] = pre.offload
+        work = wait + batch_latency(a.template, len(a.requests)) + switch_cost(m, a.template, a.workers)
+        total[key] = work - wait
+        return work
+    offloaded: dict[tuple[str, int], bool] = {}
     stats: dict[str, TemplateStats] = {}
     pending = sorted(arrivals, key=lambda a: a.t)
     nxt = 0
@@ -157,6 +208,7 @@ def simulate(
             for key, (left, _) in list(running.items()):
                 if left <= 1e-9:
                     del running[key]
+                    total.pop(key, None)
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
@@ -176,8 +228,7 @@ def simulate(
             heapq.heappop(wakes)
         for m, d in disps.items():
             for a in d.dispatch(now):
-                work = batch_latency(a.template, len(a.requests)) + switch_cost(m, a.template, a.workers)
-                running[(m, a.batch_id)] = (work, len(a.workers))
+                running[(m, a.batch_id)] = (start(m, a, d), len(a.workers))
             w = d.next_wakeup(now)
             if w is not None and w > now and w not in wakes:
                 heapq.heappush(wakes, w)
@@ -187,4 +238,10 @@ def simulate(
     return SimResult(
         duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
         attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
+        preemptions=sum(d.preemptions_total for d in disps.values()),
+        decisions=[x for d in disps.values() for x in d.decisions],
     )
+
+
+def _template_of(d: Dispatcher[None], batch_id: int) -> str:
+    return next(a.template for a in (*d.running, *d.paused) if a.batch_id == batch_id)

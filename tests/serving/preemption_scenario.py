@@ -1,0 +1,122 @@
+"""The live preemption scenario on CPU (used by tests/serving/test_preemption_live.py and
+``make bench-preemption``): one tiny-cogvideox worker, long videos submitted first, a short one
+arriving while the first long one runs, through the Serve app's synchronous video endpoint.
+
+The plan table's latencies are measured here first (one run of each template in-process), so the
+dispatcher's predictions match this machine; pause bytes come from the planner's traces. The
+long template has 200 denoising steps so that its denoising loop (where a batch can pause) is
+about half of its time: the tiny CogVideoX's transformer is far cheaper than its VAE.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+from pydantic import BaseModel
+
+from tests.serving.serve_app import running_app
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.templates import RequestTemplate
+
+LONG = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, steps=200)
+SHORT = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
+
+
+class LiveRun(BaseModel):
+    latencies_s: dict[str, float]  # request (seed as a string) -> seconds, arrival to response
+    templates: dict[str, str]  # request -> template shape key
+    decisions: list[tuple[str, str, int]]  # (kind, paused template, requests of the preempting batch)
+    stats: dict[str, Any]
+
+
+def measure_latencies() -> dict[str, float]:
+    """Seconds of one batch of each template on this machine (after a warm-up)."""
+    from xema_ray.models import BuildOptions, get_model_spec
+    from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
+
+    spec = get_model_spec("tiny-cogvideox")
+    torch.set_num_threads(1)  # as a 0.5-CPU worker runs
+    engine = ExecutionEngine(spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32)
+    out = {}
+    for i, t in enumerate((SHORT, SHORT, LONG)):  # the first run warms up
+        batch = Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id="m", prompt="sea", seed=0),))
+        t0 = time.perf_counter()
+        engine.execute(batch)
+        if i:
+            out[t.shape_key] = time.perf_counter() - t0
+    return out
+
+
+def plan_table(latency: dict[str, float], hardware: str) -> PlanTable:
+    """Short: SLO 2× its latency + 0.5 s (it cannot wait for a long one); long: 10× its latency."""
+    from planner.pause_state import with_pause_bytes
+    from planner.traces import TraceCache
+
+    cache = TraceCache()
+    entries = {}
+    for t, slo in ((SHORT, 2 * latency[SHORT.shape_key] + 0.5), (LONG, 10 * latency[LONG.shape_key])):
+        lat = latency[t.shape_key]
+        e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
+            peak_bytes=50 * 2**20, latency_s=lat, goodput_rps=1 / lat, slo_s=slo, latency_source="measured"))
+        entries[t.shape_key] = with_pause_bytes(e, cache)
+    return PlanTable(hardware=hardware, gpus=1, budget_bytes=2**30, entries=entries)
+
+
+def arrivals(latency: dict[str, float]) -> list[Arrival]:
+    """Two long requests at once, the short one 0.5 s later: early in the first one's denoising
+    loop (on these tiny models the VAE decode is about half of a long request, and a batch can
+    only pause between denoising steps; the dispatcher spreads a batch's latency evenly over its
+    steps, so a short request arriving during the decode would be a decision live cannot take)."""
+    at = min(0.5, 0.2 * latency[LONG.shape_key])
+    return [Arrival(t=0.0, template=LONG.shape_key, request_id="1"), Arrival(t=0.05, template=LONG.shape_key, request_id="2"),
+            Arrival(t=at, template=SHORT.shape_key, request_id="3")]
+
+
+def serve_args(max_preemptions: int) -> dict[str, Any]:
+    return {"device": "cpu", "worker_cpus": 0.5, "force_plan_table": True,
+            "models": [{"model": "tiny-cogvideox", "workers": 1, "wait_window_s": 0.0, "max_preemptions": max_preemptions,
+                        "templates": [{"width": t.width, "height": t.height, "frames": t.frames, "steps": t.steps}
+                                      for t in (SHORT, LONG)]}]}
+
+
+def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
+    """Send ``trace`` to the app (each request at its time) and collect latencies and decisions."""
+    by_key = {t.shape_key: t for t in (SHORT, LONG)}
+    with running_app(serve_args(max_preemptions), table, plans_dir) as url:
+        body = {"model": "tiny-cogvideox", "prompt": "warm-up", "seed": 0}
+        for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
+            r = requests.post(f"{url}/v1/videos/sync", json={**body, "size": f"{t.width}x{t.height}", "num_frames": t.frames,
+                                                               "num_inference_steps": t.steps}, timeout=300)
+            r.raise_for_status()
+
+        def fire(a: Arrival, start: float) -> tuple[str, float]:
+            time.sleep(max(0.0, start + a.t - time.perf_counter()))
+            t = by_key[a.template]
+            t0 = time.perf_counter()
+            r = requests.post(f"{url}/v1/videos/sync", json={"model": "tiny-cogvideox", "prompt": f"request {a.request_id}",
+                                                            "seed": int(a.request_id), "size": f"{t.width}x{t.height}",
+                                                            "num_frames": t.frames, "num_inference_steps": t.steps},
+                              timeout=600)
+            r.raise_for_status()
+            return a.request_id, time.perf_counter() - t0
+
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(len(trace)) as pool:
+            done = list(pool.map(lambda a: fire(a, start), trace))
+        stats = requests.get(f"{url}/v1/stats", timeout=30).json()
+    group = stats["preemption"]["tiny-cogvideox"]
+    return LiveRun(latencies_s=dict(done), templates={a.request_id: a.template for a in trace},
+                   decisions=[(d["kind"], d["template"], len(d["by"])) for d in group["recent"]], stats=group)
+
+
+def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:
+    """The simulator's decisions on the same trace, in the live run's terms (request ids differ
+    between the two: the router names live requests)."""
+    res = simulate(table, trace, preemption=True)
+    return [(d.kind, d.template, len(d.by)) for d in res.decisions]

@@ -1,0 +1,38 @@
+"""Step-level preemption through the Serve app on CPU: a short tiny-cogvideox request arriving
+while a long one runs on the group's only worker preempts it (and the long one still returns the
+same video as unpreempted); the live group makes the simulator's decisions on the same arrivals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments.planning import machine_fingerprint
+from tests.serving import preemption_scenario as sc
+from xema_ray.serving.config import ServeConfig
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]:
+    latency = sc.measure_latencies()
+    cfg = ServeConfig.model_validate(sc.serve_args(2))
+    table = sc.plan_table(latency, machine_fingerprint(cfg, 1))
+    trace = sc.arrivals(latency)
+    live = sc.run_live(table, trace, Path(tmp_path_factory.mktemp("plans")), max_preemptions=2)
+    return table, trace, live
+
+
+def test_the_short_request_preempts_the_long_one(scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
+    table, trace, live = scenario
+    assert live.decisions[:2] == [("preempt", sc.LONG.shape_key, 1), ("resume", sc.LONG.shape_key, 0)]
+    st = live.stats["per_template"][sc.LONG.shape_key]
+    assert st["preemptions"] >= 1 and st["paused_s"] > 0 and st["paused_now"] == 0
+    # the short one did not wait for the long one to finish (as it does without preemption)
+    waited = sc.simulate(table, trace, preemption=False).per_template[sc.SHORT.shape_key].latencies_s[0]
+    assert live.latencies_s["3"] < 0.6 * waited
+
+
+def test_live_and_simulated_decisions_are_the_same(scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
+    table, trace, live = scenario
+    assert live.decisions == sc.simulated_decisions(table, trace)
