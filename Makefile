@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench gpu-check clean
+.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ bench: install
 	$(PY) bench/bench_residency.py --out bench/results/residency.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_serving.py --out bench/results/serving.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_jobs.py --loadtest-seconds 40 --out bench/results/jobs.json
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
+
+# Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
+bench-preemption: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
 gpu-check:

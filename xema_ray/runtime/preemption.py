@@ -117,7 +117,7 @@ def move_to_host(tensors: list[torch.Tensor], pin: bool) -> list[_Moved]:
         moved = by_storage.get(key)
         if moved is None:
             host = s.cpu() if t.device.type != "cpu" else s.clone()  # on a CPU box: a separate buffer
-            if pin and t.device.type == "cuda":
+            if pin and t.device.type != "cpu":
                 host = host.pin_memory()
             moved = by_storage[key] = _Moved(t.device, host, [])
         moved.views.append((t, t.storage_offset(), t.size(), t.stride()))

@@ -69,6 +69,9 @@ class PreemptionState:
         self._event(self._parked, bid).set()
 
     async def wait_parked(self, bid: int) -> None:
+        """Until ``bid`` parked (or ended: then no pause is pending for it any more)."""
+        if bid not in self._want:
+            return
         await self._event(self._parked, bid).wait()
 
     def resume(self, bid: int) -> None:

@@ -1,0 +1,159 @@
+"""Step-level preemption: SLO attainment with and without it, simulated on the reference box, and
+a short request's latency behind long ones, measured through the Serve app on this CPU.
+
+simulated: the CogVideoX-5B model group of ``plans/a6000x8.json`` (``make plan``: 2 A6000s, DP 2),
+short 720p×49 and long 1080p×65 / 1080p×81 requests, Poisson arrivals at the paper's CogVideoX
+rate (0.2 req/min) and at rates the group can carry (the cost model's latencies put its capacity
+near 0.011 req/min for this mix: at 0.2 it is ~18× overloaded), half of them short, cost-model latencies from the plan
+table, each entry's pause bytes from its trace (``planner.pause_state``), the same simulator and
+Dispatcher policy as ``xema simulate`` and the live group.
+
+live: one tiny-cogvideox worker on this CPU, two long requests (200 steps) and a short one
+0.5 s later (``tests/serving/preemption_scenario.py``), with ``max_preemptions`` 2 and 0 (off).
+
+Example:
+    PYTHONPATH=. python bench/bench_preemption.py --out bench/results/preemption.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from planner.pause_state import with_pause_bytes
+from planner.traces import TraceCache
+from xema_ray.plan import PlanTable
+from xema_ray.sim.simulate import poisson_arrivals, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = "cogvideox-5b/1280x720x49"
+LONGS = ("cogvideox-5b/1920x1088x65", "cogvideox-5b/1920x1088x81")
+PAPER_RATE = 0.2  # req/min, the paper's default CogVideoX-5B rate (§9.1)
+
+
+def cogvideox_table(path: Path) -> PlanTable:
+    table = PlanTable.load(str(path))
+    cache = TraceCache()
+    entries = {k: with_pause_bytes(table.entries[k], cache) for k in (SHORT, *LONGS)}
+    return table.model_copy(update={"entries": entries, "group_gpus": {"cogvideox-5b": table.group_gpus["cogvideox-5b"]},
+                                    "residency": {k: v for k, v in table.residency.items() if k == "cogvideox-5b"}})
+
+
+RATES = (0.002, 0.005, 0.01, PAPER_RATE)
+
+
+def simulated(table: PlanTable, requests: int, seeds: int) -> dict:
+    weights = {SHORT: 2.0, LONGS[0]: 1.0, LONGS[1]: 1.0}
+    mean_s = sum(w * table.entries[k].prediction.latency_s for k, w in weights.items()) / sum(weights.values())
+    workers = table.group_gpus["cogvideox-5b"]
+    out: dict = {"rates": {}, "capacity_req_per_min": workers / mean_s * 60}
+    for rate in RATES:
+        runs = {"with_preemption": [], "without_preemption": []}
+        hours = requests / (rate * 60)  # about ``requests`` arrivals per run at any rate
+        for seed in range(seeds):
+            arr = poisson_arrivals(rate, hours * 3600, weights, seed=seed)
+            for name, on in (("with_preemption", True), ("without_preemption", False)):
+                r = simulate(table, arr, preemption=on)
+                short = r.per_template.get(SHORT)
+                runs[name].append({"attainment": r.attainment, "sent": r.sent, "preemptions": r.preemptions,
+                                   "short_attainment": short.met / short.sent if short and short.sent else None})
+        out["rates"][str(rate)] = {
+            name: {"attainment": sum(x["attainment"] for x in v) / len(v),
+                   "short_attainment": sum(x["short_attainment"] or 0 for x in v) / len(v),
+                   "preemptions": sum(x["preemptions"] for x in v) / len(v), "requests": sum(x["sent"] for x in v) / len(v)}
+            for name, v in runs.items()}
+    at_paper = out["rates"][str(PAPER_RATE)]
+    out["with_preemption"], out["without_preemption"] = at_paper["with_preemption"], at_paper["without_preemption"]
+    out["setup"] = {"requests_per_run": requests, "seeds": seeds, "rate_req_per_min": PAPER_RATE, "mix": weights,
+                    "workers": table.group_gpus["cogvideox-5b"],
+                    "latency_s": {k: table.entries[k].prediction.latency_s for k in weights},
+                    "slo_s": {k: table.entries[k].prediction.slo_s for k in weights},
+                    "pause_bytes": {k: table.entries[k].prediction.pause_bytes for k in weights}}
+    return out
+
+
+def live() -> dict:
+    from deployments.planning import machine_fingerprint
+    from tests.serving import preemption_scenario as sc
+    from xema_ray.serving.config import ServeConfig
+
+    latency = sc.measure_latencies()
+    table = sc.plan_table(latency, machine_fingerprint(ServeConfig.model_validate(sc.serve_args(2)), 1))
+    trace = sc.arrivals(latency)
+    runs = {}
+    for name, bound in (("with", 2), ("without", 0)):
+        runs[name] = sc.run_live(table, trace, Path(tempfile.mkdtemp()), max_preemptions=bound)
+    short = next(a.request_id for a in trace if a.template == sc.SHORT.shape_key)
+    longs = [a.request_id for a in trace if a.template == sc.LONG.shape_key]
+    return {
+        "short_latency_with_s": runs["with"].latencies_s[short],
+        "short_latency_without_s": runs["without"].latencies_s[short],
+        "long_latency_with_s": [runs["with"].latencies_s[r] for r in longs],
+        "long_latency_without_s": [runs["without"].latencies_s[r] for r in longs],
+        "decisions_with": runs["with"].decisions,
+        "simulated_decisions": sc.simulated_decisions(table, trace),
+        "measured_batch_latency_s": latency, "short_slo_s": table.entries[sc.SHORT.shape_key].prediction.slo_s,
+        "arrivals": [a.model_dump() for a in trace], "stats_with": runs["with"].stats,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in result["simulated"]["rates"] if float(r) != PAPER_RATE]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for i, name in enumerate(("without_preemption", "with_preemption")):
+        vals = [result["simulated"]["rates"][r][name]["attainment"] * 100 for r in rates]
+        ax1.bar([j + 0.38 * i for j in range(len(rates))], vals, width=0.38, label=name.replace("_", " "))
+    ax1.set_xticks([j + 0.19 for j in range(len(rates))], [f"{r}/min" for r in rates])
+    ax1.set_ylabel("SLO attainment (%)")
+    ax1.set_title("CogVideoX-5B group, 2× A6000 (simulated)")
+    ax1.legend(fontsize=8)
+    lv = result["live"]
+    ax2.bar(["without", "with"], [lv["short_latency_without_s"], lv["short_latency_with_s"]], color=["C0", "C1"])
+    ax2.axhline(lv["short_slo_s"], color="k", ls="--", lw=1, label="short SLO")
+    ax2.set_ylabel("short request latency (s)")
+    ax2.set_title("tiny-cogvideox on CPU (live)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan-table", type=Path, default=ROOT / "plans/a6000x8.json")
+    ap.add_argument("--requests", type=int, default=300, help="arrivals per simulated run (about)")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--skip-live", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/preemption.json")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    result: dict = {"machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
+                    "date": time.strftime("%Y-%m-%d")}
+    result["simulated"] = simulated(cogvideox_table(args.plan_table), args.requests, args.seeds)
+    if not args.skip_live:
+        result["live"] = live()
+        plot(result, args.out.with_suffix(".png"))
+    result["seconds"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    sim = result["simulated"]
+    for rate, r in sim["rates"].items():
+        print(f"simulated (CogVideoX-5B, {sim['setup']['workers']} A6000s, {rate} req/min): attainment with preemption "
+              f"{r['with_preemption']['attainment']:.3f}, without {r['without_preemption']['attainment']:.3f}")
+    if "live" in result:
+        lv = result["live"]
+        print(f"live (tiny-cogvideox, CPU): short request latency with preemption {lv['short_latency_with_s']:.2f} s, "
+              f"without {lv['short_latency_without_s']:.2f} s")
+    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
