@@ -13,13 +13,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from deployments.planning import load_or_plan
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
+from xema_ray.serving.dispatcher import PreemptionPolicy
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
-from deployments.planning import load_or_plan
-from xema_ray.serving.dispatcher import PreemptionPolicy
 from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
 

@@ -60,7 +60,7 @@ class _Moved:
 
 
 def _tensors_in(obj: Any, out: dict[int, torch.Tensor], depth: int = 0) -> None:
-    if isinstance(obj, nn.Parameter) or isinstance(obj, nn.Module):
+    if isinstance(obj, nn.Parameter | nn.Module):
         return
     if isinstance(obj, torch.Tensor):
         out.setdefault(id(obj), obj)

@@ -25,7 +25,6 @@ paused video job stays ``in_progress``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -41,11 +40,16 @@ from xema_ray.net import free_port
 from xema_ray.plan import PlanEntry
 from xema_ray.platforms.topology import pair_order
 from xema_ray.runtime.progress import BatchCancelled
-from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.serving.dispatcher import (
+    Assignment,
+    Dispatcher,
+    DispatchPlan,
+    PreemptionPolicy,
+)
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.metrics import ServingMetrics
-from xema_ray.serving.preemption import PreemptionState
+from xema_ray.serving.preemption import PreemptingGroup, PreemptionState
 from xema_ray.serving.videos import result_name
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
@@ -112,7 +116,7 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
 
 
 
-class ModelGroup:
+class ModelGroup(PreemptingGroup):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -382,59 +386,6 @@ class ModelGroup:
                 outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
                                            "workers": list(a.workers), "batch_seconds": seconds}
         return outputs
-
-    # ------------------------------------------------------------------ preemption
-    def _request_pause(self, batch_id: int, offload: bool) -> None:
-        """The dispatcher paused ``batch_id``: ask its workers to park it at the next step boundary."""
-        self.preempt.want(batch_id, offload)
-        run_id = self.preempt.current_run.get(batch_id)
-        if run_id is not None:
-            a = next(x for x in self.dispatcher.paused if x.batch_id == batch_id)
-            for w in a.workers:
-                self._actors[w].pause.remote(run_id, offload)
-
-    async def _run_sub_batch(self, a: Assignment[_Ticket], batch: Any, observer: Any, run_id: str) -> list[Any]:
-        """One sub-batch on the assignment's workers: preemptible where the group preempts (it
-        may park and resume any number of times before its results come back)."""
-        from xema_ray.runtime.preemption import PausedRun
-
-        bid = a.batch_id
-        if self.policy is None:
-            return list(await asyncio.gather(*[self._actors[w].execute.remote(batch, observer) for w in a.workers]))
-        await self._park_between_sub_batches(a)
-        self.preempt.current_run[bid] = run_id
-        try:
-            results = await asyncio.gather(*[self._actors[w].execute.remote(batch, observer, run_id) for w in a.workers])
-            while any(isinstance(r, PausedRun) for r in results):
-                paused = [r for r in results if isinstance(r, PausedRun)]
-                if len(paused) != len(results):
-                    raise RuntimeError(f"{self.model}: batch {bid}'s SP ranks disagree about a pause ({results})")
-                resumed = await self._parked(a, max(r.state_bytes for r in paused), paused[0].offloaded)
-                results = await asyncio.gather(*[self._actors[w].resume.remote(run_id) for w in resumed])
-            return list(results)
-        finally:
-            self.preempt.current_run.pop(bid, None)
-
-    async def _park_between_sub_batches(self, a: Assignment[_Ticket]) -> None:
-        """A pause that lands between two sub-batches holds nothing: wait there for the resume."""
-        if self.preempt.wanted(a.batch_id):
-            await self._parked(a, 0, False)
-
-    async def _parked(self, a: Assignment[_Ticket], state_bytes: int, offloaded: bool) -> tuple[int, ...]:
-        """Record that ``a`` parked, let the preempting batch start, wait for the dispatcher's
-        resume; returns the workers to resume on."""
-        t0 = time.monotonic()
-        self.preempt.parked(a.batch_id, a.template, state_bytes, offloaded)
-        self.metrics.observe_pause(a.template, self.preempt.held_bytes(a.template))
-        # what the workers hold is the plan's figure from now on if it is larger (dispatcher checks)
-        plan = self.dispatcher.plans[a.template]
-        if plan.pause_bytes is not None and state_bytes > plan.pause_bytes:
-            self.dispatcher.plans[a.template] = dataclasses.replace(plan, pause_bytes=state_bytes)
-        await self.preempt.wait_resume(a.batch_id)
-        paused_s = time.monotonic() - t0
-        self.preempt.resumed(a.batch_id, a.template, paused_s)
-        self.metrics.observe_resume(a.template, paused_s, self.preempt.held_bytes(a.template))
-        return a.workers
 
     async def _run(self, a: Assignment[_Ticket]) -> None:
         started = time.monotonic()

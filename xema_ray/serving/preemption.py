@@ -5,10 +5,14 @@ the metrics report (the decisions themselves are the shared ``Dispatcher``'s).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from xema_ray.serving.dispatcher import Assignment, Dispatcher, PreemptionPolicy
 
 
 class TemplatePreemption(BaseModel):
@@ -103,3 +107,68 @@ class PreemptionState:
 
     def held_bytes(self, template: str) -> int:
         return sum(n for t, n in self._holding.values() if t == template)
+
+
+class PreemptingGroup:
+    """The ModelGroup's side of a preemption: ask the workers to park a batch the dispatcher
+    paused, start the preempting batch once they have, resume on the dispatcher's word. Mixed
+    into ``ModelGroup`` (which provides the attributes below)."""
+
+    _actors: list[Any]
+    dispatcher: Dispatcher[Any]
+    policy: PreemptionPolicy | None
+    preempt: PreemptionState
+    metrics: Any
+    model: str
+
+    def _request_pause(self, batch_id: int, offload: bool) -> None:
+        """The dispatcher paused ``batch_id``: ask its workers to park it at the next step boundary."""
+        self.preempt.want(batch_id, offload)
+        run_id = self.preempt.current_run.get(batch_id)
+        if run_id is not None:
+            a = next(x for x in self.dispatcher.paused if x.batch_id == batch_id)
+            for w in a.workers:
+                self._actors[w].pause.remote(run_id, offload)
+
+    async def _run_sub_batch(self, a: Assignment[Any], batch: Any, observer: Any, run_id: str) -> list[Any]:
+        """One sub-batch on the assignment's workers: preemptible where the group preempts (it
+        may park and resume any number of times before its results come back)."""
+        from xema_ray.runtime.preemption import PausedRun
+
+        bid = a.batch_id
+        if self.policy is None:
+            return list(await asyncio.gather(*[self._actors[w].execute.remote(batch, observer) for w in a.workers]))
+        await self._park_between_sub_batches(a)
+        self.preempt.current_run[bid] = run_id
+        try:
+            results = await asyncio.gather(*[self._actors[w].execute.remote(batch, observer, run_id) for w in a.workers])
+            while any(isinstance(r, PausedRun) for r in results):
+                paused = [r for r in results if isinstance(r, PausedRun)]
+                if len(paused) != len(results):
+                    raise RuntimeError(f"{self.model}: batch {bid}'s SP ranks disagree about a pause ({results})")
+                resumed = await self._parked(a, max(r.state_bytes for r in paused), paused[0].offloaded)
+                results = await asyncio.gather(*[self._actors[w].resume.remote(run_id) for w in resumed])
+            return list(results)
+        finally:
+            self.preempt.current_run.pop(bid, None)
+
+    async def _park_between_sub_batches(self, a: Assignment[Any]) -> None:
+        """A pause that lands between two sub-batches holds nothing: wait there for the resume."""
+        if self.preempt.wanted(a.batch_id):
+            await self._parked(a, 0, False)
+
+    async def _parked(self, a: Assignment[Any], state_bytes: int, offloaded: bool) -> tuple[int, ...]:
+        """Record that ``a`` parked, let the preempting batch start, wait for the dispatcher's
+        resume; returns the workers to resume on."""
+        t0 = time.monotonic()
+        self.preempt.parked(a.batch_id, a.template, state_bytes, offloaded)
+        self.metrics.observe_pause(a.template, self.preempt.held_bytes(a.template))
+        # what the workers hold is the plan's figure from now on if it is larger (dispatcher checks)
+        plan = self.dispatcher.plans[a.template]
+        if plan.pause_bytes is not None and state_bytes > plan.pause_bytes:
+            self.dispatcher.plans[a.template] = dataclasses.replace(plan, pause_bytes=state_bytes)
+        await self.preempt.wait_resume(a.batch_id)
+        paused_s = time.monotonic() - t0
+        self.preempt.resumed(a.batch_id, a.template, paused_s)
+        self.metrics.observe_resume(a.template, paused_s, self.preempt.held_bytes(a.template))
+        return a.workers

@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, Field
 
 from xema_ray.plan import PlanTable
-from xema_ray.serving.dispatcher import Assignment, Decision, Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.serving.dispatcher import (
+    Assignment,
+    Decision,
+    Dispatcher,
+    DispatchPlan,
+    PreemptionPolicy,
+)
 
 
 class Arrival(BaseModel):
@@ -169,7 +175,7 @@ def simulate(
         wait = 0.0
         for pre in a.preempts:  # each runs on to its next step boundary, then parks
             vkey = (m, pre.batch_id)
-            left, w = running[vkey]
+            left, _ = running[vkey]
             steps = max(1, d.plans[_template_of(d, pre.batch_id)].steps)
             step_s = total[vkey] / steps
             ran = total[vkey] - left
