@@ -55,9 +55,11 @@ def _worker(model: str) -> Worker:
     return w
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["state-on-device", "state-on-host"])
-@pytest.mark.parametrize("model", sorted(LONG))
+@pytest.mark.parametrize(("model", "offload"), [("tiny-flux2", True), ("tiny-cogvideox", False), ("tiny-ltx2", True)],
+                         ids=["flux2-state-on-host", "cogvideox-state-on-device", "ltx2-state-on-host"])
 def test_pause_resume_is_bitwise_equal_to_an_uninterrupted_run(model: str, offload: bool) -> None:
+    """(The other placement of each model's state: flux2 on the device in the SP-2 test below,
+    cogvideox on the host in the two-pause test, ltx2 on the device in the SP-2 test.)"""
     w = _worker(model)
     long_b, short_b = _batch(LONG[model], 3), _batch(SHORT[model], 4)
     ref_long, ref_short = w.execute(long_b), w.execute(short_b)
@@ -105,30 +107,32 @@ def test_a_finished_run_cannot_be_paused_or_resumed() -> None:
         w.resume("done")
 
 
-def _sp2(rank: int, world: int, url: str, model: str, offload: bool) -> list[bytes]:
+def _sp2(rank: int, world: int, url: str) -> list[bytes]:
     w = Worker(platform="cpu")
     w.init_device(ParallelConfig(rank=rank, world_size=world, layouts=(SPLayout(ulysses=2, ring=1),), init_method=url))
-    w.load_model(ModelLoadConfig(model=model))
-    long_b = _batch(LONG[model], 8, ulysses=2)
-    short_b = _batch(SHORT[model], 9, ulysses=2)
-    ref_long, ref_short = w.execute(long_b), w.execute(short_b)
-    # only rank 0 is asked (as if the other rank's request were late): both ranks still pause at step 2
-    observer = PauseAt(w, "sp", 2, offload) if rank == 0 else None
-    paused = w.execute(long_b, observer, run_id="sp")
-    assert isinstance(paused, PausedRun) and paused.step == 2 and paused.offloaded is offload
-    between = w.execute(short_b)
-    done = w.resume("sp")
-    assert not isinstance(done, PausedRun)
-    outs = [done.outputs[0].data == ref_long.outputs[0].data if rank == 0 else True,
-            between.outputs[0].data == ref_short.outputs[0].data if rank == 0 else True]
+    outs = []
+    for model in sorted(LONG):  # one worker set for the three models: spawning is the slow part
+        w.load_model(ModelLoadConfig(model=model))
+        offload = model == "tiny-cogvideox"
+        long_b, short_b = _batch(LONG[model], 8, ulysses=2), _batch(SHORT[model], 9, ulysses=2)
+        ref_long, ref_short = w.execute(long_b), w.execute(short_b)
+        # only rank 0 is asked (as if the other rank's request were late): both ranks still pause at step 2
+        observer = PauseAt(w, f"sp-{model}", 2, offload) if rank == 0 else None
+        paused = w.execute(long_b, observer, run_id=f"sp-{model}")
+        assert isinstance(paused, PausedRun) and paused.step == 2 and paused.offloaded is offload, (model, paused)
+        between = w.execute(short_b)
+        done = w.resume(f"sp-{model}")
+        assert not isinstance(done, PausedRun)
+        outs += [done.outputs[0].data == ref_long.outputs[0].data if rank == 0 else True,
+                 between.outputs[0].data == ref_short.outputs[0].data if rank == 0 else True]
     w.shutdown()
     return [bytes([int(x)]) for x in outs]
 
 
-@pytest.mark.parametrize("model", sorted(LONG))
-def test_sp2_ranks_pause_at_the_same_step_and_resume_bitwise(model: str) -> None:
-    results = run_worker_set(_sp2, 2, model, model == "tiny-flux2")
-    assert all(x == b"\x01" for r in results for x in r)
+def test_sp2_ranks_pause_at_the_same_step_and_resume_bitwise() -> None:
+    """The three tiny models on one SP-2 worker set (cogvideox with its state moved to the host)."""
+    results = run_worker_set(_sp2, 2)
+    assert all(x == b"\x01" for r in results for x in r) and len(results[0]) == 6
 
 
 def test_a_pause_that_overtakes_its_batch_parks_it_at_the_first_boundary() -> None:

@@ -1,6 +1,8 @@
 """The live preemption scenario on CPU (used by tests/serving/test_preemption_live.py and
 ``make bench-preemption``): one tiny-cogvideox worker, long videos submitted first, a short one
-arriving while the first long one runs, through the Serve app's synchronous video endpoint.
+arriving while the first long one runs. The first long request is a video job (``POST
+/v1/videos``, polled until completed), the others go through the synchronous video endpoint;
+while they run, a sampler records the job's status next to the group's paused-batch count.
 
 The plan table's latencies are measured here first (one run of each template in-process), so the
 dispatcher's predictions match this machine; pause bytes come from the planner's traces. The
@@ -11,6 +13,7 @@ about half of its time: the tiny CogVideoX's transformer is far cheaper than its
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,11 +31,16 @@ LONG = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, 
 SHORT = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
 
 
+#: the request of ``arrivals`` sent as a video job
+JOB_REQUEST = "1"
+
+
 class LiveRun(BaseModel):
     latencies_s: dict[str, float]  # request (seed as a string) -> seconds, arrival to response
     templates: dict[str, str]  # request -> template shape key
     decisions: list[tuple[str, str, int]]  # (kind, paused template, requests of the preempting batch)
     stats: dict[str, Any]
+    job_samples: list[tuple[int, str]]  # (batches paused in the group, the job's status) over the run
 
 
 def measure_latencies() -> dict[str, float]:
@@ -78,8 +86,9 @@ def arrivals(latency: dict[str, float]) -> list[Arrival]:
             Arrival(t=at, template=SHORT.shape_key, request_id="3")]
 
 
-def serve_args(max_preemptions: int) -> dict[str, Any]:
+def serve_args(max_preemptions: int, jobs_dir: Path | None = None) -> dict[str, Any]:
     return {"device": "cpu", "worker_cpus": 0.5, "force_plan_table": True,
+            **({"jobs": {"backend": "sqlite", "path": str(jobs_dir)}} if jobs_dir is not None else {}),
             "models": [{"model": "tiny-cogvideox", "workers": 1, "wait_window_s": 0.0, "max_preemptions": max_preemptions,
                         "templates": [{"width": t.width, "height": t.height, "frames": t.frames, "steps": t.steps}
                                       for t in (SHORT, LONG)]}]}
@@ -88,31 +97,55 @@ def serve_args(max_preemptions: int) -> dict[str, Any]:
 def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
     """Send ``trace`` to the app (each request at its time) and collect latencies and decisions."""
     by_key = {t.shape_key: t for t in (SHORT, LONG)}
-    with running_app(serve_args(max_preemptions), table, plans_dir) as url:
+    with running_app(serve_args(max_preemptions, plans_dir / "jobs"), table, plans_dir) as url:
         body = {"model": "tiny-cogvideox", "prompt": "warm-up", "seed": 0}
         for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
             r = requests.post(f"{url}/v1/videos/sync", json={**body, "size": f"{t.width}x{t.height}", "num_frames": t.frames,
                                                                "num_inference_steps": t.steps}, timeout=300)
             r.raise_for_status()
+        job: dict[str, str] = {}
+        finished = threading.Event()
 
         def fire(a: Arrival, start: float) -> tuple[str, float]:
             time.sleep(max(0.0, start + a.t - time.perf_counter()))
             t = by_key[a.template]
+            params = {"model": "tiny-cogvideox", "prompt": f"request {a.request_id}", "seed": int(a.request_id),
+                      "size": f"{t.width}x{t.height}", "num_frames": t.frames, "num_inference_steps": t.steps}
             t0 = time.perf_counter()
-            r = requests.post(f"{url}/v1/videos/sync", json={"model": "tiny-cogvideox", "prompt": f"request {a.request_id}",
-                                                            "seed": int(a.request_id), "size": f"{t.width}x{t.height}",
-                                                            "num_frames": t.frames, "num_inference_steps": t.steps},
-                              timeout=600)
+            if a.request_id != JOB_REQUEST:
+                requests.post(f"{url}/v1/videos/sync", json=params, timeout=600).raise_for_status()
+                return a.request_id, time.perf_counter() - t0
+            r = requests.post(f"{url}/v1/videos", json=params, timeout=60)
             r.raise_for_status()
+            job["id"] = r.json()["id"]
+            while requests.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()["status"] not in ("completed", "failed"):
+                time.sleep(0.05)
             return a.request_id, time.perf_counter() - t0
 
+        samples: list[tuple[int, str]] = []
+
+        def sample() -> None:
+            while not finished.is_set():
+                if "id" in job:
+                    paused = requests.get(f"{url}/healthz", timeout=30).json()["groups"]["tiny-cogvideox"]["paused"]
+                    status = requests.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()["status"]
+                    samples.append((int(paused), status))
+                time.sleep(0.02)
+
         start = time.perf_counter()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         with cf.ThreadPoolExecutor(len(trace)) as pool:
             done = list(pool.map(lambda a: fire(a, start), trace))
+        finished.set()
+        sampler.join(timeout=30)
+        final = requests.get(f"{url}/v1/videos/{job['id']}", timeout=30).json()["status"]
+        samples.append((0, final))
         stats = requests.get(f"{url}/v1/stats", timeout=30).json()
     group = stats["preemption"]["tiny-cogvideox"]
     return LiveRun(latencies_s=dict(done), templates={a.request_id: a.template for a in trace},
-                   decisions=[(d["kind"], d["template"], len(d["by"])) for d in group["recent"]], stats=group)
+                   decisions=[(d["kind"], d["template"], len(d["by"])) for d in group["recent"]], stats=group,
+                   job_samples=samples)
 
 
 def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:

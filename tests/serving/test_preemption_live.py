@@ -1,6 +1,7 @@
 """Step-level preemption through the Serve app on CPU: a short tiny-cogvideox request arriving
-while a long one runs on the group's only worker preempts it (and the long one still returns the
-same video as unpreempted); the live group makes the simulator's decisions on the same arrivals."""
+while a long one runs on the group's only worker preempts it (outputs staying bitwise equal is
+tests/runtime/test_preemption.py's part); the live group makes the simulator's decisions on the same arrivals;
+a paused video job reports itself in progress."""
 
 from __future__ import annotations
 
@@ -36,3 +37,10 @@ def test_the_short_request_preempts_the_long_one(scenario: tuple[sc.PlanTable, l
 def test_live_and_simulated_decisions_are_the_same(scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
     table, trace, live = scenario
     assert live.decisions == sc.simulated_decisions(table, trace)
+
+
+def test_a_paused_video_job_is_in_progress(scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
+    _, _, live = scenario
+    while_paused = {status for paused, status in live.job_samples if paused}
+    assert while_paused == {"in_progress"}  # sampled while the job's batch was parked
+    assert live.job_samples[-1][1] == "completed"
