@@ -105,14 +105,18 @@ def main() -> int:
                        cwd=ROOT, env=env, check=True)
         table = PlanTable.model_validate(requests.get(f"{args.url}/v1/plans", timeout=30).json())
         table.save(str(args.out / "plans.json"))
+        # the app's groups preempt unless their YAML turns it off: simulate what it ran
+        groups = requests.get(f"{args.url}/v1/stats", timeout=30).json().get("preemption", {})
+        preemption = any(g.get("enabled") for g in groups.values())
     finally:
         stop_app(proc)
     live = json.loads((args.out / "summary.json").read_text())
     arrivals = [Arrival.model_validate(a) for a in json.loads((args.out / "arrivals.json").read_text())]
     # the app's "GPUs" are logical workers sharing this machine's cores: simulate that sharing
     cores = float(os.cpu_count() or 1) if "CPU" in table.hardware else None
-    sim = simulate(table, arrivals, slo_scale=args.slo_scale, overhead_s=overhead, shared_cores=cores)
-    comparison = {"live_attainment": live["attainment"], "simulated_attainment": sim.attainment,
+    sim = simulate(table, arrivals, slo_scale=args.slo_scale, overhead_s=overhead, shared_cores=cores, preemption=preemption)
+    comparison = {"live_attainment": live["attainment"], "simulated_attainment": sim.attainment, "preemption": preemption,
+                  "preemptions_simulated": sim.preemptions,
                   "front_end_overhead_s": overhead, "shared_cores": cores,
                   "per_template": {k: {"live": v["attainment"],
                                        "simulated": sim.per_template[k].met / max(1, sim.per_template[k].sent)}
