@@ -54,6 +54,14 @@ def test_memory_decides_device_or_host_or_no_preemption() -> None:
     assert _long_then_short(d) == [] and not d.decisions
 
 
+def test_a_batch_with_a_static_layout_moves_its_state_to_the_host() -> None:
+    armed = DispatchPlan(batch=1, sp=1, slo_s=1000, latency_s=100, steps=10, peak_bytes=40 * GB, pause_bytes=2 * GB,
+                         static_layout=True)
+    (a,) = _long_then_short(_dispatcher(long=armed))  # it would fit on the device, but not outside the arena
+    assert a.preempts[0].offload is True
+    assert _long_then_short(_dispatcher(long=armed, host=GB)) == []
+
+
 def test_a_victim_that_would_then_miss_its_own_deadline_is_not_paused() -> None:
     tight = DispatchPlan(batch=1, sp=1, slo_s=102, latency_s=100, steps=10, peak_bytes=40 * GB, pause_bytes=2 * GB)
     assert _long_then_short(_dispatcher(long=tight)) == []

@@ -324,6 +324,8 @@ class ExecutionEngine:
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
         armed = config.layout_ref is not None and self.arm_layout is not None
+        if control is not None:
+            control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
             env = [self._batch_env(config, group, arm=armed)]
             stack.callback(lambda: env[0].close())

@@ -145,6 +145,9 @@ class PauseControl:
 
     run_id: str
     device: torch.device | None = None  # where the state that counts lives (the worker's device)
+    #: the batch ran with its static layout armed: its state lies in the layout's arena, which the
+    #: next armed batch reuses, so a pause must move it to the host
+    must_offload: bool = False
     _want: threading.Event = field(default_factory=threading.Event)
     _offload: bool = False
     _resume: threading.Event = field(default_factory=threading.Event)
@@ -180,7 +183,7 @@ class PauseControl:
         own_attrs = {k: v for k, v in vars(pipe).items() if not isinstance(v, nn.Module)}
         held = state_tensors(pipe, frame_locals, scheduler, tensors, self.device)
         nbytes = storage_bytes(held)
-        moved = move_to_host(held, pin=True) if offload else []
+        moved = move_to_host(held, pin=True) if offload or self.must_offload else []
         # other batches get a scheduler of their own; the paused call keeps this one (and its state)
         pipe.scheduler = copy.deepcopy(scheduler)
         self.pauses += 1

@@ -16,7 +16,9 @@ workers of running batches that are paused at their next denoising-step boundary
 them still meets its own deadline after the delay (or has lost it already), none of its requests
 has been preempted ``max_preemptions`` times, and memory allows it: on every worker the incoming
 batch's planned peak plus the paused state (kept on the device) is within the budget, else the
-paused state moves to host memory where the host has room, else there is no preemption. A paused
+paused state moves to host memory where the host has room, else there is no preemption (a batch
+that ran with a static layout always moves its state: it lies in the layout's arena, which the
+next armed batch reuses). A paused
 batch resumes first, as soon as its workers are free; its workers take no other batch meanwhile
 except through this same rule. Every decision is logged (``decisions``), so the live group and
 the simulator can be compared.
@@ -51,13 +53,15 @@ class DispatchPlan:
     steps: int = 1  # denoising steps: a pause waits for the next step boundary
     peak_bytes: int | None = None  # planned device peak per worker (weights included)
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
+    static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
 
     @classmethod
     def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
         """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's)."""
         c, p = entry.config, entry.prediction
         return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
-                   steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes)
+                   steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
+                   static_layout=c.layout_ref is not None)
 
 
 class PreemptionPolicy(BaseModel):
@@ -363,7 +367,7 @@ class Dispatcher(Generic[P]):
             return None  # unknown state size; same template (EDF already orders it); more urgent
         if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
             return None
-        if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes:
+        if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:
             offload, moves = False, 0.0
         elif pol.host_bytes is None or v.pause_bytes <= pol.host_bytes:
             offload, moves = True, 2 * v.pause_bytes / pol.host_bandwidth
