@@ -99,8 +99,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     print(f"analysis time       {elapsed:.1f} s")
     result: dict[str, object] = {"summary": summary.model_dump(), "trace": trace.to_file().model_dump()}
     if args.layout:
-        from xema_ray.layout.caching_sim import simulate_caching_allocator
-        from xema_ray.layout.solver import solve_layout
+        from xema_ray.allocator.caching_sim import simulate_caching_allocator
+        from xema_ray.allocator.solver import solve_layout
 
         layout = solve_layout(trace)
         caching = simulate_caching_allocator(trace)
@@ -111,7 +111,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         result["layout"] = {"lower_bound_bytes": lb, "static_reserved_bytes": layout.reserved_bytes,
                             "caching_reserved_bytes": caching.reserved_peak_bytes, "solve_seconds": layout.solve_seconds}
         if args.plot:
-            from xema_ray.layout.plot import plot_address_time
+            from xema_ray.allocator.plot import plot_address_time
 
             fig7 = args.plot.with_name(args.plot.stem + ".layout" + args.plot.suffix)
             plot_address_time(trace, layout, caching, fig7)
