@@ -82,6 +82,7 @@ class LoadedModel(BaseModel):
     host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
     text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
+    layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
 
 
 class Worker:
@@ -169,7 +170,8 @@ class Worker:
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
-                           host_blocks=residency.host_blocks, text_encoder=placement)
+                           host_blocks=residency.host_blocks, text_encoder=placement,
+                           layout_status=self.layout_status)
 
     def _load_layouts(self, load: ModelLoadConfig) -> None:
         """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the

@@ -37,7 +37,8 @@ from xema_ray.serving.api import (
     set_limits,
 )
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
-from xema_ray.serving.health import GroupHealth
+from xema_ray.serving.health import PROBE_TIMEOUT_S, GroupHealth
+from xema_ray.serving.layout_stats import GroupLayoutStats, StatsResponse
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.model_group import GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
@@ -290,17 +291,33 @@ class Router:
         return self.table.model_dump(mode="json")
 
     @app.get("/v1/stats")
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> StatsResponse:
         """Generation requests received (valid ones: malformed input is refused earlier), by every
-        Router replica since the application started (kept in the Stats deployment); this
-        replica's own count when Stats cannot be reached."""
+        Router replica since the application started (kept in the Stats deployment; this
+        replica's own count when Stats cannot be reached), and each model group's static-allocator
+        counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
+        reason where nothing is armed, e.g. on CPU)."""
+        received = self.received
         if self.stats is not None:
             try:
                 counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
-                return {"received": counts.get("received", 0)}
+                received = counts.get("received", 0)
             except Exception:
                 pass
-        return {"received": self.received}
+        return StatsResponse(received=received, static_layouts=await self._layout_stats())
+
+    async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
+        async def ask(model: str) -> GroupLayoutStats:
+            try:
+                raw = await asyncio.wait_for(self._group_layout_stats(model), timeout=PROBE_TIMEOUT_S)
+                return GroupLayoutStats.model_validate(raw)
+            except Exception as e:  # a group being replaced must not fail the stats
+                return GroupLayoutStats(status=f"unavailable: {type(e).__name__}")
+        models = sorted(self.groups)
+        return dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
+
+    async def _group_layout_stats(self, model: str) -> dict[str, Any]:
+        return await self.groups[model].layout_stats.remote()
 
     async def _stats_add(self, name: str) -> None:
         await self.stats.add.remote(name)
