@@ -201,3 +201,19 @@ def test_events_from_a_torch_snapshot() -> None:
         ("alloc", 0, 1024, 0), ("alloc", 1024, 512, 7), ("free", 0, 1024, 0)]
     with pytest.raises(ValueError, match="not device 1"):
         events_from_snapshot(snap, device=1)
+
+
+def test_xema_analyze_includes_the_record_of_its_trace(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from xema_ray.cli import main
+
+    trace = trace_template(T, TraceOptions(text_encoder="device"))  # what `xema analyze` traces
+    events, _, _ = synthetic(trace)
+    entry = compare(trace, events, template=T.shape_key)
+    path = save_record(DeviceAllocRecord(gpu=H200).with_entry(entry), tmp_path / "device-allocs-h200.json")
+    argv = ["analyze", "--model", T.model, "--height", "32", "--width", "48", "--frames", "5", "--steps", "2"]
+    assert main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
+    assert main([*argv, "--device-allocs", str(path), "--json", str(tmp_path / "gpu.json")]) == 0
+    assert "NVIDIA H200: +2 GPU-only" in capsys.readouterr().out
+    plain = json.loads((tmp_path / "plain.json").read_text())["summary"]["peak_bytes"]
+    with_gpu = json.loads((tmp_path / "gpu.json").read_text())["summary"]["peak_bytes"]
+    assert with_gpu == as_trace(events).peak() > plain

@@ -279,7 +279,8 @@ def _peak(events: Iterable[tuple[bool, int]]) -> int:
     return peak
 
 
-def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_hash: str = "") -> EntryRecord:
+def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_hash: str = "",
+            rows: np.ndarray | None = None) -> EntryRecord:
     """Align a real stream with the meta trace of the same execution and keep what differs.
 
     Args:
@@ -287,9 +288,13 @@ def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_
         events: the GPU's events of that execution (``events_from_snapshot`` / ``_recording``).
         template: shape key, for people reading the record.
         config_hash: the plan entry's ``ExecutionConfig.config_hash``, likewise.
+        rows: boolean mask of the meta rows the stream covers (e.g. the activations, where the
+            recording started after the weights were placed); the others are left as they are.
     """
     order = np.argsort(meta.begin, kind="stable")
     order = order[meta.size[order] > 0]
+    if rows is not None:
+        order = order[np.asarray(rows, dtype=bool)[order]]
     meta_sizes = [int(s) for s in meta.size[order]]
     allocs = [e for e in events if e.kind == "alloc" and e.size > 0]
     gpu_sizes = [_rounded(e.size) for e in allocs]
@@ -389,6 +394,10 @@ def include(trace: MemoryTrace, entry: EntryRecord) -> tuple[MemoryTrace, np.nda
     xb_a, xe_a = np.asarray(xb, dtype=np.int64), np.asarray(xe, dtype=np.int64)
     xe_a = np.maximum(xe_a, xb_a + 1)
     sub = trace.subset(keep)
+    meta = {k: v for k, v in trace.meta.items() if k != "trace_hash"}  # the analyzer's hash is of the meta trace
+    meta["device_allocs"] = entry.trace_key
+    if meta.get("step_bounds"):  # event positions, renumbered like every event
+        meta["step_bounds"] = ",".join(str((int(b) + 1) * spread) for b in meta["step_bounds"].split(","))
     cat = lambda a, b, dt: np.concatenate([np.asarray(a, dtype=dt), np.asarray(b, dtype=dt)])  # noqa: E731
     out = MemoryTrace(
         size=cat(sub.size, xs, np.int64), nbytes=cat(sub.nbytes, xs, np.int64),
@@ -397,7 +406,7 @@ def include(trace: MemoryTrace, entry: EntryRecord) -> tuple[MemoryTrace, np.nda
         module=cat(sub.module, xm, np.int32), phase=cat(sub.phase, np.zeros(n_x), np.int32),
         op=cat(sub.op, np.full(n_x, -1), np.int32), free_module=cat(sub.free_module, np.full(n_x, -1), np.int32),
         n_events=n_events, modules=trace.modules, phases=trace.phases or ["request"], ops=trace.ops,
-        meta={**trace.meta, "device_allocs": entry.trace_key},
+        meta=meta,
     )
     planned = np.concatenate([planned_meta[keep], np.asarray(xp, dtype=bool)])
     return out, planned
