@@ -43,8 +43,10 @@ DEVICE_ALLOCS_VERSION = 1
 ROUND = 512  # the caching allocator's kMinBlockSize: sizes compare after this rounding, as in the trace
 #: how far the alignment looks ahead for the next matching allocation on either side
 LOOKAHEAD = 512
+#: how far a resynchronisation that skips allocations on both sides at once looks (per side)
+RESYNC = 64
 #: allocations after a resynchronisation point that must match too (avoids syncing on a lone equal size)
-CONFIRM = 3
+CONFIRM = 8
 
 
 class DeviceAllocMismatch(ValueError):
@@ -232,20 +234,38 @@ def _rounded(size: int) -> int:
 def _align(meta: list[int], gpu: list[int]) -> list[int]:
     """For each GPU allocation, the index of the meta allocation it is (same order and size), or -1.
 
-    Greedy with resynchronisation: on a mismatch, the smallest skip on either side (GPU-only
-    allocations, or meta-only ones) after which ``CONFIRM`` allocations match again wins.
+    Greedy with resynchronisation: on a mismatch, the cheapest skip on either side (GPU-only
+    allocations, or meta-only ones) after which the next ``CONFIRM`` meta allocations follow in the
+    GPU's stream wins (cost: the skip plus the GPU-only allocations passed over while confirming).
     """
     n_m, n_g = len(meta), len(gpu)
     match = [-1] * n_g
     i = j = 0
 
-    def confirmed(a: int, g: int) -> bool:
-        k = 1
-        while k < CONFIRM and a + k < n_m and g + k < n_g:
-            if meta[a + k] != gpu[g + k]:
-                return False
-            k += 1
-        return True
+    def skips(a: int, g: int) -> int | None:
+        # allocations passed over (GPU-only ones, which come in clusters: several copies around
+        # one attention call; or a meta-only one) before CONFIRM more meta allocations are found
+        # in the GPU's stream; None: not within the budget, this is no resynchronisation point
+        found, x, y, used = 0, a + 1, g + 1, 0
+        while found < CONFIRM and x < n_m and y < n_g:
+            if meta[x] == gpu[y]:
+                found, x, y = found + 1, x + 1, y + 1
+            elif used == 2 * CONFIRM:
+                return None
+            elif x + 1 < n_m and meta[x + 1] == gpu[y]:  # a meta-only allocation
+                x, used = x + 1, used + 1
+            else:  # a GPU-only allocation
+                y, used = y + 1, used + 1
+        return used
+
+    def both_sides(limit: int) -> tuple[int, int] | None:
+        # the first (di, dj), fewest skipped in total, after which both streams agree again
+        for total in range(2, limit + 1):
+            for di in range(1, total):
+                dj = total - di
+                if i + di < n_m and j + dj < n_g and meta[i + di] == gpu[j + dj] and skips(i + di, j + dj) == 0:
+                    return di, dj
+        return None
 
     while i < n_m and j < n_g:
         if meta[i] == gpu[j]:
@@ -253,21 +273,35 @@ def _align(meta: list[int], gpu: list[int]) -> list[int]:
             i += 1
             j += 1
             continue
-        skip: tuple[str, int] | None = None
+        # the cheapest resynchronisation: d allocations skipped on one side plus what the
+        # confirmation had to pass over; d only grows, so stop once d alone costs more
+        best: tuple[str, int] | None = None
+        best_cost = LOOKAHEAD
+        near = both_sides(4)  # e.g. one meta-only next to one GPU-only allocation: cost 2
+        if near is not None:
+            best, best_cost = ("both", near[0] * n_g + near[1]), near[0] + near[1]
         for d in range(1, LOOKAHEAD):
-            if j + d < n_g and gpu[j + d] == meta[i] and confirmed(i, j + d):
-                skip = ("gpu", d)
+            if d >= best_cost:
                 break
-            if i + d < n_m and meta[i + d] == gpu[j] and confirmed(i + d, j):
-                skip = ("meta", d)
-                break
-        if skip is None:  # both sides differ here: one GPU-only and one meta-only allocation
-            i += 1
-            j += 1
-        elif skip[0] == "gpu":
-            j += skip[1]
+            if j + d < n_g and gpu[j + d] == meta[i]:
+                c = skips(i, j + d)
+                if c is not None and d + c < best_cost:
+                    best, best_cost = ("gpu", d), d + c
+            if i + d < n_m and meta[i + d] == gpu[j]:
+                c = skips(i + d, j)
+                if c is not None and d + c < best_cost:
+                    best, best_cost = ("meta", d), d + c
+        if best is None:  # both sides differ for longer: skip some of each, the fewest in total
+            di, dj = both_sides(2 * RESYNC) or (1, 1)
+            i += di
+            j += dj
+        elif best[0] == "both":
+            i += best[1] // n_g
+            j += best[1] % n_g
+        elif best[0] == "gpu":
+            j += best[1]
         else:
-            i += skip[1]
+            i += best[1]
     return match
 
 
@@ -310,11 +344,13 @@ def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_
                 side.append(int(order[i]))
     absent = sorted(int(order[i]) for i in np.flatnonzero(~seen))
 
-    # walk the real stream with a clock in meta event time: the last matched event seen
+    # walk the real stream with a clock in meta event time: the last matched allocation seen. Frees
+    # do not move it: which allocations a block overlaps (what a layout must respect) and the live
+    # bytes at each allocation only depend on the allocations it outlives, and a free matched to a
+    # mis-aligned row of equal size would move the clock to that row's (other) end
     clock = -1
     alloc_idx = 0
     live_extra: dict[int, int] = {}  # addr -> index in extras
-    live_meta: dict[int, int] = {}  # addr -> meta row
     extras: list[dict[str, Any]] = []
     anchor_module = -1
     for e in events:
@@ -327,7 +363,6 @@ def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_
                 row = int(order[i])
                 clock = max(clock, int(meta.begin[row]))
                 anchor_module = int(meta.module[row])
-                live_meta[e.addr] = row
             else:
                 site = meta.modules[anchor_module] if 0 <= anchor_module < len(meta.modules) else ""
                 live_extra[e.addr] = len(extras)
@@ -335,10 +370,6 @@ def compare(meta: MemoryTrace, events: list[GpuEvent], *, template: str, config_
                                "primary": e.stream == primary, "site": site})
         elif e.addr in live_extra:
             extras[live_extra.pop(e.addr)]["free_after"] = clock
-        elif e.addr in live_meta:
-            row = live_meta.pop(e.addr)
-            if int(meta.end[row]) < meta.n_events:
-                clock = max(clock, int(meta.end[row]))
     gpu_peak = _peak((e.kind == "alloc", _rounded(e.size)) for e in events)
     return EntryRecord(template=template, config_hash=config_hash, trace_key=trace_key(meta),
                        meta_allocations=len(meta_sizes), gpu_allocations=len(allocs),
