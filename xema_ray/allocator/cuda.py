@@ -18,16 +18,16 @@ def pin_kernels() -> None:
     """The kernel choices a layout was solved and recorded under, the same in every process.
 
     ``cudnn.benchmark`` off: autotuning picks different algorithms (and workspaces) run to run and
-    raises under a pluggable allocator (ARCHITECTURE.md). SDPA pinned to flash and memory-efficient
-    attention, whose allocations the analyzer models (output like q, fp32 logsumexp for flash); the
-    cuDNN and math backends are turned off so no run picks them on some shapes.
+    raises under a pluggable allocator (ARCHITECTURE.md). SDPA: flash and memory-efficient attention,
+    whose allocations the analyzer models (output like q, fp32 logsumexp for flash), with cuDNN
+    attention off so no torch version ranks it first on some GPU; math stays on as the last resort
+    for shapes neither fused kernel takes (torch tries it only after them), so nothing fails.
     """
     import torch
 
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
-    torch.backends.cuda.enable_math_sdp(False)
     if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         torch.backends.cuda.enable_cudnn_sdp(False)
 

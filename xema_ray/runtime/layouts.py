@@ -7,7 +7,11 @@ verify`` does), with the analyzer's step markers, expands the traced steps to th
 (everything after the weights are placed) and solves their layout (Algorithm 1, C++). The file
 is ``<plan table>.layouts/<layout_id>.json``: versioned (``LAYOUT_FILE_VERSION``), hashed
 (``layout_id`` is the solved layout's content hash, checked again on load) and tagged with the
-GPU model it is for (flash attention's scratch and cuBLAS workspaces differ per GPU).
+GPU model it is for (flash attention's scratch and cuBLAS workspaces differ per GPU). Where the
+layouts folder holds a record of that GPU model's GPU-only allocations taken against the same
+stream (``device-allocs/<gpu>.json``, ``xema_ray.allocator.device_allocs``), they are included
+before solving; the artifact carries the entry it included (or why none) and the rows the runtime
+plan leaves out (allocations the GPU makes on another stream).
 
 ``xema_ray.allocator.replay.replay(layout, trace)`` feeds a request's allocation stream through the
 C++ runtime allocator's host arena with the layout armed: ``xema verify`` uses it to prove, on a
