@@ -28,8 +28,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.layout import SolverOptions, StaticLayout, simulate_caching_allocator, solve_layout
-from xema_ray.layout.synthetic import diffusion_like_trace, random_trace
+from xema_ray.allocator import SolverOptions, StaticLayout, simulate_caching_allocator, solve_layout
+from xema_ray.allocator.synthetic import diffusion_like_trace, random_trace
 from xema_ray.memory.trace import MemoryTrace
 
 BENCH_SCHEMA_VERSION = 1
@@ -162,7 +162,7 @@ def bench_one(name: str, source: str, make: Callable[[], MemoryTrace], repeat: i
     if ablation:
         row.ablation = {label: solve_layout(trace, opts).reserved_bytes for label, opts in ABLATION.items()}
     if plots is not None:
-        from xema_ray.layout.plot import plot_address_time
+        from xema_ray.allocator.plot import plot_address_time
 
         plots.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

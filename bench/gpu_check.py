@@ -2,6 +2,11 @@
 that write their measurements there through $XEMA_GPU_OUT). On a machine without CUDA it says so in
 the JSON and exits 0: nothing is faked, nothing runs.
 
+Among them, tests/gpu/test_allocator_gpu.py serves CogVideoX-5B 720×480×49 and Flux.2 1024² with the
+static layout armed and records the GPU-only allocations: `allocator_gpu_*.json` (its figures are
+summarised under "allocator" in gpu-check.json) and `device-allocs-*.json` (copy into
+`<table>.layouts/device-allocs/<gpu>.json` to plan with them).
+
 Example:
     python bench/gpu_check.py --out $OUT
 """
@@ -58,6 +63,14 @@ def main() -> int:
                           "seconds": float(case.get("time", 0))})
         summary["tests"] = cases
     summary["results"] = sorted(p.name for p in args.out.glob("*.json") if p.name != "gpu-check.json")
+    allocator = {}
+    for path in sorted(args.out.glob("allocator_gpu_*.json")):
+        r = json.loads(path.read_text())
+        allocator[r.get("template", path.stem)] = {k: r.get(k) for k in (
+            "static_over_request_active", "reserved_over_active", "caching_reserved_over_active", "step_ratio",
+            "outputs_equal", "analyzer", "device_allocs")} | {"fallbacks": r.get("static", {}).get("layout_misses")}
+    if allocator:
+        summary["allocator"] = allocator
     (args.out / "gpu-check.json").write_text(json.dumps(summary, indent=1))
     return rc
 

@@ -18,8 +18,13 @@ intervals keep their event positions across candidates (stage 3 compares them):
   above the phase's entry level is divided by k.
 - activation offload: at each event, the conv caches alive then (all but the one being read)
   leave the device.
-- static layout: reserved = weights + activations × the layout solver's overhead (≤ 1.02 on the
-  real traces, issue #3), plus the paper's 5 % dynamic region for workspaces and NCCL buffers (§6.2).
+- static layout: reserved = weights + activations × the layout solver's overhead × (1 + the dynamic
+  fraction), the runtime allocator's own arithmetic (``xema_ray.allocator.margins``): the weights
+  are placed at load outside the arena, the static region holds the request's allocations
+  (``LAYOUT_OVERHEAD`` × their lower bound before a layout is solved) and the dynamic region is
+  ``DYNAMIC_FRACTION`` of the static region (§6.2). Once ``xema plan --layouts`` has solved an
+  entry's layout, ``planner.layouts.attach_layout`` replaces the entry's predicted peak by the
+  solver's reserved bytes with the same margin (``margins.reserved_with_layout``).
 
 The planner confirms its chosen configuration by tracing it with the mitigations applied when the
 mitigation library is installed (``confirm``); the transform is the fast model used in the search.
@@ -34,6 +39,7 @@ from functools import cached_property
 
 import numpy as np
 
+from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
 from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group, unit_of
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.block_offload import BlockOffloadConfig
@@ -46,8 +52,6 @@ from planner.vae_bands import BandGroup
 #: (modules, chunks) -> band groups of a VAE chunking action (``planner.vae_bands.VaeLayout.groups``)
 VaeGroups = Callable[[tuple[str, ...], int], "list[BandGroup]"]
 
-LAYOUT_OVERHEAD = 1.02  # static reserved / lower bound on the analyzer's real traces (issue #3 target)
-DYNAMIC_MARGIN = 0.05  # §6.2: dynamic region = 5 % beyond the static reserved peak
 
 _BLOCK_RE = re.compile(r"^transformer\.(\w+)\.(\d+)(?:\.|$)")
 
@@ -257,7 +261,7 @@ class MemoryModel:
     """Reserved memory per GPU for candidate configurations of one template family."""
 
     def __init__(self, profile_for_batch, layout_overhead: float = LAYOUT_OVERHEAD,  # type: ignore[no-untyped-def]
-                 dynamic_margin: float = DYNAMIC_MARGIN, vae_groups: VaeGroups | None = None) -> None:
+                 dynamic_margin: float = DYNAMIC_FRACTION, vae_groups: VaeGroups | None = None) -> None:
         """``profile_for_batch(batch) -> TraceProfile`` supplies (cached) traces per batch size;
         ``vae_groups(modules, chunks)`` maps a VAE chunking action to its band groups (per-unit
         runs and chains with their effective band counts, ``planner.vae_bands``); without it
@@ -281,10 +285,11 @@ class MemoryModel:
         floor = float(prof.floor)
         for m in cfg.mitigations:
             floor -= self._apply(curve, base, prof, cfg, m)
-        # weights are laid out once and never freed, so the layout's overhead only touches
-        # activations (and the weights a mitigation holds for a while), not the resident floor
-        static = floor + (curve - floor) * self.layout_overhead
-        return static * (1.0 + self.dynamic_margin), prof
+        # weights are placed once at load, outside the arena, so the layout's overhead and the
+        # dynamic region (a fraction of the static region) only touch activations (and the weights
+        # a mitigation holds for a while), not the resident floor: margins.reserved_with_layout
+        arena = (curve - floor) * self.layout_overhead
+        return floor + arena * (1.0 + self.dynamic_margin), prof
 
     def _apply(self, curve: np.ndarray, base: np.ndarray, prof: TraceProfile, cfg: ExecutionConfig, m: Mitigation) -> int:
         """Apply one mitigation to ``curve`` in place; returns the bytes it takes off the resident floor."""

@@ -34,3 +34,13 @@ def test_estimates_left_the_mitigation_library() -> None:
     for name in ("estimate_saving", "evenly_spread", "MemorySaving"):
         assert not hasattr(mitigation, name), name
     from planner.estimates import estimate_block_offload, estimate_saving, evenly_spread  # noqa: F401
+
+
+def test_cuda_is_touched_only_by_the_platforms_and_the_allocator_binding() -> None:
+    import re
+
+    allowed = (ROOT / "xema_ray" / "platforms", ROOT / "xema_ray" / "allocator")
+    pattern = re.compile(r"torch\.(cuda|backends\.(cuda|cudnn))\b")
+    offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "xema_ray").rglob("*.py"))
+                 if not any(a in p.parents for a in allowed) and pattern.search(p.read_text())]
+    assert offenders == [], f"these modules reach CUDA outside xema_ray/platforms/ and xema_ray/allocator/: {offenders}"

@@ -38,6 +38,9 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    help="trace the model's text encoder in the set-up phase, placed so (default: on the device)")
     p.add_argument("--layout", action="store_true",
                    help="also solve the static layout and compare with a simulated caching allocator")
+    p.add_argument("--device-allocs", type=Path, default=None,
+                   help="a record of GPU-only allocations (make gpu-check: device-allocs-*.json): include its entry "
+                        "for this trace (convolution workspaces etc.) in the peak and the layout")
     p.set_defaults(func=cmd_analyze)
 
 
@@ -87,6 +90,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     placement = None if args.text_encoder == "none" else args.text_encoder
     trace = trace_template(template, TraceOptions(text_encoder=placement))
     elapsed = time.perf_counter() - t0
+    if args.device_allocs is not None:
+        from xema_ray.allocator.device_allocs import DeviceAllocMismatch, include, load_record, trace_key
+
+        try:
+            record = load_record(args.device_allocs)
+            entry = record.entries.get(trace_key(trace))
+            if entry is None:
+                print(f"device allocs       {args.device_allocs}: no entry for this trace ({trace_key(trace)}): "
+                      "not included (record it on the GPU for this template)")
+            else:
+                trace = include(trace, entry)[0]
+                print(f"device allocs       {record.gpu}: +{len(entry.extra)} GPU-only ({gb(entry.extra_bytes)}), "
+                      f"-{len(entry.absent)} meta-only allocations included")
+        except (DeviceAllocMismatch, ValueError, OSError) as e:
+            print(f"xema analyze: --device-allocs: {e}", file=sys.stderr)
+            return 2
     enc = template.spec.text_encoder
     if enc is not None:
         import torch
@@ -99,8 +118,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     print(f"analysis time       {elapsed:.1f} s")
     result: dict[str, object] = {"summary": summary.model_dump(), "trace": trace.to_file().model_dump()}
     if args.layout:
-        from xema_ray.layout.caching_sim import simulate_caching_allocator
-        from xema_ray.layout.solver import solve_layout
+        from xema_ray.allocator.caching_sim import simulate_caching_allocator
+        from xema_ray.allocator.solver import solve_layout
 
         layout = solve_layout(trace)
         caching = simulate_caching_allocator(trace)
@@ -111,7 +130,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         result["layout"] = {"lower_bound_bytes": lb, "static_reserved_bytes": layout.reserved_bytes,
                             "caching_reserved_bytes": caching.reserved_peak_bytes, "solve_seconds": layout.solve_seconds}
         if args.plot:
-            from xema_ray.layout.plot import plot_address_time
+            from xema_ray.allocator.plot import plot_address_time
 
             fig7 = args.plot.with_name(args.plot.stem + ".layout" + args.plot.suffix)
             plot_address_time(trace, layout, caching, fig7)

@@ -1,5 +1,5 @@
-// Python binding of the layout solver: numpy in, numpy out. Installed as xema_ray.layout._solver;
-// the Python wrapper (xema_ray/layout/solver.py) validates and types everything around it.
+// Python binding of the layout solver: numpy in, numpy out. Installed as xema_ray.allocator._solver;
+// the Python wrapper (xema_ray/allocator/solver.py) validates and types everything around it.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,6 +1,6 @@
 /* Runtime static allocator: the C ABI that torch.cuda.memory.CUDAPluggableAllocator loads, plus
  * a small control API (backend, arena, plans, arm/disarm, statistics, recording) that
- * xema_ray/runtime/allocator.py drives through ctypes.
+ * xema_ray/allocator/runtime.py drives through ctypes.
  *
  * No CUDA headers: cudaStream_t is `struct CUstream_st*`, so an opaque pointer has the same ABI,
  * and cudaMalloc/cudaFree are reached through dlopen/dlsym of libcudart at run time. The same

@@ -8,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from xema_ray.layout.solver import solve_layout
+from xema_ray.allocator.solver import solve_layout
 from xema_ray.memory.analyzer import TraceOptions, trace_template
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.runtime.layouts import LayoutMismatch, layouts_dir, load_artifact, replay, save_artifact, solve_entry_layout
+from xema_ray.allocator.replay import replay
+from xema_ray.runtime.layouts import LayoutMismatch, layouts_dir, load_artifact, save_artifact, solve_entry_layout
 from xema_ray.runtime.verify import verify_table
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate

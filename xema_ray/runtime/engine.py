@@ -130,6 +130,7 @@ class BatchResult(BaseModel):
     layout_status: str | None = Field(default=None, description="the worker's static layouts: armed, or why not")
     layout_hits: int = Field(default=0, description="allocations the armed layout placed")
     layout_misses: int = Field(default=0, description="allocations that fell back to the dynamic region")
+    layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")
     pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
 

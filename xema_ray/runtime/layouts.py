@@ -7,12 +7,15 @@ verify`` does), with the analyzer's step markers, expands the traced steps to th
 (everything after the weights are placed) and solves their layout (Algorithm 1, C++). The file
 is ``<plan table>.layouts/<layout_id>.json``: versioned (``LAYOUT_FILE_VERSION``), hashed
 (``layout_id`` is the solved layout's content hash, checked again on load) and tagged with the
-GPU model it is for (flash attention's scratch and cuBLAS workspaces differ per GPU).
+GPU model it is for (flash attention's scratch and cuBLAS workspaces differ per GPU). Where the
+layouts folder holds a record of that GPU model's GPU-only allocations taken against the same
+stream (``device-allocs/<gpu>.json``, ``xema_ray.allocator.device_allocs``), they are included
+before solving; the artifact carries the entry it included (or why none) and the rows the runtime
+plan leaves out (allocations the GPU makes on another stream).
 
-``replay(layout, trace)`` feeds a request's allocation stream through the C++ runtime
-allocator's host arena with the layout armed and reports hits, misses and reserved bytes:
-``xema verify`` uses it to prove, on a CPU, that the worker's stream is the one the layout was
-solved for.
+``xema_ray.allocator.replay.replay(layout, trace)`` feeds a request's allocation stream through the
+C++ runtime allocator's host arena with the layout armed: ``xema verify`` uses it to prove, on a
+CPU, that the worker's stream is the one the layout was solved for.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.layout.solver import StaticLayout, StaticLayoutFile, solve_layout
-from xema_ray.memory.trace import MemoryTrace
+from xema_ray.allocator.margins import DYNAMIC_FRACTION
+from xema_ray.allocator.device_allocs import EntryRecord, include, lookup
+from xema_ray.allocator.solver import ReplayPlan, StaticLayout, StaticLayoutFile, solve_layout
 from xema_ray.plan import ExecutionConfig
-from xema_ray.runtime.allocator import DEFAULT_DYNAMIC_FRACTION as DYNAMIC_FRACTION
 
 LAYOUT_FILE_VERSION = 1
 
@@ -48,6 +51,11 @@ class LayoutArtifact(BaseModel):
     loaded_bytes: int = Field(default=0, ge=0, description="device bytes the worker's load placed (weights), outside the layout")
     dynamic_fraction: float = DYNAMIC_FRACTION
     layout: StaticLayoutFile
+    device_allocs: EntryRecord | None = Field(
+        default=None, description="the GPU-only allocations included before solving (recorded on this GPU model)")
+    device_allocs_note: str = Field(default="", description="included from which record, or why none was")
+    unplanned_rows: list[int] = Field(
+        default_factory=list, description="layout rows the runtime plan leaves out (made on another stream)")
 
     @property
     def reserved_bytes(self) -> int:
@@ -55,6 +63,13 @@ class LayoutArtifact(BaseModel):
 
     def solved(self) -> StaticLayout:
         return StaticLayout.from_file(self.layout)
+
+    def replay_plan(self, layout: StaticLayout | None = None) -> ReplayPlan:
+        """The plan the worker arms per batch: every row made on the armed stream."""
+        layout = layout or self.solved()
+        rows = np.ones(len(layout), dtype=bool)
+        rows[np.asarray(self.unplanned_rows, dtype=np.int64)] = False
+        return layout.replay_plan(rows)
 
 
 def content_id(layout: StaticLayout) -> str:
@@ -73,18 +88,32 @@ def layouts_dir(table_path: str | Path) -> Path:
     return p.with_name(p.stem + ".layouts")
 
 
-def solve_entry_layout(config: ExecutionConfig, gpu: str) -> LayoutArtifact:
+def solve_entry_layout(config: ExecutionConfig, gpu: str, layouts_dir: Path | None = None) -> LayoutArtifact:
     """Solve ``config``'s layout from the serving worker's allocation stream for one batch (steps
     expanded; the load excluded: weights are placed before any request, the layout covers what a
-    request allocates)."""
+    request allocates).
+
+    Args:
+        config: the plan entry's configuration.
+        gpu: the GPU model the layout is for ('any' on CPU tables).
+        layouts_dir: the table's layouts folder; where it holds a record of GPU-only allocations
+            for ``gpu`` taken against this very stream (``xema_ray.allocator.device_allocs``), they
+            are put into the stream before solving, and the artifact says so (or why not).
+    """
     from xema_ray.runtime.verify import worker_trace
 
     trace = worker_trace(config)
+    entry, note, _ = lookup(layouts_dir, gpu, trace) if gpu != "any" else (None, "CPU table: no GPU model", None)
+    planned = np.ones(len(trace), dtype=bool)
+    if entry is not None:
+        trace, planned = include(trace, entry)
     layout = solve_layout(trace)
     layout.verify()
     return LayoutArtifact(layout_id=content_id(layout), gpu=gpu, template=config.template.shape_key,
                           config_hash=config.config_hash(), steps=config.template.steps,
-                          loaded_bytes=int(trace.meta["loaded_bytes"]), layout=layout.to_file())
+                          loaded_bytes=int(trace.meta["loaded_bytes"]), layout=layout.to_file(),
+                          device_allocs=entry, device_allocs_note=note,
+                          unplanned_rows=[int(i) for i in np.flatnonzero(~planned)])
 
 
 def save_artifact(artifact: LayoutArtifact, directory: Path) -> Path:
@@ -119,51 +148,3 @@ def load_artifact(directory: Path, layout_id: str, gpu: str | None = None) -> La
         raise LayoutMismatch(f"{path}: layout solved for {art.gpu!r}, this worker runs on {gpu!r}; "
                              "a layout is per GPU model (attention and cuBLAS scratch differ): re-plan for this GPU")
     return art
-
-
-class ReplayReport(BaseModel):
-    """One request's allocation stream through the host arena with a layout armed."""
-
-    model_config = ConfigDict(frozen=True)
-
-    allocations: int
-    hits: int
-    misses: int
-    static_reserved_bytes: int
-    lower_bound_bytes: int
-    peak_reserved_bytes: int
-
-
-def replay(layout: StaticLayout, trace: MemoryTrace) -> ReplayReport:
-    """Run ``trace``'s allocations and frees, in event order, through the C++ allocator's host
-    arena with ``layout`` armed; an allocation whose size differs from the layout's at its index
-    (or that the layout does not have) falls back and counts as a miss."""
-    from xema_ray.runtime.allocator import StaticAllocator
-
-    alloc = StaticAllocator("host")
-    device = 0
-    dynamic = max(int(layout.reserved_bytes * DYNAMIC_FRACTION), 1 << 20)
-    alloc.reserve(layout.reserved_bytes, dynamic, device=device)
-    n = len(trace)
-    sizes = trace.nbytes.astype(np.int64)
-    order = np.argsort(np.concatenate([trace.begin, trace.end]), kind="stable")
-    ptrs = np.zeros(n, dtype=np.uint64)
-    live = np.zeros(n, dtype=bool)
-    try:
-        with alloc.armed(layout.replay_plan(), device=device) as report:
-            for k in order:
-                i = int(k % n)
-                if k < n:
-                    ptrs[i] = alloc.malloc(max(1, int(sizes[i])), device=device)
-                    live[i] = True
-                elif live[i] and trace.end[i] < trace.n_events:
-                    alloc.free(int(ptrs[i]), device=device)
-                    live[i] = False
-        stats = alloc.stats(device=device)
-        for i in np.flatnonzero(live):
-            alloc.free(int(ptrs[i]), device=device)
-    finally:
-        alloc.release(device=device)
-    return ReplayReport(allocations=n, hits=report.hits, misses=report.misses,
-                        static_reserved_bytes=layout.reserved_bytes, lower_bound_bytes=layout.lower_bound_bytes,
-                        peak_reserved_bytes=stats.peak_reserved_bytes)

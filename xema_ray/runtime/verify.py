@@ -26,17 +26,20 @@ import contextlib
 import time
 from pathlib import Path
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.memory.analyzer import REPLICATE_FROM
-from xema_ray.layout.solver import StaticLayout
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.memory.tracer import ALLOC, AllocationTracer, RawTrace, round_size
 from xema_ray.plan import ExecutionConfig, PlanTable
 from xema_ray.runtime.worker import ModelLoadConfig, ResidencyPolicy, Worker
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.layouts import LayoutArtifact
 
 VERIFY_STEPS = REPLICATE_FROM
 LOAD_END = "verify:load_end"
@@ -152,7 +155,7 @@ def verify_config(
     group_plans: Iterable[ExecutionConfig] = (),
     residency: ResidencyPolicy = "per_template",
     predicted_peak_bytes: int | None = None,
-    layout: StaticLayout | None = None,
+    layout: LayoutArtifact | None = None,
     layouts_dir: Path | None = None,
 ) -> VerifyEntry:
     """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
@@ -163,8 +166,9 @@ def verify_config(
         group_plans: the other plans of the worker's group (they shape the residency at load).
         residency: the group's residency policy.
         predicted_peak_bytes: the planner's prediction, reported beside the count.
-        layout: the entry's static layout: the worker's full request stream is replayed through
-            the C++ allocator's host arena against it (misses, reserved bytes reported).
+        layout: the entry's static layout artifact: the worker's full request stream (with the
+            GPU-only allocations the layout was solved with, if any) is replayed through the C++
+            allocator's host arena against it (misses, reserved bytes reported).
         layouts_dir: the plan table's layouts folder (the worker validates the layouts it names).
     """
     t0 = time.perf_counter()
@@ -175,9 +179,15 @@ def verify_config(
     peak, load_peak = device_peaks(tracer.raw())
     replayed = None
     if layout is not None and error is None:
-        from xema_ray.runtime.layouts import replay
+        from xema_ray.allocator.device_allocs import include
+        from xema_ray.allocator.replay import replay
 
-        replayed = replay(layout, worker_trace(config, layouts_dir))
+        stream = worker_trace(config, layouts_dir)
+        if layout.device_allocs is not None:
+            # the GPU-only allocations recorded on this GPU model count in the device peak too
+            stream = include(stream, layout.device_allocs)[0]
+            peak = max(peak, int(stream.meta["loaded_bytes"]) + stream.peak())
+        replayed = replay(layout.solved(), stream)
     return VerifyEntry(
         template=config.template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
         host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
@@ -203,7 +213,7 @@ def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path:
             from xema_ray.runtime.layouts import load_artifact, layouts_dir
 
             folder = layouts_dir(path)
-            layout = load_artifact(folder, e.config.layout_ref).solved()
+            layout = load_artifact(folder, e.config.layout_ref)
         out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
                                  predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder))
     return VerifyReport(plan_table=path, entries=out)

@@ -91,6 +91,7 @@ class LoadedModel(BaseModel):
     host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
     text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
+    layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
 
 
 class Worker:
@@ -110,8 +111,9 @@ class Worker:
         self.sp_backend: Backend = sp_backend
         self.arm_layout = arm_layout
         self.allocator: Any = None
-        #: layout_ref -> solved layout, validated at load (hash, version, GPU model)
+        #: layout_ref -> its artifact, validated at load (hash, version, GPU model), and the plan armed per batch
         self.layouts: dict[str, Any] = {}
+        self._plans: dict[str, Any] = {}
         self.layout_status: str | None = None
         self._local = threading.local()  # the layout report of the batch this thread runs
         self._runs: dict[str, PreemptibleRun] = {}  # preemptible batches, running or paused
@@ -119,13 +121,17 @@ class Worker:
         self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
         self._early: dict[str, bool] = {}  # pauses asked for runs that have not started yet
         self._ended: collections.deque[str] = collections.deque(maxlen=1024)  # recent finished run ids
-        if static_allocator and self.platform.name == "cuda":
-            # before anything touches CUDA: the pluggable allocator is process-wide and must be
-            # installed before the caching allocator initialises (ARCHITECTURE.md)
-            from xema_ray.runtime.allocator import install_cuda_allocator
+        if self.platform.name == "cuda":
+            from xema_ray.allocator.cuda import install_cuda_allocator, pin_kernels
 
-            self.allocator = install_cuda_allocator()
-            self.arm_layout = arm_layout or self._arm
+            if static_allocator:
+                # first, before anything touches CUDA: the pluggable allocator is process-wide and
+                # must be installed before the caching allocator initialises (ARCHITECTURE.md);
+                # nothing above initialised CUDA (the platform object is stateless; topology is NVML)
+                self.allocator = install_cuda_allocator()
+                self.arm_layout = arm_layout or self._arm
+            # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
+            pin_kernels()
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
@@ -178,7 +184,8 @@ class Worker:
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
-                           host_blocks=residency.host_blocks, text_encoder=placement)
+                           host_blocks=residency.host_blocks, text_encoder=placement,
+                           layout_status=self.layout_status)
 
     def _load_layouts(self, load: ModelLoadConfig) -> None:
         """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the
@@ -194,25 +201,33 @@ class Worker:
             raise ValueError(f"plans name static layouts {refs} but no layouts_dir was given (the plan table's .layouts folder)")
         gpu = self.platform.hardware_name() if self.platform.name == "cuda" else None
         for ref in refs:
-            self.layouts[ref] = load_artifact(Path(load.layouts_dir), ref, gpu=gpu).solved()
+            art = load_artifact(Path(load.layouts_dir), ref, gpu=gpu)
+            self.layouts[ref] = art
+            self._plans[ref] = art.replay_plan()
         if self.allocator is None:
             why = ("the static allocator is a CUDA pluggable allocator; this worker runs on "
                    f"{self.platform.name}" if self.platform.name != "cuda" else "the worker was started without it")
             self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {why}"
             return
-        self.allocator.reserve_for(list(self.layouts.values()))
-        self.allocator.warm_up()  # cuBLAS workspaces, attention scratch: into the dynamic region, once
+        self.allocator.reserve_for([a.solved() for a in self.layouts.values()])
+        # cuBLAS workspaces (one per handle and stream, on the first matmul) and attention scratch
+        # land in the dynamic region now, once, instead of derailing the first armed batch's plan
+        self.allocator.warm_up()
         self.layout_status = f"{len(refs)} layout(s) armed per batch"
 
     @contextlib.contextmanager
     def _arm(self, layout_ref: str) -> Iterator[None]:
-        layout = self.layouts.get(layout_ref)
-        if layout is None or self.allocator is None:
+        plan = self._plans.get(layout_ref)
+        if plan is None or self.allocator is None:
             yield
             return
-        with self.allocator.armed(layout.replay_plan()) as report:
+        with self.allocator.armed(plan) as report:
             yield
         self._local.layout_report = report
+
+    def layout_reserved_bytes(self) -> int:
+        """Device bytes the static allocator holds now (arena + driver blocks; 0 when not installed)."""
+        return self.allocator.stats().reserved_bytes if self.allocator is not None else 0
 
     def target_residency(self, config: ExecutionConfig) -> Residency:
         """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
@@ -303,7 +318,8 @@ class Worker:
                                          "host_weight_bytes": self.residency.host_bytes(),
                                          "layout_status": self.layout_status,
                                          "layout_hits": rep.hits if rep is not None else 0,
-                                         "layout_misses": rep.misses if rep is not None else 0})
+                                         "layout_misses": rep.misses if rep is not None else 0,
+                                         "layout_reserved_bytes": self.layout_reserved_bytes()})
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""

@@ -56,6 +56,14 @@ class ServingMetrics:
         self.fallback_allocs = metrics.Counter("xema_allocator_fallbacks", "static-layout misses served dynamically",
                                                tag_keys=(*tags, "model"))
         self.fallback_allocs.set_default_tags({"model": model})
+        self.layout_armed = metrics.Counter("xema_layout_armed_batches", "batches run with the static layout armed",
+                                            tag_keys=(*tags, "model"))
+        self.layout_armed.set_default_tags({"model": model})
+        self.layout_hits = metrics.Counter("xema_layout_hits", "allocations the armed layout placed", tag_keys=(*tags, "model"))
+        self.layout_hits.set_default_tags({"model": model})
+        self.layout_reserved = metrics.Gauge("xema_layout_reserved_bytes", "bytes the static allocator holds (0: not armed)",
+                                             tag_keys=(*tags, "model"))
+        self.layout_reserved.set_default_tags({"model": model})
 
         self.preemptions = metrics.Counter("xema_preemptions", "batches paused at a step boundary for another",
                                            tag_keys=(*tags, "model"))
@@ -88,6 +96,14 @@ class ServingMetrics:
         self.batch_size.set(size, tags=t)
         self.peak_bytes.set(float(result.memory.peak_bytes), tags=t)
         self.host_weight_bytes.set(float(result.host_weight_bytes), tags=t)
+        # the static allocator's counters: 0 where no layout is armed (CPU workers: /v1/stats says why)
+        if result.layout_armed:  # Ray's Counter.inc refuses 0
+            self.layout_armed.inc(tags=t)
+        if result.layout_hits:
+            self.layout_hits.inc(result.layout_hits, tags=t)
+        if result.layout_misses:
+            self.fallback_allocs.inc(result.layout_misses, tags=t)
+        self.layout_reserved.set(float(result.layout_reserved_bytes), tags=t)
         if result.residency_bytes_moved:
             self.residency_switches.inc(tags=t)
             self.residency_bytes.inc(result.residency_bytes_moved, tags=t)

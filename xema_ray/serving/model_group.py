@@ -48,6 +48,7 @@ from xema_ray.serving.dispatcher import (
 )
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
+from xema_ray.serving.layout_stats import LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptingGroup, PreemptionState
 from xema_ray.serving.videos import result_name
@@ -140,14 +141,13 @@ class ModelGroup(PreemptingGroup):
         self.model = model
         self.residency = residency
         self.layouts_dir = layouts_dir
-        #: per template: batches run with the layout armed, its hits and misses, the workers' status
-        self.layout_stats: dict[str, dict[str, int]] = {}
-        self.layout_status: str | None = None
         self.n_workers = workers
         self.device = device
         self.weights_dir = weights_dir
         self.worker_cpus = worker_cpus
         self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
+        #: per template: batches run with the layout armed, hits, fallbacks, reserved bytes; the workers' status
+        self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
         # a CUDA worker installs the static allocator when its plans carry layouts to arm
         self._static = device == "cuda" and any(e.config.layout_ref for e in self.entries.values())
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
@@ -208,7 +208,8 @@ class ModelGroup(PreemptingGroup):
         load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir, residency=self.residency,  # type: ignore[arg-type]
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
                                layouts_dir=self.layouts_dir)
-        ray.get([a.load_model.remote(load) for a in actors])
+        loaded = ray.get([a.load_model.remote(load) for a in actors])
+        self.layout_counters.loaded(loaded[0].layout_status)
         self._actors = actors
         self._generation += 1
 
@@ -375,11 +376,7 @@ class ModelGroup(PreemptingGroup):
             seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
-            st = self.layout_stats.setdefault(a.template, {"armed_batches": 0, "hits": 0, "fallbacks": 0})
-            st["armed_batches"] += int(lead.layout_armed)
-            st["hits"] += lead.layout_hits
-            st["fallbacks"] += lead.layout_misses
-            self.layout_status = lead.layout_status
+            self.layout_counters.observe(a.template, lead)
             self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
@@ -465,7 +462,7 @@ class ModelGroup(PreemptingGroup):
             "workers": self.n_workers,
             "generation": self._generation,
             "queued": self.dispatcher.queue_depth(),
-            "static_layouts": {"status": self.layout_status, "per_template": self.layout_stats},
+            "static_layouts": self.layout_counters.snapshot().model_dump(),
             "running": len(self.dispatcher.running),
             "paused": len(self.dispatcher.paused),
             "jobs": len(self._job_ids),
@@ -476,6 +473,10 @@ class ModelGroup(PreemptingGroup):
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
         return self.preempt.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
+
+    async def layout_stats(self) -> dict[str, Any]:
+        """The static allocator's counters per template (``GroupLayoutStats``), for ``/v1/stats``."""
+        return self.layout_counters.snapshot().model_dump()
 
     async def kill_worker(self, index: int) -> None:
         """Fault injection for tests and drills: kill one worker actor."""

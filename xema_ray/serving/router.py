@@ -37,7 +37,10 @@ from xema_ray.serving.api import (
     set_limits,
 )
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
-from xema_ray.serving.health import GroupHealth
+from xema_ray.serving.health import PROBE_TIMEOUT_S, GroupHealth
+from xema_ray.serving.layout_stats import GroupLayoutStats
+from xema_ray.serving.preemption import PreemptionReport
+from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.model_group import GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
@@ -290,12 +293,13 @@ class Router:
         return self.table.model_dump(mode="json")
 
     @app.get("/v1/stats")
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> StatsResponse:
         """Generation requests received (valid ones: malformed input is refused earlier), by every
         Router replica since the application started (kept in the Stats deployment; this
-        replica's own count when Stats cannot be reached), and each model group's step-level
-        preemption: per template, batches paused, bytes the paused ones hold, seconds paused
-        (a group that does not answer within 2 s is left out)."""
+        replica's own count when Stats cannot be reached), each model group's static-allocator
+        counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
+        reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
+        bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
         received = self.received
         if self.stats is not None:
             try:
@@ -303,19 +307,35 @@ class Router:
                 received = counts.get("received", 0)
             except Exception:
                 pass
-        return {"received": received, "preemption": await self._preemption_stats()}
+        layouts, preemption = await asyncio.gather(self._layout_stats(), self._preemption_stats())
+        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption)
 
-    async def _preemption_stats(self) -> dict[str, Any]:
-        async def one(model: str) -> tuple[str, Any]:
+    async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
+        async def ask(model: str) -> GroupLayoutStats:
             try:
-                return model, await asyncio.wait_for(self._group_call(model, "preemption_stats"), timeout=2.0)
-            except Exception:
-                return model, None
-        pairs = await asyncio.gather(*(one(m) for m in sorted(self.groups)))
-        return {m: v for m, v in pairs if v is not None}
+                raw = await asyncio.wait_for(self._group_layout_stats(model), timeout=PROBE_TIMEOUT_S)
+                return GroupLayoutStats.model_validate(raw)
+            except Exception as e:  # a group being replaced must not fail the stats
+                return GroupLayoutStats(status=f"unavailable: {type(e).__name__}")
+        models = sorted(self.groups)
+        return dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
 
-    async def _group_call(self, model: str, method: str) -> Any:
-        return await getattr(self.groups[model], method).remote()
+    async def _group_layout_stats(self, model: str) -> dict[str, Any]:
+        return await self.groups[model].layout_stats.remote()
+
+    async def _preemption_stats(self) -> dict[str, PreemptionReport]:
+        async def ask(model: str) -> PreemptionReport | None:
+            try:
+                raw = await asyncio.wait_for(self._group_preemption_stats(model), timeout=PROBE_TIMEOUT_S)
+                return PreemptionReport.model_validate(raw)
+            except Exception:  # a group being replaced is left out rather than failing the stats
+                return None
+        models = sorted(self.groups)
+        answers = await asyncio.gather(*(ask(m) for m in models))
+        return {m: r for m, r in zip(models, answers, strict=True) if r is not None}
+
+    async def _group_preemption_stats(self, model: str) -> dict[str, Any]:
+        return await self.groups[model].preemption_stats.remote()
 
     async def _stats_add(self, name: str) -> None:
         await self.stats.add.remote(name)

@@ -1,18 +1,20 @@
-"""The runtime static allocator (paper §6.2): the Python side of ``libxema_alloc``.
+"""The runtime static allocator (paper §6.2): the Python side of ``libxema_alloc`` (the
+``xema_alloc`` target of allocator_ext/).
 
 ``libxema_alloc.so`` exports the two functions ``torch.cuda.memory.CUDAPluggableAllocator`` calls
 (``xema_malloc`` / ``xema_free``) and a control API. Per device it keeps one arena: the static
 region, where allocation ``i`` of an armed request lands at ``offset[i]`` of its ``ReplayPlan``
 when its size matches, and a dynamic region above it (best-fit free list) for everything else;
-the driver is the last resort. This module loads the library through ctypes, installs it into
-torch (explicitly, never at import) and turns its statistics into typed objects.
+the driver is the last resort. This module loads the library through ctypes and turns its
+statistics into typed objects; ``xema_ray.allocator.cuda`` installs it into torch (explicitly,
+never at import) and ``xema_ray.allocator.recording`` reads what it recorded.
 
 With ``backend="host"`` the same library serves host memory, so the plan/fallback logic runs and
 is tested on a CPU-only machine through the very same C functions.
 
 Example (host arena, runs anywhere):
     >>> import numpy as np
-    >>> from xema_ray.layout import solve_arrays
+    >>> from xema_ray.allocator import solve_arrays
     >>> layout = solve_arrays(np.array([1024, 512]), np.array([0, 1]), np.array([2, 3]))
     >>> alloc = StaticAllocator("host")
     >>> alloc.reserve(layout.reserved_bytes, device=7)
@@ -27,7 +29,6 @@ Example (host arena, runs anywhere):
 from __future__ import annotations
 
 import ctypes
-import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,19 +39,17 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.layout.solver import ReplayPlan, StaticLayout
-from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.allocator.margins import dynamic_region_bytes
+from xema_ray.allocator.recording import RecordedEvent, Recording
+from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 Backend = Literal["cuda", "host"]
 
 ABI_VERSION = 1
 MAX_DEVICES = 64
-# Paper §6.2: the dynamic region is a 5% margin above the static reserved peak.
-DEFAULT_DYNAMIC_FRACTION = 0.05
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
 _STATUS_NAMES = {-1: "invalid argument", -2: "wrong state", -3: "out of memory", -4: "backend error", -5: "internal"}
-_REGIONS = ("static", "dynamic", "driver")
 
 
 class AllocatorError(RuntimeError):
@@ -110,14 +109,14 @@ class RequestReport:
 
 
 def default_library_path() -> Path:
-    """Where the build put ``libxema_alloc.so``: ``xema_ray/lib/`` next to the compiled solver.
+    """Where the build put ``libxema_alloc.so``: ``xema_ray/allocator/``, next to the compiled solver.
 
     Found through a compiled module's ``__file__`` rather than this file's, because in an editable
     install Python sources stay in the checkout while build outputs live in site-packages.
     """
-    from xema_ray.layout import _solver
+    from xema_ray.allocator import _solver
 
-    path = Path(_solver.__file__).resolve().parent.parent / "lib" / "libxema_alloc.so"
+    path = Path(_solver.__file__).resolve().parent / "libxema_alloc.so"
     if not path.is_file():
         raise FileNotFoundError(f"libxema_alloc.so not found at {path}; rebuild with `pip install -e .`")
     return path
@@ -135,6 +134,8 @@ def find_loaded_cudart() -> Path | None:
         if len(parts) == 6 and Path(parts[5].strip()).name.startswith("libcudart.so"):
             return Path(parts[5].strip())
     return None
+
+
 
 
 class _Library:
@@ -229,14 +230,15 @@ class StaticAllocator:
 
         Args:
             static_bytes: the static region; at least the largest ``ReplayPlan.static_bytes`` armed.
-            dynamic_bytes: the dynamic region; 5% of ``static_bytes`` when ``None`` (paper §6.2).
+            dynamic_bytes: the dynamic region; ``margins.dynamic_region_bytes(static_bytes)`` when ``None``
+                (``DYNAMIC_FRACTION`` of it, paper §6.2).
             device: device index.
         """
         _check_device(device)
         if static_bytes < 0 or (dynamic_bytes is not None and dynamic_bytes < 0):
             raise ValueError(f"arena sizes must be >= 0, got static {static_bytes}, dynamic {dynamic_bytes}")
         if dynamic_bytes is None:
-            dynamic_bytes = math.ceil(static_bytes * DEFAULT_DYNAMIC_FRACTION)
+            dynamic_bytes = dynamic_region_bytes(static_bytes)
         self._lib.check(self._lib.c.xema_reserve(device, static_bytes, dynamic_bytes), f"reserve on device {device}")
 
     def reserve_for(
@@ -355,7 +357,9 @@ class StaticAllocator:
         if fn is None:
             if self._backend != "cuda":
                 raise ValueError("the default warm-up needs the CUDA backend; pass fn for the host backend")
-            fn = _cuda_warm_up_fn(device)
+            from xema_ray.allocator.cuda import cuda_warm_up_fn
+
+            fn = cuda_warm_up_fn(device)
         fn()
         return self.stats(device=device)
 
@@ -410,134 +414,8 @@ class StaticAllocator:
         return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-@dataclass(frozen=True)
-class RecordedEvent:
-    """One allocator event seen while recording."""
-
-    ptr: int
-    size: int
-    requested: int
-    stream: int
-    kind: int  # 0 alloc, 1 free
-    region: int  # index into ("static", "dynamic", "driver")
-
-    @property
-    def region_name(self) -> str:
-        return _REGIONS[self.region]
-
-
-@dataclass
-class Recording:
-    """Events captured by ``StaticAllocator.record``; ``trace()`` turns them into a MemoryTrace."""
-
-    events: list[RecordedEvent] | None = None
-
-    def trace(self, *, stream: int | None = None, meta: dict[str, str] | None = None) -> MemoryTrace:
-        """The recorded allocations as a trace, renumbered so every kept event is one time step.
-
-        Args:
-            stream: keep only allocations made on this stream (the one a plan will be armed for);
-                all when ``None``.
-            meta: provenance to store in the trace.
-
-        Frees of blocks allocated before recording started are not part of the request and dropped.
-        """
-        if self.events is None:
-            raise ValueError("the recording is still running; call trace() after the with-block")
-        rows: list[list[int]] = []  # size, requested, begin, end
-        live: dict[int, int] = {}
-        t = 0
-        for ev in self.events:
-            if ev.kind == 0:
-                if stream is not None and ev.stream != stream:
-                    continue
-                live[ev.ptr] = len(rows)
-                rows.append([ev.size, ev.requested, t, -1])
-                t += 1
-            else:
-                row = live.pop(ev.ptr, None)
-                if row is None:
-                    continue
-                rows[row][3] = t
-                t += 1
-        arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        n = len(arr)
-        return MemoryTrace(
-            size=arr[:, 0].copy(),
-            nbytes=arr[:, 1].copy(),
-            begin=arr[:, 2].copy(),
-            end=np.where(arr[:, 3] < 0, t, arr[:, 3]),
-            category=np.full(n, int(Category.ACTIVATION), np.int8),
-            module=np.full(n, -1, np.int32),
-            phase=np.zeros(n, np.int32),
-            op=np.full(n, -1, np.int32),
-            free_module=np.full(n, -1, np.int32),
-            n_events=t,
-            phases=["request"],
-            meta={"source": "xema_alloc recording", **(meta or {})},
-        )
-
-
-_INSTALLED: StaticAllocator | None = None
-_INSTALL_LOCK = threading.Lock()
-
-
-def install_cuda_allocator(*, library: Path | None = None, cudart: Path | None = None) -> StaticAllocator:
-    """Make libxema_alloc torch's CUDA allocator for this process. Call before anything touches CUDA.
-
-    torch only swaps allocators before its CUDA allocator is initialized, and the swap is
-    process-wide; a second call returns the allocator already installed.
-
-    Args:
-        library: path of ``libxema_alloc.so``; defaults to the built one.
-        cudart: libcudart to call; defaults to the one torch loaded.
-
-    Example (GPU only):
-        >>> alloc = install_cuda_allocator()          # doctest: +SKIP
-        >>> alloc.reserve(layout.reserved_bytes)      # doctest: +SKIP
-        >>> alloc.warm_up()                           # doctest: +SKIP
-        >>> with alloc.armed(layout.replay_plan()):   # doctest: +SKIP
-        ...     pipeline(**request)
-    """
-    global _INSTALLED
-    import torch
-
-    with _INSTALL_LOCK:
-        if _INSTALLED is not None:
-            return _INSTALLED
-        if not torch.cuda.is_available():
-            raise RuntimeError("install_cuda_allocator needs CUDA; use StaticAllocator('host') on a CPU")
-        if torch.cuda.is_initialized():
-            raise RuntimeError(
-                "CUDA is already initialized in this process; install the static allocator before the "
-                "first CUDA tensor, stream or device query that initializes it"
-            )
-        alloc = StaticAllocator("cuda", library=library, cudart=cudart)
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(alloc.library_path), "xema_malloc", "xema_free")
-        torch.cuda.memory.change_current_allocator(pluggable)
-        alloc._pluggable = pluggable
-        _INSTALLED = alloc
-        return alloc
-
-
 def _check_device(device: int) -> None:
     if not 0 <= device < MAX_DEVICES:
         raise ValueError(f"device must be in [0, {MAX_DEVICES}), got {device}")
 
 
-def _cuda_warm_up_fn(device: int) -> Callable[[], None]:
-    def run() -> None:
-        import torch
-        import torch.nn.functional as F
-
-        dev = torch.device("cuda", device)
-        with torch.no_grad():
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                a = torch.randn(256, 256, device=dev, dtype=dtype)
-                (a @ a).sum().item()
-            q = torch.randn(1, 2, 128, 64, device=dev, dtype=torch.bfloat16)
-            F.scaled_dot_product_attention(q, q, q).sum().item()
-        # Every warm-up allocation must be done (and freed) before a plan is armed.
-        torch.cuda.synchronize(dev)
-
-    return run

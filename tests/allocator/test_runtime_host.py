@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from xema_ray.layout import SolverOptions, solve_arrays, solve_layout
-from xema_ray.layout.synthetic import diffusion_like_trace, random_trace
+from xema_ray.allocator import SolverOptions, solve_arrays, solve_layout
+from xema_ray.allocator.synthetic import diffusion_like_trace, random_trace
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.runtime.allocator import AllocatorError, StaticAllocator
+from xema_ray.allocator.runtime import AllocatorError, StaticAllocator
 
 KIB = 1024
 MIB = 1 << 20
@@ -426,7 +426,7 @@ def test_error_raised_if_warm_up_while_armed(alloc: StaticAllocator, device: int
 
 
 def test_stats_mirror_the_c_struct() -> None:
-    from xema_ray.runtime.allocator import AllocatorStats, _CStats
+    from xema_ray.allocator.runtime import AllocatorStats, _CStats
 
     assert ctypes.sizeof(_CStats) == 8 * len(AllocatorStats.model_fields) == 8 * 24
 

@@ -2,7 +2,7 @@
 ``xema analyze ... --layout`` prints and ``bench/bench_layout.py`` tabulates.
 
 Example:
-    >>> from xema_ray.layout.synthetic import diffusion_like_trace
+    >>> from xema_ray.allocator.synthetic import diffusion_like_trace
     >>> report = layout_report(diffusion_like_trace(blocks=2, steps=2), name="toy")
     >>> report.static_reserved_bytes >= report.lower_bound_bytes
     True
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.layout.caching_sim import simulate_caching_allocator
-from xema_ray.layout.solver import SolverOptions, StaticLayout, solve_layout
+from xema_ray.allocator.caching_sim import simulate_caching_allocator
+from xema_ray.allocator.solver import SolverOptions, StaticLayout, solve_layout
 from xema_ray.memory.trace import MemoryTrace
 
 _GIB = float(1 << 30)

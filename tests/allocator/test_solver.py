@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xema_ray.layout import (
+from xema_ray.allocator import (
     SolverOptions,
     StaticLayout,
     first_overlap,
@@ -19,7 +19,7 @@ from xema_ray.layout import (
     solve_arrays,
     solve_layout,
 )
-from xema_ray.layout.synthetic import diffusion_like_trace, random_trace
+from xema_ray.allocator.synthetic import diffusion_like_trace, random_trace
 
 KIB = 1024
 MIB = 1 << 20
@@ -211,7 +211,7 @@ def test_time_segments_and_refinement_stay_valid_on_long_traces() -> None:
 def test_error_raised_if_segment_crossing_fraction_out_of_range() -> None:
     with pytest.raises(ValueError):
         SolverOptions(segment_max_crossing=1.5)
-    from xema_ray.layout import _solver
+    from xema_ray.allocator import _solver
 
     with pytest.raises(ValueError, match="segment_max_crossing"):
         _solver.solve(np.array([512]), np.array([0]), np.array([1]), segment_max_crossing=2.0)
@@ -347,7 +347,7 @@ def test_error_raised_if_unknown_order() -> None:
 
 
 def test_native_solver_rejects_bad_input_with_value_error() -> None:
-    from xema_ray.layout import _solver
+    from xema_ray.allocator import _solver
 
     with pytest.raises(ValueError, match=r"lifetime \[3, 2\)"):
         _solver.solve(np.array([512]), np.array([3]), np.array([2]))

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xema_ray.layout import simulate_arrays, simulate_caching_allocator
-from xema_ray.layout.caching_sim import allocation_size, round_size
-from xema_ray.layout.synthetic import diffusion_like_trace
+from xema_ray.allocator import simulate_arrays, simulate_caching_allocator
+from xema_ray.allocator.caching_sim import allocation_size, round_size
+from xema_ray.allocator.synthetic import diffusion_like_trace
 
 KIB = 1024
 MIB = 1 << 20
@@ -112,7 +112,7 @@ def test_live_blocks_never_overlap_and_lie_in_segments(rows: list[tuple[int, int
 
 
 def test_caching_allocator_reserves_more_than_the_static_layout() -> None:
-    from xema_ray.layout import solve_layout
+    from xema_ray.allocator import solve_layout
 
     trace = diffusion_like_trace(blocks=4, steps=3)
     sim = simulate_caching_allocator(trace)

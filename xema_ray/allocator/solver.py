@@ -2,7 +2,7 @@
 
 Layout is rectangle packing on the address × time plane: allocation ``i`` occupies
 ``[begin[i], end[i]) × [offset[i], offset[i] + size[i])`` and allocations whose lifetimes overlap
-must not overlap in address. The C++ solver (``xema_ray.layout._solver``, Algorithm 1: largest
+must not overlap in address. The C++ solver (``xema_ray.allocator._solver``, Algorithm 1: largest
 first, best-fit gap among the lifetime-overlapping placed allocations, else above them) does the
 placing; this module validates its input, types its output and checks layouts independently.
 
@@ -321,7 +321,7 @@ def solve_layout(trace: MemoryTrace, options: SolverOptions | None = None) -> St
         options: solver options; defaults to ``SolverOptions()``.
 
     Example:
-        >>> from xema_ray.layout.synthetic import random_trace
+        >>> from xema_ray.allocator.synthetic import random_trace
         >>> layout = solve_layout(random_trace(200, seed=0))
         >>> layout.reserved_bytes >= layout.lower_bound_bytes
         True
@@ -456,9 +456,9 @@ def _native() -> ModuleType:
     """The compiled solver (typed by ``_solver.pyi``); imported lazily so this module loads without
     a build, e.g. to read a layout file."""
     try:
-        from xema_ray.layout import _solver
+        from xema_ray.allocator import _solver
     except ImportError as e:  # pragma: no cover - only without a build
         raise ImportError(
-            "xema_ray.layout._solver is not built; install the package with `pip install -e .`"
+            "xema_ray.allocator._solver is not built; install the package with `pip install -e .`"
         ) from e
     return _solver

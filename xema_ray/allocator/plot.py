@@ -6,8 +6,8 @@ Each allocation is a rectangle (lifetime × address range). The left panel is th
 lower bound (max live bytes) and each allocator's reserved peak.
 
 Example:
-    >>> from xema_ray.layout import solve_layout, simulate_caching_allocator
-    >>> from xema_ray.layout.synthetic import diffusion_like_trace
+    >>> from xema_ray.allocator import solve_layout, simulate_caching_allocator
+    >>> from xema_ray.allocator.synthetic import diffusion_like_trace
     >>> t = diffusion_like_trace(blocks=2, steps=2)
     >>> path = plot_address_time(t, solve_layout(t), simulate_caching_allocator(t), "/tmp/fig7.png")
 """
@@ -21,8 +21,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from xema_ray.layout.caching_sim import CachingAllocatorResult, round_size
-from xema_ray.layout.solver import StaticLayout
+from xema_ray.allocator.caching_sim import CachingAllocatorResult, round_size
+from xema_ray.allocator.solver import StaticLayout
 from xema_ray.memory.trace import Category, MemoryTrace
 
 _GIB = float(1 << 30)
@@ -73,7 +73,7 @@ def plot_address_time(
     static_hi = layout.offset[nz] + (trace.size[nz] + layout.alignment - 1) // layout.alignment * layout.alignment
     caching_hi = caching.address[nz] + np.array([round_size(int(s)) for s in trace.nbytes[nz]], dtype=np.int64)
     panels = (
-        (axes[0], "static layout (xema_ray.layout)", layout.offset[nz], static_hi, layout.reserved_bytes),
+        (axes[0], "static layout (xema_ray.allocator)", layout.offset[nz], static_hi, layout.reserved_bytes),
         (axes[1], "PyTorch caching allocator (simulated)", caching.address[nz], caching_hi, caching.reserved_peak_bytes),
     )
     for ax, name, lo, hi, reserved in panels:

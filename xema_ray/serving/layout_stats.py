@@ -1,0 +1,63 @@
+"""The static allocator's counters per template of a model group: batches run with the layout armed,
+allocations it placed (hits), allocations that fell back to the dynamic path, and the bytes the
+allocator holds. Shown in ``/v1/stats``, ``/healthz`` (group status) and the Prometheus metrics.
+Where nothing is armed (a CPU worker, a plan without a layout) the counters stay 0 and ``status``
+says why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.engine import BatchResult
+
+
+class TemplateLayoutStats(BaseModel):
+    """One template's static-layout counters since the group started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layout_ref: str | None = Field(default=None, description="the plan entry's layout (None: the plan has none)")
+    batches: int = Field(default=0, ge=0, description="batches run for this template")
+    armed_batches: int = Field(default=0, ge=0, description="batches run with the layout armed")
+    hits: int = Field(default=0, ge=0, description="allocations placed at their planned offset")
+    fallbacks: int = Field(default=0, ge=0, description="allocations the layout did not know, served by the dynamic path")
+    reserved_bytes: int = Field(default=0, ge=0, description="bytes the static allocator held after the last batch (0: not armed)")
+
+
+class GroupLayoutStats(BaseModel):
+    """A model group's static layouts: the workers' status (armed, or why not) and counters per template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: str = Field(description="what the workers said at load: layouts armed per batch, or 'not armed: why'")
+    templates: dict[str, TemplateLayoutStats] = Field(default_factory=dict)
+
+
+class LayoutCounters:
+    """Kept by a ``ModelGroup``; fed with each batch's lead result."""
+
+    def __init__(self, layout_refs: dict[str, str | None]) -> None:
+        self.status = ("no plan of this group has a static layout" if not any(layout_refs.values())
+                       else "workers not loaded yet")
+        self.templates = {t: TemplateLayoutStats(layout_ref=ref) for t, ref in sorted(layout_refs.items())}
+
+    def loaded(self, status: str | None) -> None:
+        """The workers' layout status after ``load_model``."""
+        if status is not None:
+            self.status = status
+
+    def observe(self, template: str, result: BatchResult) -> None:
+        st = self.templates.setdefault(template, TemplateLayoutStats())
+        st.batches += 1
+        st.armed_batches += int(result.layout_armed)
+        st.hits += result.layout_hits
+        st.fallbacks += result.layout_misses
+        st.reserved_bytes = result.layout_reserved_bytes
+        if result.layout_status is not None:
+            self.status = result.layout_status
+
+    def snapshot(self) -> GroupLayoutStats:
+        return GroupLayoutStats(status=self.status, templates={k: v.model_copy() for k, v in self.templates.items()})
