@@ -84,3 +84,18 @@ def test_a_healthy_groups_response_is_returned() -> None:
         return await health.call("m", _Response("done"))
 
     assert asyncio.run(run()) == "done"
+
+
+def test_a_group_that_never_answered_is_reported_as_starting() -> None:
+    group = _Group()
+    group.alive = False  # still loading its model
+    health = GroupHealth({"m": group}, timeout_s=0.05, interval_s=0.05, unavailable_after_s=0.1, give_up_after_s=0.2)
+
+    async def run() -> str:
+        health.ensure_started()
+        await asyncio.sleep(0.3)
+        silent = health.unavailable("m")
+        assert silent is not None
+        return health.why_silent("m", silent)
+
+    assert "still starting" in asyncio.run(run())

@@ -47,6 +47,7 @@ class GroupHealth:
         self.unavailable_after_s = unavailable_after_s
         self.give_up_after_s = give_up_after_s
         self._last_answer: dict[str, float] = {}  # silence counts from when probing started
+        self._answered: set[str] = set()  # groups that answered at least once (the others are starting)
         self._task: asyncio.Task | None = None
 
     async def _ask(self, model: str) -> dict[str, Any]:
@@ -60,6 +61,7 @@ class GroupHealth:
         except Exception as e:
             return {"model": model, "status": "unavailable", "reason": type(e).__name__}
         self._last_answer[model] = time.monotonic()
+        self._answered.add(model)
         return status
 
     async def probe(self) -> dict[str, dict[str, Any]]:
@@ -92,6 +94,15 @@ class GroupHealth:
         silent = self.silent_for(model)
         return silent if silent > self.unavailable_after_s else None
 
+    def why_silent(self, model: str, silent: float) -> str:
+        """Why ``model``'s group does not answer, as a 503 says it: still starting (it never
+        answered: loading its model), or gone quiet (being replaced, or its node is gone)."""
+        if model not in self._answered:
+            return (f"{model}: its model group is still starting (no answer in the {silent:.0f} s since this router "
+                    "started: it is loading its model); retry later")
+        return (f"{model}: its model group stopped answering {silent:.0f} s ago (being replaced, or its node is "
+                "gone); retry later")
+
     async def call(self, model: str, response: Any) -> Any:
         """Await a Serve response from ``model``'s group; if the group falls silent for
         ``give_up_after_s`` meanwhile, cancel it and raise ``GroupUnavailable`` (HTTP 503)."""
@@ -108,8 +119,8 @@ class GroupHealth:
                 silent = self.silent_for(model)
                 if silent > self.give_up_after_s:
                     response.cancel()
-                    raise GroupUnavailable(f"{model}: its model group stopped answering {silent:.0f} s ago (being "
-                                           "replaced, or its node is gone); the request was not completed, retry later")
+                    raise GroupUnavailable(self.why_silent(model, silent).replace(
+                        "; retry later", "; the request was not completed, retry later"))
         finally:
             if not task.done():
                 task.cancel()

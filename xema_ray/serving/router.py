@@ -145,8 +145,7 @@ class Router:
         self.health.ensure_started()
         silent = self.health.unavailable(t.model)
         if silent is not None:
-            raise GroupUnavailable(f"{t.model}: its model group has not answered for {silent:.0f} s (being replaced, "
-                                   "or its node is gone); retry later")
+            raise GroupUnavailable(self.health.why_silent(t.model, silent))
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         return await self.health.call(t.model, handle.generate.remote(t.shape_key, self._request_id(), prompt, seed,
                                                                        guidance))
