@@ -127,3 +127,15 @@ def test_preemption_raises_attainment_on_a_short_behind_long_mix() -> None:
     with_p = simulate(table, arrivals, preemption=True, max_preemptions=3)
     assert without.attainment == 0.25 and with_p.attainment == 1.0  # every short one missed waiting
     assert with_p.preemptions == 3
+
+
+def test_an_sp2_batch_pauses_on_all_its_ranks_and_resumes_on_the_same_group() -> None:
+    long_sp2 = DispatchPlan(batch=1, sp=2, slo_s=1000, latency_s=100, steps=10, peak_bytes=40 * GB, pause_bytes=2 * GB)
+    d = _dispatcher(long=long_sp2, workers=2)
+    (a,) = _long_then_short(d)
+    assert a.workers == (0,) and [p.batch_id for p in a.preempts] == [0]
+    d.submit("short", "S2", 11.0)  # worker 1 is idle but holds the paused batch's state: not taken
+    assert d.dispatch(11.0) == []
+    d.complete(a.batch_id)
+    started = d.dispatch(15.0)
+    assert (started[0].resume, started[0].workers) == (True, (0, 1))
