@@ -173,6 +173,7 @@ class IntervalIndex:
         self.size_sorted = trace.size[self.order].astype(np.float64)
         # (start, stop, top_ops) -> (units, phases, ops): what runs in a range never changes
         self._described: dict[tuple[int, int, int], tuple[list[str], list[str], list[str]]] = {}
+        self._made: dict[tuple[int, int, int, int, int], PressureInterval] = {}
 
     def _describe(self, s: int, e: int, lo: int, hi: int, top_ops: int) -> tuple[list[str], list[str], list[str]]:
         """(units, phases, ops) of events [s, e); allocations lo:hi of the begin-sorted order."""
@@ -211,9 +212,19 @@ class IntervalIndex:
                 if len(self._described) > 20_000:
                     self._described.clear()
                 self._described[(s, e, top_ops)] = described
-            units, phases, ops = described
-            out.append(PressureInterval(start=s, stop=e, peak_bytes=int(peak), excess_bytes=int(peak) - budget,
-                                        phases=phases, units=units, ops=ops))
+            peak = int(peak)
+            # candidates mostly share intervals (same range, same peak): one frozen object each,
+            # built without validation (every field is already of its type)
+            key = (s, e, top_ops, peak, budget)
+            iv = self._made.get(key)
+            if iv is None:
+                units, phases, ops = described
+                iv = PressureInterval.model_construct(start=s, stop=e, peak_bytes=peak, excess_bytes=peak - budget,
+                                                      phases=list(phases), units=list(units), ops=list(ops))
+                if len(self._made) > 50_000:
+                    self._made.clear()
+                self._made[key] = iv
+            out.append(iv)
         return out
 
 
