@@ -50,6 +50,11 @@ of a band equals the band of the interpolation). 1x1 maps (broadcast conditionin
 Lossless, no blending: the result equals the unchunked decode up to the reduction order of
 the statistics (fp32 on CPU: max abs difference below 1e-4 on outputs in [-1, 1]).
 
+One file per concern: ``config`` (the action and chain paths), ``bands`` (planning bands,
+cutting inputs, assembling outputs, receptive radius), ``statistics`` (group norm over the whole
+map), ``per_unit``, ``chain_run`` (the chain interpreter; its modes are ``ChainMode`` and
+``ModuleRole`` enums), ``chain`` (the hook on the chain's parent) and ``apply``.
+
 Example:
     >>> from xema_ray.models import BuildOptions, get_model_spec
     >>> spec = get_model_spec("tiny-flux2")
