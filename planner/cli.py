@@ -73,7 +73,7 @@ def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]
 
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
-    t0, started = time.perf_counter(), time.time()
+    t0, started, cpu0 = time.perf_counter(), time.time(), time.process_time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
     gpus = opts.get("group_gpus", {}).get(template.model, opts["gpus"])  # the template's own group
@@ -117,6 +117,7 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         timer.save()
     result["entry"] = entry.model_dump_json() if entry is not None else None
     result["seconds"] = time.perf_counter() - t0
+    result["cpu_s"] = time.process_time() - cpu0  # this task's CPU time (other jobs stretch only the wall time)
     result["started_unix"], result["worker_pid"] = started, os.getpid()  # for the planning timeline
     return result
 
@@ -150,6 +151,9 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
         if os.environ.get("RAY_ADDRESS"):
             ray.init()  # inside `ray job submit`: join the cluster
         else:
+            # Ray runs its workers at niceness 15 by default: on a machine shared with other jobs
+            # the planning tasks (all of this command's work) then only get what those leave
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(include_dashboard=False, log_to_driver=False)  # this machine's own CPUs and GPUs
     # a task holds a GPU only where the cluster has some: on a cluster without GPUs, asking for
     # one would wait forever (tasks then plan on the cost model, one per CPU)
@@ -242,6 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         entries=entries,
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
+                    "tasks_cpu_s": f"{sum(r['cpu_s'] for r in results):.1f}",
                     "text_encoders": "; ".join(f"{k}: {v}" for k, v in encoders.items()),
                     "measured": str(sum(r.get("measured", 0) for r in results)),
                     "estimated": str(sum(r.get("estimated", 0) for r in results)),

@@ -66,6 +66,7 @@ class TraceProfile:
     floor: int = field(init=False)
     _runs: dict[tuple[object, str], list[tuple[int, int]]] = field(init=False, default_factory=dict)
     _curves: dict[tuple[object, ...], np.ndarray] = field(init=False, default_factory=dict)
+    _spans: dict[tuple[object, ...], tuple[int, np.ndarray]] = field(init=False, default_factory=dict)
     #: per event, bytes of block weights a mitigation in the traced run holds whole on the device
     #: (traced as activations, but not split by sequence parallelism); None for unmitigated traces
     held_weights: np.ndarray | None = None
@@ -174,6 +175,16 @@ class TraceProfile:
             self._curves[key] = np.cumsum(delta)[:-1]
         return self._curves[key]
 
+    def temporaries_span(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> tuple[int, np.ndarray]:
+        """``temporaries`` cut to the events where it is not zero: (first event, values) (cached)."""
+        key = ("span", paths, group, glue)
+        if key not in self._spans:
+            full = self.temporaries(paths, group, glue)
+            nz = np.flatnonzero(full)
+            lo, hi = (int(nz[0]), int(nz[-1]) + 1) if len(nz) else (0, 0)
+            self._spans[key] = (lo, full[lo:hi])
+        return self._spans[key]
+
     @cached_property
     def event_modules(self) -> np.ndarray:
         from xema_ray.memory.analysis import event_modules
@@ -242,10 +253,19 @@ def add_block_windows(curve: np.ndarray, windows: np.ndarray, order: list[int], 
     """Add each offloaded / sharded block's whole weights while they are on the device: from when
     the previous chosen block starts (its hook issues this one's copy or all-gather) until this
     block ends (its hook frees them), in every transformer forward (in place)."""
-    for k, b in enumerate(order):
-        frm = windows[order[k - 1]][:, 0] if k else windows[b][:, 0]
-        for s, e in zip(frm.tolist(), windows[b][:, 1].tolist(), strict=True):
-            curve[s:e] += weights[b]
+    if not order:
+        return
+    # one pass over the span the windows cover: each event gets the (integer) sum of the
+    # weights whole on the device then, from a difference array
+    prev = [order[k - 1] if k else b for k, b in enumerate(order)]
+    starts = windows[prev][:, :, 0].ravel()
+    stops = windows[order][:, :, 1].ravel()
+    w = np.repeat(np.asarray(weights, dtype=np.int64)[order], windows.shape[1])
+    lo, hi = int(starts.min()), int(stops.max())
+    delta = np.zeros(hi - lo + 1, dtype=np.int64)
+    np.add.at(delta, starts - lo, w)
+    np.add.at(delta, stops - lo, -w)
+    curve[lo:hi] += np.cumsum(delta[:-1])
 
 
 def _shrink_runs(curve: np.ndarray, base: np.ndarray, runs: list[tuple[int, int]], factor: float) -> None:
@@ -319,7 +339,9 @@ class MemoryModel:
                 _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "vae"), m.intensity)
             else:
                 for g in self._vae_groups(tuple(m.modules or ()), m.intensity):
-                    curve -= prof.temporaries(g.paths, "vae", g.glue) * (1.0 - 1.0 / g.divisor)
+                    # only where the group's temporaries are not zero (elsewhere nothing changes)
+                    lo, temp = prof.temporaries_span(g.paths, "vae", g.glue)
+                    curve[lo:lo + len(temp)] -= temp * (1.0 - 1.0 / g.divisor)
         elif m.kind == "temporary_serialization":
             group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
             _shrink_runs(curve, base, prof.group_runs(group), m.intensity)

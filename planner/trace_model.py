@@ -21,7 +21,7 @@ from xema_ray.templates import RequestTemplate
 from planner.estimates import evenly_spread
 from planner.memory_model import MemoryModel, TraceProfile, add_block_windows, weight_action_bytes
 from planner.model import MemoryView, MitigationOption, Rejection
-from planner.traces import TraceCache
+from planner.traces import PLANNER_TRACE, TraceCache
 from planner.vae_bands import VaeLayout
 
 DIT_CHUNKS = (2, 4, 8, 16)  # sequence chunks tried for DiT chunking (feed-forward, norms, rotary, attention)
@@ -258,8 +258,8 @@ class TracePlannerModel:
         from xema_ray.mitigation.tracing import trace_with_mitigations
 
         t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
-        trace = trace_with_mitigations(t, list(config.mitigations), world_size=max(2, config.sp),
-                                       pipeline=self.traces.pipeline(t))
+        trace = trace_with_mitigations(t, list(config.mitigations), options=PLANNER_TRACE,
+                                       world_size=max(2, config.sp), pipeline=self.traces.pipeline(t))
         prof = TraceProfile(trace, self._blocks)
         prof.held_weights = self._held_weights(prof, config)
         return prof

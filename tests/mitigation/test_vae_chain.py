@@ -36,14 +36,14 @@ def _no_onednn() -> Iterator[None]:
 def band_plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every band layout the chunking plans while the test runs."""
     seen: list[Any] = []
-    plan = vae_chunking._Bands.plan
+    plan = vae_chunking.Bands.plan
 
     def spy(*a: Any, **k: Any) -> Any:
         b = plan(*a, **k)
         seen.append(b)
         return b
 
-    monkeypatch.setattr(vae_chunking._Bands, "plan", staticmethod(spy))
+    monkeypatch.setattr(vae_chunking.Bands, "plan", staticmethod(spy))
     return seen
 
 

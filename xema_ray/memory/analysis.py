@@ -173,20 +173,25 @@ class IntervalIndex:
         self.size_sorted = trace.size[self.order].astype(np.float64)
         # (start, stop, top_ops) -> (units, phases, ops): what runs in a range never changes
         self._described: dict[tuple[int, int, int], tuple[list[str], list[str], list[str]]] = {}
+        self._unit_runs = _rle(self.event_unit)
+        self._phase_runs = _rle(self.event_phase)
+        self._made: dict[tuple[int, int, int, int, int], PressureInterval] = {}
 
     def _describe(self, s: int, e: int, lo: int, hi: int, top_ops: int) -> tuple[list[str], list[str], list[str]]:
         """(units, phases, ops) of events [s, e); allocations lo:hi of the begin-sorted order."""
-        # each unit once, in first-seen order (a unit may run in several steps)
-        u = self.event_unit[s:e]
-        u = u[u >= 0]
-        ids, first = np.unique(u, return_index=True)
-        units = [self.unit_names[i] for i in ids[np.argsort(first)]]
-        phases = sorted(self.trace.phases[p] for p in np.unique(self.event_phase[s:e]) if p >= 0)
+        # each unit once, in first-seen order (a unit may run in several steps): from the runs
+        # of equal units overlapping [s, e), not event by event
+        units = [self.unit_names[i] for i in dict.fromkeys(_runs_in(self._unit_runs, s, e)) if i >= 0]
+        phases = sorted(self.trace.phases[p] for p in set(_runs_in(self._phase_runs, s, e)) if p >= 0)
         op = self.op_sorted[lo:hi]
-        present, first_row, inverse = np.unique(op, return_index=True, return_inverse=True)
-        nbytes = np.bincount(inverse.ravel(), weights=self.size_sorted[lo:hi], minlength=len(present))
+        n_ops = len(self.op_names)
+        # bytes per operator, summed in allocation order (as a bincount over the rows)
+        nbytes_all = np.bincount(op, weights=self.size_sorted[lo:hi], minlength=n_ops)
+        present = np.flatnonzero(np.bincount(op, minlength=n_ops))
+        first_all = np.full(n_ops, len(op), dtype=np.int64)
+        np.minimum.at(first_all, op, np.arange(len(op), dtype=np.int64))
         # largest bytes first; ties in first-allocation order
-        rank = np.lexsort((first_row, -nbytes))
+        rank = np.lexsort((first_all[present], -nbytes_all[present]))
         return units, phases, [self.op_names[i] for i in present[rank][:top_ops]]
 
     def intervals(self, budget: int, curve: np.ndarray, top_ops: int = 5) -> list[PressureInterval]:
@@ -211,10 +216,36 @@ class IntervalIndex:
                 if len(self._described) > 20_000:
                     self._described.clear()
                 self._described[(s, e, top_ops)] = described
-            units, phases, ops = described
-            out.append(PressureInterval(start=s, stop=e, peak_bytes=int(peak), excess_bytes=int(peak) - budget,
-                                        phases=phases, units=units, ops=ops))
+            peak = int(peak)
+            # candidates mostly share intervals (same range, same peak): one frozen object each,
+            # built without validation (every field is already of its type)
+            key = (s, e, top_ops, peak, budget)
+            iv = self._made.get(key)
+            if iv is None:
+                units, phases, ops = described
+                iv = PressureInterval.model_construct(start=s, stop=e, peak_bytes=peak, excess_bytes=peak - budget,
+                                                      phases=list(phases), units=list(units), ops=list(ops))
+                if len(self._made) > 50_000:
+                    self._made.clear()
+                self._made[key] = iv
+            out.append(iv)
         return out
+
+
+def _rle(values: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Run-length encoding of a per-event array: (start event of each run, value of each run)."""
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int64), []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(values)) + 1])
+    return starts, values[starts].tolist()
+
+
+def _runs_in(runs: tuple[np.ndarray, list[int]], s: int, e: int) -> list[int]:
+    """Values of the runs overlapping events [s, e), in event order."""
+    starts, vals = runs
+    i0 = int(np.searchsorted(starts, s, side="right")) - 1
+    i1 = int(np.searchsorted(starts, e, side="left"))
+    return vals[max(i0, 0):i1]
 
 
 def segments(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Segment]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from xema_ray.memory.block_replay import BlockReplay, transformer_blocks
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.memory.tracer import (
     ALLOC,
@@ -73,6 +74,9 @@ class TraceOptions:
     #: "device" (resident all request), "streamed" (layers through the device during set-up) or
     #: "cpu" (nothing on the device: the embeddings arrive as inputs); None = stand-in inputs
     text_encoder: str | None = None
+    #: run each distinct DiT block call once and replay its allocations for the other blocks
+    #: (``block_replay``; meta device only, exact: the tests compare event for event)
+    replay_blocks: bool = False
 
 
 def default_dtype_for(spec: ModelSpec) -> torch.dtype:
@@ -111,7 +115,10 @@ def trace_template(
 
     prompts = [opts.prompt] * template.batch
     encoder = _attach_text_encoder(pipe, spec, opts, dtype)
-    tracer = AllocationTracer(opts.device, _module_names(pipe), count_host=opts.count_host, memoise=opts.memoise)
+    names = _module_names(pipe)
+    tracer = AllocationTracer(opts.device, names, count_host=opts.count_host, memoise=opts.memoise)
+    replay = (BlockReplay(tracer, transformer_blocks(pipe, names))
+              if opts.replay_blocks and opts.device == "meta" and not opts.count_host else None)
     for name, module in _components(pipe):
         tracer.register_module(name, module)
     if encoder is None:
@@ -133,6 +140,7 @@ def trace_template(
             cuda_like_attention(tracer),
             meta_shims() if opts.device == "meta" else contextlib.nullcontext(),
             extra,
+            replay.installed() if replay is not None else contextlib.nullcontext(),
             tracer,
         ):
             if encoder is not None:  # text encoding is the first part of the set-up phase
@@ -155,6 +163,8 @@ def trace_template(
             "text_encoder": opts.text_encoder or "none",
         }
     )
+    if replay is not None:
+        raw.meta["block_replay"] = f"{replay.replayed} replayed / {replay.recorded} recorded"
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
     return expand_steps(raw, template.steps)

@@ -95,6 +95,12 @@ class AllocationTracer(TorchDispatchMode):
         [0, 1]
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in a dynamo-disabling wrapper
+        # (two extra Python frames per operator); nothing here is ever compiled
+        return False
+
     def __init__(self, device: str, module_names: dict[int, str], count_host: bool = False, memoise: bool = True) -> None:
         super().__init__()
         self.memo = MetaKernelMemo() if memoise else None

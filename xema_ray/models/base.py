@@ -332,6 +332,8 @@ class ModelSpec(ABC):
         prompt: str, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype, salt: str = ""
     ) -> torch.Tensor:
         """A deterministic stand-in embedding for ``prompt`` (unit variance, like encoder outputs)."""
+        if torch.device(device).type == "meta":  # only the shape exists there: draw nothing
+            return torch.empty(shape, dtype=dtype, device="meta")
         digest = hashlib.sha256(f"{salt}\x00{prompt}".encode()).digest()
         gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
