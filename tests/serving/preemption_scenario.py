@@ -39,7 +39,8 @@ class LiveRun(BaseModel):
     latencies_s: dict[str, float]  # request (seed as a string) -> seconds, arrival to response
     templates: dict[str, str]  # request -> template shape key
     decisions: list[tuple[str, str, int]]  # (kind, paused template, requests of the preempting batch)
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # the group's preemption report
+    all_stats: dict[str, Any]  # the whole /v1/stats answer at the end
     job_samples: list[tuple[int, str]]  # (batches paused in the group, the job's status) over the run
 
 
@@ -62,15 +63,19 @@ def measure_latencies() -> dict[str, float]:
 
 
 def plan_table(latency: dict[str, float], hardware: str) -> PlanTable:
-    """Short: SLO 2× its latency + 0.5 s (it cannot wait for a long one); long: 10× its latency."""
+    """Short: SLO 2× its latency + 0.5 s (it cannot wait for a long one); long: 10× its latency.
+    The short template also carries a static layout (``run_live`` writes it next to the table):
+    the CPU workers load and validate it and report why they cannot arm it."""
     from planner.pause_state import with_pause_bytes
     from planner.traces import TraceCache
+    from xema_ray.runtime.layouts import solve_entry_layout
 
     cache = TraceCache()
     entries = {}
     for t, slo in ((SHORT, 2 * latency[SHORT.shape_key] + 0.5), (LONG, 10 * latency[LONG.shape_key])):
         lat = latency[t.shape_key]
-        e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
+        ref = solve_entry_layout(ExecutionConfig(template=t), gpu="any").layout_id if t is SHORT else None
+        e = PlanEntry(config=ExecutionConfig(template=t, layout_ref=ref), prediction=PlanPrediction(
             peak_bytes=50 * 2**20, latency_s=lat, goodput_rps=1 / lat, slo_s=slo, latency_source="measured"))
         entries[t.shape_key] = with_pause_bytes(e, cache)
     return PlanTable(hardware=hardware, gpus=1, budget_bytes=2**30, entries=entries)
@@ -98,7 +103,13 @@ def serve_args(max_preemptions: int, jobs_dir: Path | None = None) -> dict[str, 
 
 def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
     """Send ``trace`` to the app (each request at its time) and collect latencies and decisions."""
+    from xema_ray.runtime.layouts import layouts_dir, save_artifact, solve_entry_layout
+
     by_key = {t.shape_key: t for t in (SHORT, LONG)}
+    for e in table.entries.values():  # running_app saves the table as plans_dir/table.json
+        if e.config.layout_ref is not None:
+            save_artifact(solve_entry_layout(e.config.model_copy(update={"layout_ref": None}), gpu="any"),
+                          layouts_dir(plans_dir / "table.json"))
     with running_app(serve_args(max_preemptions, plans_dir / "jobs"), table, plans_dir) as url:
         body = {"model": "tiny-cogvideox", "prompt": "warm-up", "seed": 0}
         for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
@@ -147,7 +158,7 @@ def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemp
     group = stats["preemption"]["tiny-cogvideox"]
     return LiveRun(latencies_s=dict(done), templates={a.request_id: a.template for a in trace},
                    decisions=[(d["kind"], d["template"], len(d["by"])) for d in group["recent"]], stats=group,
-                   job_samples=samples)
+                   all_stats=stats, job_samples=samples)
 
 
 def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:

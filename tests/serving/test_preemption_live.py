@@ -1,7 +1,8 @@
 """Step-level preemption through the Serve app on CPU: a short tiny-cogvideox request arriving
 while a long one runs on the group's only worker preempts it (outputs staying bitwise equal is
 tests/runtime/test_preemption.py's part); the live group makes the simulator's decisions on the same arrivals;
-a paused video job reports itself in progress."""
+a paused video job reports itself in progress; /v1/stats also shows the static-layout counters (a
+CPU worker loads and validates the short template's layout, and says why it cannot arm it)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def test_a_paused_video_job_is_in_progress(scenario: tuple[sc.PlanTable, list[sc
     while_paused = {status for paused, status in live.job_samples if paused}
     assert while_paused == {"in_progress"}  # sampled while the job's batch was parked
     assert live.job_samples[-1][1] == "completed"
+
+
+def test_v1_stats_shows_layout_counters_per_template_and_why_not_armed(
+        scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
+    from xema_ray.serving.stats import StatsResponse
+
+    table, trace, live = scenario
+    stats = StatsResponse.model_validate(live.all_stats)
+    assert stats.received == len(trace) + 2  # and the two warm-up requests
+    group = stats.static_layouts["tiny-cogvideox"]
+    assert "1 layout(s) loaded and validated; not armed" in group.status and "cpu" in group.status
+    short, long = group.templates[sc.SHORT.shape_key], group.templates[sc.LONG.shape_key]
+    assert short.layout_ref == table.entries[sc.SHORT.shape_key].config.layout_ref and long.layout_ref is None
+    # on CPU nothing is armed: the counters are honest zeros
+    assert (short.batches, short.armed_batches, short.hits, short.fallbacks, short.reserved_bytes) == (2, 0, 0, 0, 0)
