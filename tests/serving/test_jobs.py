@@ -109,3 +109,13 @@ def test_finished_jobs_expire(tmp_path: Path) -> None:
 def test_error_raised_if_redis_backend_has_no_url() -> None:
     with pytest.raises(ValueError, match="redis_url"):
         JobStoreConfig(backend="redis")
+
+
+def test_an_owner_reclaiming_its_job_counts_no_new_attempt(store: JobStore) -> None:
+    """Two reconcilers may hand the same unowned job to a group: the second hand-over re-claims it."""
+    j = store.create(_job())
+    store.accept(j.id, "g1")
+    store.accept(j.id, "g1")
+    assert store.get(j.id).attempts == 1  # type: ignore[union-attr]
+    store.accept(j.id, "g2")  # another owner taking it over is another attempt
+    assert store.get(j.id).attempts == 2  # type: ignore[union-attr]

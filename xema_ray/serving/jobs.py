@@ -190,10 +190,13 @@ class JobStore(ABC):
         return self._insert(rec)
 
     def accept(self, job_id: str, owner: str) -> JobRecord | None:
-        """``owner`` queues the job: it must be live and not finished. Returns the record."""
+        """``owner`` queues the job: it must be live and not finished. Returns the record. An owner
+        re-claiming a job it holds already does not count another attempt."""
         def fn(r: JobRecord) -> JobRecord | None:
             if r.deleted or r.status in TERMINAL:
                 return None
+            if r.owner == owner:
+                return r
             return r.model_copy(update={"owner": owner, "attempts": r.attempts + 1})
         return self._update(job_id, fn)
 

@@ -276,17 +276,24 @@ class ModelGroup(PreemptingGroup):
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
-        if not self._beating:  # the lease must be live before the first job names this owner
-            await asyncio.to_thread(store.heartbeat, self.owner)
-        if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
-            return False
+        # ours from here on: a second hand-over of the same job (two reconcilers saw it unowned)
+        # arriving while this one awaits the store only re-claims it, it never queues it twice
+        self._job_ids.add(job_id)
         try:
+            if not self._beating:  # the lease must be live before the first job names this owner
+                await asyncio.to_thread(store.heartbeat, self.owner)
+            if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
+                self._job_ids.discard(job_id)
+                return False
             self.dispatcher.submit(template, job_id, time.monotonic(), _Ticket(request, guidance_scale, None, job_id))
         except OverflowError as e:
+            self._job_ids.discard(job_id)
             await asyncio.to_thread(store.requeue, job_id, self.owner)
             self.metrics.rejected.inc(tags={"template": template})
             raise QueueFull(str(e), retry_after_s=max(1.0, self.dispatcher.plans[template].latency_s)) from None
-        self._job_ids.add(job_id)
+        except BaseException:
+            self._job_ids.discard(job_id)
+            raise
         self.metrics.queue_depth.set(self.dispatcher.queue_depth(template), tags={"template": template})
         assert self._wake is not None
         self._wake.set()
