@@ -4,31 +4,18 @@ blocks carrying a mitigation's hook are run, not replayed."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from tests.memory.trace_equality import TEMPLATES, columns_equal
 from xema_ray.memory.analyzer import TraceOptions, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.mitigation.tracing import trace_with_mitigations
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
 
-TEMPLATES = [
-    RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4),
-    RequestTemplate(model="tiny-cogvideox", height=32, width=48, frames=5, steps=4, batch=2),
-    RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=4),
-]
-
 
 def _equal(a: MemoryTrace, b: MemoryTrace) -> None:
-    for name, va in vars(a).items():
-        if name == "meta":
-            continue
-        vb = getattr(b, name)
-        if isinstance(va, np.ndarray):
-            np.testing.assert_array_equal(va, vb, err_msg=name)
-        else:
-            assert va == vb, name
+    columns_equal(a, b)
     assert a.meta["trace_hash"] == b.meta["trace_hash"]
 
 

@@ -4,38 +4,20 @@ scalar types) runs the real kernel."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from tests.memory.trace_equality import TEMPLATES, columns_equal
 from xema_ray.memory.analyzer import TraceOptions, trace_template
 from xema_ray.memory.meta_memo import MetaKernelMemo
-from xema_ray.memory.trace import MemoryTrace
 from xema_ray.templates import RequestTemplate
-
-TEMPLATES = [
-    RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4),
-    RequestTemplate(model="tiny-cogvideox", height=32, width=48, frames=5, steps=4, batch=2),
-    RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=4),
-]
-
-
-def _columns_equal(a: MemoryTrace, b: MemoryTrace) -> None:
-    for name, va in vars(a).items():
-        if name == "meta":
-            continue
-        vb = getattr(b, name)
-        if isinstance(va, np.ndarray):
-            np.testing.assert_array_equal(va, vb, err_msg=name)
-        else:
-            assert va == vb, name
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda t: t.key)
 def test_memoised_trace_equals_unmemoised(template: RequestTemplate) -> None:
     fast = trace_template(template)
     slow = trace_template(template, TraceOptions(memoise=False))
-    _columns_equal(fast, slow)
+    columns_equal(fast, slow)
     hits, misses = (int(x.split()[0]) for x in fast.meta["meta_kernel_memo"].split(" / "))
     assert hits > misses  # repeated blocks and steps really reuse kernel results
 
