@@ -302,8 +302,13 @@ class Dispatcher(Generic[P]):
         self.decisions.append(Decision(now, "preempt", p.batch_id, a.template, _ids(a), _ids(by), p.offload))
         self.preemptions_total += 1
 
+    def assignment(self, batch_id: int) -> Assignment[P]:
+        """A running or paused batch's assignment."""
+        a = self._running.get(batch_id)
+        return a if a is not None else self._paused[batch_id]
+
     def _expected_end(self, bid: int, now: float) -> float:
-        a = self._running.get(bid) or self._paused[bid]
+        a = self.assignment(bid)
         prog = self._progress[bid]
         return now + prog.remaining(a.plan.latency_s, now)
 
@@ -314,10 +319,8 @@ class Dispatcher(Generic[P]):
         for w in group:
             if w in self._busy:
                 t = max(t, self._expected_end(self._busy[w], now))
-        for w in group:
-            if w in self._held:
-                held = self._held[w]
-                t = max(t, t + self._progress[held].remaining(self._paused[held].plan.latency_s, now))
+        for held in {self._held[w] for w in group if w in self._held}:
+            t += self._progress[held].remaining(self._paused[held].plan.latency_s, now)
         return t
 
     def _switch_s(self, a: str, b: str) -> float:

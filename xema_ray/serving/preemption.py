@@ -126,8 +126,7 @@ class PreemptingGroup:
         self.preempt.want(batch_id, offload)
         run_id = self.preempt.current_run.get(batch_id)
         if run_id is not None:
-            a = next(x for x in self.dispatcher.paused if x.batch_id == batch_id)
-            for w in a.workers:
+            for w in self.dispatcher.assignment(batch_id).workers:
                 self._actors[w].pause.remote(run_id, offload)
 
     async def _run_sub_batch(self, a: Assignment[Any], batch: Any, observer: Any, run_id: str) -> list[Any]:

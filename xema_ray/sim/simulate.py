@@ -176,7 +176,7 @@ def simulate(
         for pre in a.preempts:  # each runs on to its next step boundary, then parks
             vkey = (m, pre.batch_id)
             left, _ = running[vkey]
-            steps = max(1, d.plans[_template_of(d, pre.batch_id)].steps)
+            steps = max(1, d.assignment(pre.batch_id).plan.steps)
             step_s = total[vkey] / steps
             ran = total[vkey] - left
             boundary = (math.floor(ran / step_s + 1e-9) + 1) * step_s
@@ -247,7 +247,3 @@ def simulate(
         preemptions=sum(d.preemptions_total for d in disps.values()),
         decisions=[x for d in disps.values() for x in d.decisions],
     )
-
-
-def _template_of(d: Dispatcher[None], batch_id: int) -> str:
-    return next(a.template for a in (*d.running, *d.paused) if a.batch_id == batch_id)
