@@ -86,11 +86,18 @@ class TraceProfile:
     def interval_index(self) -> IntervalIndex:
         return IntervalIndex(self.trace)
 
+    def in_group(self, group: str) -> np.ndarray:
+        """Per event, whether it belongs to a phase group (cached: a string comparison per event)."""
+        key = ("in_group", group)
+        if key not in self._curves:
+            self._curves[key] = self.groups == group
+        return self._curves[key]
+
     def group_runs(self, group: str) -> list[tuple[int, int]]:
         """Runs of events of a phase group (cached: every candidate asks again)."""
         key = ("group", group)
         if key not in self._runs:
-            self._runs[key] = self.runs(self.groups == group)
+            self._runs[key] = self.runs(self.in_group(group))
         return self._runs[key]
 
     def live_caches(self, paths: tuple[str, ...]) -> np.ndarray:
@@ -130,8 +137,9 @@ class TraceProfile:
         if key not in self._runs:
             index = self.interval_index
             wanted = np.zeros(len(index.unit_names) + 1, dtype=bool)  # last slot: events of no unit
-            wanted[[i for i, u in enumerate(index.unit_names) if u in set(paths)]] = True
-            self._runs[key] = self.runs(wanted[index.event_unit] & (self.groups == group))
+            chosen = set(paths)
+            wanted[[i for i, u in enumerate(index.unit_names) if u in chosen]] = True
+            self._runs[key] = self.runs(wanted[index.event_unit] & self.in_group(group))
         return self._runs[key]
 
     def module_runs(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> list[tuple[int, int]]:
@@ -145,11 +153,11 @@ class TraceProfile:
             t = self.trace
             under = np.array([any(n == p or n.startswith(p + ".") for p in paths) for n in t.modules] + [False])
             mods = self.event_modules
-            inside = under[mods] & (self.groups == group)
+            inside = under[mods] & self.in_group(group)
             if glue is None:
                 self._runs[key] = self.runs(inside)
             else:
-                own = (np.array([n in glue for n in t.modules] + [True])[mods]) & (self.groups == group)
+                own = (np.array([n in glue for n in t.modules] + [True])[mods]) & self.in_group(group)
                 runs = []
                 for s, e in self.runs(inside | own):
                     hits = np.flatnonzero(inside[s:e])

@@ -1,8 +1,9 @@
 """The planner's four stages (paper §7.3, Figure 8), against ``PlannerModel``.
 
 1. Parallelism and batch search: SP ∈ factors(N), DP = N / SP, BS = 1, 2, ... per layout, pruned
-   by the memory rule (infeasible even with every mitigation at full intensity) and the SLO rule
-   (unmitigated latency already over the SLO); a layout stops growing its batch once pruned.
+   by the SLO rule (unmitigated latency already over the SLO; checked first, it needs no trace)
+   and the memory rule (infeasible even with every mitigation at full intensity); a layout stops
+   growing its batch once pruned.
 2. Locate where memory exceeds the budget: the candidate's pressure intervals.
 3. Mitigation search per interval: zero-overhead choices first, then the remaining options; keep
    those that bring the interval under budget; the lowest-latency one wins (profiled). Options
@@ -159,12 +160,15 @@ def stage1(
             except ValueError as e:  # e.g. more ranks than tokens
                 log.pruned_memory.append(f"SP{sp} BS{bs}: invalid ({e})")
                 break
+            # the SLO rule first: the unmitigated latency needs no trace (mitigations only add
+            # time, so it bounds every mitigated one from below), while the memory rule needs
+            # the analyzer's trace of this batch size: a batch too slow for the SLO is never traced
+            if slo_s is not None and model.latency(cfg) > slo_s:
+                log.pruned_slo.append(cfg.describe())
+                break
             full = with_actions(cfg, model.full_mitigation(cfg))
             if not model.memory(full, budget).fits:
                 log.pruned_memory.append(cfg.describe())
-                break
-            if slo_s is not None and model.latency(cfg) > slo_s:
-                log.pruned_slo.append(cfg.describe())
                 break
             survivors.append(cfg)
             log.survivors.append(cfg.describe())

@@ -55,6 +55,8 @@ def test_slo_rule_prunes_and_stops_the_batch() -> None:
     out = stage1(m, T, gpus=1, budget=100 * GB, slo_s=25.0, max_batch=8, log=log)
     assert [c.batch for c in out] == [1, 2, 3]  # BS4 takes 10·4^0.7 = 26.4 s > 25 s
     assert log.pruned_slo == ["SP1 DP1 BS4"]
+    # the SLO rule runs first: a batch too slow for the SLO is never analysed (never traced)
+    assert not any('"batch":4' in k for k in m.counter.analysed)
 
 
 def test_stage3_prefers_zero_overhead_offload() -> None:
