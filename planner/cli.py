@@ -32,7 +32,7 @@ from planner.latency import LatencyModel, combine, hardware_names
 from planner.measure import DeviceLatency, task_device
 from planner.residency import choose_group_residency
 from planner.pause_state import with_pause_bytes
-from planner.text_encoder import place_text_encoder
+from planner.text_encoder import EncoderFacts, encoder_facts, place_text_encoder
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
@@ -105,6 +105,10 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
     if entry is not None:
         entry = with_pause_bytes(with_latency_source(entry, timer), cache)
+        if opts.get("text_encoder") == "plan" and template.spec.text_encoder is not None:
+            # measured here, where the model's meta pipeline is built already and in parallel
+            # with the other tasks; the driver places the encoder after the residency choice
+            result["encoder_facts"] = encoder_facts(entry.config).model_dump_json()
     if isinstance(timer, DeviceLatency):
         result["measured"], result["estimated"] = len(timer.measured), len(timer.estimated)
     else:  # the cost model; on a CPU, calibrated by one measured request (itself measured)
@@ -120,6 +124,16 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     result["cpu_s"] = time.process_time() - cpu0  # this task's CPU time (other jobs stretch only the wall time)
     result["started_unix"], result["worker_pid"] = started, os.getpid()  # for the planning timeline
     return result
+
+
+def merged_encoder_facts(results: list[dict[str, Any]]) -> dict[str, EncoderFacts]:
+    """Per model, the text-encoder facts the planning tasks sent back, merged."""
+    out: dict[str, EncoderFacts] = {}
+    for r in results:
+        if r.get("encoder_facts"):
+            f = EncoderFacts.model_validate_json(r["encoder_facts"])
+            out[f.model] = out[f.model].merged(f) if f.model in out else f
+    return out
 
 
 def with_latency_source(entry: PlanEntry, timer: LatencyModel | DeviceLatency) -> PlanEntry:
@@ -224,7 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = {"hardware": args.hardware, "budget": budget, "gpus": gpus, "group_gpus": group_gpus,
             "slo_scale": args.slo_scale, "max_batch": args.max_batch, "planner": args.planner,
             "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store,
-            "measure": args.measure}
+            "measure": args.measure, "text_encoder": args.text_encoder}
     t0 = time.perf_counter()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
@@ -235,9 +249,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         entries, residency = group_residencies(entries, latency_model)
     encoders: dict[str, str] = {}
     if args.text_encoder == "plan":
+        facts = merged_encoder_facts(results)
         for k, e in list(entries.items()):
             if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency_model.hardware, budget)
+                entries[k], costs = place_text_encoder(e, latency_model.hardware, budget,
+                                                       facts.get(e.config.template.spec.name))
                 chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
                 encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
     table = PlanTable(

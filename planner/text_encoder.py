@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import ExecutionConfig, PlanEntry
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.runtime.residency import Residency, block_sizes
+
+from planner.traces import meta_pipeline
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,35 @@ class EncoderCosts:
     peak_bytes: int
     setup_peak_bytes: int
     seconds: float
+
+
+class EncoderFacts(BaseModel):
+    """What placing a model's text encoder needs, measured once where the model is built (the
+    planning task, which has its meta pipeline already) and sent back to the driver as JSON: the
+    driver then only does arithmetic, whatever residency the model group ends up with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    total_bytes: int = Field(description="all of the encoder's weights")
+    streamed_bytes: int = Field(description="its parts streamed through the device (embedding, layers, norm, head)")
+    largest_part_bytes: int
+    text_params: int = Field(description="parameters of the text path (vision tower excluded)")
+    weights_bytes: int = Field(description="the pipeline's other components' weights (transformer, VAE, ...)")
+    activation_bytes: dict[int, int] = Field(
+        default_factory=dict, description="prompts encoded at once -> peak activation bytes (meta trace)")
+
+    def merged(self, other: EncoderFacts) -> EncoderFacts:
+        """These facts with ``other``'s activation peaks too (same model)."""
+        if other.model != self.model:
+            raise ValueError(f"cannot merge encoder facts of {other.model} into {self.model}")
+        return self.model_copy(update={"activation_bytes": {**self.activation_bytes, **other.activation_bytes}})
+
+
+def encode_prompts_count(config: ExecutionConfig) -> int:
+    """Prompts one batch encodes: the empty negative prompt too where the model runs CFG on it
+    (CogVideoX, LTX-2)."""
+    return config.batch * (2 if config.template.spec.family in ("cogvideox", "ltx2") else 1)
 
 
 @cache
@@ -62,18 +94,22 @@ def _encoder_facts(model: str) -> tuple[int, int, int, int]:
 def trace_encode(model: str, batch: int) -> int:
     """Peak activation bytes of the model's real encoder on ``batch`` prompts (meta trace, weights excluded)."""
     from xema_ray.memory.tracer import AllocationTracer, cuda_like_attention
-    from xema_ray.models import BuildOptions, get_model_spec
+    from xema_ray.models import get_model_spec
     from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, meta_shims
 
     spec = get_model_spec(model)
     dtype = torch.bfloat16 if spec.size == "real" else torch.float32
-    pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=dtype))
+    pipe = meta_pipeline(model)
+    saved = (getattr(pipe, "text_encoder", None), getattr(pipe, "tokenizer", None))
     pipe.text_encoder = build_encoder_on_meta(spec.text_encoder, dtype, real_buffers=False)
     pipe.tokenizer = build_tokenizer(spec.text_encoder)
     tracer = AllocationTracer("meta", {})
-    with torch.no_grad(), meta_shims(), cuda_like_attention(tracer), tracer:
-        out = spec.encode_prompts(pipe, ["a photo of a cat"] * batch, torch.device("meta"), dtype)
-        del out
+    try:
+        with torch.no_grad(), meta_shims(), cuda_like_attention(tracer), tracer:
+            out = spec.encode_prompts(pipe, ["a photo of a cat"] * batch, torch.device("meta"), dtype)
+            del out
+    finally:
+        pipe.text_encoder, pipe.tokenizer = saved  # the shared pipeline traces without it
     live, peak = 0, 0
     raw = tracer.raw()
     for kind, rec in zip(raw.event_kind, raw.event_alloc, strict=True):
@@ -82,39 +118,55 @@ def trace_encode(model: str, batch: int) -> int:
     return peak
 
 
-def _resident_bytes(config: ExecutionConfig) -> int:
+@cache
+def _weights_bytes(model: str) -> int:
+    pipe = meta_pipeline(model)
+    return sum(t.numel() * t.element_size() for name, c in pipe.components.items()
+               if isinstance(c, torch.nn.Module) and name != "text_encoder" for t in c.parameters())
+
+
+def encoder_facts(config: ExecutionConfig) -> EncoderFacts:
+    """The facts ``placement_costs`` needs for ``config``'s model and batch (meta builds and a
+    meta trace of the encoder, each done once per process)."""
+    model = config.template.spec.name
+    total, streamed, largest, params = _encoder_facts(model)
+    prompts = encode_prompts_count(config)
+    return EncoderFacts(model=model, total_bytes=total, streamed_bytes=streamed, largest_part_bytes=largest,
+                        text_params=params, weights_bytes=_weights_bytes(model),
+                        activation_bytes={prompts: trace_encode(model, prompts)})
+
+
+def _resident_bytes(config: ExecutionConfig, facts: EncoderFacts) -> int:
     """Device weights of the plan outside the DiT's streamed blocks (transformer + VAE + the rest)."""
-    from planner.estimates import _meta_pipeline
-
-    pipe = _meta_pipeline(config.template.model)
-    total = sum(t.numel() * t.element_size() for name, c in pipe.components.items()
-                if isinstance(c, torch.nn.Module) and name != "text_encoder" for t in c.parameters())
     sizes = block_sizes(config.template.spec)
-    return total - sum(sizes[i] for i in Residency.of_config(config).host_blocks)
+    return facts.weights_bytes - sum(sizes[i] for i in Residency.of_config(config).host_blocks)
 
 
-def placement_costs(entry: PlanEntry, hw: HardwareProfile) -> list[EncoderCosts]:
-    """Each placement's device peaks and set-up seconds for ``entry``'s batch."""
+def placement_costs(entry: PlanEntry, hw: HardwareProfile, facts: EncoderFacts | None = None) -> list[EncoderCosts]:
+    """Each placement's device peaks and set-up seconds for ``entry``'s batch (``facts``: from
+    ``encoder_facts``, computed here when not given)."""
     c = entry.config
     spec = c.template.spec
-    total, streamed, largest, params = _encoder_facts(spec.name)
-    # the empty negative prompt is encoded too where the model runs CFG on it (CogVideoX, LTX-2)
-    prompts = c.batch * (2 if spec.family in ("cogvideox", "ltx2") else 1)
-    flops = 2.0 * params * spec.text_tokens * prompts
+    prompts = encode_prompts_count(c)
+    if facts is None or prompts not in facts.activation_bytes:
+        facts = encoder_facts(c) if facts is None else facts.merged(encoder_facts(c))
+    flops = 2.0 * facts.text_params * spec.text_tokens * prompts
     device_s = flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
-    act = trace_encode(spec.name, prompts)
-    resident = _resident_bytes(c)
+    act = facts.activation_bytes[prompts]
+    resident = _resident_bytes(c, facts)
     peak = entry.prediction.peak_bytes
+    total, largest = facts.total_bytes, facts.largest_part_bytes
     return [
         EncoderCosts("device", peak + total, resident + total + act, device_s),
-        EncoderCosts("streamed", peak, resident + 2 * largest + act, max(device_s, streamed / (hw.h2d_gbps * 1e9))),
+        EncoderCosts("streamed", peak, resident + 2 * largest + act, max(device_s, facts.streamed_bytes / (hw.h2d_gbps * 1e9))),
         EncoderCosts("cpu", peak, peak, flops / (hw.host_tflops * 1e12)),
     ]
 
 
-def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int) -> tuple[PlanEntry, list[EncoderCosts]]:
+def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int,
+                       facts: EncoderFacts | None = None) -> tuple[PlanEntry, list[EncoderCosts]]:
     """``entry`` with the fastest placement that fits ``budget`` (the CPU always fits)."""
-    costs = placement_costs(entry, hw)
+    costs = placement_costs(entry, hw, facts)
     fits = [k for k in costs if max(k.peak_bytes, k.setup_peak_bytes) <= budget] or [costs[-1]]
     best = min(fits, key=lambda k: k.seconds)
     cfg = entry.config.model_copy(update={"text_encoder": best.placement})

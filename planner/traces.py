@@ -50,12 +50,7 @@ class TraceCache:
 
     def pipeline(self, template: RequestTemplate) -> Any:
         """The model's meta-device pipeline, built on first use in this process."""
-        pipe = _META_PIPELINES.get(template.model)
-        if pipe is None:
-            spec = template.spec
-            pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))
-            _META_PIPELINES[template.model] = pipe
-        return pipe
+        return meta_pipeline(template.model)
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
         key = template.key
@@ -72,3 +67,16 @@ class TraceCache:
                 trace.save(path)
         self._mem[key] = trace
         return trace
+
+
+def meta_pipeline(model: str) -> Any:
+    """``model``'s meta-device pipeline at its analysis dtype, built on first use in this process
+    and shared by every trace (and the text-encoder placement) of this process."""
+    pipe = _META_PIPELINES.get(model)
+    if pipe is None:
+        from xema_ray.models import get_model_spec
+
+        spec = get_model_spec(model)
+        pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))
+        _META_PIPELINES[model] = pipe
+    return pipe
