@@ -161,14 +161,9 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
         return [plan_one(t.model_dump_json(), opts) for t in tqdm(templates, desc="planning", unit="template")]
     import ray
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # inside `ray job submit`: join the cluster
-        else:
-            # Ray runs its workers at niceness 15 by default: on a machine shared with other jobs
-            # the planning tasks (all of this command's work) then only get what those leave
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(include_dashboard=False, log_to_driver=False)  # this machine's own CPUs and GPUs
+    from planner.boot import init_ray
+
+    init_ray()  # already done by ``python -m planner`` while the planner imported
     # a task holds a GPU only where the cluster has some: on a cluster without GPUs, asking for
     # one would wait forever (tasks then plan on the cost model, one per CPU)
     gpus_in_cluster = ray.cluster_resources().get("GPU", 0)

@@ -1,0 +1,54 @@
+"""Start-up of ``python -m planner plan``: the Ray cluster starts while the planner imports.
+
+Both take seconds on a small machine — importing the planner pulls in torch and diffusers (~5 s
+on the 2-core CI machine) and starting a local Ray instance waits on its processes (~6 s, mostly
+idle) — and neither needs the other, so the imports run on a thread while the main thread
+starts (or joins) the cluster. ``planner.cli`` then finds Ray initialised. Nothing here imports
+torch: this module is what ``python -m planner`` loads first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+
+def init_ray() -> None:
+    """Join the cluster inside ``ray job submit`` (``RAY_ADDRESS``), else start a local one with
+    this machine's CPUs and GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    # Ray runs its workers at niceness 15 by default: on a machine shared with other jobs the
+    # planning tasks (all of this command's work) then only get what those leave
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(include_dashboard=False, log_to_driver=False)
+
+
+def uses_ray(argv: list[str]) -> bool:
+    """Whether these arguments plan with Ray tasks (not ``--no-ray``, not a help request)."""
+    return bool(argv) and argv[0] == "plan" and not {"--no-ray", "-h", "--help"} & set(argv)
+
+
+def start(argv: list[str], module: str = "planner.cli") -> None:
+    """Import ``module`` on a thread while Ray starts, when ``argv`` plans with Ray; else nothing
+    (the caller's own import then does it all)."""
+    if not uses_ray(argv):
+        return
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001, S110 - the caller imports it again and sees the error there
+            pass
+
+    loader = threading.Thread(target=load, name="planner-imports", daemon=True)
+    loader.start()
+    try:
+        init_ray()
+    finally:
+        loader.join()
