@@ -19,12 +19,14 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from xema_ray.memory.analysis import gb, parse_bytes
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
+from xema_ray.runtime.residency import block_sizes
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
@@ -235,8 +237,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store,
             "measure": args.measure, "text_encoder": args.text_encoder}
     t0 = time.perf_counter()
+    # what the residency choice needs from each model (its DiT blocks' weight bytes: a meta build
+    # of the transformer, seconds with its imports) is prepared while the tasks run
+    sizes = threading.Thread(target=lambda: [block_sizes(t.spec) for t in {t.model: t for t in templates}.values()],
+                             name="block-sizes", daemon=True)
+    if not args.no_ray:
+        sizes.start()
     results = _run_all(templates, opts, use_ray=not args.no_ray)
     wall = time.perf_counter() - t0
+    if sizes.is_alive():
+        sizes.join()
     entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
     residency = {}
     latency_model = LatencyModel(args.hardware, store_path=args.profile_store)
