@@ -164,7 +164,8 @@ def trace_template(
         }
     )
     if replay is not None:
-        raw.meta["block_replay"] = f"{replay.replayed} replayed / {replay.recorded} recorded"
+        raw.meta["block_replay"] = (f"{replay.replayed} replayed ({replay.replayed_hooked} beneath mitigation hooks)"
+                                    f" / {replay.recorded} recorded")
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
     return expand_steps(raw, template.steps)

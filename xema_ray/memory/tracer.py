@@ -44,7 +44,7 @@ def round_size(nbytes: int) -> int:
     return ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     nbytes: int
     category: int
@@ -194,6 +194,14 @@ class AllocationTracer(TorchDispatchMode):
         self._event_kind.append(ALLOC)
         self._event_alloc.append(rec_idx)
         self._live[key] = (weakref.ref(storage, self._make_free_cb(key, rec_idx)), rec_idx)
+
+    def adopt(self, t: torch.Tensor, rec_idx: int) -> torch.UntypedStorage:
+        """Track ``t``'s storage as the allocation ``rec_idx`` already recorded (block replay
+        appends its records itself); its free is seen as usual. Returns the storage."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        self._live[key] = (weakref.ref(storage, self._make_free_cb(key, rec_idx)), rec_idx)
+        return storage
 
     def _make_free_cb(self, key: int, rec_idx: int) -> Callable[[weakref.ref], None]:
         def on_free(ref: weakref.ref) -> None:
