@@ -28,9 +28,9 @@ from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
 
-LTX2 = RequestTemplate(model="ltx2", width=1920, height=1088, frames=81, steps=4)
-COG = RequestTemplate(model="cogvideox-5b", width=1920, height=1088, frames=81, steps=4)
-FLUX = RequestTemplate(model="flux2", width=1024, height=1024, steps=4)
+LTX2 = RequestTemplate(model="ltx2", width=1920, height=1088, frames=81, steps=50)
+COG = RequestTemplate(model="cogvideox-5b", width=1920, height=1088, frames=81, steps=50)
+FLUX = RequestTemplate(model="flux2", width=1024, height=1024, steps=50)
 
 
 def _spread(k: int, n: int) -> tuple[int, ...]:

@@ -16,6 +16,8 @@ while tracing with what the CUDA kernels allocate.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -341,16 +343,23 @@ def cuda_like_attention(tracer: AllocationTracer | None) -> Iterator[None]:
         F.scaled_dot_product_attention = _ORIGINAL_SDPA
 
 
+_RECORD_FIELDS = operator.attrgetter("nbytes", "begin", "end", "category", "module", "op", "free_module")
+
+
 def raw_to_arrays(raw: RawTrace) -> dict[str, np.ndarray]:
     """Per-allocation columns of a raw trace (end = n_events where never freed)."""
-    n_ev = raw.n_events
     recs = raw.records
+    # one pass over the records at C speed: 7 fields each, in _RECORD_FIELDS order
+    table = np.fromiter(itertools.chain.from_iterable(map(_RECORD_FIELDS, recs)), dtype=np.int64,
+                        count=7 * len(recs)).reshape(len(recs), 7)
+    end = table[:, 2].copy()
+    end[end < 0] = raw.n_events
     return {
-        "nbytes": np.fromiter((r.nbytes for r in recs), dtype=np.int64, count=len(recs)),
-        "begin": np.fromiter((r.begin for r in recs), dtype=np.int64, count=len(recs)),
-        "end": np.fromiter((r.end if r.end >= 0 else n_ev for r in recs), dtype=np.int64, count=len(recs)),
-        "category": np.fromiter((r.category for r in recs), dtype=np.int8, count=len(recs)),
-        "module": np.fromiter((r.module for r in recs), dtype=np.int32, count=len(recs)),
-        "op": np.fromiter((r.op for r in recs), dtype=np.int32, count=len(recs)),
-        "free_module": np.fromiter((r.free_module for r in recs), dtype=np.int32, count=len(recs)),
+        "nbytes": table[:, 0].copy(),
+        "begin": table[:, 1].copy(),
+        "end": end,
+        "category": table[:, 3].astype(np.int8),
+        "module": table[:, 4].astype(np.int32),
+        "op": table[:, 5].astype(np.int32),
+        "free_module": table[:, 6].astype(np.int32),
     }
