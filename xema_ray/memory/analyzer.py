@@ -461,11 +461,12 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
         if name not in ("begin", "end")
     }
     n_total = n_orig + extra * per_step
-    ev = np.arange(len(kinds_n), dtype=np.int64)
+    is_alloc = kinds_n == ALLOC
     begin_n = np.full(n_total, -1, dtype=np.int64)
     end_n = np.full(n_total, len(kinds_n), dtype=np.int64)
-    begin_n[allocs_n[kinds_n == ALLOC]] = ev[kinds_n == ALLOC]
-    end_n[allocs_n[kinds_n == FREE]] = ev[kinds_n == FREE]
+    begin_n[allocs_n[is_alloc]] = np.flatnonzero(is_alloc)
+    is_free = ~is_alloc
+    end_n[allocs_n[is_free]] = np.flatnonzero(is_free)
     step_len = s3 - s2
     new_bounds = [s1, s2, s3] + [s3 + i * step_len for i in range(1, extra + 1)]
     return _assemble(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
@@ -502,9 +503,10 @@ def _assemble(
             phase[(begin >= s) & (begin < e) & after] = len(phases)
             phases.append(f"decode.{label[4:]}")
     # canonical row order: by allocation event (replicated copies were appended at the end)
-    order = np.argsort(begin, kind="stable")
-    begin, end, phase = begin[order], end[order], phase[order]
-    cols = {k: v[order] for k, v in cols.items()}
+    if len(begin) > 1 and not np.all(begin[1:] >= begin[:-1]):
+        order = np.argsort(begin, kind="stable")
+        begin, end, phase = begin[order], end[order], phase[order]
+        cols = {k: v[order] for k, v in cols.items()}
     nbytes = cols["nbytes"]
     size = ((nbytes + 511) // 512) * 512
     resident = cols["category"] != Category.ACTIVATION

@@ -260,13 +260,21 @@ class BlockReplay:
         running for real interns them in), one record row per allocation."""
         rows: list[list[int]] = []
         frees = iter(p.free_modules)
+        ids: dict[str | None, int] = {}  # suffix -> interned index, interned on first use
+
+        def module(suffix: str | None) -> int:
+            i = ids.get(suffix)
+            if i is None:
+                i = ids[suffix] = self._module(path, suffix)
+            return i
+
         for pos, (is_free, local) in enumerate(p.events):
             if is_free:
                 row = rows[local]
-                row[5], row[6], row[7] = pos, self._module(path, next(frees)), 0
+                row[5], row[6], row[7] = pos, module(next(frees)), 0
             else:
-                nbytes, category, module, op = p.allocs[local]
-                rows.append([nbytes, category, self._module(path, module), op, pos, -1, -1, 1])
+                nbytes, category, suffix, op = p.allocs[local]
+                rows.append([nbytes, category, module(suffix), op, pos, -1, -1, 1])
         return _Compiled(rows=[tuple(r) for r in rows], kinds=[int(f) for f, _ in p.events],  # type: ignore[misc]
                          locals=[a for _, a in p.events])
 

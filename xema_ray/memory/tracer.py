@@ -21,6 +21,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from xema_ray.memory.trace import Category
 MIN_BLOCK_SIZE = 512
 
 ALLOC, FREE = 0, 1
+_UNSEEN = object()
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def round_size(nbytes: int) -> int:
@@ -123,6 +126,11 @@ class AllocationTracer(TorchDispatchMode):
         self._paused = 0
         self._closed = False
         self._category = int(Category.ACTIVATION)
+        # per operator: its name for the ops table, None when it never allocates (views, in-place)
+        self._op_names: dict[Any, str | None] = {}
+        # id(module) -> (module, interned name index); holds the module, so ids are never reused
+        self._module_ids: dict[int, tuple[nn.Module, int]] = {}
+        self._meta_only = self.device == "meta" and not self.count_host
 
     # ------------------------------------------------------------------ registration
     def _intern(self, table: list[str], index: dict[str, int], name: str) -> int:
@@ -133,11 +141,16 @@ class AllocationTracer(TorchDispatchMode):
         return i
 
     def _current_module(self) -> int:
+        """The innermost running module's name index, interned on its first allocation."""
         if not self._module_stack:
             return -1
         m = self._module_stack[-1]
-        name = self._module_names.get(id(m)) or type(m).__name__
-        return self._intern(self._modules, self._module_index, name)
+        hit = self._module_ids.get(id(m))
+        if hit is not None:
+            return hit[1]
+        i = self._intern(self._modules, self._module_index, self._module_names.get(id(m)) or type(m).__name__)
+        self._module_ids[id(m)] = (m, i)
+        return i
 
     def _counts(self, t: torch.Tensor) -> bool:
         dev = t.device.type
@@ -191,8 +204,7 @@ class AllocationTracer(TorchDispatchMode):
         if nbytes == 0:
             return
         rec_idx = len(self._records)
-        self._records.append(_Record(nbytes=nbytes, category=category, module=module, op=op,
-                                     begin=len(self._event_kind)))
+        self._records.append(_Record(nbytes, category, module, op, len(self._event_kind)))
         self._event_kind.append(ALLOC)
         self._event_alloc.append(rec_idx)
         self._live[key] = (weakref.ref(storage, self._make_free_cb(key, rec_idx)), rec_idx)
@@ -223,27 +235,33 @@ class AllocationTracer(TorchDispatchMode):
         return on_free
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         out = func(*args, **kwargs) if self.memo is None else self.memo.call(func, args, kwargs)
         if self._paused:
             return out
+        op_name = self._op_names.get(func, _UNSEEN)
+        if op_name is _UNSEEN:
+            name = str(func.overloadpacket.__name__)
+            # views and in-place ops never allocate; their storage is either tracked already or
+            # predates tracing (a scheduler's table), and a first touch is not an allocation
+            op_name = self._op_names[func] = None if func.is_view or name.endswith("_") else name
+        if op_name is None:
+            return out
         alias_of = None
-        if self.count_host and func is torch.ops.aten._to_copy.default:
+        if self.count_host and func is _TO_COPY:
             src = args[0]
             # host→device copy with the same dtype: in a CPU run this is the same tensor
             if src.device.type == "cpu" and out.device.type == self.device and src.dtype == out.dtype:
                 alias_of = src
-        if func.is_view or func.overloadpacket.__name__.endswith("_"):
-            # views and in-place ops never allocate; their storage is either tracked already or
-            # predates tracing (a scheduler's table), and a first touch is not an allocation
-            return out
         module = -1
         op = -1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and self._counts(t):
+        meta_only = self._meta_only
+        for t in (out,) if type(out) is torch.Tensor else tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (t.is_meta if meta_only else self._counts(t)):
                 if op < 0:
                     module = self._current_module()
-                    op = self._intern(self._ops, self._op_index, str(func.overloadpacket.__name__))
+                    op = self._intern(self._ops, self._op_index, op_name)
                 self._track(t, module, op, self._category, alias_of)
         return out
 
