@@ -85,3 +85,20 @@ def test_error_raised_if_steps_differ() -> None:
     markers = [(0, STEP_BOUNDARY), (2, STEP_BOUNDARY), (4, STEP_BOUNDARY)]
     with pytest.raises(StepPatternError, match="differ"):
         expand_steps(_raw(events, recs, markers), steps=10)
+
+
+def test_error_raised_if_steps_differ_names_the_first_differing_event() -> None:
+    # step 2 makes one more allocation (600 B, rounded to 1024) after the same first one
+    recs = [_Record(nbytes=n, category=2, module=0, op=0, begin=b) for n, b in [(100, 0), (100, 2), (600, 4)]]
+    events = [(ALLOC, 0), (FREE, 0), (ALLOC, 1), (FREE, 1), (ALLOC, 2), (FREE, 2)]
+    markers = [(0, STEP_BOUNDARY), (2, STEP_BOUNDARY), (6, STEP_BOUNDARY)]
+    with pytest.raises(StepPatternError, match=r"\(2 vs 4 events; first difference at event 2 of the step: "
+                                               r"None vs \(0, 1024, 0, 0, 2\)\)"):
+        expand_steps(_raw(events, recs, markers), steps=10)
+    # same length, a different size at event 1: a free of a 512 B vs a 1024 B allocation
+    recs[1].nbytes = 1000
+    events = [(ALLOC, 0), (FREE, 0), (ALLOC, 1), (FREE, 1)]
+    markers = [(0, STEP_BOUNDARY), (2, STEP_BOUNDARY), (4, STEP_BOUNDARY)]
+    with pytest.raises(StepPatternError, match=r"first difference at event 0 of the step: "
+                                               r"\(0, 512, 0, 0, 0\) vs \(0, 1024, 0, 0, 0\)"):
+        expand_steps(_raw(events, recs[:2], markers), steps=10)

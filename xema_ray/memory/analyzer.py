@@ -28,11 +28,11 @@ from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.memory.tracer import (
     ALLOC,
     FREE,
+    MIN_BLOCK_SIZE,
     AllocationTracer,
     RawTrace,
     cuda_like_attention,
     raw_to_arrays,
-    round_size,
 )
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.templates import RequestTemplate
@@ -164,7 +164,8 @@ def trace_template(
         }
     )
     if replay is not None:
-        raw.meta["block_replay"] = f"{replay.replayed} replayed / {replay.recorded} recorded"
+        raw.meta["block_replay"] = (f"{replay.replayed} replayed ({replay.replayed_hooked} beneath mitigation hooks)"
+                                    f" / {replay.recorded} recorded")
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
     return expand_steps(raw, template.steps)
@@ -347,20 +348,29 @@ def _step_bounds(raw: RawTrace) -> list[int]:
     return bounds
 
 
-def _event_signature(raw: RawTrace, start: int, stop: int, arrays: dict[str, np.ndarray]) -> list[tuple[int, ...]]:
-    """Per event: kind, rounded size, module, op, and where a freed allocation was born
-    (position in this region). A free of an earlier allocation keeps only its size: the tensor
+def _event_signature(kinds: np.ndarray, allocs: np.ndarray, start: int, stop: int,
+                     arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Per event (one row each): kind, rounded size, module, op, and where a freed allocation was
+    born (position in this region). A free of an earlier allocation keeps only its size: the tensor
     it releases (initial noise in step 1, the previous update in step 2) legitimately differs."""
-    begin, nbytes, module, op = arrays["begin"], arrays["nbytes"], arrays["module"], arrays["op"]
-    sig = []
-    for e in range(start, stop):
-        a = raw.event_alloc[e]
-        size = round_size(int(nbytes[a]))
-        if start <= begin[a] < stop:
-            sig.append((raw.event_kind[e], size, int(module[a]), int(op[a]), int(begin[a]) - start))
-        else:
-            sig.append((raw.event_kind[e], size, -1, -1, -1))
-    return sig
+    a = allocs[start:stop]
+    born = arrays["begin"][a]
+    inside = (born >= start) & (born < stop)
+    nbytes = arrays["nbytes"][a]
+    return np.stack([
+        kinds[start:stop].astype(np.int64),
+        np.where(nbytes > 0, (nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE * MIN_BLOCK_SIZE, 0),  # round_size
+        np.where(inside, arrays["module"][a], -1),
+        np.where(inside, arrays["op"][a], -1),
+        np.where(inside, born - start, -1),
+    ], axis=1)
+
+
+def _local_index(ids: np.ndarray, n: int) -> np.ndarray:
+    """``index[a]`` = position of allocation ``a`` in ``ids`` (-1 where absent), for ``a < n``."""
+    index = np.full(n, -1, dtype=np.int64)
+    index[ids] = np.arange(len(ids), dtype=np.int64)
+    return index
 
 
 def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
@@ -388,14 +398,19 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
         raise ValueError(f"replication needs {REPLICATE_FROM} traced steps, got {traced} for {steps} steps")
 
     s1, s2, s3 = bounds  # region 1 = [s1, s2), region 2 = [s2, s3), tail = [s3, end)
-    sig1 = _event_signature(raw, s1, s2, arrays)
-    sig2 = _event_signature(raw, s2, s3, arrays)
-    if sig1 != sig2:
-        where = next((i for i, (x, y) in enumerate(zip(sig1, sig2, strict=False)) if x != y), min(len(sig1), len(sig2)))
+    sig1 = _event_signature(kinds, allocs, s1, s2, arrays)
+    sig2 = _event_signature(kinds, allocs, s2, s3, arrays)
+    if not np.array_equal(sig1, sig2):
+        m = min(len(sig1), len(sig2))
+        differ = np.flatnonzero(np.any(sig1[:m] != sig2[:m], axis=1))
+        where = int(differ[0]) if len(differ) else m
+
+        def row(sig: np.ndarray) -> tuple[int, ...] | None:
+            return tuple(int(v) for v in sig[where]) if where < len(sig) else None
+
         raise StepPatternError(
             f"denoising steps 1 and 2 differ ({len(sig1)} vs {len(sig2)} events; first difference at event "
-            f"{where} of the step: {sig1[where] if where < len(sig1) else None} vs "
-            f"{sig2[where] if where < len(sig2) else None})"
+            f"{where} of the step: {row(sig1)} vs {row(sig2)})"
         )
     begin = arrays["begin"]
     freed_in_2 = allocs[s2:s3][kinds[s2:s3] == FREE]
@@ -420,11 +435,10 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
             return pat_allocs
         return n_orig + (c - 1) * per_step + np.arange(per_step, dtype=np.int64)
 
-    local_in_pat = {int(a): i for i, a in enumerate(pat_allocs)}
-    local_in_prev = {int(a): i for i, a in enumerate(prev_allocs)}
+    local_in_pat = _local_index(pat_allocs, n_orig)
     pat_kind, pat_alloc = kinds[s2:s3], allocs[s2:s3]
-    self_idx = np.fromiter((local_in_pat.get(int(a), -1) for a in pat_alloc), dtype=np.int64, count=len(pat_alloc))
-    prev_idx = np.fromiter((local_in_prev.get(int(a), -1) for a in pat_alloc), dtype=np.int64, count=len(pat_alloc))
+    self_idx = local_in_pat[pat_alloc]
+    prev_idx = _local_index(prev_allocs, n_orig)[pat_alloc]
     is_self = self_idx >= 0
 
     out_kind, out_alloc = [kinds[:s3]], [allocs[:s3]]
@@ -433,7 +447,7 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
         out_kind.append(pat_kind)
         out_alloc.append(np.where(is_self, cur[np.maximum(self_idx, 0)], prev[np.maximum(prev_idx, 0)]))
     last = ids_of_copy(extra)
-    tail_local = np.fromiter((local_in_pat.get(int(a), -1) for a in tail_allocs), dtype=np.int64, count=len(tail_allocs))
+    tail_local = local_in_pat[tail_allocs]
     tail_mapped = tail_allocs.copy()
     tail_mapped[tail_local >= 0] = last[tail_local[tail_local >= 0]]
     out_kind.append(tail_kinds)
@@ -447,11 +461,12 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
         if name not in ("begin", "end")
     }
     n_total = n_orig + extra * per_step
-    ev = np.arange(len(kinds_n), dtype=np.int64)
+    is_alloc = kinds_n == ALLOC
     begin_n = np.full(n_total, -1, dtype=np.int64)
     end_n = np.full(n_total, len(kinds_n), dtype=np.int64)
-    begin_n[allocs_n[kinds_n == ALLOC]] = ev[kinds_n == ALLOC]
-    end_n[allocs_n[kinds_n == FREE]] = ev[kinds_n == FREE]
+    begin_n[allocs_n[is_alloc]] = np.flatnonzero(is_alloc)
+    is_free = ~is_alloc
+    end_n[allocs_n[is_free]] = np.flatnonzero(is_free)
     step_len = s3 - s2
     new_bounds = [s1, s2, s3] + [s3 + i * step_len for i in range(1, extra + 1)]
     return _assemble(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
@@ -471,11 +486,11 @@ def _assemble(
     first_dit = next((pos for pos, label in raw.markers if label == DIT_BEGIN), 0)
     starts = [min(first_dit, bounds[0])] + bounds[:-1]
     phases = [PHASE_SETUP] + [f"denoise.step{k}" for k in range(len(bounds))]
-    phase = np.zeros(len(begin), dtype=np.int32)
-    for k, (s, e) in enumerate(zip(starts, bounds, strict=True), start=1):
-        phase[(begin >= s) & (begin < e)] = k
+    # the regions [starts[0], bounds[0]), [bounds[0], bounds[1]), ... are contiguous: phase k + 1
+    # for region k, 0 before the first, len(phases) (post) from the last bound on
+    edges = np.asarray([starts[0], *bounds], dtype=np.int64)
+    phase = np.searchsorted(edges, begin, side="right").astype(np.int32)
     after = begin >= bounds[-1]
-    phase[after] = len(phases)
     phases.append(PHASE_POST)
     # decode markers are in traced-event space; events after the loop shifted by the copies
     shift = n_events - raw.n_events
@@ -488,9 +503,10 @@ def _assemble(
             phase[(begin >= s) & (begin < e) & after] = len(phases)
             phases.append(f"decode.{label[4:]}")
     # canonical row order: by allocation event (replicated copies were appended at the end)
-    order = np.argsort(begin, kind="stable")
-    begin, end, phase = begin[order], end[order], phase[order]
-    cols = {k: v[order] for k, v in cols.items()}
+    if len(begin) > 1 and not np.all(begin[1:] >= begin[:-1]):
+        order = np.argsort(begin, kind="stable")
+        begin, end, phase = begin[order], end[order], phase[order]
+        cols = {k: v[order] for k, v in cols.items()}
     nbytes = cols["nbytes"]
     size = ((nbytes + 511) // 512) * 512
     resident = cols["category"] != Category.ACTIVATION

@@ -9,28 +9,45 @@ allocations and frees in the recorded order, attributed to the same sub-modules 
 and outputs rebuilt as fresh meta tensors with the recorded sizes, strides and storage extents
 (tracked like any allocation, so their later frees are seen as usual).
 
-The signature is the block's class, its parameters' and buffers' shapes and dtypes, its
-attention processors' types, the grad mode, and every input leaf: tensors by device, shape, stride, dtype and storage offset (plus
-which inputs share a storage), other values by type and value (anything else: not replayed).
+The signature is the block's class, its parameters' and buffers' shapes, strides and dtypes, its
+attention processors (type and plain attributes, e.g. a query-chunked processor's chunk count),
+the hooks on modules inside it (type and the attributes that fix what they allocate), the grad
+mode, the state that hooks outside the block set for it (DiT chunking's chunk counts, which SDPA
+is current), and every input leaf: tensors by device, shape, stride, dtype and storage offset
+(plus which inputs share a storage), other values by type and value (anything else: not replayed).
+
+Mitigation hooks: the replay wrapper is installed *beneath* the hooks on a block, so their
+pre/post-forward (block offload's weight copies, HSDP's gathers, DiT chunking's state, a
+serialized block's sub-batches) run for real on every call and only the block's own forward is
+replayed. ``xema_ray.mitigation.replay`` lists the hooks for which that is exact; a block
+carrying any other hook (on itself or on a module inside it) always runs.
 
 Exactness: a call is recorded only when it is self-contained. Replay is refused for a signature
 whose recorded call freed a tensor made before it, left an allocation alive that is not one of
 its outputs' storages, returned a tensor whose storage it did not allocate (other than returning
-an input as it is), returned non-tensor values other than plain constants, or set a trace marker;
-a block carrying a hook (a mitigation) is never replayed. Only for the meta device (elsewhere
-values matter). The tests compare replayed and fully run traces event for event.
+an input as it is), returned non-tensor values other than plain constants, or set a trace marker.
+Only for the meta device (elsewhere values matter). The tests compare replayed and fully run
+traces event for event, with and without mitigations.
+
+The per-block part of the signature is computed once per trace, on the block's first call
+(beneath its hooks, where offloaded or sharded weights are back, with the layout they come back
+with on every call): mitigations are installed before a trace and never change during it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+import functools
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from xema_ray.memory.tracer import _Record
 
 if TYPE_CHECKING:
     from xema_ray.memory.tracer import AllocationTracer
@@ -54,6 +71,17 @@ class _Output:
 
 
 @dataclass
+class _Compiled:
+    """A pattern's events for one block, ready to append: per local allocation a record row
+    (nbytes, category, module, op, begin, end or -1 for an output, free module, holders) with event
+    positions relative to the call; per event its kind and local allocation."""
+
+    rows: list[tuple[int, int, int, int, int, int, int, int]]
+    kinds: list[int]
+    locals: list[int]
+
+
+@dataclass
 class _Pattern:
     """The events one block call made, relative to the call."""
 
@@ -66,69 +94,100 @@ class _Pattern:
     # output leaves: ("in", input leaf index) | ("out", _Output) | ("const", value)
     leaves: list[tuple[str, Any]]
     spec: Any
+    # local allocations that own an output's storage, ascending
+    outputs: list[int]
+    # per block path: this pattern with module names interned (built on its first replay there)
+    compiled: dict[str, _Compiled] = field(default_factory=dict)
+
+
+_UNSEEN = object()  # a signature not recorded yet
+_UNKEYED = object()  # a block whose per-block signature part cannot be described
 
 
 class BlockReplay:
     """Record the first call of each block signature, replay later ones (see module docstring)."""
 
     def __init__(self, tracer: AllocationTracer, blocks: list[tuple[str, nn.Module]]) -> None:
+        from xema_ray.mitigation import replay as hooks  # which mitigation hooks replay is exact under
+
         self.tracer = tracer
         self.blocks = blocks
         self.patterns: dict[Any, _Pattern | None] = {}  # None: this signature is not replayable
-        self._param_keys: dict[int, tuple[Any, ...]] = {}
+        self._hooks = hooks
+        self._ambient = hooks.ambient_signature
+        self._inside: dict[int, tuple[Any, ...]] = {}  # id(block) -> its inner hooks' signature
+        self._static: dict[int, Any] = {}  # id(block) -> its per-trace signature part
         self.replayed = 0
+        self.replayed_hooked = 0  # of which: blocks carrying a mitigation's hook (on them or inside)
         self.recorded = 0
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        saved = []
+        undo: list[Callable[[], None]] = []
         try:
             for path, block in self.blocks:
-                if _hooked(block):
-                    continue  # a mitigation's hook: its work depends on which block this is
-                saved.append((block, block.__dict__.get("forward")))
-                block.forward = self._wrap(path, block, block.forward)
+                inside = self._hooks.inside_signature(block)
+                if inside is None or not self._hooks.around_body_known(block):
+                    continue  # a hook whose effect on the block is not known: the block runs
+                self._inside[id(block)] = inside
+                slot = self._hooks.body_slot(block)
+                if slot is None:  # no hook on the block itself: its forward is the body
+                    saved = block.__dict__.get("forward")
+                    block.forward = self._wrap(path, block, block.forward, bool(inside))
+                    undo.append(functools.partial(_restore_forward, block, saved))
+                else:  # beneath the block's hooks, which keep running for real on every call
+                    obj, attr = slot
+                    body = getattr(obj, attr)
+                    setattr(obj, attr, self._wrap(path, block, body, True))
+                    undo.append(functools.partial(setattr, obj, attr, body))
             yield
         finally:
-            for block, old in reversed(saved):
-                if old is None:
-                    del block.forward
-                else:
-                    block.forward = old
+            for fn in reversed(undo):
+                fn()
 
-    def _wrap(self, path: str, block: nn.Module, orig: Any) -> Any:
+    def _wrap(self, path: str, block: nn.Module, orig: Any, hooked: bool) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return self.call(path, block, orig, args, kwargs)
+            return self.call(path, block, orig, args, kwargs, hooked)
 
         return forward
 
     # ------------------------------------------------------------------ signature
-    def _key(self, block: nn.Module, leaves: list[Any], spec: Any) -> Any:
-        pk = self._param_keys.get(id(block))
-        if pk is None:
-            pk = self._param_keys[id(block)] = (
-                tuple((n, tuple(t.shape), t.dtype, t.device.type)
+    def _static_key(self, block: nn.Module) -> Any:
+        try:
+            return (
+                type(block),
+                tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device.type)
                       for n, t in [*block.named_parameters(), *block.named_buffers()]),
                 # attention processors decide what attention allocates (a mitigation may swap them)
-                tuple((n, type(getattr(m, "processor", None))) for n, m in block.named_modules()),
+                tuple((n, _describe(p, 0)) for n, m in block.named_modules()
+                      if (p := getattr(m, "processor", None)) is not None),
+                self._inside[id(block)],
             )
+        except _NoKey:
+            return _UNKEYED
+
+    def _key(self, block: nn.Module, leaves: list[Any], spec: Any) -> Any:
+        static = self._static.get(id(block))
+        if static is None:
+            static = self._static[id(block)] = self._static_key(block)
+        if static is _UNKEYED:
+            raise _NoKey
         parts: list[Any] = []
         storages: dict[int, int] = {}
         for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
-                if type(x) is not torch.Tensor and type(x) is not nn.Parameter:
-                    raise _NoKey
-                sid = id(x.untyped_storage())
-                parts.append((x.device.type, tuple(x.shape), x.stride(), x.dtype, x.storage_offset(),
-                              storages.setdefault(sid, i)))
-            elif type(x) in _PLAIN:
-                parts.append((type(x), x))
-            else:
+            cls = type(x)
+            if cls is torch.Tensor or cls is nn.Parameter:
+                parts.append((x.device.type, x.shape, x.stride(), x.dtype, x.storage_offset(),
+                              storages.setdefault(id(x.untyped_storage()), i)))
+            elif cls in _PLAIN:
+                parts.append((cls, x))
+            else:  # tensor subclasses and other objects
                 raise _NoKey
-        return (type(block), pk, torch.is_grad_enabled(), repr(spec), tuple(parts))
+        return (static, torch.is_grad_enabled(), self._ambient(), repr(spec), tuple(parts))
 
     # ------------------------------------------------------------------ call
-    def call(self, path: str, block: nn.Module, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, path: str, block: nn.Module, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             hooked: bool = False) -> Any:
         tracer = self.tracer
         if tracer._paused:
             return orig(*args, **kwargs)
@@ -137,11 +196,12 @@ class BlockReplay:
             key = self._key(block, leaves, spec)
         except _NoKey:
             return orig(*args, **kwargs)
-        if key in self.patterns:
-            pattern = self.patterns[key]
-            if pattern is None:
-                return orig(*args, **kwargs)
+        pattern = self.patterns.get(key, _UNSEEN)
+        if pattern is None:
+            return orig(*args, **kwargs)
+        if pattern is not _UNSEEN:
             self.replayed += 1
+            self.replayed_hooked += hooked
             return self._replay(path, pattern, leaves)
         ev0, rec0, marks0 = len(tracer._event_kind), len(tracer._records), len(tracer._markers)
         out = orig(*args, **kwargs)
@@ -191,53 +251,60 @@ class BlockReplay:
         for i in owned:  # an output storage is never freed inside the call
             if records[rec0 + i].nbytes != allocs[i][0]:
                 return None
-        return _Pattern(events=events, allocs=allocs, free_modules=free_modules, leaves=leaves, spec=spec)
+        return _Pattern(events=events, allocs=allocs, free_modules=free_modules, leaves=leaves, spec=spec,
+                        outputs=sorted(owned))
+
+    # ------------------------------------------------------------------ replay
+    def _compile(self, path: str, p: _Pattern) -> _Compiled:
+        """``p`` for the block at ``path``: module names interned in event order (the order a call
+        running for real interns them in), one record row per allocation."""
+        rows: list[list[int]] = []
+        frees = iter(p.free_modules)
+        ids: dict[str | None, int] = {}  # suffix -> interned index, interned on first use
+
+        def module(suffix: str | None) -> int:
+            i = ids.get(suffix)
+            if i is None:
+                i = ids[suffix] = self._module(path, suffix)
+            return i
+
+        for pos, (is_free, local) in enumerate(p.events):
+            if is_free:
+                row = rows[local]
+                row[5], row[6], row[7] = pos, module(next(frees)), 0
+            else:
+                nbytes, category, suffix, op = p.allocs[local]
+                rows.append([nbytes, category, module(suffix), op, pos, -1, -1, 1])
+        return _Compiled(rows=[tuple(r) for r in rows], kinds=[int(f) for f, _ in p.events],  # type: ignore[misc]
+                         locals=[a for _, a in p.events])
 
     def _replay(self, path: str, p: _Pattern, inputs: list[Any]) -> Any:
         tracer = self.tracer
-        from xema_ray.memory.tracer import ALLOC, FREE, _Record
-
-        outputs: dict[int, list[_Output]] = {}
-        for kind, body in p.leaves:
-            if kind == "out":
-                outputs.setdefault(body.local, []).append(body)
-        made: dict[int, torch.Tensor] = {}  # local -> a tensor on the rebuilt storage
-        rec_of: dict[int, int] = {}
-        frees = iter(p.free_modules)
-        for is_free, local in p.events:
-            if is_free:
-                rec = tracer._records[rec_of[local]]
-                rec.holders = 0
-                rec.end = len(tracer._event_kind)
-                rec.free_module = self._module(path, next(frees))
-                tracer._event_kind.append(FREE)
-                tracer._event_alloc.append(rec_of[local])
-                continue
-            nbytes, category, module, op = p.allocs[local]
-            if local in outputs:
-                with tracer.paused():
-                    base = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-                rec_of[local] = len(tracer._records)
-                tracer._track(base, self._module(path, module), op, category)
-                made[local] = base
-            else:
-                rec_of[local] = len(tracer._records)
-                tracer._records.append(_Record(nbytes=nbytes, category=category, module=self._module(path, module),
-                                               op=op, begin=len(tracer._event_kind)))
-                tracer._event_kind.append(ALLOC)
-                tracer._event_alloc.append(rec_of[local])
+        comp = p.compiled.get(path)
+        if comp is None:
+            comp = p.compiled[path] = self._compile(path, p)
+        kinds = tracer._event_kind
+        ev0, rec0 = len(kinds), len(tracer._records)
+        # allocations are local 0..n-1 in event order; all but the outputs are freed inside the call
+        tracer._records.extend([
+            _Record(n, c, m, o, ev0 + b, ev0 + e if e >= 0 else -1, fm, h) for n, c, m, o, b, e, fm, h in comp.rows
+        ])
+        kinds.extend(comp.kinds)
+        tracer._event_alloc.extend([rec0 + a for a in comp.locals])
+        storages: dict[int, torch.UntypedStorage] = {}
         leaves: list[Any] = []
         with tracer.paused():
+            for local in p.outputs:  # an output's storage is tracked like any allocation
+                base = torch.empty(p.allocs[local][0], dtype=torch.uint8, device="meta")
+                storages[local] = tracer.adopt(base, rec0 + local)
             for kind, body in p.leaves:
                 if kind == "in":
                     leaves.append(inputs[body])
                 elif kind == "const":
                     leaves.append(body)
                 else:
-                    storage = made[body.local].untyped_storage()
                     t = torch.empty(0, dtype=body.dtype, device="meta")
-                    leaves.append(t.set_(storage, body.offset, body.shape, body.stride))
-        made.clear()
+                    leaves.append(t.set_(storages[body.local], body.offset, body.shape, body.stride))
         return tree_unflatten(leaves, p.spec)
 
     # ------------------------------------------------------------------ module names
@@ -260,8 +327,25 @@ class BlockReplay:
         return self.tracer._intern(self.tracer._modules, self.tracer._module_index, name)
 
 
-def _hooked(block: nn.Module) -> bool:
-    return any(getattr(m, "_diffusers_hook", None) is not None for m in block.modules())
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+def _describe(obj: Any, depth: int) -> Any:
+    """A hashable description of an attention processor: its type and, recursively, its plain
+    attributes (a wrapped processor, a chunk count). Tensors, modules, functions: not describable."""
+    cls = type(obj)
+    if cls in _PLAIN:
+        return (cls, obj)
+    if depth > 3 or isinstance(obj, (torch.Tensor, nn.Module, *_CALLABLES)) or not hasattr(obj, "__dict__"):
+        raise _NoKey
+    return (cls, tuple((k, _describe(v, depth + 1)) for k, v in sorted(vars(obj).items())))
+
+
+def _restore_forward(block: nn.Module, saved: Any) -> None:
+    if saved is None:
+        del block.forward
+    else:
+        block.forward = saved
 
 
 def transformer_blocks(pipe: Any, names: dict[int, str]) -> list[tuple[str, nn.Module]]:

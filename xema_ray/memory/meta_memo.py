@@ -44,10 +44,30 @@ def _arg_key(x: Any) -> Any:
         # the type is part of the key: 1, 1.0 and True hash equal but promote differently
         return (cls, x)
     if cls is tuple or cls is list:
+        if all(type(v) is int for v in x):  # a size or dim list: (cls, int, values) never equals the general form
+            return (cls, int, tuple(x))
         return (cls, tuple(map(_arg_key, x)))
     if cls is dict:
         return (dict, tuple(sorted((k, _arg_key(v)) for k, v in x.items())))
     raise _Unmemoisable
+
+
+def _args_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``_arg_key`` of a positional-argument tuple, element by element (the common tensor and
+    plain cases inline: this runs for every operator)."""
+    parts = []
+    for x in args:
+        cls = type(x)
+        if cls is torch.Tensor or cls is nn.Parameter:
+            dtype = x.dtype
+            if not x.is_meta or (dtype.is_complex and (x.is_conj() or x.is_neg())):
+                raise _Unmemoisable
+            parts.append((x.shape, x.stride(), dtype))
+        elif cls in _PLAIN_VALUE_TYPES:
+            parts.append((cls, x))
+        else:
+            parts.append(_arg_key(x))
+    return tuple(parts)
 
 
 FUNCTIONAL, IN_PLACE, OTHER = 0, 1, 2
@@ -104,7 +124,7 @@ class MetaKernelMemo:
         if kind == OTHER:
             return func(*args, **kwargs)
         try:
-            key = (func, _arg_key(args), _arg_key(kwargs))
+            key = (func, _args_key(args), _arg_key(kwargs) if kwargs else None)
         except _Unmemoisable:
             return func(*args, **kwargs)
         spec = self._outputs.get(key)

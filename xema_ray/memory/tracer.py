@@ -16,9 +16,12 @@ while tracing with what the CUDA kernels allocate.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +38,8 @@ from xema_ray.memory.trace import Category
 MIN_BLOCK_SIZE = 512
 
 ALLOC, FREE = 0, 1
+_UNSEEN = object()
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def round_size(nbytes: int) -> int:
@@ -44,7 +49,7 @@ def round_size(nbytes: int) -> int:
     return ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     nbytes: int
     category: int
@@ -121,6 +126,11 @@ class AllocationTracer(TorchDispatchMode):
         self._paused = 0
         self._closed = False
         self._category = int(Category.ACTIVATION)
+        # per operator: its name for the ops table, None when it never allocates (views, in-place)
+        self._op_names: dict[Any, str | None] = {}
+        # id(module) -> (module, interned name index); holds the module, so ids are never reused
+        self._module_ids: dict[int, tuple[nn.Module, int]] = {}
+        self._meta_only = self.device == "meta" and not self.count_host
 
     # ------------------------------------------------------------------ registration
     def _intern(self, table: list[str], index: dict[str, int], name: str) -> int:
@@ -131,11 +141,16 @@ class AllocationTracer(TorchDispatchMode):
         return i
 
     def _current_module(self) -> int:
+        """The innermost running module's name index, interned on its first allocation."""
         if not self._module_stack:
             return -1
         m = self._module_stack[-1]
-        name = self._module_names.get(id(m)) or type(m).__name__
-        return self._intern(self._modules, self._module_index, name)
+        hit = self._module_ids.get(id(m))
+        if hit is not None:
+            return hit[1]
+        i = self._intern(self._modules, self._module_index, self._module_names.get(id(m)) or type(m).__name__)
+        self._module_ids[id(m)] = (m, i)
+        return i
 
     def _counts(self, t: torch.Tensor) -> bool:
         dev = t.device.type
@@ -189,11 +204,18 @@ class AllocationTracer(TorchDispatchMode):
         if nbytes == 0:
             return
         rec_idx = len(self._records)
-        self._records.append(_Record(nbytes=nbytes, category=category, module=module, op=op,
-                                     begin=len(self._event_kind)))
+        self._records.append(_Record(nbytes, category, module, op, len(self._event_kind)))
         self._event_kind.append(ALLOC)
         self._event_alloc.append(rec_idx)
         self._live[key] = (weakref.ref(storage, self._make_free_cb(key, rec_idx)), rec_idx)
+
+    def adopt(self, t: torch.Tensor, rec_idx: int) -> torch.UntypedStorage:
+        """Track ``t``'s storage as the allocation ``rec_idx`` already recorded (block replay
+        appends its records itself); its free is seen as usual. Returns the storage."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        self._live[key] = (weakref.ref(storage, self._make_free_cb(key, rec_idx)), rec_idx)
+        return storage
 
     def _make_free_cb(self, key: int, rec_idx: int) -> Callable[[weakref.ref], None]:
         def on_free(ref: weakref.ref) -> None:
@@ -213,27 +235,33 @@ class AllocationTracer(TorchDispatchMode):
         return on_free
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         out = func(*args, **kwargs) if self.memo is None else self.memo.call(func, args, kwargs)
         if self._paused:
             return out
+        op_name = self._op_names.get(func, _UNSEEN)
+        if op_name is _UNSEEN:
+            name = str(func.overloadpacket.__name__)
+            # views and in-place ops never allocate; their storage is either tracked already or
+            # predates tracing (a scheduler's table), and a first touch is not an allocation
+            op_name = self._op_names[func] = None if func.is_view or name.endswith("_") else name
+        if op_name is None:
+            return out
         alias_of = None
-        if self.count_host and func is torch.ops.aten._to_copy.default:
+        if self.count_host and func is _TO_COPY:
             src = args[0]
             # host→device copy with the same dtype: in a CPU run this is the same tensor
             if src.device.type == "cpu" and out.device.type == self.device and src.dtype == out.dtype:
                 alias_of = src
-        if func.is_view or func.overloadpacket.__name__.endswith("_"):
-            # views and in-place ops never allocate; their storage is either tracked already or
-            # predates tracing (a scheduler's table), and a first touch is not an allocation
-            return out
         module = -1
         op = -1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and self._counts(t):
+        meta_only = self._meta_only
+        for t in (out,) if type(out) is torch.Tensor else tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (t.is_meta if meta_only else self._counts(t)):
                 if op < 0:
                     module = self._current_module()
-                    op = self._intern(self._ops, self._op_index, str(func.overloadpacket.__name__))
+                    op = self._intern(self._ops, self._op_index, op_name)
                 self._track(t, module, op, self._category, alias_of)
         return out
 
@@ -333,16 +361,23 @@ def cuda_like_attention(tracer: AllocationTracer | None) -> Iterator[None]:
         F.scaled_dot_product_attention = _ORIGINAL_SDPA
 
 
+_RECORD_FIELDS = operator.attrgetter("nbytes", "begin", "end", "category", "module", "op", "free_module")
+
+
 def raw_to_arrays(raw: RawTrace) -> dict[str, np.ndarray]:
     """Per-allocation columns of a raw trace (end = n_events where never freed)."""
-    n_ev = raw.n_events
     recs = raw.records
+    # one pass over the records at C speed: 7 fields each, in _RECORD_FIELDS order
+    table = np.fromiter(itertools.chain.from_iterable(map(_RECORD_FIELDS, recs)), dtype=np.int64,
+                        count=7 * len(recs)).reshape(len(recs), 7)
+    end = table[:, 2].copy()
+    end[end < 0] = raw.n_events
     return {
-        "nbytes": np.fromiter((r.nbytes for r in recs), dtype=np.int64, count=len(recs)),
-        "begin": np.fromiter((r.begin for r in recs), dtype=np.int64, count=len(recs)),
-        "end": np.fromiter((r.end if r.end >= 0 else n_ev for r in recs), dtype=np.int64, count=len(recs)),
-        "category": np.fromiter((r.category for r in recs), dtype=np.int8, count=len(recs)),
-        "module": np.fromiter((r.module for r in recs), dtype=np.int32, count=len(recs)),
-        "op": np.fromiter((r.op for r in recs), dtype=np.int32, count=len(recs)),
-        "free_module": np.fromiter((r.free_module for r in recs), dtype=np.int32, count=len(recs)),
+        "nbytes": table[:, 0].copy(),
+        "begin": table[:, 1].copy(),
+        "end": end,
+        "category": table[:, 3].astype(np.int8),
+        "module": table[:, 4].astype(np.int32),
+        "op": table[:, 5].astype(np.int32),
+        "free_module": table[:, 6].astype(np.int32),
     }
