@@ -151,7 +151,8 @@ class TraceProfile:
         key = ("modules", paths, group, glue)
         if key not in self._runs:
             t = self.trace
-            under = np.array([any(n == p or n.startswith(p + ".") for p in paths) for n in t.modules] + [False])
+            chosen = set(paths)
+            under = np.array([not chosen.isdisjoint(a) for a in self.module_ancestors] + [False])
             mods = self.event_modules
             inside = under[mods] & self.in_group(group)
             if glue is None:
@@ -192,6 +193,15 @@ class TraceProfile:
             lo, hi = (int(nz[0]), int(nz[-1]) + 1) if len(nz) else (0, 0)
             self._spans[key] = (lo, full[lo:hi])
         return self._spans[key]
+
+    @cached_property
+    def module_ancestors(self) -> list[frozenset[str]]:
+        """Per module of the trace, its path and every enclosing path ("a.b.c": a, a.b, a.b.c)."""
+        out = []
+        for n in self.trace.modules:
+            parts = n.split(".")
+            out.append(frozenset(".".join(parts[:k]) for k in range(1, len(parts) + 1)))
+        return out
 
     @cached_property
     def event_modules(self) -> np.ndarray:
@@ -365,5 +375,6 @@ class MemoryModel:
     def view(self, cfg: ExecutionConfig, budget: int) -> tuple[int, tuple[PressureInterval, ...]]:
         curve, prof = self.reserved_curve(cfg)
         as_int = curve.astype(np.int64)
-        ivs = prof.interval_index.intervals(budget, as_int)
+        # described when read: stage 3 reads the first few of a candidate's intervals
+        ivs = prof.interval_index.intervals(budget, as_int, lazy=True)
         return int(as_int.max()), tuple(ivs)

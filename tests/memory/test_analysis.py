@@ -86,3 +86,26 @@ def test_parse_bytes() -> None:
     assert parse_bytes("512") == 512
     with pytest.raises(ValueError, match="48GB"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-flux2", "tiny-ltx2"])
+def test_lazy_intervals_read_as_described_ones(model: str) -> None:
+    # the planner's views describe an interval (units, phases, ops) only when it is read: a lazy
+    # interval reads, dumps, compares and prints exactly like one described up front
+    from xema_ray.memory.analysis import IntervalIndex, LazyPressureInterval
+    from xema_ray.memory.analyzer import trace_template
+    from xema_ray.templates import RequestTemplate
+
+    t = trace_template(RequestTemplate(model=model, height=64, width=64, frames=1 if model == "tiny-flux2" else 9, steps=3))
+    curve = t.active_curve()
+    for fraction in (0.5, 0.8):
+        budget = int(curve.max() * fraction)
+        eager = IntervalIndex(t).intervals(budget, curve)
+        lazy = IntervalIndex(t).intervals(budget, curve, lazy=True)
+        assert eager and all(isinstance(iv, LazyPressureInterval) for iv in lazy)
+        assert [(iv.start, iv.stop, iv.peak_bytes) for iv in lazy] == [(iv.start, iv.stop, iv.peak_bytes) for iv in eager]
+        assert "units" not in lazy[-1].__dict__  # nothing described yet
+        assert lazy[0].units == eager[0].units and lazy[0].ops == eager[0].ops
+        assert [iv.model_dump_json() for iv in lazy] == [iv.model_dump_json() for iv in eager]
+        assert lazy == eager
+        assert repr(lazy).replace("LazyPressureInterval", "PressureInterval") == repr(eager)

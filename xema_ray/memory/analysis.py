@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from xema_ray.memory.trace import Category, MemoryTrace
 
@@ -176,6 +177,7 @@ class IntervalIndex:
         self._unit_runs = _rle(self.event_unit)
         self._phase_runs = _rle(self.event_phase)
         self._made: dict[tuple[int, int, int, int, int], PressureInterval] = {}
+        self._lazy: dict[tuple[int, int, int, int, int], PressureInterval] = {}
 
     def _describe(self, s: int, e: int, lo: int, hi: int, top_ops: int) -> tuple[list[str], list[str], list[str]]:
         """(units, phases, ops) of events [s, e); allocations lo:hi of the begin-sorted order."""
@@ -194,7 +196,10 @@ class IntervalIndex:
         rank = np.lexsort((first_all[present], -nbytes_all[present]))
         return units, phases, [self.op_names[i] for i in present[rank][:top_ops]]
 
-    def intervals(self, budget: int, curve: np.ndarray, top_ops: int = 5) -> list[PressureInterval]:
+    def intervals(self, budget: int, curve: np.ndarray, top_ops: int = 5, lazy: bool = False) -> list[PressureInterval]:
+        """The maximal runs of ``curve`` above ``budget``, largest operators first in each; with
+        ``lazy`` the units, phases and operators of each are found only when read
+        (``LazyPressureInterval``)."""
         if budget < 0:
             raise ValueError(f"budget must be >= 0 bytes, got {budget}")
         over = curve > budget
@@ -207,29 +212,84 @@ class IntervalIndex:
         bounds = np.empty(2 * len(starts), dtype=np.int64)
         bounds[0::2], bounds[1::2] = starts, stops
         peaks = np.maximum.reduceat(np.append(curve, curve[-1]), bounds)[0::2].tolist()  # max of each [start, stop)
-        out = []
+        out: list[PressureInterval] = []
+        made = self._lazy if lazy else self._made
         for s, e, lo, hi, peak in zip(starts.tolist(), stops.tolist(), lo_hi[0].tolist(), lo_hi[1].tolist(), peaks, strict=True):
-            described = self._described.get((s, e, top_ops))
-            if described is None:
-                described = self._describe(s, e, lo, hi, top_ops)
-                # bound the memo: candidates share most ranges, but grid search visits many
-                if len(self._described) > 20_000:
-                    self._described.clear()
-                self._described[(s, e, top_ops)] = described
             peak = int(peak)
             # candidates mostly share intervals (same range, same peak): one frozen object each,
             # built without validation (every field is already of its type)
             key = (s, e, top_ops, peak, budget)
-            iv = self._made.get(key)
+            iv = made.get(key)
             if iv is None:
-                units, phases, ops = described
-                iv = PressureInterval.model_construct(start=s, stop=e, peak_bytes=peak, excess_bytes=peak - budget,
-                                                      phases=list(phases), units=list(units), ops=list(ops))
-                if len(self._made) > 50_000:
-                    self._made.clear()
-                self._made[key] = iv
+                if lazy:
+                    iv = LazyPressureInterval.model_construct(start=s, stop=e, peak_bytes=peak, excess_bytes=peak - budget)
+                    iv._where = (self, s, e, lo, hi, top_ops)
+                else:
+                    units, phases, ops = self.described(s, e, lo, hi, top_ops)
+                    iv = PressureInterval.model_construct(start=s, stop=e, peak_bytes=peak, excess_bytes=peak - budget,
+                                                          phases=list(phases), units=list(units), ops=list(ops))
+                if len(made) > 50_000:
+                    made.clear()
+                made[key] = iv
             out.append(iv)
         return out
+
+    def described(self, s: int, e: int, lo: int, hi: int, top_ops: int) -> tuple[list[str], list[str], list[str]]:
+        """(units, phases, ops) of events [s, e) (memoised: what runs in a range never changes)."""
+        got = self._described.get((s, e, top_ops))
+        if got is None:
+            got = self._describe(s, e, lo, hi, top_ops)
+            # bound the memo: candidates share most ranges, but grid search visits many
+            if len(self._described) > 20_000:
+                self._described.clear()
+            self._described[(s, e, top_ops)] = got
+        return got
+
+
+_DESCRIBED = frozenset(("units", "phases", "ops"))
+
+
+class LazyPressureInterval(PressureInterval):
+    """A pressure interval whose ``units``, ``phases`` and ``ops`` are read off the trace on first
+    access (``IntervalIndex.intervals(..., lazy=True)``). The planner's memory views hold dozens of
+    intervals per candidate (a long video has one per block, step and VAE unit) and read the
+    description of the first few only; every other use (``start``, ``stop``, peaks) needs none.
+    Dumping, comparing or printing one describes it first, so it is never seen half-made."""
+
+    _where: tuple[IntervalIndex, int, int, int, int, int] | None = PrivateAttr(default=None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _DESCRIBED:
+            self.describe()
+            return self.__dict__[name]
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def describe(self) -> LazyPressureInterval:
+        if "units" not in self.__dict__:
+            index, s, e, lo, hi, top_ops = self._where  # type: ignore[misc]
+            units, phases, ops = index.described(s, e, lo, hi, top_ops)
+            values = {**self.__dict__, "units": list(units), "phases": list(phases), "ops": list(ops)}
+            self.__dict__.clear()  # in field order, as a described interval has them
+            self.__dict__.update({k: values[k] for k in PressureInterval.model_fields})
+            self.__pydantic_fields_set__.update(_DESCRIBED)
+        return self
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        return super(LazyPressureInterval, self.describe()).model_dump(**kwargs)
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        return super(LazyPressureInterval, self.describe()).model_dump_json(**kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyPressureInterval):
+            other.describe()
+        self.describe()
+        return self.__dict__ == other.__dict__ if isinstance(other, PressureInterval) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr_args__(self) -> Any:
+        return super(LazyPressureInterval, self.describe()).__repr_args__()
 
 
 def _rle(values: np.ndarray) -> tuple[np.ndarray, list[int]]:
