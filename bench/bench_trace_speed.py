@@ -4,7 +4,7 @@ beforehand (not timed), every trace's hash and columns saved so two checkouts ca
 
     python bench/bench_trace_speed.py --out /tmp/new            # this checkout
     /work/main/.venv/bin/python bench/bench_trace_speed.py --out /tmp/ref   # another one
-    python bench/bench_trace_speed.py --compare /tmp/ref /tmp/new
+    python bench/bench_trace_speed.py --compare /tmp/ref /tmp/new --json bench/results/trace-speed.json
 
 Run it from outside the repository (or with the other checkout's interpreter) to time that
 checkout's code: it imports ``xema_ray`` and ``planner`` from the interpreter's environment.
@@ -89,8 +89,9 @@ def run(out: Path, names: list[str], repeat: int) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
-def compare(a: Path, b: Path) -> int:
+def compare(a: Path, b: Path, out: Path | None) -> int:
     bad = 0
+    table = {}
     ra, rb = json.loads((a / "results.json").read_text()), json.loads((b / "results.json").read_text())
     for name in ra:
         if name not in rb:
@@ -101,7 +102,12 @@ def compare(a: Path, b: Path) -> int:
         same = set(za.files) == set(zb.files) and all(np.array_equal(za[k], zb[k]) for k in za.files) and ta == tb
         same = same and ra[name]["trace_hash"] == rb[name]["trace_hash"]
         bad += not same
+        table[name] = {"ref_cpu_s": ra[name]["cpu_s"], "new_cpu_s": rb[name]["cpu_s"], "equal": same,
+                       "trace_hash": rb[name]["trace_hash"], "ref_block_replay": ra[name]["block_replay"],
+                       "new_block_replay": rb[name]["block_replay"]}
         print(f"{name:28s} {'equal' if same else 'DIFFERENT'}  {ra[name]['cpu_s']:7.2f} -> {rb[name]['cpu_s']:7.2f} CPU s")
+    if out is not None:
+        out.write_text(json.dumps(table, indent=1) + "\n")
     return 1 if bad else 0
 
 
@@ -110,10 +116,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--repeat", type=int, default=2, help="trace each case this many times, report the least CPU")
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("REF", "NEW"))
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("REF", "NEW"),
+                    help="compare two --out folders: columns, string tables and hashes equal; CPU s side by side")
+    ap.add_argument("--json", type=Path, default=None, help="with --compare: write the comparison here")
     args = ap.parse_args()
     if args.compare:
-        return compare(*args.compare)
+        return compare(*args.compare, args.json)
     if args.out is None:
         ap.error("give --out or --compare")
     run(args.out, args.cases, args.repeat)

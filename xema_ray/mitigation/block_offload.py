@@ -81,8 +81,9 @@ class _OffloadedBlock:
 
     def wait(self) -> None:
         self.onload()
-        # the compute stream must not read the weights before the side-stream copy has landed
-        self.stream.wait(self.event, [t.data for t, _ in self.tensors])
+        if self.event is not None:  # None: no side stream (CPU, meta), nothing to wait for
+            # the compute stream must not read the weights before the side-stream copy has landed
+            self.stream.wait(self.event, [t.data for t, _ in self.tensors])
         self.event = None
 
     def release(self) -> None:
