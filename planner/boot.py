@@ -40,6 +40,7 @@ def start(argv: list[str], module: str = "planner.cli") -> None:
     (the caller's own import then does it all)."""
     if not uses_ray(argv):
         return
+
     def load() -> None:
         try:
             importlib.import_module(module)

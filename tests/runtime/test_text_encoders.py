@@ -125,3 +125,24 @@ def test_planner_places_encoder_by_fit_then_speed() -> None:
     assert [chosen[b].config.text_encoder for b in budgets] == ["device", "streamed", "cpu"]
     assert all(e.prediction.latency_s > 1.0 for e in chosen.values())
     json.loads(chosen[need["device"]].model_dump_json())
+
+
+@pytest.mark.parametrize("model", ["tiny-flux2", "tiny-cogvideox"])
+def test_encoder_facts_sent_as_json_place_as_measured_here(model: str) -> None:
+    # the planning task measures the encoder facts and sends them as JSON; the driver's placement
+    # from them equals the placement measured in the driver itself, at every budget
+    from planner.latency import LatencyModel
+    from planner.text_encoder import EncoderFacts, encoder_facts, place_text_encoder, placement_costs
+
+    t = RequestTemplate(model=model, height=64, width=64, frames=1 if model == "tiny-flux2" else 9)
+    pred = PlanPrediction(peak_bytes=10**6, latency_s=1.0, goodput_rps=1.0, slo_s=100.0, latency_source="estimated")
+    entry = PlanEntry(config=ExecutionConfig(template=t, batch=2), prediction=pred)
+    hw = LatencyModel("a6000").hardware
+    facts = EncoderFacts.model_validate_json(encoder_facts(entry.config).model_dump_json())
+    assert facts.activation_bytes and all(v > 0 for v in facts.activation_bytes.values())
+    costs = placement_costs(entry, hw)
+    assert placement_costs(entry, hw, facts) == costs
+    for budget in sorted({max(c.peak_bytes, c.setup_peak_bytes) for c in costs}):
+        assert place_text_encoder(entry, hw, budget, facts)[0] == place_text_encoder(entry, hw, budget)[0]
+    with pytest.raises(ValueError, match="cannot merge"):
+        facts.merged(facts.model_copy(update={"model": "other"}))
