@@ -40,7 +40,7 @@ from functools import cached_property
 import numpy as np
 
 from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
-from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group, unit_of
+from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.block_offload import BlockOffloadConfig
 from xema_ray.mitigation.hsdp import HSDPConfig
