@@ -51,6 +51,7 @@ from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_fa
 from xema_ray.serving.layout_stats import LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptingGroup, PreemptionState
+from xema_ray.serving.replica_stats import PublishesSummary
 from xema_ray.serving.videos import result_name
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
@@ -117,7 +118,7 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
 
 
 
-class ModelGroup(PreemptingGroup):
+class ModelGroup(PublishesSummary, PreemptingGroup):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -132,6 +133,9 @@ class ModelGroup(PreemptingGroup):
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
         preemption: the step-level preemption policy (JSON of ``PreemptionPolicy``); None: off.
+
+    Each replica publishes a summary of its dispatcher for the request router and the autoscaler
+    (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
@@ -276,6 +280,7 @@ class ModelGroup(PreemptingGroup):
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         # ours from here on: a second hand-over of the same job (two reconcilers saw it unowned)
         # arriving while this one awaits the store only re-claims it, it never queues it twice
         self._job_ids.add(job_id)
@@ -317,6 +322,7 @@ class ModelGroup(PreemptingGroup):
         request = _validated(request_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))

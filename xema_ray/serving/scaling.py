@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.serving.replica_summary import (
     MAX_DEADLINES,
@@ -49,9 +49,11 @@ class AutoscalingSpec(BaseModel):
     downscale_delay_s: float = Field(default=30.0, ge=0, description="how long a scale-down decision must hold")
     metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas publish their summary")
 
-    def model_post_init(self, _: Any) -> None:
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"autoscaling: max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
 
 
 # ---------------------------------------------------------------------------- replica choice
