@@ -283,6 +283,7 @@ class ModelGroup(PublishesSummary):
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
+        arrived = {r.request_id: r.arrival for r in a.requests}
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
@@ -312,7 +313,9 @@ class ModelGroup(PublishesSummary):
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds)
+                                                         workers=a.workers, batch_seconds=seconds,
+                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                         replica=self.owner)
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:

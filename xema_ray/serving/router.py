@@ -81,6 +81,10 @@ def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
                "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
                "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+    if out.queued_s is not None:  # how long it waited in its group's queue, and which replica ran it
+        headers["X-Xema-Queue-Seconds"] = f"{out.queued_s:.4f}"
+    if out.replica is not None:
+        headers["X-Xema-Replica"] = out.replica
     if out.prompt_tokens is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
         headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
