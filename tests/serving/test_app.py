@@ -131,6 +131,10 @@ def test_killed_worker_of_an_sp2_set_is_replaced_and_the_request_retried(server:
     group = serve.get_deployment_handle("ModelGroup:tiny-cogvideox", app_name="xema")
     before = group.status.remote().result()["generation"]
     group.kill_worker.remote(1).result()
+    deadline = time.time() + 30
+    while group.probe_workers.remote(2.0).result()[1] != "dead" and time.time() < deadline:
+        time.sleep(0.2)  # Ray says the actor died: a fact, not a slow answer
+    assert group.probe_workers.remote(2.0).result() == ["ok", "dead"]
     body = {"model": "tiny-cogvideox", "prompt": "after the crash", "size": "64x64", "num_frames": 9, "seed": 2}
     r = requests.post(f"{server}/v1/videos/sync", json=body, timeout=300)
     assert r.status_code in (200, 503), r.text  # a retried success, or a clean error naming the failure
