@@ -54,6 +54,12 @@ class WorkerKind:
     ray_options: dict[str, Any] = field(default_factory=dict)
     backend: Backend = "ray"
 
+    def bundle(self, worker_cpus: float) -> dict[str, float]:
+        """The placement-group bundle one worker of this kind needs (its actor's resources)."""
+        out = {"CPU": worker_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+        out.update(self.ray_options.get("resources", {}))
+        return out
+
     def load_class(self) -> Any:
         module, _, name = self.worker_class.partition(":")
         return getattr(importlib.import_module(module), name)
