@@ -22,6 +22,7 @@ from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
+from xema_ray.serving.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -44,10 +45,7 @@ def build_app(args: dict[str, Any]) -> Application:
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
-        bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
-        if cfg.device == "cuda":
-            bundle["GPU"] = 1
-        bundle.update(g.bundle_resources)
+        bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
         deployment = serve.deployment(
             ModelGroup,
             name=f"ModelGroup:{g.model}",

@@ -395,6 +395,10 @@ class ModelGroup:
         """The static allocator's counters per template, for ``/v1/stats``."""
         return self.layout_counters.snapshot()
 
+    async def probe_workers(self, timeout_s: float = 1.0) -> list[str]:
+        """Each worker's state now (``WorkerState``: dead only when its process is gone)."""
+        return list(await self.workers.probe(timeout_s))
+
     async def kill_worker(self, index: int) -> None:
         """Fault injection for tests and drills: kill one worker."""
         if not 0 <= index < self.n_workers:
