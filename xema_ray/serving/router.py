@@ -86,6 +86,20 @@ def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
     return headers
 
 
+def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
+    """Serve's controller's count of each group's running replicas, for this Router's application
+    (None outside a Serve replica, e.g. in tests that call the Router directly)."""
+    try:
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # not inside a Serve replica
+        return None
+
+    async def counts() -> dict[str, int] | None:
+        return await serve_replica_counts(app_name, models)
+
+    return counts
+
+
 #: longest wait for a group's stats (a group that answers later is left out of that answer)
 STATS_TIMEOUT_S = 5.0
 
@@ -373,16 +387,3 @@ class Router:
         when a group's probe task died of a bug, so that Serve replaces the replica."""
         self.health.check()
 
-
-def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
-    """Serve's controller's count of each group's running replicas, for this Router's application
-    (None outside a Serve replica, e.g. in tests that call the Router directly)."""
-    try:
-        app_name = serve.get_replica_context().app_name
-    except Exception:  # not inside a Serve replica
-        return None
-
-    async def counts() -> dict[str, int] | None:
-        return await serve_replica_counts(app_name, models)
-
-    return counts
