@@ -476,6 +476,15 @@ class ModelGroup(PreemptingGroup):
             "owner": self.owner,
         }
 
+    def check_health(self) -> None:
+        """Serve's own health check of this replica: it fails only when the replica can no longer
+        serve (its dispatch loop ended: a bug), so that Serve replaces it. A dead worker is not a
+        failure here: the group rebuilds its worker set itself."""
+        task = self._loop_task
+        if task is not None and task.done():
+            cause = None if task.cancelled() else task.exception()
+            raise RuntimeError(f"{self.model}: the dispatch loop ended ({cause!r})")
+
     async def preemption_stats(self) -> dict[str, Any]:
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
