@@ -176,3 +176,36 @@ def test_probes_are_one_at_a_time_and_never_cancelled() -> None:
 
     _run(run())
     assert group.calls == 2  # one answered after 0.3 s, the next one pending: no pile-up, no retry
+
+
+def test_healthz_probes_now_and_sees_a_death_at_once() -> None:
+    group = _Group()
+    health = GroupHealth({"m": group}, interval_s=60.0)  # the next turn is a minute away
+
+    async def run() -> tuple[str, float]:
+        health.ensure_started()
+        await asyncio.sleep(0.05)
+        assert health.report("m").status == "ok"
+        group.error = ActorDiedError()
+        t0 = asyncio.get_running_loop().time()
+        await health.fresh(2.0)  # what /healthz does: probe now, wait briefly for news
+        return health.report("m").status, asyncio.get_running_loop().time() - t0
+
+    status, seconds = _run(run())
+    assert status == "degraded" and seconds < 0.5
+
+
+def test_healthz_does_not_wait_long_for_a_busy_group() -> None:
+    group = _Group()
+    health = GroupHealth({"m": group}, interval_s=60.0)
+
+    async def run() -> tuple[str, float]:
+        health.ensure_started()
+        await asyncio.sleep(0.05)
+        group.delay_s = 5.0  # saturated: the next answer comes late
+        t0 = asyncio.get_running_loop().time()
+        await health.fresh(0.2)
+        return health.report("m").status, asyncio.get_running_loop().time() - t0
+
+    status, seconds = _run(run())
+    assert status == "ok" and seconds < 0.5  # the known state, answered quickly

@@ -38,7 +38,9 @@ logger = logging.getLogger("xema_ray.serving")
 PROBE_INTERVAL_S = 1.0
 #: a probe pending this long makes the Router ask Serve's controller whether the group still
 #: has a running replica (the answer, not the wait, decides)
-PENDING_CHECK_S = 1.0
+PENDING_CHECK_S = 0.5
+#: how long /healthz waits for fresh answers before it reports what is known
+HEALTHZ_FRESH_S = 0.5
 #: longest wait for the controller's answer; without one nothing is concluded
 CONTROLLER_TIMEOUT_S = 5.0
 #: Retry-After of a 503 for a group that is starting or whose replica is being replaced
@@ -113,6 +115,9 @@ class GroupHealth:
         self.pending_check_s = pending_check_s
         self._known = {m: _Group() for m in groups}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._counts: tuple[float, dict[str, int] | None] | None = None  # (when, Serve's answer)
+        self._counts_call: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ facts
     def answered(self, model: str, status: dict[str, Any]) -> None:
@@ -132,7 +137,23 @@ class GroupHealth:
         for m in self.groups:
             task = self._tasks.get(m)
             if task is None or task.done():
+                self._wake[m] = asyncio.Event()
                 self._tasks[m] = asyncio.get_running_loop().create_task(self._probe_loop(m))
+
+    async def fresh(self, wait_s: float) -> None:
+        """Probe every group now (not at its next turn) and wait up to ``wait_s`` for news: an
+        answer or a fact newer than this call. A group with neither keeps what is known of it."""
+        self.ensure_started()
+        start = time.monotonic()
+        for e in self._wake.values():
+            e.set()
+
+        def news(m: str) -> bool:
+            g = self._known[m]
+            return any(t is not None and t >= start for t in (g.answered_at, g.gone_at)) or g.gone is not None
+
+        while not all(news(m) for m in self.groups) and time.monotonic() - start < wait_s:
+            await asyncio.sleep(0.02)
 
     def check(self) -> None:
         """Raise if a probe task ended (it only ends on a bug): Serve's ``check_health`` hook."""
@@ -144,9 +165,14 @@ class GroupHealth:
         return await self.groups[model].status.remote()
 
     async def _probe_loop(self, model: str) -> None:
+        wake = self._wake[model]
         while True:
+            wake.clear()
             await self.probe_once(model)
-            await asyncio.sleep(self.interval_s)
+            try:  # the next turn, or sooner when /healthz wants fresh news
+                await asyncio.wait_for(wake.wait(), timeout=self.interval_s)
+            except TimeoutError:
+                pass
 
     async def probe_once(self, model: str) -> None:
         """One status call, waited for as long as it takes; while it waits, Serve's controller is
@@ -173,14 +199,26 @@ class GroupHealth:
                 call.cancel()
 
     async def _check_replicas(self, model: str) -> None:
-        if self.replica_counts is None:
-            return
-        try:
-            counts = await asyncio.wait_for(self.replica_counts(), timeout=CONTROLLER_TIMEOUT_S)
-        except Exception:  # no answer from the controller: nothing is concluded
-            return
+        counts = await self._replica_counts()
         if counts is not None and counts.get(model, 1) == 0:
             self.died(model, "Serve reports no running replica of its group (being replaced, or its node is gone)")
+
+    async def _replica_counts(self) -> dict[str, int] | None:
+        """Serve's controller's answer, shared by every group's probe (at most one call at a time,
+        reused for ``pending_check_s``); None when it does not answer: nothing is concluded."""
+        if self.replica_counts is None:
+            return None
+        if self._counts is not None and time.monotonic() - self._counts[0] < self.pending_check_s:
+            return self._counts[1]
+        if self._counts_call is None or self._counts_call.done():
+            self._counts_call = asyncio.ensure_future(asyncio.wait_for(self.replica_counts(),
+                                                                       timeout=CONTROLLER_TIMEOUT_S))
+        try:
+            counts = await asyncio.shield(self._counts_call)
+        except Exception:
+            return None
+        self._counts = (time.monotonic(), counts)
+        return counts
 
     # ------------------------------------------------------------------ reading
     def report(self, model: str) -> GroupReport:

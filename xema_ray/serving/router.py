@@ -37,7 +37,7 @@ from xema_ray.serving.api import (
     set_limits,
 )
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
-from xema_ray.serving.health import STARTING_RETRY_AFTER_S, GroupHealth, HealthResponse, serve_replica_counts
+from xema_ray.serving.health import HEALTHZ_FRESH_S, STARTING_RETRY_AFTER_S, GroupHealth, HealthResponse, serve_replica_counts
 from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
 from xema_ray.serving.stats import StatsResponse
@@ -370,7 +370,7 @@ class Router:
         with each group's state (``starting``, ``degraded``, ``ok``) and why. Answered from what
         the background probes know (``health.py``): it never waits for a group, and a group that
         answers slowly under load is not reported down."""
-        self.health.ensure_started()
+        await self.health.fresh(HEALTHZ_FRESH_S)
         body = self.health.health(self.table.hardware)
         headers = {} if body.ready else {"Retry-After": str(STARTING_RETRY_AFTER_S)}
         return JSONResponse(content=body.model_dump(mode="json"), status_code=200 if body.ready else 503,
