@@ -14,10 +14,11 @@ pending the last answer stands, unless a fact contradicts it:
 
 States (``/healthz``): ``starting`` (the group never answered yet: it is loading its model),
 ``degraded`` (a fact says its replica is gone, or the group itself reports a degraded worker
-set), ``ok``. New requests are refused (HTTP 503, Retry-After) only while a group is starting or
-its replica is known gone (a fact, not a wait: a group that has not answered yet is not ready,
-but a request for it is forwarded, and Serve holds it until a replica runs); a request already accepted is never given up by the Router: it gets
-its answer, or the error Ray raises when its replica dies.
+set), ``ok``. New requests are refused (HTTP 503, Retry-After) only on a fact: the group's
+replica is known gone or not running yet, or the group says it is starting. A group that simply
+has not answered yet is not ready, but a request for it is forwarded (Serve holds it until a
+replica runs). A request already accepted is never given up by the Router: it gets its answer,
+or the error Ray raises when its replica dies.
 """
 
 from __future__ import annotations
