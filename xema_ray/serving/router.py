@@ -42,6 +42,7 @@ from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
 from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
+from xema_ray.serving.group_api import GenerateResult
 from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
@@ -74,15 +75,15 @@ def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, 
     return out
 
 
-def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
+def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
-    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
-               "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
-               "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
-    if out.get("prompt_tokens") is not None:
+    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
+               "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
+               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+    if out.prompt_tokens is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
-        headers["X-Xema-Prompt-Tokens"] = str(out["prompt_tokens"])
-        headers["X-Xema-Prompt-Truncated"] = "true" if out.get("prompt_truncated") else "false"
+        headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
+        headers["X-Xema-Prompt-Truncated"] = "true" if out.prompt_truncated else "false"
     return headers
 
 
@@ -108,8 +109,8 @@ STATS_TIMEOUT_S = 5.0
 class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
-    def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
-                 limits_json: str | None = None, jobs: str | None = None) -> None:
+    def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
+                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None) -> None:
         self.groups = groups
         self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
@@ -117,18 +118,15 @@ class Router:
         except RuntimeError:  # no running loop here: the first request starts them
             pass
         self.stats = stats  # the Stats deployment: counters that outlive this replica
-        self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
+        self.limits = limits or RequestLimits()
         set_limits(self.limits)
-        self.table = PlanTable.model_validate_json(table_json)
-        self.served: dict[str, RequestTemplate] = {}
-        for raw in templates:
-            t = RequestTemplate.model_validate_json(raw)
-            self.served[t.shape_key] = t
+        self.table = table
+        self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
-        self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
+        self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
@@ -161,7 +159,7 @@ class Router:
                 sorted(self.served), "num_inference_steps")
         return t
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> dict[str, Any]:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -200,7 +198,7 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
-            data = [await asyncio.to_thread(self._image_data, o["data"], req, str(request.base_url)) for o in outs]
+            data = [await asyncio.to_thread(self._image_data, o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size)
             return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
@@ -281,8 +279,8 @@ class Router:
 
         async def run() -> Response:
             out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
-            return Response(content=out["data"], media_type="video/mp4",
-                            headers={**_where(t, out), "X-Xema-Frames": str(out["frames"])})
+            return Response(content=out.data, media_type="video/mp4",
+                            headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
         return await self._guarded(run())
 
