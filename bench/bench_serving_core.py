@@ -65,17 +65,46 @@ def _post(url: str, seed: int, t0: float, timeout: float) -> Answer:
     return a
 
 
+def _control_calls(url: str, stop: threading.Event, out: list[dict]) -> None:
+    """``/healthz`` and ``/v1/stats`` every 0.5 s while the burst runs: answered, and how fast."""
+    while not stop.is_set():
+        for path in ("/healthz", "/v1/stats"):
+            t = time.monotonic()
+            status, state = None, None
+            try:
+                r = requests.get(f"{url}{path}", timeout=30)
+                status = r.status_code
+                state = r.json().get("status") if path == "/healthz" else None
+            except (requests.RequestException, ValueError) as e:
+                state = type(e).__name__
+            out.append({"path": path, "seconds": round(time.monotonic() - t, 3), "status": status, "state": state})
+        stop.wait(0.5)
+
+
 def burst(url: str, n: int, timeout: float) -> dict:
     t0 = time.monotonic()
     barrier = threading.Barrier(n)
+    control: list[dict] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_control_calls, args=(url, stop, control), daemon=True)
 
     def one(i: int) -> Answer:
         barrier.wait()  # all n at once
         return _post(url, 1000 + i, t0, timeout)
 
+    watcher.start()
     with cf.ThreadPoolExecutor(n) as pool:
         answers = list(pool.map(one, range(n)))
     wall = time.monotonic() - t0
+    stop.set()
+    watcher.join(timeout=60)
+
+    def calls(path: str) -> dict:
+        got = [c for c in control if c["path"] == path]
+        secs = sorted(c["seconds"] for c in got)
+        return {"calls": len(got), "statuses": dict(Counter(str(c["status"]) for c in got)),
+                "states": dict(Counter(str(c["state"]) for c in got if c["state"])),
+                "median_s": secs[len(secs) // 2] if secs else None, "max_s": secs[-1] if secs else None}
     by = Counter((a.status, a.code, a.limit) for a in answers)
     bad_503 = [a for a in answers if a.status == 503 and (not a.json_body or not a.retry_after)]
     blaming = [a for a in answers if a.status == 503 and a.code not in ADMISSION]
@@ -87,6 +116,7 @@ def burst(url: str, n: int, timeout: float) -> dict:
             "not_200_or_503": len(other),
             "examples": {a.code or str(a.status): a.message for a in answers if a.status != 200},
             "ok_latency_s": {"median": round(sorted(ok)[len(ok) // 2], 2), "max": round(max(ok), 2)} if ok else None,
+            "during_the_burst": {"healthz": calls("/healthz"), "stats": calls("/v1/stats")},
             "load_average": os.getloadavg()}
 
 
