@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerSetSpec
+from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerSetSpec, WorkerState
 
 
 @dataclass(eq=False)
@@ -97,6 +97,10 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
 
     def _kill(self, gen: Generation[LocalWorker], rank: int) -> None:
         self._die(gen.workers[rank], rank, "killed")
+
+    async def _probe(self, gen: Generation[LocalWorker], rank: int, timeout_s: float) -> WorkerState:
+        del timeout_s  # a thread of this process is asked nothing: it is dead only when killed
+        return "dead" if gen.workers[rank].dead else "ok"
 
     def _die(self, w: LocalWorker, rank: int, how: str) -> None:
         with w.lock:

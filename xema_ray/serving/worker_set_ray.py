@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet
+from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerState
 
 
 class RayWorkerSet(WorkerSet[ActorHandle]):
@@ -88,3 +88,12 @@ class RayWorkerSet(WorkerSet[ActorHandle]):
 
     def _kill(self, gen: Generation[ActorHandle], rank: int) -> None:
         ray.kill(gen.workers[rank], no_restart=True)
+
+    async def _probe(self, gen: Generation[ActorHandle], rank: int, timeout_s: float) -> WorkerState:
+        try:
+            await asyncio.wait_for(gen.workers[rank].__ray_ready__.remote(), timeout_s)
+        except TimeoutError:
+            return "busy"  # queued behind a batch (a worker serving one call at a time)
+        except RayActorError:
+            return "dead"
+        return "ok"
