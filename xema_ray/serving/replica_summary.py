@@ -198,11 +198,8 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
     age = 0.0 if now is None else s.age(now)
     free_at = [0.0] * s.workers
     out: list[Outcome] = []
-    held = collections.defaultdict(float)  # worker -> seconds a paused batch still needs there
     for b in s.running:
         if b.paused:
-            for w in b.workers:
-                held[w] += b.remaining_s
             continue
         end = max(0.0, b.remaining_s - age)
         for w in b.workers:
@@ -216,19 +213,19 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
         end = max(free_at[w] for w in b.workers) if b.paused else max(0.0, b.remaining_s - age)
         out += [Outcome(b.template, 0.0, b.deadline_s - age, end)] * b.requests
     pending: dict[str, list[_Req]] = collections.defaultdict(list)
-    for key, q in s.queues.items():
+    for key, tq in s.queues.items():
         if key in s.plans:
-            pending[key] += _queued(s, key, q, age)
+            pending[key] += _queued(s, key, tq, age)
     for key, n in (extra_queued or {}).items():
         if key in s.plans:
             pending[key] += [_Req(s.plans[key].slo_s, 0.0, key) for _ in range(n)]
     for key, at, tag in arrivals:
         pending[key].append(_Req(at + s.plans[key].slo_s, at, key, tag))
-    for q in pending.values():
-        q.sort()
+    for reqs in pending.values():
+        reqs.sort()
     while any(pending.values()):
         # earliest head deadline first, as the dispatcher orders templates
-        key = min((q[0].deadline, k) for k, q in pending.items() if q)[1]
+        key = min((reqs[0].deadline, k) for k, reqs in pending.items() if reqs)[1]
         plan, q = s.plans[key], pending[key]
         groups = [tuple(range(g, g + plan.sp)) for g in range(0, s.workers - plan.sp + 1, plan.sp)]
         group = min(groups, key=lambda g: max(free_at[w] for w in g))

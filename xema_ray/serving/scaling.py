@@ -180,13 +180,13 @@ def summary_metrics(s: ReplicaSummary) -> dict[str, float]:
         lead.setdefault(min(b.workers), b)  # a paused batch and the one on its workers: both kept below
     extra = [b for b in s.running if lead.get(min(b.workers)) is not b]
     for w in range(s.workers):
-        b = lead.get(w)
-        m[f"w|{w}|tpl"] = float(index[b.template]) if b is not None and b.template in index else -1.0
-        m[f"w|{w}|sp"] = float(len(b.workers)) if b is not None else 0.0
-        m[f"w|{w}|rem"] = b.remaining_s if b is not None else 0.0
-        m[f"w|{w}|n"] = float(b.requests) if b is not None else 0.0
-        m[f"w|{w}|dl"] = b.deadline_s if b is not None else 0.0
-        m[f"w|{w}|p"] = float(b.paused) if b is not None else 0.0
+        lb = lead.get(w)
+        m[f"w|{w}|tpl"] = float(index[lb.template]) if lb is not None and lb.template in index else -1.0
+        m[f"w|{w}|sp"] = float(len(lb.workers)) if lb is not None else 0.0
+        m[f"w|{w}|rem"] = lb.remaining_s if lb is not None else 0.0
+        m[f"w|{w}|n"] = float(lb.requests) if lb is not None else 0.0
+        m[f"w|{w}|dl"] = lb.deadline_s if lb is not None else 0.0
+        m[f"w|{w}|p"] = float(lb.paused) if lb is not None else 0.0
         # a second batch on the same workers (a paused one under a running one): its seconds and members
         e = next((x for x in extra if min(x.workers) == w), None)
         m[f"w|{w}|held_rem"] = e.remaining_s if e is not None else 0.0
