@@ -78,35 +78,40 @@ def test_a_load_step_adds_a_replica_on_another_node_and_the_group_drains_back(cl
     handle = serve.run(_deployment().bind(PLANS, 2), name="scale", route_prefix=None)
     counts: list[int] = []
 
-    async def send(rate: float, seconds: float) -> list:  # type: ignore[type-arg]
-        calls, end, i = [], time.time() + seconds, 0
-        while time.time() < end:
+    async def send(rate: float, until) -> list:  # type: ignore[no-untyped-def, type-arg]
+        calls, i = [], 0
+        while not until():
             calls.append(asyncio.ensure_future(handle.generate.remote("img", f"r{rate}-{i}")))
             i += 1
             await asyncio.sleep(1 / rate)
         return await asyncio.gather(*calls, return_exceptions=True)
 
-    async def watch(until: asyncio.Future) -> None:  # type: ignore[type-arg]
-        while not until.done():
-            counts.append(_replicas())
-            await asyncio.sleep(0.5)
-
     async def run() -> tuple[list, list]:  # type: ignore[type-arg]
-        step = asyncio.ensure_future(send(10.0, 10.0))  # 2.5x one replica's capacity
-        await watch(step)
-        low = asyncio.ensure_future(send(1.0, 1.0))
-        await low
-        deadline = time.time() + 30
+        # the step (2.5x one replica's capacity) lasts until the second replica has run 5 s, at most 90 s
+        t0, second, polled = time.time(), [float("inf")], [0.0]
+
+        def step_over() -> bool:
+            if time.time() - polled[0] >= 0.5:  # serve.status() asks the controller: not every send
+                polled[0] = time.time()
+                counts.append(_replicas())
+                if counts[-1] >= 2:
+                    second[0] = min(second[0], time.time())
+            return time.time() > min(t0 + 90, second[0] + 5)
+
+        step = await send(10.0, step_over)
+        low_end = time.time() + 1
+        low = await send(1.0, lambda: time.time() > low_end)
+        deadline = time.time() + 45
         while _replicas() > 1 and time.time() < deadline:
             counts.append(_replicas())
             await asyncio.sleep(0.5)
         counts.append(_replicas())
-        return step.result(), low.result()
+        return step, low
 
     step, low = asyncio.run(run())
     failed = [r for r in step + low if isinstance(r, BaseException)]
     assert not failed, failed[:3]  # nothing lost, not even on the replica that drained
-    assert max(counts) == 2 and counts[-1] == 1, counts
+    assert max(counts) == 2 and counts[-1] == 1, collections.Counter(counts)
     served = collections.Counter(r["node"] for r in step)
     assert len(served) == 2, served  # the second replica took the other node's GPUs and served
     assert min(served.values()) >= 5, served
