@@ -33,6 +33,7 @@ from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
+from xema_ray.serving.ready import wait_ready  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -74,6 +75,7 @@ def start_app(tmp: Path, jobs: dict[str, Any], router_replicas: int = 1) -> str:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="xema", route_prefix="/")
+    wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)
     return f"http://127.0.0.1:{port}"
 
 
