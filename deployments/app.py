@@ -72,10 +72,12 @@ def build_app(args: dict[str, Any]) -> Application:
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
-    # Serve's own limits sit above it; Serve's backpressure stays a last resort with Retry-After
+    # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach
+    # the Router and are refused at once instead of waiting in Serve's queue in front of it, where
+    # /healthz and /v1/stats would wait behind them. Serve's backpressure stays a last resort.
     in_flight = cfg.limits.max_in_flight
     router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
-                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
+                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + cfg.max_queued_requests),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs)
