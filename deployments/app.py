@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from deployments.planning import load_or_plan
 from xema_ray.plan import PlanTable
+from xema_ray.runtime.emulated import emulation_for, scale_table
 from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.serving.dispatcher import PreemptionPolicy
@@ -26,14 +27,17 @@ from xema_ray.serving.stats import Stats
 logger = logging.getLogger("xema_ray.serving")
 
 
-def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> str | None:
-    """The group's step-level preemption policy (JSON), or None where the YAML turns it off."""
+def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int, time_scale: float = 1.0) -> str | None:
+    """The group's step-level preemption policy (JSON), or None where the YAML turns it off
+    (``time_scale``: an emulated box's clock, whose state moves are that much faster)."""
     if g.max_preemptions == 0:
         return None
     r = table.residency.get(g.model)
     switch = r.switch_s if r is not None and r.policy == "per_template" else {}
     policy = PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
                               max_preemptions=g.max_preemptions, switch_s=switch)
+    if time_scale != 1.0:
+        policy = policy.model_copy(update={"host_bandwidth": policy.host_bandwidth * time_scale})
     return policy.model_dump_json()
 
 
@@ -42,11 +46,17 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = ServeConfig.model_validate(args)
     templates = served_templates(cfg)
     table, spare_host = load_or_plan(cfg, templates)
+    reference = table
+    if cfg.device == "emulated":  # the whole app runs on the emulated box's clock
+        table = scale_table(table, cfg.time_scale)
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t).model_dump_json() for t in templates if t.model == g.model}
+        emulation = None
+        if cfg.device == "emulated":
+            emulation = emulation_for(reference, cfg.time_scale, list(plans)).model_dump_json()
         bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
-        if cfg.device == "cuda":
+        if cfg.device in ("cuda", "emulated"):
             bundle["GPU"] = 1
         bundle.update(g.bundle_resources)
         deployment = serve.deployment(
@@ -65,7 +75,8 @@ def build_app(args: dict[str, Any]) -> Application:
             wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
-            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg)),
+            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale),
+            emulation=emulation,
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
@@ -77,4 +88,5 @@ def build_app(args: dict[str, Any]) -> Application:
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
-                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json())
+                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json(),
+                       emulated=cfg.device == "emulated")

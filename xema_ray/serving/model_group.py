@@ -124,7 +124,7 @@ class ModelGroup(PreemptingGroup):
         model: registry name of the model.
         workers: size of the worker set (bundles of the placement group).
         plans: template shape key -> plan entry JSON (from the plan table).
-        device: "cpu" or "cuda".
+        device: "cpu", "cuda" or "emulated".
         weights_dir: local diffusers directory or None (random weights).
         residency: "per_template" (each batch's plan decides; a switch moves only the difference)
             or "shared" (one residency for the group).
@@ -132,12 +132,13 @@ class ModelGroup(PreemptingGroup):
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
         preemption: the step-level preemption policy (JSON of ``PreemptionPolicy``); None: off.
+        emulation: device "emulated": the workers' phases (JSON of ``EmulationConfig``).
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
                  max_queue: int = 64, residency: str = "per_template", jobs: str | None = None,
-                 layouts_dir: str | None = None, preemption: str | None = None) -> None:
+                 layouts_dir: str | None = None, preemption: str | None = None, emulation: str | None = None) -> None:
         self.model = model
         self.residency = residency
         self.layouts_dir = layouts_dir
@@ -145,6 +146,7 @@ class ModelGroup(PreemptingGroup):
         self.device = device
         self.weights_dir = weights_dir
         self.worker_cpus = worker_cpus
+        self.emulation = emulation  # device "emulated": the workers' phases (EmulationConfig JSON)
         self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
         #: per template: batches run with the layout armed, hits, fallbacks, reserved bytes; the workers' status
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
@@ -180,17 +182,25 @@ class ModelGroup(PreemptingGroup):
         from xema_ray.runtime.worker import ModelLoadConfig, Worker
 
         pg = get_current_placement_group()
-        actor_cls = ray.remote(Worker)
+        # the worker class by device: an emulated worker holds a Ray GPU like a real one (docs/emulated.md)
+        if self.device == "emulated":
+            from xema_ray.runtime.emulated import EmulatedWorker
+
+            actor_cls = ray.remote(EmulatedWorker)
+            kwargs: dict[str, Any] = {"emulation": self.emulation}
+        else:
+            actor_cls = ray.remote(Worker)
+            kwargs = {"platform": self.device, "static_allocator": self._static}
         actors = []
         for i in range(self.n_workers):
-            opts: dict[str, Any] = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.device == "cuda" else 0,
+            opts: dict[str, Any] = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.device in ("cuda", "emulated") else 0,
                                     "max_restarts": 0}
             if self.policy is not None:
                 opts["max_concurrency"] = WORKER_CONCURRENCY
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
-            actors.append(actor_cls.options(**opts).remote(platform=self.device, static_allocator=self._static))
+            actors.append(actor_cls.options(**opts).remote(**kwargs))
         self._starting = actors  # a failed rebuild kills these: they hold the group's bundles
         # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
         # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)

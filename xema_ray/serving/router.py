@@ -78,6 +78,7 @@ def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, 
 def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
     headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
+               **({"X-Xema-Emulated": "true"} if out.get("emulated") else {}),
                "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
                "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
     if out.get("prompt_tokens") is not None:
@@ -92,8 +93,9 @@ class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
-                 limits_json: str | None = None, jobs: str | None = None) -> None:
+                 limits_json: str | None = None, jobs: str | None = None, emulated: bool = False) -> None:
         self.groups = groups
+        self.emulated = emulated  # an emulated box (docs/emulated.md): responses say so
         self.health = GroupHealth(groups)
         self.stats = stats  # the Stats deployment: counters that outlive this replica
         self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
@@ -108,7 +110,7 @@ class Router:
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
-        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table) if self.jobs_cfg else None
+        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
                 self.jobs.start_background()
@@ -182,7 +184,8 @@ class Router:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
             data = [await asyncio.to_thread(self._image_data, o["data"], req, str(request.base_url)) for o in outs]
-            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size)
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
+                                 emulated=True if any(o.get("emulated") for o in outs) else None)
             return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
         return await self._guarded(run())
