@@ -47,14 +47,14 @@ def build_app(args: dict[str, Any]) -> Application:
     templates = served_templates(cfg)
     table, spare_host = load_or_plan(cfg, templates)
     reference = table
-    if cfg.device == "emulated":  # the whole app runs on the emulated box's clock
-        table = scale_table(table, cfg.time_scale)
+    if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)
+        table = scale_table(table, {g.model: cfg.time_scale_of(g.model) for g in cfg.models})
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t).model_dump_json() for t in templates if t.model == g.model}
         emulation = None
         if cfg.device == "emulated":
-            emulation = emulation_for(reference, cfg.time_scale, list(plans)).model_dump_json()
+            emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)).model_dump_json()
         bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
         if cfg.device in ("cuda", "emulated"):
             bundle["GPU"] = 1
@@ -75,7 +75,7 @@ def build_app(args: dict[str, Any]) -> Application:
             wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
-            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale),
+            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
             emulation=emulation,
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}

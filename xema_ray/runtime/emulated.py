@@ -151,23 +151,29 @@ def emulation_for(table: PlanTable, time_scale: float, keys: list[str] | None = 
     for r in table.residency.values():
         if r.policy == "per_template":
             for a, row in r.switch_s.items():
-                switch[a] = {b: s / time_scale for b, s in row.items()}
+                if a in phases:
+                    switch[a] = {b: s / time_scale for b, s in row.items() if b in phases}
     return EmulationConfig(time_scale=time_scale, hardware=profile.gpu_model if profile is not None else table.hardware,
                            nvlink_domain=profile.nvlink_domain if profile is not None else 1,
                            templates=phases, switch_s=switch, host_bandwidth=host_bandwidth)
 
 
-def scale_table(table: PlanTable, time_scale: float) -> PlanTable:
+def scale_table(table: PlanTable, time_scale: float | dict[str, float]) -> PlanTable:
     """``table`` on the emulated clock: every latency, SLO and switch cost divided by ``time_scale``
-    (what the dispatcher, the router's hints and the job progress of an emulated box use)."""
+    (what the dispatcher, the router's hints and the job progress of an emulated box use); a dict
+    gives each model its own scale (models it does not name keep theirs)."""
+    def ts(model: str) -> float:
+        return time_scale.get(model, 1.0) if isinstance(time_scale, dict) else time_scale
+
     entries = {}
     for k, e in table.entries.items():
         p = e.prediction
+        time_scale_ = ts(e.config.template.model)
         entries[k] = e.model_copy(update={"prediction": p.model_copy(update={
-            "latency_s": p.latency_s / time_scale, "slo_s": p.slo_s / time_scale,
-            "goodput_rps": p.goodput_rps * time_scale,
-            "latency_by_batch": {n: s / time_scale for n, s in p.latency_by_batch.items()}})})
-    residency = {m: r.model_copy(update={"switch_s": {a: {b: s / time_scale for b, s in row.items()}
+            "latency_s": p.latency_s / time_scale_, "slo_s": p.slo_s / time_scale_,
+            "goodput_rps": p.goodput_rps * time_scale_,
+            "latency_by_batch": {n: s / time_scale_ for n, s in p.latency_by_batch.items()}})})
+    residency = {m: r.model_copy(update={"switch_s": {a: {b: s / ts(m) for b, s in row.items()}
                                                       for a, row in r.switch_s.items()}})
                  for m, r in table.residency.items()}
     return table.model_copy(update={"entries": entries, "residency": residency,

@@ -44,6 +44,10 @@ class ModelGroupConfig(BaseModel):
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "
                     "of another template (0: never preempt in this group)")
+    time_scale: float | None = Field(
+        default=None, gt=0, description="device: emulated: this group's reference seconds per emulated second "
+                                        "(None: the app's time_scale); groups of requests minutes or hours long "
+                                        "can run faster than groups of seconds")
     bundle_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")
@@ -97,8 +101,16 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _emulated(self) -> ServeConfig:
-        if self.device != "emulated" and self.time_scale != 1.0:
-            raise ValueError(f"time_scale={self.time_scale} applies to device: emulated only (device is {self.device!r})")
+        scaled = self.time_scale != 1.0 or any(g.time_scale is not None for g in self.models)
+        if self.device != "emulated" and scaled:
+            raise ValueError(f"time_scale applies to device: emulated only (device is {self.device!r})")
         if self.device == "emulated" and self.plan_table is None:
             raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
         return self
+
+    def time_scale_of(self, model: str) -> float:
+        """The time scale of ``model``'s group (its own, else the app's)."""
+        for g in self.models:
+            if g.model == model and g.time_scale is not None:
+                return g.time_scale
+        return self.time_scale

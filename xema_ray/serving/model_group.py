@@ -425,7 +425,8 @@ class ModelGroup(PreemptingGroup):
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self._store_result(t.job_id, outputs[r.request_id])
                 elif not t.future.done():  # type: ignore[union-attr]
-                    t.future.set_result(outputs[r.request_id])  # type: ignore[union-attr]
+                    # the time it spent in this group (queue + batch): the rest of its latency is the front end's
+                    t.future.set_result({**outputs[r.request_id], "group_seconds": time.monotonic() - r.arrival})  # type: ignore[union-attr]
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped

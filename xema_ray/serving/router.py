@@ -81,6 +81,8 @@ def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
                **({"X-Xema-Emulated": "true"} if out.get("emulated") else {}),
                "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
                "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
+    if "group_seconds" in out:  # queued + batch time in the model group; the rest is the front end
+        headers["X-Xema-Group-Seconds"] = f"{out['group_seconds']:.4f}"
     if out.get("prompt_tokens") is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
         headers["X-Xema-Prompt-Tokens"] = str(out["prompt_tokens"])
