@@ -72,7 +72,7 @@ def test_phases_sum_to_the_plans_latency_and_text_is_the_planned_encoder() -> No
     assert 0.3 < text < 0.5 and denoise > 50 * decode > 0
 
 
-@pytest.mark.parametrize(("key", "n", "time_scale"), [(COG, 1, 2000.0), (FLUX, 3, 40.0), (FLUX, 1, 20.0)])
+@pytest.mark.parametrize(("key", "n", "time_scale"), [(COG, 1, 1000.0), (FLUX, 3, 20.0), (FLUX, 1, 10.0)])
 def test_a_batch_takes_the_plan_entrys_latency_over_time_scale(key: str, n: int, time_scale: float) -> None:
     w = _worker([key], time_scale)
     p = TABLE.entries[key].prediction
@@ -117,7 +117,7 @@ def test_a_pause_parks_at_a_step_boundary_and_resume_finishes_the_rest(offload: 
     r = w.resume("p")
     rest = time.perf_counter() - t1
     moves = 2 * w.emulation.move_s(paused.state_bytes) if offload else 0.0
-    assert ran + rest == pytest.approx(ph.total_s + moves, rel=0.05)
+    assert ran + rest == pytest.approx(ph.total_s + moves, rel=0.1)
     assert r.pauses == 1 and r.paused_s >= 0.2 and [s for s, _ in obs.seen] == list(range(1, 51))
     assert w.paused_runs() == []
 
@@ -133,14 +133,21 @@ def test_a_pause_that_overtakes_its_batch_parks_it_at_the_first_boundary() -> No
 
 def test_a_residency_switch_between_templates_is_charged() -> None:
     a, b = "flux2/256x256x1", "flux2/2048x2048x1"  # per_template residency: 0.94 s to switch
-    w = _worker([a, b], 40.0)
-    switch = w.emulation.switch_s[a][b]
-    assert switch == pytest.approx(TABLE.residency["flux2"].switch_s[a][b] / 40.0)
+    assert emulation_for(TABLE, 40.0, [a, b]).switch_s[a][b] == pytest.approx(TABLE.residency["flux2"].switch_s[a][b] / 40)
+    emu = emulation_for(TABLE, 800.0, [a, b])
+    emu = emu.model_copy(update={"switch_s": {a: {b: 0.4}}})  # larger than the tolerance, to see it
+    w = EmulatedWorker(emu)
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    w.load_model(ModelLoadConfig(model="flux2", plans=(TABLE.entries[a].config, TABLE.entries[b].config)))
+    w._media(a), w._media(b)
     w.execute(_batch(a, 1))
     t0 = time.perf_counter()
     r = w.execute(_batch(b))
-    assert time.perf_counter() - t0 == pytest.approx(w.emulation.templates[b].total_s + switch, rel=0.05)
-    assert r.timings.text_s >= switch
+    assert time.perf_counter() - t0 == pytest.approx(emu.templates[b].total_s + 0.4, rel=0.05)
+    assert r.timings.text_s >= 0.4
+    t0 = time.perf_counter()
+    w.execute(_batch(b))  # already held: no switch
+    assert time.perf_counter() - t0 == pytest.approx(emu.templates[b].total_s, rel=0.05)
 
 
 def test_outputs_are_valid_files_of_the_requested_size_marked_emulated(tmp_path: Path) -> None:
