@@ -34,20 +34,19 @@ def read_deployment(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def start_box(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None,
-              app_name: str = "xema") -> None:
-    """Start a local Ray cluster with the deployment's emulated GPUs and run the app on it
-    (returns once the app is ready; ``stop_box`` ends both)."""
+              app_name: str = "xema", num_gpus: int | None = None) -> None:
+    """Start a local Ray cluster with the deployment's emulated GPUs (or ``num_gpus``, room for
+    more apps: ``serve_app``) and run the app on it (returns once it is ready; ``stop_box`` ends both)."""
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from xema_ray.serving.config import ServeConfig
     from xema_ray.serving.ray_env import apply_ray_env
 
     cfg = ServeConfig.model_validate(args)
     if cfg.device != "emulated":
         raise ValueError(f"this launcher serves device: emulated deployments; got device: {cfg.device}")
-    gpus = sum(g.workers * g.replicas for g in cfg.models)
+    gpus = num_gpus or sum(g.workers * g.replicas for g in cfg.models)
     apply_ray_env()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # CPUs: what the worker bundles reserve, plus room for the router, groups and Serve's actors
@@ -55,7 +54,16 @@ def start_box(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, n
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="xr-emu-", dir="/tmp"), log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(args), name=app_name, route_prefix="/")
+    serve_app(args, app_name, "/")
+
+
+def serve_app(args: dict[str, Any], name: str, route_prefix: str) -> None:
+    """Run one more app on the box (its own emulated GPUs must be free) under ``route_prefix``."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
 
 
 def stop_box() -> None:
