@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve serve-emulated bench-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ verify: install
 loadtest: install
 	mkdir -p loadtests/results
 	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --rate $(RATE) --duration $(DURATION) --mix $(MIX)
+
+# The load test against the emulated 8x A6000 box (docs/emulated.md) on a Ray cluster of its own
+# (no `ray stop`): the paper's templates at the reference box's time scales. RATE is per second on
+# the emulated clock. PORT: its HTTP port.
+loadtest-emulated: install
+	mkdir -p loadtests/results/emulated
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --emulated deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
 
 # Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
 figures: install

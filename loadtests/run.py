@@ -32,14 +32,20 @@ def _up(url: str) -> bool:
         return False
 
 
-def start_app(url: str, timeout_s: float) -> subprocess.Popen | None:
-    """Start ``serve run deployments/xema.yaml`` unless ``url`` already answers; wait until healthy."""
+def start_app(url: str, timeout_s: float, emulated: Path | None = None) -> subprocess.Popen | None:
+    """Start ``serve run deployments/xema.yaml`` (or, with ``emulated``, that emulated box on its
+    own Ray cluster: ``deployments.emulated_box``) unless ``url`` already answers; wait until healthy."""
     if _up(url):
         return None
-    serve = Path(sys.executable).parent / "serve"
     log = open(ROOT / "loadtests" / "results" / "serve.log", "w")  # noqa: SIM115 - lives as long as the app
-    proc = subprocess.Popen([str(serve), "run", "deployments/xema.yaml"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    if emulated is not None:
+        port = url.rsplit(":", 1)[-1].split("/")[0]
+        cmd = [sys.executable, "-m", "deployments.emulated_box", str(emulated), "--port", port]
+    else:
+        cmd = [str(Path(sys.executable).parent / "serve"), "run", "deployments/xema.yaml"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=ray_env(base={**os.environ, "PYTHONPATH": str(ROOT)}))
+    proc.emulated = emulated is not None  # type: ignore[attr-defined]
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -53,6 +59,13 @@ def start_app(url: str, timeout_s: float) -> subprocess.Popen | None:
 
 def stop_app(proc: subprocess.Popen | None) -> None:
     if proc is None:
+        return
+    if getattr(proc, "emulated", False):  # the launcher owns its cluster: SIGTERM shuts down that one only
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         return
     serve = Path(sys.executable).parent / "serve"
     subprocess.run([str(serve), "shutdown", "-y"], cwd=ROOT, check=False, capture_output=True)
@@ -92,9 +105,12 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--out", type=Path, default=ROOT / "loadtests" / "results")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--emulated", type=Path, default=None,
+                    help="serve this device: emulated deployment (e.g. deployments/xema-a6000x8-emulated.yaml) on a "
+                         "Ray cluster of its own instead of the tiny CPU app; rates are on its emulated clock")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = start_app(args.url, args.startup_timeout)
+    proc = start_app(args.url, args.startup_timeout, args.emulated)
     try:
         overhead = measure_overhead(args.url)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XEMA_RATE": str(args.rate), "XEMA_DURATION": str(args.duration),
