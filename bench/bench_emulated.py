@@ -44,15 +44,17 @@ from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate, template_
 from xema_ray.templates import RequestTemplate
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the paper's rate axis of ``make figures`` (bench/figures.py RATES): its lowest, middle and highest
-#: Flux.2 rates; CogVideoX-5B's lowest three (its group here has 2 GPUs, figures' has 4)
-PAPER_RATES = {"flux2": (2.0, 8.0, 14.0), "cogvideox-5b": (0.1, 0.2, 0.3)}
+#: the paper's rate axis of ``make figures`` (bench/figures.py RATES), its three lowest rates per
+#: model (the highest ones saturate the box: attainment near 0 on both sides tells nothing)
+PAPER_RATES = {"flux2": (2.0, 5.0, 8.0), "cogvideox-5b": (0.1, 0.2, 0.3)}
+#: figures' rates are for a model on 4 GPUs; a group of g GPUs gets g/4 of them (figures' "9-gpus")
+FIGURES_GPUS = 4
 TIME_SCALES = {"flux2": 100.0, "cogvideox-5b": 4000.0}
 
 
 class Point(BaseModel):
     model: str
-    rate_req_per_min: float = Field(description="on the reference box (paper rate x figures' rate_scale)")
+    rate_req_per_min: float = Field(description="on the reference box: paper rate x figures' rate_scale x the group's GPUs / 4")
     paper_rate_req_per_min: float
     emulated_rate_req_per_min: float = Field(description="what the emulated box received: rate x time_scale")
     time_scale: float
@@ -60,7 +62,9 @@ class Point(BaseModel):
     simulated_attainment: float
     sent: int
     lost: int = Field(description="requests without a successful answer")
-    frontend_overhead_s: float = Field(description="mean of latency - time in the model group (emulated s), charged by the simulator")
+    frontend_overhead_s: float = Field(description="mean of latency - time in the model group (emulated s); the simulator "
+                                                   "is charged its mean per template (frontend_overhead_by_template_s)")
+    frontend_overhead_by_template_s: dict[str, float]
     frontend_overhead_p95_s: float
     batch_overhead_s: float = Field(description="median of batch time - planned latency (emulated s), added to every simulated batch")
     live_preemptions: int
@@ -79,6 +83,11 @@ class Result(BaseModel):
 
 def _rate_scale() -> dict[str, float]:
     return json.loads((ROOT / "bench/results/figures.json").read_text())["rate_scale"]
+
+
+def _rate(model: str, i: int, scale: dict[str, float], table: PlanTable) -> float:
+    """The reference box's req/min of ``model``'s i-th rate (figures' axis, scaled to its group's GPUs)."""
+    return PAPER_RATES[model][i] * scale[model] * table.group_gpus[model] / FIGURES_GPUS
 
 
 def _box_args(config: Path, jobs_dir: Path) -> dict:
@@ -118,16 +127,20 @@ def _point(model: str, paper_rate: float, rate: float, ts: float, table: PlanTab
         if o.batch_s is not None and o.batch_size is not None:
             batches[(o.template, o.batch_s)] = o.batch_s - _planned(sub, o.template, o.batch_size)
     overhead = statistics.fmean(front) if front else 0.0
+    # per template: a video's bytes cost the front end more than a small image's
+    per_template = {k: statistics.fmean(v) for k in sub.entries
+                    if (v := [o.latency_s - o.group_s for o in done if o.template == k and o.group_s is not None])}  # type: ignore[operator]
+    charged = {k: per_template.get(k, overhead) for k in sub.entries}
     batch_over = statistics.median(batches.values()) if batches else 0.0
     arrivals = [Arrival(t=o.t_sent, template=o.template, request_id=o.request_id) for o in sorted(mine, key=lambda o: o.t_sent)]
-    sim = simulate(sub, arrivals, overhead_s=overhead,
+    sim = simulate(sub, arrivals, overhead_s=charged,
                    batch_latency=lambda k, n: _planned(sub, k, n) + batch_over,
                    preemption=max_preemptions > 0, max_preemptions=max(1, max_preemptions), host_bytes=host_bytes,
                    host_bandwidth=DEFAULT_HOST_BANDWIDTH * ts)
     return Point(model=model, rate_req_per_min=rate, paper_rate_req_per_min=paper_rate,
                  emulated_rate_req_per_min=rate * ts, time_scale=ts, live_attainment=met / len(mine) if mine else 0.0,
                  simulated_attainment=sim.attainment, sent=len(mine), lost=len(mine) - len(done),
-                 frontend_overhead_s=overhead,
+                 frontend_overhead_s=overhead, frontend_overhead_by_template_s=charged,
                  frontend_overhead_p95_s=sorted(front)[int(0.95 * (len(front) - 1))] if front else 0.0,
                  batch_overhead_s=batch_over, live_preemptions=live_preempt, simulated_preemptions=sim.preemptions)
 
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             for m in a.models:
                 keys = [k for k, t in templates.items() if t.model == m]
                 w = template_weights({k: templates[k].latent_length for k in keys}, "uniform")
-                rate = PAPER_RATES[m][i] * scale[m] * TIME_SCALES[m]
+                rate = _rate(m, i, scale, reference) * TIME_SCALES[m]
                 arrivals += [x.model_copy(update={"request_id": f"{m}-{i}-{x.request_id}"})
                              for x in poisson_arrivals(rate, a.duration, w, seed=100 + i)]
             arrivals.sort(key=lambda x: x.t)
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             after = _live_preemptions(base)
             recorded.append([o.model_dump() for o in outcomes])
             for m in a.models:
-                p = _point(m, PAPER_RATES[m][i], PAPER_RATES[m][i] * scale[m], TIME_SCALES[m], table, outcomes,
+                p = _point(m, PAPER_RATES[m][i], _rate(m, i, scale, reference), TIME_SCALES[m], table, outcomes,
                            host_bytes, max_pre[m], after.get(m, 0) - before.get(m, 0))
                 points.append(p)
                 print(f"{m} paper rate {p.paper_rate_req_per_min}: live {100 * p.live_attainment:.1f} % sim "

@@ -105,7 +105,7 @@ def simulate(
     slos: dict[str, float] | None = None,
     wait_window_s: float = 0.05,
     batch_latency: Callable[[str, int], float] | None = None,
-    overhead_s: float = 0.0,
+    overhead_s: float | dict[str, float] = 0.0,
     shared_cores: float | None = None,
     preemption: bool = False,
     max_preemptions: int = 2,
@@ -122,7 +122,9 @@ def simulate(
         batch_latency: ``(template, n) -> seconds`` for a batch of n (default: the plan's
             prediction, ``latency_by_batch[n]`` for a partial batch).
         overhead_s: fixed time each request spends outside its batch (HTTP, router, handles),
-            measured on the live system; 0 models an ideal front end.
+            measured on the live system; 0 models an ideal front end. A dict gives it per
+            template (a video's bytes cost the front end more than an image's); templates it
+            does not name get 0.
         shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
             are logical and share the cores: running batches then progress at
             ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
@@ -226,7 +228,8 @@ def simulate(
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
-                        lat = now - r.arrival + overhead_s
+                        lat = now - r.arrival + (overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict)
+                                                 else overhead_s)
                         st.latencies_s.append(lat)
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
