@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPER_RATES = {"flux2": (2.0, 5.0, 8.0), "cogvideox-5b": (0.1, 0.2, 0.3)}
 #: figures' rates are for a model on 4 GPUs; a group of g GPUs gets g/4 of them (figures' "9-gpus")
 FIGURES_GPUS = 4
-TIME_SCALES = {"flux2": 100.0, "cogvideox-5b": 4000.0}
+TIME_SCALES = {"flux2": 100.0, "cogvideox-5b": 6000.0}
 
 
 class Point(BaseModel):
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/emulated.json")
     ap.add_argument("--config", type=Path, default=ROOT / "deployments/xema-a6000x8-emulated.yaml")
-    ap.add_argument("--duration", type=float, default=180.0, help="seconds of arrivals per rate (emulated clock)")
+    ap.add_argument("--duration", type=float, default=200.0, help="seconds of arrivals per rate (emulated clock)")
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--rates", type=int, default=3, help="how many of the rates to run (from the lowest)")
     ap.add_argument("--models", nargs="+", default=list(TIME_SCALES), choices=list(TIME_SCALES))
