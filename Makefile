@@ -27,9 +27,10 @@ test: install
 	$(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
-# Ray's internal ports listen on 127.0.0.1 only; XEMA_RAY_OPEN_PORTS=1 opens them (README "Ports").
+# `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
+# (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
 serve: install
-	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
 # The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
 # declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.
@@ -43,7 +44,7 @@ checkpoints: install
 
 # The tiny models served from those directories (their own tokenizers and text encoders).
 serve-checkpoints: checkpoints
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema-checkpoints.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
 # Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
 plan: install
@@ -65,7 +66,7 @@ loadtest: install
 # the emulated clock. PORT: its HTTP port.
 loadtest-emulated: install
 	mkdir -p loadtests/results/emulated
-	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --emulated deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --config deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
 
 # Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
 figures: install

@@ -27,7 +27,7 @@ FLUX = "flux2/256x256x1"  # batch 3: 41.1 s planned, a partial batch of 1: 20.0 
 
 
 def _worker(keys: list[str], time_scale: float) -> EmulatedWorker:
-    w = EmulatedWorker(emulation_for(TABLE, time_scale, keys).model_dump_json())
+    w = EmulatedWorker(emulation=emulation_for(TABLE, time_scale, keys))
     w.init_device(ParallelConfig(rank=0, world_size=1))
     model = TABLE.entries[keys[0]].config.template.model
     w.load_model(ModelLoadConfig(model=model, plans=tuple(TABLE.entries[k].config for k in keys)))
@@ -136,7 +136,7 @@ def test_a_residency_switch_between_templates_is_charged() -> None:
     assert emulation_for(TABLE, 40.0, [a, b]).switch_s[a][b] == pytest.approx(TABLE.residency["flux2"].switch_s[a][b] / 40)
     emu = emulation_for(TABLE, 800.0, [a, b])
     emu = emu.model_copy(update={"switch_s": {a: {b: 0.4}}})  # larger than the tolerance, to see it
-    w = EmulatedWorker(emu)
+    w = EmulatedWorker(emulation=emu)
     w.init_device(ParallelConfig(rank=0, world_size=1))
     w.load_model(ModelLoadConfig(model="flux2", plans=(TABLE.entries[a].config, TABLE.entries[b].config)))
     w._media(a), w._media(b)
@@ -181,7 +181,7 @@ def test_scale_table_puts_every_latency_on_the_emulated_clock() -> None:
 
 
 def test_error_raised_if_a_plan_has_no_emulated_phases() -> None:
-    w = EmulatedWorker(emulation_for(TABLE, 100.0, [COG]))
+    w = EmulatedWorker(emulation=emulation_for(TABLE, 100.0, [COG]))
     w.init_device(ParallelConfig(rank=0, world_size=1))
     with pytest.raises(ValueError, match="no emulated phases for flux2/256x256x1"):
         w.load_model(ModelLoadConfig(model="flux2", plans=(TABLE.entries[FLUX].config,)))
