@@ -49,6 +49,8 @@ class GenerateResult(RequestOutput):
     queued_s: float | None = Field(default=None, ge=0, description="seconds it waited in the group's queue "
                                                                    "before its sub-batch started")
     replica: str | None = Field(default=None, description="the group replica that ran it (its job-store owner id)")
+    group_seconds: float | None = Field(default=None, ge=0, description="seconds it spent in the group (queued + "
+                                                                       "its batch); the rest of its latency is the front end's")
 
 
 class GroupStatus(BaseModel):
