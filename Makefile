@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption bench-scale gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,6 +95,12 @@ bench-emulated: install
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
+
+# Scale-out on a local cluster (head + 4 nodes x 8 emulated GPUs): front door at >= 32 GPUs, autoscaling through a
+# load step, a node killed under load (<= 10 min); bench/results/scale.json + scale.png
+bench-scale: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_scale.py --out bench/results/scale.json
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
 gpu-check:
