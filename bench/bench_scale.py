@@ -99,6 +99,25 @@ class NodeLoss(BaseModel):
     lost: int
 
 
+class SaturationLevel(BaseModel):
+    clients: int
+    requests: int
+    rps: float
+    p50_s: float
+    cpu_s_per_request: dict[str, float] = Field(description="CPU seconds per answered request, by process role")
+
+
+class Saturation(BaseModel):
+    """The front door with (nearly) no GPU time: where requests/s stop growing with clients."""
+
+    time_scale: float
+    gpus: int
+    levels: list[SaturationLevel]
+    saturated_rps: float
+    bound: str = Field(description="what the CPU went to at the top level")
+    load_avg_1m: float
+
+
 class ScaleResult(BaseModel):
     machine: str
     time_scale: float
@@ -108,6 +127,7 @@ class ScaleResult(BaseModel):
     front_door: FrontDoor
     autoscale: Autoscale
     node_loss: NodeLoss | None
+    saturation: Saturation | None = None
     wall_s: float
     load_avg: tuple[float, float, float]
 
@@ -330,6 +350,69 @@ def _settled_since(timeline: list[tuple[float, int]], since: float, hold_s: floa
     return after[-1][0] - changed >= hold_s
 
 
+def role(cmdline: list[str]) -> str:
+    """A process of the cluster by what it does (Ray names its workers ``ray::<actor>``)."""
+    head = cmdline[0] if cmdline else "?"
+    if head.startswith("ray::"):
+        name = head[5:]
+        for part in ("ProxyActor", "Router", "ModelGroup", "ServeController", "Stats"):
+            if part in name:
+                return part
+        return "EmulatedWorker" if "EmulatedWorker" in name or "Worker" in name else "ray-other"
+    text = " ".join(cmdline)
+    for part in ("gcs_server", "raylet", "dashboard", "runtime_env", "log_monitor", "monitor.py"):
+        if part in text:
+            return part.replace(".py", "")
+    return "other"
+
+
+def cpu_by_role(cluster, me: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import psutil
+
+    out: dict[str, float] = {}
+    procs = [p for n in [cluster.head, *cluster.workers] if n is not None for p in n.tree()]
+    try:
+        procs.append(psutil.Process(me))
+    except psutil.Error:
+        pass
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            r = "client" if p.pid == me else role(p.cmdline())
+            out[r] = out.get(r, 0.0) + t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+async def saturate(b: Bench, cluster, levels: list[int], seconds: float) -> list[SaturationLevel]:  # type: ignore[no-untyped-def]
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await b.one(session, "warm")
+        for clients in levels:
+            phase = f"sat{clients}"
+            before = cpu_by_role(cluster, os.getpid())
+            done = asyncio.Event()
+            loop = asyncio.ensure_future(b.closed_loop(session, phase, clients, done))
+            t0 = b.now()
+            await asyncio.sleep(seconds)
+            done.set()
+            await loop
+            t1 = b.now()
+            after = cpu_by_role(cluster, os.getpid())
+            got = [s for s in b.samples if s.phase == phase and s.status == 200 and s.sent + s.seconds <= t1]
+            n = max(1, len(got))
+            out.append(SaturationLevel(
+                clients=clients, requests=len(got), rps=round(len(got) / (t1 - t0), 2),
+                p50_s=round(percentile([s.seconds for s in got], 0.5), 4),
+                cpu_s_per_request={k: round((after.get(k, 0.0) - before.get(k, 0.0)) / n, 4)
+                                   for k in sorted(after) if after.get(k, 0.0) - before.get(k, 0.0) > 0.05 * n / 1000}))
+            print(f"[{b.now():.0f}s] {clients} clients: {out[-1].rps} req/s", flush=True)
+    return out
+
+
 def plot(b: Bench, out: Path) -> None:
     import matplotlib
 
@@ -371,6 +454,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     ap.add_argument("--plot", type=Path, default=None, help="default: next to --out, .png")
     ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--wave", type=int, default=1, help="nodes started at once (a busy GCS drops raylets that take > 30 s)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=10.0)
     ap.add_argument("--port", type=int, default=8260)
@@ -387,6 +471,11 @@ def main() -> None:
     ap.add_argument("--kill-node", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--after-kill-seconds", type=float, default=20.0)
     ap.add_argument("--down-seconds", type=float, default=150.0)
+    ap.add_argument("--saturation", action="store_true",
+                    help="instead: the front door's saturation at --sat-time-scale on one node, added to --out")
+    ap.add_argument("--sat-time-scale", type=float, default=2000.0)
+    ap.add_argument("--sat-levels", default="4,16,64")
+    ap.add_argument("--sat-seconds", type=float, default=15.0)
     ap.add_argument("--request-timeout", type=float, default=600.0, help="a request unanswered this long is lost")
     args = ap.parse_args()
 
@@ -405,17 +494,39 @@ def main() -> None:
     try:
         cluster.start_head(num_cpus=4, num_gpus=0, dashboard=False, resources={"xema_head": 100})
         ray.init(address=cluster.gcs_address, log_to_driver=False)
-        cluster.add_nodes(args.nodes, num_cpus=2, num_gpus=args.gpus)
+        cluster.add_nodes(args.nodes, num_cpus=2, num_gpus=args.gpus, timeout_s=300, wave=args.wave)
         print(f"[{b.now():.0f}s] cluster: head + {args.nodes} x {args.gpus} emulated GPUs", flush=True)
         from deployments.app import build_app
 
         serve.start(http_options={"host": "127.0.0.1", "port": args.port}, proxy_location="HeadOnly")
-        serve.run(build_app(app_args(args, jobs_dir)), name="xema", route_prefix="/")
-        fd, ascale, loss = asyncio.run(drive(b, cluster))
+        config = app_args(args, jobs_dir)
+        if args.saturation:  # fixed replicas filling the nodes, batches of milliseconds
+            g = config["models"][0]
+            del g["autoscaling"]
+            g["replicas"] = b.max_replicas
+            config["time_scale"] = args.sat_time_scale
+        serve.run(build_app(config), name="xema", route_prefix="/")
+        if args.saturation:
+            sat_levels = asyncio.run(saturate(b, cluster, [int(x) for x in args.sat_levels.split(",")], args.sat_seconds))
+            top = max(sat_levels, key=lambda lv: lv.rps)
+            costs = top.cpu_s_per_request
+            total = sum(costs.values())
+            bound = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(costs.items(), key=lambda kv: -kv[1])[:4])
+            sat = Saturation(time_scale=args.sat_time_scale, gpus=b.max_replicas * 4, levels=sat_levels,
+                             saturated_rps=top.rps, load_avg_1m=round(os.getloadavg()[0], 2),
+                             bound=f"{total * top.rps:.2f} CPU-s/s of {os.cpu_count()} cores at {top.rps} req/s "
+                                   f"({total * 1000:.0f} ms CPU per request): {bound}")
+        else:
+            fd, ascale, loss = asyncio.run(drive(b, cluster))
     finally:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+    if args.saturation:
+        old = ScaleResult.model_validate_json(args.out.read_text())
+        args.out.write_text(old.model_copy(update={"saturation": sat}).model_dump_json(indent=2) + "\n")
+        print(sat.model_dump_json(indent=2))
+        return
     result = ScaleResult(machine=f"{platform.node()} ({os.cpu_count()} CPUs)", time_scale=args.time_scale,
                          template=TEMPLATE, nodes=args.nodes, gpus_per_node=args.gpus, front_door=fd,
                          autoscale=ascale, node_loss=loss, wall_s=round(b.now(), 1), load_avg=os.getloadavg())
