@@ -38,6 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 logger = logging.getLogger("xema_ray.serving")
 
 Backend = Literal["ray", "inprocess"]
+#: one worker as ``probe`` finds it: dead by fact (its process is gone), busy (no answer in time:
+#: a worker running a batch answers late, which is not death), ok
+WorkerState = Literal["ok", "busy", "dead"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class WorkerKind:
     ray_options: dict[str, Any] = field(default_factory=dict)
     backend: Backend = "ray"
 
+    def bundle(self, worker_cpus: float) -> dict[str, float]:
+        """The placement-group bundle one worker of this kind needs (its actor's resources)."""
+        out = {"CPU": worker_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+        out.update(self.ray_options.get("resources", {}))
+        return out
+
     def load_class(self) -> Any:
         module, _, name = self.worker_class.partition(":")
         return getattr(importlib.import_module(module), name)
@@ -60,6 +69,9 @@ class WorkerKind:
 WORKER_KINDS: dict[str, WorkerKind] = {
     "cpu": WorkerKind("xema_ray.runtime.worker:Worker", platform="cpu"),
     "cuda": WorkerKind("xema_ray.runtime.worker:Worker", platform="cuda", num_gpus=1.0),
+    # no weights, no math: the plan's latencies / time_scale, one Ray GPU of a node that declares
+    # GPUs (docs/emulated.md); its phases arrive with the load config
+    "emulated": WorkerKind("xema_ray.runtime.emulated:EmulatedWorker", platform="emulated", num_gpus=1.0),
 }
 
 
@@ -166,6 +178,10 @@ class WorkerSet(ABC, Generic[H]):
     @abstractmethod
     def _kill(self, gen: Generation[H], rank: int) -> None:
         """Kill one worker as a crash would (fault injection)."""
+
+    @abstractmethod
+    async def _probe(self, gen: Generation[H], rank: int, timeout_s: float) -> WorkerState:
+        """One worker's state now (see ``WorkerState``)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _build(self, number: int) -> Generation[H]:
@@ -277,6 +293,14 @@ class WorkerSet(ABC, Generic[H]):
     def kill(self, rank: int) -> None:
         """Fault injection for tests and drills: one worker dies as a crash would kill it."""
         self._kill(self._live(), self._ranks([rank])[0])
+
+    async def probe(self, timeout_s: float = 1.0) -> list[WorkerState]:
+        """Every worker's state now, asked at once: ``dead`` only when its process is gone,
+        ``busy`` when it did not answer within ``timeout_s``."""
+        gen = self._current
+        if gen is None:
+            return ["dead"] * self.size
+        return list(await asyncio.gather(*(self._probe(gen, r, timeout_s) for r in range(self.size))))
 
     def health(self) -> WorkerSetHealth:
         return WorkerSetHealth(state=self._state, generation=self.generation, reason=self._reason, size=self.size)
