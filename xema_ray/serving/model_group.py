@@ -162,7 +162,6 @@ class ModelGroup:
                 f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
                 f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
 
-
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
