@@ -29,18 +29,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_plan import (  # noqa: E402  (bench/ is not a package)
-    GPU_MODULES_GLOB, MAX_OUT_FILES, PART_BUDGET_S, CollectionError, GpuCheckRecord, Phase, TestRecord, plan_for)
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 TAIL_CHARS = 3000
 PREP_RECORD = Path(os.environ.get("XEMA_GPU_PREP", "/tmp/xema-gpu-prep.json"))
+START_FRACTION = 0.6
 RESULT_MAX_BYTES = 2 * 2**20  # a result JSON larger than this is copied, not folded in (if the plan names it)
 
 
@@ -54,6 +52,11 @@ def _prep_site() -> str | None:
 
 
 PREP_SITE = _prep_site()
+if PREP_SITE is not None and PREP_SITE not in sys.path:  # the kit (pydantic among it) in a folder of its own
+    sys.path.append(PREP_SITE)
+sys.path.insert(0, str(BENCH))
+from gpu_plan import (  # noqa: E402  (bench/ is not a package)
+    GPU_MODULES_GLOB, MAX_OUT_FILES, PART_BUDGET_S, CollectionError, GpuCheckRecord, Phase, TestRecord, plan_for)
 
 
 def _now() -> str:
@@ -65,8 +68,8 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     never replacing it (carried packages live there on the GPU machine)."""
     env = dict(os.environ)
     parts = [str(BENCH), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if PREP_SITE is not None and PREP_SITE not in sys.path:  # the kit went to a folder of its own
-        parts.append(PREP_SITE)
+    if PREP_SITE is not None and PREP_SITE != sysconfig.get_paths()["purelib"]:
+        parts.append(PREP_SITE)  # the kit went to a folder of its own (gpu_prep.sh fell back to it)
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the allocator tests choose their own
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=["1", "2", "all"], default="all", help="which part of the plan to run")
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds for the tests of this run (default {PART_BUDGET_S:.0f} per part, none for all): "
-                        "a test is started only if its expected seconds fit what is left; its timeout is cut to it")
+                        f"a test starts only while {START_FRACTION * 100:.0f}%% of its expected seconds are left; "
+                        "its timeout is cut to what is left")
     p.add_argument("--list", action="store_true", help="print the plan (collects; runs nothing)")
     p.add_argument("--dry-run", action="store_true", help="collect as the GPU machine would; write the plan; run nothing")
     p.add_argument("--modules", default=GPU_MODULES_GLOB, help="the GPU test modules (a glob under the repo)")
@@ -287,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         write(record, args.out)
         print(record.skipped)
         return 0
+    prep_failed = record.prep is not None and record.prep.get("status") != "ok"
+    if mode == "run" and prep_failed:
+        record.skipped = f"bench/gpu_prep.sh failed: {record.prep.get('reason') if record.prep else None}"
+        record.finished, record.returncode = _now(), 1
+        write(record, args.out)
+        print(record.skipped, file=sys.stderr)
+        return 1
     if cuda:
         import torch
 
@@ -332,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         t_tests = time.perf_counter()
         for rec in tests:
             left = None if record.budget_s is None else record.budget_s - (time.perf_counter() - t_tests)
-            if left is not None and left < min(rec.expected_s, rec.timeout_s):
+            # started when 60 % of its estimate is left (estimates are rough; its timeout is cut to what is left)
+            if left is not None and left < START_FRACTION * min(rec.expected_s, rec.timeout_s):
                 rec.status, rec.message = "not_run", f"budget: {left:.0f} s left, {rec.expected_s:.0f} s expected"
                 continue
             rec.status = "running"

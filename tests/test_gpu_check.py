@@ -8,6 +8,7 @@ as such, in their own process, while the others still report."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +22,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "bench" / "gpu_check.py"
+
+
+def _part_budget_s() -> float:
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "bench" / "gpu_plan.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return float(module.PART_BUDGET_S)
+
+
+PART_BUDGET_S = _part_budget_s()
 #: named by the issue; every other package the GPU machine lacks is blocked too
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
@@ -120,7 +132,7 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_plans_at_most_8_
     # never a CPU test module: every collected test comes from a *_gpu.py module
     assert all(re.search(r"test_\w+_gpu\.py::", n) for n in record["collected"])
     for part in (1, 2):
-        assert sum(t["expected_s"] for t in record["tests"] if t["part"] == part) <= 450
+        assert sum(t["expected_s"] for t in record["tests"] if t["part"] == part) <= PART_BUDGET_S
 
 
 PLANTED = '''
@@ -177,3 +189,18 @@ def test_planted_crash_and_hang_are_recorded_while_the_others_report(tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.log"]
     log = (out / "gpu-check.log").read_text()
     assert all(name in log for name in by_name)
+
+
+def test_a_spent_budget_starts_no_test_and_says_so(tmp_path: Path) -> None:
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "test_planted_gpu.py").write_text(textwrap.dedent(PLANTED))
+    out = tmp_path / "out"
+    env = {**os.environ, "PLANTED_CHILD": str(tmp_path / "child.pid"), "XEMA_GPU_PREP": str(tmp_path / "no-prep.json")}
+    proc = subprocess.run([sys.executable, str(CHECK), "--modules", str(planted / "test_*_gpu.py"), "--run-without-cuda",
+                           "--part", "2", "--budget", "1", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((out / "gpu-check.json").read_text())
+    assert record["budget_s"] == 1 and len(record["tests"]) == 4  # unplanned tests run in part 2
+    assert all(t["status"] == "not_run" and "budget" in t["message"] for t in record["tests"])
