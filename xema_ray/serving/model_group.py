@@ -37,7 +37,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from xema_ray.net import free_port
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.platforms.topology import pair_order
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import (
@@ -132,12 +132,14 @@ class ModelGroup(PreemptingGroup):
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
         preemption: the step-level preemption policy (JSON of ``PreemptionPolicy``); None: off.
+        admission: the SLO-aware admission policy the plan table chose for this group's load (JSON of
+            ``AdmissionPolicy``); None: plain EDF, every request served.
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
                  weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
                  max_queue: int = 64, residency: str = "per_template", jobs: str | None = None,
-                 layouts_dir: str | None = None, preemption: str | None = None) -> None:
+                 layouts_dir: str | None = None, preemption: str | None = None, admission: str | None = None) -> None:
         self.model = model
         self.residency = residency
         self.layouts_dir = layouts_dir
@@ -152,7 +154,9 @@ class ModelGroup(PreemptingGroup):
         self._static = device == "cuda" and any(e.config.layout_ref for e in self.entries.values())
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
         self.policy = PreemptionPolicy.model_validate_json(preemption) if preemption else None
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(
+            dispatch_plans, workers, wait_window_s, max_queue, self.policy,
+            admission=AdmissionPolicy.model_validate_json(admission) if admission else None)
         self.preempt = PreemptionState()
         self.metrics = ServingMetrics(model)
         self._layouts = sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})
@@ -340,6 +344,8 @@ class ModelGroup(PreemptingGroup):
                 for p in a.preempts:
                     self._request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
+            for r in self.dispatcher.take_shed():
+                await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             self._wake.clear()
@@ -434,6 +440,22 @@ class ModelGroup(PreemptingGroup):
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
+
+    async def _shed(self, r: Any) -> None:
+        """A request the admission policy shed (it can no longer meet its SLO and others wait): 503."""
+        plan = self.dispatcher.plans[r.template]
+        e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
+                      f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
+        self.metrics.rejected.inc(tags={"template": r.template})
+        t: _Ticket = r.payload
+        if t.job_id is not None:
+            self._job_ids.discard(t.job_id)
+            try:
+                await asyncio.to_thread(self._store().fail, t.job_id, "shed", str(e))
+            except Exception:
+                logger.exception("%s: could not record shedding %s; its lease will lapse", self.model, t.job_id)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _store_result(self, job_id: str, out: dict[str, Any]) -> None:
         try:
