@@ -36,7 +36,7 @@ import numpy as np
 
 from planner.baselines import SearchSpace, ablation_plan, run_baseline
 from planner.latency import LatencyModel
-from planner.load_aware import CandidateTable, GroupLoad, apply_choice, choose_under_load, load_candidates
+from planner.load_aware import CandidateTable, GroupLoad, apply_choice, candidate_pool, choose_under_load, load_candidates
 from planner.stages import CountingModel, plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
@@ -157,13 +157,23 @@ def _save_tables(per_gpu: Tables, cands: dict[int, dict[str, CandidateTable]], d
     (directory / "slos.json").write_text(json.dumps({g: slos for g, (_, slos) in per_gpu.items()}, indent=1))
 
 
-def _load_tables(directory: Path) -> tuple[Tables, dict[int, dict[str, CandidateTable]]]:
+def _load_tables(directory: Path, load_aware: tuple[str, ...] = LOAD_AWARE) -> tuple[Tables, dict[int, dict[str, CandidateTable]]]:
     slos = json.loads((directory / "slos.json").read_text())
     planners = SYSTEMS + ABLATIONS[:-1]
     tables = {g: ({p: PlanTable.load(str(directory / f"{g}gpu_{p}.json")) for p in planners}, slos[str(g)]) for g in GPU_COUNTS}
-    cands = {g: {p: CandidateTable.model_validate_json(f.read_text()) for p in LOAD_AWARE
-                 if (f := directory / f"{g}gpu_{p}_candidates.json").exists()} for g in GPU_COUNTS}
+    cands = {g: {p: CandidateTable.model_validate_json(f.read_text()) if (f := directory / f"{g}gpu_{p}_candidates.json").exists()
+                 else derived_candidates(tables[g][0], p) for p in load_aware if p in tables[g][0]} for g in GPU_COUNTS}
     return tables, cands
+
+
+def derived_candidates(tables: dict[str, PlanTable], planner: str) -> CandidateTable:
+    """Candidates from plan tables alone (tables planned before the candidates were kept): the
+    planner's own entry, for Xema also its ablations' entries (configurations Xema's own stages
+    assembled with SP, batch or memory planning restricted: inside its search space, confirmed like
+    its own), each with its smaller batches (``candidate_pool``)."""
+    own = tables[planner].entries
+    extra = [tables[p] for p in ABLATIONS[:-1] if p in tables] if planner == "xema" else []
+    return CandidateTable(entries={k: [e, *(t.entries[k] for t in extra if k in t.entries)] for k, e in own.items()})
 
 
 Point = tuple[str, int, str, float, str, float]  # planner, gpus, model, rate/min, mix, SLO scale
@@ -173,7 +183,7 @@ def _choose(args: tuple[PlanTable, CandidateTable, dict[str, float], list[str], 
     """One point's load-aware table (JSON; run in a worker process)."""
     table, cands, slos, keys, load, model = args
     sub = table.model_copy(update={"entries": {k: v for k, v in table.entries.items() if k in keys}})
-    choice = choose_under_load(sub, {k: v for k, v in cands.entries.items() if k in keys},
+    choice = choose_under_load(sub, {k: candidate_pool(v) for k, v in cands.entries.items() if k in keys},
                                {k: slos.get(k, 1.0) for k in keys}, load)
     return apply_choice(sub, model, choice).model_dump_json()
 
@@ -204,6 +214,9 @@ def main() -> None:
     ap.add_argument("--reuse-plans", action="store_true", help="simulate with the plan tables of a previous run (OUT/plans)")
     ap.add_argument("--no-load-aware", action="store_true",
                     help="simulate every planner's isolated-goodput plans (no load-aware choice per point)")
+    ap.add_argument("--load-aware-all", action="store_true",
+                    help="give the baselines the load-aware choice too (their own plans at smaller batches, and the "
+                         "SLO-aware admission policy): how much of Xema's lead is its plans rather than its dispatch")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     budget = parse_bytes(args.budget)
@@ -213,11 +226,16 @@ def main() -> None:
     duration = args.duration_min * 60
 
     plans_dir = args.out / "plans"
+    load_aware = LOAD_AWARE + SYSTEMS[:-1] if args.load_aware_all else LOAD_AWARE
     if args.reuse_plans and (plans_dir / "slos.json").exists():
-        per_gpu, cands = _load_tables(plans_dir)
+        per_gpu, cands = _load_tables(plans_dir, load_aware)
     else:
         per_gpu, cands = plan_tables(templates, budget, args.trace_cache, args.workers)
         _save_tables(per_gpu, cands, plans_dir)
+    for g in GPU_COUNTS:  # planners whose candidates were not kept: their own plans (at smaller batches)
+        for p in load_aware:
+            if not (p in cands[g] and cands[g][p].entries) and per_gpu[g][0][p].entries:
+                cands[g][p] = derived_candidates(per_gpu[g][0], p)
     tables4, slos = per_gpu[4]
     # Our cost-model latencies on 8x A6000 are several times what the paper's arrival rates imply
     # (Flux.2 1024^2, 50 steps: ~84 s on 2 GPUs; the paper loads 4 GPUs with 5-14 req/min), so at
@@ -248,7 +266,7 @@ def main() -> None:
     # the load-aware planners' table for each point, planned in parallel processes
     chosen: dict[Point, PlanTable] = {}
     if not args.no_load_aware:
-        todo = sorted({pt for m in MODELS for pt in points(m) if pt[0] in LOAD_AWARE and pt[0] in cands[pt[1]]})
+        todo = sorted({pt for m in MODELS for pt in points(m) if pt[0] in load_aware and pt[0] in cands[pt[1]]})
         jobs = []
         for p, g, m, rate, mix, scale in todo:
             keys = keys_of[m]

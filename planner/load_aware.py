@@ -87,6 +87,36 @@ def load_candidates(model: CountingModel, ranked: list[Scored], budget: int, slo
     return out
 
 
+def batch_candidates(entry: PlanEntry) -> list[PlanEntry]:
+    """The plan run with fewer requests per batch (n = batch-1 .. 1): the very partial batches the
+    dispatcher already starts with this plan when its wait window expires, so they fit its memory
+    (activations shrink with the batch, weights and mitigations stay) and their latency is the
+    plan's own ``latency_by_batch[n]``. Needs no planning: a plan table alone yields them."""
+    out = []
+    p = entry.prediction
+    for n in range(entry.config.batch - 1, 0, -1):
+        lat = p.latency_by_batch.get(n)
+        if lat is None:
+            continue
+        cfg = entry.config.for_batch(n)
+        pred = p.model_copy(update={"latency_s": lat, "goodput_rps": cfg.dp * n / lat if lat <= p.slo_s else 0.0,
+                                    "latency_by_batch": {m: v for m, v in p.latency_by_batch.items() if m < n}})
+        out.append(entry.model_copy(update={"config": cfg, "prediction": pred,
+                                            "runner_up": f"batch {n} of {entry.config.describe()} (load-aware candidate)"}))
+    return out
+
+
+def candidate_pool(entries: list[PlanEntry]) -> list[PlanEntry]:
+    """``entries`` (the goodput choice first) and each one's smaller batches, without repeats and
+    without any over its SLO."""
+    out: list[PlanEntry] = []
+    for e in entries:
+        for c in (e, *batch_candidates(e)):
+            if c.prediction.latency_s <= c.prediction.slo_s and all(c.config != o.config for o in out):
+                out.append(c)
+    return out
+
+
 def entry_of(model: CountingModel, s: Scored, ranked: list[Scored], slo_s: float, latency_source: str) -> PlanEntry:
     other = next((r for r in ranked if r is not s), None)
     traced = getattr(model.model, "traced_peaks", {}).get(s.config.model_dump_json())
@@ -202,3 +232,37 @@ def apply_choice(table: PlanTable, model: str, choice: LoadChoice) -> PlanTable:
         "admission": {**table.admission, model: choice.admission},
         "planned_load": {**table.planned_load, model: choice.planned},
     })
+
+
+def read_loads(path: str) -> dict[str, GroupLoad]:
+    """A traffic profile: JSON ``{model: {"rate_per_min": ..., "mix": {template: weight}, "slo_scale": ...}}``."""
+    from pathlib import Path
+
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(dict[str, GroupLoad]).validate_json(Path(path).read_text())
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"{path}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']} (expected "
+                         '{"MODEL": {"rate_per_min": R, "mix": {"TEMPLATE": W}, "slo_scale": S}})') from None
+
+
+def plan_groups_for_load(table: PlanTable, candidates: dict[str, list[PlanEntry]], slos: dict[str, float],
+                         loads: dict[str, GroupLoad]) -> PlanTable:
+    """``table`` (goodput choices) with each loaded model group's plans, admission policy and
+    planned load chosen by ``choose_under_load``; groups without a load keep their goodput plans."""
+    unknown = sorted(set(loads) - {e.config.template.model for e in table.entries.values()})
+    if unknown:
+        raise ValueError(f"the traffic profile names {', '.join(unknown)}, which the table does not plan")
+    for model, load in loads.items():
+        keys = [k for k, e in table.entries.items() if e.config.template.model == model]
+        mix_unknown = sorted(set(load.mix) - set(keys))
+        if mix_unknown:
+            raise ValueError(f"{model}: the load's mix names templates it does not plan: {', '.join(mix_unknown)}")
+        sub = table.model_copy(update={"entries": {k: table.entries[k] for k in keys},
+                                       "gpus": table.group_gpus.get(model, table.gpus)})
+        choice = choose_under_load(sub, {k: candidate_pool(candidates.get(k) or [table.entries[k]]) for k in keys},
+                                   {k: slos[k] for k in keys}, load)
+        table = apply_choice(table, model, choice)
+    return table

@@ -3,6 +3,9 @@ plans than isolated goodput and they win in simulation on unseen seeds; at low l
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from planner.load_aware import GroupLoad, apply_choice, choose_under_load, load_candidates
@@ -77,3 +80,29 @@ def test_a_choice_is_per_model_group(group: tuple[PlanTable, dict, dict]) -> Non
             update={"template": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=4)})})}})
     with pytest.raises(ValueError, match="per model group"):
         choose_under_load(other, cands, slos, GroupLoad(rate_per_min=1.0))
+
+
+def test_the_cli_plans_a_group_for_its_load(tmp_path: Path) -> None:
+    from planner.cli import main
+
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({"tiny-flux2": {"rate_per_min": 600}}))
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--templates", "tiny-flux2:64x64", "--gpus", "2", "--budget", "20MB",
+               "--hardware", "a6000", "--no-ray", "--text-encoder", "none", "--load", str(load), "--out", str(out)])
+    assert rc == 0
+    table = PlanTable.load(str(out))
+    planned = table.planned_load["tiny-flux2"]
+    assert planned.rate_per_min == 600 and planned.expected_attainment >= planned.goodput_attainment
+    assert "tiny-flux2" in table.admission
+
+
+def test_the_cli_names_the_field_of_a_bad_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli import main
+
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({"tiny-flux2": {"rate_per_min": -1}}))
+    rc = main(["plan", "--templates", "tiny-flux2:64x64", "--gpus", "1", "--budget", "20MB", "--hardware", "a6000",
+               "--no-ray", "--load", str(load)])
+    assert rc == 2
+    assert "tiny-flux2.rate_per_min" in capsys.readouterr().err
