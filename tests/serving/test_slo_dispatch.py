@@ -104,3 +104,27 @@ def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
     assert r.attainment == 0.5
     plain = simulate(table, arrivals, admission=False)
     assert plain.shed == 0 and plain.met == 1  # r1 only: r2 runs late and makes r4 and r3 miss
+
+
+# ---------------------------------------------------------------- the live group (in-process workers)
+def test_the_live_group_refuses_and_sheds_with_503s_and_serves_the_rest() -> None:
+    from tests.serving.group_harness import entry, running_group
+    from xema_ray.serving.group_api import QueueFull
+
+    ok = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
+    tight = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
+    refused = RequestTemplate(model="tiny-flux2", width=96, height=96, steps=2)
+    plans = {ok.shape_key: entry(ok, slo_s=300.0), tight.shape_key: entry(tight, slo_s=0.01),
+             refused.shape_key: entry(refused)}
+    policy = AdmissionPolicy(late="shed", refused=(refused.shape_key,))
+    with running_group("tiny-flux2", plans, admission=policy) as h:
+        with pytest.raises(QueueFull, match="not admitted") as e:
+            h.call(lambda g: g.generate(refused.shape_key, "x", "a fox", 1))
+        assert e.value.retry_after_s >= 1.0
+        # t2 can no longer meet its 10 ms SLO once queued behind t1, while the 64² request can: shed
+        futs = [h.submit(lambda g, rid=rid, t=t: g.generate(t.shape_key, rid, "a fox", 2))
+                for rid, t in (("t1", tight), ("t2", tight), ("a1", ok))]
+        with pytest.raises(QueueFull, match="shed"):
+            futs[1].result(120)
+        assert futs[2].result(120).request_id == "a1"
+        assert h.group.dispatcher.shed_total >= 1
