@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: install
 # (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
 serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
+
+# The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
+# declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.
+# PORT=8250 serves elsewhere than the YAML's 8000.
+serve-emulated: install
+	PYTHONPATH=$(CURDIR) $(PY) -m deployments.emulated_box deployments/xema-a6000x8-emulated.yaml $(if $(PORT),--port $(PORT),)
 
 # Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
 checkpoints: install
@@ -55,6 +61,13 @@ loadtest: install
 	mkdir -p loadtests/results
 	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --rate $(RATE) --duration $(DURATION) --mix $(MIX)
 
+# The load test against the emulated 8x A6000 box (docs/emulated.md) on a Ray cluster of its own
+# (no `ray stop`): the paper's templates at the reference box's time scales. RATE is per second on
+# the emulated clock. PORT: its HTTP port.
+loadtest-emulated: install
+	mkdir -p loadtests/results/emulated
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --config deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
+
 # Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
 figures: install
 	mkdir -p bench/results
@@ -77,6 +90,12 @@ bench: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
+# Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, bench/sections/emulated.md):
+# Flux.2 and CogVideoX-5B at three rates each, preemption on; <= 15 min on 2 CPUs.
+bench-emulated: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
+
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json

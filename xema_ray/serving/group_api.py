@@ -46,6 +46,8 @@ class GenerateResult(RequestOutput):
     batch_size: int = Field(ge=1, description="requests of its (sub-)batch")
     workers: tuple[int, ...] = Field(description="ranks of the SP group it ran on")
     batch_seconds: float = Field(ge=0, description="seconds its sub-batch took on the workers")
+    group_seconds: float | None = Field(default=None, ge=0, description="seconds it spent in the group (queued + "
+                                                                       "its batch); the rest of its latency is the front end's")
 
 
 class GroupStatus(BaseModel):

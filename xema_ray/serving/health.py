@@ -202,7 +202,7 @@ class GroupHealth:
     async def _check_replicas(self, model: str) -> None:
         counts = await self._replica_counts()
         if counts is not None and counts.get(model, 1) == 0:
-            self.died(model, "Serve reports no running replica of its group (being replaced, or its node is gone)")
+            self.died(model, "Serve reports no running replica of its group (starting, being replaced, or its node is gone)")
 
     async def _replica_counts(self) -> dict[str, int] | None:
         """Serve's controller's answer, shared by every group's probe (at most one call at a time,

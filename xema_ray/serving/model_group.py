@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from xema_ray.plan import AdmissionPolicy, PlanEntry
+from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
 from xema_ray.serving.group_api import GenerateResult, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
@@ -94,7 +95,7 @@ class ModelGroup:
         model: registry name of the model.
         workers: size of the worker set (bundles of the placement group).
         plans: template shape key -> its plan entry (from the plan table).
-        device: the kind of worker (``worker_set.WORKER_KINDS``: "cpu", "cuda").
+        device: the kind of worker (``worker_set.WORKER_KINDS``: "cpu", "cuda", "emulated").
         weights_dir: local diffusers directory or None (random weights).
         residency: "per_template" (each batch's plan decides; a switch moves only the difference)
             or "shared" (one residency for the group).
@@ -105,6 +106,7 @@ class ModelGroup:
         preemption: the step-level preemption policy; None: off.
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
+        emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
         admission: the SLO-aware admission policy the plan table chose for this group's load;
             None: plain EDF, every request served.
     """
@@ -114,7 +116,7 @@ class ModelGroup:
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -140,7 +142,7 @@ class ModelGroup:
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=Path(layouts_dir) if layouts_dir else None)
+                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation)
         spec = WorkerSetSpec(
             device=device, size=workers, load=load, worker_cpus=worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
@@ -338,7 +340,8 @@ class ModelGroup:
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self._store_result(t.job_id, outputs[r.request_id])
                 elif t.future is not None and not t.future.done():
-                    t.future.set_result(outputs[r.request_id])
+                    # its time in this group (queue + batch): the rest of its latency is the front end's
+                    t.future.set_result(outputs[r.request_id].model_copy(update={"group_seconds": time.monotonic() - r.arrival}))
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped

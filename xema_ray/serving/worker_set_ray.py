@@ -57,7 +57,7 @@ class RayWorkerSet(WorkerSet[ActorHandle]):
     def _order(self, workers: list[ActorHandle]) -> list[ActorHandle]:
         from xema_ray.platforms.topology import pair_order
 
-        topo = ray.get([w.device_topology.remote() for w in workers])
+        topo: list[tuple[str, list[str]]] = ray.get([w.device_topology.remote() for w in workers])
         order = pair_order([d for d, _ in topo], {d: set(p) for d, p in topo})
         return [workers[i] for i in order]
 
