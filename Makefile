@@ -73,6 +73,10 @@ figures: install
 	mkdir -p bench/results
 	$(PY) bench/figures.py --out bench/results
 
+# the figures again from the committed plan tables (bench/results/plans): minutes, no re-planning
+figures-resim: install
+	$(PY) bench/figures.py --out bench/results --reuse-plans
+
 bench: install
 	mkdir -p bench/results
 	$(PY) bench/bench_analyzer.py --out bench/results/analyzer.json

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
@@ -107,6 +107,8 @@ class ModelGroup:
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
         emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
+        admission: the SLO-aware admission policy the plan table chose for this group's load;
+            None: plain EDF, every request served.
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, PlanEntry], device: str = "cpu",
@@ -114,7 +116,7 @@ class ModelGroup:
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 emulation: EmulationConfig | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -124,7 +126,8 @@ class ModelGroup:
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
         self.policy = preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy,
+                                                          admission=admission)
         self.metrics = ServingMetrics(model)
         self.jobs_cfg = jobs
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
@@ -262,6 +265,8 @@ class ModelGroup:
                 for p in a.preempts:
                     self.runner.request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
+            for r in self.dispatcher.take_shed():
+                await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             self._wake.clear()
@@ -354,6 +359,23 @@ class ModelGroup:
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
+
+    async def _shed(self, r: Pending[_Ticket]) -> None:
+        """A request the admission policy shed (it can no longer meet its SLO and others wait): 503."""
+        plan = self.dispatcher.plans[r.template]
+        e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
+                      f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
+        self.metrics.rejected.inc(tags={"template": r.template})
+        t = r.payload
+        assert t is not None
+        if t.job_id is not None:
+            self._job_ids.discard(t.job_id)
+            try:
+                await asyncio.to_thread(self._store().fail, t.job_id, "shed", str(e))
+            except Exception:
+                logger.exception("%s: could not record shedding %s; its lease will lapse", self.model, t.job_id)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _store_result(self, job_id: str, out: GenerateResult) -> None:
         try:
