@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,16 @@ test: install
 	$(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
-# Ray's internal ports listen on 127.0.0.1 only; XEMA_RAY_OPEN_PORTS=1 opens them (docs/operations.md "Ports").
+# `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
+# (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
 serve: install
-	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
+
+# The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
+# declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.
+# PORT=8250 serves elsewhere than the YAML's 8000.
+serve-emulated: install
+	PYTHONPATH=$(CURDIR) $(PY) -m deployments.emulated_box deployments/xema-a6000x8-emulated.yaml $(if $(PORT),--port $(PORT),)
 
 # Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
 checkpoints: install
@@ -38,7 +45,7 @@ checkpoints: install
 
 # The tiny models served from those directories (their own tokenizers and text encoders).
 serve-checkpoints: checkpoints
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema-checkpoints.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
 # Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed),
 # static layouts included (into plans/a6000x8.layouts/, not committed), then verify every entry: the one command
@@ -52,9 +59,9 @@ plan: install
 layouts: install
 	$(VENV)/bin/xema layouts --plan-table $(PLAN_TABLE)
 
-# The reference box (8x RTX A6000; weights under /models): its layouts first, then serve run.
+# The reference box (8x RTX A6000; weights under /models): its layouts first, then xema serve.
 serve-a6000x8: layouts
-	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema-a6000x8.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-a6000x8.yaml
 
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
 verify: install
@@ -64,6 +71,13 @@ verify: install
 loadtest: install
 	mkdir -p loadtests/results
 	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --rate $(RATE) --duration $(DURATION) --mix $(MIX)
+
+# The load test against the emulated 8x A6000 box (docs/emulated.md) on a Ray cluster of its own
+# (no `ray stop`): the paper's templates at the reference box's time scales. RATE is per second on
+# the emulated clock. PORT: its HTTP port.
+loadtest-emulated: install
+	mkdir -p loadtests/results/emulated
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --config deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
 
 # Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
 figures: install
@@ -83,6 +97,12 @@ bench: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
+# Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, bench/sections/emulated.md):
+# Flux.2 and CogVideoX-5B at three rates each, preemption on; <= 15 min on 2 CPUs.
+bench-emulated: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
+
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json

@@ -15,40 +15,52 @@ from ray.serve import Application
 
 from deployments.planning import load_or_plan
 from xema_ray.plan import PlanTable
+from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.serving.dispatcher import PreemptionPolicy
 from xema_ray.serving.model_group import ModelGroup
+from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
+from xema_ray.serving.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")
 
 
-def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> str | None:
-    """The group's step-level preemption policy (JSON), or None where the YAML turns it off."""
+def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int,
+                      time_scale: float = 1.0) -> PreemptionPolicy | None:
+    """The group's step-level preemption policy, or None where the YAML turns it off
+    (``time_scale``: an emulated box's clock, whose state moves are that much faster)."""
     if g.max_preemptions == 0:
         return None
     r = table.residency.get(g.model)
     switch = r.switch_s if r is not None and r.policy == "per_template" else {}
     policy = PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
                               max_preemptions=g.max_preemptions, switch_s=switch)
-    return policy.model_dump_json()
+    if time_scale != 1.0:
+        policy = policy.model_copy(update={"host_bandwidth": policy.host_bandwidth * time_scale})
+    return policy
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
     cfg = ServeConfig.model_validate(args)
+    exposed = exposed_ports_warning()
+    if exposed is not None:  # Ray is already bound: tell, loudly (docs/serving.md "Ports")
+        logger.warning(exposed)
+        print(f"WARNING: {exposed}", flush=True)
     templates = served_templates(cfg)
     table, spare_host = load_or_plan(cfg, templates)
+    reference = table
+    if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)
+        table = scale_table(table, {g.model: cfg.time_scale_of(g.model) for g in cfg.models})
     groups = {}
     for g in cfg.models:
-        plans = {t.shape_key: table.lookup(t).model_dump_json() for t in templates if t.model == g.model}
-        bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
-        if cfg.device == "cuda":
-            bundle["GPU"] = 1
-        bundle.update(g.bundle_resources)
+        plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
+        emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)) if cfg.device == "emulated" else None
+        bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
         deployment = serve.deployment(
             ModelGroup,
             name=f"ModelGroup:{g.model}",
@@ -62,19 +74,22 @@ def build_app(args: dict[str, Any]) -> Application:
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
+            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs,
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
-            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg)),
+            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
+            emulation=emulation,
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
-    # Serve's own limits sit above it; Serve's backpressure stays a last resort with Retry-After
+    # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach
+    # the Router and are refused at once instead of waiting in Serve's queue in front of it, where
+    # /healthz and /v1/stats would wait behind them. Serve's backpressure stays a last resort.
     in_flight = cfg.limits.max_in_flight
     router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
-                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
+                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + cfg.max_queued_requests),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
-    return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
-                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json())
+    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
+                       emulated=cfg.device == "emulated")

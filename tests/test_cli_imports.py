@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 HEAVY = ("torch", "diffusers", "transformers", "ray")
-SUBCOMMANDS = ("analyze", "plan", "verify", "layouts")
+SUBCOMMANDS = ("analyze", "plan", "verify", "layouts", "serve")
 
 # a fresh interpreter: this test process has imported everything already
 PROBE = """

@@ -44,6 +44,10 @@ class ModelGroupConfig(BaseModel):
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "
                     "of another template (0: never preempt in this group)")
+    time_scale: float | None = Field(
+        default=None, gt=0, description="device: emulated: this group's reference seconds per emulated second "
+                                        "(None: the app's time_scale); groups of requests minutes or hours long "
+                                        "can run faster than groups of seconds")
     bundle_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")
@@ -64,7 +68,15 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: Literal["cpu", "cuda"] = Field(default="cpu", description="cpu: CPU worker bundles (no GPU needed)")
+    device: Literal["cpu", "cuda", "emulated"] = Field(
+        default="cpu", description="cpu: CPU worker bundles (no GPU needed); cuda: one GPU per worker; emulated: "
+                                   "one Ray GPU per worker on nodes that declare GPUs, no model runs (docs/emulated.md)")
+    time_scale: float = Field(
+        default=1.0, gt=0, description="emulated: reference seconds per emulated second (100: a 2,154 s batch of the "
+                                       "plan table takes 21.5 s); every latency, SLO and switch cost is divided by it")
+    emulated_host_memory: str = Field(
+        default="1TB", description="emulated: the host memory of the emulated node (the residency and paused-state "
+                                   "checks use it instead of this machine's)")
     models: list[ModelGroupConfig] = Field(min_length=1)
     plan_table: Path | None = Field(default=None, description="planner output; None = plan at start-up")
     force_plan_table: bool = Field(default=False, description="use a plan table made for other hardware")
@@ -85,3 +97,19 @@ class ServeConfig(BaseModel):
                                           "resource of the head node, to keep them next to the HTTP proxy)")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")
+
+    @model_validator(mode="after")
+    def _emulated(self) -> ServeConfig:
+        scaled = self.time_scale != 1.0 or any(g.time_scale is not None for g in self.models)
+        if self.device != "emulated" and scaled:
+            raise ValueError(f"time_scale applies to device: emulated only (device is {self.device!r})")
+        if self.device == "emulated" and self.plan_table is None:
+            raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
+        return self
+
+    def time_scale_of(self, model: str) -> float:
+        """The time scale of ``model``'s group (its own, else the app's)."""
+        for g in self.models:
+            if g.model == model and g.time_scale is not None:
+                return g.time_scale
+        return self.time_scale

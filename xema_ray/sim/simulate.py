@@ -32,6 +32,10 @@ from xema_ray.serving.dispatcher import (
 )
 
 
+#: seconds a wake-up is set past a partial batch's wait-window end (float rounding, see the loop)
+_WAKE_EPS = 1e-9
+
+
 class Arrival(BaseModel):
     """One request of an arrival trace (seconds from the start)."""
 
@@ -101,11 +105,12 @@ def simulate(
     slos: dict[str, float] | None = None,
     wait_window_s: float = 0.05,
     batch_latency: Callable[[str, int], float] | None = None,
-    overhead_s: float = 0.0,
+    overhead_s: float | dict[str, float] = 0.0,
     shared_cores: float | None = None,
     preemption: bool = False,
     max_preemptions: int = 2,
     host_bytes: int | None = None,
+    host_bandwidth: float | None = None,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
@@ -117,13 +122,17 @@ def simulate(
         batch_latency: ``(template, n) -> seconds`` for a batch of n (default: the plan's
             prediction, ``latency_by_batch[n]`` for a partial batch).
         overhead_s: fixed time each request spends outside its batch (HTTP, router, handles),
-            measured on the live system; 0 models an ideal front end.
+            measured on the live system; 0 models an ideal front end. A dict gives it per
+            template (a video's bytes cost the front end more than an image's); templates it
+            does not name get 0.
         shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
             are logical and share the cores: running batches then progress at
             ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
         preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
             table's budget and residency switch costs, ``max_preemptions`` per request,
             ``host_bytes`` of host memory per worker for paused state, None: unbounded).
+        host_bandwidth: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default);
+            an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
     """
     def predicted(template: str, n: int) -> float:
         p = table.entries[template].prediction
@@ -140,7 +149,8 @@ def simulate(
             return None
         r = table.residency.get(model)
         return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes, max_preemptions=max_preemptions,
-                                switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {})
+                                switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {},
+                                **({"host_bandwidth": host_bandwidth} if host_bandwidth is not None else {}))
     disps: dict[str, Dispatcher[None]] = {
         m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9,
                       preemption=policy(m))
@@ -218,7 +228,8 @@ def simulate(
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
-                        lat = now - r.arrival + overhead_s
+                        lat = now - r.arrival + (overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict)
+                                                 else overhead_s)
                         st.latencies_s.append(lat)
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
@@ -236,8 +247,13 @@ def simulate(
             for a in d.dispatch(now):
                 running[(m, a.batch_id)] = (start(m, a, d), len(a.workers))
             w = d.next_wakeup(now)
-            if w is not None and w > now and w not in wakes:
-                heapq.heappush(wakes, w)
+            if w is not None:
+                # a hair past the window's end: arrival + window can round below the sum the
+                # dispatcher checks (now - arrival >= window), and a wake-up that finds the batch
+                # not ready would strand it until the next unrelated event
+                w += _WAKE_EPS
+                if w > now and w not in wakes:
+                    heapq.heappush(wakes, w)
     sent = sum(s.sent for s in stats.values())
     met = sum(s.met for s in stats.values())
     duration = max((a.t for a in arrivals), default=0.0) or 1.0
