@@ -98,7 +98,6 @@ class ServeConfig(BaseModel):
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")
