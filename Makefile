@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-kit gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,6 +84,10 @@ figures: install
 	mkdir -p bench/results
 	$(PY) bench/figures.py --out bench/results
 
+# the figures again from the committed plan tables (bench/results/plans): minutes, no re-planning
+figures-resim: install
+	$(PY) bench/figures.py --out bench/results --reuse-plans
+
 bench: install
 	mkdir -p bench/results
 	$(PY) bench/bench_analyzer.py --out bench/results/analyzer.json
@@ -107,10 +111,19 @@ bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
-# On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
+# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
+# carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
+gpu-kit: install
+	$(PY) bench/gpu_kit.py
+
+# On a GPU machine, after `bash bench/gpu_prep.sh`: the GPU tests one process each, in priority order,
+# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
+# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
+# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) bench/gpu_check.py --out $(OUT)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -190,6 +190,15 @@ def _global_resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log
     return min(fits, key=lambda c: model.latency(c))
 
 
+def ablation_plan(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace,
+                  source: str = "cost_model") -> TemplatePlan:
+    """One of Figure 14's ablations as a full template plan (its stage-4 ranking included, from
+    which the load-aware choice picks)."""
+    if name not in ("no-memory-planning", "no-parallelism-planning", "no-concurrency"):
+        raise ValueError(f"{name!r} is not an ablation")
+    return _ablation(name, model, template, space, source)
+
+
 def _ablation(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace, source: str) -> TemplatePlan:
     kwargs: dict = {"slo_s": space.slo_s, "latency_source": source}
     if name == "no-memory-planning":
