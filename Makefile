@@ -9,8 +9,9 @@ OUT ?= out
 RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
+PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-kit gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-kit gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,13 +47,23 @@ checkpoints: install
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
-# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
+# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed),
+# static layouts included (into plans/a6000x8.layouts/, not committed), then verify every entry: the one command
+# that regenerates the committed reference table and bench/results/verify-a6000x8.json.
 plan: install
 	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
 	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
 
+# The layout files a plan table names, solved again from its entries (deterministic: the ids must match; ~5 MB
+# each, so they are not committed). Fails if one solves differently (model code changed: make plan).
+layouts: install
+	$(VENV)/bin/xema layouts --plan-table $(PLAN_TABLE)
+
+# The reference box (8x RTX A6000; weights under /models): its layouts first, then xema serve.
+serve-a6000x8: layouts
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-a6000x8.yaml
+
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
-PLAN_TABLE ?= plans/a6000x8.json
 verify: install
 	$(VENV)/bin/xema verify --plan-table $(PLAN_TABLE) --json bench/results/verify.json
 
@@ -72,6 +83,10 @@ loadtest-emulated: install
 figures: install
 	mkdir -p bench/results
 	$(PY) bench/figures.py --out bench/results
+
+# the figures again from the committed plan tables (bench/results/plans): minutes, no re-planning
+figures-resim: install
+	$(PY) bench/figures.py --out bench/results --reuse-plans
 
 bench: install
 	mkdir -p bench/results

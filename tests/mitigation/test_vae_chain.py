@@ -48,12 +48,12 @@ def band_plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def _vae_peak(trace: MemoryTrace) -> int:
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "vae")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "decode")
 
 
 def _decode_allocations_under(trace: MemoryTrace, prefix: str) -> np.ndarray:
     ph = event_phases(trace)[trace.begin]
-    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "vae"])
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "decode"])
     under = np.array([n == prefix or n.startswith(prefix + ".") for n in trace.modules] + [False])[trace.module]
     return trace.size[vae & under & (trace.category == Category.ACTIVATION)]
 
@@ -118,7 +118,7 @@ def test_chain_never_materialises_a_whole_map_on_meta() -> None:
     assert banded < whole / 2
     assert _vae_peak(traced) < _vae_peak(trace_with_mitigations(t, [offload]))
     # the estimate predicts a saving (the analyzer confirms by tracing, as above)
-    assert estimate_saving(chain, t, baseline=base).at("vae") > 0
+    assert estimate_saving(chain, t, baseline=base).at("decode") > 0
 
 
 def test_chain_keeps_no_freed_result_alive() -> None:

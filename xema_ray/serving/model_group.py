@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
@@ -44,6 +44,7 @@ from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_fa
 from xema_ray.serving.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptibleRunner, PreemptionReport
+from xema_ray.serving.replica_stats import PublishesSummary
 from xema_ray.serving.videos import result_name
 from xema_ray.serving.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 
@@ -88,7 +89,7 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
-class ModelGroup:
+class ModelGroup(PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -107,6 +108,11 @@ class ModelGroup:
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
         emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
+        admission: the SLO-aware admission policy the plan table chose for this group's load;
+            None: plain EDF, every request served.
+
+    Each replica publishes a summary of its dispatcher for the request router and the autoscaler
+    (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, PlanEntry], device: str = "cpu",
@@ -114,7 +120,7 @@ class ModelGroup:
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 emulation: EmulationConfig | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -124,7 +130,8 @@ class ModelGroup:
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
         self.policy = preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy,
+                                                          admission=admission)
         self.metrics = ServingMetrics(model)
         self.jobs_cfg = jobs
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
@@ -162,7 +169,6 @@ class ModelGroup:
                 f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
                 f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
 
-
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -199,6 +205,7 @@ class ModelGroup:
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         # ours from here on: a second hand-over of the same job (two reconcilers saw it unowned)
         # arriving while this one awaits the store only re-claims it, it never queues it twice
         self._job_ids.add(job_id)
@@ -240,6 +247,7 @@ class ModelGroup:
         request = _validated(request_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
@@ -263,6 +271,8 @@ class ModelGroup:
                 for p in a.preempts:
                     self.runner.request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
+            for r in self.dispatcher.take_shed():
+                await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             self._wake.clear()
@@ -280,6 +290,7 @@ class ModelGroup:
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
+        arrived = {r.request_id: r.arrival for r in a.requests}
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
@@ -309,7 +320,9 @@ class ModelGroup:
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds)
+                                                         workers=a.workers, batch_seconds=seconds,
+                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                         replica=self.owner)
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:
@@ -355,6 +368,23 @@ class ModelGroup:
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
+
+    async def _shed(self, r: Pending[_Ticket]) -> None:
+        """A request the admission policy shed (it can no longer meet its SLO and others wait): 503."""
+        plan = self.dispatcher.plans[r.template]
+        e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
+                      f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
+        self.metrics.rejected.inc(tags={"template": r.template})
+        t = r.payload
+        assert t is not None
+        if t.job_id is not None:
+            self._job_ids.discard(t.job_id)
+            try:
+                await asyncio.to_thread(self._store().fail, t.job_id, "shed", str(e))
+            except Exception:
+                logger.exception("%s: could not record shedding %s; its lease will lapse", self.model, t.job_id)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _store_result(self, job_id: str, out: GenerateResult) -> None:
         try:
