@@ -9,8 +9,9 @@ OUT ?= out
 RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
+PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-kit gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,13 +47,23 @@ checkpoints: install
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
-# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
+# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed),
+# static layouts included (into plans/a6000x8.layouts/, not committed), then verify every entry: the one command
+# that regenerates the committed reference table and bench/results/verify-a6000x8.json.
 plan: install
 	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
 	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
 
+# The layout files a plan table names, solved again from its entries (deterministic: the ids must match; ~5 MB
+# each, so they are not committed). Fails if one solves differently (model code changed: make plan).
+layouts: install
+	$(VENV)/bin/xema layouts --plan-table $(PLAN_TABLE)
+
+# The reference box (8x RTX A6000; weights under /models): its layouts first, then xema serve.
+serve-a6000x8: layouts
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-a6000x8.yaml
+
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
-PLAN_TABLE ?= plans/a6000x8.json
 verify: install
 	$(VENV)/bin/xema verify --plan-table $(PLAN_TABLE) --json bench/results/verify.json
 
@@ -100,10 +111,19 @@ bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
-# On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
+# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
+# carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
+gpu-kit: install
+	$(PY) bench/gpu_kit.py
+
+# On a GPU machine, after `bash bench/gpu_prep.sh`: the GPU tests one process each, in priority order,
+# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
+# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
+# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) bench/gpu_check.py --out $(OUT)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -168,6 +168,19 @@ def _plot(result: Result, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def markdown_table(result: Result) -> str:
+    """The points as the Markdown table of bench/sections/emulated.md."""
+    rows = ["| model | paper rate (req/min) | reference box (req/min) | emulated (req/min) | sent | lost | live | simulated "
+            "| live - sim (pp) | front end (ms, mean / p95) | preemptions live / sim |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in result.points:
+        rows.append(f"| {p.model} | {p.paper_rate_req_per_min:g} | {p.rate_req_per_min:.4g} | {p.emulated_rate_req_per_min:.3g} "
+                    f"| {p.sent} | {p.lost} | {100 * p.live_attainment:.1f} % | {100 * p.simulated_attainment:.1f} % "
+                    f"| {100 * (p.live_attainment - p.simulated_attainment):+.1f} | {1000 * p.frontend_overhead_s:.0f} / "
+                    f"{1000 * p.frontend_overhead_p95_s:.0f} | {p.live_preemptions} / {p.simulated_preemptions} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/emulated.json")
@@ -236,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     _plot(result, a.out.with_suffix(".png"))
     if a.outcomes is not None:
         a.outcomes.write_text(json.dumps(recorded))
+    print(markdown_table(result))
     print(f"wrote {a.out} ({result.wall_s:.0f} s, load {load_before} -> {result.load_avg_after})")
 
 

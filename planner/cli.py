@@ -22,25 +22,26 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+# Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
+# answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
+# where it is used; ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import gb, parse_bytes
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
-from xema_ray.runtime.residency import block_sizes
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, combine, hardware_names
-from planner.load_aware import load_candidates, plan_groups_for_load, read_loads
 from planner.measure import DeviceLatency, task_device
-from planner.residency import choose_group_residency
-from planner.pause_state import with_pause_bytes
-from planner.text_encoder import EncoderFacts, encoder_facts, place_text_encoder
-from planner.stages import CountingModel, plan_template
-from planner.trace_model import TracePlannerModel
-from planner.traces import TraceCache
+
+if TYPE_CHECKING:
+    from planner.text_encoder import EncoderFacts
 
 PLANNERS = ("xema", *BASELINES)
+#: what ``plan_one`` and ``cmd_plan`` import on first use (torch, diffusers: seconds)
+HEAVY_MODULES = ("planner.trace_model", "planner.traces", "planner.pause_state", "planner.text_encoder",
+                 "planner.residency", "planner.layouts", "xema_ray.runtime.residency")
 
 
 def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
@@ -76,6 +77,13 @@ def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]
 
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
+    from planner.load_aware import load_candidates
+    from planner.pause_state import with_pause_bytes
+    from planner.stages import CountingModel, plan_template
+    from planner.text_encoder import encoder_facts
+    from planner.trace_model import TracePlannerModel
+    from planner.traces import TraceCache
+
     t0, started, cpu0 = time.perf_counter(), time.time(), time.process_time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
@@ -138,6 +146,8 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
 
 def merged_encoder_facts(results: list[dict[str, Any]]) -> dict[str, EncoderFacts]:
     """Per model, the text-encoder facts the planning tasks sent back, merged."""
+    from planner.text_encoder import EncoderFacts
+
     out: dict[str, EncoderFacts] = {}
     for r in results:
         if r.get("encoder_facts"):
@@ -196,6 +206,8 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
 def group_residencies(entries: dict[str, PlanEntry], latency: LatencyModel
                       ) -> tuple[dict[str, PlanEntry], dict[str, GroupResidency]]:
     """Per model group: the residency policy with more goodput, and the entries it serves with."""
+    from planner.residency import choose_group_residency
+
     by_model: dict[str, dict[str, PlanEntry]] = {}
     for k, e in entries.items():
         by_model.setdefault(e.config.template.model, {})[k] = e
@@ -221,6 +233,11 @@ def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> N
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from xema_ray.runtime.residency import block_sizes
+
+    from planner.load_aware import plan_groups_for_load, read_loads
+    from planner.text_encoder import place_text_encoder
+
     group_gpus: dict[str, int] = {}
     try:
         if args.deployment is not None:
@@ -296,18 +313,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
-    if args.layouts:
-        if not args.out:
-            print("planner: --layouts writes the layouts next to the table: give --out", file=sys.stderr)
-            return 2
-        from planner.layouts import attach_layout
+    if args.layouts and not args.out:
+        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
+              "says so explicitly)", file=sys.stderr)
+    elif args.layouts:
+        from planner.layouts import attach_layouts
 
-        for k, e in list(table.entries.items()):
-            table.entries[k], ratio = attach_layout(e, args.out, latency_model.hardware.gpu_model)
-            p = table.entries[k].prediction
+        t1 = time.perf_counter()
+        table.entries, ratios, layout_cpu = attach_layouts(table.entries, args.out, latency_model.hardware.gpu_model,
+                                                           use_ray=not args.no_ray)
+        layout_wall = time.perf_counter() - t1
+        table.provenance.update(layouts_wall_s=f"{layout_wall:.1f}", layouts_cpu_s=f"{layout_cpu:.1f}",
+                                layouts_gpu=latency_model.hardware.gpu_model)
+        for k, e in table.entries.items():
+            p = e.prediction
             over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
-            print(f"layout {k}: {table.entries[k].config.layout_ref}, reserved/lower bound {ratio:.3f}, "
+            print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {ratios[k]:.3f}, "
                   f"predicted peak {gb(p.peak_bytes)}{over}")
+        print(f"solved {len(ratios)} static layouts in {layout_wall:.1f} s ({layout_cpu:.1f} CPU s in the tasks)")
     print_summary(results)
     for k, v in encoders.items():
         print(f"text encoder {k}: {v}")
@@ -319,7 +342,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"load {model}: {pl.rate_per_min:g}/min -> expected attainment {pl.expected_attainment:.1%} "
               f"(goodput choice {pl.goodput_attainment:.1%}); changed {', '.join(pl.changed) or 'none'}; "
               f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
-    print(f"planned {len(results)} templates in {wall:.1f} s; candidates' latencies: {table.provenance['measured']} "
+    total = time.perf_counter() - t0
+    table.provenance["total_s"] = f"{total:.1f}"
+    print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); candidates' latencies: {table.provenance['measured']} "
           f"measured, {table.provenance['estimated']} estimated")
     if args.out:
         table.save(args.out)
@@ -347,8 +372,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
     p.add_argument("--text-encoder", choices=("plan", "none"), default="plan",
                    help="plan where each template's text encoder runs (device / streamed / cpu), or plan without one")
-    p.add_argument("--layouts", action="store_true",
-                   help="solve each entry's static layout from the worker's allocation stream (next to --out)")
+    p.add_argument("--layouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="solve each entry's static layout from the worker's allocation stream, in parallel "
+                        "Ray tasks, into <out>.layouts/ (default; --no-layouts: plan without)")
     p.add_argument("--load", default=None,
                    help='expected load per model group (traffic profile JSON: {"MODEL": {"rate_per_min": R, "mix": '
                         '{"TEMPLATE": W}, "slo_scale": S}}): its plans and admission policy maximise the simulated '

@@ -168,8 +168,6 @@ PLAN_TABLE_SCHEMA_VERSION = 1
 
 
 LatencySource = Literal["measured", "estimated", "measured+estimated"]
-#: names earlier plan tables used
-_LEGACY_SOURCES = {"profiled": "measured", "cost_model": "estimated"}
 
 
 class PlanPrediction(BaseModel):
@@ -177,13 +175,6 @@ class PlanPrediction(BaseModel):
     non-negative (a NaN latency would order batches and hint Retry-After with garbage)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_source(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("latency_source") in _LEGACY_SOURCES:
-            return {**data, "latency_source": _LEGACY_SOURCES[data["latency_source"]]}
-        return data
 
     peak_bytes: int = Field(ge=0, description="predicted reserved peak per GPU (static layout + dynamic margin)")
     latency_s: float = Field(ge=0, description="predicted end-to-end latency of one batch")

@@ -1,7 +1,7 @@
 """An emulated deployment of two models through the real app (deployments/emulated_box.py): a
 Ray node that declares 3 GPUs, Flux.2 on 2 emulated GPUs (SP 2: the per-step agreement runs over
 gloo between them), CogVideoX-5B on 1, the reference plans (plans/a6000x8.json, shrunk to those
-groups) at time_scale 1000. Responses say ``emulated: true``; a video job shows per-step progress;
+groups) at time_scale 2000. Responses say ``emulated: true``; a video job shows per-step progress;
 a 720p job arriving behind a 1080p one preempts it (``/v1/stats``)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from xema_ray.plan import PlanTable  # noqa: E402
 pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCALE = 1000.0
+SCALE = 2000.0
 FLUX = "flux2/256x256x1"
 C720, C1080 = "cogvideox-5b/1280x720x49", "cogvideox-5b/1920x1088x49"
 
@@ -93,7 +93,7 @@ def test_a_video_job_shows_per_step_progress_and_a_720p_job_preempts_a_1080p_one
     long = requests.post(f"{box}/v1/videos", json={"model": "cogvideox-5b", "prompt": "a long one",
                                                    "size": "1920x1088", "seconds": "6"}, timeout=30).json()
     assert long["emulated"] is True
-    time.sleep(1.5)  # the 1080p job (9.5 s here) is running on the group's only GPU
+    time.sleep(1.5)  # the 1080p job (4.8 s here) is running on the group's only GPU
     short = requests.post(f"{box}/v1/videos", json={"model": "cogvideox-5b", "prompt": "a short one",
                                                     "size": "1280x720", "seconds": "6"}, timeout=30).json()
     done_short, seen_short = _wait_done(box, short["id"])

@@ -14,7 +14,7 @@ def table(batch: int = 1, sp: int = 1, gpus: int = 2, latency: float = 1.0, slo:
     def entry(t: RequestTemplate) -> PlanEntry:
         cfg = ExecutionConfig(template=t, ulysses=sp, dp=gpus // sp, batch=batch)
         return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=1, latency_s=latency, goodput_rps=1,
-                                                                slo_s=slo, latency_source="cost_model"))
+                                                                slo_s=slo, latency_source="estimated"))
     return PlanTable(hardware="cpu", gpus=gpus, budget_bytes=10**9, entries={A.shape_key: entry(A)})
 
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from xema_ray.models import MODEL_NAMES
 from xema_ray.serving.api import RequestLimits
 from xema_ray.serving.jobs import JobStoreConfig
+from xema_ray.serving.scaling import AutoscalingSpec
 
 
 class TemplateSpec(BaseModel):
@@ -32,7 +33,11 @@ class ModelGroupConfig(BaseModel):
     workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     templates: list[TemplateSpec] = Field(min_length=1)
-    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
+    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs); "
+                                                        "with autoscaling, the count it starts with")
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="add and remove replicas from the dispatchers' predicted attainment "
+                                  "(min_replicas, max_replicas, target_attainment, window_s, ...); None: fixed replicas")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
     residency: Literal["per_template", "shared"] | None = Field(
@@ -60,6 +65,10 @@ class ModelGroupConfig(BaseModel):
             # workers run in other directories: a relative path means the one `serve run` started in
             # (its contents are checked where the weights are read: on the workers' machines)
             self.weights_dir = self.weights_dir.expanduser().resolve()
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must be within autoscaling's min_replicas "
+                             f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
         return self
 
 
@@ -89,7 +98,6 @@ class ServeConfig(BaseModel):
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")

@@ -228,6 +228,10 @@ class Dispatcher(Generic[P]):
                     return True
         return False
 
+    def queued(self, template: str) -> list[Pending[P]]:
+        """A template's queued requests, earliest deadline first (a copy: for summaries)."""
+        return sorted(self._queues.get(template, ()))
+
     def queue_depth(self, template: str | None = None) -> int:
         if template is not None:
             return len(self._queues.get(template, ())) + len(self._late.get(template, ()))
@@ -382,6 +386,10 @@ class Dispatcher(Generic[P]):
         """A running or paused batch's assignment."""
         a = self._running.get(batch_id)
         return a if a is not None else self._paused[batch_id]
+
+    def remaining_s(self, batch_id: int, now: float) -> float:
+        """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
+        return self._progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
 
     def _expected_end(self, bid: int, now: float) -> float:
         a = self.assignment(bid)

@@ -44,6 +44,7 @@ from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_fa
 from xema_ray.serving.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptibleRunner, PreemptionReport
+from xema_ray.serving.replica_stats import PublishesSummary
 from xema_ray.serving.videos import result_name
 from xema_ray.serving.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 
@@ -88,7 +89,7 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
-class ModelGroup:
+class ModelGroup(PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -109,6 +110,9 @@ class ModelGroup:
         emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
         admission: the SLO-aware admission policy the plan table chose for this group's load;
             None: plain EDF, every request served.
+
+    Each replica publishes a summary of its dispatcher for the request router and the autoscaler
+    (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, PlanEntry], device: str = "cpu",
@@ -165,7 +169,6 @@ class ModelGroup:
                 f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
                 f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
 
-
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -202,6 +205,7 @@ class ModelGroup:
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         # ours from here on: a second hand-over of the same job (two reconcilers saw it unowned)
         # arriving while this one awaits the store only re-claims it, it never queues it twice
         self._job_ids.add(job_id)
@@ -243,6 +247,7 @@ class ModelGroup:
         request = _validated(request_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
@@ -285,6 +290,7 @@ class ModelGroup:
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
+        arrived = {r.request_id: r.arrival for r in a.requests}
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
@@ -314,7 +320,9 @@ class ModelGroup:
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds)
+                                                         workers=a.workers, batch_seconds=seconds,
+                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                         replica=self.owner)
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:

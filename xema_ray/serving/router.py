@@ -84,6 +84,10 @@ def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
         headers["X-Xema-Emulated"] = "true"
     if out.group_seconds is not None:  # queued + batch time in the model group; the rest is the front end
         headers["X-Xema-Group-Seconds"] = f"{out.group_seconds:.4f}"
+    if out.queued_s is not None:  # how long it waited in its group's queue, and which replica ran it
+        headers["X-Xema-Queue-Seconds"] = f"{out.queued_s:.4f}"
+    if out.replica is not None:
+        headers["X-Xema-Replica"] = out.replica
     if out.prompt_tokens is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
         headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
