@@ -103,7 +103,7 @@ def _plan_template(args: tuple[RequestTemplate, int, str]) -> dict[int, Planned]
             if entry is not None:
                 entries[p] = entry.model_dump_json()
                 if plan is not None:
-                    alts = [e for e in load_candidates(pm, plan.ranked, budget, xema.slo_s, "cost_model")
+                    alts = [e for e in load_candidates(pm, plan.ranked, budget, xema.slo_s, "estimated")
                             if e.config != entry.config]
                     cands[p] = [e.model_dump_json() for e in (entry, *alts)]
         out[gpus] = (xema.slo_s, entries, cands)

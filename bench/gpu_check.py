@@ -1,6 +1,7 @@
 """`make gpu-check`: the GPU tests, one process each, in priority order, results in --out.
 
-Only the GPU test modules (``tests/**/test_*_gpu.py``) are collected, never a CPU one; each test
+Only the GPU test modules (``tests/**/test_*_gpu.py``) are collected, never a CPU one (and every
+module they import inside their tests is imported too, as a collection check); each test
 runs in its own ``pytest`` process (its own session: a timeout kills its children too) with its own
 timeout, and ``gpu-check.json`` is rewritten after every test (status, seconds, return code or
 signal, stderr tail, the JSON results the test wrote), so a segfault or a hang costs one test,
@@ -22,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -124,7 +126,55 @@ def collect(pattern: str, work: Path, timeout_s: float = 180) -> tuple[list[str]
     if rc is None or (rc not in (0, 5) and not errors):
         tail = log.read_text(errors="replace")[-TAIL_CHARS:]
         errors.append(CollectionError(nodeid="(collection)", message=f"pytest --collect-only rc={rc}: {tail}"))
-    return collected, errors
+    return collected, errors + check_imports(modules)
+
+
+_IMPORT_CHECK = """
+import importlib, json, sys
+bad = {}
+for module, names in json.loads(sys.argv[1]).items():
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 -- reported, not raised
+            bad.setdefault(module, []).append(f"{name}: {type(e).__name__}: {e}")
+print(json.dumps(bad))
+"""
+
+
+def lazy_imports(modules: list[str]) -> dict[str, list[str]]:
+    """Every module a GPU test module imports anywhere (inside its test functions too), by file."""
+    out: dict[str, list[str]] = {}
+    for m in modules:
+        path = Path(m) if Path(m).is_absolute() else REPO / m
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+        out[m] = sorted(names - {"__future__"})
+    return out
+
+
+def check_imports(modules: list[str], timeout_s: float = 180) -> list[CollectionError]:
+    """Import what the GPU tests import inside their functions (collection only sees module
+    level): a test that would fail on the GPU machine at its first line is a collection error."""
+    wanted = lazy_imports(modules)
+    test_dirs = sorted({str((Path(m) if Path(m).is_absolute() else REPO / m).parent) for m in modules})
+    env = _child_env({})
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *test_dirs])  # as pytest's rootdir-less import does
+    try:
+        proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, json.dumps(wanted)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [CollectionError(nodeid="(imports)", message=f"importing the tests' modules took over {timeout_s:.0f} s")]
+    try:
+        bad = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return [CollectionError(nodeid="(imports)", message=f"rc={proc.returncode}: {proc.stderr[-TAIL_CHARS:]}")]
+    return [CollectionError(nodeid=f"{m} (imports inside its tests)", message="; ".join(errors))
+            for m, errors in bad.items()]
 
 
 def plan(collected: list[str]) -> list[TestRecord]:

@@ -191,7 +191,7 @@ def _global_resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log
 
 
 def ablation_plan(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace,
-                  source: str = "cost_model") -> TemplatePlan:
+                  source: LatencySource = "estimated") -> TemplatePlan:
     """One of Figure 14's ablations as a full template plan (its stage-4 ranking included, from
     which the load-aware choice picks)."""
     if name not in ("no-memory-planning", "no-parallelism-planning", "no-concurrency"):

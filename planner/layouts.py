@@ -71,9 +71,10 @@ def attach_layouts(entries: dict[str, PlanEntry], table_path: str | Path, gpu: s
     else:
         done = {k: solve_one(entries[k].model_dump_json(), gpu, str(folder)) for k in keys}
     out, ratios, cpu = dict(entries), {}, 0.0
+    folder.mkdir(parents=True, exist_ok=True)
     for k, (art_json, _, cpu_s) in done.items():
         art = LayoutArtifact.model_validate_json(art_json)
-        save_artifact(art, folder)
+        (folder / f"{art.layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
         out[k], ratios[k] = with_layout(entries[k], art)
         cpu += cpu_s
     return {k: out[k] for k in entries}, ratios, cpu

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import AdmissionPolicy, PlanEntry, PlannedLoad, PlanPrediction, PlanTable
+from xema_ray.plan import AdmissionPolicy, LatencySource, PlanEntry, PlannedLoad, PlanPrediction, PlanTable
 from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate
 
 from planner.stages import CountingModel, Scored, StageLog, confirmed, partial_batch_latencies, why_lost
@@ -66,7 +66,7 @@ class LoadChoice:
 
 
 def load_candidates(model: CountingModel, ranked: list[Scored], budget: int, slo_s: float,
-                    latency_source: str, limit: int = MAX_CANDIDATES) -> list[PlanEntry]:
+                    latency_source: LatencySource, limit: int = MAX_CANDIDATES) -> list[PlanEntry]:
     """The distinct (SP, batch) configurations of a template's stage-4 ranking that meet the SLO,
     best goodput first, each confirmed by the model's traced check where it has one; the first is
     the goodput choice. Every SP's batch-1 configuration is kept (the fastest per request)."""
@@ -117,13 +117,13 @@ def candidate_pool(entries: list[PlanEntry]) -> list[PlanEntry]:
     return out
 
 
-def entry_of(model: CountingModel, s: Scored, ranked: list[Scored], slo_s: float, latency_source: str) -> PlanEntry:
+def entry_of(model: CountingModel, s: Scored, ranked: list[Scored], slo_s: float, latency_source: LatencySource) -> PlanEntry:
     other = next((r for r in ranked if r is not s), None)
     traced = getattr(model.model, "traced_peaks", {}).get(s.config.model_dump_json())
     return PlanEntry(
         config=s.config,
         prediction=PlanPrediction(peak_bytes=traced if traced is not None else s.peak, latency_s=s.latency,
-                                  goodput_rps=s.goodput, slo_s=slo_s, latency_source=latency_source,  # type: ignore[arg-type]
+                                  goodput_rps=s.goodput, slo_s=slo_s, latency_source=latency_source,
                                   latency_by_batch=partial_batch_latencies(model, s.config)),
         runner_up=why_lost(s, other, slo_s) if other is not None else None,
         candidates_profiled=len(model.counter.profiled),

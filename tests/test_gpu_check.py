@@ -204,3 +204,23 @@ def test_a_spent_budget_starts_no_test_and_says_so(tmp_path: Path) -> None:
     record = json.loads((out / "gpu-check.json").read_text())
     assert record["budget_s"] == 1 and len(record["tests"]) == 4  # unplanned tests run in part 2
     assert all(t["status"] == "not_run" and "budget" in t["message"] for t in record["tests"])
+
+
+def test_a_module_a_test_imports_inside_itself_is_checked_by_the_dry_run(tmp_path: Path) -> None:
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "test_lazy_gpu.py").write_text(textwrap.dedent('''
+        import pytest
+
+        @pytest.mark.gpu
+        def test_imports_late():
+            import not_on_the_gpu_machine_xyz  # noqa: F401
+    '''))
+    out = tmp_path / "out"
+    env = {**os.environ, "XEMA_GPU_PREP": str(tmp_path / "no-prep.json")}
+    proc = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--modules", str(planted / "test_*_gpu.py"),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    record = json.loads((out / "gpu-check.json").read_text())
+    assert proc.returncode == 1 and len(record["collected"]) == 1
+    [error] = record["collection_errors"]
+    assert "imports inside its tests" in error["nodeid"] and "not_on_the_gpu_machine_xyz" in error["message"]

@@ -29,7 +29,7 @@ def group() -> tuple[PlanTable, dict, dict]:
         p = plan_template(m, t, gpus=2, budget=100 * GB, max_batch=4)
         assert p.entry is not None and p.slo_s is not None
         table.entries[t.shape_key] = p.entry
-        cands[t.shape_key] = load_candidates(m, p.ranked, 100 * GB, p.slo_s, "cost_model")
+        cands[t.shape_key] = load_candidates(m, p.ranked, 100 * GB, p.slo_s, "estimated")
         slos[t.shape_key] = p.slo_s
     return table, cands, slos
 

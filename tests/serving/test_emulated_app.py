@@ -86,7 +86,8 @@ def test_an_image_runs_on_two_emulated_gpus_and_says_emulated(box: str) -> None:
     assert png.size == (256, 256)
     p = table.entries[FLUX].prediction
     planned = p.latency_by_batch.get(int(r.headers["X-Xema-Batch-Size"]), p.latency_s) / SCALE
-    assert float(r.headers["X-Xema-Batch-Seconds"]) == pytest.approx(planned, rel=0.25, abs=0.05)
+    # the plan's time (10 ms here), plus the group's Ray call and 50 per-step gloo agreements
+    assert planned <= float(r.headers["X-Xema-Batch-Seconds"]) < planned + 0.25
 
 
 def test_a_video_job_shows_per_step_progress_and_a_720p_job_preempts_a_1080p_one(box: str) -> None:

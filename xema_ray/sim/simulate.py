@@ -113,6 +113,7 @@ def simulate(
     max_preemptions: int = 2,
     host_bytes: int | None = None,
     host_bandwidth: float | None = None,
+    request_overhead_s: dict[str, float] | None = None,
     admission: bool = True,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
@@ -134,6 +135,8 @@ def simulate(
         preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
             table's budget and residency switch costs, ``max_preemptions`` per request,
             ``host_bytes`` of host memory per worker for paused state, None: unbounded).
+        request_overhead_s: request id -> its own front-end time, measured live (replaces
+            ``overhead_s`` for the requests it names): a loaded front end's tail, not its mean.
         host_bandwidth: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default);
             an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
         admission: apply the table's per-group admission policies (``PlanTable.admission``;
@@ -234,8 +237,11 @@ def simulate(
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
-                        lat = now - r.arrival + (overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict)
-                                                 else overhead_s)
+                        if request_overhead_s is not None and r.request_id in request_overhead_s:
+                            extra = request_overhead_s[r.request_id]
+                        else:
+                            extra = overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict) else overhead_s
+                        lat = now - r.arrival + extra
                         st.latencies_s.append(lat)
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
