@@ -41,7 +41,7 @@ PROBE_INTERVAL_S = 1.0
 #: has a running replica (the answer, not the wait, decides)
 PENDING_CHECK_S = 0.5
 #: how long /healthz waits for fresh answers before it reports what is known
-HEALTHZ_FRESH_S = 0.5
+HEALTHZ_FRESH_S = 1.0
 #: longest wait for the controller's answer; without one nothing is concluded
 CONTROLLER_TIMEOUT_S = 5.0
 #: Retry-After of a 503 for a group that is starting or whose replica is being replaced
