@@ -77,4 +77,5 @@ def build_app(args: dict[str, Any]) -> Application:
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
-                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json())
+                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json(),
+                       auth_json=cfg.auth.model_dump_json())
