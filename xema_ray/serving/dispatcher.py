@@ -27,6 +27,7 @@ the simulator can be compared.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class DispatchPlan:
     peak_bytes: int | None = None  # planned device peak per worker (weights included)
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
     static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
+    step_s: float | None = None  # one denoising step; None: latency_s / steps (no phases known)
+    tail_s: float = 0.0  # after the last step (VAE decode, encoding): no step boundary left to pause at
 
     @classmethod
     def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
@@ -206,6 +209,12 @@ class Dispatcher(Generic[P]):
                     return True
         return False
 
+    def set_phases(self, template: str, latency_s: float, step_s: float, tail_s: float) -> None:
+        """Measured phases of ``template``'s batches: where its step boundaries fall (a batch in
+        its decode tail has none left), and its whole latency."""
+        self.plans[template] = dataclasses.replace(self.plans[template], latency_s=latency_s, step_s=step_s,
+                                                   tail_s=tail_s)
+
     def queue_depth(self, template: str | None = None) -> int:
         if template is not None:
             return len(self._queues.get(template, ()))
@@ -312,6 +321,18 @@ class Dispatcher(Generic[P]):
         prog = self._progress[bid]
         return now + prog.remaining(a.plan.latency_s, now)
 
+    def _to_boundary(self, bid: int, now: float) -> float | None:
+        """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
+        done, it is in its decode tail). Counted back from its expected end, so the tail (often
+        most of a tiny video's time) is not spread over the steps."""
+        a = self._running[bid]
+        v = self.plans[a.template]
+        step = v.step_s if v.step_s is not None else a.plan.latency_s / max(1, a.plan.steps)
+        denoise_left = self._progress[bid].remaining(v.latency_s, now) - v.tail_s
+        if denoise_left <= 0 or step <= 0:
+            return None
+        return min(step, denoise_left % step or step)
+
     def _free_at(self, group: tuple[int, ...], now: float) -> float:
         """When ``group`` would be free without preemption (running batches end, paused ones
         resume after them and end)."""
@@ -349,8 +370,9 @@ class Dispatcher(Generic[P]):
                 if p is None:
                     break
                 pauses.append(p)
-                v = self._running[bid].plan
-                wait = max(wait, v.latency_s / max(1, v.steps) + self._switch_s(self._running[bid].template, template))
+                boundary = self._to_boundary(bid, now)
+                assert boundary is not None  # _pause_for refuses a batch with no boundary left
+                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template))
             else:
                 if now + wait + plan.latency_s > head.deadline:
                     continue  # preempting does not save it either
@@ -366,8 +388,11 @@ class Dispatcher(Generic[P]):
         assert pol is not None and plan.peak_bytes is not None
         a = self._running[bid]
         v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
-        if v.pause_bytes is None or a.template == template or _deadline(a) <= deadline:
-            return None  # unknown state size; same template (EDF already orders it); more urgent
+        lost = self._expected_end(bid, now) > _deadline(a)  # it misses its deadline whatever happens now
+        if v.pause_bytes is None or a.template == template or (_deadline(a) <= deadline and not lost):
+            return None  # unknown state size; same template (EDF already orders it); more urgent and still on time
+        if self._to_boundary(bid, now) is None:
+            return None  # in its decode: it ends before it could pause
         if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
             return None
         if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:

@@ -182,6 +182,8 @@ class ModelGroup(PreemptingGroup):
         self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
                                                      e.config.template.spec.kind == "video")
                           for k, e in self.entries.items()}
+        for k, est in self.estimates.items():  # where each template's step boundaries fall (preemption)
+            self._tell_phases(k, est)
         self._start_workers()
 
     # ------------------------------------------------------------------ worker set
@@ -328,6 +330,9 @@ class ModelGroup(PreemptingGroup):
         self._wake.set()
         return True
 
+    def _tell_phases(self, template: str, est: PhaseEstimate) -> None:
+        self.dispatcher.set_phases(template, est.total_s, est.step_s, est.decode_s + est.encode_s)
+
     async def cancel_job(self, job_id: str) -> bool:
         """Drop a queued job from the queue (a running one stops through its step observer)."""
         removed = self.dispatcher.cancel(job_id)
@@ -421,6 +426,7 @@ class ModelGroup(PreemptingGroup):
             self.metrics.observe_batch(a.template, len(reqs), lead)
             self.layout_counters.observe(a.template, lead)
             self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
+            self._tell_phases(a.template, self.estimates[a.template])
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
