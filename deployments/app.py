@@ -26,15 +26,14 @@ from xema_ray.serving.stats import Stats
 logger = logging.getLogger("xema_ray.serving")
 
 
-def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> str | None:
-    """The group's step-level preemption policy (JSON), or None where the YAML turns it off."""
+def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> PreemptionPolicy | None:
+    """The group's step-level preemption policy, or None where the YAML turns it off."""
     if g.max_preemptions == 0:
         return None
     r = table.residency.get(g.model)
     switch = r.switch_s if r is not None and r.policy == "per_template" else {}
-    policy = PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
-                              max_preemptions=g.max_preemptions, switch_s=switch)
-    return policy.model_dump_json()
+    return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
+                            max_preemptions=g.max_preemptions, switch_s=switch)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -44,7 +43,7 @@ def build_app(args: dict[str, Any]) -> Application:
     table, spare_host = load_or_plan(cfg, templates)
     groups = {}
     for g in cfg.models:
-        plans = {t.shape_key: table.lookup(t).model_dump_json() for t in templates if t.model == g.model}
+        plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
         bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
         if cfg.device == "cuda":
             bundle["GPU"] = 1
@@ -62,7 +61,7 @@ def build_app(args: dict[str, Any]) -> Application:
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
             weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs.model_dump_json(),
+            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs,
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg)),
@@ -76,6 +75,4 @@ def build_app(args: dict[str, Any]) -> Application:
                               max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
-    return router.bind(groups, table.model_dump_json(), [t.model_dump_json() for t in templates], stats=stats,
-                       limits_json=cfg.limits.model_dump_json(), jobs=cfg.jobs.model_dump_json(),
-                       auth_json=cfg.auth.model_dump_json())
+    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, auth=cfg.auth)

@@ -1,8 +1,9 @@
-"""The live preemption scenario on CPU (used by tests/serving/test_preemption_live.py and
-``make bench-preemption``): one tiny-cogvideox worker, long videos submitted first, a short one
-arriving while the first long one runs. The first long request is a video job (``POST
-/v1/videos``, polled until completed), the others go through the synchronous video endpoint;
-while they run, a sampler records the job's status next to the group's paused-batch count.
+"""The live preemption scenario on CPU: one tiny-cogvideox worker, long videos submitted first, a
+short one arriving while the first long one runs. The first long request is a video job, the
+others are synchronous; while they run, a sampler records the job's status next to the group's
+paused-batch count. Two ways to run it: ``run_live`` through the Serve app (``POST /v1/videos``
+polled until completed, ``/v1/videos/sync``; ``make bench-preemption``) and ``run_group`` on a
+ModelGroup with in-process workers, no Ray (tests/serving/test_preemption_live.py).
 
 The plan table's latencies are measured here first (one run of each template in-process), so the
 dispatcher's predictions match this machine; pause bytes come from the planner's traces. The
@@ -103,13 +104,10 @@ def serve_args(max_preemptions: int, jobs_dir: Path | None = None) -> dict[str, 
 
 def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
     """Send ``trace`` to the app (each request at its time) and collect latencies and decisions."""
-    from xema_ray.runtime.layouts import layouts_dir, save_artifact, solve_entry_layout
+    from xema_ray.runtime.layouts import layouts_dir
 
     by_key = {t.shape_key: t for t in (SHORT, LONG)}
-    for e in table.entries.values():  # running_app saves the table as plans_dir/table.json
-        if e.config.layout_ref is not None:
-            save_artifact(solve_entry_layout(e.config.model_copy(update={"layout_ref": None}), gpu="any"),
-                          layouts_dir(plans_dir / "table.json"))
+    _save_layouts(table, layouts_dir(plans_dir / "table.json"))  # running_app saves the table as plans_dir/table.json
     with running_app(serve_args(max_preemptions, plans_dir / "jobs"), table, plans_dir) as url:
         body = {"model": "tiny-cogvideox", "prompt": "warm-up", "seed": 0}
         for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
@@ -159,6 +157,81 @@ def run_live(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemp
     return LiveRun(latencies_s=dict(done), templates={a.request_id: a.template for a in trace},
                    decisions=[(d["kind"], d["template"], len(d["by"])) for d in group["recent"]], stats=group,
                    all_stats=stats, job_samples=samples)
+
+
+def _save_layouts(table: PlanTable, folder: Path) -> None:
+    from xema_ray.runtime.layouts import save_artifact, solve_entry_layout
+
+    for e in table.entries.values():
+        if e.config.layout_ref is not None:
+            save_artifact(solve_entry_layout(e.config.model_copy(update={"layout_ref": None}), gpu="any"), folder)
+
+
+def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
+    """``trace`` on a ModelGroup with one in-process worker (no Ray): the job through
+    ``submit_job`` and the job store, the others through ``generate``, each at its time."""
+    from tests.serving.group_harness import running_group
+    from xema_ray.runtime.layouts import layouts_dir
+    from xema_ray.serving.dispatcher import PreemptionPolicy
+    from xema_ray.serving.jobs import JobRecord, JobStoreConfig, new_job_id, open_store
+
+    folder = layouts_dir(plans_dir / "table.json")
+    _save_layouts(table, folder)
+    jobs = JobStoreConfig(path=plans_dir / "jobs")
+    store = open_store(jobs)
+    policy = PreemptionPolicy(budget_bytes=table.budget_bytes, max_preemptions=max_preemptions) if max_preemptions else None
+    by_key = {t.shape_key: t for t in (SHORT, LONG)}
+    with running_group("tiny-cogvideox", dict(table.entries), wait_window_s=0.0, jobs=jobs, preemption=policy,
+                       layouts_dir=folder) as h:
+        for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
+            h.call(lambda g, t=t: g.generate(t.shape_key, f"warm-{t.shape_key}", "warm-up", 0), timeout=300)
+        job: dict[str, str] = {}
+        finished = threading.Event()
+
+        def fire(a: Arrival, start: float) -> tuple[str, float]:
+            time.sleep(max(0.0, start + a.t - time.perf_counter()))
+            t = by_key[a.template]
+            prompt, seed = f"request {a.request_id}", int(a.request_id)
+            t0 = time.perf_counter()
+            if a.request_id != JOB_REQUEST:
+                h.call(lambda g: g.generate(t.shape_key, a.request_id, prompt, seed), timeout=600)
+                return a.request_id, time.perf_counter() - t0
+            rec = store.create(JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=prompt, seed=seed,
+                                         size=f"{t.width}x{t.height}", seconds="2", frames=t.frames, predicted_s=10.0,
+                                         created_at=time.time()))
+            job["id"] = rec.id
+            assert h.call(lambda g: g.submit_job(rec.id, t.shape_key, prompt, seed))
+            while (got := store.get(rec.id)) is None or got.status not in ("completed", "failed"):
+                time.sleep(0.02)
+            return a.request_id, time.perf_counter() - t0
+
+        samples: list[tuple[int, str]] = []
+
+        def sample() -> None:
+            while not finished.is_set():
+                if "id" in job:
+                    paused = h.call(lambda g: g.status())["paused"]
+                    rec = store.get(job["id"])
+                    samples.append((int(paused), rec.status if rec is not None else "gone"))
+                time.sleep(0.02)
+
+        start = time.perf_counter()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        with cf.ThreadPoolExecutor(len(trace)) as pool:
+            done = list(pool.map(lambda a: fire(a, start), trace))
+        finished.set()
+        sampler.join(timeout=30)
+        final = store.get(job["id"])
+        samples.append((0, final.status if final is not None else "gone"))
+        report = h.call(lambda g: g.preemption_stats())
+        layouts = h.call(lambda g: g.layout_stats())
+    group = report.model_dump()
+    return LiveRun(latencies_s=dict(done), templates={a.request_id: a.template for a in trace},
+                   decisions=[(d.kind, d.template, len(d.by)) for d in report.recent], stats=group,
+                   all_stats={"preemption": {"tiny-cogvideox": group},
+                              "static_layouts": {"tiny-cogvideox": layouts.model_dump()}},
+                   job_samples=samples)
 
 
 def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:

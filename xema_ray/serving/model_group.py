@@ -1,12 +1,13 @@
-"""ModelGroup: one model's GPU worker set behind a Ray Serve deployment (paper §4, Figure 3).
+"""ModelGroup: one model's worker set behind a Ray Serve deployment (paper §4, Figure 3).
 
-The deployment's replica owns a placement group with one bundle per GPU (``STRICT_PACK``) and
-starts one worker actor in each bundle; each worker loads the model once and creates every SP
-process group the plans need. The ``Dispatcher`` (shared with the simulator) forms batches per
-template, orders them by deadline and places each on a free SP group; DP is how many groups run
-at once. A worker that dies takes its worker set's process groups with it, so the set is rebuilt
-(weights reloaded) and the batch is retried once; if that fails too, its requests fail with a
-clear error — never silently.
+The group connects three things: the ``Dispatcher`` (shared with the simulator), which forms
+batches per template, orders them by deadline and places each on a free SP group (DP is how
+many groups run at once); the ``WorkerSet`` (``xema_ray.serving.worker_set``), which starts,
+calls and rebuilds the workers — Ray actors in the replica's placement group when deployed, or
+in-process workers in tests, given by injection; and the job lifecycle of video jobs. A worker
+that dies takes its set's process groups with it, so the set is rebuilt (weights reloaded) and
+the batch is retried once; if that fails too, its requests fail with a clear error — never
+silently.
 
 Video jobs (``submit_job``) go through the same dispatcher as synchronous requests; their state
 lives in the job store (``xema_ray.serving.jobs``): the group marks a job accepted (its owner id,
@@ -19,95 +20,65 @@ the denoising path or holds the workers: progress goes out through the workers' 
 the records of the jobs this replica holds written back.
 
 Step-level preemption (``preemption``, the dispatcher's ``PreemptionPolicy``): when the
-dispatcher pauses a running batch for a more urgent one, the group asks the batch's workers to
-park it at the next step boundary (its state kept on the device or moved to the host, as the
-dispatcher decided), starts the urgent batch once they have, and resumes the paused one when the
-dispatcher says so. Workers run as threaded actors then, so a pause reaches a busy worker. A
-paused video job stays ``in_progress``.
+dispatcher pauses a running batch for a more urgent one, the group's ``PreemptibleRunner`` asks
+the batch's workers to park it at the next step boundary (its state kept on the device or moved
+to the host, as the dispatcher decided), starts the urgent batch once they have, and resumes the
+paused one when the dispatcher says so. Workers then serve several calls at once, so a pause
+reaches a busy worker. A paused video job stays ``in_progress``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from xema_ray.net import free_port
 from xema_ray.plan import PlanEntry
-from xema_ray.platforms.topology import pair_order
 from xema_ray.runtime.progress import BatchCancelled
-from xema_ray.serving.dispatcher import (
-    Assignment,
-    Dispatcher,
-    DispatchPlan,
-    PreemptionPolicy,
-)
+from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
+from xema_ray.serving.group_api import GenerateResult, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
 from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, open_store, store_call, store_faults
-from xema_ray.serving.layout_stats import LayoutCounters
+from xema_ray.serving.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
-from xema_ray.serving.preemption import PreemptingGroup, PreemptionState
+from xema_ray.serving.preemption import PreemptibleRunner, PreemptionReport
 from xema_ray.serving.videos import result_name
+from xema_ray.serving.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
+
+__all__ = ["GroupUnavailable", "InvalidRequest", "ModelGroup", "QueueFull"]
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
 MAX_JOB_ATTEMPTS = 3
 #: results a replica keeps while the job store cannot take them (beyond: the oldest is run again)
 MAX_UNSTORED_RESULTS = 64
-#: concurrent calls a worker actor serves with preemption on (a running batch, a pause, a
+#: concurrent calls a worker serves with preemption on (a running batch, a pause, a
 #: preempting batch, a resume)
 WORKER_CONCURRENCY = 4
 
 logger = logging.getLogger("xema_ray.serving")
 
 
-class GroupUnavailable(RuntimeError):
-    """The worker set failed twice for a batch, or could not be rebuilt (HTTP 503 with the reason)."""
-
-
-class InvalidRequest(ValueError):
-    """A request that cannot run (HTTP 422 naming the field); refused before it joins a batch."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message, param)  # both in args: it crosses the replica -> router boundary by pickle
-        self.param = param
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class QueueFull(RuntimeError):
-    """The template's queue is full (HTTP 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        # both values in args: the exception crosses the replica -> router boundary by pickle
-        super().__init__(message, retry_after_s)
-        self.retry_after_s = retry_after_s
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
 @dataclass
 class _Ticket:
     request: Any  # GenerationRequest, validated on arrival
     guidance_scale: float | None
-    future: asyncio.Future | None  # None for a job: its result goes to the job store
+    future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
+
+
+def _ticket(r: Pending[_Ticket]) -> _Ticket:
+    assert r.payload is not None  # every live request carries its ticket (only the simulator's carry none)
+    return r.payload
 
 
 def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | None) -> Any:
     """The request as the batch builder will see it, checked now: a request that cannot run
     fails alone (HTTP 422) instead of failing the batch it would join."""
-    import math
-
     from pydantic import ValidationError
 
     from xema_ray.runtime.engine import GenerationRequest
@@ -122,140 +93,89 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
-
-class ModelGroup(PreemptingGroup):
+class ModelGroup:
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
         model: registry name of the model.
         workers: size of the worker set (bundles of the placement group).
-        plans: template shape key -> plan entry JSON (from the plan table).
-        device: "cpu" or "cuda".
+        plans: template shape key -> its plan entry (from the plan table).
+        device: the kind of worker (``worker_set.WORKER_KINDS``: "cpu", "cuda").
         weights_dir: local diffusers directory or None (random weights).
         residency: "per_template" (each batch's plan decides; a switch moves only the difference)
             or "shared" (one residency for the group).
-        worker_cpus: CPUs per worker actor.
+        worker_cpus: CPUs per worker.
         wait_window_s, max_queue: dispatcher settings.
-        jobs: the job store's config (JSON of ``JobStoreConfig``); None: no video jobs.
-        preemption: the step-level preemption policy (JSON of ``PreemptionPolicy``); None: off.
+        jobs: the job store's config; None: no video jobs.
+        layouts_dir: the plan table's layouts folder (plans with a layout_ref arm theirs).
+        preemption: the step-level preemption policy; None: off.
+        worker_set: makes the worker set from its spec (default: the device's own, Ray actors
+            for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
     """
 
-    def __init__(self, model: str, workers: int, plans: dict[str, str], device: str = "cpu",
-                 weights_dir: str | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
-                 max_queue: int = 64, residency: str = "per_template", jobs: str | None = None,
-                 layouts_dir: str | None = None, preemption: str | None = None) -> None:
+    def __init__(self, model: str, workers: int, plans: dict[str, PlanEntry], device: str = "cpu",
+                 weights_dir: str | Path | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
+                 max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
+                 jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
+                 preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for) -> None:
+        from xema_ray.runtime.worker import ModelLoadConfig
+
         self.model = model
-        self.residency = residency
-        self.layouts_dir = layouts_dir
         self.n_workers = workers
-        self.device = device
-        self.weights_dir = weights_dir
-        self.worker_cpus = worker_cpus
-        self.entries = {k: PlanEntry.model_validate_json(v) for k, v in plans.items()}
+        self.entries = dict(plans)
         #: per template: batches run with the layout armed, hits, fallbacks, reserved bytes; the workers' status
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
-        # a CUDA worker installs the static allocator when its plans carry layouts to arm
-        self._static = device == "cuda" and any(e.config.layout_ref for e in self.entries.values())
+        self.policy = preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
-        self.policy = PreemptionPolicy.model_validate_json(preemption) if preemption else None
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
-        self.preempt = PreemptionState()
         self.metrics = ServingMetrics(model)
-        self._layouts = sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})
-        self._generation = 0
-        self._rebuild_lock: asyncio.Lock | None = None
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._actors: list[Any] = []
-        self._rebuilding = False
-        self._last_failure: str | None = None
-        self._starting: list[Any] = []
-        self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
+        self.jobs_cfg = jobs
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self._job_ids: set[str] = set()  # jobs queued or running here
-        self._heartbeat_task: asyncio.Task | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._beating = False  # the last heartbeat reached the store
         self._records: dict[str, JobRecord] = {}  # the jobs held here, as accepted (written back to a store that lost them)
         self._epoch: str | None = None  # the store's epoch as last seen
         self._unstored: dict[str, tuple[str, bytes, str]] = {}  # job -> result the store has not taken yet
-        self._flush_task: asyncio.Task | None = None
+        self._flush_task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
                                                      e.config.template.spec.kind == "video")
                           for k, e in self.entries.items()}
         for k, est in self.estimates.items():  # where each template's step boundaries fall (preemption)
             self._tell_phases(k, est)
-        self._start_workers()
-
-    # ------------------------------------------------------------------ worker set
-    def _start_workers(self) -> None:
-        from xema_ray.parallel.groups import ParallelConfig, SPLayout
-        from xema_ray.runtime.worker import ModelLoadConfig, Worker
-
-        pg = get_current_placement_group()
-        actor_cls = ray.remote(Worker)
-        actors = []
-        for i in range(self.n_workers):
-            opts: dict[str, Any] = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.device == "cuda" else 0,
-                                    "max_restarts": 0}
-            if self.policy is not None:
-                opts["max_concurrency"] = WORKER_CONCURRENCY
-            if pg is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)
-            actors.append(actor_cls.options(**opts).remote(platform=self.device, static_allocator=self._static))
-        self._starting = actors  # a failed rebuild kills these: they hold the group's bundles
-        # ranks follow the interconnect: NVLink pairs become aligned rank pairs, which is where
-        # the dispatcher places SP-2 batches (bundle order on CPU, where nothing is linked)
-        topo = ray.get([a.device_topology.remote() for a in actors])
-        order = pair_order([d for d, _ in topo], {d: set(p) for d, p in topo})
-        actors = [actors[i] for i in order]
-        port = free_port()
-        layouts = tuple(SPLayout(ulysses=u, ring=r) for u, r in self._layouts) or None
-        ray.get([
-            a.init_device.remote(ParallelConfig(rank=i, world_size=self.n_workers, layouts=layouts,
-                                                init_method=f"tcp://127.0.0.1:{port}" if self.n_workers > 1 else None))
-            for i, a in enumerate(actors)
-        ])
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
-        load = ModelLoadConfig(model=self.model, weights_dir=self.weights_dir, residency=self.residency,  # type: ignore[arg-type]
+        load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=self.layouts_dir)
-        loaded = ray.get([a.load_model.remote(load) for a in actors])
-        self.layout_counters.loaded(loaded[0].layout_status)
-        self._actors = actors
-        self._generation += 1
+                               layouts_dir=Path(layouts_dir) if layouts_dir else None)
+        spec = WorkerSetSpec(
+            device=device, size=workers, load=load, worker_cpus=worker_cpus,
+            layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
+            concurrency=WORKER_CONCURRENCY if preemption is not None else 1,
+            # a CUDA worker installs the static allocator when its plans carry layouts to arm
+            static_allocator=device == "cuda" and any(e.config.layout_ref for e in self.entries.values()))
+        self.workers = worker_set(spec)
+        self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
+        self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
+        self.workers.start()
 
     async def _rebuild(self, failed_generation: int) -> None:
-        """Recreate the whole worker set once per failure (a dead rank breaks every SP group)."""
-        assert self._rebuild_lock is not None
-        async with self._rebuild_lock:
-            if self._generation != failed_generation:
-                return  # another batch already rebuilt it
-            logger.warning("%s: worker set generation %d failed; restarting and reloading weights", self.model, failed_generation)
-            for a in self._actors:
-                ray.kill(a, no_restart=True)
-            self._rebuilding = True
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self._start_workers)
-            except Exception as e:
-                # a worker of the new set died while it was being built (or its node went away):
-                # the set stays at this generation, so the next batch tries again
-                self._last_failure = f"rebuild failed: {type(e).__name__}"
-                for a in self._starting:
-                    ray.kill(a, no_restart=True)
-                raise GroupUnavailable(
-                    f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
-                    f"({type(e).__name__}); the request was not completed, retry later") from e
-            finally:
-                self._rebuilding = False
-            self._last_failure = None
-            self.metrics.worker_restarts.inc()
+        """Replace the worker set once per failure (a dead rank breaks every SP group)."""
+        try:
+            if await self.workers.rebuild(failed_generation):
+                self.metrics.worker_restarts.inc()
+        except RebuildFailed as e:
+            # the set stays at this generation, so the next batch tries again
+            raise GroupUnavailable(
+                f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
+                f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
+
 
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
             self._wake = asyncio.Event()
-            self._rebuild_lock = asyncio.Lock()
             self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
         if self.jobs_cfg is not None and self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
@@ -346,13 +266,13 @@ class ModelGroup(PreemptingGroup):
         return self.estimates[template].total_s
 
     async def generate(self, template: str, request_id: str, prompt: str, seed: int,
-                       guidance_scale: float | None = None) -> dict[str, Any]:
-        """Queue one request and wait for its encoded output (RequestOutput as a dict)."""
+                       guidance_scale: float | None = None) -> GenerateResult:
+        """Queue one request and wait for its encoded output and where it ran."""
         self._ensure_loop()
         request = _validated(request_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
         except OverflowError as e:
@@ -370,10 +290,10 @@ class ModelGroup(PreemptingGroup):
             now = time.monotonic()
             for a in self.dispatcher.dispatch(now):
                 if a.resume:
-                    self.preempt.resume(a.batch_id)  # its own _run continues it
+                    self.runner.state.resume(a.batch_id)  # its own _run continues it
                     continue
                 for p in a.preempts:
-                    self._request_pause(p.batch_id, p.offload)
+                    self.runner.request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
@@ -383,17 +303,17 @@ class ModelGroup(PreemptingGroup):
             except TimeoutError:
                 pass
 
-    async def _execute(self, a: Assignment[_Ticket]) -> dict[str, dict[str, Any]]:
+    async def _execute(self, a: Assignment[_Ticket]) -> dict[str, GenerateResult]:
         """Run an assignment on its workers; requests with different guidance run as sub-batches."""
         from xema_ray.runtime.engine import Batch
 
         entry = self.entries[a.template]
-        by_guidance: dict[float | None, list] = {}
+        by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
         for r in a.requests:
-            by_guidance.setdefault(r.payload.guidance_scale, []).append(r)  # type: ignore[union-attr]
-        outputs: dict[str, dict[str, Any]] = {}
+            by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
+        outputs: dict[str, GenerateResult] = {}
         for guidance, reqs in by_guidance.items():
-            jobs = [r.request_id for r in reqs if r.payload.job_id is not None]  # type: ignore[union-attr]
+            jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
                 store, est = self._store(), self.estimates[a.template]
                 started = set()
@@ -403,7 +323,7 @@ class ModelGroup(PreemptingGroup):
                             started.add(j)
                     except store_faults():  # the store is down: run it anyway (it is ours), record it later
                         started.add(j)
-                reqs = [r for r in reqs if r.payload.job_id is None or r.request_id in started]  # type: ignore[union-attr]
+                reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
                 jobs = [j for j in jobs if j in started]
                 if not reqs:
                     continue
@@ -411,16 +331,14 @@ class ModelGroup(PreemptingGroup):
                 if jobs and self.jobs_cfg is not None else None
             batch = Batch(
                 config=entry.config.for_batch(len(reqs)),
-                requests=tuple(r.payload.request for r in reqs),  # type: ignore[union-attr]
+                requests=tuple(_ticket(r).request for r in reqs),
                 guidance_scale=guidance,
             )
             t0 = time.monotonic()
             try:
-                results = await self._run_sub_batch(a, batch, observer, f"{a.batch_id}.{len(outputs)}")
-            except RayTaskError as e:
-                if isinstance(e, BatchCancelled) or isinstance(e.cause, BatchCancelled):
-                    continue  # every member was deleted: the workers stopped at a step boundary
-                raise
+                results = await self.runner.run_sub_batch(a, batch, observer, f"{a.batch_id}.{len(outputs)}")
+            except BatchCancelled:
+                continue  # every member was deleted: the workers stopped at a step boundary
             seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
@@ -429,22 +347,21 @@ class ModelGroup(PreemptingGroup):
             self._tell_phases(a.template, self.estimates[a.template])
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
-                outputs[out.request_id] = {**out.model_dump(), "batch_id": a.batch_id, "batch_size": len(reqs),
-                                           "workers": list(a.workers), "batch_seconds": seconds}
+                outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
+                                                         workers=a.workers, batch_seconds=seconds)
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:
         started = time.monotonic()
         try:
             for p in a.preempts:  # the paused batches' workers must have parked before this starts
-                await self.preempt.wait_parked(p.batch_id)
+                await self.runner.state.wait_parked(p.batch_id)
             for attempt in (1, 2):
-                generation = self._generation
+                generation = self.workers.generation
                 try:
                     outputs = await self._execute(a)
                     break
-                except RayActorError as e:
-                    self._last_failure = f"worker died: {type(e).__name__}"
+                except WorkerDied as e:
                     if attempt == 2:
                         raise GroupUnavailable(
                             f"{self.model}: the worker set failed twice running {a.template} ({e.__class__.__name__}); "
@@ -452,24 +369,24 @@ class ModelGroup(PreemptingGroup):
                     self.metrics.retries.inc(tags={"template": a.template})
                     await self._rebuild(generation)
             for r in a.requests:
-                t: _Ticket = r.payload  # type: ignore[assignment]
+                t = _ticket(r)
                 if t.job_id is not None:
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self._store_result(t.job_id, outputs[r.request_id])
-                elif not t.future.done():  # type: ignore[union-attr]
-                    t.future.set_result(outputs[r.request_id])  # type: ignore[union-attr]
+                elif t.future is not None and not t.future.done():
+                    t.future.set_result(outputs[r.request_id])
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             for r in a.requests:
-                t = r.payload  # type: ignore[assignment]
+                t = _ticket(r)
                 if t.job_id is not None:
                     await self._job_failed(t.job_id, e)
-                elif not t.future.done():  # type: ignore[union-attr]
-                    t.future.set_exception(e)  # type: ignore[union-attr]
+                elif t.future is not None and not t.future.done():
+                    t.future.set_exception(e)
             self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
         finally:
-            self.preempt.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
+            self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             for r in a.requests:
                 self._job_ids.discard(r.request_id)
                 if r.request_id not in self._unstored:
@@ -479,10 +396,10 @@ class ModelGroup(PreemptingGroup):
             if self._wake is not None:
                 self._wake.set()
 
-    async def _store_result(self, job_id: str, out: dict[str, Any]) -> None:
+    async def _store_result(self, job_id: str, out: GenerateResult) -> None:
         """Hand the result to the store; one the store cannot take now is kept (bounded) and
         retried in the background, so the batch's workers never wait for the store."""
-        self._unstored[job_id] = (result_name(job_id, "video"), out["data"], out["media_type"])
+        self._unstored[job_id] = (result_name(job_id, "video"), out.data, out.media_type)
         while len(self._unstored) > MAX_UNSTORED_RESULTS:  # the oldest is re-run instead (its lease stays ours)
             dropped = next(iter(self._unstored))
             self._unstored.pop(dropped)
@@ -529,34 +446,27 @@ class ModelGroup(PreemptingGroup):
 
     # ------------------------------------------------------------------ introspection
     async def status(self) -> dict[str, Any]:
-        """The group's state for ``/healthz``: ``ok``, or ``degraded`` while its worker set is
-        being rebuilt or after its last rebuild failed (with the reason)."""
-        degraded = self._rebuilding or self._last_failure is not None
-        return {
-            "model": self.model,
-            "status": "degraded" if degraded else "ok",
-            "reason": "rebuilding the worker set" if self._rebuilding else self._last_failure,
-            "workers": self.n_workers,
-            "generation": self._generation,
-            "queued": self.dispatcher.queue_depth(),
-            "static_layouts": self.layout_counters.snapshot().model_dump(),
-            "running": len(self.dispatcher.running),
-            "paused": len(self.dispatcher.paused),
-            "jobs": len(self._job_ids),
-            "owner": self.owner,
-        }
+        """The group's state for ``/healthz`` (a ``GroupStatus``): ``ok``, or ``degraded`` while its
+        worker set is being rebuilt or after a worker died or a rebuild failed (with the reason)."""
+        health = self.workers.health()
+        return GroupStatus(
+            model=self.model, status="ok" if health.state == "ok" else "degraded", reason=health.reason,
+            workers=self.n_workers, generation=health.generation, queued=self.dispatcher.queue_depth(),
+            static_layouts=self.layout_counters.snapshot(), running=len(self.dispatcher.running),
+            paused=len(self.dispatcher.paused), jobs=len(self._job_ids), owner=self.owner,
+        ).model_dump()
 
-    async def preemption_stats(self) -> dict[str, Any]:
+    async def preemption_stats(self) -> PreemptionReport:
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
-        return self.preempt.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
+        return self.runner.state.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
 
-    async def layout_stats(self) -> dict[str, Any]:
-        """The static allocator's counters per template (``GroupLayoutStats``), for ``/v1/stats``."""
-        return self.layout_counters.snapshot().model_dump()
+    async def layout_stats(self) -> GroupLayoutStats:
+        """The static allocator's counters per template, for ``/v1/stats``."""
+        return self.layout_counters.snapshot()
 
     async def kill_worker(self, index: int) -> None:
-        """Fault injection for tests and drills: kill one worker actor."""
+        """Fault injection for tests and drills: kill one worker."""
         if not 0 <= index < self.n_workers:
             raise ValueError(f"worker index must be in [0, {self.n_workers}), got {index}")
-        ray.kill(self._actors[index], no_restart=True)
+        self.workers.kill(index)

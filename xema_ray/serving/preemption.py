@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, PreemptionPolicy
+from xema_ray.serving.worker_set import WorkerSet
 
 
 class TemplatePreemption(BaseModel):
@@ -92,10 +93,12 @@ class PreemptionState:
     def finished(self, bid: int) -> None:
         """The batch ended (done, failed, or finished before it could park): nobody waits on it."""
         self._event(self._parked, bid).set()
-        for table in (self._want, self._parked, self._resume, self._holding):
-            table.pop(bid, None)  # type: ignore[attr-defined]
+        self._want.pop(bid, None)
+        self._parked.pop(bid, None)
+        self._resume.pop(bid, None)
+        self._holding.pop(bid, None)
 
-    def report(self, enabled: bool, decisions: Any, total: int) -> dict[str, Any]:
+    def report(self, enabled: bool, decisions: Any, total: int) -> PreemptionReport:
         per = {k: v.model_copy() for k, v in self.stats.items()}
         for template, nbytes in self._holding.values():
             st = per.setdefault(template, TemplatePreemption())
@@ -103,71 +106,68 @@ class PreemptionState:
             st.paused_bytes += nbytes
         recent = [DecisionRecord(kind=d.kind, template=d.template, requests=list(d.requests), by=list(d.by), offload=d.offload)
                   for d in list(decisions)[-RECENT_DECISIONS:]]
-        return PreemptionReport(enabled=enabled, per_template=per, decisions=total, recent=recent).model_dump()
+        return PreemptionReport(enabled=enabled, per_template=per, decisions=total, recent=recent)
 
     def held_bytes(self, template: str) -> int:
         return sum(n for t, n in self._holding.values() if t == template)
 
 
-class PreemptingGroup:
-    """The ModelGroup's side of a preemption: ask the workers to park a batch the dispatcher
-    paused, start the preempting batch once they have, resume on the dispatcher's word. Mixed
-    into ``ModelGroup`` (which provides the attributes below)."""
+class PreemptibleRunner:
+    """Runs a model group's sub-batches on its worker set. Where the group preempts, a batch the
+    dispatcher paused is asked to park at its next step boundary, the preempting batch starts
+    once it has, and it resumes on the dispatcher's word (any number of times before its results
+    come back). Runs on the group's event loop."""
 
-    _actors: list[Any]
-    dispatcher: Dispatcher[Any]
-    policy: PreemptionPolicy | None
-    preempt: PreemptionState
-    metrics: Any
-    model: str
+    def __init__(self, model: str, workers: WorkerSet[Any], dispatcher: Dispatcher[Any], policy: PreemptionPolicy | None,
+                 metrics: Any) -> None:
+        self.model = model
+        self.workers = workers
+        self.dispatcher = dispatcher
+        self.policy = policy
+        self.metrics = metrics
+        self.state = PreemptionState()
 
-    def _request_pause(self, batch_id: int, offload: bool) -> None:
+    def request_pause(self, batch_id: int, offload: bool) -> None:
         """The dispatcher paused ``batch_id``: ask its workers to park it at the next step boundary."""
-        self.preempt.want(batch_id, offload)
-        run_id = self.preempt.current_run.get(batch_id)
+        self.state.want(batch_id, offload)
+        run_id = self.state.current_run.get(batch_id)
         if run_id is not None:
-            for w in self.dispatcher.assignment(batch_id).workers:
-                self._actors[w].pause.remote(run_id, offload)
+            self.workers.pause(self.dispatcher.assignment(batch_id).workers, run_id, offload)
 
-    async def _run_sub_batch(self, a: Assignment[Any], batch: Any, observer: Any, run_id: str) -> list[Any]:
-        """One sub-batch on the assignment's workers: preemptible where the group preempts (it
-        may park and resume any number of times before its results come back)."""
+    async def run_sub_batch(self, a: Assignment[Any], batch: Any, observer: Any, run_id: str) -> list[Any]:
+        """One sub-batch on the assignment's workers; its ``BatchResult`` per rank."""
         from xema_ray.runtime.preemption import PausedRun
 
         bid = a.batch_id
         if self.policy is None:
-            return list(await asyncio.gather(*[self._actors[w].execute.remote(batch, observer) for w in a.workers]))
-        await self._park_between_sub_batches(a)
-        self.preempt.current_run[bid] = run_id
+            return await self.workers.execute(a.workers, batch, observer)
+        if self.state.wanted(bid):  # a pause that lands between two sub-batches holds nothing
+            await self._parked(a, 0, False)
+        self.state.current_run[bid] = run_id
         try:
-            results = await asyncio.gather(*[self._actors[w].execute.remote(batch, observer, run_id) for w in a.workers])
+            results = await self.workers.execute(a.workers, batch, observer, run_id)
             while any(isinstance(r, PausedRun) for r in results):
                 paused = [r for r in results if isinstance(r, PausedRun)]
                 if len(paused) != len(results):
                     raise RuntimeError(f"{self.model}: batch {bid}'s SP ranks disagree about a pause ({results})")
                 resumed = await self._parked(a, max(r.state_bytes for r in paused), paused[0].offloaded)
-                results = await asyncio.gather(*[self._actors[w].resume.remote(run_id) for w in resumed])
-            return list(results)
+                results = await self.workers.resume(resumed, run_id)
+            return results
         finally:
-            self.preempt.current_run.pop(bid, None)
-
-    async def _park_between_sub_batches(self, a: Assignment[Any]) -> None:
-        """A pause that lands between two sub-batches holds nothing: wait there for the resume."""
-        if self.preempt.wanted(a.batch_id):
-            await self._parked(a, 0, False)
+            self.state.current_run.pop(bid, None)
 
     async def _parked(self, a: Assignment[Any], state_bytes: int, offloaded: bool) -> tuple[int, ...]:
         """Record that ``a`` parked, let the preempting batch start, wait for the dispatcher's
         resume; returns the workers to resume on."""
         t0 = time.monotonic()
-        self.preempt.parked(a.batch_id, a.template, state_bytes, offloaded)
-        self.metrics.observe_pause(a.template, self.preempt.held_bytes(a.template))
+        self.state.parked(a.batch_id, a.template, state_bytes, offloaded)
+        self.metrics.observe_pause(a.template, self.state.held_bytes(a.template))
         # what the workers hold is the plan's figure from now on if it is larger (dispatcher checks)
         plan = self.dispatcher.plans[a.template]
         if plan.pause_bytes is not None and state_bytes > plan.pause_bytes:
             self.dispatcher.plans[a.template] = dataclasses.replace(plan, pause_bytes=state_bytes)
-        await self.preempt.wait_resume(a.batch_id)
+        await self.state.wait_resume(a.batch_id)
         paused_s = time.monotonic() - t0
-        self.preempt.resumed(a.batch_id, a.template, paused_s)
-        self.metrics.observe_resume(a.template, paused_s, self.preempt.held_bytes(a.template))
+        self.state.resumed(a.batch_id, a.template, paused_s)
+        self.metrics.observe_resume(a.template, paused_s, self.state.held_bytes(a.template))
         return a.workers

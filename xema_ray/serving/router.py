@@ -43,6 +43,7 @@ from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
 from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
+from xema_ray.serving.group_api import GenerateResult
 from xema_ray.serving.model_group import GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_call, store_faults
@@ -78,15 +79,15 @@ def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, 
     return out
 
 
-def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
+def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
-    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out["batch_id"]),
-               "X-Xema-Batch-Size": str(out["batch_size"]), "X-Xema-Workers": ",".join(map(str, out["workers"])),
-               "X-Xema-Batch-Seconds": f"{out['batch_seconds']:.4f}"}
-    if out.get("prompt_tokens") is not None:
+    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
+               "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
+               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+    if out.prompt_tokens is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
-        headers["X-Xema-Prompt-Tokens"] = str(out["prompt_tokens"])
-        headers["X-Xema-Prompt-Truncated"] = "true" if out.get("prompt_truncated") else "false"
+        headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
+        headers["X-Xema-Prompt-Truncated"] = "true" if out.prompt_truncated else "false"
     return headers
 
 
@@ -94,25 +95,23 @@ def _where(t: RequestTemplate, out: dict[str, Any]) -> dict[str, str]:
 class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
-    def __init__(self, groups: dict[str, Any], table_json: str, templates: list[str], stats: Any = None,
-                 limits_json: str | None = None, jobs: str | None = None, auth_json: str | None = None) -> None:
+    def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
+                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None,
+                 auth: AuthConfig | None = None) -> None:
         self.groups = groups
         self.health = GroupHealth(groups)
         self.stats = stats  # the Stats deployment: counters that outlive this replica
-        self.limits = RequestLimits.model_validate_json(limits_json) if limits_json else RequestLimits()
+        self.limits = limits or RequestLimits()
         set_limits(self.limits)
-        self.auth = AuthConfig.model_validate_json(auth_json) if auth_json else AuthConfig()
+        self.auth = auth or AuthConfig()
         set_auth(self.auth)
-        self.table = PlanTable.model_validate_json(table_json)
-        self.served: dict[str, RequestTemplate] = {}
-        for raw in templates:
-            t = RequestTemplate.model_validate_json(raw)
-            self.served[t.shape_key] = t
+        self.table = table
+        self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
-        self.jobs_cfg = JobStoreConfig.model_validate_json(jobs) if jobs else None
+        self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
         if self.jobs is not None:
@@ -146,7 +145,7 @@ class Router:
                 sorted(self.served), "num_inference_steps")
         return t
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> dict[str, Any]:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         silent = self.health.unavailable(t.model)
@@ -194,7 +193,7 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
-            data = [await self._image_data(o["data"], req, str(request.base_url)) for o in outs]
+            data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size)
             return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
@@ -283,8 +282,8 @@ class Router:
 
         async def run() -> Response:
             out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
-            return Response(content=out["data"], media_type="video/mp4",
-                            headers={**_where(t, out), "X-Xema-Frames": str(out["frames"])})
+            return Response(content=out.data, media_type="video/mp4",
+                            headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
         return await self._guarded(run())
 
