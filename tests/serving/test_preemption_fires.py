@@ -17,7 +17,7 @@ def _run(long: DispatchPlan, short_at: float, short: DispatchPlan = SHORT,
     d: Dispatcher[None] = Dispatcher({"long": long, "short": short}, workers=1, wait_window_s=0,
                                      preemption=PreemptionPolicy(budget_bytes=48 * GB))
     if phases is not None:
-        d.set_phases("long", long.latency_s, *phases)
+        d.set_phases("long", *phases)
     d.submit("long", "L", 0.0)
     assert [a.template for a in d.dispatch(0.0)] == ["long"]
     d.submit("short", "S", short_at)
@@ -43,7 +43,7 @@ def test_the_wait_for_a_step_boundary_leaves_out_the_decode_tail() -> None:
     # so a short request due at 14 (2 + 3 + 5 <= 14) meets its deadline only by preempting
     long = DispatchPlan(batch=1, sp=1, slo_s=1000, latency_s=100, steps=4, peak_bytes=10 * GB, pause_bytes=2 * GB)
     short = DispatchPlan(batch=1, sp=1, slo_s=12, latency_s=5, steps=5, peak_bytes=10 * GB, pause_bytes=GB)
-    d, started = _run(long, short_at=2.0, short=short, phases=(5.0, 80.0))
+    d, started = _run(long, short_at=2.0, short=short, phases=(0.2, 0.8))
     assert [a.template for a in started] == ["short"] and [x.kind for x in d.decisions] == ["preempt"]
     d, started = _run(long, short_at=2.0, short=short)  # phases unknown: the old even spread, which misses
     assert started == [] and not d.decisions
@@ -51,5 +51,5 @@ def test_the_wait_for_a_step_boundary_leaves_out_the_decode_tail() -> None:
 
 def test_a_batch_in_its_decode_tail_is_not_paused() -> None:
     long = DispatchPlan(batch=1, sp=1, slo_s=1000, latency_s=100, steps=4, peak_bytes=10 * GB, pause_bytes=2 * GB)
-    d, started = _run(long, short_at=25.0, phases=(5.0, 80.0))  # its 4 steps ended at 20
+    d, started = _run(long, short_at=25.0, phases=(0.2, 0.8))  # its 4 steps ended at 20
     assert started == [] and not d.decisions

@@ -55,8 +55,8 @@ class DispatchPlan:
     peak_bytes: int | None = None  # planned device peak per worker (weights included)
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
     static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
-    step_s: float | None = None  # one denoising step; None: latency_s / steps (no phases known)
-    tail_s: float = 0.0  # after the last step (VAE decode, encoding): no step boundary left to pause at
+    denoise_frac: float = 1.0  # share of latency_s in the denoising steps (1: no phases known)
+    tail_frac: float = 0.0  # share after the last step (VAE decode, encoding): no step boundary left there
 
     @classmethod
     def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
@@ -209,11 +209,13 @@ class Dispatcher(Generic[P]):
                     return True
         return False
 
-    def set_phases(self, template: str, latency_s: float, step_s: float, tail_s: float) -> None:
-        """Measured phases of ``template``'s batches: where its step boundaries fall (a batch in
-        its decode tail has none left), and its whole latency."""
-        self.plans[template] = dataclasses.replace(self.plans[template], latency_s=latency_s, step_s=step_s,
-                                                   tail_s=tail_s)
+    def set_phases(self, template: str, denoise_frac: float, tail_frac: float) -> None:
+        """Measured shares of ``template``'s latency in its denoising steps and in its tail
+        (decode, encoding): where its step boundaries fall (a batch in its tail has none left).
+        Shares, not seconds: the plan's latency stays what the dispatcher predicts with."""
+        if not (0 < denoise_frac <= 1 and 0 <= tail_frac < 1 and denoise_frac + tail_frac <= 1 + 1e-9):
+            raise ValueError(f"{template}: phase shares must lie in (0, 1], got denoise {denoise_frac}, tail {tail_frac}")
+        self.plans[template] = dataclasses.replace(self.plans[template], denoise_frac=denoise_frac, tail_frac=tail_frac)
 
     def queue_depth(self, template: str | None = None) -> int:
         if template is not None:
@@ -327,8 +329,8 @@ class Dispatcher(Generic[P]):
         most of a tiny video's time) is not spread over the steps."""
         a = self._running[bid]
         v = self.plans[a.template]
-        step = v.step_s if v.step_s is not None else a.plan.latency_s / max(1, a.plan.steps)
-        denoise_left = self._progress[bid].remaining(v.latency_s, now) - v.tail_s
+        step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
+        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
         if denoise_left <= 0 or step <= 0:
             return None
         return min(step, denoise_left % step or step)

@@ -251,7 +251,9 @@ class ModelGroup:
         return True
 
     def _tell_phases(self, template: str, est: PhaseEstimate) -> None:
-        self.dispatcher.set_phases(template, est.total_s, est.step_s, est.decode_s + est.encode_s)
+        total = max(est.total_s, 1e-9)
+        tail = min(0.99, (est.decode_s + est.encode_s) / total)
+        self.dispatcher.set_phases(template, min(1.0 - tail, est.steps * est.step_s / total), tail)
 
     async def cancel_job(self, job_id: str) -> bool:
         """Drop a queued job from the queue (a running one stops through its step observer)."""
