@@ -10,7 +10,7 @@ RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
 
-.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption gpu-check clean
+.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption bench-tenancy gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: install
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
+
+# Store faults and live preemption decisions (docs/tenancy.md, bench/sections/tenancy.md; needs redis-server; <= 15 min)
+bench-tenancy: install
+	PYTHONPATH=$(CURDIR) $(PY) bench/store_pause.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 60 --rate 1.0 --steps 100
 
 # On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
 gpu-check:

@@ -268,3 +268,18 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(server: str) -> 
         s.close()
     assert time.monotonic() - t0 < 10  # at about the 2 s header timeout of this module
     assert requests.get(f"{server}/healthz", timeout=30).status_code == 200
+
+
+def test_the_malformed_bodies_get_the_same_4xx_on_every_endpoint(server: str) -> None:
+    h = {**_auth(KEY_A), "Content-Type": "application/json"}
+    nested = b'{"model": "tiny-flux2", "size": "64x64", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    digits = b'{"model": "tiny-flux2", "prompt": "p", "size": "64x64", "seed": ' + b"9" * 5000 + b"}"
+    for body in (nested, digits):
+        got = {path: requests.post(f"{server}{path}", data=body, headers=h, timeout=60)
+               for path in ("/v1/images/generations", "/v1/videos", "/v1/videos/sync")}
+        assert {p: r.status_code for p, r in got.items()} == dict.fromkeys(got, 422), {p: r.text[:200] for p, r in got.items()}
+    files = {"prompt": ("prompt.txt", b"a red fox", "text/plain")}
+    for path, fields in (("/v1/videos", {"model": "tiny-cogvideox", "size": "64x64"}),
+                         ("/v1/images/generations", {"model": "tiny-flux2", "size": "64x64"})):
+        r = requests.post(f"{server}{path}", data=fields, files=files, headers=_auth(KEY_A), timeout=60)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "prompt", r.text
