@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.serving.redis_server import redis_server
-from xema_ray.serving.job_progress import JobProgress, PhaseEstimate, publisher_for
+from xema_ray.serving.job_progress import SYNC_WAIT_S, JobProgress, PhaseEstimate, publisher_for
 from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, TenantBusy, epoch_of, new_job_id
 from xema_ray.serving.jobs_sqlite import SQLiteJobStore
 
@@ -176,13 +176,15 @@ def test_steps_never_wait_for_a_paused_store(paused_redis: tuple[str, int]) -> N
     observer = JobProgress(cfg, [job.id], 0, PhaseEstimate(steps=40, text_s=0, step_s=0.05, decode_s=0.1, encode_s=0))
     os.kill(pid, signal.SIGSTOP)
     try:
-        worst = 0.0
+        waits = []
         for step in range(1, 21):
             t0 = time.perf_counter()
             assert not observer.on_step(step, 40)
-            worst = max(worst, time.perf_counter() - t0)
+            waits.append(time.perf_counter() - t0)
             time.sleep(0.02)  # the step's compute
-        assert worst < 0.05, f"a step waited {worst:.3f} s for the paused store"
+        waits.sort()
+        # one step gives the store its SYNC_WAIT_S; once that overran, no step waits any more
+        assert waits[-1] < SYNC_WAIT_S + 0.1 and waits[-2] < 0.03, waits
     finally:
         os.kill(pid, signal.SIGCONT)
     pub = publisher_for(cfg)
@@ -208,7 +210,7 @@ def test_a_deleted_job_stops_its_batch_within_a_step_or_two(tmp_path: Path) -> N
             stopped_at = step
             break
         time.sleep(0.1)  # a step of compute: the publisher polls deletions meanwhile
-    assert stopped_at is not None and stopped_at <= 6
+    assert stopped_at == 5  # the DELETE landed before step 5 was reported: honoured at that report
     deadline = time.time() + 5
     while (store.get(job.id, include_deleted=True) or job).stopped_step is None and time.time() < deadline:
         time.sleep(0.02)

@@ -7,11 +7,14 @@ A deleted job stops counting at once; when every member of the batch is deleted 
 synchronous request shares it) the observer stops the batch, which frees the workers at that
 step boundary (``xema_ray.runtime.progress``).
 
-The denoising loop never waits on the store: the publisher is a thread of its own that writes
+The denoising loop never makes a store call: the publisher is a thread of its own that writes
 the latest progress of each job (coalesced: a job's newer step replaces the older one not yet
 written; at most ``MAX_PENDING`` jobs waiting, the oldest dropped beyond) and polls the watched
-jobs for deletions every ``POLL_S``. A stalled store stalls only that thread; the steps go on,
-their progress catches up when the store answers again.
+jobs for deletions every ``POLL_S``. After handing over a step, the observer gives the thread up
+to ``SYNC_WAIT_S`` to write it and read deletions — with a healthy store that takes a few
+milliseconds, so a DELETE is honoured at the next step as before — and stops waiting at all once
+a round overran it, until the store answers again: a stalled store costs one such wait, never a
+step per store timeout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ logger = logging.getLogger("xema_ray.serving")
 MAX_PENDING = 1024
 #: how often the publisher asks the store which watched jobs were deleted
 POLL_S = 0.025
+#: longest a step waits for its progress to be written (only while the store keeps up)
+SYNC_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,10 @@ class ProgressPublisher:
         self._watched: dict[str, int] = {}  # job -> observers watching it
         self._cancelled: set[str] = set()
         self._wake = threading.Event()
+        self._rounds = threading.Condition(self._lock)
+        self._requested = 0  # publish calls so far
+        self._written = 0  # publish calls whose updates (and a deletion poll after them) reached the store
+        self._healthy = True  # the last round finished within SYNC_WAIT_S
         self.dropped = 0  # progress updates dropped because the buffer was full
         self.failures = 0  # store calls that failed (the thread retries)
         self._thread = threading.Thread(target=self._run, name="xema-progress", daemon=True)
@@ -110,8 +119,11 @@ class ProgressPublisher:
                 else:
                     self._watched[j] = n
 
-    def publish(self, job_ids: list[str], fraction: float, step: int) -> None:
+    def publish(self, job_ids: list[str], fraction: float, step: int) -> int:
+        """Queue the jobs' progress; returns a ticket for ``wait_written``."""
         with self._lock:
+            self._requested += 1
+            ticket = self._requested
             for j in job_ids:
                 self._pending.pop(j, None)
                 self._pending[j] = (fraction, step)
@@ -119,6 +131,18 @@ class ProgressPublisher:
                 self._pending.popitem(last=False)
                 self.dropped += 1
         self._wake.set()
+        return ticket
+
+    def wait_written(self, ticket: int, timeout: float = SYNC_WAIT_S) -> bool:
+        """Wait (at most ``timeout``, and not at all while the store lags) until the updates of
+        ``ticket`` are written and deletions read after them."""
+        with self._rounds:
+            if not self._healthy:
+                return self._written >= ticket
+            done = self._rounds.wait_for(lambda: self._written >= ticket, timeout=timeout)
+            if not done:
+                self._healthy = False
+            return done
 
     def stopped(self, job_id: str, step: int) -> None:
         with self._lock:
@@ -144,6 +168,7 @@ class ProgressPublisher:
                 pending, self._pending = self._pending, OrderedDict()
                 stops, self._stops = self._stops, {}
                 watched = [j for j in self._watched if j not in self._cancelled]
+                round_of = self._requested
             if not (pending or stops or watched):
                 continue
             try:
@@ -166,8 +191,11 @@ class ProgressPublisher:
                         self._stops.setdefault(j, v)
                 time.sleep(POLL_S)
                 continue
-            with self._lock:
+            with self._rounds:
                 self._cancelled |= {j for j in gone if j in self._watched}
+                self._written = max(self._written, round_of)
+                self._healthy = True
+                self._rounds.notify_all()
 
 
 _publishers: dict[str, ProgressPublisher] = {}
@@ -209,9 +237,10 @@ class JobProgress:
 
     def on_step(self, step: int, total: int) -> bool:
         pub = self._publisher()
-        # deletions first: a job the store said was deleted stops counting from this step on
+        # progress first, then the deletions: a DELETE that lands in between sees this step done
+        # and is honoured now (while the store keeps up), so a job runs at most a step past it
+        pub.wait_written(pub.publish(self.live, self.estimate.after_step(step), step))
         self._drop_deleted(pub, step)
-        pub.publish(self.live, self.estimate.after_step(step), step)
         return not self.live and self.others == 0
 
     def on_decoded(self) -> None:
