@@ -106,7 +106,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, store_server: Redis) -> Ite
         "device": "cpu", "worker_cpus": 0.25,
         "auth": {"api_keys": [{"key": KEY_A, "tenant": "alice"}, KEY_B], "max_jobs_in_flight": MAX_JOBS},
         "jobs": {"backend": "redis", "redis_url": store_server.url, "prefix": "tenancy", "ttl_s": 600, "lease_s": 2.0,
-                 "poll_min_ms": 20, "timeout_s": 0.5},
+                 "poll_min_ms": 20, "timeout_s": 2.0},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.05, "templates": [{"width": 64, "height": 64, "steps": 2}]},
             {"model": "tiny-cogvideox", "workers": 1, "wait_window_s": 0.05,

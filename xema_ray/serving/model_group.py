@@ -321,7 +321,7 @@ class ModelGroup:
                 started = set()
                 for j in jobs:
                     try:
-                        if await store_call(self.jobs_cfg, store.start, j, self.owner, est.total_s):  # type: ignore[arg-type]
+                        if await self._job_call(store.start, j, self.owner, est.total_s):
                             started.add(j)
                     except store_faults():  # the store is down: run it anyway (it is ours), record it later
                         started.add(j)
@@ -410,6 +410,19 @@ class ModelGroup:
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.get_running_loop().create_task(self._flush_results())
 
+    async def _job_call(self, fn: Any, job_id: str, *args: Any) -> Any:
+        """A store update of a job held here; if it fails because the store lost the record (it
+        came back empty and this replica has not written its jobs back yet), the record is
+        written back and the update tried once more."""
+        assert self.jobs_cfg is not None
+        store = self._store()
+        done = await store_call(self.jobs_cfg, fn, job_id, *args)
+        rec = self._records.get(job_id)
+        if done or rec is None or await store_call(self.jobs_cfg, store.get, job_id, True) is not None:
+            return done
+        await store_call(self.jobs_cfg, store.restore, rec.model_copy(update={"owner": self.owner}))
+        return await store_call(self.jobs_cfg, fn, job_id, *args)
+
     async def _flush_results(self) -> None:
         assert self.jobs_cfg is not None
         delay = 0.0
@@ -417,7 +430,7 @@ class ModelGroup:
             await asyncio.sleep(delay)
             for job_id, (name, data, media) in list(self._unstored.items()):
                 try:
-                    await store_call(self.jobs_cfg, self._store().complete, job_id, {name: (data, media)})
+                    await self._job_call(self._store().complete, job_id, {name: (data, media)})
                 except store_faults() as e:
                     logger.warning("%s: the result of %s waits for the job store (%s)", self.model, job_id,
                                    type(e).__name__)
