@@ -73,7 +73,8 @@ async def read_body(request: Request, model: type[BaseModel]) -> dict[str, Any]:
             out[k] = _from_form(v, kinds) if kinds else v
         return out
     if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-        raise BodyError(415, f"the request body must be JSON or multipart/form-data, got Content-Type {ctype!r}",
+        raise BodyError(415, f"the request body must be JSON (application/json) or a form (multipart/form-data, "
+                        f"application/x-www-form-urlencoded), got Content-Type {ctype!r}",
                         code="unsupported_media_type")
     raw = await request.body()
     try:
