@@ -27,9 +27,10 @@ test: install
 	$(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
-# Ray's internal ports listen on 127.0.0.1 only; XEMA_RAY_OPEN_PORTS=1 opens them (README "Ports").
+# `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
+# (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
 serve: install
-	PYTHONPATH=$(CURDIR) $(PY) -m xema_ray.serving.ray_env $(VENV)/bin/serve run deployments/xema.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
 # Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
 checkpoints: install
@@ -37,7 +38,7 @@ checkpoints: install
 
 # The tiny models served from those directories (their own tokenizers and text encoders).
 serve-checkpoints: checkpoints
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deployments/xema-checkpoints.yaml
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
 # Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
 plan: install

@@ -31,6 +31,7 @@ import numpy as np
 import requests
 
 from xema_ray.net import free_port
+from xema_ray.serving.ready import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +97,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(serve_args), name="xema", route_prefix="/")
+    wait_ready(url, timeout_s=300)  # /healthz 200: every group answers
     body = {"model": t.model, "prompt": "bench", "size": "64x64", "num_frames": 9}
     for i in range(3):  # warm-up: both paths, and the group's measured phase estimate
         requests.post(f"{url}/v1/videos/sync", json={**body, "seed": i}, timeout=120).raise_for_status()

@@ -24,6 +24,7 @@ import requests
 import torch
 from xema_ray.serving.ray_env import apply_ray_env
 from xema_ray.net import free_port
+from xema_ray.serving.ready import wait_ready
 
 
 
@@ -74,6 +75,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(serve_args), name="xema", route_prefix="/")
+    wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)  # /healthz 200: every group answers
     url = f"http://127.0.0.1:{port}/v1/images/generations"
     body = {"model": "tiny-flux2", "prompt": "fox", "size": "64x64"}
     for _ in range(5):

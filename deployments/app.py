@@ -19,9 +19,11 @@ from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.serving.dispatcher import PreemptionPolicy
 from xema_ray.serving.model_group import ModelGroup
+from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
+from xema_ray.serving.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -39,15 +41,16 @@ def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) ->
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
     cfg = ServeConfig.model_validate(args)
+    exposed = exposed_ports_warning()
+    if exposed is not None:  # Ray is already bound: tell, loudly (docs/serving.md "Ports")
+        logger.warning(exposed)
+        print(f"WARNING: {exposed}", flush=True)
     templates = served_templates(cfg)
     table, spare_host = load_or_plan(cfg, templates)
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
-        bundle: dict[str, float] = {"CPU": cfg.worker_cpus}
-        if cfg.device == "cuda":
-            bundle["GPU"] = 1
-        bundle.update(g.bundle_resources)
+        bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
         deployment = serve.deployment(
             ModelGroup,
             name=f"ModelGroup:{g.model}",

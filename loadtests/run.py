@@ -11,57 +11,76 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import requests
+import yaml
 
 from xema_ray.plan import PlanTable
 from xema_ray.serving.ray_env import ray_env
+from xema_ray.serving.ready import NotReady, poll_health, wait_ready
 from xema_ray.sim.simulate import Arrival, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _up(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/healthz", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
+    return poll_health(url)[0] == 200
 
 
-def start_app(url: str, timeout_s: float) -> subprocess.Popen | None:
-    """Start ``serve run deployments/xema.yaml`` unless ``url`` already answers; wait until healthy."""
+def config_url(config: Path) -> str:
+    """The base URL a Serve config file binds (``http_options``; Serve's defaults otherwise)."""
+    http = (yaml.safe_load(config.read_text()) or {}).get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+
+
+def start_app(url: str, timeout_s: float, config: Path = ROOT / "deployments" / "xema.yaml") -> subprocess.Popen | None:
+    """Start the app of ``config`` unless ``url`` is ready already; wait until ``/healthz`` is 200.
+
+    The app gets a Ray cluster of its own (``serve run --address local``, never one that happens
+    to run on this machine), with the app's Ray settings (``ray_env``: local-only ports), in its
+    own process session, so that ``stop_app`` stops that cluster and nothing else.
+    """
     if _up(url):
         return None
     serve = Path(sys.executable).parent / "serve"
     log = open(ROOT / "loadtests" / "results" / "serve.log", "w")  # noqa: SIM115 - lives as long as the app
-    proc = subprocess.Popen([str(serve), "run", "deployments/xema.yaml"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=ray_env(base={**os.environ, "PYTHONPATH": str(ROOT)}))
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode}; see loadtests/results/serve.log")
-        if _up(url):
-            return proc
-        time.sleep(2)
-    proc.terminate()
-    raise TimeoutError(f"the app did not become healthy within {timeout_s:.0f} s; see loadtests/results/serve.log")
+    env = ray_env(base={**os.environ, "PYTHONPATH": str(ROOT)})
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        waited = wait_ready(url, timeout_s, poll_s=2.0, alive=lambda: proc.poll() is None)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; serve run exited with {proc.returncode}, see loadtests/results/serve.log") from None
+    except NotReady as e:
+        stop_app(proc)
+        raise NotReady(f"{e}; see loadtests/results/serve.log") from None
+    print(f"the app is ready after {waited:.0f} s", file=sys.stderr)
+    return proc
 
 
 def stop_app(proc: subprocess.Popen | None) -> None:
+    """Stop the ``serve run`` that ``start_app`` started, and with it its own Ray cluster (the
+    driver tears down the cluster it started); anything of its session left after 60 s is
+    killed. Other clusters on this machine are never touched (no ``ray stop``)."""
     if proc is None:
         return
-    serve = Path(sys.executable).parent / "serve"
-    subprocess.run([str(serve), "shutdown", "-y"], cwd=ROOT, check=False, capture_output=True)
     proc.terminate()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], check=False, capture_output=True)
+        proc.wait(timeout=10)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session survived it
+    except ProcessLookupError:
+        pass
 
 
 def measure_overhead(url: str, n: int = 8) -> float:
@@ -74,10 +93,14 @@ def measure_overhead(url: str, n: int = 8) -> float:
     body = {"model": t["model"], "prompt": "overhead probe", "size": f"{t['width']}x{t['height']}", "seed": 0}
     if t["frames"] > 1:
         body["num_frames"] = t["frames"]
-    gaps = []
-    for _ in range(n):
+    gaps: list[float] = []
+    deadline = time.time() + 300
+    while len(gaps) < n:
         t0 = time.perf_counter()
         r = requests.post(f"{url}{path}", json=body, timeout=120)
+        if r.status_code == 503 and time.time() < deadline:  # a group being replaced: wait as told
+            time.sleep(float(r.headers.get("Retry-After", "2")))
+            continue
         r.raise_for_status()
         gaps.append(time.perf_counter() - t0 - float(r.headers["X-Xema-Batch-Seconds"]))
     return sorted(gaps)[len(gaps) // 2]
@@ -89,12 +112,15 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--mix", choices=("uniform", "skewed"), default="uniform")
     ap.add_argument("--slo-scale", type=float, default=1.0)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--config", type=Path, default=ROOT / "deployments" / "xema.yaml",
+                    help="the Serve config started when the app is not up")
+    ap.add_argument("--url", default=None, help="the app's base URL (default: the config's http_options)")
     ap.add_argument("--out", type=Path, default=ROOT / "loadtests" / "results")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = start_app(args.url, args.startup_timeout)
+    args.url = args.url or config_url(args.config)
+    proc = start_app(args.url, args.startup_timeout, args.config)
     try:
         overhead = measure_overhead(args.url)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XEMA_RATE": str(args.rate), "XEMA_DURATION": str(args.duration),

@@ -193,11 +193,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.all_fit else 1
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="`serve run CONFIG` with the app's Ray settings: Ray's ports on 127.0.0.1 only "
+                                     "(XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON")
+    p.add_argument("config", help="a Serve config file, e.g. deployments/xema.yaml")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="further `serve run` arguments, e.g. --address local")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Replace this process with ``serve run`` in the app's Ray environment (``ray_env``): the
+    Ray cluster ``serve run`` starts then listens on 127.0.0.1 only. A setting of the process
+    that starts Ray, hence not one the YAML or the app can make (docs/serving.md "Ports")."""
+    import os
+
+    from xema_ray.serving.ray_env import ray_env
+
+    serve = Path(sys.executable).parent / "serve"
+    os.execve(str(serve), [str(serve), "run", args.config, *args.serve_args], ray_env())
+    return 1  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)
     _add_verify(sub)
+    _add_serve(sub)
     from planner.cli import add_plan_parser
 
     add_plan_parser(sub)

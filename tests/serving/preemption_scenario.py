@@ -183,8 +183,8 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
     by_key = {t.shape_key: t for t in (SHORT, LONG)}
     with running_group("tiny-cogvideox", dict(table.entries), wait_window_s=0.0, jobs=jobs, preemption=policy,
                        layouts_dir=folder) as h:
-        for t in (SHORT, LONG):  # warm-up: each template once (worker threads, pipelines)
-            h.call(lambda g, t=t: g.generate(t.shape_key, f"warm-{t.shape_key}", "warm-up", 0), timeout=300)
+        for key in (SHORT.shape_key, LONG.shape_key):  # warm-up: each template once (worker threads, pipelines)
+            h.call(lambda g: g.generate(key, f"warm-{key}", "warm-up", 0), timeout=300)  # runs before the loop moves on
         job: dict[str, str] = {}
         finished = threading.Event()
 

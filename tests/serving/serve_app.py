@@ -15,6 +15,7 @@ from ray import serve
 from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
 from xema_ray.serving.ray_env import apply_ray_env
+from xema_ray.serving.ready import wait_ready
 
 
 @contextlib.contextmanager
@@ -32,6 +33,7 @@ def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="xema", route_prefix="/")
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)  # /healthz 200: every group answers
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -8,7 +8,6 @@ across two workers. Plans are given as a table so each behaviour is pinned.
 from __future__ import annotations
 
 import base64
-import concurrent.futures as cf
 import io
 import time
 
@@ -78,6 +77,9 @@ def test_image_request_returns_a_png(server: str) -> None:
     img = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
     assert img.format == "PNG" and img.size == (128, 128)
     assert r.headers["X-Xema-Template"] == FLUX_L.shape_key
+    # where it ran travels from the group as a typed result and comes back as headers
+    assert r.headers["X-Xema-Batch-Size"] == "1" and r.headers["X-Xema-Workers"] == "0"
+    assert int(r.headers["X-Xema-Batch-Id"]) >= 0 and float(r.headers["X-Xema-Batch-Seconds"]) > 0
 
 
 def test_openai_client_gets_a_png(server: str) -> None:
@@ -86,14 +88,6 @@ def test_openai_client_gets_a_png(server: str) -> None:
     resp = client.images.generate(model="tiny-flux2", prompt="a lighthouse", size="64x64", response_format="b64_json")  # type: ignore[arg-type]
     img = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
     assert img.format == "PNG" and img.size == (64, 64)
-
-
-def test_two_concurrent_requests_share_a_batch_of_two(server: str) -> None:
-    with cf.ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda s: _image(server, seed=s), (10, 11))
-    assert a.status_code == b.status_code == 200
-    assert a.headers["X-Xema-Batch-Size"] == b.headers["X-Xema-Batch-Size"] == "2"
-    assert a.headers["X-Xema-Batch-Id"] == b.headers["X-Xema-Batch-Id"]
 
 
 def test_sp2_video_runs_across_two_workers_and_decodes(server: str) -> None:
@@ -129,19 +123,18 @@ def test_error_raised_if_input_is_bad(server: str, path: str, body: dict, status
     assert _image(server, size="128x128").status_code == 200  # and the server keeps serving
 
 
-def test_queue_overflow_gets_503_with_retry_after(server: str) -> None:
-    # max_queue 3 for the 64² template (batch 2, one worker): a burst of 12 overflows the queue
-    with cf.ThreadPoolExecutor(12) as pool:
-        rs = list(pool.map(lambda s: _image(server, seed=100 + s), range(12)))
-    codes = [r.status_code for r in rs]
-    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
-    assert all("Retry-After" in r.headers for r in rs if r.status_code == 503)
 
 
-def test_killed_worker_is_replaced_and_the_request_retried(server: str) -> None:
+def test_killed_worker_of_an_sp2_set_is_replaced_and_the_request_retried(server: str) -> None:
+    # Ray's part: an actor's death is seen, the two-actor set gets a new torch.distributed world
+    # (the group's retry and rebuild logic is test_model_group.py's, without Ray)
     group = serve.get_deployment_handle("ModelGroup:tiny-cogvideox", app_name="xema")
     before = group.status.remote().result()["generation"]
     group.kill_worker.remote(1).result()
+    deadline = time.time() + 30
+    while group.probe_workers.remote(2.0).result()[1] != "dead" and time.time() < deadline:
+        time.sleep(0.2)  # Ray says the actor died: a fact, not a slow answer
+    assert group.probe_workers.remote(2.0).result() == ["ok", "dead"]
     body = {"model": "tiny-cogvideox", "prompt": "after the crash", "size": "64x64", "num_frames": 9, "seed": 2}
     r = requests.post(f"{server}/v1/videos/sync", json=body, timeout=300)
     assert r.status_code in (200, 503), r.text  # a retried success, or a clean error naming the failure

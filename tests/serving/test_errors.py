@@ -134,7 +134,9 @@ def test_overload_gets_json_503_with_retry_after(app: FastAPI) -> None:
     assert sorted(r.status for r in rs) == [200, 200, 503, 503, 503]
     for r in rs:
         if r.status == 503:
-            assert _assert_shape(r, 503)["code"] == "busy" and r.headers["retry-after"] == "3"
+            err = _assert_shape(r, 503)
+            assert err["code"] == "busy" and r.headers["retry-after"] == "3"
+            assert err["limit"] == "limits.max_in_flight"  # overload names the limit that was hit
 
 
 # ---------------------------------------------------------------------------- per-request checks
@@ -149,20 +151,21 @@ def test_error_raised_if_a_request_cannot_join_a_batch() -> None:
 
 
 # ---------------------------------------------------------------------------- exceptions -> status
-@pytest.mark.parametrize(("exc", "status", "code"), [
-    (QueueFull("t: 3 queued", retry_after_s=2.2), 503, "queue_full"),
-    (GroupUnavailable("down"), 503, "group_unavailable"),
-    (ActorDiedError(), 503, "replica_died"),
-    (RayActorError(), 503, "replica_died"),
-    (BackPressureError(num_queued_requests=5, max_queued_requests=5), 503, "busy"),
-    (UnsupportedTemplate("no", ["a"], "size"), 400, "unsupported_template"),
-    (InvalidRequest("seed: too big", "seed"), 422, "invalid_value"),
+@pytest.mark.parametrize(("exc", "status", "code", "limit"), [
+    (QueueFull("t: 3 queued", retry_after_s=2.2), 503, "queue_full", "models[].max_queue"),
+    (GroupUnavailable("down"), 503, "group_unavailable", None),
+    (ActorDiedError(), 503, "replica_died", None),
+    (RayActorError(), 503, "replica_died", None),
+    (BackPressureError(num_queued_requests=5, max_queued_requests=5), 503, "busy", "max_ongoing_requests"),
+    (UnsupportedTemplate("no", ["a"], "size"), 400, "unsupported_template", None),
+    (InvalidRequest("seed: too big", "seed"), 422, "invalid_value", None),
 ])
-def test_exceptions_map_to_json_statuses(exc: Exception, status: int, code: str) -> None:
+def test_exceptions_map_to_json_statuses(exc: Exception, status: int, code: str, limit: str | None) -> None:
     r = exception_response(exc)
     assert r is not None and r.status_code == status
     err = json.loads(r.body)["error"]
     assert err["code"] == code
+    assert err.get("limit") == limit  # only overload names an admission limit
     if status == 503:
         assert int(r.headers["retry-after"]) >= 1
 
@@ -202,8 +205,9 @@ async def _silent(scope, receive, send):  # type: ignore[no-untyped-def]
 ])
 def test_proxy_errors_become_json(inner, status: int, retry: str | None) -> None:  # type: ignore[no-untyped-def]
     r = asyncio.run(call(ProxyErrorsAsJson(inner), "POST", IMAGES, b"{}"))
-    _assert_shape(r, status)
+    err = _assert_shape(r, status)
     assert r.headers.get("retry-after") == retry
+    assert err.get("limit") == ("max_queued_requests" if "backpressure" in err["message"] else None)
 
 
 def test_proxy_passes_json_and_success_unchanged(app: FastAPI) -> None:

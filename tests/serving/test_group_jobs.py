@@ -82,7 +82,12 @@ def test_a_job_passes_through_progress_to_its_stored_result(group: Harness, stor
     rec = _job(store)
     assert _submit(group, rec)
     seen: list[JobRecord] = []
-    done = _wait(store, rec.id, lambda r: (seen.append(r), r.status in ("completed", "failed"))[1])
+
+    def finished(r: JobRecord) -> bool:
+        seen.append(r)
+        return r.status in ("completed", "failed")
+
+    done = _wait(store, rec.id, finished)
     assert done.status == "completed" and done.owner == group.group.owner and done.attempts == 1
     running = [r for r in seen if r.status == "in_progress"]
     assert running and any(0 < r.progress < 1 for r in running)

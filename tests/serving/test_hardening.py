@@ -226,15 +226,6 @@ def test_a_poisoned_request_fails_alone(server: str) -> None:
                 assert r.status_code == 200, r.text[:300]
 
 
-def test_a_request_that_cannot_run_never_joins_a_batch(server: str) -> None:
-    # past the HTTP layer, straight at the model group: the bad seed fails alone, its batch-mates run
-    group = serve.get_deployment_handle("ModelGroup:tiny-flux2", app_name="xema")
-    calls = [group.generate.remote(FLUX.shape_key, f"direct-{i}", "a fox", 2**63 if i == 0 else i) for i in range(4)]
-    with pytest.raises(Exception, match="seed"):
-        calls[0].result(timeout_s=120)
-    assert all(c.result(timeout_s=120)["media_type"] == "image/png" for c in calls[1:])
-
-
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_error_raised_if_guidance_is_not_finite(server: str, value: str) -> None:
     body = json.dumps(IMAGE)[:-1] + f', "guidance_scale": {value}}}'

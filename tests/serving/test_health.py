@@ -1,101 +1,213 @@
-"""GroupHealth without Ray: stand-in handles whose ``status`` answers, or never does."""
+"""GroupHealth without a Ray cluster: stand-in handles whose ``status`` answers late, raises
+Ray's death error, or never answers, and a stand-in for Serve's controller. Only facts make a
+group unavailable; a slow answer never does."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from typing import Any
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from xema_ray.serving.health import GroupHealth
 from xema_ray.serving.model_group import GroupUnavailable
 
 
-class _Response:
-    def __init__(self, value: object = None, never: bool = False) -> None:
-        self.value, self.never, self.cancelled = value, never, False
-
-    def __await__(self):  # type: ignore[no-untyped-def]
-        if self.never:
-            yield from asyncio.sleep(3600).__await__()
-        return self.value
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class _Method:
-    def __init__(self, group: _Group) -> None:
-        self.group = group
-
-    def remote(self, *args: object) -> _Response:
-        return _Response({"status": "ok"}, never=not self.group.alive)
-
-
 class _Group:
-    def __init__(self) -> None:
-        self.alive = True
-        self.status = _Method(self)
+    """A stand-in Serve handle: ``status.remote()`` answers after ``delay_s``, raises ``error``, or
+    never answers (``hang``)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s, self.error, self.hang = delay_s, None, False
+        self.own: dict[str, Any] = {"status": "ok", "reason": None, "queued": 3}
+        self.status = self
+        self.calls = 0
+
+    def remote(self) -> Any:
+        self.calls += 1
+        return self._answer()
+
+    async def _answer(self) -> dict[str, Any]:
+        if self.hang:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return dict(self.own)
 
 
-def test_probe_answers_within_its_timeout_and_names_the_silent_group() -> None:
-    up, down = _Group(), _Group()
-    down.alive = False
-    health = GroupHealth({"a": up, "b": down}, timeout_s=0.2)
-
-    async def run() -> tuple[float, dict]:
-        start = time.monotonic()
-        got = await health.probe()
-        return time.monotonic() - start, got
-
-    seconds, got = asyncio.run(run())
-    assert seconds < 0.5
-    assert got["a"]["status"] == "ok" and got["b"]["status"] == "unavailable"
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
 
 
-def test_a_silent_group_refuses_new_requests_and_gives_up_waiting_ones() -> None:
-    group = _Group()
-    health = GroupHealth({"m": group}, timeout_s=0.05, interval_s=0.05, unavailable_after_s=0.3, give_up_after_s=0.6)
+def test_a_group_that_answers_slowly_is_not_declared_dead() -> None:
+    slow = _Group(delay_s=0.6)  # 12 times the pending check: a group busy under load
+    counts = {"m": 1}
 
-    async def run() -> tuple[float | None, float | None, _Response]:
+    async def replicas() -> dict[str, int]:
+        return counts
+
+    health = GroupHealth({"m": slow}, replica_counts=replicas, interval_s=0.01, pending_check_s=0.05)
+
+    async def run() -> list[str]:
         health.ensure_started()
-        await asyncio.sleep(0.2)
-        before = health.unavailable("m")
-        group.alive = False  # its replica dies
-        waiting = _Response(never=True)
-        with pytest.raises(GroupUnavailable, match="stopped answering"):
-            await health.call("m", waiting)
-        after = health.unavailable("m")
-        group.alive = True
-        await asyncio.sleep(0.2)
-        assert health.unavailable("m") is None  # answering again: admitted again
-        return before, after, waiting
+        seen = []
+        for _ in range(30):  # 1.5 s: two slow answers and the waits between them
+            await asyncio.sleep(0.05)
+            r = health.report("m")
+            seen.append(r.status)
+            if r.status == "ok":
+                health.admit("m")  # never refused while it is merely slow
+        return seen
 
-    before, after, waiting = asyncio.run(run())
-    assert before is None and after is not None and after > 0.3
-    assert waiting.cancelled
+    seen = _run(run())
+    assert seen[-1] == "ok" and "degraded" not in seen, seen
+    assert seen.index("ok") > 0  # before its first answer it is starting (not ready), never degraded
 
 
-def test_a_healthy_groups_response_is_returned() -> None:
-    health = GroupHealth({"m": _Group()}, timeout_s=0.05, interval_s=0.05)
-
-    async def run() -> object:
-        health.ensure_started()
-        return await health.call("m", _Response("done"))
-
-    assert asyncio.run(run()) == "done"
-
-
-def test_a_group_that_never_answered_is_reported_as_starting() -> None:
+def test_a_dead_replica_refuses_new_requests_until_a_new_one_answers() -> None:
     group = _Group()
-    group.alive = False  # still loading its model
-    health = GroupHealth({"m": group}, timeout_s=0.05, interval_s=0.05, unavailable_after_s=0.1, give_up_after_s=0.2)
+    health = GroupHealth({"m": group}, interval_s=0.02, pending_check_s=0.05)
+
+    async def run() -> None:
+        health.ensure_started()
+        await asyncio.sleep(0.1)
+        assert health.report("m").status == "ok"
+        group.error = ActorDiedError()  # Ray: the replica's actor died
+        await asyncio.sleep(0.1)
+        r = health.report("m")
+        assert (r.status, r.accepting) == ("degraded", False)
+        assert "ActorDiedError" in (r.reason or "")
+        with pytest.raises(GroupUnavailable, match="replica died"):
+            health.admit("m")
+        group.error = None  # Serve's replacement answers
+        await asyncio.sleep(0.1)
+        assert health.report("m").status == "ok"
+        health.admit("m")
+
+    _run(run())
+
+
+def test_no_running_replica_reported_by_serve_is_a_fact() -> None:
+    group = _Group()
+    counts = {"m": 1}
+
+    async def replicas() -> dict[str, int]:
+        return counts
+
+    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.05)
+
+    async def run() -> None:
+        health.ensure_started()
+        await asyncio.sleep(0.1)
+        group.hang = True  # the handle holds the probe: the replica is gone and not replaced yet
+        await asyncio.sleep(0.3)
+        assert health.report("m").status == "ok"  # pending, and Serve still counts a running replica
+        counts["m"] = 0
+        await asyncio.sleep(0.5)
+        r = health.report("m")
+        assert (r.status, r.accepting) == ("degraded", False), r
+        assert "no running replica" in (r.reason or "")
+
+    _run(run())
+
+
+def test_a_controller_that_does_not_answer_decides_nothing() -> None:
+    group = _Group()
+
+    async def replicas() -> dict[str, int]:
+        raise TimeoutError("controller busy")
+
+    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.02)
 
     async def run() -> str:
         health.ensure_started()
-        await asyncio.sleep(0.3)
-        silent = health.unavailable("m")
-        assert silent is not None
-        return health.why_silent("m", silent)
+        await asyncio.sleep(0.1)
+        group.hang = True
+        await asyncio.sleep(0.2)
+        return health.report("m").status
 
-    assert "still starting" in asyncio.run(run())
+    assert _run(run()) == "ok"
+
+
+def test_a_group_that_never_answered_is_starting_not_ready_but_requests_are_forwarded() -> None:
+    group = _Group()
+    group.hang = True  # Serve holds the probe until the replica has loaded its model
+    health = GroupHealth({"m": group, "n": _Group()}, interval_s=0.02, pending_check_s=0.05)
+
+    async def run() -> None:
+        health.ensure_started()
+        await asyncio.sleep(0.15)
+        body = health.health("cpu")
+        assert (body.status, body.ready, body.degraded) == ("starting", False, ["m"])
+        assert body.groups["m"].status == "starting" and body.groups["n"].status == "ok"
+        assert body.groups["n"].model_extra == {"queued": 3}  # the group's own fields travel along
+        health.admit("m")  # no fact against it: forwarded, Serve holds it until a replica runs
+
+    _run(run())
+
+
+def test_a_group_that_says_it_is_starting_refuses_and_a_degraded_one_still_serves() -> None:
+    starting, degraded = _Group(), _Group()
+    starting.own = {"status": "starting", "reason": "loading weights"}
+    degraded.own = {"status": "degraded", "reason": "rebuilding the worker set"}
+    health = GroupHealth({"s": starting, "d": degraded}, interval_s=0.02)
+
+    async def run() -> None:
+        health.ensure_started()
+        await asyncio.sleep(0.1)
+        with pytest.raises(GroupUnavailable, match="loading weights"):
+            health.admit("s")
+        health.admit("d")
+        body = health.health("cpu")
+        assert body.status == "degraded" and not body.ready and body.degraded == ["d", "s"]
+
+    _run(run())
+
+
+def test_probes_are_one_at_a_time_and_never_cancelled() -> None:
+    group = _Group()
+    group.hang = True  # saturated: the answer does not come
+    health = GroupHealth({"m": group}, interval_s=0.0, pending_check_s=0.01)
+
+    async def run() -> None:
+        health.ensure_started()
+        await asyncio.sleep(0.3)  # 30 pending checks
+        assert health.report("m").probe_pending_s is not None  # still waiting on the same call
+
+    _run(run())
+    assert group.calls == 1  # no pile-up, no retry, no cancellation while it waits
+
+
+def test_healthz_probes_now_and_sees_a_death_at_once() -> None:
+    group = _Group()
+    health = GroupHealth({"m": group}, interval_s=60.0)  # the next turn is a minute away
+
+    async def run() -> tuple[str, float]:
+        health.ensure_started()
+        await asyncio.sleep(0.05)
+        assert health.report("m").status == "ok"
+        group.error = ActorDiedError()
+        t0 = asyncio.get_running_loop().time()
+        await health.fresh(2.0)  # what /healthz does: probe now, wait briefly for news
+        return health.report("m").status, asyncio.get_running_loop().time() - t0
+
+    status, seconds = _run(run())
+    assert status == "degraded" and seconds < 0.5
+
+
+def test_healthz_does_not_wait_long_for_a_busy_group() -> None:
+    group = _Group()
+    health = GroupHealth({"m": group}, interval_s=60.0)
+
+    async def run() -> tuple[str, float]:
+        health.ensure_started()
+        await asyncio.sleep(0.05)
+        group.delay_s = 5.0  # saturated: the next answer comes late
+        t0 = asyncio.get_running_loop().time()
+        await health.fresh(0.2)
+        return health.report("m").status, asyncio.get_running_loop().time() - t0
+
+    status, seconds = _run(run())
+    assert status == "ok" and seconds < 0.5  # the known state, answered quickly

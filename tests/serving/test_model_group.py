@@ -86,11 +86,13 @@ def test_killed_worker_is_replaced_and_the_batch_retried(flux: Harness) -> None:
     fut = _generate(flux, 7, FLUX_L)
     while not flux.call(lambda g: g.status())["running"]:
         time.sleep(0.01)
+    assert flux.call(lambda g: g.probe_workers()) == ["ok"]
     flux.call(lambda g: g.kill_worker(0))  # the batch in flight fails: the set is rebuilt and it is retried
     out = fut.result(120)
     assert out.media_type == "image/png"
     status = flux.call(lambda g: g.status())
     assert status["generation"] == before + 1 and status["status"] == "ok", status
+    assert flux.call(lambda g: g.probe_workers()) == ["ok"]  # the new worker
     assert _generate(flux, 8).result(120).media_type == "image/png"  # and the group keeps serving
 
 
@@ -126,6 +128,7 @@ def test_a_failed_rebuild_degrades_the_group_until_the_next_one_succeeds(monkeyp
         assert isinstance(h.group.workers, InProcessWorkerSet)
         _FlakyWorker.failing.set()
         h.call(lambda g: g.kill_worker(0))
+        assert h.call(lambda g: g.probe_workers()) == ["dead"]
         with pytest.raises(GroupUnavailable, match="rebuild failed"):
             _generate(h, 1).result(120)
         status = h.call(lambda g: g.status())

@@ -21,6 +21,7 @@ from ray import serve  # noqa: E402
 from local_cluster import LocalCluster  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
+from xema_ray.serving.ready import wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +103,7 @@ def test_groups_on_two_nodes_survive_losing_one(cluster: LocalCluster, tmp_path)
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     serve.run(build_app(args), name="xema", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
+    wait_ready(url, timeout_s=300)
 
     assert _post(url, "/v1/images/generations", IMAGE).status_code == 200
     assert _post(url, "/v1/videos/sync", VIDEO).status_code == 200

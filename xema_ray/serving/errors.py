@@ -10,7 +10,7 @@ this deployment does not serve, ``supported_templates``. Status codes:
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
 | 422 | invalid_request_error | a field is missing, malformed or out of range (``param`` names it) |
-| 503 | service_unavailable | a queue is full, the server is busy, or a worker / replica / node died; always with Retry-After |
+| 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, or a worker / replica / node died; always with Retry-After |
 | 500 | server_error | a bug (never for a client's input) |
 
 Messages quote at most ``QUOTE_CHARS`` characters of an offending value: a 1 MB prompt is not
@@ -46,6 +46,9 @@ class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_request_error | not_found_error | service_unavailable | server_error")
     param: str | None = Field(default=None, description="the request field at fault, if one is")
     code: str | None = Field(default=None, description="a machine-readable reason, e.g. queue_full")
+    limit: str | None = Field(default=None, description="503 for overload only: the admission limit that was hit "
+                                                        "(limits.max_in_flight, models[].max_queue, "
+                                                        "max_queued_requests)")
     supported_templates: list[str] | None = Field(default=None, description="400 only: the templates served")
 
 
@@ -74,14 +77,14 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, retry_after_s: float | None = None,
-                   supported_templates: list[str] | None = None) -> JSONResponse:
+                   supported_templates: list[str] | None = None, limit: str | None = None) -> JSONResponse:
     """The JSON error response; 503s always carry Retry-After (whole seconds, at least 1)."""
     headers = {}
     if status == 503 and retry_after_s is None:
         retry_after_s = DEATH_RETRY_AFTER_S
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code,
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code, limit=limit,
                                            supported_templates=supported_templates))
     return JSONResponse(status_code=status, content=body.model_dump(exclude_none=True), headers=headers)
 
@@ -112,7 +115,7 @@ def exception_response(e: BaseException) -> JSONResponse | None:
         return error_response(422, str(cause), param=cause.param, code="invalid_value")
     if isinstance(cause, QueueFull):
         return error_response(503, str(cause), "service_unavailable", code="queue_full",
-                              retry_after_s=cause.retry_after_s)
+                              retry_after_s=cause.retry_after_s, limit="models[].max_queue")
     if isinstance(cause, GroupUnavailable):
         return error_response(503, str(cause), "service_unavailable", code="group_unavailable")
     if _is_death(cause) or _is_death(e):
@@ -120,7 +123,8 @@ def exception_response(e: BaseException) -> JSONResponse | None:
 
         if isinstance(cause, BackPressureError):
             return error_response(503, f"server busy: {cause}", "service_unavailable", code="busy",
-                                  retry_after_s=cause._retry_after_s or DEATH_RETRY_AFTER_S)
+                                  retry_after_s=cause._retry_after_s or DEATH_RETRY_AFTER_S,
+                                  limit="max_ongoing_requests")
         return error_response(503, f"a serving process failed while handling the request ({type(cause).__name__}); "
                               "it is being replaced, retry later", "service_unavailable", code="replica_died")
     return None

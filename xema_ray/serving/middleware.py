@@ -34,10 +34,12 @@ _GENERATION_METHODS = ("POST",)
 _DEFAULT_RETRY_AFTER_S = 5
 
 
-def _error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+def _error_body(message: str, type_: str, code: str, param: str | None = None, limit: str | None = None) -> bytes:
     detail: dict[str, str] = {"message": message, "type": type_, "code": code}
     if param is not None:
         detail["param"] = param
+    if limit is not None:
+        detail["limit"] = limit
     return json.dumps({"error": detail}).encode()
 
 
@@ -95,7 +97,8 @@ class RequestGuard:
         if self.in_flight >= limits.max_in_flight:
             await _send_json(send, 503, _error_body(
                 f"server busy: {self.in_flight} generation requests in flight on this router replica "
-                f"(limits.max_in_flight {limits.max_in_flight}); retry later", "service_unavailable", "busy"),
+                f"(limits.max_in_flight {limits.max_in_flight}); retry later", "service_unavailable", "busy",
+                limit="limits.max_in_flight"),
                 retry_after_s=limits.busy_retry_after_s)
             return
         self.in_flight += 1
@@ -164,8 +167,10 @@ class ProxyErrorsAsJson:
         if status >= 500:
             retry = headers.get(b"retry-after", b"").decode()
             retry_s = int(retry) if retry.isdigit() else _DEFAULT_RETRY_AFTER_S
-            code = "busy" if "backpressure" in text.lower() else "replica_unavailable"
-            await _send_json(send, 503, _error_body(f"{text}; retry later", "service_unavailable", code),
+            busy = "backpressure" in text.lower()
+            await _send_json(send, 503, _error_body(f"{text}; retry later", "service_unavailable",
+                                                    "busy" if busy else "replica_unavailable",
+                                                    limit="max_queued_requests" if busy else None),
                              retry_after_s=retry_s)
             return
         type_ = "not_found_error" if status in (404, 405) else "invalid_request_error"

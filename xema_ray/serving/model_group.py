@@ -471,6 +471,15 @@ class ModelGroup:
             paused=len(self.dispatcher.paused), jobs=len(self._job_ids), owner=self.owner,
         ).model_dump()
 
+    def check_health(self) -> None:
+        """Serve's own health check of this replica: it fails only when the replica can no longer
+        serve (its dispatch loop ended: a bug), so that Serve replaces it. A dead worker is not a
+        failure here: the group rebuilds its worker set itself."""
+        task = self._loop_task
+        if task is not None and task.done():
+            cause = None if task.cancelled() else task.exception()
+            raise RuntimeError(f"{self.model}: the dispatch loop ended ({cause!r})")
+
     async def preemption_stats(self) -> PreemptionReport:
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
@@ -479,6 +488,10 @@ class ModelGroup:
     async def layout_stats(self) -> GroupLayoutStats:
         """The static allocator's counters per template, for ``/v1/stats``."""
         return self.layout_counters.snapshot()
+
+    async def probe_workers(self, timeout_s: float = 1.0) -> list[str]:
+        """Each worker's state now (``WorkerState``: dead only when its process is gone)."""
+        return list(await self.workers.probe(timeout_s))
 
     async def kill_worker(self, index: int) -> None:
         """Fault injection for tests and drills: kill one worker."""

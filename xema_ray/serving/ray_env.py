@@ -62,6 +62,30 @@ def apply_ray_env(open_ports: bool | None = None) -> None:
         constants.ENABLE_RAY_CLUSTER = LOCAL_ONLY_ENV not in env
 
 
+def exposed_ports_warning() -> str | None:
+    """Why this Ray node's ports are reachable from other machines, if they are and nobody said
+    so (``XEMA_RAY_OPEN_PORTS=1`` in the cluster's environment); None when they listen on
+    127.0.0.1 only. Called where the app is built (``deployments.app.build_app``), inside the
+    cluster: by then Ray's processes are bound, so the app can only tell, not fix."""
+    import ipaddress
+
+    import ray
+
+    if not ray.is_initialized() or os.environ.get(OPEN_PORTS_ENV) == "1":
+        return None
+    ip = ray.util.get_node_ip_address()
+    try:
+        if ipaddress.ip_address(ip).is_loopback:
+            return None
+    except ValueError:
+        return None
+    return (f"Ray on this node uses {ip} as its address: its GCS, raylet, workers and agents listen on all "
+            "interfaces. The cluster was started without the app's settings (plain `serve run` or `ray start`). "
+            "Start the app with `xema serve deployments/xema.yaml` (or `make serve`) for 127.0.0.1-only ports, or "
+            f"set {OPEN_PORTS_ENV}=1 where Ray is started if a multi-node cluster needs them open "
+            "(docs/serving.md \"Ports\").")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m xema_ray.serving.ray_env COMMAND...``: run COMMAND (``serve run ...``,
     ``ray start ...``) with the app's Ray settings in its environment."""

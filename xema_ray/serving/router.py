@@ -38,13 +38,12 @@ from xema_ray.serving.api import (
 )
 from xema_ray.serving.auth import AuthConfig, TenantGuard, set_auth, tenant_of
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
-from xema_ray.serving.health import PROBE_TIMEOUT_S, GroupHealth
+from xema_ray.serving.health import HEALTHZ_FRESH_S, STARTING_RETRY_AFTER_S, GroupHealth, HealthResponse, serve_replica_counts
 from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
 from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.group_api import GenerateResult
-from xema_ray.serving.model_group import GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
@@ -91,6 +90,24 @@ def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     return headers
 
 
+def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
+    """Serve's controller's count of each group's running replicas, for this Router's application
+    (None outside a Serve replica, e.g. in tests that call the Router directly)."""
+    try:
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # not inside a Serve replica
+        return None
+
+    async def counts() -> dict[str, int] | None:
+        return await serve_replica_counts(app_name, models)
+
+    return counts
+
+
+#: longest wait for a group's stats (a group that answers later is left out of that answer)
+STATS_TIMEOUT_S = 5.0
+
+
 @serve.ingress(app)
 class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
@@ -99,7 +116,11 @@ class Router:
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None,
                  auth: AuthConfig | None = None) -> None:
         self.groups = groups
-        self.health = GroupHealth(groups)
+        self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
+        try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
+            self.health.ensure_started()
+        except RuntimeError:  # no running loop here: the first request starts them
+            pass
         self.stats = stats  # the Stats deployment: counters that outlive this replica
         self.limits = limits or RequestLimits()
         set_limits(self.limits)
@@ -148,12 +169,10 @@ class Router:
     async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
-        silent = self.health.unavailable(t.model)
-        if silent is not None:
-            raise GroupUnavailable(self.health.why_silent(t.model, silent))
+        self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        return await self.health.call(t.model, handle.generate.remote(t.shape_key, self._request_id(), prompt, seed,
-                                                                       guidance))
+        # accepted: waited for until it answers or Ray says its replica died (never given up here)
+        return await handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
 
     async def _guarded(self, coro) -> Any:  # type: ignore[no-untyped-def]
         try:
@@ -332,7 +351,7 @@ class Router:
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
         async def ask(model: str) -> GroupLayoutStats:
             try:
-                raw = await asyncio.wait_for(self._group_layout_stats(model), timeout=PROBE_TIMEOUT_S)
+                raw = await asyncio.wait_for(self._group_layout_stats(model), timeout=STATS_TIMEOUT_S)
                 return GroupLayoutStats.model_validate(raw)
             except Exception as e:  # a group being replaced must not fail the stats
                 return GroupLayoutStats(status=f"unavailable: {type(e).__name__}")
@@ -345,7 +364,7 @@ class Router:
     async def _preemption_stats(self) -> dict[str, PreemptionReport]:
         async def ask(model: str) -> PreemptionReport | None:
             try:
-                raw = await asyncio.wait_for(self._group_preemption_stats(model), timeout=PROBE_TIMEOUT_S)
+                raw = await asyncio.wait_for(self._group_preemption_stats(model), timeout=STATS_TIMEOUT_S)
                 return PreemptionReport.model_validate(raw)
             except Exception:  # a group being replaced is left out rather than failing the stats
                 return None
@@ -362,13 +381,29 @@ class Router:
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
 
-    @app.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
-        """Every group's status, asked all at once, each given ``health.PROBE_TIMEOUT_S``: a group
-        that does not answer (its replica is being replaced, its node is gone) is reported
-        ``unavailable`` rather than making the check hang. ``status`` is ``ok`` only when every
-        group is; ``degraded`` names the others."""
-        statuses = await self.health.probe()
-        degraded = sorted(m for m, s in statuses.items() if s.get("status", "ok") != "ok")
-        return {"status": "degraded" if degraded else "ok", "degraded": degraded, "groups": statuses,
-                "plan_hardware": self.table.hardware}
+    @app.get("/healthz", response_model=None,
+             responses={200: {"model": HealthResponse, "description": "ready: every group can take a request"},
+                        503: {"model": HealthResponse, "description": "not ready (starting or degraded), with "
+                                                                       "Retry-After"}})
+    async def healthz(self) -> JSONResponse:
+        """Readiness: 200 only when every group can take a request; otherwise 503 (Retry-After)
+        with each group's state (``starting``, ``degraded``, ``ok``) and why. Answered from what
+        the background probes know (``health.py``): it never waits for a group, and a group that
+        answers slowly under load is not reported down."""
+        await self.health.fresh(HEALTHZ_FRESH_S)
+        body = self.health.health(self.table.hardware)
+        headers = {} if body.ready else {"Retry-After": str(STARTING_RETRY_AFTER_S)}
+        return JSONResponse(content=body.model_dump(mode="json"), status_code=200 if body.ready else 503,
+                            headers=headers)
+
+    @app.get("/livez")
+    async def livez(self) -> dict[str, str]:
+        """Liveness of this Router replica: 200 as long as it answers HTTP (ready or not)."""
+        self.health.ensure_started()
+        return {"status": "alive"}
+
+    def check_health(self) -> None:
+        """Serve's own health check of this replica (``health_check_period_s``): it fails only
+        when a group's probe task died of a bug, so that Serve replaces the replica."""
+        self.health.check()
+

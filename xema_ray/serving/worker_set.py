@@ -38,6 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 logger = logging.getLogger("xema_ray.serving")
 
 Backend = Literal["ray", "inprocess"]
+#: one worker as ``probe`` finds it: dead by fact (its process is gone), busy (no answer in time:
+#: a worker running a batch answers late, which is not death), ok
+WorkerState = Literal["ok", "busy", "dead"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class WorkerKind:
     num_gpus: float = 0.0
     ray_options: dict[str, Any] = field(default_factory=dict)
     backend: Backend = "ray"
+
+    def bundle(self, worker_cpus: float) -> dict[str, float]:
+        """The placement-group bundle one worker of this kind needs (its actor's resources)."""
+        out = {"CPU": worker_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+        out.update(self.ray_options.get("resources", {}))
+        return out
 
     def load_class(self) -> Any:
         module, _, name = self.worker_class.partition(":")
@@ -167,6 +176,10 @@ class WorkerSet(ABC, Generic[H]):
     def _kill(self, gen: Generation[H], rank: int) -> None:
         """Kill one worker as a crash would (fault injection)."""
 
+    @abstractmethod
+    async def _probe(self, gen: Generation[H], rank: int, timeout_s: float) -> WorkerState:
+        """One worker's state now (see ``WorkerState``)."""
+
     # ------------------------------------------------------------------ lifecycle
     def _build(self, number: int) -> Generation[H]:
         """Start, join and load a new set. Touches nothing the event loop reads: the caller
@@ -277,6 +290,14 @@ class WorkerSet(ABC, Generic[H]):
     def kill(self, rank: int) -> None:
         """Fault injection for tests and drills: one worker dies as a crash would kill it."""
         self._kill(self._live(), self._ranks([rank])[0])
+
+    async def probe(self, timeout_s: float = 1.0) -> list[WorkerState]:
+        """Every worker's state now, asked at once: ``dead`` only when its process is gone,
+        ``busy`` when it did not answer within ``timeout_s``."""
+        gen = self._current
+        if gen is None:
+            return ["dead"] * self.size
+        return list(await asyncio.gather(*(self._probe(gen, r, timeout_s) for r in range(self.size))))
 
     def health(self) -> WorkerSetHealth:
         return WorkerSetHealth(state=self._state, generation=self.generation, reason=self._reason, size=self.size)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerSetSpec
+from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerSetSpec, WorkerState
 
 
 @dataclass(eq=False)
@@ -79,7 +79,7 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
                     return out
                 w.waiting.add(out)
             done = w.pool.submit(getattr(w.worker, method), *args, **kwargs)
-            done.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, w, out, f))
+            done.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, w, rank, out, f))
             return out
 
         return list(await asyncio.gather(*(call(r) for r in ranks)))
@@ -98,6 +98,10 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
     def _kill(self, gen: Generation[LocalWorker], rank: int) -> None:
         self._die(gen.workers[rank], rank, "killed")
 
+    async def _probe(self, gen: Generation[LocalWorker], rank: int, timeout_s: float) -> WorkerState:
+        del timeout_s  # a thread of this process is asked nothing: it is dead only when killed
+        return "dead" if gen.workers[rank].dead else "ok"
+
     def _die(self, w: LocalWorker, rank: int, how: str) -> None:
         with w.lock:
             w.dead = True
@@ -106,15 +110,17 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
             fut.get_loop().call_soon_threadsafe(_fail, fut, WorkerDied(rank, how))
 
 
-def _settle(w: LocalWorker, out: asyncio.Future, done: cf.Future) -> None:
+def _settle(w: LocalWorker, rank: int, out: asyncio.Future, done: cf.Future) -> None:
     with w.lock:
         w.waiting.discard(out)
     if out.done():  # the worker was killed meanwhile: its answer is dropped
         return
     if done.cancelled():
-        out.set_exception(WorkerDied(-1, "stopped"))
-    elif done.exception() is not None:
-        out.set_exception(done.exception())  # type: ignore[arg-type]
+        out.set_exception(WorkerDied(rank, "stopped"))
+        return
+    error = done.exception()
+    if error is not None:
+        out.set_exception(error)
     else:
         out.set_result(done.result())
 

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet
+from xema_ray.serving.worker_set import Generation, WorkerDied, WorkerSet, WorkerState
 
 
 class RayWorkerSet(WorkerSet[ActorHandle]):
@@ -57,7 +57,7 @@ class RayWorkerSet(WorkerSet[ActorHandle]):
     def _order(self, workers: list[ActorHandle]) -> list[ActorHandle]:
         from xema_ray.platforms.topology import pair_order
 
-        topo = ray.get([w.device_topology.remote() for w in workers])
+        topo: list[tuple[str, list[str]]] = ray.get([w.device_topology.remote() for w in workers])
         order = pair_order([d for d, _ in topo], {d: set(p) for d, p in topo})
         return [workers[i] for i in order]
 
@@ -88,3 +88,12 @@ class RayWorkerSet(WorkerSet[ActorHandle]):
 
     def _kill(self, gen: Generation[ActorHandle], rank: int) -> None:
         ray.kill(gen.workers[rank], no_restart=True)
+
+    async def _probe(self, gen: Generation[ActorHandle], rank: int, timeout_s: float) -> WorkerState:
+        try:
+            await asyncio.wait_for(gen.workers[rank].__ray_ready__.remote(), timeout_s)
+        except TimeoutError:
+            return "busy"  # queued behind a batch (a worker serving one call at a time)
+        except RayActorError:
+            return "dead"
+        return "ok"

@@ -1,0 +1,56 @@
+"""`serve run deployments/<any>.yaml` gets the proxy's JSON errors from the file itself, and the
+commands that start Ray (`xema serve`, `make serve*`) give it 127.0.0.1-only ports; an app built
+on a cluster whose ports are open says so. No Ray cluster needed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from xema_ray.serving import ray_env
+from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_installs_the_json_proxy_middleware(path: Path) -> None:
+    raw = yaml.safe_load(path.read_text())
+    cfg = ServeDeploySchema.model_validate(raw)  # what `serve run` validates before it starts Ray
+    assert cfg.controller_options is not None and cfg.controller_options.runtime_env is not None
+    # the controller's env reaches the HTTP proxy it creates, where Serve reads the callback
+    assert cfg.controller_options.runtime_env["env_vars"][PROXY_CALLBACK_ENV] == PROXY_CALLBACK
+    assert cfg.http_options.host == "127.0.0.1"  # the API itself binds loopback unless edited
+    assert "xema serve" in path.read_text().splitlines()[0]  # the header names the safe command
+
+
+def test_every_make_target_that_serves_sets_the_ray_environment() -> None:
+    make = (ROOT / "Makefile").read_text()
+    serving = [line for line in make.splitlines() if re.search(r"\bserve run\b|xema serve", line) and line.startswith("\t")]
+    assert len(serving) >= 2 and all("xema serve" in line for line in serving), serving
+
+
+def test_ray_env_makes_ports_local_unless_opened() -> None:
+    env = ray_env.ray_env(open_ports=False, base={})
+    assert env[ray_env.LOCAL_ONLY_ENV] == "0" and env[PROXY_CALLBACK_ENV] == PROXY_CALLBACK
+    assert ray_env.LOCAL_ONLY_ENV not in ray_env.ray_env(base={ray_env.OPEN_PORTS_ENV: "1"})
+
+
+def test_an_app_on_a_cluster_with_open_ports_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.delenv(ray_env.OPEN_PORTS_ENV, raising=False)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.7")
+    warning = ray_env.exposed_ports_warning()
+    assert warning is not None and "192.0.2.7" in warning and "xema serve" in warning
+    monkeypatch.setenv(ray_env.OPEN_PORTS_ENV, "1")  # opened on purpose: nothing to say
+    assert ray_env.exposed_ports_warning() is None
+    monkeypatch.delenv(ray_env.OPEN_PORTS_ENV)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    assert ray_env.exposed_ports_warning() is None
