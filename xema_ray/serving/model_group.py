@@ -54,6 +54,8 @@ __all__ = ["GroupUnavailable", "InvalidRequest", "ModelGroup", "QueueFull"]
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
 MAX_JOB_ATTEMPTS = 3
+#: longest a batch's workers wait for its jobs' start marks (a healthy store answers in milliseconds)
+START_WAIT_S = 0.25
 #: results a replica keeps while the job store cannot take them (beyond: the oldest is run again)
 MAX_UNSTORED_RESULTS = 64
 #: concurrent calls a worker serves with preemption on (a running batch, a pause, a
@@ -138,6 +140,7 @@ class ModelGroup:
         self._epoch: str | None = None  # the store's epoch as last seen
         self._unstored: dict[str, tuple[str, bytes, str]] = {}  # job -> result the store has not taken yet
         self._flush_task: asyncio.Task[None] | None = None
+        self._store_lags_until = 0.0  # until then, a batch does not wait for its jobs' start marks
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
@@ -317,14 +320,7 @@ class ModelGroup:
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
-                store, est = self._store(), self.estimates[a.template]
-                started = set()
-                for j in jobs:
-                    try:
-                        if await self._job_call(store.start, j, self.owner, est.total_s):
-                            started.add(j)
-                    except store_faults():  # the store is down: run it anyway (it is ours), record it later
-                        started.add(j)
+                started = await self._start_jobs(jobs, self.estimates[a.template].total_s)
                 reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
                 jobs = [j for j in jobs if j in started]
                 if not reqs:
@@ -409,6 +405,28 @@ class ModelGroup:
                          self.model, MAX_UNSTORED_RESULTS, dropped)
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.get_running_loop().create_task(self._flush_results())
+
+    async def _start_jobs(self, jobs: list[str], predicted_s: float) -> set[str]:
+        """Mark the jobs started; the ones the store says were deleted are left out. The workers
+        wait for that at most ``START_WAIT_S`` (not at all while the store lags): a job whose
+        answer is late runs, its mark lands when the store answers."""
+        store = self._store()
+        calls = {j: asyncio.ensure_future(self._job_call(store.start, j, self.owner, predicted_s)) for j in jobs}
+        if time.monotonic() >= self._store_lags_until:
+            await asyncio.wait(calls.values(), timeout=START_WAIT_S)
+        started = set()
+        for j, call in calls.items():
+            if not call.done():  # late: it runs; the store hears of it when it answers
+                self._store_lags_until = time.monotonic() + self.jobs_cfg.lease_s  # type: ignore[union-attr]
+                call.add_done_callback(lambda c: c.cancelled() or c.exception())  # nothing waits for it now
+                started.add(j)
+            elif call.exception() is not None:
+                if not isinstance(call.exception(), store_faults()):
+                    raise call.exception()  # type: ignore[misc]
+                started.add(j)  # the store is down: run it anyway (it is ours), record it later
+            elif call.result():
+                started.add(j)
+        return started
 
     async def _job_call(self, fn: Any, job_id: str, *args: Any) -> Any:
         """A store update of a job held here; if it fails because the store lost the record (it
