@@ -9,8 +9,9 @@ OUT ?= out
 RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
+PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption bench-tenancy gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,12 @@ test: install
 serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
+# The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
+# declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.
+# PORT=8250 serves elsewhere than the YAML's 8000.
+serve-emulated: install
+	PYTHONPATH=$(CURDIR) $(PY) -m deployments.emulated_box deployments/xema-a6000x8-emulated.yaml $(if $(PORT),--port $(PORT),)
+
 # Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
 checkpoints: install
 	$(PY) -m xema_ray.checkpoints --out checkpoints
@@ -40,13 +47,23 @@ checkpoints: install
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
-# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
+# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed),
+# static layouts included (into plans/a6000x8.layouts/, not committed), then verify every entry: the one command
+# that regenerates the committed reference table and bench/results/verify-a6000x8.json.
 plan: install
 	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
 	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
 
+# The layout files a plan table names, solved again from its entries (deterministic: the ids must match; ~5 MB
+# each, so they are not committed). Fails if one solves differently (model code changed: make plan).
+layouts: install
+	$(VENV)/bin/xema layouts --plan-table $(PLAN_TABLE)
+
+# The reference box (8x RTX A6000; weights under /models): its layouts first, then xema serve.
+serve-a6000x8: layouts
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-a6000x8.yaml
+
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
-PLAN_TABLE ?= plans/a6000x8.json
 verify: install
 	$(VENV)/bin/xema verify --plan-table $(PLAN_TABLE) --json bench/results/verify.json
 
@@ -55,10 +72,21 @@ loadtest: install
 	mkdir -p loadtests/results
 	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --rate $(RATE) --duration $(DURATION) --mix $(MIX)
 
+# The load test against the emulated 8x A6000 box (docs/emulated.md) on a Ray cluster of its own
+# (no `ray stop`): the paper's templates at the reference box's time scales. RATE is per second on
+# the emulated clock. PORT: its HTTP port.
+loadtest-emulated: install
+	mkdir -p loadtests/results/emulated
+	PYTHONPATH=$(CURDIR) $(PY) -m loadtests.run --config deployments/xema-a6000x8-emulated.yaml --url http://127.0.0.1:$(or $(PORT),8000) --rate $(RATE) --duration $(DURATION) --mix $(MIX) --out loadtests/results/emulated
+
 # Figures 9/10/14 analogues from the simulator (plans the paper templates; traces cached in plans/.traces).
 figures: install
 	mkdir -p bench/results
 	$(PY) bench/figures.py --out bench/results
+
+# the figures again from the committed plan tables (bench/results/plans): minutes, no re-planning
+figures-resim: install
+	$(PY) bench/figures.py --out bench/results --reuse-plans
 
 bench: install
 	mkdir -p bench/results
@@ -73,6 +101,12 @@ bench: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
+# Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, bench/sections/emulated.md):
+# Flux.2 and CogVideoX-5B at three rates each, preemption on; <= 15 min on 2 CPUs.
+bench-emulated: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
+
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
@@ -83,10 +117,19 @@ bench-tenancy: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0
 	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 60 --rate 1.0 --steps 100
 
-# On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
+# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
+# carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
+gpu-kit: install
+	$(PY) bench/gpu_kit.py
+
+# On a GPU machine, after `bash bench/gpu_prep.sh`: the GPU tests one process each, in priority order,
+# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
+# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
+# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) bench/gpu_check.py --out $(OUT)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

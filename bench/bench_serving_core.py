@@ -30,7 +30,6 @@ import psutil
 import requests
 from pydantic import BaseModel
 
-from xema_ray.serving.ready import poll_health
 
 IMAGE = {"model": "tiny-flux2", "prompt": "a red fox", "size": "64x64"}
 #: 503 codes that are admission limits (the request was never accepted)
@@ -120,11 +119,26 @@ def burst(url: str, n: int, timeout: float) -> dict:
             "load_average": os.getloadavg()}
 
 
+def _healthz(url: str) -> tuple[int | None, str | None, dict[str, str]]:
+    """``/healthz``: HTTP status, overall state, and each group's state (when the Router answers)."""
+    try:
+        r = requests.get(f"{url}/healthz", timeout=5)
+    except requests.RequestException:
+        return None, None, {}
+    try:
+        body = r.json()
+    except ValueError:
+        return r.status_code, None, {}
+    groups = body.get("groups") if isinstance(body.get("groups"), dict) else {}
+    return r.status_code, body.get("status"), {m: g.get("status") for m, g in groups.items()}
+
+
 def timeline(url: str, cmd: list[str], every: float, limit_s: float, out_log: Path) -> dict:
     t0 = time.monotonic()
     log = open(out_log, "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True) if cmd else None
     polls: list[tuple[float, int | None, str | None]] = []
+    group_states: list[dict] = []
     answers: list[Answer] = []
     lock = threading.Lock()
     threads = []
@@ -132,8 +146,9 @@ def timeline(url: str, cmd: list[str], every: float, limit_s: float, out_log: Pa
     first_ok: float | None = None
     while time.monotonic() - t0 < limit_s:
         now = time.monotonic() - t0
-        status, state = poll_health(url, timeout_s=5)
+        status, state, groups = _healthz(url)
         polls.append((round(now, 2), status, state))
+        group_states.append({"t_s": round(now, 2), **groups})
 
         def fire(s: int = seed) -> None:
             a = _post(url, s, t0, timeout=600)
@@ -159,7 +174,10 @@ def timeline(url: str, cmd: list[str], every: float, limit_s: float, out_log: Pa
     return {"command": cmd, "pid": proc.pid if proc else None, "healthz_first_200_s": ready,
             "first_request_served_s": round(served, 2) if served is not None else None,
             "healthz_200_before_any_request_served": early_200,
+            "group_first_ok_s": {m: next((g["t_s"] for g in group_states if g.get(m) == "ok"), None)
+                                 for m in sorted({k for g in group_states for k in g if k != "t_s"})},
             "healthz": [{"t_s": t, "status": s, "state": st} for t, s, st in polls],
+            "group_states": group_states,
             "requests": [a.model_dump(exclude_none=True) for a in sorted(answers, key=lambda a: a.sent_s)],
             "load_average": os.getloadavg()}
 

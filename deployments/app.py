@@ -14,12 +14,14 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.planning import load_or_plan
-from xema_ray.plan import PlanTable
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.serving.dispatcher import PreemptionPolicy
 from xema_ray.serving.model_group import ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
+from xema_ray.serving.replica_summary import PlanBrief
 from xema_ray.serving.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
 from xema_ray.serving.stats import Stats
@@ -28,14 +30,68 @@ from xema_ray.serving.worker_set import WORKER_KINDS
 logger = logging.getLogger("xema_ray.serving")
 
 
-def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int) -> PreemptionPolicy | None:
-    """The group's step-level preemption policy, or None where the YAML turns it off."""
+def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int,
+                      time_scale: float = 1.0) -> PreemptionPolicy | None:
+    """The group's step-level preemption policy, or None where the YAML turns it off
+    (``time_scale``: an emulated box's clock, whose state moves are that much faster)."""
     if g.max_preemptions == 0:
         return None
     r = table.residency.get(g.model)
     switch = r.switch_s if r is not None and r.policy == "per_template" else {}
-    return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
-                            max_preemptions=g.max_preemptions, switch_s=switch)
+    policy = PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes,
+                              max_preemptions=g.max_preemptions, switch_s=switch)
+    if time_scale != 1.0:
+        policy = policy.model_copy(update={"host_bandwidth": policy.host_bandwidth * time_scale})
+    return policy
+
+
+class ServedModelGroup(ModelGroup):
+    """ModelGroup as Serve runs it: on scale-down Serve stops routing to the replica, waits for
+    its ongoing requests (every synchronous request it accepted), then calls ``__del__``, which
+    drains what is left (``PublishesSummary.drain``: queued jobs handed back, running batches
+    finished within the budget)."""
+
+    async def __del__(self) -> None:
+        await self.drain(DRAIN_S)
+
+
+#: seconds a replica being removed gets to finish its running batches after its ongoing requests
+DRAIN_S = 60.0
+
+
+def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[str, Any]:
+    """The deployment options that replicate a group: the SLO-aware request router where it can
+    have several replicas, and Serve autoscaling driven by the replicas' predicted attainment."""
+    import warnings
+
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+    from xema_ray.serving.dispatcher import DispatchPlan
+    from xema_ray.serving.replica_router import SloRequestRouter
+    from xema_ray.serving.scaling import SloAutoscalingPolicy
+
+    a = g.autoscaling
+    longest = max(e.prediction.latency_s for e in entries.values())
+    # Serve waits this long for a removed replica's ongoing requests, then its drain, then kills it
+    opts: dict[str, Any] = {"graceful_shutdown_timeout_s": max(30.0, 2 * longest) + DRAIN_S,
+                            "graceful_shutdown_wait_loop_s": 0.5}
+    if a is None and g.replicas == 1:
+        return {**opts, "num_replicas": 1}
+    opts["request_router_config"] = RequestRouterConfig(request_router_class=SloRequestRouter,
+                                                        request_routing_stats_period_s=0.5,
+                                                        request_routing_stats_timeout_s=5.0)
+    if a is None:
+        return {**opts, "num_replicas": g.replicas}
+    briefs = {k: PlanBrief.of(DispatchPlan.of_entry(e)).model_dump() for k, e in entries.items()}
+    with warnings.catch_warnings():  # metrics_interval_s: deprecated for an env variable, still what 2.60 reads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=g.replicas,
+            metrics_interval_s=a.metrics_interval_s, look_back_period_s=3 * a.metrics_interval_s,
+            upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
+            policy=AutoscalingPolicy(policy_function=SloAutoscalingPolicy,
+                                     policy_kwargs={"spec": a.model_dump(), "plans": briefs}))
+    return {**opts, "num_replicas": "auto"}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -47,14 +103,18 @@ def build_app(args: dict[str, Any]) -> Application:
         print(f"WARNING: {exposed}", flush=True)
     templates = served_templates(cfg)
     table, spare_host = load_or_plan(cfg, templates)
+    reference = table
+    if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)
+        table = scale_table(table, {g.model: cfg.time_scale_of(g.model) for g in cfg.models})
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
+        emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)) if cfg.device == "emulated" else None
         bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
         deployment = serve.deployment(
-            ModelGroup,
+            ServedModelGroup,
             name=f"ModelGroup:{g.model}",
-            num_replicas=g.replicas,
+            **scaling_options(g, plans),
             # the replica sits in bundle 0 next to worker 0 and needs no CPU of its own
             ray_actor_options={"num_cpus": 0},
             placement_group_bundles=[dict(bundle) for _ in range(g.workers)],
@@ -67,15 +127,19 @@ def build_app(args: dict[str, Any]) -> Application:
             wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs,
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
-            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg)),
+            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
+            emulation=emulation, admission=table.admission.get(g.model),
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
-    # Serve's own limits sit above it; Serve's backpressure stays a last resort with Retry-After
+    # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach
+    # the Router and are refused at once instead of waiting in Serve's queue in front of it, where
+    # /healthz and /v1/stats would wait behind them. Serve's backpressure stays a last resort.
     in_flight = cfg.limits.max_in_flight
     router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
-                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + 16),
+                              max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + cfg.max_queued_requests),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               backpressure_config={"retry_after_s": 2})
-    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, auth=cfg.auth)
+    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
+                       emulated=cfg.device == "emulated", auth=cfg.auth)

@@ -31,13 +31,15 @@ def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[Pl
     memory the node has beyond its residencies (``check_runnable``)."""
     if cfg.plan_table is not None:
         table = PlanTable.load(str(cfg.plan_table))
-        table.check_hardware(machine_fingerprint(cfg, table.gpus), force=cfg.force_plan_table)
+        if cfg.device != "emulated":  # an emulated box is, by definition, the table's hardware
+            table.check_hardware(machine_fingerprint(cfg, table.gpus), force=cfg.force_plan_table)
         missing = [t.shape_key for t in templates if t.shape_key not in table.entries]
         if missing:
             raise ValueError(f"plan table {cfg.plan_table} has no plan for {', '.join(missing)}")
     else:
         table = plan_now(cfg, templates)
-    return table, check_runnable(table, cfg, templates)
+    host = parse_bytes(cfg.emulated_host_memory) if cfg.device == "emulated" else None
+    return table, check_runnable(table, cfg, templates, host_memory_bytes=host)
 
 
 def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:

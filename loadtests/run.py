@@ -39,12 +39,18 @@ def config_url(config: Path) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
 
 
+def _emulated(config: Path) -> bool:
+    apps = (yaml.safe_load(config.read_text()) or {}).get("applications") or [{}]
+    return (apps[0].get("args") or {}).get("device") == "emulated"
+
+
 def start_app(url: str, timeout_s: float, config: Path = ROOT / "deployments" / "xema.yaml") -> subprocess.Popen | None:
     """Start the app of ``config`` unless ``url`` is ready already; wait until ``/healthz`` is 200.
 
     The app gets a Ray cluster of its own (``serve run --address local``, never one that happens
-    to run on this machine), with the app's Ray settings (``ray_env``: local-only ports), in its
-    own process session, so that ``stop_app`` stops that cluster and nothing else.
+    to run on this machine; for a ``device: emulated`` config, ``deployments.emulated_box``, whose
+    node declares the emulated GPUs), with the app's Ray settings (``ray_env``: local-only ports),
+    in its own process session, so that ``stop_app`` stops that cluster and nothing else.
     """
     if _up(url):
         return None
@@ -52,8 +58,10 @@ def start_app(url: str, timeout_s: float, config: Path = ROOT / "deployments" / 
     log = open(ROOT / "loadtests" / "results" / "serve.log", "w")  # noqa: SIM115 - lives as long as the app
     env = ray_env(base={**os.environ, "PYTHONPATH": str(ROOT)})
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    cmd = [str(serve), "run", "--address", "local", str(config)]
+    if _emulated(config):  # its node must declare the GPUs: the emulated box's launcher (docs/emulated.md)
+        cmd = [sys.executable, "-m", "deployments.emulated_box", str(config), "--port", url.rsplit(":", 1)[-1].strip("/")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         waited = wait_ready(url, timeout_s, poll_s=2.0, alive=lambda: proc.poll() is None)
     except RuntimeError as e:

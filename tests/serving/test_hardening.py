@@ -157,7 +157,7 @@ def test_every_port_of_the_cluster_listens_on_localhost_only(server: str) -> Non
     assert len(listening) >= 5, listening  # GCS, raylet, workers, replicas, proxy, agents
     exposed = [x for x in listening if x[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     # the one exception Ray offers no setting for: each Serve replica's inter-deployment gRPC
-    # server, which Ray Serve 2.60 binds to "[::]:0" (serve/_private/replica.py); README "Ports"
+    # server, which Ray Serve 2.60 binds to "[::]:0" (serve/_private/replica.py); docs/operations.md "Ports"
     def is_replica(pid: int) -> bool:
         return any(part.startswith("ray::ServeReplica") for part in psutil.Process(pid).cmdline())
 

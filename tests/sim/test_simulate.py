@@ -14,7 +14,7 @@ def table(batch: int = 1, sp: int = 1, gpus: int = 2, latency: float = 1.0, slo:
     def entry(t: RequestTemplate) -> PlanEntry:
         cfg = ExecutionConfig(template=t, ulysses=sp, dp=gpus // sp, batch=batch)
         return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=1, latency_s=latency, goodput_rps=1,
-                                                                slo_s=slo, latency_source="cost_model"))
+                                                                slo_s=slo, latency_source="estimated"))
     return PlanTable(hardware="cpu", gpus=gpus, budget_bytes=10**9, entries={A.shape_key: entry(A)})
 
 
@@ -67,3 +67,13 @@ def test_overhead_is_added_to_every_request() -> None:
     arrivals = [Arrival(t=0.0, template=A.shape_key, request_id="a")]
     r = simulate(table(), arrivals, wait_window_s=0, overhead_s=2.0)
     assert r.per_template[A.shape_key].latencies_s == pytest.approx([3.0]) and r.met == 0
+
+
+@pytest.mark.parametrize("t", [6.741, 43.268, 0.3])
+def test_a_lone_request_of_a_batched_template_runs_when_its_wait_window_ends(t: float) -> None:
+    # t + 0.05 rounds below what the dispatcher's `now - arrival >= window` needs at these times
+    # (6.741 + 0.05 - 6.741 < 0.05): the wake-up must still start the partial batch, not strand it
+    # until the next arrival (found against the emulated box, bench/bench_emulated.py)
+    arrivals = [Arrival(t=t, template=A.shape_key, request_id="lone"), Arrival(t=t + 50, template=A.shape_key, request_id="x")]
+    r = simulate(table(batch=2, latency=1.0), arrivals, wait_window_s=0.05)
+    assert r.per_template[A.shape_key].latencies_s[0] == pytest.approx(1.05, abs=1e-6)

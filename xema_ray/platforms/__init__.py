@@ -34,7 +34,11 @@ def get_platform(name: PlatformName) -> Platform:
         from xema_ray.platforms.meta import MetaPlatform
 
         return MetaPlatform()
-    raise ValueError(f"unknown platform {name!r}; known: 'cpu', 'cuda', 'meta'")
+    if name == "emulated":
+        from xema_ray.platforms.emulated import EmulatedPlatform
+
+        return EmulatedPlatform()
+    raise ValueError(f"unknown platform {name!r}; known: 'cpu', 'cuda', 'meta', 'emulated'")
 
 
 @cache

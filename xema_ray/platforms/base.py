@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-PlatformName = Literal["cpu", "cuda", "meta"]
+PlatformName = Literal["cpu", "cuda", "meta", "emulated"]
 
 
 class MemoryStats(BaseModel):

@@ -110,6 +110,7 @@ class RequestOutput(BaseModel):
     audio_wav: bytes | None = Field(default=None, repr=False, description="LTX-2's sound track")
     prompt_tokens: int | None = Field(default=None, description="tokens of the prompt (None: no text encoder)")
     prompt_truncated: bool = Field(default=False, description="the prompt was cut to the encoder's token limit")
+    emulated: bool = Field(default=False, description="made by an emulated worker: no model ran (xema_ray.runtime.emulated)")
 
 
 class BatchResult(BaseModel):

@@ -171,6 +171,17 @@ class PauseControl:
         self.changed.clear()
         self._resume.set()
 
+    def hold(self, step: int, total: int, state_bytes: int, offloaded: bool, pause_s: float) -> None:
+        """On the run's thread, once its state is set aside: report the pause and wait for
+        ``resume`` (``park`` for a real pipeline; the emulated worker calls it directly)."""
+        self._want.clear()
+        self.pauses += 1
+        self.paused = PausedRun(run_id=self.run_id, step=step, total_steps=total, state_bytes=state_bytes,
+                                offloaded=offloaded, pause_s=pause_s)
+        self._resume.clear()
+        self.changed.set()
+        self._resume.wait()
+
     def park(self, pipe: Any, frame_locals: dict[str, Any], tensors: dict[str, Any], step: int, total: int,
              detach: Callable[[], None], attach: Callable[[], None], offload: bool = False) -> None:
         """Called on the run's thread inside the step callback: set the batch aside, wait for
@@ -186,12 +197,7 @@ class PauseControl:
         moved = move_to_host(held, pin=True) if offload or self.must_offload else []
         # other batches get a scheduler of their own; the paused call keeps this one (and its state)
         pipe.scheduler = copy.deepcopy(scheduler)
-        self.pauses += 1
-        self.paused = PausedRun(run_id=self.run_id, step=step, total_steps=total, state_bytes=nbytes,
-                                offloaded=bool(moved), pause_s=time.perf_counter() - t0)
-        self._resume.clear()
-        self.changed.set()
-        self._resume.wait()
+        self.hold(step, total, nbytes, bool(moved), time.perf_counter() - t0)
         move_back(moved)
         for k in [k for k, v in vars(pipe).items() if not isinstance(v, nn.Module) and k not in own_attrs]:
             delattr(pipe, k)  # a later batch's per-call attributes

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from xema_ray.runtime.preemption import PauseControl
 
 _GO, _PAUSE, _PAUSE_OFFLOAD, _STOP = 0, 1, 2, 3
+#: the votes ``step_vote`` returns, for other runners of the step protocol (the emulated worker)
+VOTE_GO, VOTE_PAUSE, VOTE_PAUSE_OFFLOAD, VOTE_STOP = _GO, _PAUSE, _PAUSE_OFFLOAD, _STOP
 
 
 class BatchCancelled(RuntimeError):
@@ -54,6 +56,24 @@ class StepObserver(Protocol):
     def on_decoded(self) -> None:
         """The VAE decode (and any audio decode) finished; only encoding remains."""
         ...
+
+
+def step_vote(observer: StepObserver | None, control: PauseControl | None, step: int, total: int,
+              sp_group: Any = None, output_rank: bool = True, device: torch.device | None = None) -> int:
+    """What the SP group does after ``step`` of ``total``: go on (0), pause keeping the state (1),
+    pause moving it to the host (2) or stop (3); the ranks agree with one ``all_reduce(MAX)``.
+    Shared by the engine's step callback and the emulated worker (``xema_ray.runtime.emulated``)."""
+    vote = _GO
+    if observer is not None and output_rank and observer.on_step(step, total):
+        vote = _STOP
+    elif control is not None and control.wants_pause() and step < total:
+        # never after the last step: nothing is left to run later
+        vote = _PAUSE_OFFLOAD if control.offload_requested() else _PAUSE
+    if sp_group is not None:
+        flag = torch.tensor([vote], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp_group.group)
+        vote = int(flag.item())
+    return vote
 
 
 def step_callback(pipe: Any, observer: StepObserver | None, total: int, sp_group: Any = None,
@@ -80,16 +100,7 @@ def step_callback(pipe: Any, observer: StepObserver | None, total: int, sp_group
         return {}
 
     def callback(p: Any, i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-        vote = _GO
-        if observer is not None and output_rank and observer.on_step(i + 1, total):
-            vote = _STOP
-        elif control is not None and control.wants_pause() and i + 1 < total:
-            # never after the last step: nothing is left to run later
-            vote = _PAUSE_OFFLOAD if control.offload_requested() else _PAUSE
-        if sp_group is not None:
-            flag = torch.tensor([vote], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp_group.group)
-            vote = int(flag.item())
+        vote = step_vote(observer, control, i + 1, total, sp_group, output_rank, device)
         if vote == _STOP:
             p._interrupt = True
             raise BatchCancelled(i + 1)

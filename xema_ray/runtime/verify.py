@@ -145,7 +145,7 @@ def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None) -> Me
     loaded = device_peaks(raw)[1]
     trace = expand_steps(raw, config.template.steps)
     request = trace.subset(trace.begin >= load_end)
-    request.meta["loaded_bytes"] = str(loaded)  # the weights the worker placed before the request
+    request.loaded_bytes = loaded  # the weights the worker placed before the request
     return request
 
 
@@ -186,7 +186,7 @@ def verify_config(
         if layout.device_allocs is not None:
             # the GPU-only allocations recorded on this GPU model count in the device peak too
             stream = include(stream, layout.device_allocs)[0]
-            peak = max(peak, int(stream.meta["loaded_bytes"]) + stream.peak())
+            peak = max(peak, stream.loaded_bytes + stream.peak())
         replayed = replay(layout.solved(), stream)
     return VerifyEntry(
         template=config.template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,

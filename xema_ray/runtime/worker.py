@@ -31,6 +31,7 @@ from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process
 from xema_ray.parallel.sp import Backend
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
+from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
 from xema_ray.runtime.preemption import PausedRun, PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
@@ -59,6 +60,9 @@ class ModelLoadConfig(BaseModel):
                     "else on the device when weights_dir has one; 'none' = stand-in embeddings")
     layouts_dir: Path | None = Field(
         default=None, description="the plan table's layouts folder (<table>.layouts/): plans with a layout_ref arm theirs")
+    emulation: EmulationConfig | None = Field(
+        default=None, description="device emulated: the templates' phases from the plan table (xema_ray.runtime.emulated); "
+                                  "a real worker refuses a load config that has one")
     residency: ResidencyPolicy = Field(
         default="per_template",
         description="per_template: each batch's plan decides, switching moves only the difference; "
@@ -156,6 +160,8 @@ class Worker:
         placed once where ``load``'s plans keep it: the device never holds a block they offload."""
         if self.device is None:
             raise ValueError("call init_device before load_model")
+        if load.emulation is not None:
+            raise ValueError("this load config is for emulated workers (device: emulated), not a real one")
         spec = get_model_spec(load.model)
         for c in load.plans:
             if c.template.model != spec.name:

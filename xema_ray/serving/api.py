@@ -146,6 +146,8 @@ class ImageResponse(BaseModel):
     data: list[ImageData]
     output_format: Literal["png", "jpeg", "webp"] = "png"
     size: str | None = None
+    emulated: bool | None = Field(default=None, description="true: served by an emulated box (no model ran; "
+                                                            "docs/emulated.md); absent otherwise")
 
 
 class TemplateInfo(BaseModel):

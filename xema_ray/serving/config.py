@@ -11,6 +11,7 @@ from xema_ray.models import MODEL_NAMES
 from xema_ray.serving.api import RequestLimits
 from xema_ray.serving.auth import AuthConfig
 from xema_ray.serving.jobs import JobStoreConfig
+from xema_ray.serving.scaling import AutoscalingSpec
 
 
 class TemplateSpec(BaseModel):
@@ -33,7 +34,11 @@ class ModelGroupConfig(BaseModel):
     workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     templates: list[TemplateSpec] = Field(min_length=1)
-    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs)")
+    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs); "
+                                                        "with autoscaling, the count it starts with")
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="add and remove replicas from the dispatchers' predicted attainment "
+                                  "(min_replicas, max_replicas, target_attainment, window_s, ...); None: fixed replicas")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
     residency: Literal["per_template", "shared"] | None = Field(
@@ -45,6 +50,10 @@ class ModelGroupConfig(BaseModel):
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "
                     "of another template (0: never preempt in this group)")
+    time_scale: float | None = Field(
+        default=None, gt=0, description="device: emulated: this group's reference seconds per emulated second "
+                                        "(None: the app's time_scale); groups of requests minutes or hours long "
+                                        "can run faster than groups of seconds")
     bundle_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")
@@ -57,6 +66,10 @@ class ModelGroupConfig(BaseModel):
             # workers run in other directories: a relative path means the one `serve run` started in
             # (its contents are checked where the weights are read: on the workers' machines)
             self.weights_dir = self.weights_dir.expanduser().resolve()
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must be within autoscaling's min_replicas "
+                             f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
         return self
 
 
@@ -65,7 +78,15 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: Literal["cpu", "cuda"] = Field(default="cpu", description="cpu: CPU worker bundles (no GPU needed)")
+    device: Literal["cpu", "cuda", "emulated"] = Field(
+        default="cpu", description="cpu: CPU worker bundles (no GPU needed); cuda: one GPU per worker; emulated: "
+                                   "one Ray GPU per worker on nodes that declare GPUs, no model runs (docs/emulated.md)")
+    time_scale: float = Field(
+        default=1.0, gt=0, description="emulated: reference seconds per emulated second (100: a 2,154 s batch of the "
+                                       "plan table takes 21.5 s); every latency, SLO and switch cost is divided by it")
+    emulated_host_memory: str = Field(
+        default="1TB", description="emulated: the host memory of the emulated node (the residency and paused-state "
+                                   "checks use it instead of this machine's)")
     models: list[ModelGroupConfig] = Field(min_length=1)
     plan_table: Path | None = Field(default=None, description="planner output; None = plan at start-up")
     force_plan_table: bool = Field(default=False, description="use a plan table made for other hardware")
@@ -78,7 +99,6 @@ class ServeConfig(BaseModel):
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")
@@ -89,3 +109,19 @@ class ServeConfig(BaseModel):
                              description="API keys (each a tenant owning its video jobs); none: the API is open")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")
+
+    @model_validator(mode="after")
+    def _emulated(self) -> ServeConfig:
+        scaled = self.time_scale != 1.0 or any(g.time_scale is not None for g in self.models)
+        if self.device != "emulated" and scaled:
+            raise ValueError(f"time_scale applies to device: emulated only (device is {self.device!r})")
+        if self.device == "emulated" and self.plan_table is None:
+            raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
+        return self
+
+    def time_scale_of(self, model: str) -> float:
+        """The time scale of ``model``'s group (its own, else the app's)."""
+        for g in self.models:
+            if g.model == model and g.time_scale is not None:
+                return g.time_scale
+        return self.time_scale

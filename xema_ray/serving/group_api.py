@@ -46,6 +46,11 @@ class GenerateResult(RequestOutput):
     batch_size: int = Field(ge=1, description="requests of its (sub-)batch")
     workers: tuple[int, ...] = Field(description="ranks of the SP group it ran on")
     batch_seconds: float = Field(ge=0, description="seconds its sub-batch took on the workers")
+    queued_s: float | None = Field(default=None, ge=0, description="seconds it waited in the group's queue "
+                                                                   "before its sub-batch started")
+    replica: str | None = Field(default=None, description="the group replica that ran it (its job-store owner id)")
+    group_seconds: float | None = Field(default=None, ge=0, description="seconds it spent in the group (queued + "
+                                                                       "its batch); the rest of its latency is the front end's")
 
 
 class GroupStatus(BaseModel):

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import AdmissionPolicy, PlanEntry
+from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
 from xema_ray.serving.group_api import GenerateResult, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
@@ -47,6 +48,7 @@ from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, open_stor
 from xema_ray.serving.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptibleRunner, PreemptionReport
+from xema_ray.serving.replica_stats import PublishesSummary
 from xema_ray.serving.videos import result_name
 from xema_ray.serving.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 
@@ -95,14 +97,14 @@ def _validated(request_id: str, prompt: str, seed: int, guidance_scale: float | 
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
-class ModelGroup:
+class ModelGroup(PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
         model: registry name of the model.
         workers: size of the worker set (bundles of the placement group).
         plans: template shape key -> its plan entry (from the plan table).
-        device: the kind of worker (``worker_set.WORKER_KINDS``: "cpu", "cuda").
+        device: the kind of worker (``worker_set.WORKER_KINDS``: "cpu", "cuda", "emulated").
         weights_dir: local diffusers directory or None (random weights).
         residency: "per_template" (each batch's plan decides; a switch moves only the difference)
             or "shared" (one residency for the group).
@@ -113,13 +115,20 @@ class ModelGroup:
         preemption: the step-level preemption policy; None: off.
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
+        emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
+        admission: the SLO-aware admission policy the plan table chose for this group's load;
+            None: plain EDF, every request served.
+
+    Each replica publishes a summary of its dispatcher for the request router and the autoscaler
+    (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
     """
 
     def __init__(self, model: str, workers: int, plans: dict[str, PlanEntry], device: str = "cpu",
                  weights_dir: str | Path | None = None, worker_cpus: float = 0.25, wait_window_s: float = 0.05,
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
-                 preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for) -> None:
+                 preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -129,7 +138,8 @@ class ModelGroup:
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
         self.policy = preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy,
+                                                          admission=admission)
         self.metrics = ServingMetrics(model)
         self.jobs_cfg = jobs
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
@@ -151,7 +161,7 @@ class ModelGroup:
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=Path(layouts_dir) if layouts_dir else None)
+                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation)
         spec = WorkerSetSpec(
             device=device, size=workers, load=load, worker_cpus=worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
@@ -173,7 +183,6 @@ class ModelGroup:
             raise GroupUnavailable(
                 f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
                 f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
-
 
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
@@ -227,6 +236,7 @@ class ModelGroup:
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         # ours from here on: a second hand-over of the same job (two reconcilers saw it unowned)
         # arriving while this one awaits the store only re-claims it, it never queues it twice
         self._job_ids.add(job_id)
@@ -277,6 +287,7 @@ class ModelGroup:
         request = _validated(request_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {template!r}", "size")
+        self.note_arrival(template)
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(template, request_id, time.monotonic(), _Ticket(request, guidance_scale, fut))
@@ -300,6 +311,8 @@ class ModelGroup:
                 for p in a.preempts:
                     self.runner.request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
+            for r in self.dispatcher.take_shed():
+                await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             self._wake.clear()
@@ -317,6 +330,7 @@ class ModelGroup:
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
+        arrived = {r.request_id: r.arrival for r in a.requests}
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
@@ -346,7 +360,9 @@ class ModelGroup:
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds)
+                                                         workers=a.workers, batch_seconds=seconds,
+                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                         replica=self.owner)
         return outputs
 
     async def _run(self, a: Assignment[_Ticket]) -> None:
@@ -372,7 +388,8 @@ class ModelGroup:
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self._store_result(t.job_id, outputs[r.request_id])
                 elif t.future is not None and not t.future.done():
-                    t.future.set_result(outputs[r.request_id])
+                    # its time in this group (queue + batch): the rest of its latency is the front end's
+                    t.future.set_result(outputs[r.request_id].model_copy(update={"group_seconds": time.monotonic() - r.arrival}))
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
@@ -393,6 +410,23 @@ class ModelGroup:
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
+
+    async def _shed(self, r: Pending[_Ticket]) -> None:
+        """A request the admission policy shed (it can no longer meet its SLO and others wait): 503."""
+        plan = self.dispatcher.plans[r.template]
+        e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
+                      f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
+        self.metrics.rejected.inc(tags={"template": r.template})
+        t = r.payload
+        assert t is not None
+        if t.job_id is not None:
+            self._job_ids.discard(t.job_id)
+            try:
+                await asyncio.to_thread(self._store().fail, t.job_id, "shed", str(e))
+            except Exception:
+                logger.exception("%s: could not record shedding %s; its lease will lapse", self.model, t.job_id)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _store_result(self, job_id: str, out: GenerateResult) -> None:
         """Hand the result to the store; one the store cannot take now is kept (bounded) and

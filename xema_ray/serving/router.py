@@ -83,6 +83,14 @@ def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
                "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
                "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+    if out.emulated:  # an emulated worker made it: no model ran (docs/emulated.md)
+        headers["X-Xema-Emulated"] = "true"
+    if out.group_seconds is not None:  # queued + batch time in the model group; the rest is the front end
+        headers["X-Xema-Group-Seconds"] = f"{out.group_seconds:.4f}"
+    if out.queued_s is not None:  # how long it waited in its group's queue, and which replica ran it
+        headers["X-Xema-Queue-Seconds"] = f"{out.queued_s:.4f}"
+    if out.replica is not None:
+        headers["X-Xema-Replica"] = out.replica
     if out.prompt_tokens is not None:
         # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
         headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
@@ -113,9 +121,10 @@ class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
-                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None,
+                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None) -> None:
         self.groups = groups
+        self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
         self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
             self.health.ensure_started()
@@ -133,7 +142,7 @@ class Router:
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = jobs
-        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table,
+        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
@@ -213,7 +222,8 @@ class Router:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
-            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size)
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
+                                 emulated=True if any(o.emulated for o in outs) else None)
             return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
         return await self._guarded(run())

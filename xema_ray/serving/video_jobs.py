@@ -78,8 +78,9 @@ class VideoJobs:
     """
 
     def __init__(self, cfg: JobStoreConfig, groups: dict[str, Any], served: dict[str, RequestTemplate],
-                 table: PlanTable, max_jobs_in_flight: int | None = None) -> None:
+                 table: PlanTable, emulated: bool = False, max_jobs_in_flight: int | None = None) -> None:
         self.cfg = cfg
+        self.emulated = emulated  # the box is emulated: every video object says so
         self.max_jobs_in_flight = max_jobs_in_flight
         self.groups = groups
         self.served = served
@@ -107,7 +108,7 @@ class VideoJobs:
         return h
 
     def _video(self, rec: JobRecord, status: int = 200) -> JSONResponse:
-        return JSONResponse(video_view(rec).model_dump(mode="json"), status_code=status, headers=self._headers(rec))
+        return JSONResponse(video_view(rec, self.emulated).body(), status_code=status, headers=self._headers(rec))
 
     async def _live(self, video_id: str, tenant: str | None) -> JobRecord:
         rec = await self._call(self.store().get, video_id)
@@ -168,10 +169,11 @@ class VideoJobs:
             recs, more = await self._call(self.store().list, after, limit, order, tenant)
         except KeyError:
             raise ApiError(400, f"after={after!r} names no video", param="after") from None
-        views = [video_view(r) for r in recs]
+        views = [video_view(r, self.emulated) for r in recs]
         body = VideoList(data=views, first_id=views[0].id if views else None, last_id=views[-1].id if views else None,
-                         has_more=more)
-        return JSONResponse(body.model_dump(mode="json"), headers=self._headers())
+                         has_more=more).model_dump(mode="json")
+        body["data"] = [v.body() for v in views]
+        return JSONResponse(body, headers=self._headers())
 
     async def delete(self, video_id: str, tenant: str | None = None) -> Response:
         """Queued: leaves the queue. Running: its batch drops it at the next step (and stops if it

@@ -96,6 +96,15 @@ class Video(BaseModel):
     size: str
     status: Literal["queued", "in_progress", "completed", "failed"]
     error: VideoError | None = None
+    emulated: bool | None = Field(default=None, description="true: served by an emulated box (no model ran; "
+                                                            "docs/emulated.md); absent otherwise")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON object (``emulated`` only where it is true: older clients see the same keys)."""
+        out = self.model_dump(mode="json")
+        if not self.emulated:
+            out.pop("emulated")
+        return out
 
 
 class VideoList(BaseModel):
@@ -176,15 +185,15 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
     return t
 
 
-def video_view(rec: JobRecord) -> Video:
-    """A stored job as the OpenAI ``Video`` object."""
+def video_view(rec: JobRecord, emulated: bool = False) -> Video:
+    """A stored job as the OpenAI ``Video`` object (``emulated``: the box serving it is emulated)."""
     pct = 100 if rec.status == "completed" else min(99, int(rec.progress * 100))
     err = VideoError(code=rec.error_code or "generation_failed", message=rec.error_message or "") \
         if rec.status == "failed" else None
     return Video(id=rec.id, created_at=int(rec.created_at), model=rec.model, progress=pct, prompt=rec.prompt,
                  seconds=rec.seconds, size=rec.size, status=rec.status, error=err,
                  completed_at=int(rec.completed_at) if rec.completed_at else None,
-                 expires_at=int(rec.expires_at) if rec.expires_at else None)
+                 expires_at=int(rec.expires_at) if rec.expires_at else None, emulated=True if emulated else None)
 
 
 def poll_after_ms(rec: JobRecord, cfg: JobStoreConfig, now: float | None = None) -> int:

@@ -69,6 +69,9 @@ class WorkerKind:
 WORKER_KINDS: dict[str, WorkerKind] = {
     "cpu": WorkerKind("xema_ray.runtime.worker:Worker", platform="cpu"),
     "cuda": WorkerKind("xema_ray.runtime.worker:Worker", platform="cuda", num_gpus=1.0),
+    # no weights, no math: the plan's latencies / time_scale, one Ray GPU of a node that declares
+    # GPUs (docs/emulated.md); its phases arrive with the load config
+    "emulated": WorkerKind("xema_ray.runtime.emulated:EmulatedWorker", platform="emulated", num_gpus=1.0),
 }
 
 

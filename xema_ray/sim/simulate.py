@@ -29,7 +29,12 @@ from xema_ray.serving.dispatcher import (
     Dispatcher,
     DispatchPlan,
     PreemptionPolicy,
+    Refused,
 )
+
+
+#: seconds a wake-up is set past a partial batch's wait-window end (float rounding, see the loop)
+_WAKE_EPS = 1e-9
 
 
 class Arrival(BaseModel):
@@ -57,6 +62,7 @@ class SimResult(BaseModel):
     attainment: float = Field(description="share of requests finishing within their SLO")
     goodput_rpm: float = Field(description="requests per minute finishing within their SLO")
     per_template: dict[str, TemplateStats]
+    shed: int = Field(default=0, description="requests the admission policy refused or shed (counted as missed)")
     preemptions: int = Field(default=0, description="batches paused for another (step-level preemption)")
     decisions: list[Decision] = Field(default_factory=list, description="the preempt / resume decisions, in order "
                                       "(the latest dispatcher.MAX_DECISIONS_KEPT per model)")
@@ -101,11 +107,13 @@ def simulate(
     slos: dict[str, float] | None = None,
     wait_window_s: float = 0.05,
     batch_latency: Callable[[str, int], float] | None = None,
-    overhead_s: float = 0.0,
+    overhead_s: float | dict[str, float] = 0.0,
     shared_cores: float | None = None,
     preemption: bool = False,
     max_preemptions: int = 2,
     host_bytes: int | None = None,
+    host_bandwidth: float | None = None,
+    admission: bool = True,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
@@ -117,13 +125,19 @@ def simulate(
         batch_latency: ``(template, n) -> seconds`` for a batch of n (default: the plan's
             prediction, ``latency_by_batch[n]`` for a partial batch).
         overhead_s: fixed time each request spends outside its batch (HTTP, router, handles),
-            measured on the live system; 0 models an ideal front end.
+            measured on the live system; 0 models an ideal front end. A dict gives it per
+            template (a video's bytes cost the front end more than an image's); templates it
+            does not name get 0.
         shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
             are logical and share the cores: running batches then progress at
             ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
         preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
             table's budget and residency switch costs, ``max_preemptions`` per request,
             ``host_bytes`` of host memory per worker for paused state, None: unbounded).
+        host_bandwidth: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default);
+            an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
+        admission: apply the table's per-group admission policies (``PlanTable.admission``;
+            refused and shed requests count as missed).
     """
     def predicted(template: str, n: int) -> float:
         p = table.entries[template].prediction
@@ -140,10 +154,11 @@ def simulate(
             return None
         r = table.residency.get(model)
         return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes, max_preemptions=max_preemptions,
-                                switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {})
+                                switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {},
+                                **({"host_bandwidth": host_bandwidth} if host_bandwidth is not None else {}))
     disps: dict[str, Dispatcher[None]] = {
         m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9,
-                      preemption=policy(m))
+                      preemption=policy(m), admission=table.admission.get(m) if admission else None)
         for m, p in by_model.items()
     }
     # per-template residency: a worker whose last batch was another template first moves the
@@ -192,6 +207,7 @@ def simulate(
         return work
     offloaded: dict[tuple[str, int], bool] = {}
     stats: dict[str, TemplateStats] = {}
+    shed = 0
     pending = sorted(arrivals, key=lambda a: a.t)
     nxt = 0
     running: dict[tuple[str, int], tuple[float, int]] = {}  # (model, batch id) -> (work left s, workers)
@@ -218,7 +234,8 @@ def simulate(
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
-                        lat = now - r.arrival + overhead_s
+                        lat = now - r.arrival + (overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict)
+                                                 else overhead_s)
                         st.latencies_s.append(lat)
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
@@ -229,21 +246,30 @@ def simulate(
             if arr.template not in model_of:
                 st.failed += 1
             else:
-                disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+                try:
+                    disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+                except Refused:
+                    shed += 1
         else:
             heapq.heappop(wakes)
         for m, d in disps.items():
             for a in d.dispatch(now):
                 running[(m, a.batch_id)] = (start(m, a, d), len(a.workers))
+            shed += len(d.take_shed())
             w = d.next_wakeup(now)
-            if w is not None and w > now and w not in wakes:
-                heapq.heappush(wakes, w)
+            if w is not None:
+                # a hair past the window's end: arrival + window can round below the sum the
+                # dispatcher checks (now - arrival >= window), and a wake-up that finds the batch
+                # not ready would strand it until the next unrelated event
+                w += _WAKE_EPS
+                if w > now and w not in wakes:
+                    heapq.heappush(wakes, w)
     sent = sum(s.sent for s in stats.values())
     met = sum(s.met for s in stats.values())
     duration = max((a.t for a in arrivals), default=0.0) or 1.0
     return SimResult(
         duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
         attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
-        preemptions=sum(d.preemptions_total for d in disps.values()),
+        shed=shed, preemptions=sum(d.preemptions_total for d in disps.values()),
         decisions=[x for d in disps.values() for x in d.decisions],
     )

@@ -1,0 +1,225 @@
+"""Replica summaries, the replica choice and the scaling decision: pure functions, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.serving.replica_summary import (
+    ArrivalMeter,
+    PlanBrief,
+    ReplicaSummary,
+    RunningBatch,
+    TemplateQueue,
+    predict_attainment,
+    predict_completion,
+    schedule,
+    summarize,
+)
+from xema_ray.serving.scaling import (
+    AutoscalingSpec,
+    SloAutoscalingPolicy,
+    choose_replica,
+    decide_replicas,
+    summary_from_metrics,
+    summary_metrics,
+)
+
+PLANS = {"img": PlanBrief(batch=2, sp=1, latency_s=10.0, slo_s=30.0, steps=10),
+         "vid": PlanBrief(batch=1, sp=2, latency_s=20.0, slo_s=60.0, steps=20)}
+
+
+def replica(name: str, t: float = 100.0, workers: int = 2, queues=None, running=(), **kw) -> ReplicaSummary:
+    return ReplicaSummary(replica=name, t=t, workers=workers, plans=PLANS, queues=queues or {}, running=list(running),
+                          wait_window_s=0.0, **kw)
+
+
+def q(n: int, slo: float = 30.0, rate: float = 0.0) -> TemplateQueue:
+    return TemplateQueue(queued=n, deadlines_s=[slo] * n, arrival_rate=rate)
+
+
+# ---------------------------------------------------------------------------- summaries
+def test_summary_of_a_dispatcher_shows_its_queue_running_batches_and_free_groups() -> None:
+    d: Dispatcher[None] = Dispatcher({k: DispatchPlan(batch=p.batch, sp=p.sp, slo_s=p.slo_s, latency_s=p.latency_s,
+                                                      steps=p.steps) for k, p in PLANS.items()}, workers=2,
+                                     wait_window_s=0.0)
+    for i in range(3):
+        d.submit("img", f"r{i}", now=0.0)
+    started = d.dispatch(now=0.0)  # a batch of 2 on worker 0, the third alone on worker 1 (no wait window)
+    assert [len(a.requests) for a in started] == [2, 1]
+    d.submit("img", "r3", now=1.0)
+    d.submit("vid", "v0", now=1.0)
+    s = summarize(d, "rep-a", now=4.0, wall=1000.0, rates={"img": 0.5})
+    assert s.t == 1000.0 and s.workers == 2
+    assert s.queues["img"].queued == 1 and s.queues["img"].deadlines_s == [27.0]  # 1 + 30 - 4
+    assert s.queues["img"].open_slots == 1 and s.queues["img"].arrival_rate == 0.5
+    assert s.queues["vid"].queued == 1 and s.queues["vid"].oldest_wait_s == 3.0
+    assert sorted(b.remaining_s for b in s.running) == [6.0, 6.0]
+    assert {b.remaining_steps for b in s.running} == {6}
+    assert s.free_groups == {"img": 0, "vid": 0}
+    assert ReplicaSummary.model_validate_json(s.model_dump_json()) == s  # crosses processes as JSON
+
+
+def test_arrival_meter_counts_the_recent_window_only() -> None:
+    m = ArrivalMeter(window_s=10.0)
+    for t in (0.0, 1.0, 9.0, 12.0):
+        m.add("img", t)
+    assert m.rates(now=12.0) == {"img": pytest.approx(0.2)}  # 9 and 12 are within the last 10 s
+    assert m.rates(now=30.0) == {"img": 0.0}
+
+
+# ---------------------------------------------------------------------------- the replay
+def test_replay_batches_by_plan_and_places_on_the_first_free_group() -> None:
+    s = replica("a", queues={"img": q(4)}, running=[RunningBatch(template="img", workers=[0], requests=2,
+                                                                 remaining_s=5.0, remaining_steps=5, deadline_s=25.0)])
+    outs = [o for o in schedule(s) if o.arrival <= 0 and o.tag == -1]
+    ends = sorted(o.completion for o in outs)
+    # the running batch ends at 5; queued batch 1 on worker 1 at 0 -> 10; batch 2 on worker 0 at 5 -> 15
+    assert ends == [5.0, 5.0, 10.0, 10.0, 15.0, 15.0]
+    assert all(o.met for o in outs)
+
+
+def test_predicted_completion_joins_an_open_slot_and_ages_with_the_summary() -> None:
+    s = replica("a", workers=1, queues={"img": TemplateQueue(queued=1, deadlines_s=[30.0], open_slots=1)},
+                running=[RunningBatch(template="img", workers=[0], requests=2, remaining_s=8.0, remaining_steps=8,
+                                      deadline_s=20.0)])
+    assert predict_completion(s, "img", now=100.0) == pytest.approx(18.0)  # fills the waiting batch
+    assert predict_completion(s, "img", now=103.0) == pytest.approx(15.0)  # 3 s later: 3 s less to wait
+    # two requests sent since the summary fill that batch: the next one waits for another
+    assert predict_completion(s, "img", now=100.0, sent_since={"img": 1}) == pytest.approx(28.0)
+    assert predict_completion(s, "unknown", now=100.0) == float("inf")
+
+
+def test_predicted_attainment_counts_arrivals_over_the_window() -> None:
+    idle = replica("a", workers=1)
+    assert predict_attainment(idle, window_s=60.0).fraction == 1.0
+    # 1 req/s of 10 s batches of 2 on one worker: 0.2 req/s of capacity, most of the window misses
+    busy = replica("a", workers=1, queues={"img": q(0, rate=1.0)})
+    att = predict_attainment(busy, window_s=60.0)
+    assert att.total == 60 and att.fraction < 0.2
+    assert att.work_gpu_s == pytest.approx(60 * 10.0 / 2)
+
+
+# ---------------------------------------------------------------------------- replica choice
+def test_choice_prefers_the_earliest_completion_within_the_slo() -> None:
+    now = 100.0
+    busy = replica("busy", queues={"img": q(6)})
+    idle = replica("idle")
+    half = replica("half", queues={"img": q(2)})
+    c = choose_replica({"busy": busy, "idle": idle, "half": half}, "img", now)
+    assert c.order == ["idle", "half", "busy"] and c.within_slo
+    assert c.completion_s["idle"] == pytest.approx(10.0)
+    # requests sent to idle since its summary move it back
+    c = choose_replica({"idle": idle, "half": half}, "img", now, sent_since={"idle": {"img": 6}})
+    assert c.order == ["half", "idle"]
+
+
+def test_choice_ranks_stale_and_missing_summaries_last() -> None:
+    fresh = replica("fresh", t=100.0, queues={"img": q(6)})
+    stale = replica("stale", t=50.0)
+    c = choose_replica({"stale": stale, "none": None, "fresh": fresh}, "img", now=100.0, max_age_s=10.0)
+    assert c.order == ["fresh", "stale", "none"]
+
+
+def test_choice_ranks_replicas_that_miss_the_slo_after_those_that_meet_it() -> None:
+    late = replica("late", queues={"img": q(12)})  # 12 queued on 2 workers: 30 s of work before it
+    draining = replica("draining", draining=True)
+    c = choose_replica({"late": late, "draining": draining}, "img", now=100.0)
+    assert c.order == ["late", "draining"] and not c.within_slo
+
+
+# ---------------------------------------------------------------------------- scaling
+SPEC = AutoscalingSpec(min_replicas=1, max_replicas=6, target_attainment=0.9, window_s=60.0, scale_down_margin=0.05)
+
+
+def test_scale_up_when_predicted_attainment_falls_below_the_target() -> None:
+    over = [replica(f"r{i}", queues={"img": q(4, rate=1.0)}) for i in range(2)]
+    d = decide_replicas(over, current=2, spec=SPEC.model_copy(update={"max_replicas": 10}), now=100.0)
+    assert d.action == "up" and d.attainment < 0.9
+    # the window's work: 2 replicas x (4 queued + 60 arriving) x 5 GPU-s = 640 GPU-s over 60 s on
+    # two-GPU replicas -> 5.3 -> 6 replicas
+    assert d.replicas == 6
+
+
+def test_scale_up_is_bounded_by_max_replicas() -> None:
+    over = [replica(f"r{i}", queues={"img": q(4, rate=5.0)}) for i in range(2)]
+    assert decide_replicas(over, current=2, spec=SPEC, now=100.0).replicas == SPEC.max_replicas
+
+
+def test_scale_down_when_the_others_absorb_the_load_within_the_slo() -> None:
+    quiet = [replica(f"r{i}", queues={"img": q(0, rate=0.05)}) for i in range(3)]
+    d = decide_replicas(quiet, current=3, spec=SPEC, now=100.0)
+    assert d.action == "down" and d.replicas == 2 and d.attainment_without is not None
+
+
+def test_hold_when_removing_one_would_miss_the_target() -> None:
+    # a replica serves 0.4 req/s (2 workers, batches of 2 in 10 s): 0.3 each is fine, 0.6 on one is not
+    full = [replica(f"r{i}", queues={"img": q(0, rate=0.3)}) for i in range(2)]
+    d = decide_replicas(full, current=2, spec=SPEC, now=100.0)
+    assert d.action == "hold" and d.attainment >= 0.9 and d.attainment_without < 0.95
+
+
+def test_no_scale_down_while_a_replica_is_still_starting() -> None:
+    quiet = [replica(f"r{i}") for i in range(2)]
+    assert decide_replicas(quiet, current=3, spec=SPEC, now=100.0).action == "hold"
+
+
+def test_min_replicas_is_kept() -> None:
+    quiet = [replica("r0")]
+    assert decide_replicas(quiet, current=1, spec=SPEC, now=100.0).replicas == 1
+    assert decide_replicas(quiet, current=1, spec=SPEC.model_copy(update={"min_replicas": 2}), now=100.0).replicas == 2
+
+
+def test_error_raised_if_max_replicas_is_below_min_replicas() -> None:
+    with pytest.raises(ValueError, match="max_replicas"):
+        AutoscalingSpec(min_replicas=3, max_replicas=2)
+
+
+# ---------------------------------------------------------------------------- as Serve metrics
+def test_summary_survives_the_metrics_round_trip() -> None:
+    s = replica("a", workers=4, queues={"img": TemplateQueue(queued=3, deadlines_s=[5.0, 6.0, 7.0], arrival_rate=0.5,
+                                                             open_slots=1)},
+                running=[RunningBatch(template="vid", workers=[2, 3], requests=1, remaining_s=4.0, remaining_steps=4,
+                                      deadline_s=40.0),
+                         RunningBatch(template="img", workers=[0], requests=2, remaining_s=1.0, remaining_steps=1,
+                                      deadline_s=9.0),
+                         RunningBatch(template="img", workers=[0], requests=1, remaining_s=3.0, remaining_steps=3,
+                                      deadline_s=12.0, paused=True)])
+    m = summary_metrics(s)
+    assert all(isinstance(v, float) for v in m.values())
+    back = summary_from_metrics("a", m, PLANS)
+    assert back.queues == s.queues
+    key = lambda b: (b.workers, b.paused)  # noqa: E731
+    assert [(b.template, b.workers, b.requests, b.remaining_s, b.paused) for b in sorted(back.running, key=key)] == \
+        [(b.template, b.workers, b.requests, b.remaining_s, b.paused) for b in sorted(s.running, key=key)]
+    # the keys never change with the state (Serve keeps every key's last value)
+    assert set(summary_metrics(replica("a", workers=4))) == set(m)
+
+
+class _Point:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+class _Ctx:
+    def __init__(self, metrics: dict[str, dict[str, float]], target: int) -> None:
+        self.raw_metrics = {name: {rid: [_Point(0.0), _Point(v)] for rid, v in by.items()} for name, by in metrics.items()}
+        self.aggregated_metrics = None
+        self.running_replicas = sorted({rid for by in metrics.values() for rid in by})
+        self.target_num_replicas = target
+        self.policy_state: dict = {}
+
+
+def test_serve_policy_decides_from_the_latest_published_summaries() -> None:
+    import time
+
+    now = time.time()
+    reps = {f"r{i}": summary_metrics(replica(f"r{i}", t=now, queues={"img": q(4, rate=1.0)})) for i in range(2)}
+    by_name: dict[str, dict[str, float]] = {}
+    for rid, m in reps.items():
+        for k, v in m.items():
+            by_name.setdefault(k, {})[rid] = v
+    spec = SPEC.model_copy(update={"max_replicas": 10})
+    policy = SloAutoscalingPolicy(spec.model_dump(), {k: p.model_dump() for k, p in PLANS.items()})
+    n, state = policy(_Ctx(by_name, target=2))
+    assert n == 6 and state["xema_decision"]["action"] == "up"
