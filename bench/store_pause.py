@@ -73,9 +73,9 @@ def main() -> None:
     path = os.path.join(tmp, "table.json")
     table.save(path)
     args["plan_table"] = path
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     out: dict = {}
     try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         serve.run(build_app(args), name="xema", route_prefix="/")
         url = f"http://127.0.0.1:{a.port}"
