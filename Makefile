@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption gpu-kit gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,12 @@ bench-emulated: install
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
+
+# Store faults and live preemption decisions (docs/tenancy.md, bench/sections/tenancy.md; needs redis-server; <= 15 min)
+bench-tenancy: install
+	PYTHONPATH=$(CURDIR) $(PY) bench/store_pause.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 60 --rate 1.0 --steps 100
 
 # Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
 # carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.

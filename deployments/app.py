@@ -150,4 +150,4 @@ def build_app(args: dict[str, Any]) -> Application:
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
-                       emulated=cfg.device == "emulated")
+                       emulated=cfg.device == "emulated", auth=cfg.auth)

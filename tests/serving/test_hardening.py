@@ -244,7 +244,7 @@ def test_error_raised_if_body_or_fields_are_too_large(server: str) -> None:
 
 @pytest.mark.parametrize(("ctype", "body"), [
     ("text/plain", json.dumps(IMAGE).encode()),
-    ("application/x-www-form-urlencoded", b"model=tiny-flux2&prompt=x&size=64x64"),
+    ("application/xml", b"<model>tiny-flux2</model>"),  # forms are accepted: validation.py, as on every endpoint
 ])
 def test_error_raised_if_body_is_not_json(server: str, ctype: str, body: bytes) -> None:
     err = _assert_json_error(_post(server, body, headers={"content-type": ctype}), 415)

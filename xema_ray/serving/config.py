@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.serving.api import RequestLimits
+from xema_ray.serving.auth import AuthConfig
 from xema_ray.serving.jobs import JobStoreConfig
 from xema_ray.serving.scaling import AutoscalingSpec
 
@@ -104,6 +105,8 @@ class ServeConfig(BaseModel):
     router_resources: dict[str, float] = Field(
         default_factory=dict, description="Ray resources the Router and Stats replicas ask for (e.g. a custom "
                                           "resource of the head node, to keep them next to the HTTP proxy)")
+    auth: AuthConfig = Field(default_factory=AuthConfig,
+                             description="API keys (each a tenant owning its video jobs); none: the API is open")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")
 

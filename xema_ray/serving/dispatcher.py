@@ -35,6 +35,7 @@ Without a policy the dispatcher behaves as it always has.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class DispatchPlan:
     peak_bytes: int | None = None  # planned device peak per worker (weights included)
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
     static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
+    denoise_frac: float = 1.0  # share of latency_s in the denoising steps (1: no phases known)
+    tail_frac: float = 0.0  # share after the last step (VAE decode, encoding): no step boundary left there
     min_latency_s: float | None = None  # a batch of one (None: latency_s): whether a late request can still make it
 
     @classmethod
@@ -227,6 +230,14 @@ class Dispatcher(Generic[P]):
                     heapq.heapify(q)
                     return True
         return False
+
+    def set_phases(self, template: str, denoise_frac: float, tail_frac: float) -> None:
+        """Measured shares of ``template``'s latency in its denoising steps and in its tail
+        (decode, encoding): where its step boundaries fall (a batch in its tail has none left).
+        Shares, not seconds: the plan's latency stays what the dispatcher predicts with."""
+        if not (0 < denoise_frac <= 1 and 0 <= tail_frac < 1 and denoise_frac + tail_frac <= 1 + 1e-9):
+            raise ValueError(f"{template}: phase shares must lie in (0, 1], got denoise {denoise_frac}, tail {tail_frac}")
+        self.plans[template] = dataclasses.replace(self.plans[template], denoise_frac=denoise_frac, tail_frac=tail_frac)
 
     def queued(self, template: str) -> list[Pending[P]]:
         """A template's queued requests, earliest deadline first (a copy: for summaries)."""
@@ -396,6 +407,18 @@ class Dispatcher(Generic[P]):
         prog = self._progress[bid]
         return now + prog.remaining(a.plan.latency_s, now)
 
+    def _to_boundary(self, bid: int, now: float) -> float | None:
+        """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
+        done, it is in its decode tail). Counted back from its expected end, so the tail (often
+        most of a tiny video's time) is not spread over the steps."""
+        a = self._running[bid]
+        v = self.plans[a.template]
+        step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
+        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
+        if denoise_left <= 0 or step <= 0:
+            return None
+        return min(step, denoise_left % step or step)
+
     def _free_at(self, group: tuple[int, ...], now: float) -> float:
         """When ``group`` would be free without preemption (running batches end, paused ones
         resume after them and end)."""
@@ -433,8 +456,9 @@ class Dispatcher(Generic[P]):
                 if p is None:
                     break
                 pauses.append(p)
-                v = self._running[bid].plan
-                wait = max(wait, v.latency_s / max(1, v.steps) + self._switch_s(self._running[bid].template, template))
+                boundary = self._to_boundary(bid, now)
+                assert boundary is not None  # _pause_for refuses a batch with no boundary left
+                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template))
             else:
                 if now + wait + plan.latency_s > head.deadline:
                     continue  # preempting does not save it either
@@ -450,8 +474,11 @@ class Dispatcher(Generic[P]):
         assert pol is not None and plan.peak_bytes is not None
         a = self._running[bid]
         v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
-        if v.pause_bytes is None or a.template == template or _deadline(a) <= deadline:
-            return None  # unknown state size; same template (EDF already orders it); more urgent
+        lost = self._expected_end(bid, now) > _deadline(a)  # it misses its deadline whatever happens now
+        if v.pause_bytes is None or a.template == template or (_deadline(a) <= deadline and not lost):
+            return None  # unknown state size; same template (EDF already orders it); more urgent and still on time
+        if self._to_boundary(bid, now) is None:
+            return None  # in its decode: it ends before it could pause
         if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
             return None
         if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:
