@@ -9,8 +9,9 @@ OUT ?= out
 RATE ?= 0.5
 DURATION ?= 60
 MIX ?= uniform
+PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan verify loadtest figures bench bench-preemption bench-scale gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,13 +47,23 @@ checkpoints: install
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
-# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed).
+# Plan the paper's templates for the reference box's model groups (each for its own GPUs; cost model, no GPU needed),
+# static layouts included (into plans/a6000x8.layouts/, not committed), then verify every entry: the one command
+# that regenerates the committed reference table and bench/results/verify-a6000x8.json.
 plan: install
 	$(PY) -m planner plan --templates paper --deployment deployments/xema-a6000x8.yaml --budget 48GB --hardware a6000 --out plans/a6000x8.json
 	$(VENV)/bin/xema verify --plan-table plans/a6000x8.json --json bench/results/verify-a6000x8.json
 
+# The layout files a plan table names, solved again from its entries (deterministic: the ids must match; ~5 MB
+# each, so they are not committed). Fails if one solves differently (model code changed: make plan).
+layouts: install
+	$(VENV)/bin/xema layouts --plan-table $(PLAN_TABLE)
+
+# The reference box (8x RTX A6000; weights under /models): its layouts first, then xema serve.
+serve-a6000x8: layouts
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-a6000x8.yaml
+
 # The serving worker's own load + execute for every entry of a plan table, counted on the meta device.
-PLAN_TABLE ?= plans/a6000x8.json
 verify: install
 	$(VENV)/bin/xema verify --plan-table $(PLAN_TABLE) --json bench/results/verify.json
 
@@ -72,6 +83,10 @@ loadtest-emulated: install
 figures: install
 	mkdir -p bench/results
 	$(PY) bench/figures.py --out bench/results
+
+# the figures again from the committed plan tables (bench/results/plans): minutes, no re-planning
+figures-resim: install
+	$(PY) bench/figures.py --out bench/results --reuse-plans
 
 bench: install
 	mkdir -p bench/results
@@ -102,10 +117,25 @@ bench-scale: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_scale.py --out bench/results/scale.json
 
-# On a GPU machine: the -m gpu tests plus GPU benchmarks (<= 8 min), JSON under $(OUT); skips cleanly without CUDA.
+# Store faults and live preemption decisions (docs/tenancy.md, bench/sections/tenancy.md; needs redis-server; <= 15 min)
+bench-tenancy: install
+	PYTHONPATH=$(CURDIR) $(PY) bench/store_pause.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0
+	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 60 --rate 1.0 --steps 100
+
+# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
+# carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
+gpu-kit: install
+	$(PY) bench/gpu_kit.py
+
+# On a GPU machine, after `bash bench/gpu_prep.sh`: the GPU tests one process each, in priority order,
+# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
+# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
+# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) bench/gpu_check.py --out $(OUT)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

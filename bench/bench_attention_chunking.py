@@ -49,7 +49,7 @@ def dit_peak(t: RequestTemplate, parts: tuple[str, ...], chunks: int, serialize:
     finally:
         for h in reversed(handles):
             h.remove()
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "dit")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "denoise")
 
 
 def cpu_overhead(model: str, chunks: int, repeats: int) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def vae_conv_flops(trace: MemoryTrace, model: str) -> float:
     bytes, its module) times 2 x in-channels / groups x kernel volume. What chunking costs in
     compute (recomputed statistics passes, halos) shows up here; time splits do not."""
     ph = event_phases(trace)[trace.begin]
-    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "vae"])
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "decode"])
     conv = np.array([o == "convolution" for o in trace.ops] + [False])[trace.op]
     pipe = _meta_pipe(model)
     per_elem: dict[int, float] = {}
@@ -238,12 +238,12 @@ def cogvideox_point(t: RequestTemplate, budget: int) -> dict:
 
     # the DiT and the VAE options act on different phases: find each side's least option
     # (DiT probes with the decoder unmitigated and unsplit), then the VAE's with that DiT plan
-    dit = least(dit_modes(t), lambda d: fits(d, "dit", unsplit=True))
-    vae = least(vae_modes(t), lambda v: fits(v + dit, "vae"))
+    dit = least(dit_modes(t), lambda d: fits(d, "denoise", unsplit=True))
+    vae = least(vae_modes(t), lambda v: fits(v + dit, "decode"))
     plan = vae + dit
     final = traced(plan) or {"peaks": {}, "conv": 0}
     after = final["peaks"]
-    estimate = before.get("vae", 0) - sum(estimate_saving(m, t, baseline=base).at("vae") for m in vae)
+    estimate = before.get("decode", 0) - sum(estimate_saving(m, t, baseline=base).at("decode") for m in vae)
     return {
         "template": t.key, "budget_bytes": budget,
         "before": before, "after": after, "peak_before": max(before.values()),
@@ -329,8 +329,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in cog:
             b, a = r["before"], r["after"]
-            print(f"| {r['point']} | {b.get('dit', 0) / 1e9:.1f} | {b.get('vae', 0) / 1e9:.1f} | {a.get('dit', 0) / 1e9:.1f} | "
-                  f"{a.get('vae', 0) / 1e9:.1f} | {'yes' if r['fits'] else 'NO'} | {r['describe']} | "
+            print(f"| {r['point']} | {b.get('denoise', 0) / 1e9:.1f} | {b.get('decode', 0) / 1e9:.1f} | {a.get('denoise', 0) / 1e9:.1f} | "
+                  f"{a.get('decode', 0) / 1e9:.1f} | {'yes' if r['fits'] else 'NO'} | {r['describe']} | "
                   f"{r['vae_estimate'] / 1e9:.1f} | {r['vae_conv_flops'] / r['vae_conv_flops_before']:.2f} | {r['traces']} | "
                   f"{r['seconds']:.0f} |")
 

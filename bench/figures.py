@@ -13,6 +13,12 @@ Writes PNGs and a markdown summary (bench/results/figures.md) with the paper's s
 beside ours where the paper states them, and the plan tables it simulated (bench/results/plans/;
 ``--reuse-plans`` simulates again from them without planning).
 
+Load-aware planning (issue #27): Xema and its ablations plan each point again for that point's load
+(rate, mix, SLO scale, GPUs: ``planner.load_aware``), choosing per template among its assembled
+configurations and the group's admission policy by a short simulation on other seeds than the
+evaluation's; the baselines keep their own plans and the plain dispatcher (``--no-load-aware``:
+every planner's isolated-goodput plan, as before).
+
 Rates: each model's rate axis is the paper's, scaled so that its highest rate equals Xema's
 capacity on 4 GPUs (our cost-model latencies are several times what the paper's rates imply;
 see ``main``). Every point simulates at least ``MIN_REQUESTS`` arrivals, 3 seeds.
@@ -28,9 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.baselines import SearchSpace, run_baseline
+from planner.baselines import SearchSpace, ablation_plan, run_baseline
 from planner.latency import LatencyModel
-from planner.stages import plan_template
+from planner.load_aware import CandidateTable, GroupLoad, apply_choice, candidate_pool, choose_under_load, load_candidates
+from planner.stages import CountingModel, plan_template
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
 from xema_ray.memory.analysis import parse_bytes
@@ -63,46 +70,69 @@ PAPER = {
 
 GPU_COUNTS = (1, 2, 4, 8)
 SCALING_SYSTEMS = ("vllm-omni", "heuristic", "xema")
+LOAD_AWARE = ABLATIONS  # Xema and its ablations (Xema without one feature) plan for each point's load
+
+Planned = tuple[float | None, dict[str, str], dict[str, list[str]]]  # SLO, {planner: entry}, {planner: candidates}
 
 
-def _plan_template(args: tuple[RequestTemplate, int, str]) -> dict[int, tuple[float | None, dict[str, str]]]:
-    """Every planner's entry for one template at every GPU count: {gpus: (Xema's SLO, {planner: entry JSON})}.
+def _plan_template(args: tuple[RequestTemplate, int, str]) -> dict[int, Planned]:
+    """Every planner's entry for one template at every GPU count: {gpus: (Xema's SLO, {planner: entry
+    JSON}, {load-aware planner: its candidate entries' JSON, goodput choice first})}.
     All planners share Xema's SLO (the shared candidate space, §9.1)."""
     template, budget, trace_dir = args
     latency = LatencyModel("a6000")
     model = TracePlannerModel(template, latency.seconds, TraceCache(Path(trace_dir)))
-    out: dict[int, tuple[float | None, dict[str, str]]] = {}
+    out: dict[int, Planned] = {}
     for gpus in GPU_COUNTS:
-        xema = plan_template(model, template, gpus, budget)
+        counting = CountingModel(model)
+        xema = plan_template(counting, template, gpus, budget)
         if xema.slo_s is None:
-            out[gpus] = (None, {})  # no planner can serve it: every request fails in the simulation
+            out[gpus] = (None, {}, {})  # no planner can serve it: every request fails in the simulation
             continue
         space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=8)
-        entries = {}
+        entries, cands = {}, {}
         for p in SYSTEMS + ABLATIONS[:-1] if gpus == 4 else SCALING_SYSTEMS:
-            entry = xema.entry if p == "xema" else run_baseline(p, model, template, space)[0]
+            if p == "xema":
+                entry, plan, pm = xema.entry, xema, counting
+            elif p in LOAD_AWARE:
+                pm = CountingModel(model)
+                plan = ablation_plan(p, pm, template, space)
+                entry = plan.entry
+            else:
+                entry, plan = run_baseline(p, model, template, space)[0], None
             if entry is not None:
                 entries[p] = entry.model_dump_json()
-        out[gpus] = (xema.slo_s, entries)
+                if plan is not None:
+                    alts = [e for e in load_candidates(pm, plan.ranked, budget, xema.slo_s, "estimated")
+                            if e.config != entry.config]
+                    cands[p] = [e.model_dump_json() for e in (entry, *alts)]
+        out[gpus] = (xema.slo_s, entries, cands)
     return out
 
 
+Tables = dict[int, tuple[dict[str, PlanTable], dict[str, float]]]
+
+
 def plan_tables(templates: list[RequestTemplate], budget: int, trace_dir: str,
-                workers: int) -> dict[int, tuple[dict[str, PlanTable], dict[str, float]]]:
-    """{gpus: ({planner: plan table}, {template: SLO})}, templates planned in parallel processes."""
+                workers: int) -> tuple[Tables, dict[int, dict[str, CandidateTable]]]:
+    """({gpus: ({planner: plan table}, {template: SLO})}, {gpus: {planner: candidates}}),
+    templates planned in parallel processes."""
     latency = LatencyModel("a6000")
     planners = SYSTEMS + ABLATIONS[:-1]
     tables = {g: ({p: PlanTable(hardware=latency.fingerprint(g), gpus=g, budget_bytes=budget, planner=p) for p in planners}, {})
               for g in GPU_COUNTS}
+    cands = {g: {p: CandidateTable() for p in LOAD_AWARE} for g in GPU_COUNTS}
     with ProcessPoolExecutor(max_workers=workers) as pool:
         for t, per_gpus in zip(templates, pool.map(_plan_template, [(t, budget, trace_dir) for t in templates]), strict=True):
-            for g, (slo, entries) in per_gpus.items():
+            for g, (slo, entries, alts) in per_gpus.items():
                 if slo is not None:
                     tables[g][1][t.shape_key] = slo
                 for p, js in entries.items():
                     tables[g][0][p].entries[t.shape_key] = PlanEntry.model_validate_json(js)
+                for p, many in alts.items():
+                    cands[g][p].entries[t.shape_key] = [PlanEntry.model_validate_json(j) for j in many]
             print(f"planned {t.shape_key}", flush=True)
-    return tables
+    return tables, cands
 
 
 def capacity_per_min(table: PlanTable, keys: list[str]) -> float:
@@ -116,18 +146,46 @@ def capacity_per_min(table: PlanTable, keys: list[str]) -> float:
     return 60.0 / float(np.mean([1.0 / r for r in rates]))
 
 
-def _save_tables(per_gpu: dict[int, tuple[dict[str, PlanTable], dict[str, float]]], directory: Path) -> None:
+def _save_tables(per_gpu: Tables, cands: dict[int, dict[str, CandidateTable]], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for g, (tables, _) in per_gpu.items():
         for p, tbl in tables.items():
             tbl.save(str(directory / f"{g}gpu_{p}.json"))
+        for p, ct in cands[g].items():
+            if ct.entries:
+                (directory / f"{g}gpu_{p}_candidates.json").write_text(ct.model_dump_json(indent=1))
     (directory / "slos.json").write_text(json.dumps({g: slos for g, (_, slos) in per_gpu.items()}, indent=1))
 
 
-def _load_tables(directory: Path) -> dict[int, tuple[dict[str, PlanTable], dict[str, float]]]:
+def _load_tables(directory: Path, load_aware: tuple[str, ...] = LOAD_AWARE) -> tuple[Tables, dict[int, dict[str, CandidateTable]]]:
     slos = json.loads((directory / "slos.json").read_text())
     planners = SYSTEMS + ABLATIONS[:-1]
-    return {g: ({p: PlanTable.load(str(directory / f"{g}gpu_{p}.json")) for p in planners}, slos[str(g)]) for g in GPU_COUNTS}
+    tables = {g: ({p: PlanTable.load(str(directory / f"{g}gpu_{p}.json")) for p in planners}, slos[str(g)]) for g in GPU_COUNTS}
+    cands = {g: {p: CandidateTable.model_validate_json(f.read_text()) if (f := directory / f"{g}gpu_{p}_candidates.json").exists()
+                 else derived_candidates(tables[g][0], p) for p in load_aware if p in tables[g][0]} for g in GPU_COUNTS}
+    return tables, cands
+
+
+def derived_candidates(tables: dict[str, PlanTable], planner: str) -> CandidateTable:
+    """Candidates from plan tables alone (tables planned before the candidates were kept): the
+    planner's own entry, for Xema also its ablations' entries (configurations Xema's own stages
+    assembled with SP, batch or memory planning restricted: inside its search space, confirmed like
+    its own), each with its smaller batches (``candidate_pool``)."""
+    own = tables[planner].entries
+    extra = [tables[p] for p in ABLATIONS[:-1] if p in tables] if planner == "xema" else []
+    return CandidateTable(entries={k: [e, *(t.entries[k] for t in extra if k in t.entries)] for k, e in own.items()})
+
+
+Point = tuple[str, int, str, float, str, float]  # planner, gpus, model, rate/min, mix, SLO scale
+
+
+def _choose(args: tuple[PlanTable, CandidateTable, dict[str, float], list[str], GroupLoad, str]) -> str:
+    """One point's load-aware table (JSON; run in a worker process)."""
+    table, cands, slos, keys, load, model = args
+    sub = table.model_copy(update={"entries": {k: v for k, v in table.entries.items() if k in keys}})
+    choice = choose_under_load(sub, {k: candidate_pool(v) for k, v in cands.entries.items() if k in keys},
+                               {k: slos.get(k, 1.0) for k in keys}, load)
+    return apply_choice(sub, model, choice).model_dump_json()
 
 
 MIN_REQUESTS = 400  # per simulated point: long enough that one request is not a 1/3 swing
@@ -154,6 +212,11 @@ def main() -> None:
     ap.add_argument("--duration-min", type=float, default=240.0, help="simulated minutes per point")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="planning processes")
     ap.add_argument("--reuse-plans", action="store_true", help="simulate with the plan tables of a previous run (OUT/plans)")
+    ap.add_argument("--no-load-aware", action="store_true",
+                    help="simulate every planner's isolated-goodput plans (no load-aware choice per point)")
+    ap.add_argument("--load-aware-all", action="store_true",
+                    help="give the baselines the load-aware choice too (their own plans at smaller batches, and the "
+                         "SLO-aware admission policy): how much of Xema's lead is its plans rather than its dispatch")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     budget = parse_bytes(args.budget)
@@ -163,11 +226,16 @@ def main() -> None:
     duration = args.duration_min * 60
 
     plans_dir = args.out / "plans"
+    load_aware = LOAD_AWARE + SYSTEMS[:-1] if args.load_aware_all else LOAD_AWARE
     if args.reuse_plans and (plans_dir / "slos.json").exists():
-        per_gpu = _load_tables(plans_dir)
+        per_gpu, cands = _load_tables(plans_dir, load_aware)
     else:
-        per_gpu = plan_tables(templates, budget, args.trace_cache, args.workers)
-        _save_tables(per_gpu, plans_dir)
+        per_gpu, cands = plan_tables(templates, budget, args.trace_cache, args.workers)
+        _save_tables(per_gpu, cands, plans_dir)
+    for g in GPU_COUNTS:  # planners whose candidates were not kept: their own plans (at smaller batches)
+        for p in load_aware:
+            if not (p in cands[g] and cands[g][p].entries) and per_gpu[g][0][p].entries:
+                cands[g][p] = derived_candidates(per_gpu[g][0], p)
     tables4, slos = per_gpu[4]
     # Our cost-model latencies on 8x A6000 are several times what the paper's arrival rates imply
     # (Flux.2 1024^2, 50 steps: ~84 s on 2 GPUs; the paper loads 4 GPUs with 5-14 req/min), so at
@@ -178,22 +246,63 @@ def main() -> None:
         keys = [t.shape_key for t in templates if t.model == m]
         RATE_SCALE[m] = capacity_per_min(tables4["xema"], keys) / max(RATES[m])
 
+    keys_of = {m: [t.shape_key for t in templates if t.model == m] for m in MODELS}
+
+    def points(m: str) -> list[Point]:
+        """Every (planner, gpus, model, rate, mix, SLO scale) the figures simulate for model m."""
+        rates = [r * RATE_SCALE[m] for r in RATES[m]]
+        default = DEFAULT_RATE[m] * RATE_SCALE[m]
+        out: list[Point] = []
+        for p in SYSTEMS:
+            out += [(p, 4, m, r, "uniform", 1.0) for r in rates] + [(p, 4, m, r, "skewed", 1.0) for r in rates]
+            out += [(p, 4, m, default, "uniform", float(x)) for x in (1, 2, 3, 4, 5)]
+        out += [(p, 4, m, r, "uniform", 1.0) for p in ABLATIONS[:-1] for r in rates]
+        out += [(p, g, m, default * g / 4, "uniform", 1.0) for p in SCALING_SYSTEMS for g in GPU_COUNTS]
+        return out
+
     def sub(tbl: PlanTable, keys: list[str]) -> PlanTable:
         return tbl.model_copy(update={"entries": {k: v for k, v in tbl.entries.items() if k in keys}})
 
+    # the load-aware planners' table for each point, planned in parallel processes
+    chosen: dict[Point, PlanTable] = {}
+    if not args.no_load_aware:
+        todo = sorted({pt for m in MODELS for pt in points(m) if pt[0] in load_aware and pt[0] in cands[pt[1]]})
+        jobs = []
+        for p, g, m, rate, mix, scale in todo:
+            keys = keys_of[m]
+            w = template_weights({k: LATENT_LENGTH[k] for k in keys}, mix)
+            load = GroupLoad(rate_per_min=rate, mix=w if mix != "uniform" else {}, slo_scale=scale)
+            jobs.append((per_gpu[g][0][p], cands[g][p], per_gpu[g][1], keys, load, m))
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            for pt, js in zip(todo, pool.map(_choose, jobs), strict=True):
+                chosen[pt] = PlanTable.model_validate_json(js)
+        print(f"load-aware choices for {len(chosen)} points", flush=True)
+
+    def at(pt: Point) -> float:
+        p, g, m, rate, mix, scale = pt
+        table = chosen.get(pt) or sub(per_gpu[g][0][p], keys_of[m])
+        return attainment(table, per_gpu[g][1], keys_of[m], rate, duration, mix=mix, slo_scale=scale)
+
+    load_plans: dict[str, dict] = {}
+    for pt, tbl in chosen.items():
+        p, g, m, rate, mix, scale = pt
+        pl, adm = tbl.planned_load[m], tbl.admission[m]
+        load_plans[f"{p}/{g}gpu/{m}/{mix}/{rate:.4g}/slo{scale:g}"] = {
+            "expected": round(100 * pl.expected_attainment, 1), "goodput_choice": round(100 * pl.goodput_attainment, 1),
+            "changed": {k: tbl.entries[k].config.describe() for k in pl.changed},
+            "late": adm.late, "refused": list(adm.refused)}
+
     for m in MODELS:
-        keys = [t.shape_key for t in templates if t.model == m]
         rates = [r * RATE_SCALE[m] for r in RATES[m]]
         default = DEFAULT_RATE[m] * RATE_SCALE[m]
-        results[f"9-rate/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in rates] for p in SYSTEMS}
-        results[f"9-slo/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, default, duration, slo_scale=x)
-                                     for x in (1, 2, 3, 4, 5)] for p in SYSTEMS}
-        results[f"10/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration, mix="skewed") for r in rates]
-                              for p in SYSTEMS}
-        results[f"14/{m}"] = {p: [attainment(sub(tables4[p], keys), slos, keys, r, duration) for r in rates] for p in ABLATIONS}
-        results[f"9-gpus/{m}"] = {p: [attainment(sub(per_gpu[g][0][p], keys), per_gpu[g][1], keys, default * g / 4, duration)
-                                      for g in GPU_COUNTS] for p in SCALING_SYSTEMS}
+        results[f"9-rate/{m}"] = {p: [at((p, 4, m, r, "uniform", 1.0)) for r in rates] for p in SYSTEMS}
+        results[f"9-slo/{m}"] = {p: [at((p, 4, m, default, "uniform", float(x))) for x in (1, 2, 3, 4, 5)] for p in SYSTEMS}
+        results[f"10/{m}"] = {p: [at((p, 4, m, r, "skewed", 1.0)) for r in rates] for p in SYSTEMS}
+        results[f"14/{m}"] = {p: [at((p, 4, m, r, "uniform", 1.0)) for r in rates] for p in ABLATIONS}
+        results[f"9-gpus/{m}"] = {p: [at((p, g, m, default * g / 4, "uniform", 1.0)) for g in GPU_COUNTS]
+                                  for p in SCALING_SYSTEMS}
     results["rate_scale"] = dict(RATE_SCALE)
+    results["load_plans"] = load_plans
     (args.out / "figures.json").write_text(json.dumps(results, indent=1))
     _plots(results, args.out)
     (args.out / "figures.md").write_text(_markdown(results))

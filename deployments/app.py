@@ -29,6 +29,12 @@ from xema_ray.serving.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")
 
+#: Serve's own health check of every replica: a replica whose process died fails its next check at
+#: once and is replaced (so Serve's controller, which the Router consults, knows within ~1 s
+#: instead of Serve's default 10 s); a slow answer is not a death: 30 s per check, and Serve
+#: needs 3 failed checks in a row (docs/serving.md "Failure detection")
+HEALTH_CHECK = {"health_check_period_s": 1.0, "health_check_timeout_s": 30.0}
+
 
 def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int,
                       time_scale: float = 1.0) -> PreemptionPolicy | None:
@@ -120,6 +126,7 @@ def build_app(args: dict[str, Any]) -> Application:
             placement_group_bundles=[dict(bundle) for _ in range(g.workers)],
             placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=10_000,  # the dispatcher bounds its queues and answers 503 itself
+            **HEALTH_CHECK,
         )
         groups[g.model] = deployment.bind(
             model=g.model, workers=g.workers, plans=plans, device=cfg.device,
@@ -128,10 +135,10 @@ def build_app(args: dict[str, Any]) -> Application:
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
-            emulation=emulation,
+            emulation=emulation, admission=table.admission.get(g.model),
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
-    stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options)).bind()
+    stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
     # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach
     # the Router and are refused at once instead of waiting in Serve's queue in front of it, where
@@ -140,6 +147,7 @@ def build_app(args: dict[str, Any]) -> Application:
     router = serve.deployment(Router, name="Router", num_replicas=cfg.router_replicas,
                               max_ongoing_requests=max(cfg.max_ongoing_requests, in_flight + cfg.max_queued_requests),
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
+                              **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
-                       emulated=cfg.device == "emulated")
+                       emulated=cfg.device == "emulated", auth=cfg.auth)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.plan import ExecutionConfig, LatencySource, Mitigation, PlanEntry, PlanPrediction
 from xema_ray.templates import RequestTemplate
 
 from planner.model import PlannerModel
@@ -147,7 +147,7 @@ def catalogue(model: PlannerModel, cfg: ExecutionConfig, budget: int) -> list[tu
 
 
 def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, space: SearchSpace,
-                 source: str = "cost_model", time_limit_s: float | None = None) -> tuple[PlanEntry | None, CountingModel, bool]:
+                 source: LatencySource = "estimated", time_limit_s: float | None = None) -> tuple[PlanEntry | None, CountingModel, bool]:
     """Plan ``template`` with a baseline; returns (entry, counting model, finished)."""
     counting = CountingModel(model)
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
@@ -188,6 +188,15 @@ def _global_resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log
         log.infeasible.append(cfg.describe())
         return None
     return min(fits, key=lambda c: model.latency(c))
+
+
+def ablation_plan(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace,
+                  source: LatencySource = "estimated") -> TemplatePlan:
+    """One of Figure 14's ablations as a full template plan (its stage-4 ranking included, from
+    which the load-aware choice picks)."""
+    if name not in ("no-memory-planning", "no-parallelism-planning", "no-concurrency"):
+        raise ValueError(f"{name!r} is not an ablation")
+    return _ablation(name, model, template, space, source)
 
 
 def _ablation(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace, source: str) -> TemplatePlan:

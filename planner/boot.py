@@ -36,14 +36,18 @@ def uses_ray(argv: list[str]) -> bool:
 
 
 def start(argv: list[str], module: str = "planner.cli") -> None:
-    """Import ``module`` on a thread while Ray starts, when ``argv`` plans with Ray; else nothing
-    (the caller's own import then does it all)."""
+    """Import ``module`` (and its ``HEAVY_MODULES``) on a thread while Ray starts, when ``argv``
+    plans with Ray; else nothing (the caller's own import then does it all)."""
     if not uses_ray(argv):
         return
 
     def load() -> None:
         try:
-            importlib.import_module(module)
+            # the CLI module itself is light (help answers at once); what it imports on first
+            # use (torch, diffusers, the model specs) is listed in its HEAVY_MODULES
+            cli = importlib.import_module(module)
+            for name in getattr(cli, "HEAVY_MODULES", ()):
+                importlib.import_module(name)
         except BaseException:  # noqa: BLE001, S110 - the caller imports it again and sees the error there
             pass
 

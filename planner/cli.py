@@ -22,24 +22,26 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+# Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
+# answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
+# where it is used; ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import gb, parse_bytes
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
-from xema_ray.runtime.residency import block_sizes
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, combine, hardware_names
 from planner.measure import DeviceLatency, task_device
-from planner.residency import choose_group_residency
-from planner.pause_state import with_pause_bytes
-from planner.text_encoder import EncoderFacts, encoder_facts, place_text_encoder
-from planner.stages import plan_template
-from planner.trace_model import TracePlannerModel
-from planner.traces import TraceCache
+
+if TYPE_CHECKING:
+    from planner.text_encoder import EncoderFacts
 
 PLANNERS = ("xema", *BASELINES)
+#: what ``plan_one`` and ``cmd_plan`` import on first use (torch, diffusers: seconds)
+HEAVY_MODULES = ("planner.trace_model", "planner.traces", "planner.pause_state", "planner.text_encoder",
+                 "planner.residency", "planner.layouts", "xema_ray.runtime.residency")
 
 
 def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
@@ -75,6 +77,13 @@ def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]
 
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Plan one template (runs inside a Ray task or in-process)."""
+    from planner.load_aware import load_candidates
+    from planner.pause_state import with_pause_bytes
+    from planner.stages import CountingModel, plan_template
+    from planner.text_encoder import encoder_facts
+    from planner.trace_model import TracePlannerModel
+    from planner.traces import TraceCache
+
     t0, started, cpu0 = time.perf_counter(), time.time(), time.process_time()
     template = RequestTemplate.model_validate_json(template_json)
     latency = LatencyModel(opts["hardware"], store_path=opts.get("profile_store"))
@@ -89,7 +98,8 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     cache = TraceCache(Path(opts["trace_cache"]) if opts.get("trace_cache") else None)
     model = TracePlannerModel(template, timer.seconds, cache)
     budget = opts["budget"]
-    xema = plan_template(model, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
+    counting = CountingModel(model)
+    xema = plan_template(counting, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
                          latency_source="estimated")
     result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced,
                               "device": device or "none"}
@@ -105,6 +115,12 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         entry, counted, finished = run_baseline(opts["planner"], model, template, space, "estimated",
                                                 time_limit_s=opts.get("time_limit_s"))
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
+    if entry is not None and opts["planner"] == "xema" and template.model in opts.get("loaded_models", ()):
+        # a load is expected for this model's group: its other assembled configurations compete
+        # under that load in the driver (planner.load_aware)
+        alts = [with_pause_bytes(with_latency_source(e, timer), cache)
+                for e in load_candidates(counting, xema.ranked, budget, xema.slo_s or 0.0, "estimated")[1:]]
+        result["candidates"] = [e.model_dump_json() for e in alts]
     if entry is not None:
         entry = with_pause_bytes(with_latency_source(entry, timer), cache)
         if opts.get("text_encoder") == "plan" and template.spec.text_encoder is not None:
@@ -130,6 +146,8 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
 
 def merged_encoder_facts(results: list[dict[str, Any]]) -> dict[str, EncoderFacts]:
     """Per model, the text-encoder facts the planning tasks sent back, merged."""
+    from planner.text_encoder import EncoderFacts
+
     out: dict[str, EncoderFacts] = {}
     for r in results:
         if r.get("encoder_facts"):
@@ -188,6 +206,8 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
 def group_residencies(entries: dict[str, PlanEntry], latency: LatencyModel
                       ) -> tuple[dict[str, PlanEntry], dict[str, GroupResidency]]:
     """Per model group: the residency policy with more goodput, and the entries it serves with."""
+    from planner.residency import choose_group_residency
+
     by_model: dict[str, dict[str, PlanEntry]] = {}
     for k, e in entries.items():
         by_model.setdefault(e.config.template.model, {})[k] = e
@@ -213,6 +233,11 @@ def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> N
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from xema_ray.runtime.residency import block_sizes
+
+    from planner.load_aware import plan_groups_for_load, read_loads
+    from planner.text_encoder import place_text_encoder
+
     group_gpus: dict[str, int] = {}
     try:
         if args.deployment is not None:
@@ -227,6 +252,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             templates = parse_templates(args.templates or "tiny", args.steps)
             gpus = args.gpus
         budget = parse_bytes(args.budget)
+        loads = read_loads(args.load) if args.load else {}
+        if loads and args.planner != "xema":
+            raise ValueError("--load plans Xema for a load; baselines plan for isolated goodput")
         if args.hardware not in hardware_names():
             raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
     except (ValueError, OSError) as e:
@@ -235,7 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = {"hardware": args.hardware, "budget": budget, "gpus": gpus, "group_gpus": group_gpus,
             "slo_scale": args.slo_scale, "max_batch": args.max_batch, "planner": args.planner,
             "trace_cache": args.trace_cache, "time_limit_s": args.time_limit, "profile_store": args.profile_store,
-            "measure": args.measure, "text_encoder": args.text_encoder}
+            "measure": args.measure, "text_encoder": args.text_encoder, "loaded_models": sorted(loads)}
     t0 = time.perf_counter()
     # what the residency choice needs from each model (its DiT blocks' weight bytes: a meta build
     # of the transformer, seconds with its imports) is prepared while the tasks run
@@ -250,6 +278,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
     residency = {}
     latency_model = LatencyModel(args.hardware, store_path=args.profile_store)
+    loaded = None
+    if loads:  # the goodput choices compete with the other assembled configurations under the load
+        draft = PlanTable(hardware="planning", gpus=gpus, budget_bytes=budget, group_gpus=group_gpus, entries=entries)
+        alts = {r["template"]: [entries[r["template"]], *(PlanEntry.model_validate_json(j) for j in r.get("candidates", []))]
+                for r in results if r["entry"]}
+        try:
+            loaded = plan_groups_for_load(draft, alts, {r["template"]: r["slo_s"] for r in results if r["entry"]}, loads)
+        except ValueError as e:
+            print(f"planner: {e}", file=sys.stderr)
+            return 2
+        entries = dict(loaded.entries)
     if args.planner == "xema":
         entries, residency = group_residencies(entries, latency_model)
     encoders: dict[str, str] = {}
@@ -264,7 +303,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table = PlanTable(
         hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
         group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner, residency=residency,
-        entries=entries,
+        entries=entries, admission=loaded.admission if loaded else {}, planned_load=loaded.planned_load if loaded else {},
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
                     "tasks_cpu_s": f"{sum(r['cpu_s'] for r in results):.1f}",
@@ -274,25 +313,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
-    if args.layouts:
-        if not args.out:
-            print("planner: --layouts writes the layouts next to the table: give --out", file=sys.stderr)
-            return 2
-        from planner.layouts import attach_layout
+    if args.layouts and not args.out:
+        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
+              "says so explicitly)", file=sys.stderr)
+    elif args.layouts:
+        from planner.layouts import attach_layouts
 
-        for k, e in list(table.entries.items()):
-            table.entries[k], ratio = attach_layout(e, args.out, latency_model.hardware.gpu_model)
-            p = table.entries[k].prediction
+        t1 = time.perf_counter()
+        table.entries, ratios, layout_cpu = attach_layouts(table.entries, args.out, latency_model.hardware.gpu_model,
+                                                           use_ray=not args.no_ray)
+        layout_wall = time.perf_counter() - t1
+        table.provenance.update(layouts_wall_s=f"{layout_wall:.1f}", layouts_cpu_s=f"{layout_cpu:.1f}",
+                                layouts_gpu=latency_model.hardware.gpu_model)
+        for k, e in table.entries.items():
+            p = e.prediction
             over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
-            print(f"layout {k}: {table.entries[k].config.layout_ref}, reserved/lower bound {ratio:.3f}, "
+            print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {ratios[k]:.3f}, "
                   f"predicted peak {gb(p.peak_bytes)}{over}")
+        print(f"solved {len(ratios)} static layouts in {layout_wall:.1f} s ({layout_cpu:.1f} CPU s in the tasks)")
     print_summary(results)
     for k, v in encoders.items():
         print(f"text encoder {k}: {v}")
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
-    print(f"planned {len(results)} templates in {wall:.1f} s; candidates' latencies: {table.provenance['measured']} "
+    for model, pl in table.planned_load.items():
+        adm = table.admission[model]
+        print(f"load {model}: {pl.rate_per_min:g}/min -> expected attainment {pl.expected_attainment:.1%} "
+              f"(goodput choice {pl.goodput_attainment:.1%}); changed {', '.join(pl.changed) or 'none'}; "
+              f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
+    total = time.perf_counter() - t0
+    table.provenance["total_s"] = f"{total:.1f}"
+    print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); candidates' latencies: {table.provenance['measured']} "
           f"measured, {table.provenance['estimated']} estimated")
     if args.out:
         table.save(args.out)
@@ -320,8 +372,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-store", default=None, help="profile store JSON (measurements reused across runs)")
     p.add_argument("--text-encoder", choices=("plan", "none"), default="plan",
                    help="plan where each template's text encoder runs (device / streamed / cpu), or plan without one")
-    p.add_argument("--layouts", action="store_true",
-                   help="solve each entry's static layout from the worker's allocation stream (next to --out)")
+    p.add_argument("--layouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="solve each entry's static layout from the worker's allocation stream, in parallel "
+                        "Ray tasks, into <out>.layouts/ (default; --no-layouts: plan without)")
+    p.add_argument("--load", default=None,
+                   help='expected load per model group (traffic profile JSON: {"MODEL": {"rate_per_min": R, "mix": '
+                        '{"TEMPLATE": W}, "slo_scale": S}}): its plans and admission policy maximise the simulated '
+                        "SLO attainment there (planner.load_aware); without it, isolated goodput")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

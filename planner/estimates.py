@@ -35,8 +35,8 @@ from xema_ray.templates import RequestTemplate
 
 class MemorySaving(BaseModel):
     """What a mitigation is predicted to remove from each phase's peak, in bytes (analytic;
-    the analyzer confirms by tracing). Phases are the analyzer's groups: "dit" (denoising),
-    "vae" (decode), "setup" (before the first step)."""
+    the analyzer confirms by tracing). Phases are the analyzer's groups: "denoise" (denoising),
+    "decode" (decode), "setup" (before the first step)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -70,20 +70,20 @@ def estimate_block_offload(sizes: list[int], config: BlockOffloadConfig) -> Memo
 
     Example:
         >>> estimate_block_offload([10, 10, 10, 10], BlockOffloadConfig(blocks=(0, 2))).per_phase
-        {'dit': 0, 'vae': 20, 'setup': 20}
+        {'denoise': 0, 'decode': 20, 'setup': 20}
     """
     check_blocks("block_offload", config.blocks, len(sizes))
     order = sorted(config.blocks)
     total = sum(sizes[i] for i in order)
     if not order:
-        return MemorySaving(kind="block_offload", per_phase={"dit": 0, "vae": 0, "setup": 0})
+        return MemorySaving(kind="block_offload", per_phase={"denoise": 0, "decode": 0, "setup": 0})
     if config.prefetch and len(order) > 1:
         in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
     else:
         in_flight = max(sizes[i] for i in order)
     return MemorySaving(
         kind="block_offload",
-        per_phase={"dit": total - in_flight, "vae": total, "setup": total},
+        per_phase={"denoise": total - in_flight, "decode": total, "setup": total},
         note=f"{len(order)} blocks, {total} B on host; {in_flight} B in flight at most during the DiT",
     )
 
@@ -92,7 +92,7 @@ def estimate_hsdp(sizes: list[int], config: HSDPConfig, world_size: int) -> Memo
 
     Example:
         >>> estimate_hsdp([8, 8, 8, 8], HSDPConfig(blocks=(0, 2)), 2).per_phase
-        {'dit': -8, 'vae': 8, 'setup': 8}
+        {'denoise': -8, 'decode': 8, 'setup': 8}
     """
     check_blocks("hsdp", config.blocks, len(sizes))
     if world_size < 2:
@@ -100,14 +100,14 @@ def estimate_hsdp(sizes: list[int], config: HSDPConfig, world_size: int) -> Memo
     order = sorted(config.blocks)
     saved = sum(sizes[i] - sizes[i] // world_size for i in order)
     if not order:
-        return MemorySaving(kind="hsdp", per_phase={"dit": 0, "vae": 0, "setup": 0})
+        return MemorySaving(kind="hsdp", per_phase={"denoise": 0, "decode": 0, "setup": 0})
     if config.prefetch and len(order) > 1:
         in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
     else:
         in_flight = max(sizes[i] for i in order)
     return MemorySaving(
         kind="hsdp",
-        per_phase={"dit": saved - in_flight, "vae": saved, "setup": saved},
+        per_phase={"denoise": saved - in_flight, "decode": saved, "setup": saved},
         note=f"{len(order)} blocks sharded {world_size} ways; up to {in_flight} B gathered during the DiT",
     )
 
@@ -119,13 +119,13 @@ def estimate_dit_chunking(tokens: int, batch: int, hidden: int, ff_mult: float, 
 
     Example:
         >>> estimate_dit_chunking(1000, 1, 8, 4.0, 2, DitChunkingConfig(blocks=(0,), chunks=4)).per_phase
-        {'dit': 96000}
+        {'denoise': 96000}
     """
     keep = 1.0 / config.chunks
     ff = 2 * tokens * batch * hidden * ff_mult * elem if "ff" in config.parts else 0.0
     rot = 2 * tokens * batch * hidden * 4 if "rotary" in config.parts else 0.0
     saved = int(max(ff, rot) * (1 - keep)) if config.blocks else 0
-    return MemorySaving(kind="dit_chunking", per_phase={"dit": saved},
+    return MemorySaving(kind="dit_chunking", per_phase={"denoise": saved},
                         note=f"{config.chunks} chunks over {tokens * batch} tokens")
 
 def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches: int, phase: str) -> MemorySaving:
@@ -136,11 +136,11 @@ def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches:
             trace) that scale with the batch.
         batch: the module's batch (requests x CFG).
         sub_batches: parts.
-        phase: the phase group the segment is in ("dit" or "vae").
+        phase: the phase group the segment is in ("denoise" or "decode").
 
     Example:
-        >>> estimate_serialization(100, 2, 2, "dit").per_phase
-        {'dit': 50}
+        >>> estimate_serialization(100, 2, 2, "denoise").per_phase
+        {'denoise': 50}
     """
     n = min(sub_batches, batch)
     per_part = -(-batch // n)
@@ -232,7 +232,7 @@ def estimate_saving(
     if baseline is None:
         raise ValueError(f"{m.kind}: the estimate reads the baseline trace; pass baseline=")
     paths = m.modules if m.modules is not None else events_to_modules(baseline, m.events) if m.events else ()
-    group = "dit" if any(p.startswith("transformer") for p in paths) else "vae"
+    group = "denoise" if any(p.startswith("transformer") for p in paths) else "decode"
     found = _live_at_phase_peak(baseline, group)
     if found is None:
         return MemorySaving(kind=m.kind, per_phase={}, note=f"no {group} phase in the trace")

@@ -77,7 +77,7 @@ class TraceProfile:
 
     @cached_property
     def groups(self) -> np.ndarray:
-        """Phase group per event: 'dit', 'vae', 'setup', 'post'."""
+        """Phase group per event: 'denoise', 'decode', 'setup', 'post'."""
         ph = event_phases(self.trace)
         names = np.array([phase_group(p) for p in self.trace.phases] + ["?"])
         return names[ph]
@@ -213,7 +213,7 @@ class TraceProfile:
         """Per DiT block, its [start, stop) event run in each transformer forward, as an array
         (blocks, forwards, 2); None if the blocks' runs do not line up one per forward."""
         if "windows" not in self._curves:
-            runs = [self.unit_runs([p], "dit") for p in self.block_paths]
+            runs = [self.unit_runs([p], "denoise") for p in self.block_paths]
             same = runs and all(len(r) == len(runs[0]) and r for r in runs)
             self._curves["windows"] = np.array(runs, dtype=np.int64) if same else None  # type: ignore[assignment]
         return self._curves["windows"]  # type: ignore[return-value]
@@ -317,7 +317,7 @@ class MemoryModel:
             # token-proportional DiT activations split across the ranks; weights a mitigation
             # holds on the device for a while (a traced offload / HSDP window) do not
             held = prof.held_weights
-            for s, e in prof.group_runs("dit"):
+            for s, e in prof.group_runs("denoise"):
                 kept = held[s:e] if held is not None else 0.0
                 curve[s:e] = prof.floor + kept + (base[s:e] - prof.floor - kept) / cfg.sp
         floor = float(prof.floor)
@@ -344,29 +344,29 @@ class MemoryModel:
                 sizes = w.tolist()
                 saving = (estimate_block_offload(sizes, BlockOffloadConfig(blocks=blocks)) if m.kind == "block_offload"
                           else estimate_hsdp(sizes, HSDPConfig(blocks=blocks), world))
-                for s, e in prof.group_runs("dit"):
-                    curve[s:e] += saving.at("vae") - max(0, saving.at("dit"))
+                for s, e in prof.group_runs("denoise"):
+                    curve[s:e] += saving.at("decode") - max(0, saving.at("denoise"))
                 return removed
             add_block_windows(curve, windows, order, w)
             return removed
         elif m.kind == "dit_chunking":
             paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
-            _shrink_runs(curve, base, prof.unit_runs(paths, "dit"), m.intensity)
+            _shrink_runs(curve, base, prof.unit_runs(paths, "denoise"), m.intensity)
         elif m.kind == "vae_chunking":
             if self._vae_groups is None:
-                _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "vae"), m.intensity)
+                _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "decode"), m.intensity)
             else:
                 for g in self._vae_groups(tuple(m.modules or ()), m.intensity):
                     # only where the group's temporaries are not zero (elsewhere nothing changes)
-                    lo, temp = prof.temporaries_span(g.paths, "vae", g.glue)
+                    lo, temp = prof.temporaries_span(g.paths, "decode", g.glue)
                     curve[lo:lo + len(temp)] -= temp * (1.0 - 1.0 / g.divisor)
         elif m.kind == "temporary_serialization":
-            group = "vae" if any(p.startswith("vae") for p in (m.modules or ())) else "dit"
+            group = "decode" if any(p.startswith("vae") for p in (m.modules or ())) else "denoise"
             _shrink_runs(curve, base, prof.group_runs(group), m.intensity)
         elif m.kind == "activation_offload":
             # event by event, the conv caches (the clones the targeted modules return) alive then
             # leave the device, except the largest: the one being read is back
-            group = "dit" if any(p.startswith("transformer") for p in (m.modules or ())) else "vae"
+            group = "denoise" if any(p.startswith("transformer") for p in (m.modules or ())) else "decode"
             live = prof.live_caches(tuple(m.modules or ()))
             for s, e in prof.group_runs(group):
                 curve[s:e] -= live[s:e]

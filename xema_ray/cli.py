@@ -74,8 +74,6 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from xema_ray.memory.analyzer import trace_template
-
     try:
         template = RequestTemplate(model=args.model, height=args.height, width=args.width, frames=args.frames,
                                    steps=args.steps, batch=args.batch)
@@ -83,10 +81,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as e:
         print(f"xema analyze: {e}", file=sys.stderr)
         return 2
-    from xema_ray.memory.analyzer import TraceOptions
+    t0 = time.perf_counter()
+    # the analysis needs torch (and builds the model with diffusers): imported here, not at start-up
+    from xema_ray.memory.analyzer import TraceOptions, trace_template
     from xema_ray.models.text_encoders import encoder_weight_bytes
 
-    t0 = time.perf_counter()
+    imports = time.perf_counter() - t0
     placement = None if args.text_encoder == "none" else args.text_encoder
     trace = trace_template(template, TraceOptions(text_encoder=placement))
     elapsed = time.perf_counter() - t0
@@ -115,7 +115,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
               f"traced {'as ' + args.text_encoder if placement else 'not (stand-in embeddings)'}")
     summary = summarize(trace, budget)
     print_summary(summary)
-    print(f"analysis time       {elapsed:.1f} s")
+    print(f"analysis time       {elapsed:.1f} s ({imports:.1f} s of it importing torch, the rest building the meta "
+          "model and tracing)")
     result: dict[str, object] = {"summary": summary.model_dump(), "trace": trace.to_file().model_dump()}
     if args.layout:
         from xema_ray.allocator.caching_sim import simulate_caching_allocator
@@ -172,7 +173,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"xema verify: no entry for {', '.join(unknown)}; the table has {', '.join(sorted(table.entries))}",
                   file=sys.stderr)
             return 2
-    report = verify_table(table, keys, path=str(args.plan_table))
+    from xema_ray.runtime.layouts import LayoutMismatch
+
+    try:
+        report = verify_table(table, keys, path=str(args.plan_table))
+    except LayoutMismatch as e:
+        print(f"xema verify: {e}", file=sys.stderr)
+        return 2
     w = sys.stdout.write
     w(f"{'template':<32}{'plan':<44}{'encoder':>9}{'device peak':>13}{'load peak':>12}{'host':>11}{'budget':>10}  fits\n")
     for e in report.entries:
@@ -182,6 +189,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             w(f"    static layout: reserved {gb(e.static_reserved_bytes or 0)} = "
               f"{(e.static_reserved_bytes or 0) / max(1, e.lower_bound_bytes or 0):.3f} x the lower bound "
               f"{gb(e.lower_bound_bytes or 0)}, {e.layout_misses} misses replaying the worker's stream\n")
+        elif e.error is None:
+            w("    static layout: none (the entry names no layout: planned with --no-layouts)\n")
         if e.error:
             w(f"    error: {e.error}\n")
     w(f"{sum(e.fits for e in report.entries)} of {len(report.entries)} entries fit "
@@ -191,6 +200,59 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.json.write_text(report.model_dump_json(indent=1))
         print(f"wrote {args.json}")
     return 0 if report.all_fit else 1
+
+
+def _add_layouts(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("layouts", help="write the static layout files a plan table names (solved again from the "
+                                       "table's entries: deterministic, the ids must match)")
+    p.add_argument("--plan-table", type=Path, required=True, help="a plan table (xema plan --out)")
+    p.add_argument("--gpu", default=None, help="GPU model the layouts are for (default: the table's provenance "
+                                               "layouts_gpu)")
+    p.set_defaults(func=cmd_layouts)
+
+
+def cmd_layouts(args: argparse.Namespace) -> int:
+    """Solve every missing or unreadable layout the table names; exit 1 if one solves to another id
+    (the model code or the solver changed since planning: re-plan)."""
+    from xema_ray.plan import PlanTable
+    from xema_ray.runtime.layouts import LayoutMismatch, layouts_dir, load_artifact, save_artifact, solve_entry_layout
+
+    try:
+        table = PlanTable.load(str(args.plan_table))
+    except (OSError, ValidationError, ValueError) as e:
+        print(f"xema layouts: {args.plan_table}: {e}", file=sys.stderr)
+        return 2
+    gpu = args.gpu or table.provenance.get("layouts_gpu")
+    if gpu is None:
+        print(f"xema layouts: {args.plan_table} does not say which GPU model its layouts are for: give --gpu",
+              file=sys.stderr)
+        return 2
+    folder = layouts_dir(args.plan_table)
+    mismatched = []
+    for key, e in sorted(table.entries.items()):
+        ref = e.config.layout_ref
+        if ref is None:
+            print(f"{key:<32} no layout (planned with --no-layouts)")
+            continue
+        try:
+            load_artifact(folder, ref, gpu=gpu)
+            print(f"{key:<32} {ref} present")
+            continue
+        except (LayoutMismatch, OSError, ValidationError, ValueError):
+            pass
+        t0 = time.perf_counter()
+        art = solve_entry_layout(e.config.model_copy(update={"layout_ref": None}), gpu, folder)
+        if art.layout_id != ref:
+            mismatched.append(key)
+            print(f"{key:<32} solved {art.layout_id}, the table names {ref}: NOT written")
+            continue
+        save_artifact(art, folder)
+        print(f"{key:<32} {ref} solved in {time.perf_counter() - t0:.1f} s")
+    if mismatched:
+        print(f"xema layouts: {len(mismatched)} layout(s) solve differently than when planned (the model code or "
+              "the solver changed): plan the table again (make plan)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -219,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)
     _add_verify(sub)
+    _add_layouts(sub)
     _add_serve(sub)
     from planner.cli import add_plan_parser
 

@@ -168,8 +168,6 @@ PLAN_TABLE_SCHEMA_VERSION = 1
 
 
 LatencySource = Literal["measured", "estimated", "measured+estimated"]
-#: names earlier plan tables used
-_LEGACY_SOURCES = {"profiled": "measured", "cost_model": "estimated"}
 
 
 class PlanPrediction(BaseModel):
@@ -177,13 +175,6 @@ class PlanPrediction(BaseModel):
     non-negative (a NaN latency would order batches and hint Retry-After with garbage)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_source(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("latency_source") in _LEGACY_SOURCES:
-            return {**data, "latency_source": _LEGACY_SOURCES[data["latency_source"]]}
-        return data
 
     peak_bytes: int = Field(ge=0, description="predicted reserved peak per GPU (static layout + dynamic margin)")
     latency_s: float = Field(ge=0, description="predicted end-to-end latency of one batch")
@@ -239,6 +230,42 @@ class GroupResidency(BaseModel):
     host_bytes_per_worker: int = Field(default=0, ge=0, description="pinned host memory a worker holds at most")
 
 
+class AdmissionPolicy(BaseModel):
+    """How a model group's dispatcher admits and orders requests under load (SLO-aware dispatch,
+    ``xema_ray.serving.dispatcher``); the load-aware planner chooses it per group. The default is
+    the dispatcher's plain behaviour (EDF, every request served)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    late: Literal["serve", "deprioritise", "shed"] = Field(
+        default="serve",
+        description="a queued request that can no longer meet its SLO (even started now, alone): serve it in "
+                    "deadline order (serve), only when no request that still can waits (deprioritise), or drop "
+                    "it with a 503 when others wait (shed; counted as missed)")
+    partial_when_late: bool = Field(
+        default=True, description="start a partial batch at once when waiting for it to fill would make its "
+                                  "oldest request miss")
+    refused: tuple[str, ...] = Field(
+        default=(), description="templates not admitted at this load (503 with Retry-After at the door): serving "
+                                "them would make more of the others miss than it meets")
+
+
+class PlannedLoad(BaseModel):
+    """The load a model group's plans were chosen for, and the SLO attainment the planner expects
+    there (simulated with the serving dispatcher)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    rate_per_min: float = Field(gt=0, description="the group's expected arrival rate, requests/min")
+    mix: dict[str, float] = Field(default_factory=dict,
+                                  description="template shape key -> relative weight of its requests (empty: uniform)")
+    slo_scale: float = Field(default=1.0, gt=0, description="SLO scale the attainment is measured at")
+    expected_attainment: float = Field(ge=0, le=1, description="simulated share of requests meeting their SLO")
+    goodput_attainment: float = Field(ge=0, le=1, description="the same with the no-load (best isolated goodput) "
+                                                              "choice and the plain dispatcher, for comparison")
+    changed: tuple[str, ...] = Field(default=(), description="templates whose plan differs from the goodput choice")
+
+
 class PlanTable(BaseModel):
     """Plans for every supported template on one hardware configuration (JSON on disk).
 
@@ -262,6 +289,11 @@ class PlanTable(BaseModel):
     residency: dict[str, GroupResidency] = Field(
         default_factory=dict, description="model -> how its group holds weights across templates (absent: per_template)")
     entries: dict[str, PlanEntry] = Field(default_factory=dict, description="keyed by RequestTemplate.shape_key")
+    admission: dict[str, AdmissionPolicy] = Field(
+        default_factory=dict, description="model -> its dispatcher's admission policy (absent: plain EDF, all served)")
+    planned_load: dict[str, PlannedLoad] = Field(
+        default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
+                                          "isolated goodput, no load)")
     provenance: dict[str, str] = Field(default_factory=dict, description="versions, time, command line")
 
     @model_validator(mode="after")

@@ -30,10 +30,17 @@ OUT = Path(os.environ.get("XEMA_GPU_OUT", "out"))
 STEPS = 3
 
 
-def _run(mode: str, config_path: Path, out: Path, *, layouts: Path | None = None, events: Path | None = None,
-         timeout: int = 240) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def _env() -> dict[str, str]:
+    """The child's environment: the repo prepended to PYTHONPATH, never replacing it (the GPU
+    machine's carried packages are on it)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return env
+
+
+def _run(mode: str, config_path: Path, out: Path, *, layouts: Path | None = None, events: Path | None = None,
+         timeout: int = 150) -> dict:
+    env = _env()
     cmd = [sys.executable, str(RUN), "--mode", mode, "--config", str(config_path), "--out", str(out)]
     cmd += ["--layouts", str(layouts)] if layouts is not None else []
     cmd += ["--events", str(events)] if events is not None else []
@@ -54,7 +61,7 @@ def _gpu_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def _armed_check(name: str, config, tmp_path: Path, timeout: int = 240) -> dict:  # type: ignore[no-untyped-def]
+def _armed_check(name: str, config, tmp_path: Path, timeout: int = 150) -> dict:  # type: ignore[no-untyped-def]
     """Default run (+ recording) -> record -> layout with it -> static run; the combined report."""
     from xema_ray.allocator.device_allocs import (DeviceAllocRecord, GpuEvent, compare, include, record_path,
                                                   save_record)
@@ -134,7 +141,7 @@ def test_flux2_1024_offload_plan_under_48gb_with_the_layout_armed(tmp_path: Path
     # the allocator is what is checked: stand-in embeddings instead of the 24 B encoder, batch 1
     config = planned.model_copy(update={"template": planned.template.with_(steps=1), "batch": 1,
                                         "text_encoder": None, "layout_ref": None})
-    r = _armed_check("flux2_1024x1024", config, tmp_path, timeout=300)
+    r = _armed_check("flux2_1024x1024", config, tmp_path)
     assert r["static"]["layout_armed"], r["static"]["layout_status"]
     assert r["static"]["peak_reserved_bytes"] <= 48 * 10**9
     assert r["outputs_equal"]
@@ -144,8 +151,8 @@ def test_install_refuses_after_cuda_initialized() -> None:
     code = ("import torch; torch.zeros(1, device='cuda')\n"
             "from xema_ray.allocator.cuda import install_cuda_allocator\n"
             "try:\n    install_cuda_allocator()\nexcept RuntimeError as e:\n    print('refused', e)")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(),
+                          capture_output=True, text=True, timeout=60)
     assert "refused" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -161,6 +168,6 @@ def test_teardown_with_live_tensors_does_not_crash() -> None:
             "    keep = [torch.empty(4096, dtype=torch.uint8, device='cuda') for _ in range(2)]\n"
             "assert r.hits == 2, r\n"
             "print('ok', flush=True)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr

@@ -29,21 +29,26 @@ def test_predicted_active_peak_within_1pct_of_cuda(template: RequestTemplate) ->
 
     spec = template.spec
     # same attention kernels the tracer models: flash / memory-efficient, never the math path
+    math_sdp, cudnn_benchmark = torch.backends.cuda.math_sdp_enabled(), torch.backends.cudnn.benchmark
     torch.backends.cuda.enable_math_sdp(False)
     torch.backends.cudnn.benchmark = False
-    pipe = spec.build_pipeline(BuildOptions(device="cuda", dtype=torch.bfloat16))
-    inputs = spec.prompt_embeddings(["a photo of a cat"] * template.batch, "cuda", torch.bfloat16)
-    call = spec.call_kwargs(template)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    with torch.no_grad():
-        # warm-up: cuBLAS workspaces and lazy imports allocate once per process, not per request
-        pipe(**{**call, "num_inference_steps": 1}, **inputs, generator=gen, output_type="pt")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        pipe(**call, **inputs, generator=gen, output_type="pt")
-        torch.cuda.synchronize()
+    try:
+        pipe = spec.build_pipeline(BuildOptions(device="cuda", dtype=torch.bfloat16))
+        inputs = spec.prompt_embeddings(["a photo of a cat"] * template.batch, "cuda", torch.bfloat16)
+        call = spec.call_kwargs(template)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        with torch.no_grad():
+            # warm-up: cuBLAS workspaces and lazy imports allocate once per process, not per request
+            pipe(**{**call, "num_inference_steps": 1}, **inputs, generator=gen, output_type="pt")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            pipe(**call, **inputs, generator=gen, output_type="pt")
+            torch.cuda.synchronize()
+    finally:
+        torch.backends.cuda.enable_math_sdp(math_sdp)
+        torch.backends.cudnn.benchmark = cudnn_benchmark
     measured = torch.cuda.max_memory_allocated()
-    out = Path(os.environ.get("OUT", "out"))
+    out = Path(os.environ.get("XEMA_GPU_OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"analyzer_gpu_{template.model}.json").write_text(json.dumps({
         "template": template.key, "predicted_peak": predicted, "measured_peak": measured,

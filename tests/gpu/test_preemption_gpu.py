@@ -55,34 +55,37 @@ def test_pause_resume_on_the_gpu_is_bitwise_and_frees_the_state_when_offloaded()
     from xema_ray.plan import PlanEntry, PlanPrediction
 
     torch.cuda.set_per_process_memory_fraction(min(1.0, 48e9 / torch.cuda.get_device_properties(0).total_memory))
-    w = Worker(platform="cuda")
-    w.init_device(ParallelConfig(rank=0, world_size=1))
-    w.load_model(ModelLoadConfig(model="cogvideox-5b", text_encoder="none"))
-    ref_long, ref_short = w.execute(_batch(LONG, 1)), w.execute(_batch(SHORT, 2))
-    t0 = time.perf_counter()
-    w.execute(_batch(LONG, 1))
-    plain_s = time.perf_counter() - t0
-    results: dict = {"template": LONG.key, "uninterrupted_s": plain_s}
-    for offload in (False, True):
-        seen: dict = {}
-        run_id = f"long-{offload}"
+    try:
+        w = Worker(platform="cuda")
+        w.init_device(ParallelConfig(rank=0, world_size=1))
+        w.load_model(ModelLoadConfig(model="cogvideox-5b", text_encoder="none"))
+        ref_long, ref_short = w.execute(_batch(LONG, 1)), w.execute(_batch(SHORT, 2))
         t0 = time.perf_counter()
-        paused = w.execute(_batch(LONG, 1), _PauseAt(w, run_id, 2, offload, seen), run_id=run_id)
-        assert isinstance(paused, PausedRun)
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_allocated()
-        between = w.execute(_batch(SHORT, 2))
-        done = w.resume(run_id)
-        total_s = time.perf_counter() - t0
-        assert not isinstance(done, PausedRun)
-        assert done.outputs[0].data == ref_long.outputs[0].data
-        assert between.outputs[0].data == ref_short.outputs[0].data
-        freed = seen["before"] - after
-        if offload:
-            assert freed >= 0.9 * paused.state_bytes
-        results["offload" if offload else "on_device"] = {
-            "state_bytes": paused.state_bytes, "device_bytes_freed_by_pause": freed, "pause_s": paused.pause_s,
-            "total_with_short_batch_s": total_s, "short_batch_s": between.timings.total_s}
+        w.execute(_batch(LONG, 1))
+        plain_s = time.perf_counter() - t0
+        results: dict = {"template": LONG.key, "uninterrupted_s": plain_s}
+        for offload in (False, True):
+            seen: dict = {}
+            run_id = f"long-{offload}"
+            t0 = time.perf_counter()
+            paused = w.execute(_batch(LONG, 1), _PauseAt(w, run_id, 2, offload, seen), run_id=run_id)
+            assert isinstance(paused, PausedRun)
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated()
+            between = w.execute(_batch(SHORT, 2))
+            done = w.resume(run_id)
+            total_s = time.perf_counter() - t0
+            assert not isinstance(done, PausedRun)
+            assert done.outputs[0].data == ref_long.outputs[0].data
+            assert between.outputs[0].data == ref_short.outputs[0].data
+            freed = seen["before"] - after
+            if offload:
+                assert freed >= 0.9 * paused.state_bytes
+            results["offload" if offload else "on_device"] = {
+                "state_bytes": paused.state_bytes, "device_bytes_freed_by_pause": freed, "pause_s": paused.pause_s,
+                "total_with_short_batch_s": total_s, "short_batch_s": between.timings.total_s}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
     entry = PlanEntry(config=ExecutionConfig(template=LONG), prediction=PlanPrediction(
         peak_bytes=0, latency_s=1, goodput_rps=0, slo_s=10, latency_source="estimated"))
     results["planned_pause_bytes"] = with_pause_bytes(entry, TraceCache()).prediction.pause_bytes

@@ -47,22 +47,27 @@ def test_flux2_1024_under_48gb_with_planned_residency() -> None:
     table = PlanTable.load(str(TABLE))
     planned = table.entries["flux2/1024x1024x1"].config
     total = torch.cuda.get_device_properties(0).total_memory
+    math_sdp = torch.backends.cuda.math_sdp_enabled()
     torch.backends.cuda.enable_math_sdp(False)
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total)
-    w = Worker(platform="cuda")
-    w.init_device(ParallelConfig(rank=0, world_size=1))
-    t0 = time.perf_counter()
-    loaded = w.load_model(ModelLoadConfig(model="flux2", plans=(planned,)))
-    load_s = time.perf_counter() - t0
-    assert torch.cuda.max_memory_reserved() <= CAP_BYTES
-    _run(w, planned)  # warm-up: cuBLAS workspaces, kernels
-    out_sel, step_sel, reserved_sel, text_s = _run(w, planned)
-    n = planned.template.spec.num_dit_blocks
-    full = planned.model_copy(update={"mitigations": (Mitigation(kind="block_offload", blocks=tuple(range(n)), intensity=n),)})
-    out_full, step_full, reserved_full, _ = _run(w, full)
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    plain = planned.model_copy(update={"mitigations": ()})
-    out_plain, step_plain, reserved_plain, _ = _run(w, plain)
+    try:
+        w = Worker(platform="cuda")
+        w.init_device(ParallelConfig(rank=0, world_size=1))
+        t0 = time.perf_counter()
+        loaded = w.load_model(ModelLoadConfig(model="flux2", plans=(planned,)))
+        load_s = time.perf_counter() - t0
+        assert torch.cuda.max_memory_reserved() <= CAP_BYTES
+        _run(w, planned)  # warm-up: cuBLAS workspaces, kernels
+        out_sel, step_sel, reserved_sel, text_s = _run(w, planned)
+        n = planned.template.spec.num_dit_blocks
+        full = planned.model_copy(update={"mitigations": (Mitigation(kind="block_offload", blocks=tuple(range(n)), intensity=n),)})
+        out_full, step_full, reserved_full, _ = _run(w, full)
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the unmitigated run cannot fit 48 GB
+        plain = planned.model_copy(update={"mitigations": ()})
+        out_plain, step_plain, reserved_plain, _ = _run(w, plain)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.backends.cuda.enable_math_sdp(math_sdp)
     assert w.residency is not None
     result = {
         "template": "flux2/1024x1024x1", "plan": planned.describe(), "cap_bytes": CAP_BYTES,

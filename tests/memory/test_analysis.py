@@ -63,7 +63,7 @@ def test_segments_split_by_unit_and_phase(toy: MemoryTrace) -> None:
 
 
 def test_cdf_is_relative_to_phase_peak(toy: MemoryTrace) -> None:
-    cdf = event_cdf(toy, "dit", thresholds=(50, 90))
+    cdf = event_cdf(toy, "denoise", thresholds=(50, 90))
     # DiT events at 50, 100, 50, 0 above the weights; peak 100
     assert cdf == {"<50%": 0.25, "<90%": 0.75}
 

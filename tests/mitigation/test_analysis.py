@@ -36,11 +36,11 @@ def test_block_offload_trace_matches_estimate_exactly(model: str) -> None:
     saved = estimate_saving(m, t)
     # offloaded weights are not resident; outside the DiT the saving is exactly their bytes
     # (each block is rounded to 512 B per tensor by the allocator model, hence the bound)
-    assert base.resident_bytes() - mitigated.resident_bytes() >= saved.at("vae")
+    assert base.resident_bytes() - mitigated.resident_bytes() >= saved.at("decode")
     before, after = group_peaks(base), group_peaks(mitigated)
     # (less the one shared 512 B scalar the offloaded parameters point to while on the host)
-    assert before["vae"] - after["vae"] >= saved.at("vae") - 512
-    assert before["dit"] - after["dit"] >= saved.at("dit") - 512
+    assert before["decode"] - after["decode"] >= saved.at("decode") - 512
+    assert before["denoise"] - after["denoise"] >= saved.at("denoise") - 512
 
 
 def test_hsdp_trace_keeps_a_shard_resident() -> None:
@@ -60,8 +60,8 @@ def test_activation_primitives_lower_the_vae_peak_on_meta() -> None:
     chunk = Mitigation(kind="vae_chunking", modules=("vae.decoder.up_blocks.3", "vae.decoder.up_blocks.2"), intensity=4)
     # each alone lowers the decode peak (together they help at real sizes, see bench; at this
     # tiny size the 8-row band alignment makes bands nearly as tall as the map)
-    assert group_peaks(trace_with_mitigations(t, [offload]))["vae"] < base["vae"]
-    assert group_peaks(trace_with_mitigations(t, [chunk]))["vae"] < base["vae"]
+    assert group_peaks(trace_with_mitigations(t, [offload]))["decode"] < base["decode"]
+    assert group_peaks(trace_with_mitigations(t, [chunk]))["decode"] < base["decode"]
 
 
 def test_events_location_maps_to_blocks() -> None:

@@ -83,7 +83,7 @@ def _traced_dit_peak(parts: tuple[str, ...]) -> int:
         trace = trace_template(t, TraceOptions(device="meta", dtype=torch.float32), pipeline=pipe)
     finally:
         handle.remove()
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "dit")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "denoise")
 
 
 def test_attention_chunking_lowers_the_traced_dit_peak() -> None:

@@ -48,12 +48,12 @@ def band_plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def _vae_peak(trace: MemoryTrace) -> int:
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "vae")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "decode")
 
 
 def _decode_allocations_under(trace: MemoryTrace, prefix: str) -> np.ndarray:
     ph = event_phases(trace)[trace.begin]
-    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "vae"])
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "decode"])
     under = np.array([n == prefix or n.startswith(prefix + ".") for n in trace.modules] + [False])[trace.module]
     return trace.size[vae & under & (trace.category == Category.ACTIVATION)]
 
@@ -118,7 +118,7 @@ def test_chain_never_materialises_a_whole_map_on_meta() -> None:
     assert banded < whole / 2
     assert _vae_peak(traced) < _vae_peak(trace_with_mitigations(t, [offload]))
     # the estimate predicts a saving (the analyzer confirms by tracing, as above)
-    assert estimate_saving(chain, t, baseline=base).at("vae") > 0
+    assert estimate_saving(chain, t, baseline=base).at("decode") > 0
 
 
 def test_chain_keeps_no_freed_result_alive() -> None:
@@ -166,35 +166,3 @@ def test_error_raised_if_chains_overlap() -> None:
     with pytest.raises(ValueError, match="overlap"):
         apply_vae_chunking(pipe, VaeChunkingConfig(
             modules=("vae.decoder[up_blocks.2:]", "vae.decoder.up_blocks.3[resnets.1:]"), chunks=2))
-
-
-@pytest.mark.gpu
-def test_chain_is_lossless_on_cuda_at_the_real_config() -> None:
-    # CogVideoX-5B's VAE at its real config (random weights), two frame batches so conv
-    # caches cross batches through the host; per-unit bands below and a chain from the last
-    # upsampler, as the Figure 11 benchmark plans 4K. fp32 with TF32 off: reduction order
-    # only; bf16: exercises batch norm with bf16 maps and fp32 statistics on CUDA.
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    spec = get_model_spec("cogvideox-5b")
-    pipe = spec.build_pipeline(BuildOptions(device="cuda", dtype=torch.bfloat16))
-    plan = [
-        Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=1000),
-        Mitigation(kind="vae_chunking", modules=("vae.decoder.up_blocks.2", "vae.decoder[up_blocks.2.upsamplers.0:]"),
-                   intensity=4),
-    ]
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-        pipe.vae.to(dtype)
-        z = torch.randn(1, 16, 5, 60, 90, generator=torch.Generator("cpu").manual_seed(0)).to("cuda", dtype)
-        with torch.no_grad():
-            torch.cuda.reset_peak_memory_stats()
-            ref = pipe.vae.decode(z).sample
-            peak_ref = torch.cuda.max_memory_allocated()
-            with apply_mitigations(pipe, spec, plan):
-                torch.cuda.reset_peak_memory_stats()
-                out = pipe.vae.decode(z).sample
-                peak = torch.cuda.max_memory_allocated()
-        assert torch.isfinite(ref).all()
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out, ref, atol=tol * scale, rtol=0)
-        assert peak < peak_ref

@@ -45,6 +45,9 @@ def test_ray_job_submit_writes_a_plan_table(tmp_path: Path, cluster_gpus: int, h
     assert list(table.entries) == ["tiny-flux2/64x64x1"]
     entry = table.entries["tiny-flux2/64x64x1"]
     assert entry.config.dp * entry.config.sp == 2
+    # the static layout, solved in a second wave of Ray tasks, is written next to the table
+    assert entry.config.layout_ref is not None
+    assert (out.with_name("tiny.layouts") / f"{entry.config.layout_ref}.json").is_file()
     if source == "measured":
         assert entry.prediction.latency_source == ("measured" if entry.config.sp == 1 else "measured+estimated")
     else:

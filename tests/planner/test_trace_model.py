@@ -49,10 +49,10 @@ def test_weight_mitigation_memory_matches_the_trace_under_sequence_parallelism(m
     analytic, base = model._memory.reserved_curve(cfg)
     traced_prof = model.traced_profile(cfg)
     traced, _ = MemoryModel(lambda _b: traced_prof).reserved_curve(cfg.model_copy(update={"mitigations": ()}))
-    dit_a, dit_t = analytic[base.groups == "dit"].max(), traced[traced_prof.groups == "dit"].max()
+    dit_a, dit_t = analytic[base.groups == "denoise"].max(), traced[traced_prof.groups == "denoise"].max()
     assert dit_t == pytest.approx(dit_a, rel=0.005)
     assert traced.max() == pytest.approx(analytic.max(), rel=0.005)
     # splitting the held weights across the SP ranks, as if they were activations, undercounts
     traced_prof.held_weights = None
     split, _ = MemoryModel(lambda _b: traced_prof).reserved_curve(cfg.model_copy(update={"mitigations": ()}))
-    assert split[traced_prof.groups == "dit"].max() < dit_t
+    assert split[traced_prof.groups == "denoise"].max() < dit_t

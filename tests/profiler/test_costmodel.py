@@ -27,7 +27,7 @@ def test_flux2_blocks_match_h200_calibration() -> None:
 
 def test_cogvideox_within_25_percent_of_h200_calibration() -> None:
     est = estimate_latency(ExecutionConfig(template=COG720), H200)
-    assert est.source == "cost_model" and "estimate" in est.label
+    assert est.source == "estimated" and "estimate" in est.label
     assert est.per_step_s == pytest.approx(7.98, rel=0.25)
     assert est.per_phase["decode"] == pytest.approx(6.0, rel=0.25)
 
@@ -85,7 +85,7 @@ def test_store_measurements_take_precedence_and_calibrate() -> None:
     other = ExecutionConfig(template=COG720.with_(height=480, width=720))
     calibrated = estimate_latency(other, hw, store)
     plain = estimate_latency(other, hw)
-    assert calibrated.source == "cost_model" and calibrated.calibrated and not plain.calibrated
+    assert calibrated.source == "estimated" and calibrated.calibrated and not plain.calibrated
     assert calibrated.per_step_s == pytest.approx(1.74, rel=0.15)  # the 480p point, from the 720p one
 
 

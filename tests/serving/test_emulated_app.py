@@ -1,7 +1,7 @@
 """An emulated deployment of two models through the real app (deployments/emulated_box.py): a
 Ray node that declares 3 GPUs, Flux.2 on 2 emulated GPUs (SP 2: the per-step agreement runs over
 gloo between them), CogVideoX-5B on 1, the reference plans (plans/a6000x8.json, shrunk to those
-groups) at time_scale 1000. Responses say ``emulated: true``; a video job shows per-step progress;
+groups) at time_scale 2000. Responses say ``emulated: true``; a video job shows per-step progress;
 a 720p job arriving behind a 1080p one preempts it (``/v1/stats``)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from xema_ray.plan import PlanTable  # noqa: E402
 pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCALE = 1000.0
+SCALE = 2000.0
 FLUX = "flux2/256x256x1"
 C720, C1080 = "cogvideox-5b/1280x720x49", "cogvideox-5b/1920x1088x49"
 
@@ -86,14 +86,15 @@ def test_an_image_runs_on_two_emulated_gpus_and_says_emulated(box: str) -> None:
     assert png.size == (256, 256)
     p = table.entries[FLUX].prediction
     planned = p.latency_by_batch.get(int(r.headers["X-Xema-Batch-Size"]), p.latency_s) / SCALE
-    assert float(r.headers["X-Xema-Batch-Seconds"]) == pytest.approx(planned, rel=0.25, abs=0.05)
+    # the plan's time (10 ms here), plus the group's Ray call and 50 per-step gloo agreements
+    assert planned <= float(r.headers["X-Xema-Batch-Seconds"]) < planned + 0.25
 
 
 def test_a_video_job_shows_per_step_progress_and_a_720p_job_preempts_a_1080p_one(box: str) -> None:
     long = requests.post(f"{box}/v1/videos", json={"model": "cogvideox-5b", "prompt": "a long one",
                                                    "size": "1920x1088", "seconds": "6"}, timeout=30).json()
     assert long["emulated"] is True
-    time.sleep(1.5)  # the 1080p job (9.5 s here) is running on the group's only GPU
+    time.sleep(1.5)  # the 1080p job (4.8 s here) is running on the group's only GPU
     short = requests.post(f"{box}/v1/videos", json={"model": "cogvideox-5b", "prompt": "a short one",
                                                     "size": "1280x720", "seconds": "6"}, timeout=30).json()
     done_short, seen_short = _wait_done(box, short["id"])

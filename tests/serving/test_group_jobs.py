@@ -42,12 +42,13 @@ def jobs_cfg(tmp_path_factory: pytest.TempPathFactory) -> JobStoreConfig:
 
 @pytest.fixture(scope="module")
 def group(jobs_cfg: JobStoreConfig) -> Iterator[Harness]:
-    """One worker, 64x64x9 videos at batch 2 (a second job joins within the 1 s wait window)."""
+    """One worker, 64x64x9 videos at batch 2 (a second job joins within the 2 s wait window; a lone
+    job waits that long in the queue, time enough to delete it there even on a loaded machine)."""
     _BrokenRebuildWorker.ok.set()
     WORKER_KINDS["broken-rebuild"] = WorkerKind(f"{__name__}:_BrokenRebuildWorker", platform="cpu", backend="inprocess")
     try:
         with running_group("tiny-cogvideox", {COG.shape_key: entry(COG, batch=2, latency_s=4.0)}, device="broken-rebuild",
-                           worker_set=worker_set_for, wait_window_s=1.0, jobs=jobs_cfg) as h:
+                           worker_set=worker_set_for, wait_window_s=2.0, jobs=jobs_cfg) as h:
             yield h
     finally:
         del WORKER_KINDS["broken-rebuild"]
@@ -108,10 +109,10 @@ def test_a_job_handed_over_twice_runs_once(group: Harness, store: JobStore) -> N
 
 def test_delete_of_a_queued_job_removes_it(group: Harness, store: JobStore) -> None:
     rec = _job(store, seed=3)
-    assert _submit(group, rec)  # alone, it waits up to the 1 s window for a batch-mate
+    assert _submit(group, rec)  # alone, it waits up to the 2 s window for a batch-mate
     store.delete(rec.id)
     assert group.call(lambda g: g.cancel_job(rec.id))
-    time.sleep(1.5)
+    time.sleep(2.5)
     tomb = store.get(rec.id, include_deleted=True)
     assert tomb is not None and tomb.started_at is None  # it never ran
     assert group.call(lambda g: g.status())["jobs"] == 0

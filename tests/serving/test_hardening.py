@@ -157,7 +157,7 @@ def test_every_port_of_the_cluster_listens_on_localhost_only(server: str) -> Non
     assert len(listening) >= 5, listening  # GCS, raylet, workers, replicas, proxy, agents
     exposed = [x for x in listening if x[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     # the one exception Ray offers no setting for: each Serve replica's inter-deployment gRPC
-    # server, which Ray Serve 2.60 binds to "[::]:0" (serve/_private/replica.py); README "Ports"
+    # server, which Ray Serve 2.60 binds to "[::]:0" (serve/_private/replica.py); docs/operations.md "Ports"
     def is_replica(pid: int) -> bool:
         return any(part.startswith("ray::ServeReplica") for part in psutil.Process(pid).cmdline())
 
@@ -244,7 +244,7 @@ def test_error_raised_if_body_or_fields_are_too_large(server: str) -> None:
 
 @pytest.mark.parametrize(("ctype", "body"), [
     ("text/plain", json.dumps(IMAGE).encode()),
-    ("application/x-www-form-urlencoded", b"model=tiny-flux2&prompt=x&size=64x64"),
+    ("application/xml", b"<model>tiny-flux2</model>"),  # forms are accepted: validation.py, as on every endpoint
 ])
 def test_error_raised_if_body_is_not_json(server: str, ctype: str, body: bytes) -> None:
     err = _assert_json_error(_post(server, body, headers={"content-type": ctype}), 415)

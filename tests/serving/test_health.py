@@ -211,3 +211,26 @@ def test_healthz_does_not_wait_long_for_a_busy_group() -> None:
 
     status, seconds = _run(run())
     assert status == "ok" and seconds < 0.5  # the known state, answered quickly
+
+
+def test_healthz_asks_serve_at_once_when_the_handle_holds_the_probe() -> None:
+    group = _Group()
+    counts = {"m": 1}
+
+    async def replicas() -> dict[str, int]:
+        return counts
+
+    # the probe's own controller check is far away: only /healthz's own question can tell
+    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=60.0, pending_check_s=60.0)
+
+    async def run() -> tuple[str, float]:
+        health.ensure_started()
+        await asyncio.sleep(0.05)
+        assert health.report("m").status == "ok"
+        group.hang, counts["m"] = True, 0  # the replica is gone; the handle holds calls for the next one
+        t0 = asyncio.get_running_loop().time()
+        await health.fresh(1.0)
+        return health.report("m").status, asyncio.get_running_loop().time() - t0
+
+    status, seconds = _run(run())
+    assert status == "degraded" and seconds < 0.5

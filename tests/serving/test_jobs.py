@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.serving.redis_server import redis_server
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, SQLiteJobStore, new_job_id
+from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id
+from xema_ray.serving.jobs_sqlite import SQLiteJobStore
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ def table(batch: int = 1, sp: int = 1, gpus: int = 2, latency: float = 1.0, slo:
     def entry(t: RequestTemplate) -> PlanEntry:
         cfg = ExecutionConfig(template=t, ulysses=sp, dp=gpus // sp, batch=batch)
         return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=1, latency_s=latency, goodput_rps=1,
-                                                                slo_s=slo, latency_source="cost_model"))
+                                                                slo_s=slo, latency_source="estimated"))
     return PlanTable(hardware="cpu", gpus=gpus, budget_bytes=10**9, entries={A.shape_key: entry(A)})
 
 
@@ -77,3 +77,10 @@ def test_a_lone_request_of_a_batched_template_runs_when_its_wait_window_ends(t: 
     arrivals = [Arrival(t=t, template=A.shape_key, request_id="lone"), Arrival(t=t + 50, template=A.shape_key, request_id="x")]
     r = simulate(table(batch=2, latency=1.0), arrivals, wait_window_s=0.05)
     assert r.per_template[A.shape_key].latencies_s[0] == pytest.approx(1.05, abs=1e-6)
+
+
+def test_front_end_time_per_template_and_per_request() -> None:
+    arrivals = [Arrival(t=i * 5.0, template=A.shape_key, request_id=str(i)) for i in range(3)]
+    # 1 s batches, SLO 2.5 s: a 1 s front end for the template meets it, a 2 s one for request "1" misses
+    r = simulate(table(), arrivals, wait_window_s=0, overhead_s={A.shape_key: 1.0}, request_overhead_s={"1": 2.0})
+    assert r.per_template[A.shape_key].latencies_s == pytest.approx([2.0, 3.0, 2.0]) and r.met == 2

@@ -427,8 +427,7 @@ def include(trace: MemoryTrace, entry: EntryRecord) -> tuple[MemoryTrace, np.nda
     sub = trace.subset(keep)
     meta = {k: v for k, v in trace.meta.items() if k != "trace_hash"}  # the analyzer's hash is of the meta trace
     meta["device_allocs"] = entry.trace_key
-    if meta.get("step_bounds"):  # event positions, renumbered like every event
-        meta["step_bounds"] = ",".join(str((int(b) + 1) * spread) for b in meta["step_bounds"].split(","))
+    step_bounds = [(int(b) + 1) * spread for b in trace.step_bounds]  # event positions, renumbered like every event
     cat = lambda a, b, dt: np.concatenate([np.asarray(a, dtype=dt), np.asarray(b, dtype=dt)])  # noqa: E731
     out = MemoryTrace(
         size=cat(sub.size, xs, np.int64), nbytes=cat(sub.nbytes, xs, np.int64),
@@ -437,7 +436,7 @@ def include(trace: MemoryTrace, entry: EntryRecord) -> tuple[MemoryTrace, np.nda
         module=cat(sub.module, xm, np.int32), phase=cat(sub.phase, np.zeros(n_x), np.int32),
         op=cat(sub.op, np.full(n_x, -1), np.int32), free_module=cat(sub.free_module, np.full(n_x, -1), np.int32),
         n_events=n_events, modules=trace.modules, phases=trace.phases or ["request"], ops=trace.ops,
-        meta=meta,
+        step_bounds=step_bounds, loaded_bytes=trace.loaded_bytes, mitigations=list(trace.mitigations), meta=meta,
     )
     planned = np.concatenate([planned_meta[keep], np.asarray(xp, dtype=bool)])
     return out, planned

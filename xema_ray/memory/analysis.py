@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -115,12 +115,19 @@ def event_phases(trace: MemoryTrace) -> np.ndarray:
     return ph[idx]
 
 
-def phase_group(name: str) -> str:
+#: The one phase vocabulary (analyzer, planner, profiler, plots, the serving engine's timings).
+PhaseGroup = Literal["setup", "denoise", "decode", "post"]
+
+
+def phase_group(name: str) -> PhaseGroup:
+    """A trace phase ("setup", "denoise.step<k>", "decode.<component>", "post") -> its group:
+    "setup" before the first denoising step (text encoding included), "denoise" the DiT's steps,
+    "decode" the VAE decodes, "post" what follows the last step outside them."""
     if name.startswith("denoise"):
-        return "dit"
+        return "denoise"
     if name.startswith("decode"):
-        return "vae"
-    return name
+        return "decode"
+    return "post" if name == "post" else "setup"
 
 
 # ---------------------------------------------------------------------------- peaks
@@ -342,7 +349,7 @@ def segments(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Segmen
 
 
 def event_cdf(trace: MemoryTrace, group: str, thresholds: tuple[int, ...] = (50, 70, 90), curve: np.ndarray | None = None) -> dict[str, float]:
-    """Fraction of the events of a phase group ("dit" or "vae") whose live memory is below x% of
+    """Fraction of the events of a phase group ("denoise" or "decode") whose live memory is below x% of
     that group's peak (the paper's Figure 2). Memory is measured above the resident floor
     (weights and inputs), as the figure shows the phase's own dynamics."""
     curve = trace.active_curve() if curve is None else curve
@@ -392,8 +399,8 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
         budget_bytes=budget,
         pressure_intervals=intervals,
         pressure_event_fraction=frac,
-        dit_cdf=event_cdf(trace, "dit", curve=curve),
-        vae_cdf=event_cdf(trace, "vae", curve=curve),
+        dit_cdf=event_cdf(trace, "denoise", curve=curve),
+        vae_cdf=event_cdf(trace, "decode", curve=curve),
         weight_bytes_by_component=dict(sorted(by_component.items(), key=lambda kv: -kv[1])),
         setup_peak_bytes=max(setup, default=0),
     )

@@ -37,7 +37,7 @@ from xema_ray.memory.tracer import (
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.templates import RequestTemplate
 
-TRACER_VERSION = "1"
+TRACER_VERSION = "2"  # 2: step bounds typed (MemoryTrace.step_bounds), not in meta
 STEP_BOUNDARY = "scheduler_step"
 REPLICATE_FROM = 3  # traced steps when replicating: step 0 carries set-up, steps 1 and 2 must match
 DIT_BEGIN = "dit_begin"
@@ -512,7 +512,6 @@ def _assemble(
     resident = cols["category"] != Category.ACTIVATION
     phase[resident] = 0
     meta = dict(raw.meta)
-    meta["step_bounds"] = ",".join(str(b) for b in bounds)
     meta["trace_hash"] = hashlib.sha256(size.tobytes() + begin.tobytes() + end.tobytes()).hexdigest()[:16]
     return MemoryTrace(
         size=size,
@@ -528,5 +527,6 @@ def _assemble(
         modules=list(raw.modules),
         phases=phases,
         ops=list(raw.ops),
+        step_bounds=[int(b) for b in bounds],
         meta=meta,
     )

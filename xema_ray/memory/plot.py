@@ -37,7 +37,7 @@ def plot_trace(trace: MemoryTrace, path: str | Path, budget: int | None = None, 
     fig, (ax, ax_cdf) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 1]})
     ph = event_phases(trace)
     groups = np.array([phase_group(p) for p in trace.phases] + ["?"])[ph]
-    colors = {"dit": "#dbe9f6", "vae": "#fde2c8"}
+    colors = {"denoise": "#dbe9f6", "decode": "#fde2c8"}
     for group, color in colors.items():
         sel = (groups == group).astype(np.int8)
         edges = np.diff(np.concatenate([[0], sel, [0]]))
@@ -58,7 +58,7 @@ def plot_trace(trace: MemoryTrace, path: str | Path, budget: int | None = None, 
     ax.set_title(title or trace.meta.get("template", "memory trace"))
     ax.legend(loc="lower right", fontsize=8)
 
-    for group, color in (("dit", "#1f77b4"), ("vae", "#ff7f0e")):
+    for group, color in (("denoise", "#1f77b4"), ("decode", "#ff7f0e")):
         sel = groups == group
         if not sel.any():
             continue

@@ -48,7 +48,13 @@ class MemoryTrace:
             none or never freed); with ``module`` this places every event in a module.
         n_events: total number of events (allocations + frees).
         modules, phases, ops: string tables.
-        meta: free-form provenance (template, config hash, tracer version).
+        step_bounds: event index of each denoising step's scheduler entry (the step boundaries).
+        loaded_bytes: device bytes the serving worker placed before the request (its weights),
+            for a worker's request stream (``xema_ray.runtime.verify.worker_trace``); else 0.
+        mitigations: the mitigations the trace was taken under, each an ``xema_ray.plan.Mitigation``
+            as JSON (this layer does not know that type).
+        meta: provenance for display only (template, device, tracer version, replay counts):
+            nothing reads a figure back from it.
     """
 
     size: np.ndarray
@@ -64,6 +70,9 @@ class MemoryTrace:
     modules: list[str] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
+    step_bounds: list[int] = field(default_factory=list)
+    loaded_bytes: int = 0
+    mitigations: list[str] = field(default_factory=list)
     meta: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,6 +122,9 @@ class MemoryTrace:
             modules=self.modules,
             phases=self.phases,
             ops=self.ops,
+            step_bounds=list(self.step_bounds),
+            loaded_bytes=self.loaded_bytes,
+            mitigations=list(self.mitigations),
             meta=dict(self.meta),
         )
 
@@ -146,6 +158,9 @@ class MemoryTrace:
             modules=self.modules,
             phases=self.phases,
             ops=self.ops,
+            step_bounds=self.step_bounds,
+            loaded_bytes=self.loaded_bytes,
+            mitigations=self.mitigations,
             meta=self.meta,
         )
 
@@ -176,6 +191,9 @@ class MemoryTrace:
             modules=list(f.modules),
             phases=list(f.phases),
             ops=list(f.ops),
+            step_bounds=list(f.step_bounds),
+            loaded_bytes=f.loaded_bytes,
+            mitigations=list(f.mitigations),
             meta=dict(f.meta),
         )
 
@@ -199,4 +217,7 @@ class MemoryTraceFile(BaseModel):
     modules: list[str]
     phases: list[str]
     ops: list[str]
-    meta: dict[str, str] = Field(default_factory=dict)
+    step_bounds: list[int] = Field(default_factory=list, description="event index of each step boundary")
+    loaded_bytes: int = Field(default=0, ge=0, description="device bytes placed before the request (a worker's stream)")
+    mitigations: list[str] = Field(default_factory=list, description="each an xema_ray.plan.Mitigation as JSON")
+    meta: dict[str, str] = Field(default_factory=dict, description="provenance, for display only")

@@ -66,5 +66,5 @@ def trace_with_mitigations(
         trace = trace_template(template, opts, pipeline=pipe, prepare=prepare)
     finally:
         applied.remove()
-    trace.meta["mitigations"] = ";".join(m.model_dump_json() for m in mitigations)
+    trace.mitigations = [m.model_dump_json() for m in mitigations]
     return trace

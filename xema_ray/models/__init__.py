@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from xema_ray.models.base import BuildOptions, ModelSpec
+if TYPE_CHECKING:
+    from xema_ray.models.base import BuildOptions, ModelSpec
 
 __all__ = ["BuildOptions", "ModelSpec", "MODEL_NAMES", "get_model_spec"]
 
@@ -75,3 +77,13 @@ def get_model_spec(name: str) -> ModelSpec:
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}") from None
     return factory()
+
+
+def __getattr__(name: str) -> Any:
+    """``BuildOptions`` and ``ModelSpec`` import torch: loaded on first use, so that reading
+    ``MODEL_NAMES`` (the CLI's ``--model`` choices) stays cheap."""
+    if name in ("BuildOptions", "ModelSpec"):
+        from xema_ray.models import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,8 @@ Values come from a ``WeightSource``:
   tensors get a documented fallback (1-D ``*weight``/``*scale``/``*std`` ones, other 1-D
   zeros, matrices N(0, 1/fan_in)); modules with a tensor over 2^24 elements (real sizes only) get
   a seeded 2^20-element uniform pattern repeated, so building 55 B random parameters takes
-  seconds, not minutes.
+  seconds, not minutes; that pattern is drawn on the CPU and repeated where the tensor lives
+  (on the GPU for device homes: the same bytes, no host copy, no host-to-device transfer).
 - ``CheckpointWeights(dir, subfolder)``: a local diffusers directory
   (``diffusion_pytorch_model*.safetensors``, sharded or not), read tensor by tensor with
   ``safetensors.safe_open``; a missing tensor, an unexpected one or a shape mismatch is an
@@ -106,16 +107,26 @@ _TILE = 2**20
 def _tiled_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
     """A real-size tensor (a 131072 x 5120 embedding, a 5120 x 32768 MLP) filled with a seeded
     2^20-element pattern repeated: as deterministic and placement-independent as the rest, at
-    memory speed instead of the CPU generator's (minutes for 55 B parameters)."""
+    memory speed instead of the CPU generator's (minutes for 55 B parameters). The pattern is
+    always drawn on the CPU (same bytes on every device); ``t`` may live anywhere (a CUDA
+    tensor is filled there: no host copy of the whole tensor, no host-to-device transfer)."""
     if t.dim() <= 1 or not t.is_floating_point():
         _fallback_init(name, t, gen)
         return
     bound = t.shape[-1] ** -0.5
     base = torch.empty(_TILE, dtype=t.dtype).uniform_(-bound, bound, generator=gen)
+    _fill_tiled(t, base.to(t.device))
+
+
+def _fill_tiled(t: torch.Tensor, base: torch.Tensor) -> None:
+    """``t`` (contiguous) = ``base`` repeated, the last repeat cut short: one copy kernel."""
     flat = t.view(-1)
-    for start in range(0, flat.numel(), _TILE):
-        n = min(_TILE, flat.numel() - start)
-        flat[start : start + n].copy_(base[:n])
+    whole = flat.numel() // _TILE
+    if whole:
+        flat[: whole * _TILE].view(whole, _TILE).copy_(base.expand(whole, _TILE))
+    rest = flat.numel() - whole * _TILE
+    if rest:
+        flat[whole * _TILE :].copy_(base[:rest])
 
 
 def _fallback_init(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
@@ -137,16 +148,28 @@ class SeededWeights(WeightSource):
     component: str
 
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self.placed_values(path, module, dtype, torch.device("cpu"))
+
+    def placed_values(self, path: str, module: nn.Module, dtype: torch.dtype, device: torch.device,
+                      pin: bool = False) -> dict[str, torch.Tensor]:
+        """``values``, with the tiled (real-size) tensors allocated and filled at ``device``
+        (pinned host memory with ``pin``) instead of on the CPU: the same bytes (the pattern is
+        drawn on the CPU from the same generator), without writing 64 GB on the host and copying
+        it over. Smaller tensors come back on the CPU; the caller moves them."""
         own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if not any(t.is_meta for t in own.values()):
             return {}  # buffers computed by the constructor keep their values
         gen = torch.Generator(device="cpu").manual_seed(_seed_for(self.seed, self.component, path))
+        if any(t.numel() > TILE_THRESHOLD for t in own.values()):
+            tiled: dict[str, torch.Tensor] = {}
+            for n, t in own.items():
+                big = t.dim() > 1 and t.is_floating_point()
+                tiled[n] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                       device=device if big else "cpu", pin_memory=pin and big)
+                _tiled_init(n, tiled[n], gen)
+            return {n: t for n, t in tiled.items() if own[n].is_meta}
         # a CPU twin of the module's own tensors, initialised by its own reset_parameters where it has one
         out = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else dtype) for n, t in own.items()}
-        if any(t.numel() > TILE_THRESHOLD for t in own.values()):
-            for n, t in out.items():
-                _tiled_init(n, t, gen)
-            return {n: t for n, t in out.items() if own[n].is_meta}
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             twin = _cpu_twin(module, out)
@@ -301,6 +324,16 @@ def checkpoint_dtype(directory: Path) -> torch.dtype | None:
 
 
 # ---------------------------------------------------------------------------- placement
+def _source_values(source: WeightSource, path: str, sub: nn.Module, dtype: torch.dtype, device: torch.device,
+                   home: WeightHome, pin: bool) -> dict[str, torch.Tensor]:
+    """The source's values for one module; seeded real-size tensors are filled at their home."""
+    if isinstance(source, SeededWeights):
+        if home is WeightHome.DEVICE:
+            return source.placed_values(path, sub, dtype, device)
+        return source.placed_values(path, sub, dtype, torch.device("cpu"), pin=pin)
+    return source.values(path, sub, dtype)
+
+
 def _modules_in_order(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from root.named_modules(remove_duplicate=True)
 
@@ -372,7 +405,7 @@ def materialize(
             sub._parameters[name] = placed[id(own.pop(name))]
         if not own:
             continue
-        values = {} if device.type == "meta" else source.values(path, sub, dtype)
+        values = {} if device.type == "meta" else _source_values(source, path, sub, dtype, device, home, pin)
         for name, meta in own.items():
             as_dtype = meta.is_floating_point() and name in sub._parameters
             nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
@@ -391,7 +424,7 @@ def materialize(
                 if home is WeightHome.DEVICE:
                     t = v.to(device)
                 else:
-                    t = v.pin_memory() if pin else v
+                    t = v.pin_memory() if pin and not v.is_pinned() else v
             if name in sub._parameters:
                 placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
             else:

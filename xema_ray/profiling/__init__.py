@@ -1,7 +1,7 @@
 """Latency: the segment-reuse profiler (§7.2), its on-disk store, and the roofline cost model.
 
 The planner calls ``estimate_latency(config, hardware, store)``; it returns a
-``LatencyEstimate`` whose ``source`` is "measured", "profiled" or "cost_model".
+``LatencyEstimate`` whose ``source`` is "measured", "profiled" or "estimated".
 """
 
 from xema_ray.profiling.costmodel import LatencyEstimate, cost_model_estimate, estimate_latency

@@ -30,21 +30,26 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.models import ModelSpec
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.profiling.store import ProfileStore
 from xema_ray.templates import RequestTemplate
 
+if TYPE_CHECKING:
+    from xema_ray.models import ModelSpec
+
 BYTES = 2  # bf16 weights and activations
 KERNEL_LAUNCH_S = 10e-6
 KERNELS_PER_BLOCK = 40  # launches of one DiT block (GEMMs, norms, rope, attention, elementwise)
 
-Source = Literal["measured", "profiled", "cost_model"]
+#: measured: a whole request timed; profiled: composed from measured segments (segment-reuse
+#: profiler); estimated: the roofline cost model. A plan entry's ``latency_source``
+#: (``xema_ray.plan.LatencySource``) counts the first two as measured.
+Source = Literal["measured", "profiled", "estimated"]
 
 
 class LatencyEstimate(BaseModel):
@@ -410,7 +415,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         decode += min(1.0, act_offload / caches) * 2 * moved / (hw.h2d_gbps * 1e9) * 0.5
     per_phase = {"setup": 0.0, "denoise": step * template.steps, "decode": decode}
     return LatencyEstimate(
-        total_s=sum(per_phase.values()), per_phase=per_phase, source="cost_model", per_step_s=step,
+        total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step,
         label=f"estimate (roofline, {hw.name})",
     )
 
@@ -448,7 +453,7 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
         >>> t = RequestTemplate(model="cogvideox-5b", height=720, width=1280, frames=49)
         >>> est = estimate_latency(ExecutionConfig(template=t), H200)
         >>> est.source, est.per_step_s > 1.0
-        ('cost_model', True)
+        ('estimated', True)
     """
     model = config.template.model
     if store is not None and hardware.fingerprint is not None:
@@ -467,6 +472,6 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
     per_phase = {p: v * factors.get(p, 1.0) for p, v in est.per_phase.items()}
     step = (est.per_step_s or 0.0) * factors.get("denoise", 1.0)
     return LatencyEstimate(
-        total_s=sum(per_phase.values()), per_phase=per_phase, source="cost_model", per_step_s=step, calibrated=True,
+        total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step, calibrated=True,
         label=f"estimate (roofline calibrated on {sum(1 for _ in factors)} phase(s) of measurements, {hardware.name})",
     )

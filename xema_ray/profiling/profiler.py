@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.memory.analysis import segments as trace_segments
-from xema_ray.memory.analysis import unit_of
+from xema_ray.memory.analysis import phase_group, unit_of
 from xema_ray.memory.analyzer import DIT_BEGIN, STEP_BOUNDARY, TraceOptions, _markers, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.plan import ExecutionConfig
@@ -72,13 +72,11 @@ class ProfileReport(BaseModel):
     profiling_s: float = Field(description="wall time spent profiling (trace + calibration run)")
 
 
-def phase_group(phase: str) -> str:
-    """Phase -> the per-phase bucket reported ("setup", "denoise", "decode")."""
-    if phase.startswith("denoise"):
-        return "denoise"
-    if phase.startswith("decode") or phase == "post":
-        return "decode"
-    return "setup"
+def latency_phase(phase: str) -> str:
+    """A trace phase -> the bucket its time is reported in: its ``phase_group``, with "post" (the
+    few operators after the last step) counted in "decode", as the engine's clock counts it."""
+    group = phase_group(phase)
+    return "decode" if group == "post" else group
 
 
 def _phase_kind(phase: str) -> str:
@@ -346,14 +344,14 @@ class LatencyProfiler:
                     f"unit {unit} in phase {phase} of {config.template.key} was not executed by the "
                     f"{calib_steps}-step calibration request"
                 )
-            per_phase[phase_group(phase)] += rec.seconds
+            per_phase[latency_phase(phase)] += rec.seconds
         phases_present: dict[str, int] = defaultdict(int)
         for phase in {p for _, p in full_sigs}:
             phases_present[_phase_kind(phase)] += 1
         for kind, count in phases_present.items():
             rec = self.store.get_segment(self.fingerprint, model, key, f"untraced:{kind}")
             if rec is not None:
-                per_phase[phase_group(kind)] += rec.seconds * count
+                per_phase[latency_phase(kind)] += rec.seconds * count
         estimate = sum(per_phase.values())
         report = ProfileReport(
             template=config.template.key,
@@ -396,7 +394,7 @@ class LatencyProfiler:
         record = RequestRecord(
             fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
             config_hash=config.config_hash(), source="measured", total_s=totals[i],
-            per_phase={phase_group(k) if k != "text" else "setup": v for k, v in phases[i].items()},
+            per_phase={latency_phase(k) if k != "text" else "setup": v for k, v in phases[i].items()},
             steps=config.template.steps, measured_at=now(), config=config,
         )
         self.store.put_request(record)

@@ -290,6 +290,9 @@ class ExecutionEngine:
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
         # per thread: a paused batch's thread and the batch that preempted it each keep their own
         self._local = threading.local()
+        #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
+        #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
+        self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
 
     @property
     def last_prompts(self) -> EncodedPrompts | None:
@@ -376,6 +379,8 @@ class ExecutionEngine:
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
                 env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            if self.inner_env is not None:
+                env.enter_context(self.inner_env(self.pipe))
         except BaseException:
             env.close()
             raise

@@ -111,7 +111,7 @@ def solve_entry_layout(config: ExecutionConfig, gpu: str, layouts_dir: Path | No
     layout.verify()
     return LayoutArtifact(layout_id=content_id(layout), gpu=gpu, template=config.template.shape_key,
                           config_hash=config.config_hash(), steps=config.template.steps,
-                          loaded_bytes=int(trace.meta["loaded_bytes"]), layout=layout.to_file(),
+                          loaded_bytes=trace.loaded_bytes, layout=layout.to_file(),
                           device_allocs=entry, device_allocs_note=note,
                           unplanned_rows=[int(i) for i in np.flatnonzero(~planned)])
 
@@ -132,7 +132,8 @@ def load_artifact(directory: Path, layout_id: str, gpu: str | None = None) -> La
     """
     path = directory / f"{layout_id}.json"
     if not path.is_file():
-        raise LayoutMismatch(f"layout {layout_id}: {path} is missing (plan the table again with --layouts)")
+        raise LayoutMismatch(f"layout {layout_id}: {path} is missing (xema layouts --plan-table "
+                             f"{directory.with_name(directory.name.removesuffix('.layouts') + '.json')} writes it)")
     art = LayoutArtifact.model_validate_json(path.read_text())
     if art.version != LAYOUT_FILE_VERSION:
         raise LayoutMismatch(f"{path}: layout file version {art.version}, this build reads {LAYOUT_FILE_VERSION}")

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.serving.api import RequestLimits
+from xema_ray.serving.auth import AuthConfig
 from xema_ray.serving.jobs import JobStoreConfig
 from xema_ray.serving.scaling import AutoscalingSpec
 
@@ -98,13 +99,14 @@ class ServeConfig(BaseModel):
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
     jobs: JobStoreConfig = Field(default_factory=JobStoreConfig,
                                  description="video jobs and image URLs: sqlite (one node) or redis (several)")
     router_resources: dict[str, float] = Field(
         default_factory=dict, description="Ray resources the Router and Stats replicas ask for (e.g. a custom "
                                           "resource of the head node, to keep them next to the HTTP proxy)")
+    auth: AuthConfig = Field(default_factory=AuthConfig,
+                             description="API keys (each a tenant owning its video jobs); none: the API is open")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="body and field size limits, and the Router's in-flight limit")
 

@@ -22,17 +22,28 @@ next armed batch reuses). A paused
 batch resumes first, as soon as its workers are free; its workers take no other batch meanwhile
 except through this same rule. Every decision is logged (``decisions``), so the live group and
 the simulator can be compared.
+
+SLO-aware dispatch (with an ``AdmissionPolicy``, chosen by the load-aware planner per group): a
+partial batch starts at once when waiting for it to fill would make its oldest request miss; a
+queued request that can no longer meet its SLO even if started now alone is, by the policy's
+``late``, served in deadline order as before, deprioritised (run only when no request that still
+can is waiting), or shed when others wait (``take_shed``; the caller answers it 503, attainment
+counts it as missed); templates the policy refuses at this load are refused at ``submit``.
+Without a policy the dispatcher behaves as it always has.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.plan import AdmissionPolicy
 
 if TYPE_CHECKING:
     from xema_ray.plan import PlanEntry
@@ -54,6 +65,9 @@ class DispatchPlan:
     peak_bytes: int | None = None  # planned device peak per worker (weights included)
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
     static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
+    denoise_frac: float = 1.0  # share of latency_s in the denoising steps (1: no phases known)
+    tail_frac: float = 0.0  # share after the last step (VAE decode, encoding): no step boundary left there
+    min_latency_s: float | None = None  # a batch of one (None: latency_s): whether a late request can still make it
 
     @classmethod
     def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
@@ -61,7 +75,11 @@ class DispatchPlan:
         c, p = entry.config, entry.prediction
         return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
                    steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
-                   static_layout=c.layout_ref is not None)
+                   static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1))
+
+
+class Refused(OverflowError):
+    """A template the group's admission policy does not admit at its planned load (HTTP 503)."""
 
 
 class PreemptionPolicy(BaseModel):
@@ -154,7 +172,8 @@ class Dispatcher(Generic[P]):
     """
 
     def __init__(self, plans: dict[str, DispatchPlan], workers: int, wait_window_s: float = 0.05,
-                 max_queue: int = 256, preemption: PreemptionPolicy | None = None) -> None:
+                 max_queue: int = 256, preemption: PreemptionPolicy | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
         if workers < 1:
             raise ValueError(f"a model group needs at least one worker, got {workers}")
         for key, p in plans.items():
@@ -179,12 +198,18 @@ class Dispatcher(Generic[P]):
         #: the latest decisions (bounded: a server runs for months), and how many there were
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS_KEPT)
         self.preemptions_total = 0
+        self.admission = admission
+        self._late: dict[str, list[Pending[P]]] = {k: [] for k in plans}  # can no longer meet their SLO
+        self._shed: list[Pending[P]] = []  # dropped, for the caller to answer (take_shed)
+        self.shed_total = 0
 
     # ------------------------------------------------------------------ queue
     def submit(self, template: str, request_id: str, now: float, payload: P | None = None) -> None:
         """Queue a request. Raises KeyError for an unplanned template, OverflowError when full."""
         if template not in self.plans:
             raise KeyError(template)
+        if self.admission is not None and template in self.admission.refused:
+            raise Refused(f"{template}: not admitted at this group's planned load (admission policy)")
         q = self._queues[template]
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
@@ -198,7 +223,7 @@ class Dispatcher(Generic[P]):
 
     def cancel(self, request_id: str) -> bool:
         """Remove a queued request (False: it is not queued — running, finished or unknown)."""
-        for q in self._queues.values():
+        for q in (*self._queues.values(), *self._late.values()):
             for i, r in enumerate(q):
                 if r.request_id == request_id:
                     q.pop(i)
@@ -206,14 +231,22 @@ class Dispatcher(Generic[P]):
                     return True
         return False
 
+    def set_phases(self, template: str, denoise_frac: float, tail_frac: float) -> None:
+        """Measured shares of ``template``'s latency in its denoising steps and in its tail
+        (decode, encoding): where its step boundaries fall (a batch in its tail has none left).
+        Shares, not seconds: the plan's latency stays what the dispatcher predicts with."""
+        if not (0 < denoise_frac <= 1 and 0 <= tail_frac < 1 and denoise_frac + tail_frac <= 1 + 1e-9):
+            raise ValueError(f"{template}: phase shares must lie in (0, 1], got denoise {denoise_frac}, tail {tail_frac}")
+        self.plans[template] = dataclasses.replace(self.plans[template], denoise_frac=denoise_frac, tail_frac=tail_frac)
+
     def queued(self, template: str) -> list[Pending[P]]:
         """A template's queued requests, earliest deadline first (a copy: for summaries)."""
         return sorted(self._queues.get(template, ()))
 
     def queue_depth(self, template: str | None = None) -> int:
         if template is not None:
-            return len(self._queues.get(template, ()))
-        return sum(len(q) for q in self._queues.values())
+            return len(self._queues.get(template, ())) + len(self._late.get(template, ()))
+        return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._late.values())
 
     # ------------------------------------------------------------------ placement
     def _free_group(self, sp: int) -> tuple[int, ...] | None:
@@ -229,12 +262,20 @@ class Dispatcher(Generic[P]):
             return False
         plan = self.plans[template]
         oldest = min(r.arrival for r in q)
-        return len(q) >= plan.batch or now - oldest >= self.wait_window_s
+        # ``now >= oldest + window``, the very sum ``next_wakeup`` returns: ``now - oldest >= window``
+        # can be False at that wake-up by rounding, and the partial batch then waited for the next event
+        if len(q) >= plan.batch or now >= oldest + self.wait_window_s:
+            return True
+        # waiting out the window would make the head request miss: start the partial batch now
+        adm = self.admission
+        return adm is not None and adm.partial_when_late and oldest + self.wait_window_s + plan.latency_s > q[0].deadline
 
     def dispatch(self, now: float) -> list[Assignment[P]]:
         """Batches to start now: paused ones whose workers are free first, then templates by
         earliest head deadline, each on a free SP group, or by preempting (see the module docstring)."""
         started: list[Assignment[P]] = self._resumable(now)
+        if self.admission is not None and self.admission.late != "serve":
+            self._set_aside_late(now)
         order = sorted((q[0].deadline, t) for t, q in self._queues.items() if q)
         for _, template in order:
             while self._ready(template, now):
@@ -256,7 +297,53 @@ class Dispatcher(Generic[P]):
                 self._running[a.batch_id] = a
                 self._progress[a.batch_id] = _Progress(since=now)
                 started.append(a)
+        if any(self._late.values()) and not any(self._queues.values()):
+            started += self._start_late(now)  # nothing that can still meet its SLO waits
         return started
+
+    # ------------------------------------------------------------------ SLO-aware admission
+    def _set_aside_late(self, now: float) -> None:
+        """Move queued requests that can no longer meet their SLO (even started now, alone) to the
+        late queues; under ``shed``, drop them instead while requests that still can are waiting."""
+        for template, q in self._queues.items():
+            plan = self.plans[template]
+            fastest = plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
+            if not q or now + fastest <= q[0].deadline + 1e-9:
+                continue  # the head (earliest deadline) can still make it, so can the rest
+            keep = [r for r in q if now + fastest <= r.deadline + 1e-9]
+            for r in q:
+                if now + fastest > r.deadline + 1e-9:
+                    heapq.heappush(self._late[template], r)
+            heapq.heapify(keep)
+            self._queues[template] = keep
+        if self.admission is not None and self.admission.late == "shed" and any(self._queues.values()):
+            for template, late in self._late.items():
+                self._shed += late
+                self.shed_total += len(late)
+                self._late[template] = []
+
+    def _start_late(self, now: float) -> list[Assignment[P]]:
+        """Late requests on free groups, earliest deadline first (no waiting, no preemption)."""
+        out: list[Assignment[P]] = []
+        for _, template in sorted((q[0].deadline, t) for t, q in self._late.items() if q):
+            plan, q = self.plans[template], self._late[template]
+            while q:
+                group = self._free_group(plan.sp)
+                if group is None:
+                    break
+                reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
+                a = Assignment(next(self._batch_ids), template, group, reqs, plan)
+                for w in group:
+                    self._busy[w] = a.batch_id
+                self._running[a.batch_id] = a
+                self._progress[a.batch_id] = _Progress(since=now)
+                out.append(a)
+        return out
+
+    def take_shed(self) -> list[Pending[P]]:
+        """The requests shed since the last call (the caller answers them: 503, missed)."""
+        out, self._shed = self._shed, []
+        return out
 
     def complete(self, batch_id: int) -> Assignment[P]:
         """Free the batch's workers (success or failure) and return its assignment. A batch the
@@ -320,6 +407,18 @@ class Dispatcher(Generic[P]):
         prog = self._progress[bid]
         return now + prog.remaining(a.plan.latency_s, now)
 
+    def _to_boundary(self, bid: int, now: float) -> float | None:
+        """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
+        done, it is in its decode tail). Counted back from its expected end, so the tail (often
+        most of a tiny video's time) is not spread over the steps."""
+        a = self._running[bid]
+        v = self.plans[a.template]
+        step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
+        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
+        if denoise_left <= 0 or step <= 0:
+            return None
+        return min(step, denoise_left % step or step)
+
     def _free_at(self, group: tuple[int, ...], now: float) -> float:
         """When ``group`` would be free without preemption (running batches end, paused ones
         resume after them and end)."""
@@ -357,8 +456,9 @@ class Dispatcher(Generic[P]):
                 if p is None:
                     break
                 pauses.append(p)
-                v = self._running[bid].plan
-                wait = max(wait, v.latency_s / max(1, v.steps) + self._switch_s(self._running[bid].template, template))
+                boundary = self._to_boundary(bid, now)
+                assert boundary is not None  # _pause_for refuses a batch with no boundary left
+                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template))
             else:
                 if now + wait + plan.latency_s > head.deadline:
                     continue  # preempting does not save it either
@@ -374,8 +474,11 @@ class Dispatcher(Generic[P]):
         assert pol is not None and plan.peak_bytes is not None
         a = self._running[bid]
         v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
-        if v.pause_bytes is None or a.template == template or _deadline(a) <= deadline:
-            return None  # unknown state size; same template (EDF already orders it); more urgent
+        lost = self._expected_end(bid, now) > _deadline(a)  # it misses its deadline whatever happens now
+        if v.pause_bytes is None or a.template == template or (_deadline(a) <= deadline and not lost):
+            return None  # unknown state size; same template (EDF already orders it); more urgent and still on time
+        if self._to_boundary(bid, now) is None:
+            return None  # in its decode: it ends before it could pause
         if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
             return None
         if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,6 +56,14 @@ class ErrorResponse(BaseModel):
     """The body of every non-2xx response."""
 
     error: ErrorDetail
+
+
+class BodyError(Exception):
+    """A request body refused before it reaches an endpoint (rendered as the API's JSON error)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
@@ -126,14 +135,9 @@ def _json_content_type(request: Request) -> bool:
     return ctype == "application/json" or ctype.endswith("+json")
 
 
-def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming the first bad field (a prefix of its value only), or 415 for a non-JSON body."""
-    errors = exc.errors()
-    body_is_not_an_object = any(tuple(e.get("loc", ())) == ("body",) for e in errors)
-    if body_is_not_an_object and request.method in ("POST", "PUT", "PATCH") and not _json_content_type(request):
-        got = request.headers.get("content-type") or "none"
-        return error_response(415, f"the request body must be JSON (Content-Type: application/json), got "
-                                   f"Content-Type {quote(got)}", param=None, code="unsupported_media_type")
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The 422 message and ``param`` for pydantic's errors: the first bad field (a prefix of its
+    value only) and how many more there are."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
@@ -146,6 +150,18 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
             message += f" (got {quote(first['input'])})"
     if len(errors) > 1:
         message += f"; and {len(errors) - 1} more error(s)"
+    return message, param
+
+
+def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming the first bad field (a prefix of its value only), or 415 for a non-JSON body."""
+    errors = exc.errors()
+    body_is_not_an_object = any(tuple(e.get("loc", ())) == ("body",) for e in errors)
+    if body_is_not_an_object and request.method in ("POST", "PUT", "PATCH") and not _json_content_type(request):
+        got = request.headers.get("content-type") or "none"
+        return error_response(415, f"the request body must be JSON (Content-Type: application/json), got "
+                                   f"Content-Type {quote(got)}", param=None, code="unsupported_media_type")
+    message, param = validation_message(errors)
     return error_response(422, message, param=param, code="invalid_value")
 
 
@@ -155,6 +171,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_response(request, exc)
+
+    @app.exception_handler(BodyError)
+    async def _body(request: Request, exc: BodyError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

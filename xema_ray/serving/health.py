@@ -41,7 +41,7 @@ PROBE_INTERVAL_S = 1.0
 #: has a running replica (the answer, not the wait, decides)
 PENDING_CHECK_S = 0.5
 #: how long /healthz waits for fresh answers before it reports what is known
-HEALTHZ_FRESH_S = 0.5
+HEALTHZ_FRESH_S = 1.0
 #: longest wait for the controller's answer; without one nothing is concluded
 CONTROLLER_TIMEOUT_S = 5.0
 #: Retry-After of a 503 for a group that is starting or whose replica is being replaced
@@ -118,7 +118,8 @@ class GroupHealth:
         self._tasks: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._counts: tuple[float, dict[str, int] | None] | None = None  # (when, Serve's answer)
-        self._counts_call: asyncio.Task | None = None
+        self._counts_call: asyncio.Future | None = None
+        self._counts_asked = 0.0  # when the current controller call was made
 
     # ------------------------------------------------------------------ facts
     def answered(self, model: str, status: dict[str, Any]) -> None:
@@ -142,18 +143,24 @@ class GroupHealth:
                 self._tasks[m] = asyncio.get_running_loop().create_task(self._probe_loop(m))
 
     async def fresh(self, wait_s: float) -> None:
-        """Probe every group now (not at its next turn) and wait up to ``wait_s`` for news: an
-        answer or a fact newer than this call. A group with neither keeps what is known of it."""
+        """Probe every group now (not at its next turn), ask Serve's controller at the same time,
+        and wait up to ``wait_s`` for news of each group: an answer or a fact newer than this
+        call. A group with neither keeps what is known of it."""
         self.ensure_started()
         start = time.monotonic()
         for e in self._wake.values():
             e.set()
+        counts = asyncio.ensure_future(self._replica_counts(newer_than=start))
 
         def news(m: str) -> bool:
             g = self._known[m]
             return any(t is not None and t >= start for t in (g.answered_at, g.gone_at)) or g.gone is not None
 
         while not all(news(m) for m in self.groups) and time.monotonic() - start < wait_s:
+            got = counts.result() if counts.done() else None
+            for m in self.groups:  # a probe the handle holds, for a group Serve has no replica of
+                if got is not None and got.get(m, 1) == 0 and self._known[m].pending_since is not None:
+                    self._no_replica(m)
             await asyncio.sleep(0.02)
 
     def check(self) -> None:
@@ -202,23 +209,32 @@ class GroupHealth:
     async def _check_replicas(self, model: str) -> None:
         counts = await self._replica_counts()
         if counts is not None and counts.get(model, 1) == 0:
-            self.died(model, "Serve reports no running replica of its group (starting, being replaced, or its node is gone)")
+            self._no_replica(model)
 
-    async def _replica_counts(self) -> dict[str, int] | None:
+    def _no_replica(self, model: str) -> None:
+        self.died(model, "Serve reports no running replica of its group (starting, being replaced, or its node is gone)")
+
+    async def _replica_counts(self, newer_than: float | None = None) -> dict[str, int] | None:
         """Serve's controller's answer, shared by every group's probe (at most one call at a time,
-        reused for ``pending_check_s``); None when it does not answer: nothing is concluded."""
+        reused for ``pending_check_s``, or only if asked after ``newer_than``); None when it does
+        not answer: nothing is concluded."""
         if self.replica_counts is None:
             return None
-        if self._counts is not None and time.monotonic() - self._counts[0] < self.pending_check_s:
+        now = time.monotonic()
+        if self._counts is not None and (self._counts[0] >= newer_than if newer_than is not None
+                                         else now - self._counts[0] < self.pending_check_s):
             return self._counts[1]
-        if self._counts_call is None or self._counts_call.done():
+        if self._counts_call is None or self._counts_call.done() or (
+                newer_than is not None and self._counts_asked < newer_than):
+            self._counts_asked = now
             self._counts_call = asyncio.ensure_future(asyncio.wait_for(self.replica_counts(),
                                                                        timeout=CONTROLLER_TIMEOUT_S))
+        call, asked = self._counts_call, self._counts_asked
         try:
-            counts = await asyncio.shield(self._counts_call)
+            counts = await asyncio.shield(call)
         except Exception:
             return None
-        self._counts = (time.monotonic(), counts)
+        self._counts = (asked, counts)
         return counts
 
     # ------------------------------------------------------------------ reading

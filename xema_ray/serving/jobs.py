@@ -14,19 +14,27 @@ Two backends with the same semantics, both with atomic read-modify-write on one 
 
 Records and files expire ``ttl_s`` after a job finishes (``expires_at``); a deleted job leaves a
 tombstone (``deleted``) until then, which is how a running batch learns it was cancelled.
+
+Every store call is short: it gives up after ``timeout_s`` (a store fault: the endpoints that
+need the store answer 503 with Retry-After, nothing else waits on it). Each store has an
+*epoch* (a random id written once into an empty store, ``epoch()``), and every job id carries
+the epoch it was created in: a store that comes back empty (Redis restarted without
+persistence) has a new epoch, so a job it no longer knows is told apart from one that never
+existed (``lost_in_epoch``), and the model groups write back the jobs they hold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import sqlite3
-import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -48,6 +56,9 @@ class JobStoreConfig(BaseModel):
     lease_s: float = Field(default=10.0, gt=0, description="a model group silent this long has died: its jobs are re-dispatched")
     poll_min_ms: int = Field(default=100, ge=1, description="smallest openai-poll-after-ms hint")
     poll_max_ms: int = Field(default=10_000, ge=1, description="largest openai-poll-after-ms hint")
+    timeout_s: float = Field(default=2.0, gt=0, le=60,
+                             description="one store call gives up after this long (a store fault: 503 on the store's "
+                                         "endpoints); SQLite waits for a busy lock up to 5x this")
 
     @model_validator(mode="after")
     def _check(self) -> JobStoreConfig:
@@ -65,6 +76,7 @@ class JobRecord(BaseModel):
 
     id: str
     seq: int = Field(default=0, description="creation order (the store assigns it)")
+    tenant: str | None = Field(default=None, description="the API key's tenant that owns it (None: open API)")
     model: str
     template: str = Field(description="shape key of the served template it maps to")
     prompt: str
@@ -94,10 +106,38 @@ class JobRecord(BaseModel):
         return max(0.0, self.predicted_s * (1.0 - self.progress))
 
 
-def new_job_id() -> str:
-    return f"video_{uuid.uuid4().hex}"
+class TenantBusy(RuntimeError):
+    """The tenant already has its limit of jobs queued or running (HTTP 429)."""
+
+    def __init__(self, tenant: str | None, active: int) -> None:
+        super().__init__(tenant, active)
+        self.tenant, self.active = tenant, active
 
 
+def new_job_id(epoch: str | None = None) -> str:
+    """A job id: ``video_<uuid4 hex>``, and ``_<epoch>`` when made in a store's epoch."""
+    return f"video_{uuid.uuid4().hex}" + (f"_{epoch}" if epoch else "")
+
+
+def epoch_of(job_id: str) -> str | None:
+    """The store epoch a job id was made in (None for ids without one)."""
+    head, sep, tail = job_id.rpartition("_")
+    return tail if sep and head.startswith("video_") and len(tail) == EPOCH_CHARS else None
+
+
+#: hex digits of a store epoch
+EPOCH_CHARS = 8
+
+
+def new_epoch() -> str:
+    return uuid.uuid4().hex[:EPOCH_CHARS]
+
+
+def _active(r: JobRecord | None) -> bool:
+    return r is not None and not r.deleted and r.status not in TERMINAL
+
+
+T = TypeVar("T")
 Update = Callable[[JobRecord], JobRecord | None]  # None: leave the record as it is
 
 
@@ -109,7 +149,21 @@ class JobStore(ABC):
 
     # ---------------------------------------------------------------- primitives
     @abstractmethod
-    def _insert(self, rec: JobRecord) -> JobRecord: ...
+    def _insert(self, rec: JobRecord, max_active: int | None) -> JobRecord:
+        """Insert ``rec``; with ``max_active``, atomically refuse it (TenantBusy) when its tenant
+        has that many active jobs already."""
+
+    @abstractmethod
+    def epoch(self) -> str:
+        """The store's epoch: written once into an empty store, read afterwards."""
+
+    @abstractmethod
+    def restore(self, rec: JobRecord) -> bool:
+        """Write back a record the store lost (only where it has no record of that id)."""
+
+    @abstractmethod
+    def delete_files_of(self, job_id: str) -> None:
+        """Every file derived from the job (``<job_id>.*``)."""
 
     @abstractmethod
     def _load(self, job_id: str) -> JobRecord | None: ...
@@ -154,9 +208,10 @@ class JobStore(ABC):
             return rec
         return rec if self._visible(rec, time.time()) else None
 
-    def list(self, after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc"
-             ) -> tuple[list[JobRecord], bool]:
-        """A page of live jobs (``has_more`` as the second value); ``after`` is a job id cursor.
+    def list(self, after: str | None = None, limit: int = 20, order: Literal["asc", "desc"] = "desc",
+             tenant: str | None = None) -> tuple[list[JobRecord], bool]:
+        """A page of ``tenant``'s live jobs (``has_more`` as the second value); ``after`` is a job
+        id cursor (one of the tenant's).
 
         Raises:
             KeyError: ``after`` names no job.
@@ -164,7 +219,7 @@ class JobStore(ABC):
         after_seq = None
         if after is not None:
             cursor = self._load(after)
-            if cursor is None:
+            if cursor is None or cursor.tenant != tenant:
                 raise KeyError(after)
             after_seq = cursor.seq
         now, out, desc = time.time(), [], order == "desc"
@@ -172,7 +227,7 @@ class JobStore(ABC):
             batch = self._scan(after_seq, 4 * (limit + 1), desc)
             if not batch:
                 break
-            out.extend(r for r in batch if self._visible(r, now))
+            out.extend(r for r in batch if self._visible(r, now) and r.tenant == tenant)
             after_seq = batch[-1].seq
         return out[:limit], len(out) > limit
 
@@ -186,8 +241,14 @@ class JobStore(ABC):
         return out
 
     # ---------------------------------------------------------------- writes
-    def create(self, rec: JobRecord) -> JobRecord:
-        return self._insert(rec)
+    def create(self, rec: JobRecord, max_active: int | None = None) -> JobRecord:
+        """Store a new job (TenantBusy: its tenant has ``max_active`` active jobs already)."""
+        return self._insert(rec, max_active)
+
+    def discard(self, job_id: str) -> None:
+        """Remove a job that was never accepted (a refused create) without a trace."""
+        self._remove(job_id)
+        self.delete_files_of(job_id)
 
     def accept(self, job_id: str, owner: str) -> JobRecord | None:
         """``owner`` queues the job: it must be live and not finished. Returns the record. An owner
@@ -273,6 +334,7 @@ class JobStore(ABC):
             return None
         for name in result_names:
             self.delete_file(name)
+        self.delete_files_of(job_id)
         return before[0]
 
     def stopped(self, job_id: str, step: int) -> None:
@@ -317,119 +379,6 @@ class JobStore(ABC):
         return n
 
 
-# ====================================================================== SQLite
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, media_type TEXT NOT NULL, expires_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS owners (owner TEXT PRIMARY KEY, alive_until REAL NOT NULL);
-"""
-
-
-class SQLiteJobStore(JobStore):
-    """One SQLite file (WAL; several processes of one node share it) and a results folder."""
-
-    def __init__(self, cfg: JobStoreConfig) -> None:
-        super().__init__(cfg)
-        cfg.path.mkdir(parents=True, exist_ok=True)
-        self.results = cfg.path / "results"
-        self.results.mkdir(exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(cfg.path / "jobs.sqlite3", timeout=30, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-
-    def _insert(self, rec: JobRecord) -> JobRecord:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                cur = self._db.execute("INSERT INTO jobs (id, doc) VALUES (?, ?)", (rec.id, "{}"))
-                rec = rec.model_copy(update={"seq": int(cur.lastrowid or 0)})
-                self._db.execute("UPDATE jobs SET doc = ? WHERE id = ?", (rec.model_dump_json(), rec.id))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return rec
-
-    def _load(self, job_id: str) -> JobRecord | None:
-        with self._lock:
-            row = self._db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return JobRecord.model_validate_json(row[0]) if row else None
-
-    def _update(self, job_id: str, fn: Update) -> JobRecord | None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")  # the write lock first: read-modify-write is atomic across processes
-            try:
-                row = self._db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-                new = fn(JobRecord.model_validate_json(row[0])) if row else None
-                if new is not None:
-                    self._db.execute("UPDATE jobs SET doc = ? WHERE id = ?", (new.model_dump_json(), job_id))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return new
-
-    def _scan(self, after_seq: int | None, limit: int, descending: bool) -> list[JobRecord]:
-        if descending:
-            q, arg = "SELECT doc FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?", after_seq if after_seq is not None else 2**62
-        else:
-            q, arg = "SELECT doc FROM jobs WHERE seq > ? ORDER BY seq ASC LIMIT ?", after_seq if after_seq is not None else -1
-        with self._lock:
-            rows = self._db.execute(q, (arg, limit)).fetchall()
-        return [JobRecord.model_validate_json(r[0]) for r in rows]
-
-    def _remove(self, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-
-    def _file(self, name: str) -> Path:
-        if "/" in name or name.startswith("."):
-            raise ValueError(f"bad result file name {name!r}")
-        return self.results / name
-
-    def put_file(self, name: str, data: bytes, media_type: str, expires_at: float) -> None:
-        tmp = self._file(name).with_suffix(".part")
-        tmp.write_bytes(data)
-        tmp.replace(self._file(name))  # readers never see half a file
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO files (name, media_type, expires_at) VALUES (?, ?, ?)",
-                             (name, media_type, expires_at))
-
-    def get_file(self, name: str) -> tuple[bytes, str] | None:
-        with self._lock:
-            row = self._db.execute("SELECT media_type, expires_at FROM files WHERE name = ?", (name,)).fetchone()
-        if row is None or row[1] <= time.time():
-            return None
-        try:
-            return self._file(name).read_bytes(), str(row[0])
-        except FileNotFoundError:
-            return None
-
-    def delete_file(self, name: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM files WHERE name = ?", (name,))
-        self._file(name).unlink(missing_ok=True)
-
-    def heartbeat(self, owner: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO owners (owner, alive_until) VALUES (?, ?)",
-                             (owner, time.time() + self.cfg.lease_s))
-
-    def owner_alive(self, owner: str) -> bool:
-        with self._lock:
-            row = self._db.execute("SELECT alive_until FROM owners WHERE owner = ?", (owner,)).fetchone()
-        return row is not None and row[0] > time.time()
-
-    def _purge_files(self, now: float) -> None:
-        with self._lock:
-            names = [r[0] for r in self._db.execute("SELECT name FROM files WHERE expires_at <= ?", (now,)).fetchall()]
-            self._db.execute("DELETE FROM owners WHERE alive_until <= ?", (now - 3600,))
-        for n in names:
-            self.delete_file(n)
-
-
 def store_faults() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the store is unreachable or busy (a 503 with Retry-After, not a bug)."""
     faults: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError)
@@ -449,6 +398,8 @@ def _open(cfg_json: str) -> JobStore:
         from xema_ray.serving.jobs_redis import RedisJobStore
 
         return RedisJobStore(cfg)
+    from xema_ray.serving.jobs_sqlite import SQLiteJobStore
+
     return SQLiteJobStore(cfg)
 
 
@@ -463,3 +414,21 @@ def open_store(cfg: JobStoreConfig) -> JobStore:
     """
     return _open(cfg.model_dump_json())
 
+
+
+@functools.cache
+def _store_executor() -> ThreadPoolExecutor:
+    # store calls get threads of their own: a stalled store never takes the event loop's default
+    # executor (which transcoding and other to_thread work share) with it
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="xema-store")
+
+
+async def store_call(cfg: JobStoreConfig, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (a store method) on the store's threads, given up after a few of the store's
+    ``timeout_s`` (a ``TimeoutError``: a store fault) even if the client library hangs."""
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(_store_executor(), functools.partial(fn, *args))
+    try:
+        return await asyncio.wait_for(fut, timeout=3 * cfg.timeout_s + 1.0)
+    except TimeoutError:
+        raise TimeoutError(f"the job store did not answer within {3 * cfg.timeout_s + 1.0:.0f} s") from None

@@ -3,8 +3,18 @@
 Keys (under the configured prefix): ``job:<id>`` the record as JSON; ``jobs`` a sorted set of ids
 scored by creation sequence (``seq`` from ``INCR``); ``file:<name>`` a hash (data, media type)
 expiring with its job; ``owner:<id>`` a key that lives ``lease_s`` after a model group's last
-heartbeat. Read-modify-write of a record is an optimistic transaction (``WATCH``/``MULTI``),
-retried when another client changed the record in between.
+heartbeat; ``active:<tenant>`` a set of the tenant's job ids (pruned of finished ones when
+counted); ``epoch`` the store's epoch. Read-modify-write of a record is an optimistic
+transaction (``WATCH``/``MULTI``), retried when another client changed the record in between.
+
+Every call has ``timeout_s`` to answer (connect and read), so a paused or dead Redis costs a
+caller at most that, and shows as a store fault (``redis.TimeoutError`` / ``ConnectionError``).
+
+Persistence: jobs are only as durable as Redis keeps them. A deployment that must keep its
+jobs across a Redis restart runs Redis with ``appendonly yes`` (``appendfsync everysec`` loses
+at most a second); without it a restart comes back empty, which the store notices (a new
+``epoch``): model groups write back the jobs they hold and the rest answer as lost, not as
+"never existed" (``docs/tenancy.md``).
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import time
 
 import redis
 
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, Update
+from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, _active, new_epoch
 
 
 class RedisJobStore(JobStore):
@@ -22,20 +32,58 @@ class RedisJobStore(JobStore):
     def __init__(self, cfg: JobStoreConfig) -> None:
         super().__init__(cfg)
         assert cfg.redis_url is not None  # checked by JobStoreConfig
-        self.r = redis.Redis.from_url(cfg.redis_url, socket_timeout=30, socket_connect_timeout=10)
+        self.r = redis.Redis.from_url(cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s)
         self.p = cfg.prefix
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
 
-    def _insert(self, rec: JobRecord) -> JobRecord:
+    def _insert(self, rec: JobRecord, max_active: int | None) -> JobRecord:
         seq = int(self.r.incr(self._k("seq")))
         rec = rec.model_copy(update={"seq": seq})
+        active_key = self._k("active", rec.tenant or "-")
         with self.r.pipeline(transaction=True) as p:
-            p.set(self._k("job", rec.id), rec.model_dump_json())
-            p.zadd(self._k("jobs"), {rec.id: seq})
-            p.execute()
-        return rec
+            while True:
+                try:
+                    # watching the tenant's set makes two concurrent creates of one tenant conflict:
+                    # the second re-counts, so the limit holds across router replicas
+                    p.watch(active_key)
+                    if max_active is not None:
+                        members = [m.decode() for m in p.smembers(active_key)]
+                        raws = p.mget([self._k("job", m) for m in members]) if members else []
+                        done = [m for m, raw in zip(members, raws, strict=True)
+                                if not _active(JobRecord.model_validate_json(raw) if raw else None)]
+                        if len(members) - len(done) >= max_active:
+                            p.unwatch()
+                            raise TenantBusy(rec.tenant, len(members) - len(done))
+                    p.multi()
+                    if max_active is not None and done:
+                        p.srem(active_key, *done)
+                    p.set(self._k("job", rec.id), rec.model_dump_json())
+                    p.zadd(self._k("jobs"), {rec.id: seq})
+                    p.sadd(active_key, rec.id)
+                    p.execute()
+                    return rec
+                except redis.WatchError:
+                    continue
+
+    def epoch(self) -> str:
+        self.r.set(self._k("epoch"), new_epoch(), nx=True)
+        return bytes(self.r.get(self._k("epoch")) or b"").decode()
+
+    def restore(self, rec: JobRecord) -> bool:
+        if not self.r.set(self._k("job", rec.id), rec.model_dump_json(), nx=True):
+            return False
+        seq = int(self.r.incr(self._k("seq")))
+        self.r.zadd(self._k("jobs"), {rec.id: seq})
+        self.r.sadd(self._k("active", rec.tenant or "-"), rec.id)
+        self._update(rec.id, lambda r: r.model_copy(update={"seq": seq}))
+        return True
+
+    def delete_files_of(self, job_id: str) -> None:
+        keys = list(self.r.scan_iter(match=self._k("file", job_id) + ".*", count=100))
+        if keys:
+            self.r.delete(*keys)
 
     def _load(self, job_id: str) -> JobRecord | None:
         raw = self.r.get(self._k("job", job_id))

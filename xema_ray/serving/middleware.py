@@ -178,5 +178,9 @@ class ProxyErrorsAsJson:
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """Ray Serve's proxy callback: the middlewares of the HTTP proxy."""
-    return [Middleware(ProxyErrorsAsJson)]
+    """Ray Serve's proxy callback: the middlewares of the HTTP proxy (and its read timeouts,
+    ``slow_clients``)."""
+    from xema_ray.serving.slow_clients import BodyTimeout, install_header_timeout
+
+    install_header_timeout()
+    return [Middleware(ProxyErrorsAsJson), Middleware(BodyTimeout)]

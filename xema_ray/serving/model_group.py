@@ -13,7 +13,11 @@ Video jobs (``submit_job``) go through the same dispatcher as synchronous reques
 lives in the job store (``xema_ray.serving.jobs``): the group marks a job accepted (its owner id,
 kept alive by a heartbeat lease), started, its progress after every step (through the workers'
 step observer) and its result. A job deleted while it runs stops counting at the next step; a
-batch whose members are all deleted stops there and frees its workers.
+batch whose members are all deleted stops there and frees its workers. No store call waits on
+the denoising path or holds the workers: progress goes out through the workers' own publisher
+(``job_progress``), and a result the store cannot take yet is kept and retried in the background
+(``_flush_results``) while the workers move on. A store that comes back empty (a new epoch) gets
+the records of the jobs this replica holds written back.
 
 Step-level preemption (``preemption``, the dispatcher's ``PreemptionPolicy``): when the
 dispatcher pauses a running batch for a more urgent one, the group's ``PreemptibleRunner`` asks
@@ -34,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
 from xema_ray.serving.group_api import GenerateResult, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.job_progress import JobProgress, PhaseEstimate
-from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
+from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.metrics import ServingMetrics
 from xema_ray.serving.preemption import PreemptibleRunner, PreemptionReport
@@ -52,6 +56,10 @@ __all__ = ["GroupUnavailable", "InvalidRequest", "ModelGroup", "QueueFull"]
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
 MAX_JOB_ATTEMPTS = 3
+#: longest a batch's workers wait for its jobs' start marks (a healthy store answers in milliseconds)
+START_WAIT_S = 0.25
+#: results a replica keeps while the job store cannot take them (beyond: the oldest is run again)
+MAX_UNSTORED_RESULTS = 64
 #: concurrent calls a worker serves with preemption on (a running batch, a pause, a
 #: preempting batch, a resume)
 WORKER_CONCURRENCY = 4
@@ -108,6 +116,8 @@ class ModelGroup(PublishesSummary):
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
         emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
+        admission: the SLO-aware admission policy the plan table chose for this group's load;
+            None: plain EDF, every request served.
 
     Each replica publishes a summary of its dispatcher for the request router and the autoscaler
     (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
@@ -118,7 +128,7 @@ class ModelGroup(PublishesSummary):
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 emulation: EmulationConfig | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -128,18 +138,26 @@ class ModelGroup(PublishesSummary):
         self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
         self.policy = preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
-        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy)
+        self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, wait_window_s, max_queue, self.policy,
+                                                          admission=admission)
         self.metrics = ServingMetrics(model)
         self.jobs_cfg = jobs
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self._job_ids: set[str] = set()  # jobs queued or running here
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._beating = False  # the last heartbeat reached the store
+        self._records: dict[str, JobRecord] = {}  # the jobs held here, as accepted (written back to a store that lost them)
+        self._epoch: str | None = None  # the store's epoch as last seen
+        self._unstored: dict[str, tuple[str, bytes, str]] = {}  # job -> result the store has not taken yet
+        self._flush_task: asyncio.Task[None] | None = None
+        self._store_lags_until = 0.0  # until then, a batch does not wait for its jobs' start marks
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
                                                      e.config.template.spec.kind == "video")
                           for k, e in self.entries.items()}
+        for k, est in self.estimates.items():  # where each template's step boundaries fall (preemption)
+            self._tell_phases(k, est)
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
@@ -166,7 +184,6 @@ class ModelGroup(PublishesSummary):
                 f"{self.model}: the worker set is being rebuilt after a failure and the rebuild failed "
                 f"({type(e.__cause__).__name__}); the request was not completed, retry later") from e
 
-
     # ------------------------------------------------------------------ requests
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -185,12 +202,28 @@ class ModelGroup(PublishesSummary):
         assert self.jobs_cfg is not None
         while True:
             try:
-                await asyncio.to_thread(self._store().heartbeat, self.owner)
+                store = self._store()
+                await store_call(self.jobs_cfg, store.heartbeat, self.owner)
                 self._beating = True
-            except Exception:  # a store hiccup must not kill the loop; the next beat retries
+                epoch = await store_call(self.jobs_cfg, store.epoch)
+                if self._epoch is not None and epoch != self._epoch:
+                    await self._restore_records(store)
+                self._epoch = epoch
+            except Exception as e:  # a store hiccup must not kill the loop; the next beat retries
                 self._beating = False
-                logger.exception("%s: job store heartbeat failed", self.model)
+                logger.warning("%s: job store heartbeat failed (%s: %s)", self.model, type(e).__name__, e)
             await asyncio.sleep(self.jobs_cfg.lease_s / 4)
+
+    async def _restore_records(self, store: JobStore) -> None:
+        """The store lost its data (a new epoch): write back every job held here, so that it
+        runs (or goes on running) and is found again."""
+        assert self.jobs_cfg is not None
+        held = [r for j, r in self._records.items() if j in self._job_ids or j in self._unstored]
+        n = 0
+        for rec in held:
+            n += bool(await store_call(self.jobs_cfg, store.restore, rec.model_copy(update={"owner": self.owner})))
+        logger.warning("%s: the job store lost its data (new epoch); wrote back %d of the %d jobs held here",
+                       self.model, n, len(held))
 
     async def submit_job(self, job_id: str, template: str, prompt: str, seed: int,
                          guidance_scale: float | None = None) -> bool:
@@ -198,7 +231,7 @@ class ModelGroup(PublishesSummary):
         self._ensure_loop()
         store = self._store()
         if job_id in self._job_ids:  # ours already; re-claim it in case a lapsed lease gave it away
-            await asyncio.to_thread(store.accept, job_id, self.owner)
+            await store_call(self.jobs_cfg, store.accept, job_id, self.owner)  # type: ignore[arg-type]
             return True
         request = _validated(job_id, prompt, seed, guidance_scale)
         if template not in self.dispatcher.plans:
@@ -209,14 +242,17 @@ class ModelGroup(PublishesSummary):
         self._job_ids.add(job_id)
         try:
             if not self._beating:  # the lease must be live before the first job names this owner
-                await asyncio.to_thread(store.heartbeat, self.owner)
-            if await asyncio.to_thread(store.accept, job_id, self.owner) is None:
+                await store_call(self.jobs_cfg, store.heartbeat, self.owner)  # type: ignore[arg-type]
+            accepted = await store_call(self.jobs_cfg, store.accept, job_id, self.owner)  # type: ignore[arg-type]
+            if accepted is None:
                 self._job_ids.discard(job_id)
                 return False
+            self._records[job_id] = accepted
             self.dispatcher.submit(template, job_id, time.monotonic(), _Ticket(request, guidance_scale, None, job_id))
         except OverflowError as e:
             self._job_ids.discard(job_id)
-            await asyncio.to_thread(store.requeue, job_id, self.owner)
+            self._records.pop(job_id, None)
+            await store_call(self.jobs_cfg, store.requeue, job_id, self.owner)  # type: ignore[arg-type]
             self.metrics.rejected.inc(tags={"template": template})
             raise QueueFull(str(e), retry_after_s=max(1.0, self.dispatcher.plans[template].latency_s)) from None
         except BaseException:
@@ -227,11 +263,17 @@ class ModelGroup(PublishesSummary):
         self._wake.set()
         return True
 
+    def _tell_phases(self, template: str, est: PhaseEstimate) -> None:
+        total = max(est.total_s, 1e-9)
+        tail = min(0.99, (est.decode_s + est.encode_s) / total)
+        self.dispatcher.set_phases(template, min(1.0 - tail, est.steps * est.step_s / total), tail)
+
     async def cancel_job(self, job_id: str) -> bool:
         """Drop a queued job from the queue (a running one stops through its step observer)."""
         removed = self.dispatcher.cancel(job_id)
         if removed:
             self._job_ids.discard(job_id)
+            self._records.pop(job_id, None)
         return removed
 
     async def estimate(self, template: str) -> float:
@@ -269,6 +311,8 @@ class ModelGroup(PublishesSummary):
                 for p in a.preempts:
                     self.runner.request_pause(p.batch_id, p.offload)
                 asyncio.get_running_loop().create_task(self._run(a))
+            for r in self.dispatcher.take_shed():
+                await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
             self._wake.clear()
@@ -290,8 +334,7 @@ class ModelGroup(PublishesSummary):
         for guidance, reqs in by_guidance.items():
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
-                store, est = self._store(), self.estimates[a.template]
-                started = {j for j in jobs if await asyncio.to_thread(store.start, j, self.owner, est.total_s)}
+                started = await self._start_jobs(jobs, self.estimates[a.template].total_s)
                 reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
                 jobs = [j for j in jobs if j in started]
                 if not reqs:
@@ -313,6 +356,7 @@ class ModelGroup(PublishesSummary):
             self.metrics.observe_batch(a.template, len(reqs), lead)
             self.layout_counters.observe(a.template, lead)
             self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
+            self._tell_phases(a.template, self.estimates[a.template])
             for out in lead.outputs:
                 # where it ran travels with the result: the router exposes it as response headers
                 outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
@@ -360,30 +404,110 @@ class ModelGroup(PublishesSummary):
             self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             for r in a.requests:
                 self._job_ids.discard(r.request_id)
+                if r.request_id not in self._unstored:
+                    self._records.pop(r.request_id, None)
             self.dispatcher.complete(a.batch_id)
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
             if self._wake is not None:
                 self._wake.set()
 
+    async def _shed(self, r: Pending[_Ticket]) -> None:
+        """A request the admission policy shed (it can no longer meet its SLO and others wait): 503."""
+        plan = self.dispatcher.plans[r.template]
+        e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
+                      f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
+        self.metrics.rejected.inc(tags={"template": r.template})
+        t = r.payload
+        assert t is not None
+        if t.job_id is not None:
+            self._job_ids.discard(t.job_id)
+            try:
+                await asyncio.to_thread(self._store().fail, t.job_id, "shed", str(e))
+            except Exception:
+                logger.exception("%s: could not record shedding %s; its lease will lapse", self.model, t.job_id)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
+
     async def _store_result(self, job_id: str, out: GenerateResult) -> None:
-        try:
-            await asyncio.to_thread(self._store().complete, job_id, {result_name(job_id, "video"): (out.data, out.media_type)})
-        except Exception as e:  # the store is down: the job stays ours and unfinished, so it is re-run
-            logger.exception("%s: storing the result of %s failed", self.model, job_id)
-            await self._job_failed(job_id, e)
+        """Hand the result to the store; one the store cannot take now is kept (bounded) and
+        retried in the background, so the batch's workers never wait for the store."""
+        self._unstored[job_id] = (result_name(job_id, "video"), out.data, out.media_type)
+        while len(self._unstored) > MAX_UNSTORED_RESULTS:  # the oldest is re-run instead (its lease stays ours)
+            dropped = next(iter(self._unstored))
+            self._unstored.pop(dropped)
+            logger.error("%s: more than %d results wait for the job store; %s will be run again",
+                         self.model, MAX_UNSTORED_RESULTS, dropped)
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush_results())
+
+    async def _start_jobs(self, jobs: list[str], predicted_s: float) -> set[str]:
+        """Mark the jobs started; the ones the store says were deleted are left out. The workers
+        wait for that at most ``START_WAIT_S`` (not at all while the store lags): a job whose
+        answer is late runs, its mark lands when the store answers."""
+        store = self._store()
+        calls = {j: asyncio.ensure_future(self._job_call(store.start, j, self.owner, predicted_s)) for j in jobs}
+        if time.monotonic() >= self._store_lags_until:
+            await asyncio.wait(calls.values(), timeout=START_WAIT_S)
+        started = set()
+        for j, call in calls.items():
+            if not call.done():  # late: it runs; the store hears of it when it answers
+                self._store_lags_until = time.monotonic() + self.jobs_cfg.lease_s  # type: ignore[union-attr]
+                call.add_done_callback(lambda c: c.cancelled() or c.exception())  # nothing waits for it now
+                started.add(j)
+            elif call.exception() is not None:
+                if not isinstance(call.exception(), store_faults()):
+                    raise call.exception()  # type: ignore[misc]
+                started.add(j)  # the store is down: run it anyway (it is ours), record it later
+            elif call.result():
+                started.add(j)
+        return started
+
+    async def _job_call(self, fn: Any, job_id: str, *args: Any) -> Any:
+        """A store update of a job held here; if it fails because the store lost the record (it
+        came back empty and this replica has not written its jobs back yet), the record is
+        written back and the update tried once more."""
+        assert self.jobs_cfg is not None
+        store = self._store()
+        done = await store_call(self.jobs_cfg, fn, job_id, *args)
+        rec = self._records.get(job_id)
+        if done or rec is None or await store_call(self.jobs_cfg, store.get, job_id, True) is not None:
+            return done
+        await store_call(self.jobs_cfg, store.restore, rec.model_copy(update={"owner": self.owner}))
+        return await store_call(self.jobs_cfg, fn, job_id, *args)
+
+    async def _flush_results(self) -> None:
+        assert self.jobs_cfg is not None
+        delay = 0.0
+        while self._unstored:
+            await asyncio.sleep(delay)
+            for job_id, (name, data, media) in list(self._unstored.items()):
+                try:
+                    await self._job_call(self._store().complete, job_id, {name: (data, media)})
+                except store_faults() as e:
+                    logger.warning("%s: the result of %s waits for the job store (%s)", self.model, job_id,
+                                   type(e).__name__)
+                    delay = min(5.0, max(0.5, 2 * delay))
+                    break
+                except Exception as e:  # not a store fault: the job fails with the reason
+                    self._unstored.pop(job_id, None)
+                    await self._job_failed(job_id, e)
+                else:
+                    self._unstored.pop(job_id, None)
+                    self._records.pop(job_id, None)
 
     async def _job_failed(self, job_id: str, e: Exception) -> None:
         """A fault (the worker set or the store) re-dispatches the job, up to MAX_JOB_ATTEMPTS
         runs; any other error fails it with its message."""
-        store = self._store()
+        store, cfg = self._store(), self.jobs_cfg
+        self._records.pop(job_id, None)
         try:
-            rec = await asyncio.to_thread(store.get, job_id)
+            rec = await store_call(cfg, store.get, job_id)  # type: ignore[arg-type]
             if rec is None:
                 return
             if isinstance(e, (GroupUnavailable, *store_faults())) and rec.attempts < MAX_JOB_ATTEMPTS:
-                await asyncio.to_thread(store.requeue, job_id, self.owner)
+                await store_call(cfg, store.requeue, job_id, self.owner)  # type: ignore[arg-type]
             else:
-                await asyncio.to_thread(store.fail, job_id, "generation_failed", f"{type(e).__name__}: {e}")
+                await store_call(cfg, store.fail, job_id, "generation_failed", f"{type(e).__name__}: {e}")  # type: ignore[arg-type]
         except Exception:
             logger.exception("%s: could not record the failure of %s; its lease will lapse", self.model, job_id)
 

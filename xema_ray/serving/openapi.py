@@ -14,8 +14,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from xema_ray.serving.api import RequestLimits
+from xema_ray.serving.api import ImageRequest, RequestLimits, VideoRequest
 from xema_ray.serving.errors import ErrorResponse
+from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -33,7 +34,7 @@ _BODY_STATUS = {
     "422": "a field is missing, malformed or out of range (error.param names it)",
 }
 #: request schema -> the model kind it is for
-_REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video"}
+_REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video", "VideoCreate": "video"}
 #: operations whose 200 may carry a media type FastAPI cannot see (the endpoint builds the
 #: Response itself); added next to what FastAPI documents, never replacing it
 _EXTRA_200_MEDIA = {("post", "/v1/videos/sync"): {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}
@@ -63,6 +64,12 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
     components.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")["$defs"])
     components["ErrorResponse"] = {k: v for k, v in ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}").items() if k != "$defs"}
+    # the generation endpoints read their bodies themselves (``validation``: JSON or a form) and
+    # refer to these by name
+    for model in (ImageRequest, VideoRequest, VideoCreate):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(js.pop("$defs", {}))
+        components.setdefault(model.__name__, js)
     for path_item in schema.get("paths", {}).values():
         for method, op in path_item.items():
             responses = op.setdefault("responses", {})

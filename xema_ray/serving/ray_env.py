@@ -4,7 +4,7 @@ proxy middleware that turns Ray Serve's own error answers into the API's JSON er
 Both are settings Ray reads from its processes' environment when they start (the raylet passes
 its environment to the workers, the Serve controller and the HTTP proxy), so they must be in
 the environment of whatever starts Ray: ``make serve`` (``serve run``), ``ray start``, or a
-test's ``ray.init``. Measured on Ray 2.60 (README "Ports"): by default the GCS, the raylet, every
+test's ``ray.init``. Measured on Ray 2.60 (docs/operations.md "Ports"): by default the GCS, the raylet, every
 worker and replica and the dashboard agent listen on all interfaces; with
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes 127.0.0.1 as the node address and every one
 of them listens on 127.0.0.1 only. A cluster of several machines needs them reachable: open them

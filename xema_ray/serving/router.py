@@ -36,6 +36,7 @@ from xema_ray.serving.api import (
     parse_size,
     set_limits,
 )
+from xema_ray.serving.auth import AuthConfig, TenantGuard, set_auth, tenant_of
 from xema_ray.serving.errors import ErrorResponse, error_response, exception_response, install_error_handlers
 from xema_ray.serving.health import HEALTHZ_FRESH_S, STARTING_RETRY_AFTER_S, GroupHealth, HealthResponse, serve_replica_counts
 from xema_ray.serving.layout_stats import GroupLayoutStats
@@ -44,15 +45,17 @@ from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.group_api import GenerateResult
 from xema_ray.serving.openapi import install_openapi
-from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_faults
+from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.video_jobs import ApiError, VideoJobs
+from xema_ray.serving.validation import parse_request, request_body_doc
 from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
+app.add_middleware(TenantGuard)  # added last, so it runs first: no key, no body read
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -118,7 +121,8 @@ class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
-                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False) -> None:
+                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
+                 auth: AuthConfig | None = None) -> None:
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
         self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
@@ -129,6 +133,8 @@ class Router:
         self.stats = stats  # the Stats deployment: counters that outlive this replica
         self.limits = limits or RequestLimits()
         set_limits(self.limits)
+        self.auth = auth or AuthConfig()
+        set_auth(self.auth)
         self.table = table
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
@@ -136,7 +142,8 @@ class Router:
         self._pending_counts: set[asyncio.Task] = set()
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = jobs
-        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated) if self.jobs_cfg else None
+        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
+                              self.auth.max_jobs_in_flight) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
                 self.jobs.start_background()
@@ -185,13 +192,10 @@ class Router:
                 raise
             return mapped
 
-    @app.post("/v1/images/generations", response_model=None)
-    async def images(self, req: ImageRequest, request: Request) -> ImageResponse | JSONResponse:
+    @app.post("/v1/images/generations", response_model=None, openapi_extra=request_body_doc(ImageRequest))
+    async def images(self, request: Request) -> ImageResponse | JSONResponse:
         self._count_received()
-        if req.model_extra:
-            name = sorted(req.model_extra)[0]
-            accepted = ", ".join(sorted(ImageRequest.model_fields))
-            return _error(400, f"unknown option {name!r}; accepted: {accepted}", param=name, code="unknown_option")
+        req = await parse_request(request, ImageRequest)
         if req.response_format == "url" and self.jobs_cfg is None:
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
                           param="response_format")
@@ -204,23 +208,37 @@ class Router:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
                           param="n")
 
+        if req.response_format == "url":
+            # the link needs the store: a store that is down is said now, before the work starts
+            # (a store that fails after it answers with the image inline instead, b64_json)
+            try:
+                await store_call(self.jobs_cfg, self._store().epoch)  # type: ignore[arg-type]
+            except store_faults() as e:
+                return _error(503, f"the job store is unavailable ({type(e).__name__}); response_format='url' needs "
+                                   "it: retry later or ask for b64_json", type_="service_unavailable",
+                              code="store_unavailable", param="response_format", retry_after_s=5)
+
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
-            data = [await asyncio.to_thread(self._image_data, o.data, req, str(request.base_url)) for o in outs]
+            data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
                                  emulated=True if any(o.emulated for o in outs) else None)
             return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
 
         return await self._guarded(run())
 
-    def _image_data(self, png: bytes, req: ImageRequest, base_url: str) -> ImageData:
-        data = transcode_image(png, req.output_format, req.output_compression)
+    async def _image_data(self, png: bytes, req: ImageRequest, base_url: str) -> ImageData:
+        data = await asyncio.to_thread(transcode_image, png, req.output_format, req.output_compression)
         if req.response_format == "b64_json":
             return ImageData(b64_json=base64.b64encode(data).decode())
         assert self.jobs_cfg is not None
         name = f"img_{uuid.uuid4().hex}.{req.output_format}"
-        self._store().put_file(name, data, MEDIA_TYPES[req.output_format], time.time() + self.jobs_cfg.ttl_s)
+        try:
+            await store_call(self.jobs_cfg, self._store().put_file, name, data, MEDIA_TYPES[req.output_format],
+                             time.time() + self.jobs_cfg.ttl_s)
+        except store_faults():  # the work is done: never thrown away for a link (the client reads either field)
+            return ImageData(b64_json=base64.b64encode(data).decode())
         return ImageData(url=f"{base_url.rstrip('/')}/v1/images/files/{name}")
 
     def _store(self) -> JobStore:
@@ -233,7 +251,11 @@ class Router:
         """An image generated with ``response_format="url"`` (until it expires)."""
         got = None
         if self.jobs_cfg is not None and name.startswith("img_") and "/" not in name:
-            got = await asyncio.to_thread(self._store().get_file, name)
+            try:
+                got = await store_call(self.jobs_cfg, self._store().get_file, name)
+            except store_faults() as e:
+                return _error(503, f"the job store is unavailable ({type(e).__name__}); retry later",
+                              type_="service_unavailable", code="store_unavailable", retry_after_s=5)
         if got is None:
             return _error(404, f"no image {name!r} (it never existed or expired)", type_="not_found_error", param="name")
         return Response(content=got[0], media_type=got[1])
@@ -251,37 +273,37 @@ class Router:
             return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
                           type_="service_unavailable", code="store_unavailable", retry_after_s=5)
 
-    @app.post("/v1/videos", response_model=None, openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": VideoCreate.model_json_schema()},
-        "multipart/form-data": {"schema": VideoCreate.model_json_schema()}}}})
+    @app.post("/v1/videos", response_model=None, openapi_extra=request_body_doc(VideoCreate))
     async def create_video(self, request: Request) -> Response:
         """Create a video job (JSON or multipart, as ``openai.videos.create`` sends it)."""
         self._count_received()
-        return await self._job_api(lambda j: j.create(request))
+        return await self._job_api(lambda j: j.create(request, tenant_of(request)))
 
     @app.get("/v1/videos", response_model=None, responses=_documented(400))
-    async def list_videos(self, after: str | None = None, limit: int = Query(default=20, ge=1, le=100),
+    async def list_videos(self, request: Request, after: str | None = None,
+                          limit: int = Query(default=20, ge=1, le=100),
                           order: Literal["asc", "desc"] = "desc") -> Response:
-        return await self._job_api(lambda j: j.list(after, limit, order))
+        return await self._job_api(lambda j: j.list(after, limit, order, tenant_of(request)))
 
     @app.get("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
-    async def retrieve_video(self, video_id: str) -> Response:
-        return await self._job_api(lambda j: j.retrieve(video_id))
+    async def retrieve_video(self, video_id: str, request: Request) -> Response:
+        return await self._job_api(lambda j: j.retrieve(video_id, tenant_of(request)))
 
     @app.delete("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
-    async def delete_video(self, video_id: str) -> Response:
-        return await self._job_api(lambda j: j.delete(video_id))
+    async def delete_video(self, video_id: str, request: Request) -> Response:
+        return await self._job_api(lambda j: j.delete(video_id, tenant_of(request)))
 
     @app.get("/v1/videos/{video_id}/content", response_model=None,
              responses=_documented(400, 404, media=("video/mp4", "image/png")))
-    async def video_content(self, video_id: str,
+    async def video_content(self, video_id: str, request: Request,
                             variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> Response:
-        return await self._job_api(lambda j: j.content(video_id, variant))
+        return await self._job_api(lambda j: j.content(video_id, variant, tenant_of(request)))
 
-    @app.post("/v1/videos/sync", response_model=None)
-    async def videos_sync(self, req: VideoRequest) -> Response:
+    @app.post("/v1/videos/sync", response_model=None, openapi_extra=request_body_doc(VideoRequest))
+    async def videos_sync(self, request: Request) -> Response:
         """The synchronous path: waits for the video and answers with the MP4."""
         self._count_received()
+        req = await parse_request(request, VideoRequest)
         try:
             t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")
         except UnsupportedTemplate as e:

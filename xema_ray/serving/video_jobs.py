@@ -5,12 +5,16 @@ model's group; retrieve, list, download and delete read or change the store, so 
 answers for any job. Each replica also runs ``reconcile`` in the background: jobs that no live
 model group holds — created by a replica that died before dispatching them, or held by a group
 replica whose lease lapsed — are taken back (compare-and-set) and dispatched again.
+
+Every endpoint takes the request's tenant (``auth.tenant_of``; None when the API is open): a job
+of another tenant answers exactly like one that does not exist. A job id the store does not
+know but that was made in an earlier store epoch (the store lost its data) answers 404 with
+``code: job_store_lost`` (it existed; the store lost it), never as one that never existed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -18,14 +22,22 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
-
 from xema_ray.plan import PlanTable
 from xema_ray.serving.api import UnsupportedTemplate
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
+from xema_ray.serving.jobs import (
+    JobRecord,
+    JobStore,
+    JobStoreConfig,
+    TenantBusy,
+    epoch_of,
+    new_job_id,
+    open_store,
+    store_call,
+)
 from xema_ray.serving.media import first_frame_png
 from xema_ray.serving.errors import cause_of
 from xema_ray.serving.model_group import InvalidRequest, QueueFull
+from xema_ray.serving.validation import parse_request
 from xema_ray.serving.videos import (
     VideoCreate,
     VideoDeleted,
@@ -55,39 +67,6 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.extra = status, message, type, param, extra
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    """The create body as a dict, from JSON or a multipart / urlencoded form (415 for anything else)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        try:
-            form = await request.form()
-        except Exception as e:  # a malformed form is the client's error, never a 500
-            raise ApiError(422, f"the form body could not be parsed ({type(e).__name__}: {e})", code="invalid_value") from None
-        out: dict[str, Any] = {}
-        for k, v in form.multi_items():
-            out[k] = v if isinstance(v, str) else f"<file {getattr(v, 'filename', '')}>"
-        for k in ("seed", "num_frames", "num_inference_steps"):  # form fields are text
-            if isinstance(out.get(k), str) and out[k].strip().lstrip("-").isdigit():
-                out[k] = int(out[k])
-        if isinstance(out.get("guidance_scale"), str):
-            try:
-                out["guidance_scale"] = float(out["guidance_scale"])
-            except ValueError:
-                pass
-        return out
-    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-        raise ApiError(415, f"the request body must be JSON or multipart/form-data, got Content-Type {ctype!r}",
-                       code="unsupported_media_type")
-    raw = await request.body()
-    try:
-        body = json.loads(raw.decode("utf-8") if raw else "null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(422, f"the body is not valid JSON: {e}", code="invalid_value") from None
-    if not isinstance(body, dict):
-        raise ApiError(422, "the body must be a JSON object with at least 'model' and 'prompt'", code="invalid_value")
-    return body
-
-
 class VideoJobs:
     """The video job endpoints' logic (one per router replica).
 
@@ -99,9 +78,10 @@ class VideoJobs:
     """
 
     def __init__(self, cfg: JobStoreConfig, groups: dict[str, Any], served: dict[str, RequestTemplate],
-                 table: PlanTable, emulated: bool = False) -> None:
+                 table: PlanTable, emulated: bool = False, max_jobs_in_flight: int | None = None) -> None:
         self.cfg = cfg
         self.emulated = emulated  # the box is emulated: every video object says so
+        self.max_jobs_in_flight = max_jobs_in_flight
         self.groups = groups
         self.served = served
         self.table = table
@@ -112,6 +92,9 @@ class VideoJobs:
 
     def store(self) -> JobStore:
         return open_store(self.cfg)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await store_call(self.cfg, fn, *args)
 
     def start_background(self) -> None:
         """Start ``reconcile`` on this replica's event loop (once)."""
@@ -127,26 +110,21 @@ class VideoJobs:
     def _video(self, rec: JobRecord, status: int = 200) -> JSONResponse:
         return JSONResponse(video_view(rec, self.emulated).body(), status_code=status, headers=self._headers(rec))
 
-    async def _live(self, video_id: str) -> JobRecord:
-        rec = await asyncio.to_thread(self.store().get, video_id)
-        if rec is None:
-            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
-                           type="not_found_error", param="video_id")
-        return rec
+    async def _live(self, video_id: str, tenant: str | None) -> JobRecord:
+        rec = await self._call(self.store().get, video_id)
+        if rec is not None and rec.tenant == tenant:
+            return rec
+        made_in = epoch_of(video_id)
+        if rec is None and made_in is not None and made_in != await self._call(self.store().epoch):
+            raise ApiError(404, f"video {video_id!r} was lost: the job store lost its data after the job was created "
+                                f"(store epoch {made_in}, now another); create it again", type="not_found_error",
+                           param="video_id", code="job_store_lost")
+        raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                       type="not_found_error", param="video_id")
 
     # ------------------------------------------------------------------ endpoints
-    async def create(self, request: Request) -> Response:
-        body = await _body(request)
-        unknown = sorted(set(body) - set(VideoCreate.model_fields))
-        if unknown:
-            raise ApiError(400, f"unknown option {unknown[0]!r}; accepted: {', '.join(VideoCreate.model_fields)}",
-                           param=unknown[0])
-        try:
-            req = VideoCreate.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"]) or None
-            raise ApiError(422, f"{field}: {err['msg']}" if field else err["msg"], param=field) from None
+    async def create(self, request: Request, tenant: str | None = None) -> Response:
+        req = await parse_request(request, VideoCreate)
         if req.input_reference is not None:
             raise ApiError(400, "input_reference (image-to-video) is not served; send a text prompt only",
                            param="input_reference")
@@ -157,32 +135,38 @@ class VideoJobs:
                            supported_templates=e.supported) from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         predicted = await self._predicted_s(t)
-        rec = JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
-                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
-                        frames=t.frames, predicted_s=predicted, created_at=time.time())
         store = self.store()
-        rec = await asyncio.to_thread(store.create, rec)
+        epoch = await self._call(store.epoch)
+        rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
+                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
+                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant)
+        try:
+            rec = await self._call(store.create, rec, self.max_jobs_in_flight if tenant is not None else None)
+        except TenantBusy as e:
+            raise ApiError(429, f"this API key's tenant has {e.active} video jobs queued or running "
+                                f"(auth.max_jobs_in_flight {self.max_jobs_in_flight}); wait for one to finish",
+                           type="rate_limit_error", code="too_many_jobs", retry_after_s=max(1.0, rec.predicted_s)) from None
         try:
             await self._dispatch(rec)
         except Exception as e:
             refused = cause_of(e)
             if isinstance(refused, QueueFull):  # not accepted: the client retries after Retry-After
-                await asyncio.to_thread(store.delete, rec.id)
+                await self._call(store.discard, rec.id)  # a refused create leaves nothing behind
                 raise ApiError(503, str(refused), type="service_unavailable", code="queue_full",
                                retry_after_s=refused.retry_after_s) from None
             if isinstance(refused, InvalidRequest):  # it could never run: refused like bad input
-                await asyncio.to_thread(store.delete, rec.id)
+                await self._call(store.discard, rec.id)
                 raise ApiError(422, str(refused), param=refused.param, code="invalid_value") from None
             # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
             logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
         return self._video(rec)
 
-    async def retrieve(self, video_id: str) -> Response:
-        return self._video(await self._live(video_id))
+    async def retrieve(self, video_id: str, tenant: str | None = None) -> Response:
+        return self._video(await self._live(video_id, tenant))
 
-    async def list(self, after: str | None, limit: int, order: str) -> Response:
+    async def list(self, after: str | None, limit: int, order: str, tenant: str | None = None) -> Response:
         try:
-            recs, more = await asyncio.to_thread(self.store().list, after, limit, order)  # type: ignore[arg-type]
+            recs, more = await self._call(self.store().list, after, limit, order, tenant)
         except KeyError:
             raise ApiError(400, f"after={after!r} names no video", param="after") from None
         views = [video_view(r, self.emulated) for r in recs]
@@ -191,11 +175,12 @@ class VideoJobs:
         body["data"] = [v.body() for v in views]
         return JSONResponse(body, headers=self._headers())
 
-    async def delete(self, video_id: str) -> Response:
+    async def delete(self, video_id: str, tenant: str | None = None) -> Response:
         """Queued: leaves the queue. Running: its batch drops it at the next step (and stops if it
-        was the batch's last member). Finished: its files go."""
+        was the batch's last member). Finished: its files go, every one derived from it."""
+        await self._live(video_id, tenant)  # another tenant's job is not there for this one
         names = (result_name(video_id, "video"), result_name(video_id, "thumbnail"))
-        before = await asyncio.to_thread(self.store().delete, video_id, names)
+        before = await self._call(self.store().delete, video_id, names)
         if before is None:
             raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
                            type="not_found_error", param="video_id")
@@ -206,23 +191,29 @@ class VideoJobs:
                 logger.exception("cancel_job(%s) failed", video_id)
         return JSONResponse(VideoDeleted(id=video_id).model_dump(), headers=self._headers())
 
-    async def content(self, video_id: str, variant: str) -> Response:
-        rec = await self._live(video_id)
+    async def content(self, video_id: str, variant: str, tenant: str | None = None) -> Response:
+        rec = await self._live(video_id, tenant)
         if variant == "spritesheet":
             raise ApiError(400, "variant 'spritesheet' is not produced; available: video, thumbnail", param="variant")
         if rec.status != "completed":
             raise ApiError(400, f"video {video_id} is not ready: status {rec.status}, progress {video_view(rec).progress}%",
                            param="video_id")
         store = self.store()
-        got = await asyncio.to_thread(store.get_file, result_name(video_id, "video"))
+        got = await self._call(store.get_file, result_name(video_id, "video"))
         if got is None:
             raise ApiError(404, f"the result of {video_id} has expired", type="not_found_error", param="video_id")
         if variant == "thumbnail":
-            thumb = await asyncio.to_thread(store.get_file, result_name(video_id, "thumbnail"))
+            name = result_name(video_id, "thumbnail")
+            thumb = await self._call(store.get_file, name)
             if thumb is None:
                 png = await asyncio.to_thread(first_frame_png, got[0])
-                await asyncio.to_thread(store.put_file, result_name(video_id, "thumbnail"), png, "image/png",
-                                        rec.expires_at or time.time() + self.cfg.ttl_s)
+                await self._call(store.put_file, name, png, "image/png", rec.expires_at or time.time() + self.cfg.ttl_s)
+                # a DELETE that ran while the thumbnail was made removed the files before this one
+                # was written: look again, and take it back (the job is gone for this client too)
+                if await self._call(store.get, video_id) is None:
+                    await self._call(store.delete_file, name)
+                    raise ApiError(404, f"no video {video_id!r}: it was deleted", type="not_found_error",
+                                   param="video_id")
                 thumb = (png, "image/png")
             got = thumb
         return Response(content=got[0], media_type=got[1], headers=self._headers())
@@ -248,9 +239,9 @@ class VideoJobs:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""
         store = self.store()
         n = 0
-        for rec in await asyncio.to_thread(store.orphans, self.cfg.lease_s):
+        for rec in await self._call(store.orphans, self.cfg.lease_s):
             if rec.owner is not None:  # its group replica died: take the job back first (one taker wins)
-                taken = await asyncio.to_thread(store.requeue, rec.id, rec.owner)
+                taken = await self._call(store.requeue, rec.id, rec.owner)
                 if taken is None:
                     continue
                 rec = taken
@@ -262,7 +253,7 @@ class VideoJobs:
                 logger.info("re-dispatching %s failed (%s); retrying later", rec.id, cause_of(e))
         if time.time() - self._last_purge > PURGE_INTERVAL_S:
             self._last_purge = time.time()
-            await asyncio.to_thread(store.purge_expired)
+            await self._call(store.purge_expired)
         return n
 
     async def _background(self) -> None:

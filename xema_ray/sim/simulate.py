@@ -29,6 +29,7 @@ from xema_ray.serving.dispatcher import (
     Dispatcher,
     DispatchPlan,
     PreemptionPolicy,
+    Refused,
 )
 
 
@@ -61,6 +62,7 @@ class SimResult(BaseModel):
     attainment: float = Field(description="share of requests finishing within their SLO")
     goodput_rpm: float = Field(description="requests per minute finishing within their SLO")
     per_template: dict[str, TemplateStats]
+    shed: int = Field(default=0, description="requests the admission policy refused or shed (counted as missed)")
     preemptions: int = Field(default=0, description="batches paused for another (step-level preemption)")
     decisions: list[Decision] = Field(default_factory=list, description="the preempt / resume decisions, in order "
                                       "(the latest dispatcher.MAX_DECISIONS_KEPT per model)")
@@ -111,6 +113,8 @@ def simulate(
     max_preemptions: int = 2,
     host_bytes: int | None = None,
     host_bandwidth: float | None = None,
+    request_overhead_s: dict[str, float] | None = None,
+    admission: bool = True,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
@@ -131,8 +135,12 @@ def simulate(
         preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
             table's budget and residency switch costs, ``max_preemptions`` per request,
             ``host_bytes`` of host memory per worker for paused state, None: unbounded).
+        request_overhead_s: request id -> its own front-end time, measured live (replaces
+            ``overhead_s`` for the requests it names): a loaded front end's tail, not its mean.
         host_bandwidth: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default);
             an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
+        admission: apply the table's per-group admission policies (``PlanTable.admission``;
+            refused and shed requests count as missed).
     """
     def predicted(template: str, n: int) -> float:
         p = table.entries[template].prediction
@@ -153,7 +161,7 @@ def simulate(
                                 **({"host_bandwidth": host_bandwidth} if host_bandwidth is not None else {}))
     disps: dict[str, Dispatcher[None]] = {
         m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9,
-                      preemption=policy(m))
+                      preemption=policy(m), admission=table.admission.get(m) if admission else None)
         for m, p in by_model.items()
     }
     # per-template residency: a worker whose last batch was another template first moves the
@@ -202,6 +210,7 @@ def simulate(
         return work
     offloaded: dict[tuple[str, int], bool] = {}
     stats: dict[str, TemplateStats] = {}
+    shed = 0
     pending = sorted(arrivals, key=lambda a: a.t)
     nxt = 0
     running: dict[tuple[str, int], tuple[float, int]] = {}  # (model, batch id) -> (work left s, workers)
@@ -228,8 +237,11 @@ def simulate(
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
-                        lat = now - r.arrival + (overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict)
-                                                 else overhead_s)
+                        if request_overhead_s is not None and r.request_id in request_overhead_s:
+                            extra = request_overhead_s[r.request_id]
+                        else:
+                            extra = overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict) else overhead_s
+                        lat = now - r.arrival + extra
                         st.latencies_s.append(lat)
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
@@ -240,12 +252,16 @@ def simulate(
             if arr.template not in model_of:
                 st.failed += 1
             else:
-                disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+                try:
+                    disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+                except Refused:
+                    shed += 1
         else:
             heapq.heappop(wakes)
         for m, d in disps.items():
             for a in d.dispatch(now):
                 running[(m, a.batch_id)] = (start(m, a, d), len(a.workers))
+            shed += len(d.take_shed())
             w = d.next_wakeup(now)
             if w is not None:
                 # a hair past the window's end: arrival + window can round below the sum the
@@ -260,6 +276,6 @@ def simulate(
     return SimResult(
         duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
         attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
-        preemptions=sum(d.preemptions_total for d in disps.values()),
+        shed=shed, preemptions=sum(d.preemptions_total for d in disps.values()),
         decisions=[x for d in disps.values() for x in d.decisions],
     )
