@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit gpu-check clean
+.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
 $(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,12 @@ bench-emulated: install
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
+
+# Scale-out on a local cluster (head + 4 nodes x 8 emulated GPUs): front door at >= 32 GPUs, autoscaling through a
+# load step, a node killed under load (<= 10 min); bench/results/scale.json + scale.png
+bench-scale: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_scale.py --out bench/results/scale.json
 
 # Store faults and live preemption decisions (docs/tenancy.md, bench/sections/tenancy.md; needs redis-server; <= 15 min)
 bench-tenancy: install

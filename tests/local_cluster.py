@@ -150,10 +150,17 @@ class LocalCluster:
         return node
 
     def add_nodes(self, count: int, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                  timeout_s: float = 180) -> list[Node]:
-        """Start ``count`` worker nodes at once (a 4 x 8-GPU cluster starts in the time of one node,
-        not four); returns once the GCS lists them all alive. A node whose ``ray start`` fails is
-        started again on fresh ports, once."""
+                  timeout_s: float = 180, wave: int = 2) -> list[Node]:
+        """Start ``count`` worker nodes, ``wave`` at a time (a wave starts in the time of one node;
+        more at once can overload the GCS of a busy machine); returns once the GCS lists them all
+        alive. A node whose ``ray start`` fails is started again on fresh ports, twice at most."""
+        started: list[Node] = []
+        while len(started) < count:
+            started += self._start_wave(min(wave, count - len(started)), num_cpus, num_gpus, resources, timeout_s)
+        return started
+
+    def _start_wave(self, count: int, num_cpus: int, num_gpus: int, resources: dict[str, float] | None,
+                    timeout_s: float) -> list[Node]:
         import json
 
         before = self.alive_nodes()
@@ -173,14 +180,14 @@ class LocalCluster:
                                         stderr=subprocess.STDOUT, start_new_session=True)
             started.append(Node(proc, args, log, ports))
         deadline = time.time() + timeout_s
-        retried: set[int] = set()
+        retries = [0] * count
         while time.time() < deadline:
             if self.alive_nodes() >= before + count:
                 self.workers.extend(started)
                 return started
             for i, node in enumerate(started):
-                if node.proc.poll() is not None and i not in retried:  # lost a port race: again on fresh ports
-                    retried.add(i)
+                if node.proc.poll() is not None and retries[i] < 2:  # a port race or a start timeout: again
+                    retries[i] += 1
                     self._kill(node)
                     args, ports = self._fresh(node.args, node.ports)
                     with open(node.log, "a") as out:

@@ -159,9 +159,14 @@ def test_hold_when_removing_one_would_miss_the_target() -> None:
     assert d.action == "hold" and d.attainment >= 0.9 and d.attainment_without < 0.95
 
 
-def test_no_scale_down_while_a_replica_is_still_starting() -> None:
+def test_replicas_not_running_are_dropped_when_the_running_ones_meet_the_target() -> None:
+    # 3 asked for, 2 running (no node has room for the third, or it is still starting)
     quiet = [replica(f"r{i}") for i in range(2)]
-    assert decide_replicas(quiet, current=3, spec=SPEC, now=100.0).action == "hold"
+    d = decide_replicas(quiet, current=3, spec=SPEC, now=100.0)
+    assert d.action == "down" and d.replicas == 2
+    # while the running ones miss the target, the starting one is still wanted (and more)
+    busy = [replica(f"r{i}", queues={"img": q(4, rate=1.0)}) for i in range(2)]
+    assert decide_replicas(busy, current=3, spec=SPEC, now=100.0).replicas >= 3
 
 
 def test_min_replicas_is_kept() -> None:

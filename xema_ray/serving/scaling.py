@@ -139,6 +139,12 @@ def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: Aut
         want = min(hi, max(current + 1, need))
         return ScaleDecision(replicas=want, action="up", attainment=frac,
                              reason=f"predicted attainment {frac:.3f} < target {spec.target_attainment}")
+    if len(live) < current and frac >= min(1.0, spec.target_attainment + spec.scale_down_margin):
+        # replicas asked for but not running (still starting, or no node has room for them) that
+        # the running ones do without: stop asking for them
+        return ScaleDecision(replicas=max(lo, len(live)), action="down", attainment=frac,
+                             reason=f"the {len(live)} running replicas predict {frac:.3f} without the "
+                                    f"{current - len(live)} not running")
     if current > lo and len(live) == current and len(live) > 1:
         # the replica with the least to do is the one whose load is cheapest to share out
         loads = [sum(q.queued for q in s.queues.values()) + sum(b.requests for b in s.running) for s in live]
