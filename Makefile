@@ -101,7 +101,7 @@ bench: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
-# Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, bench/sections/emulated.md):
+# Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, BENCHMARKS.md "Live vs simulated"):
 # Flux.2 and CogVideoX-5B at three rates each, preemption on; <= 15 min on 2 CPUs.
 bench-emulated: install
 	mkdir -p bench/results
@@ -117,7 +117,7 @@ bench-scale: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_scale.py --out bench/results/scale.json
 
-# Store faults and live preemption decisions (docs/tenancy.md, bench/sections/tenancy.md; needs redis-server; <= 15 min)
+# Store faults and live preemption decisions (docs/tenancy.md, BENCHMARKS.md "Faults"; needs redis-server; <= 15 min)
 bench-tenancy: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/store_pause.py
 	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0

@@ -177,7 +177,7 @@ def _plot(result: Result, path: Path) -> None:
 
 
 def markdown_table(result: Result) -> str:
-    """The points as the Markdown table of bench/sections/emulated.md."""
+    """The points as the Markdown table of BENCHMARKS.md "Live vs simulated"."""
     rows = ["| model | paper rate (req/min) | reference box (req/min) | emulated (req/min) | sent | lost | live | simulated "
             "| live - sim (pp) | simulated, mean front end | front end (ms, mean / p95) | preemptions live / sim |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -1,4 +1,4 @@
-"""Serving-core measurements against a running app (bench/sections/serving-core.md):
+"""Serving-core measurements against a running app (BENCHMARKS.md "Serving overhead"):
 
 * ``timeline``: from the moment the app's command starts, ``/healthz`` and one small image
   request every ``--every`` seconds (each request waited for): when readiness turned 200, when

@@ -2,7 +2,7 @@
 expected device seconds and its own timeout, and the result records a check writes.
 
 Expected seconds are estimates, not measurements (no GPU was lent when they were written):
-bench/sections/gpu-check.md derives each from CPU-measured build costs and a stated speed-up.
+BENCHMARKS.md "GPU check" derives each from CPU-measured build costs and a stated speed-up.
 A collected GPU test that matches no entry runs after the planned ones, in part 2, with
 ``UNPLANNED`` figures. JSON on disk is these pydantic models (docs/gpu-check.md, "Fields").
 """
@@ -29,7 +29,7 @@ class PlannedTest(BaseModel):
 
     match: str
     part: Literal[1, 2]
-    expected_s: float = Field(description="estimated device seconds (bench/sections/gpu-check.md)")
+    expected_s: float = Field(description="estimated device seconds (BENCHMARKS.md "GPU check")")
     timeout_s: float = Field(description="the test process is killed (its whole process group) after this")
     files: tuple[str, ...] = Field(default=(), description="files the test leaves in --out (beside the two logs)")
     what: str = ""
