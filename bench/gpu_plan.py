@@ -29,7 +29,7 @@ class PlannedTest(BaseModel):
 
     match: str
     part: Literal[1, 2]
-    expected_s: float = Field(description="estimated device seconds (BENCHMARKS.md "GPU check")")
+    expected_s: float = Field(description="estimated device seconds (BENCHMARKS.md, GPU check)")
     timeout_s: float = Field(description="the test process is killed (its whole process group) after this")
     files: tuple[str, ...] = Field(default=(), description="files the test leaves in --out (beside the two logs)")
     what: str = ""
