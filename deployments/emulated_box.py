@@ -24,6 +24,10 @@ from typing import Any
 import yaml
 
 
+#: the environment start_box changed, as it was (restored by stop_box)
+_SAVED_ENV: dict[str, str | None] = {}
+
+
 def read_deployment(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(http_options, the first application's args) of a ``serve run`` YAML."""
     doc = yaml.safe_load(path.read_text())
@@ -41,12 +45,16 @@ def start_box(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, n
     from ray import serve
 
     from xema_ray.serving.config import ServeConfig
-    from xema_ray.serving.ray_env import apply_ray_env
+    from xema_ray.serving.ray_env import apply_ray_env, ray_env
 
     cfg = ServeConfig.model_validate(args)
     if cfg.device != "emulated":
         raise ValueError(f"this launcher serves device: emulated deployments; got device: {cfg.device}")
     gpus = num_gpus or sum(g.workers * g.replicas for g in cfg.models)
+    # the settings are for the cluster this call starts: stop_box gives this process its own back,
+    # so that a later multi-node cluster started from it is not local-only
+    _SAVED_ENV.clear()
+    _SAVED_ENV.update({k: os.environ.get(k) for k in (*ray_env(base={}), "RAY_USAGE_STATS_ENABLED")})
     apply_ray_env()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # CPUs: what the worker bundles reserve, plus room for the router, groups and Serve's actors
@@ -74,6 +82,24 @@ def stop_box() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+        _restore_env()
+
+
+def _restore_env() -> None:
+    """This process's environment (and Ray's reading of the local-only switch) as before start_box."""
+    import sys
+
+    from xema_ray.serving.ray_env import LOCAL_ONLY_ENV
+
+    for k, v in _SAVED_ENV.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    constants = sys.modules.get("ray._private.ray_constants")
+    if _SAVED_ENV and constants is not None:
+        constants.ENABLE_RAY_CLUSTER = os.environ.get(LOCAL_ONLY_ENV) != "0"
+    _SAVED_ENV.clear()
 
 
 def main(argv: list[str] | None = None) -> None:

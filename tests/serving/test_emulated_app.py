@@ -21,6 +21,7 @@ pytest.importorskip("ray")
 from deployments.emulated_box import start_box, stop_box  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import PlanTable  # noqa: E402
+from xema_ray.serving.ready import wait_ready  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -56,6 +57,9 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     t0 = time.monotonic()
     start_box(args, port=port, num_cpus=4)
     try:
+        # serve.run returns once Serve's replicas run; the Router takes a group in once it has
+        # heard so itself: /healthz 200 is what a client waits for (docs/serving.md)
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=120)
         print(f"emulated app of two models ready in {time.monotonic() - t0:.0f} s")
         yield f"http://127.0.0.1:{port}"
     finally:
