@@ -95,6 +95,7 @@ class _Group:
         self.gone: str | None = None  # a death fact since the last answer
         self.gone_at: float | None = None
         self.pending_since: float | None = None
+        self.gone_event = asyncio.Event()  # set while a death fact stands (requests waiting on the group end)
 
 
 class GroupHealth:
@@ -125,6 +126,7 @@ class GroupHealth:
     def answered(self, model: str, status: dict[str, Any]) -> None:
         g = self._known[model]
         g.last, g.answered_at, g.gone, g.gone_at = status, time.monotonic(), None, None
+        g.gone_event.clear()
 
     def died(self, model: str, reason: str) -> None:
         g = self._known[model]
@@ -132,6 +134,15 @@ class GroupHealth:
             logger.warning("%s: %s", model, reason)
             g.gone_at = time.monotonic()
         g.gone = reason
+        g.gone_event.set()
+
+    async def wait_gone(self, model: str) -> str:
+        """Returns (the reason) once a death fact about ``model``'s group stands: a request waiting
+        on a group whose replica is gone, or cannot be placed because its node is gone, would
+        otherwise wait in Serve's queue for a replica that may never come."""
+        g = self._known[model]
+        await g.gone_event.wait()
+        return g.gone or "its replica is gone"
 
     # ------------------------------------------------------------------ probing
     def ensure_started(self) -> None:

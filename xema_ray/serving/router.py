@@ -43,7 +43,7 @@ from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
 from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.middleware import RequestGuard
-from xema_ray.serving.group_api import GenerateResult
+from xema_ray.serving.group_api import GenerateResult, GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
 from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.media import MEDIA_TYPES, transcode_image
@@ -180,8 +180,24 @@ class Router:
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        # accepted: waited for until it answers or Ray says its replica died (never given up here)
-        return await handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
+        # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
+        # error, or Serve's controller reporting no running replica) — never because it is slow
+        response = handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
+
+        async def result() -> GenerateResult:
+            return await response
+
+        call = asyncio.ensure_future(result())
+        gone = asyncio.ensure_future(self.health.wait_gone(t.model))
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            response.cancel()
+            call.cancel()
+            raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")
+        finally:
+            gone.cancel()
 
     async def _guarded(self, coro) -> Any:  # type: ignore[no-untyped-def]
         try:
