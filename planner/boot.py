@@ -21,13 +21,17 @@ def init_ray() -> None:
 
     if ray.is_initialized():
         return
+    from xema_ray.hash_seed import RUNTIME_ENV, seeded
+
+    # the layouts' streams are those of PYTHONHASHSEED=0 processes (xema_ray.hash_seed): a
+    # cluster this (seeded) process starts inherits it; the workers of a joined one get it here
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        ray.init(runtime_env=RUNTIME_ENV)
         return
     # Ray runs its workers at niceness 15 by default: on a machine shared with other jobs the
     # planning tasks (all of this command's work) then only get what those leave
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=None if seeded() else RUNTIME_ENV)
 
 
 def uses_ray(argv: list[str]) -> bool:

@@ -276,7 +276,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+#: subcommands whose result depends on the allocation stream's set-iteration order: run under the
+#: fixed string-hash seed (``xema_ray.hash_seed``; the process re-starts itself once)
+SEEDED_COMMANDS = ("verify", "layouts", "plan")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in SEEDED_COMMANDS and not {"-h", "--help"} & set(sys.argv):
+        from xema_ray.hash_seed import reexec_seeded
+
+        reexec_seeded()
     parser = argparse.ArgumentParser(prog="xema", description="Xema-Ray: memory analysis and planning for diffusion serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_analyze(sub)

@@ -139,7 +139,30 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
 def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None, replay_blocks: bool = True) -> MemoryTrace:
     """The allocations one batch of ``config`` makes in the serving worker after its weights are
     placed, for the template's full step count (steps traced and replicated like the analyzer's;
-    DiT blocks replayed where exact: ``replay_blocks``, the same stream, ~4x faster on LTX-2)."""
+    DiT blocks replayed where exact: ``replay_blocks``, the same stream, ~4x faster on LTX-2).
+
+    Always the stream of a process started with ``PYTHONHASHSEED=0``, as serving workers are
+    (``xema_ray.hash_seed``: the model code's set iteration order depends on it): traced
+    here when this process is, else in a seeded child process."""
+    return worker_streams(config, (config.template.steps,), layouts_dir, replay_blocks)[0]
+
+
+def worker_streams(config: ExecutionConfig, steps: tuple[int, ...], layouts_dir: Path | None = None,
+                   replay_blocks: bool = True) -> list[MemoryTrace]:
+    """``worker_trace`` with the traced steps replicated to each of ``steps`` step counts (one
+    worker run; a step count below the traced ones is not allowed)."""
+    from xema_ray.hash_seed import seeded
+
+    if not seeded():
+        from xema_ray.runtime.seeded_trace import trace_in_child
+
+        return trace_in_child(config, steps, layouts_dir, replay_blocks)
+    return trace_here(config, steps, layouts_dir, replay_blocks)
+
+
+def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, layouts_dir: Path | None = None,
+               replay_blocks: bool = True) -> list[MemoryTrace]:
+    """``worker_streams`` in this process, whatever its string-hash seed (default: the template's steps)."""
     from xema_ray.memory.analyzer import expand_steps
 
     tracer = AllocationTracer("meta", {})
@@ -150,16 +173,19 @@ def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None, repla
     raw = tracer.raw()
     load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
     loaded = device_peaks(raw)[1]
-    trace = expand_steps(raw, config.template.steps)
-    request = trace.subset(trace.begin >= load_end)
-    # events numbered from the request's start: what the load made before it (a first load in a
-    # process makes one lazily built buffer more) does not shift the stream, so the layout solved
-    # from it, and its id, are the same in every process
-    request.begin, request.end = request.begin - load_end, request.end - load_end
-    request.n_events -= load_end
-    request.step_bounds = [b - load_end for b in request.step_bounds]
-    request.loaded_bytes = loaded  # the weights the worker placed before the request
-    return request
+    out = []
+    for n in steps or (config.template.steps,):
+        trace = expand_steps(raw, n)
+        request = trace.subset(trace.begin >= load_end)
+        # events numbered from the request's start: what the load made before it (a first load in a
+        # process makes one lazily built buffer more) does not shift the stream, so the layout solved
+        # from it, and its id, are the same in every process
+        request.begin, request.end = request.begin - load_end, request.end - load_end
+        request.n_events -= load_end
+        request.step_bounds = [b - load_end for b in request.step_bounds]
+        request.loaded_bytes = loaded  # the weights the worker placed before the request
+        out.append(request)
+    return out
 
 
 def verify_config(

@@ -215,6 +215,11 @@ class Worker:
                    f"{self.platform.name}" if self.platform.name != "cuda" else "the worker was started without it")
             self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {why}"
             return
+        from xema_ray.hash_seed import seeded, unseeded_reason
+
+        if not seeded():  # the stream would not be the one solved: every planned allocation would miss
+            self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {unseeded_reason()}"
+            return
         self.allocator.reserve_for([a.solved() for a in self.layouts.values()])
         # cuBLAS workspaces (one per handle and stream, on the first matmul) and attention scratch
         # land in the dynamic region now, once, instead of derailing the first armed batch's plan

@@ -1,7 +1,8 @@
 """The environment a Ray cluster started for the app gets: local-only ports by default, and the
 proxy middleware that turns Ray Serve's own error answers into the API's JSON errors.
 
-Both are settings Ray reads from its processes' environment when they start (the raylet passes
+And ``PYTHONHASHSEED=0``, under which the workers' allocation streams are the ones their static
+layouts were solved from (``xema_ray.hash_seed``). All are settings Ray reads from its processes' environment when they start (the raylet passes
 its environment to the workers, the Serve controller and the HTTP proxy), so they must be in
 the environment of whatever starts Ray: ``make serve`` (``serve run``), ``ray start``, or a
 test's ``ray.init``. Measured on Ray 2.60 (docs/operations.md "Ports"): by default the GCS, the raylet, every
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from xema_ray.hash_seed import HASH_SEED, HASH_SEED_ENV
 from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 #: Ray's switch: "0" makes a node use 127.0.0.1 as its address, so its servers bind only there
@@ -39,6 +41,9 @@ def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = Non
     if open_ports is None:
         open_ports = env.get(OPEN_PORTS_ENV, "0") == "1"
     env.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    # the workers' allocation streams are the ones their static layouts were solved from only
+    # with string hashing unsalted (xema_ray.hash_seed)
+    env[HASH_SEED_ENV] = HASH_SEED
     if open_ports:
         env.pop(LOCAL_ONLY_ENV, None)
     else:
