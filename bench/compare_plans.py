@@ -23,19 +23,23 @@ def _close(a: float, b: float, rel: float) -> bool:
     return a == b or math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
 
 
-def compare(ref: PlanTable, new: PlanTable, rel: float = 0.0) -> list[str]:
-    """Differences between two plan tables, one line each (empty: same plans)."""
+def compare(ref: PlanTable, new: PlanTable, rel: float = 0.0, ignore_layouts: bool = False) -> list[str]:
+    """Differences between two plan tables, one line each (empty: same plans). ``ignore_layouts``:
+    the static layouts' own fields (``layout_ref``, and the peak the layout sets) are not compared."""
     diffs: list[str] = []
     for k in sorted(set(ref.entries) | set(new.entries)):
         a, b = ref.entries.get(k), new.entries.get(k)
         if a is None or b is None:
             diffs.append(f"{k}: planned in {'new' if a is None else 'reference'} only")
             continue
+        if ignore_layouts:
+            a = a.model_copy(update={"config": a.config.model_copy(update={"layout_ref": None})})
+            b = b.model_copy(update={"config": b.config.model_copy(update={"layout_ref": None})})
         if a.config != b.config:
             diffs.append(f"{k}: configuration {a.config.describe()} (text encoder {a.config.text_encoder}) "
                          f"-> {b.config.describe()} (text encoder {b.config.text_encoder})")
         pa, pb = a.prediction, b.prediction
-        for name in ("peak_bytes", "latency_s", "goodput_rps", "slo_s"):
+        for name in ("peak_bytes", "latency_s", "goodput_rps", "slo_s")[int(ignore_layouts):]:
             va, vb = getattr(pa, name), getattr(pb, name)
             if not _close(float(va), float(vb), rel):
                 diffs.append(f"{k}: {name} {va} -> {vb}")
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("new", type=Path)
     ap.add_argument("--rel", type=float, default=0.0, help="relative tolerance on floats (default: exact)")
     ap.add_argument("--only-new", action="store_true", help="compare only the templates the new table plans")
+    ap.add_argument("--ignore-layouts", action="store_true",
+                    help="leave out layout_ref and the predicted peak (the static layout sets it)")
     args = ap.parse_args(argv)
     ref, new = PlanTable.load(args.reference), PlanTable.load(args.new)
     if args.only_new:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = ref.model_copy(update={"entries": {k: v for k, v in ref.entries.items() if k in new.entries},
                                      "residency": {}})
         new = new.model_copy(update={"residency": {}})
-    diffs = compare(ref, new, args.rel)
+    diffs = compare(ref, new, args.rel, args.ignore_layouts)
     for d in diffs:
         print(d)
     print(f"{len(new.entries)} entries compared with {len(ref.entries)}: "

@@ -43,7 +43,7 @@ def with_layout(entry: PlanEntry, art: LayoutArtifact) -> tuple[PlanEntry, float
     peak = reserved_with_layout(art.loaded_bytes, art.reserved_bytes, art.dynamic_fraction)
     cfg = entry.config.model_copy(update={"layout_ref": art.layout_id})
     pred = entry.prediction.model_copy(update={"peak_bytes": peak})
-    ratio = art.reserved_bytes / max(1, art.layout.lower_bound_bytes)
+    ratio = art.reserved_bytes / max(1, art.lower_bound_bytes)
     return entry.model_copy(update={"config": cfg, "prediction": pred}), ratio
 
 
