@@ -108,7 +108,10 @@ def test_a_load_step_adds_a_replica_on_another_node_and_the_group_drains_back(cl
         counts.append(_replicas())
         return step, low
 
-    step, low = asyncio.run(run())
+    try:
+        step, low = asyncio.run(run())
+    finally:  # the handle's router (its autoscaling-metrics thread) stops before Ray does; the cluster goes next
+        handle.shutdown()
     failed = [r for r in step + low if isinstance(r, BaseException)]
     assert not failed, failed[:3]  # nothing lost, not even on the replica that drained
     assert max(counts) == 2 and counts[-1] == 1, collections.Counter(counts)
