@@ -100,13 +100,13 @@ bench: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_jobs.py --loadtest-seconds 40 --out bench/results/jobs.json
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json
 
-# Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
 # Live vs simulated SLO attainment on the emulated 8x A6000 box (docs/emulated.md, BENCHMARKS.md "Live vs simulated"):
 # Flux.2 and CogVideoX-5B at three rates each, preemption on; <= 15 min on 2 CPUs.
 bench-emulated: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
 
+# Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
 bench-preemption: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_preemption.py --out bench/results/preemption.json

@@ -16,6 +16,8 @@ every group carries a timeout: a failed collective otherwise hangs the next one 
 from __future__ import annotations
 
 import datetime
+import socket
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -163,6 +165,28 @@ class ProcessGroups:
         self._selected.clear()
 
 
+def _rendezvous_store(config: ParallelConfig, timeout: datetime.timedelta) -> dist.TCPStore | None:
+    """The job's rendezvous store for a ``tcp://HOST:PORT`` init method; None for any other.
+
+    torch's own ``tcp://`` rendezvous makes rank 0's store listen on every interface (``[::]``)
+    whatever HOST says. Here rank 0 binds the socket to HOST itself (127.0.0.1 for a one-node
+    worker set) and hands it to the store, so the rendezvous port is reachable only where HOST is.
+    """
+    url = urllib.parse.urlparse(config.init_method or "")
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        return None
+    fd = None
+    if config.rank == 0:
+        family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((url.hostname, url.port))
+        sock.listen(max(128, config.world_size))
+        fd = sock.detach()  # the store's server owns the descriptor from here on
+    return dist.TCPStore(url.hostname, url.port, config.world_size, config.rank == 0, timeout,
+                         master_listen_fd=fd, use_libuv=True)
+
+
 def init_process_groups(config: ParallelConfig) -> ProcessGroups:
     """Join the worker set and create the groups of every SP layout (collective: all ranks call it).
 
@@ -186,9 +210,11 @@ def init_process_groups(config: ParallelConfig) -> ProcessGroups:
 
         dist.init_process_group(backend="fake", store=FakeStore(), rank=config.rank, world_size=config.world_size)
     elif not dist.is_initialized():
+        store = _rendezvous_store(config, timeout)
         dist.init_process_group(
             backend=backend,
-            init_method=config.init_method,
+            init_method=None if store is not None else config.init_method,
+            store=store,
             rank=config.rank,
             world_size=config.world_size,
             timeout=timeout,
