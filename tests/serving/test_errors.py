@@ -216,6 +216,16 @@ def test_proxy_passes_json_and_success_unchanged(app: FastAPI) -> None:
     assert _assert_shape(post_json(wrapped, IMAGES, {**GOOD, "seed": -1}), 422, "seed")
 
 
+def test_proxy_stamps_its_response_time() -> None:
+    async def slow(scope, receive, send):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    r = asyncio.run(call(ProxyErrorsAsJson(slow), "POST", IMAGES, b"{}"))
+    assert r.status == 200 and 0.05 <= float(r.headers["x-xema-proxy-seconds"]) < 5
+
+
 # ---------------------------------------------------------------------------- OpenAPI
 def test_openapi_lists_statuses_models_and_sizes(app: FastAPI) -> None:
     served = {t.shape_key: t for t in (RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2),
