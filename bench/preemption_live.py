@@ -1,10 +1,12 @@
 """Does step-level preemption fire on a live deployment? Open-loop Poisson arrivals against the
-app of ``deployments/xema.yaml`` (tiny models on CPU, plans made at start-up), optionally with
-every template's denoising steps raised (``--steps 100``: the long-step deployment); counts the
-dispatcher's preemption decisions (``/v1/stats``) and reports each template's latency against its
-SLO (``/v1/templates``).
+app of ``deployments/xema.yaml`` (tiny models on CPU, plans made at start-up) or another
+deployment YAML (``--deployment deployments/xema-100step.yaml``: the long-step deployment),
+optionally with every template's denoising steps raised (``--steps N``) and with preemption off
+(``--max-preemptions 0``: the same run without it); counts the dispatcher's preemption decisions
+(``/v1/stats``) and reports each template's latency against its SLO (``/v1/templates``).
 
     flock /tmp/xema-heavy.lock .venv/bin/python bench/preemption_live.py [--n 80] [--rate 1.0] [--steps N]
+        [--deployment YAML] [--max-preemptions K] [--out results.json]
 
 Uses only long-standing interfaces, so an older checkout runs the same file with its own
 interpreter (from its root). Prints one JSON object.
@@ -36,16 +38,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="denoising steps of every template (default: the YAML's)")
     ap.add_argument("--port", type=int, default=8302)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deployment", default="deployments/xema.yaml", help="the deployment YAML whose app runs")
+    ap.add_argument("--max-preemptions", type=int, default=None,
+                    help="every model group's max_preemptions (0: preemption off; default: the YAML's)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args()
-    doc = yaml.safe_load(Path("deployments/xema.yaml").read_text())
+    doc = yaml.safe_load(Path(a.deployment).read_text())
     args = doc["applications"][0]["args"]
     args.pop("jobs", None)  # synchronous requests only: no store on this path
     if a.steps is not None:
         for g in args["models"]:
             for t in g["templates"]:
                 t["steps"] = a.steps
+    if a.max_preemptions is not None:
+        for g in args["models"]:
+            g["max_preemptions"] = a.max_preemptions
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    out: dict = {"n": a.n, "rate": a.rate, "steps": a.steps}
+    out: dict = {"deployment": a.deployment, "n": a.n, "rate": a.rate, "steps": a.steps,
+                 "max_preemptions": a.max_preemptions, "load_avg_start": os.getloadavg()}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         t0 = time.time()
@@ -103,6 +113,9 @@ def main() -> None:
         ray.shutdown()
     out["load_avg"] = os.getloadavg()
     print(json.dumps(out))
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class Node:
     args: list[str]
     log: Path
     ports: dict[str, int] = field(default_factory=dict)
+    node_id: str | None = None  # the GCS's, once it joined
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -37,6 +38,15 @@ class Node:
             return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+
+@dataclass
+class NodeInfo:
+    """A node as the GCS lists it."""
+
+    node_id: str
+    alive: bool
+    metrics_port: int | None = None  # None: not known (listed through the state API)
 
 
 class LocalCluster:
@@ -131,11 +141,32 @@ class LocalCluster:
         return self.head
 
     def add_node(self, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                 attempts: int = 3, timeout_s: float = 90) -> Node:
-        """Start a worker node; returns once the GCS lists it alive."""
+                 attempts: int = 2, timeout_s: float = 90) -> Node:
+        """Start a worker node; returns once the GCS lists *this* node alive (see ``add_nodes``)."""
+        return self.add_nodes(1, num_cpus, num_gpus, resources, timeout_s=timeout_s, wave=1, attempts=attempts)[0]
+
+    def add_nodes(self, count: int, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
+                  timeout_s: float = 180, wave: int = 2, attempts: int = 2) -> list[Node]:
+        """Start ``count`` worker nodes, ``wave`` at a time (a wave starts in the time of one node;
+        more at once can overload the GCS of a busy machine); returns once the GCS lists each of
+        them alive, or raises with each missing node's ``ray start`` output and raylet log.
+
+        A node counts as joined only when the GCS lists a node alive that was not there before it
+        started and that has its metrics port — not when the number of alive nodes grew: a node
+        killed a moment ago stays listed alive until the GCS's health check gives up on it, and
+        counting would miss a new node that joins while the old one is being declared dead (the
+        join "failure" this used to report). A node whose ``ray start`` exits or that has not
+        joined within ``timeout_s`` is started again on fresh ports, up to ``attempts`` starts."""
+        started: list[Node] = []
+        while len(started) < count:
+            started += self._start_wave(min(wave, count - len(started)), num_cpus, num_gpus, resources,
+                                        timeout_s, attempts)
+        return started
+
+    def _worker_args(self, num_cpus: int, num_gpus: int, resources: dict[str, float] | None,
+                     ) -> tuple[list[str], dict[str, int]]:
         import json
 
-        before = self.alive_nodes()
         ports = {"agent_http": free_port(), "agent_grpc": free_port(), "metrics": free_port(),
                  "runtime_env": free_port()}
         args = [f"--address={self.gcs_address}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
@@ -144,61 +175,64 @@ class LocalCluster:
                 f"--runtime-env-agent-port={ports['runtime_env']}", "--disable-usage-stats"]
         if resources:
             args.append(f"--resources={json.dumps(resources)}")
-        node = self._start(args, ports, lambda n: self.alive_nodes() > before, attempts, timeout_s,
-                           f"worker{len(self.workers)}")
-        self.workers.append(node)
-        return node
+        return args, ports
 
-    def add_nodes(self, count: int, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                  timeout_s: float = 180, wave: int = 2) -> list[Node]:
-        """Start ``count`` worker nodes, ``wave`` at a time (a wave starts in the time of one node;
-        more at once can overload the GCS of a busy machine); returns once the GCS lists them all
-        alive. A node whose ``ray start`` fails is started again on fresh ports, twice at most."""
-        started: list[Node] = []
-        while len(started) < count:
-            started += self._start_wave(min(wave, count - len(started)), num_cpus, num_gpus, resources, timeout_s)
-        return started
+    def _spawn(self, args: list[str], log: Path, mode: str = "w") -> subprocess.Popen:
+        with open(log, mode) as out:
+            return subprocess.Popen([str(BIN / "ray"), "start", "--block", *args], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     def _start_wave(self, count: int, num_cpus: int, num_gpus: int, resources: dict[str, float] | None,
-                    timeout_s: float) -> list[Node]:
-        import json
-
-        before = self.alive_nodes()
+                    timeout_s: float, attempts: int) -> list[Node]:
+        known = {n.node_id for n in self.node_list()}  # dead or alive: a new node has a new id
         started: list[Node] = []
+        deadlines: list[float] = []
+        tries = [1] * count
         for i in range(count):
-            ports = {"agent_http": free_port(), "agent_grpc": free_port(), "metrics": free_port(),
-                     "runtime_env": free_port()}
-            args = [f"--address={self.gcs_address}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
-                    f"--dashboard-agent-listen-port={ports['agent_http']}",
-                    f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--metrics-export-port={ports['metrics']}",
-                    f"--runtime-env-agent-port={ports['runtime_env']}", "--disable-usage-stats"]
-            if resources:
-                args.append(f"--resources={json.dumps(resources)}")
+            args, ports = self._worker_args(num_cpus, num_gpus, resources)
             log = self.temp_dir / f"worker{len(self.workers) + i}.log"
-            with open(log, "w") as out:
-                proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", *args], env=self.env, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-            started.append(Node(proc, args, log, ports))
-        deadline = time.time() + timeout_s
-        retries = [0] * count
-        while time.time() < deadline:
-            if self.alive_nodes() >= before + count:
+            started.append(Node(self._spawn(args, log), args, log, ports))
+            deadlines.append(time.time() + timeout_s)
+        joined: list[str | None] = [None] * count
+        failures: list[str] = []
+        while True:
+            listed = [n for n in self.node_list() if n.alive and n.node_id not in known]
+            for i, node in enumerate(started):
+                if joined[i] is None:
+                    joined[i] = next((n.node_id for n in listed if n.metrics_port in (None, node.ports["metrics"])
+                                      and n.node_id not in joined), None)
+                    node.node_id = joined[i]
+            if all(joined):
                 self.workers.extend(started)
                 return started
             for i, node in enumerate(started):
-                if node.proc.poll() is not None and retries[i] < 2:  # a port race or a start timeout: again
-                    retries[i] += 1
-                    self._kill(node)
-                    args, ports = self._fresh(node.args, node.ports)
-                    with open(node.log, "a") as out:
-                        proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", *args], env=self.env,
-                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-                    started[i] = Node(proc, args, node.log, ports)
+                if joined[i] is not None or (node.proc.poll() is None and time.time() < deadlines[i]):
+                    continue
+                why = (f"`ray start` exited with {node.proc.returncode}" if node.proc.poll() is not None
+                       else f"not listed alive by the GCS within {timeout_s:.0f} s")
+                failures.append(f"{node.log.name} attempt {tries[i]} ({why}):\n{self._node_logs(node)}")
+                self._kill(node)
+                if tries[i] >= attempts:
+                    for other in started:
+                        self._kill(other)
+                    raise RuntimeError(f"a worker node of the local cluster at {self.gcs_address} did not join "
+                                       f"after {attempts} starts:\n" + "\n".join(failures))
+                tries[i] += 1
+                args, ports = self._fresh(node.args, node.ports)  # a port race is the usual cause
+                with open(node.log, "a") as out:
+                    out.write(f"\n--- attempt {tries[i]} on fresh ports ---\n")
+                started[i] = Node(self._spawn(args, node.log, "a"), args, node.log, ports)
+                deadlines[i] = time.time() + timeout_s
             time.sleep(0.5)
-        for node in started:
-            self._kill(node)
-        logs = "\n".join(f"{n.log.name}: {n.log.read_text()[-800:]}" for n in started)
-        raise RuntimeError(f"{count} nodes did not all join within {timeout_s:.0f} s:\n{logs}")
+
+    def _node_logs(self, node: Node) -> str:
+        """What a node that did not join said: its ``ray start`` output, and the newest raylet log
+        of the cluster's session directory (where a worker node's raylet writes, too)."""
+        out = [f"  ray start: {node.log.read_text()[-1200:]}"]
+        logs = sorted(self.temp_dir.glob("session_*/logs/raylet*.out"), key=lambda p: p.stat().st_mtime)
+        if logs:
+            out.append(f"  {logs[-1]}: {logs[-1].read_text(errors='replace')[-1200:]}")
+        return "\n".join(out)
 
     def kill_node(self, node: Node) -> None:
         """SIGKILL a node's processes (the fault: the machine goes away)."""
@@ -237,19 +271,25 @@ class LocalCluster:
             s.settimeout(1)
             return s.connect_ex(("127.0.0.1", port)) == 0
 
-    def alive_nodes(self) -> int:
-        """Nodes the GCS lists alive (through this process's Ray connection when there is one)."""
+    def node_list(self) -> list[NodeInfo]:
+        """The nodes the GCS lists, dead or alive (through this process's Ray connection when
+        there is one, else the state API of the head's dashboard)."""
         import ray
 
         if ray.is_initialized():
-            return sum(1 for n in ray.nodes() if n["Alive"])
-        out = subprocess.run([str(BIN / "ray"), "list", "nodes", f"--address={self.dashboard_url}", "--format=json",
-                              "--filter", "state=ALIVE"], env=self.env, capture_output=True, text=True, timeout=60)
+            return [NodeInfo(node_id=n["NodeID"], alive=bool(n["Alive"]), metrics_port=n.get("MetricsExportPort"))
+                    for n in ray.nodes()]
+        out = subprocess.run([str(BIN / "ray"), "list", "nodes", f"--address={self.dashboard_url}", "--format=json"],
+                             env=self.env, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
-            return -1
+            return []
         import json
 
         try:
-            return len(json.loads(out.stdout))
-        except json.JSONDecodeError:
-            return -1
+            return [NodeInfo(node_id=n["node_id"], alive=n["state"] == "ALIVE") for n in json.loads(out.stdout)]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return []
+
+    def alive_nodes(self) -> int:
+        """Nodes the GCS lists alive."""
+        return sum(n.alive for n in self.node_list())

@@ -27,6 +27,20 @@ def test_partial_batch_runs_after_the_wait_window() -> None:
     assert len(a.requests) == 1
 
 
+def test_a_ready_batch_waiting_for_workers_gets_no_wake_up_time() -> None:
+    # it starts on the next event (a batch ends): a wake-up time in the past had the live
+    # dispatch loop asking again at once, spinning on the replica's event loop while it waited
+    d: Dispatcher[None] = Dispatcher(plans(a={"batch": 4, "sp": 1, "slo_s": 10, "latency_s": 1}), workers=1, wait_window_s=0.5)
+    d.submit("a", "r1", now=0.0)
+    (first,) = d.dispatch(now=0.5)
+    d.submit("a", "r2", now=0.6)
+    assert d.next_wakeup(0.6) == 1.1  # still inside its window: woken when the window ends
+    assert d.dispatch(now=1.1) == [] and d.next_wakeup(1.1) is None  # ready, no free worker
+    d.complete(first.batch_id)
+    (a,) = d.dispatch(now=1.5)
+    assert [r.request_id for r in a.requests] == ["r2"]
+
+
 def test_sp_groups_are_aligned_and_dp_runs_groups_concurrently() -> None:
     d: Dispatcher[None] = Dispatcher(plans(a={"batch": 1, "sp": 2, "slo_s": 10, "latency_s": 1}), workers=4, wait_window_s=0)
     for i in range(3):

@@ -216,6 +216,16 @@ def test_proxy_passes_json_and_success_unchanged(app: FastAPI) -> None:
     assert _assert_shape(post_json(wrapped, IMAGES, {**GOOD, "seed": -1}), 422, "seed")
 
 
+def test_proxy_stamps_its_response_time() -> None:
+    async def slow(scope, receive, send):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    r = asyncio.run(call(ProxyErrorsAsJson(slow), "POST", IMAGES, b"{}"))
+    assert r.status == 200 and 0.05 <= float(r.headers["x-xema-proxy-seconds"]) < 5
+
+
 # ---------------------------------------------------------------------------- OpenAPI
 def test_openapi_lists_statuses_models_and_sizes(app: FastAPI) -> None:
     served = {t.shape_key: t for t in (RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2),
@@ -230,3 +240,23 @@ def test_openapi_lists_statuses_models_and_sizes(app: FastAPI) -> None:
     assert props["prompt"]["maxLength"] == 500
     video = doc["components"]["schemas"]["VideoRequest"]["properties"]
     assert video["model"]["enum"] == ["tiny-cogvideox"] and video["num_frames"]["enum"] == [9]
+
+
+def test_openapi_lists_the_auth_rate_limit_and_timeout_statuses() -> None:
+    from xema_ray.serving.router import app as router_app
+
+    served = {t.shape_key: t for t in (RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2),
+                                       RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2))}
+    doc = build_openapi(router_app, served, RequestLimits())
+    ops = {(m, p): op for p, item in doc["paths"].items() for m, op in item.items()}
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for (method, path), op in ops.items():
+        responses = op["responses"]
+        assert "408" in responses, (method, path)  # header/body timeouts, the proxy's request timeout
+        needs_key = path.startswith("/v1/") and not path.startswith("/v1/images/files/")
+        assert ("401" in responses) == needs_key, (method, path)  # what TenantGuard guards
+        if needs_key:
+            assert responses["401"]["content"]["application/json"]["schema"] == error_ref
+    create = ops[("post", "/v1/videos")]["responses"]["429"]  # a tenant's jobs in flight at its limit
+    assert create["content"]["application/json"]["schema"] == error_ref and "Retry-After" in create["headers"]
+    assert [k for k, op in ops.items() if "429" in op["responses"]] == [("post", "/v1/videos")]

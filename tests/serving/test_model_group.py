@@ -109,6 +109,26 @@ def test_dp_runs_batches_on_both_workers_at_once() -> None:
         assert len({o.batch_id for o in outs}) == 4
 
 
+def test_the_dispatch_loop_sleeps_while_requests_wait_for_a_worker() -> None:
+    # one worker, window 0: three of the four requests wait for it; the loop runs once per
+    # arrival and per finished batch, not over and over while they wait (a busy loop holds
+    # the GIL and starves the thread running the batch)
+    plans = {FLUX_S.shape_key: entry(FLUX_S, batch=1)}
+    with running_group("tiny-flux2", plans, wait_window_s=0.0) as h:
+        d = h.group.dispatcher
+        calls = [0]
+        dispatch = d.dispatch
+
+        def counted(now: float) -> Any:
+            calls[0] += 1
+            return dispatch(now)
+
+        d.dispatch = counted  # type: ignore[method-assign]
+        outs = [f.result(120) for f in [_generate(h, i) for i in range(4)]]
+        assert len({o.batch_id for o in outs}) == 4
+        assert calls[0] <= 16, f"{calls[0]} dispatch rounds for 4 arrivals and 4 finished batches"
+
+
 class _FlakyWorker(Worker):
     """Loads once; every later load (a rebuild) fails while ``failing`` is set."""
 

@@ -27,10 +27,6 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[sc.PlanTable, li
     return table, trace, live
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open regression (#30): after this wave's merges the preemption is decided as the simulator "
-    "decides it (next test), but the short request's latency sometimes ends near the no-preemption "
-    "wait (1.62 s against 0.6 x 1.66 s), so the pause takes effect late; under investigation"))
 def test_the_short_request_preempts_the_long_one(scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
     table, trace, live = scenario
     assert live.decisions[:2] == [("preempt", sc.LONG.shape_key, 1), ("resume", sc.LONG.shape_key, 0)]

@@ -85,10 +85,6 @@ def _plan_table(args: dict, path) -> str:  # type: ignore[no-untyped-def]
     return str(path)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the local cluster's second raylet sometimes never joins the head on a 2-CPU machine (seen once "
-    "in three runs on 2026-12-01, the machine otherwise idle: tests/local_cluster.py add_node); the "
-    "node-loss behaviour itself passed (a request for the lost group: JSON 503 on the death fact)"))
 def test_groups_on_two_nodes_survive_losing_one(cluster: LocalCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from deployments.app import build_app
 

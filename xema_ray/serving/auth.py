@@ -123,6 +123,12 @@ def auth_enabled() -> bool:
     return _tenants is not None
 
 
+def key_required(path: str) -> bool:
+    """Whether a request for ``path`` needs a key when keys are configured (the OpenAPI document
+    lists the 401 on these)."""
+    return path.startswith("/v1/") and not path.startswith(_OPEN_PATHS)
+
+
 def tenant_of(request: Request) -> str | None:
     """The request's tenant (None: the API is open)."""
     return request.scope.get(SCOPE_KEY)
@@ -140,8 +146,7 @@ class TenantGuard:
         if scope["type"] != "http" or tenants is None:
             await self.app(scope, receive, send)
             return
-        path = str(scope.get("path", ""))
-        if not path.startswith("/v1/") or path.startswith(_OPEN_PATHS):
+        if not key_required(str(scope.get("path", ""))):
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization")

@@ -501,8 +501,12 @@ class Dispatcher(Generic[P]):
         return list(self._paused.values())
 
     def next_wakeup(self, now: float) -> float | None:
-        """Earliest time a waiting partial batch becomes ready (None: nothing is waiting)."""
-        times = [min(r.arrival for r in q) + self.wait_window_s for q in self._queues.values() if q]
+        """Earliest time after ``now`` at which a waiting partial batch becomes ready (None: no
+        batch becomes ready by waiting). A batch that is ready already but found no free group
+        waits for the next event instead (a batch ends, a request arrives), in the live group as
+        in the simulator: a dispatch loop woken again at once would spin while it waits (and, on
+        the replica's event loop, starve the threads that run the batches)."""
+        times = [t for q in self._queues.values() if q and (t := min(r.arrival for r in q) + self.wait_window_s) > now]
         return min(times) if times else None
 
     @property

@@ -8,12 +8,15 @@ before Ray Serve's own backpressure (plain text) would fire.
 ``ProxyErrorsAsJson`` wraps Ray Serve's HTTP proxy (it runs in the proxy process, installed by
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=xema_ray.serving.middleware:proxy_middlewares``): the
 proxy's own answers — backpressure 503, "no replica" 503, and the bare 500 it gives when the
-Router replica dies mid-request — become the API's JSON error shape, 503s with Retry-After.
+Router replica dies mid-request — become the API's JSON error shape, 503s with Retry-After. It
+also stamps each answer with ``X-Xema-Proxy-Seconds``: seconds from the proxy taking the request
+to its response headers, the server's own response time, without the client's side of it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -32,6 +35,8 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "xema_ray.serving.middleware:proxy_middlewares"
 _GENERATION_METHODS = ("POST",)
 _DEFAULT_RETRY_AFTER_S = 5
+#: the response header with the server's response time (seconds, from the proxy's view)
+PROXY_SECONDS_HEADER = b"x-xema-proxy-seconds"
 
 
 def _error_body(message: str, type_: str, code: str, param: str | None = None, limit: str | None = None) -> bytes:
@@ -121,6 +126,7 @@ class ProxyErrorsAsJson:
         started = False
         held: Message | None = None  # a non-JSON error's start message, held until its body is in
         body = bytearray()
+        t0 = time.perf_counter()
 
         async def guarded_send(msg: Message) -> None:
             nonlocal started, held
@@ -131,7 +137,8 @@ class ProxyErrorsAsJson:
                     held = msg
                     return
                 started = True
-                await send(msg)
+                stamp = (PROXY_SECONDS_HEADER, f"{time.perf_counter() - t0:.4f}".encode())
+                await send({**msg, "headers": [*msg.get("headers", []), stamp]})
                 return
             if held is not None and msg["type"] == "http.response.body":
                 body.extend(msg.get("body", b""))

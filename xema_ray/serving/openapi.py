@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from xema_ray.serving.api import ImageRequest, RequestLimits, VideoRequest
+from xema_ray.serving.auth import key_required
 from xema_ray.serving.errors import ErrorResponse
 from xema_ray.serving.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
@@ -24,9 +25,14 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying"
 
 #: statuses every operation may return, and those only a request with a body may return
 _ANY_STATUS = {
+    "408": "the request headers did not arrive within XEMA_HEADER_TIMEOUT_S (answered with no body, connection "
+           "closed), its body stalled longer than XEMA_BODY_TIMEOUT_S, or it ran past the proxy's request timeout",
     "500": "a bug (never a client's input)",
     "503": "a queue is full, the server is busy, or a serving process died (with Retry-After)",
 }
+#: the status of every ``/v1/`` operation that needs a key (``auth.key_required``)
+_KEY_STATUS = {"401": "the deployment lists API keys (auth.api_keys) and the request has none or a wrong one "
+                      "(Authorization: Bearer <key>)"}
 _BODY_STATUS = {
     "400": "a template this deployment does not serve (lists the served ones)",
     "413": "the request body exceeds limits.max_body_bytes",
@@ -70,15 +76,16 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(js.pop("$defs", {}))
         components.setdefault(model.__name__, js)
-    for path_item in schema.get("paths", {}).values():
+    for path, path_item in schema.get("paths", {}).items():
         for method, op in path_item.items():
             responses = op.setdefault("responses", {})
             statuses = dict(_ANY_STATUS)
             if method in ("post", "put", "patch") and "requestBody" in op:
                 statuses.update(_BODY_STATUS)
+            if key_required(path):
+                statuses.update(_KEY_STATUS)
             for status, description in statuses.items():
                 responses[status] = _error_response(description, retry=status == "503")
-            path = next(p for p, item in schema["paths"].items() if item is path_item)
             extra = _EXTRA_200_MEDIA.get((method, path))
             if extra and "200" in responses:
                 responses["200"].setdefault("content", {}).update(extra)

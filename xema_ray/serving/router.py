@@ -65,13 +65,17 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
 
 
 _STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
-                404: "no such video or file: it never existed, was deleted or has expired"}
+                404: "no such video or file: it never existed, was deleted or has expired",
+                429: "this API key's tenant has auth.max_jobs_in_flight video jobs queued or running (with Retry-After)"}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
 
 def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` of an endpoint: its error statuses and, where the endpoint builds the
     answer itself, the media types of its 200."""
     out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+    if 429 in out:
+        out[429]["headers"] = _RETRY_AFTER
     if media:
         out[200] = {"description": "the file", "content": {m: {"schema": {"type": "string", "format": "binary"}}
                                                           for m in media}}
@@ -289,7 +293,7 @@ class Router:
             return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
                           type_="service_unavailable", code="store_unavailable", retry_after_s=5)
 
-    @app.post("/v1/videos", response_model=None, openapi_extra=request_body_doc(VideoCreate))
+    @app.post("/v1/videos", response_model=None, openapi_extra=request_body_doc(VideoCreate), responses=_documented(429))
     async def create_video(self, request: Request) -> Response:
         """Create a video job (JSON or multipart, as ``openai.videos.create`` sends it)."""
         self._count_received()
