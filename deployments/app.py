@@ -135,7 +135,7 @@ def build_app(args: dict[str, Any]) -> Application:
             residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
-            emulation=emulation, admission=table.admission.get(g.model),
+            emulation=emulation, admission=table.admission.get(g.model), budget_bytes=table.budget_bytes,
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()

@@ -112,6 +112,8 @@ class ModelGroup(PublishesSummary):
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config; None: no video jobs.
         layouts_dir: the plan table's layouts folder (plans with a layout_ref arm theirs).
+        budget_bytes: device memory per worker (the plan table's budget): the static allocator's
+            arena is sized for it (``xema_ray.runtime.arena``); None: not known.
         preemption: the step-level preemption policy; None: off.
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
@@ -128,7 +130,8 @@ class ModelGroup(PublishesSummary):
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None,
+                 budget_bytes: int | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -161,7 +164,8 @@ class ModelGroup(PublishesSummary):
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation)
+                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation,
+                               budget_bytes=budget_bytes)
         spec = WorkerSetSpec(
             device=device, size=workers, load=load, worker_cpus=worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
