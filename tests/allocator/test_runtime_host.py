@@ -7,41 +7,19 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import itertools
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator import SolverOptions, solve_arrays, solve_layout
+from xema_ray.allocator.runtime import AllocatorError, StaticAllocator
 from xema_ray.allocator.synthetic import diffusion_like_trace, random_trace
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.allocator.runtime import AllocatorError, StaticAllocator
 
 KIB = 1024
 MIB = 1 << 20
-
-# The library keeps one arena per device index for the whole process; each test takes fresh
-# indices so no test sees another's state.
-_devices = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def alloc() -> StaticAllocator:
-    return StaticAllocator("host")
-
-
-@pytest.fixture
-def device(alloc: StaticAllocator) -> Iterator[int]:
-    d = next(_devices)
-    if d >= 64:
-        pytest.fail("more host-arena tests than device slots; reuse indices")
-    yield d
-    alloc.disarm(device=d)
-    live = alloc.stats(device=d).live_blocks
-    assert live == 0, f"test left {live} blocks live on device {d}"
-    alloc.release(device=d)
 
 
 def small_trace(seed: int = 0) -> MemoryTrace:

@@ -6,12 +6,12 @@ functions a CUDA worker calls) with a fake residency holding the reference table
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator.margins import (
     ALLOCATION_BLOCK,
     DYNAMIC_FRACTION,
@@ -62,27 +62,9 @@ GROUPS: dict[str, dict[str, tuple[int, int]]] = {
     },
 }
 
-# the host backend keeps one arena per device index for the whole process: these tests take the
-# top indices (tests/allocator/test_runtime_host.py counts up from 1, the replay uses 0)
-_devices = itertools.count(56)
-
 
 def round_down(n: int) -> int:
     return n // ALLOCATION_BLOCK * ALLOCATION_BLOCK
-
-
-@pytest.fixture(scope="module")
-def alloc() -> StaticAllocator:
-    return StaticAllocator("host")
-
-
-@pytest.fixture
-def device(alloc: StaticAllocator) -> Iterator[int]:
-    d = next(_devices)
-    assert d < 64, "more arena tests than device slots"
-    yield d
-    alloc.disarm(device=d)
-    alloc.release(device=d)
 
 
 class Device:
