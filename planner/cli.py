@@ -358,14 +358,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     if wave is not None:
-        solved, ratios, layout_cpu = wave.collect()
+        solved, ratios, layout_cpu = wave.collect(budget)
         table.entries = {k: solved[k] for k in table.entries}
         # the wall time the layouts add after the last template is planned (they start while others plan)
         layout_wall = time.perf_counter() - t0 - wall
         table.provenance.update(layouts_wall_s=f"{layout_wall:.1f}", layouts_cpu_s=f"{layout_cpu:.1f}",
-                                layouts_gpu=latency_model.hardware.gpu_model)
+                                layouts_gpu=latency_model.hardware.gpu_model,
+                                layouts_dynamic_bytes=json.dumps(wave.dynamic_bytes, sort_keys=True),
+                                layouts_not_armed="; ".join(f"{k}: {why}" for k, why in sorted(wave.not_armed.items())))
+        for model, dyn in wave.dynamic_bytes.items():
+            print(f"layouts {model}: one dynamic region of {gb(dyn)} per worker, the static region follows the template")
         for k, e in table.entries.items():
             p = e.prediction
+            if k in wave.not_armed:
+                print(f"layout {k}: none kept ({wave.not_armed[k]}), predicted peak {gb(p.peak_bytes)} without it")
+                continue
             over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
             print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {ratios[k]:.3f}, "
                   f"predicted peak {gb(p.peak_bytes)}{over}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from xema_ray.plan import PlanEntry
-from xema_ray.allocator.margins import reserved_with_layout
+from xema_ray.allocator.margins import entry_peak_bytes, fits_with_layout, group_dynamic_bytes, reserved_with_layout
 from xema_ray.runtime.layouts import LayoutArtifact, layouts_dir, save_artifact, solve_entry_layout
 
 
@@ -40,10 +40,12 @@ def solve_one(entry_json: str, gpu: str, folder: str) -> tuple[str, float, float
     return art.model_dump_json(), time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def with_layout(entry: PlanEntry, art: LayoutArtifact) -> tuple[PlanEntry, float]:
-    """``entry`` referencing ``art``, its predicted peak what the static allocator holds; and the
-    layout's reserved / lower bound."""
-    peak = reserved_with_layout(art.loaded_bytes, art.reserved_bytes, art.dynamic_fraction)
+def with_layout(entry: PlanEntry, art: LayoutArtifact, dynamic_bytes: int | None = None) -> tuple[PlanEntry, float]:
+    """``entry`` referencing ``art``, its predicted peak what the worker holds with it armed (its
+    weights, its static region and the group's dynamic region, ``dynamic_bytes``; None: the
+    layout's own ``dynamic_fraction``, an entry alone); and the layout's reserved / lower bound."""
+    peak = (reserved_with_layout(art.loaded_bytes, art.reserved_bytes, art.dynamic_fraction) if dynamic_bytes is None
+            else entry_peak_bytes(art.loaded_bytes, art.reserved_bytes, dynamic_bytes))
     cfg = entry.config.model_copy(update={"layout_ref": art.layout_id})
     pred = entry.prediction.model_copy(update={"peak_bytes": peak})
     ratio = art.reserved_bytes / max(1, art.lower_bound_bytes)
@@ -67,6 +69,9 @@ class LayoutWave:
         self._entries: dict[str, PlanEntry] = {}
         self._pending: dict[str, Any] = {}  # shape key -> Ray ref, or the solve's result
         self._task: Any = None
+        #: after ``collect``: model -> its workers' one dynamic region; shape key -> why it keeps no layout
+        self.dynamic_bytes: dict[str, int] = {}
+        self.not_armed: dict[str, str] = {}
 
     def submit(self, entries: dict[str, PlanEntry]) -> None:
         """Start solving these entries' layouts (longest first: fewer idle cores at the end)."""
@@ -82,9 +87,16 @@ class LayoutWave:
                 self._task = ray.remote(num_gpus=0, max_calls=0)(solve_one)
             self._pending[k] = self._task.remote(*args)
 
-    def collect(self) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
+    def collect(self, budget_bytes: int | None = None) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
         """Every submitted entry with its layout saved and referenced: (entries, reserved / lower
-        bound per entry, CPU seconds the solves took)."""
+        bound per entry, CPU seconds the solves took).
+
+        A model group's worker keeps one dynamic region for all its templates while the static
+        region follows the template run (``xema_ray.runtime.arena``), so each entry's predicted
+        peak is its weights + its static region + the group's dynamic region
+        (``margins.group_dynamic_bytes`` with ``budget_bytes``: ``dynamic_bytes`` per model after
+        this). An entry that does not fit the budget even so keeps no layout (``not_armed`` says
+        why) and its memory-model peak: its worker would run it unarmed."""
         if self.use_ray and self._pending:
             import ray
 
@@ -93,20 +105,38 @@ class LayoutWave:
             done = dict(self._pending)
         out, ratios, cpu = {}, {}, 0.0
         self.folder.mkdir(parents=True, exist_ok=True)
+        arts = {}
         for k, (art_json, _, cpu_s) in done.items():
-            art = LayoutArtifact.model_validate_json(art_json)
-            (self.folder / f"{art.layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
-            out[k], ratios[k] = with_layout(self._entries[k], art)
+            arts[k] = LayoutArtifact.model_validate_json(art_json)
+            (self.folder / f"{arts[k].layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
             cpu += cpu_s
+        by_model: dict[str, list[str]] = {}
+        for k in arts:
+            by_model.setdefault(self._entries[k].config.template.model, []).append(k)
+        self.dynamic_bytes = {m: group_dynamic_bytes([(arts[k].loaded_bytes, arts[k].reserved_bytes) for k in keys],
+                                                     budget_bytes) for m, keys in sorted(by_model.items())}
+        self.not_armed = {}
+        for m, keys in by_model.items():
+            dyn = self.dynamic_bytes[m]
+            for k in keys:
+                art = arts[k]
+                ratios[k] = art.reserved_bytes / max(1, art.lower_bound_bytes)
+                if fits_with_layout(art.loaded_bytes, art.reserved_bytes, dyn, budget_bytes):
+                    out[k] = with_layout(self._entries[k], art, dyn)[0]
+                    continue
+                out[k] = self._entries[k]
+                self.not_armed[k] = (f"weights {art.loaded_bytes / 1e9:.2f} GB + static region {art.reserved_bytes / 1e9:.2f} GB"
+                                     f" + the group's dynamic region {dyn / 1e9:.2f} GB exceed the "
+                                     f"{(budget_bytes or 0) / 1e9:.2f} GB budget")
         return out, ratios, cpu
 
 
-def attach_layouts(entries: dict[str, PlanEntry], table_path: str | Path, gpu: str, use_ray: bool
-                   ) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
+def attach_layouts(entries: dict[str, PlanEntry], table_path: str | Path, gpu: str, use_ray: bool,
+                   budget_bytes: int | None = None) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
     """Every entry's layout, solved in parallel Ray tasks (or here, in turn), saved next to
     ``table_path``: (entries with their ``layout_ref``, reserved / lower bound per entry, CPU
-    seconds the solves took)."""
+    seconds the solves took); peaks as ``LayoutWave.collect`` predicts them."""
     wave = LayoutWave(table_path, gpu, use_ray)
     wave.submit(entries)
-    out, ratios, cpu = wave.collect()
+    out, ratios, cpu = wave.collect(budget_bytes)
     return {k: out[k] for k in entries}, ratios, cpu

@@ -38,6 +38,9 @@ LAYOUT_OVERHEAD = 1.02
 #: and the attention kernels' scratch) with room for the few allocations a plan does not know.
 MIN_DYNAMIC_BYTES = 128 * 2**20
 
+#: On a small budget the floor is at most this share of it (1/64: 128 MiB of an 8 GiB budget).
+SMALL_BUDGET_SHARE = 64
+
 #: The runtime allocator rounds every region and request up to this (c10's kMinBlockSize).
 ALLOCATION_BLOCK = 512
 
@@ -78,7 +81,8 @@ def group_dynamic_bytes(entries: Iterable[tuple[int, int]], budget_bytes: int | 
             (``LayoutArtifact.loaded_bytes``), its static region (the layout's ``reserved_bytes``)).
         budget_bytes: device memory per worker; None: not known, ``fraction`` alone decides.
         fraction: share of the largest static region (``DYNAMIC_FRACTION``, paper §6.2).
-        floor: the smallest region (``MIN_DYNAMIC_BYTES``).
+        floor: the smallest region (``MIN_DYNAMIC_BYTES``; at most 1/``SMALL_BUDGET_SHARE`` of
+            ``budget_bytes``).
 
     Returns:
         The dynamic region's bytes, a multiple of ``ALLOCATION_BLOCK`` (rounded down, so the
@@ -92,6 +96,8 @@ def group_dynamic_bytes(entries: Iterable[tuple[int, int]], budget_bytes: int | 
         raise ValueError(f"loaded and static bytes must be >= 0, got {pairs}")
     if floor < 0:
         raise ValueError(f"floor must be >= 0, got {floor}")
+    if budget_bytes is not None:  # a budget of a few hundred MB (the tiny models' tables) has no cuBLAS to hold
+        floor = min(floor, budget_bytes // SMALL_BUDGET_SHARE // ALLOCATION_BLOCK * ALLOCATION_BLOCK)
     fitting = [p for p in pairs if fits_with_layout(*p, floor, budget_bytes)]
     if not fitting:
         return floor
