@@ -43,13 +43,27 @@ class PlanBrief(BaseModel):
 
     batch: int = Field(ge=1)
     sp: int = Field(ge=1)
-    latency_s: float = Field(ge=0, description="predicted seconds of one batch")
+    latency_s: float = Field(ge=0, description="predicted seconds of one full batch")
     slo_s: float = Field(gt=0)
     steps: int = Field(default=1, ge=1)
+    min_latency_s: float | None = Field(default=None, ge=0,
+                                        description="predicted seconds of a batch of one (None: latency_s)")
 
     @classmethod
     def of(cls, p: DispatchPlan) -> PlanBrief:
-        return cls(batch=p.batch, sp=p.sp, latency_s=p.latency_s, slo_s=p.slo_s, steps=p.steps)
+        return cls(batch=p.batch, sp=p.sp, latency_s=p.latency_s, slo_s=p.slo_s, steps=p.steps,
+                   min_latency_s=p.min_latency_s)
+
+    def latency_for(self, n: int) -> float:
+        """Predicted seconds of a batch of ``n`` requests: a partial batch is faster than a full one
+        (a batch of one of Flux.2 256x256 takes half a batch of three), so the replay must not
+        charge it the full batch's time — at a low rate every batch is partial, and charging them
+        the full time predicts misses that do not happen (the autoscaler then adds replicas for
+        nothing and never removes them). Between one and ``batch``: linear between the two ends."""
+        if self.min_latency_s is None or n >= self.batch or self.batch <= 1:
+            return self.latency_s
+        n = max(1, n)
+        return self.min_latency_s + (self.latency_s - self.min_latency_s) * (n - 1) / (self.batch - 1)
 
 
 class TemplateQueue(BaseModel):
@@ -136,11 +150,15 @@ def summarize(dispatcher: Dispatcher, replica: str, now: float, wall: float | No
             open_slots=plan.batch - partial if partial else 0, arrival_rate=(rates or {}).get(key, 0.0))
     running = []
     for a, paused in [*((a, False) for a in dispatcher.running), *((a, True) for a in dispatcher.paused)]:
-        rem = dispatcher.remaining_s(a.batch_id, now)
+        # the dispatcher counts a batch's remaining time against its plan's full-batch latency; a
+        # partial batch ends sooner (``PlanBrief.latency_for``): what it ran, against its own latency
+        own = plans[a.template].latency_for(len(a.requests)) if a.template in plans else a.plan.latency_s
+        ran = a.plan.latency_s - dispatcher.remaining_s(a.batch_id, now)
+        rem = max(0.0, own - ran)
         steps = a.plan.steps
         running.append(RunningBatch(
             template=a.template, workers=list(a.workers), requests=len(a.requests), remaining_s=rem,
-            remaining_steps=min(steps, max(0, round(steps * rem / a.plan.latency_s))) if a.plan.latency_s > 0 else 0,
+            remaining_steps=min(steps, max(0, round(steps * rem / own))) if own > 0 else 0,
             deadline_s=min(r.deadline for r in a.requests) - now, paused=paused))
     busy = {w for b in running for w in b.workers}
     free = {}
@@ -196,12 +214,17 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
     ``arrivals`` — ``(template, seconds from now, tag)`` — in the order of their deadlines.
     Returns every request's outcome (running batches' members included, tag -1)."""
     age = 0.0 if now is None else s.age(now)
-    free_at = [0.0] * s.workers
+    # Times are seconds from ``now``, but the replay runs from the summary's own time: what the
+    # summary shows happened ``age`` ago. A worker free then (or freed since: its batch's end is
+    # now negative) took the queued requests then, not now; a running batch that ended since keeps
+    # the outcome it had. Clamping those times to now would make an old summary look backlogged:
+    # its queue would start late and its finished batches would end after their deadlines.
+    free_at = [-age] * s.workers
     out: list[Outcome] = []
     for b in s.running:
         if b.paused:
             continue
-        end = max(0.0, b.remaining_s - age)
+        end = b.remaining_s - age
         for w in b.workers:
             free_at[w] = max(free_at[w], end)
     for b in s.running:  # a paused batch resumes when its workers are free and runs to its end
@@ -210,8 +233,8 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
             for w in b.workers:
                 free_at[w] = start + b.remaining_s
     for b in s.running:
-        end = max(free_at[w] for w in b.workers) if b.paused else max(0.0, b.remaining_s - age)
-        out += [Outcome(b.template, 0.0, b.deadline_s - age, end)] * b.requests
+        end = max(free_at[w] for w in b.workers) if b.paused else b.remaining_s - age
+        out += [Outcome(b.template, -age, b.deadline_s - age, end)] * b.requests
     pending: dict[str, list[_Req]] = collections.defaultdict(list)
     for key, tq in s.queues.items():
         if key in s.plans:
@@ -235,7 +258,7 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
         if len(members) < plan.batch:
             ready = max(ready, min(r.arrival for r in members) + s.wait_window_s) if members else ready
         start = max(ready, max(r.arrival for r in members))
-        end = start + plan.latency_s
+        end = start + plan.latency_for(len(members))
         for w in group:
             free_at[w] = end
         for r in members:

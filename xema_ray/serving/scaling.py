@@ -134,9 +134,17 @@ def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: Aut
         return ScaleDecision(replicas=lo, action="up", attainment=frac, reason=f"below min_replicas ({lo})")
     if frac < spec.target_attainment and current < hi:
         gpus = live[0].workers
-        # as many replicas as the window's work needs, at least one more
-        need = math.ceil(att.work_gpu_s / (gpus * spec.window_s)) if att.work_gpu_s else current + 1
-        want = min(hi, max(current + 1, need))
+        # as many replicas as the window's work needs, at least one more than those running. The
+        # "one more" counts from the running replicas, not from ``current``: replicas asked for and
+        # still starting (tens of seconds) publish nothing yet, so the running ones keep predicting
+        # the same shortfall on every tick (Serve asks the policy every 0.1 s); counted from
+        # ``current``, one burst would ratchet the group to max_replicas within a second
+        need = math.ceil(att.work_gpu_s / (gpus * spec.window_s)) if att.work_gpu_s else len(live) + 1
+        want = min(hi, max(len(live) + 1, need))
+        if want <= current:
+            return ScaleDecision(replicas=current, action="hold", attainment=frac,
+                                 reason=f"predicted attainment {frac:.3f} < target {spec.target_attainment}: "
+                                        f"{current - len(live)} replicas asked for are still starting")
         return ScaleDecision(replicas=want, action="up", attainment=frac,
                              reason=f"predicted attainment {frac:.3f} < target {spec.target_attainment}")
     if len(live) < current and frac >= min(1.0, spec.target_attainment + spec.scale_down_margin):
