@@ -53,6 +53,8 @@ from scale_report import (
     Saturation,
     SaturationLevel,
     ScaleResult,
+    overhead,
+    overhead_parts,
     percentile,
     plot,
 )
@@ -100,6 +102,8 @@ class Bench:
                     s.batch_s = float(h.get("X-Xema-Batch-Seconds", "nan"))
                     s.group_s = float(h.get("X-Xema-Group-Seconds", "nan"))
                     s.server_s = float(h.get("X-Xema-Proxy-Seconds", "nan"))
+                    s.router_s = float(h.get("X-Xema-Router-Seconds", "nan"))
+                    s.call_s = float(h.get("X-Xema-Call-Seconds", "nan"))
                     s.batch_size = int(h.get("X-Xema-Batch-Size", "0"))
                     s.replica = h.get("X-Xema-Replica")
                     s.met = s.seconds <= self.slo
@@ -252,11 +256,8 @@ async def drive(b: Bench, cluster) -> tuple[FrontDoor, Autoscale, NodeLoss | Non
     front = [s for s in b.samples if s.phase == "front" and measure_from <= s.sent and s.sent + s.seconds <= measure_to]
     ok = [s for s in front if s.status == 200]
     ok = [s for s in ok if None not in (s.server_s, s.group_s, s.queued_s, s.batch_s)]
-    over = [s.server_s - s.queued_s - s.batch_s for s in ok]  # type: ignore[operator]
-    parts = {"front": [s.server_s - s.group_s for s in ok],  # type: ignore[operator]
-             "dispatch": [s.group_s - s.queued_s - s.batch_s for s in ok],  # type: ignore[operator]
-             "workers": [s.batch_s - b.work.get(s.batch_size or 0, b.work[max(b.work)]) for s in ok],  # type: ignore[operator]
-             "client": [s.seconds - s.server_s for s in ok]}  # type: ignore[operator]
+    over = [overhead(s) for s in ok]
+    parts = overhead_parts(ok, b.work)
     gpus = 4 * min((n for t, n in b.timeline if measure_from <= t <= measure_to), default=0)
     fd = FrontDoor(gpus=gpus if full else gpus, in_flight_max=a.in_flight, requests=len(front),
                    router_overhead_p50_s=round(percentile(over, 0.5), 4),
