@@ -62,6 +62,13 @@ from scale_report import (
 BODY = {"model": "flux2", "prompt": "a lighthouse at dusk", "size": "256x256", "response_format": "b64_json"}
 FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                "RAY_health_check_timeout_ms": "1000"}
+#: The front door's share of these 2 shared cores (docs/scale-out.md "The front door's CPU"): Ray
+#: starts its workers — the HTTP proxy, the Router, the replicas — at nice 15, below the raylets, the
+#: GCS, the log monitor, this bench's client and every other program here, so they ran only in what
+#: those left; Serve exports every replica's and the proxy's metrics every 100 ms and runs its
+#: controller's loop every 100 ms (the SLO policy included), for a cluster of 40-odd processes on 2 cores
+FRONT_DOOR_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                  "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}
 
 
 class Bench:
@@ -410,8 +417,9 @@ def main() -> None:
     from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     b = Bench(args)
-    cluster = LocalCluster(env={PROXY_CALLBACK_ENV: PROXY_CALLBACK, **FAST_HEALTH}, auth_mode="disabled")
-    os.environ.update(FAST_HEALTH)
+    cluster = LocalCluster(env={PROXY_CALLBACK_ENV: PROXY_CALLBACK, **FAST_HEALTH, **FRONT_DOOR_ENV},
+                           auth_mode="disabled")
+    os.environ.update({**FAST_HEALTH, **FRONT_DOOR_ENV})
     jobs_dir = Path(tempfile.mkdtemp(prefix="xema-scale-jobs-"))
     try:
         cluster.start_head(num_cpus=4, num_gpus=0, dashboard=False, resources={"xema_head": 100})
