@@ -13,7 +13,8 @@ PLAN_TABLE ?= plans/a6000x8.json
 
 .PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
-$(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt
+# the C++ sources too: an edited allocator or solver is rebuilt by the next `make install` / `make test`
+$(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt $(wildcard allocator_ext/src/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: 2.13.0 (CPU) lies on this disk; letting pip resolve "torch" would fetch a multi-GB CUDA build

@@ -41,6 +41,7 @@ from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulated import DEFAULT_HOST_BANDWIDTH, scale_table
 from xema_ray.serving.config import ServeConfig
+from xema_ray.serving.preemption import ParkOverhead
 from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate
 
@@ -69,6 +70,10 @@ class Point(BaseModel):
     frontend_overhead_by_template_s: dict[str, float]
     frontend_overhead_p95_s: float
     batch_overhead_s: float = Field(description="median of batch time - planned latency (emulated s), added to every simulated batch")
+    park_overhead_s: float = Field(default=0.0, description="median of the live preempting batches' wait for their victims "
+                                   "to park beyond the dispatcher's prediction (the pause handshake, emulated s), charged "
+                                   "to every simulated preemption")
+    live_park_overheads: int = Field(default=0, description="preempting batches that measure went over")
     live_preemptions: int
     simulated_preemptions: int
 
@@ -101,12 +106,25 @@ def _box_args(config: Path, jobs_dir: Path) -> dict:
     return args
 
 
-def _live_preemptions(base: str) -> dict[str, int]:
+class _LivePreemption(BaseModel):
+    """A model group's preemption counters as ``/v1/stats`` reports them."""
+
+    decisions: int = 0
+    park_overhead: ParkOverhead | None = None
+
+    def since(self, before: _LivePreemption) -> tuple[int, list[float]]:
+        """Decisions and park overheads (the pause handshakes) measured after ``before``."""
+        po, pb = self.park_overhead, before.park_overhead
+        new = (po.total - (pb.total if pb else 0)) if po else 0
+        return self.decisions - before.decisions, (po.recent_s[-new:] if po and new > 0 else [])
+
+
+def _live_preemptions(base: str) -> dict[str, _LivePreemption]:
     import urllib.request
 
     with urllib.request.urlopen(f"{base}/v1/stats", timeout=60) as r:
         stats = json.loads(r.read())
-    return {m: int(v.get("decisions", 0)) for m, v in stats.get("preemption", {}).items()}
+    return {m: _LivePreemption.model_validate(v) for m, v in stats.get("preemption", {}).items()}
 
 
 def _planned(table: PlanTable, key: str, n: int) -> float:
@@ -115,7 +133,7 @@ def _planned(table: PlanTable, key: str, n: int) -> float:
 
 
 def _point(model: str, paper_rate: float, rate: float, ts: float, table: PlanTable, outcomes: list[Outcome],
-           host_bytes: int, max_preemptions: int, live_preempt: int) -> Point:
+           host_bytes: int, max_preemptions: int, live_preempt: int, parks: list[float]) -> Point:
     sub = table.model_copy(update={
         "entries": {k: e for k, e in table.entries.items() if e.config.template.model == model},
         "group_gpus": {model: table.group_gpus[model]},
@@ -137,11 +155,13 @@ def _point(model: str, paper_rate: float, rate: float, ts: float, table: PlanTab
     arrivals = [Arrival(t=o.t_sent, template=o.template, request_id=o.request_id) for o in sorted(mine, key=lambda o: o.t_sent)]
     own = {o.request_id: o.latency_s - o.group_s for o in done if o.group_s is not None}  # type: ignore[operator]
 
+    park = statistics.median(parks) if parks else 0.0
+
     def run(per_request: dict[str, float] | None) -> Any:
         return simulate(sub, arrivals, overhead_s=charged, request_overhead_s=per_request,
                         batch_latency=lambda k, n: _planned(sub, k, n) + batch_over,
                         preemption=max_preemptions > 0, max_preemptions=max(1, max_preemptions), host_bytes=host_bytes,
-                        host_bandwidth=DEFAULT_HOST_BANDWIDTH * ts)
+                        host_bandwidth=DEFAULT_HOST_BANDWIDTH * ts, park_overhead_s=park)
     # each request is charged the front end it measured (a loaded front end's tail, not only its
     # mean: near an SLO the tail decides); the per-template mean alone is reported beside it
     sim, sim_mean = run(own), run(None)
@@ -150,7 +170,8 @@ def _point(model: str, paper_rate: float, rate: float, ts: float, table: PlanTab
                  simulated_attainment=sim.attainment, simulated_attainment_mean_front_end=sim_mean.attainment, sent=len(mine), lost=len(mine) - len(done),
                  frontend_overhead_s=overhead, frontend_overhead_by_template_s=charged,
                  frontend_overhead_p95_s=sorted(front)[int(0.95 * (len(front) - 1))] if front else 0.0,
-                 batch_overhead_s=batch_over, live_preemptions=live_preempt, simulated_preemptions=sim.preemptions)
+                 batch_overhead_s=batch_over, park_overhead_s=park, live_park_overheads=len(parks),
+                 live_preemptions=live_preempt, simulated_preemptions=sim.preemptions)
 
 
 def _plot(result: Result, path: Path) -> None:
@@ -204,8 +225,9 @@ def resimulate(a: argparse.Namespace) -> None:
     points = []
     for p in old.points:
         i = PAPER_RATES[p.model].index(p.paper_rate_req_per_min)
+        parks = [p.park_overhead_s] * p.live_park_overheads  # their median, as the live run measured it
         q = _point(p.model, p.paper_rate_req_per_min, p.rate_req_per_min, p.time_scale, table, runs[i],
-                   paused_host_bytes(spare, cfg), max_pre[p.model], p.live_preemptions)
+                   paused_host_bytes(spare, cfg), max_pre[p.model], p.live_preemptions, parks)
         if (q.live_attainment, q.sent, q.lost) != (p.live_attainment, p.sent, p.lost):
             raise ValueError(f"{a.from_outcomes} is not the run of {a.out} ({p.model} at {p.paper_rate_req_per_min})")
         points.append(q)
@@ -270,12 +292,14 @@ def main(argv: list[str] | None = None) -> None:
             after = _live_preemptions(base)
             recorded.append([o.model_dump() for o in outcomes])
             for m in a.models:
+                decided, parks = after.get(m, _LivePreemption()).since(before.get(m, _LivePreemption()))
                 p = _point(m, PAPER_RATES[m][i], _rate(m, i, scale, reference), TIME_SCALES[m], table, outcomes,
-                           host_bytes, max_pre[m], after.get(m, 0) - before.get(m, 0))
+                           host_bytes, max_pre[m], decided, parks)
                 points.append(p)
                 print(f"{m} paper rate {p.paper_rate_req_per_min}: live {100 * p.live_attainment:.1f} % sim "
                       f"{100 * p.simulated_attainment:.1f} % (sent {p.sent}, lost {p.lost}, front end "
-                      f"{p.frontend_overhead_s * 1000:.0f} ms, batch +{p.batch_overhead_s * 1000:.0f} ms, preemptions "
+                      f"{p.frontend_overhead_s * 1000:.0f} ms, batch +{p.batch_overhead_s * 1000:.0f} ms, park "
+                      f"+{p.park_overhead_s * 1000:.0f} ms, preemptions "
                       f"{p.live_preemptions}/{p.simulated_preemptions}) in {time.monotonic() - t0:.0f} s", flush=True)
             before = after
     finally:

@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from deployments.planning import load_or_plan
 from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.runtime.layouts import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
@@ -136,6 +137,7 @@ def build_app(args: dict[str, Any]) -> Application:
             layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
             emulation=emulation, admission=table.admission.get(g.model),
+            phases=phase_shares(table, plans), budget_bytes=table.budget_bytes,
         )
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()

@@ -92,7 +92,7 @@ void* DeviceArena::dynamic_allocate(uint64_t size, uint64_t stream_tag) {
   }
   block.free = false;
   block.stream_tag = stream_tag;
-  return base_ + static_bytes_ + offset;
+  return dynamic_base_ + offset;
 }
 
 void DeviceArena::dynamic_free(uint64_t offset) {
@@ -154,7 +154,7 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
       // of this range is still alive. Either way the rest of the plan cannot be trusted.
       if (armed_plan_->sizes[index] == size && !static_conflict(planned, size)) {
         static_live_.emplace(planned, planned + size);
-        ptr = base_ + planned;
+        ptr = static_base_ + planned;
         offset = planned;
         ++stats_.planned_hits;
       } else {
@@ -176,7 +176,7 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
     ptr = dynamic_allocate(size, tag == kAnyStream ? 0 : tag);
     if (ptr != nullptr) {
       region = XEMA_REGION_DYNAMIC;
-      offset = static_cast<uint64_t>(static_cast<char*>(ptr) - base_) - static_bytes_;
+      offset = static_cast<uint64_t>(static_cast<char*>(ptr) - dynamic_base_);
       ++stats_.dynamic_allocs;
     }
   }
@@ -242,6 +242,36 @@ void DeviceArena::deallocate(void* ptr, xema_stream_t stream) {
   record(reinterpret_cast<uintptr_t>(ptr), block.size, block.size, stream, 1, block.region);
 }
 
+int DeviceArena::static_state_error(const char* what, std::string& error) const {
+  if (!static_live_.empty()) {
+    error = "device " + std::to_string(device_) + " static region still holds " +
+            std::to_string(stats_.static_active_bytes) + " live bytes in " +
+            std::to_string(static_live_.size()) + " block(s); " + what +
+            " refused so their frees stay valid";
+    return XEMA_E_STATE;
+  }
+  if (armed_plan_ != nullptr) {
+    error = "device " + std::to_string(device_) + " is armed; disarm before " + what;
+    return XEMA_E_STATE;
+  }
+  return XEMA_OK;
+}
+
+void DeviceArena::free_regions() {
+  // Both regions come from arena_backend_; a failed free leaves nothing this arena can use.
+  std::string ignored;
+  if (static_base_ != nullptr) arena_backend_->deallocate(static_base_, device_, ignored);
+  if (dynamic_base_ != nullptr) arena_backend_->deallocate(dynamic_base_, device_, ignored);
+  stats_.reserved_bytes -= static_bytes_ + dynamic_bytes_;
+  static_base_ = dynamic_base_ = nullptr;
+  static_bytes_ = dynamic_bytes_ = 0;
+  reserved_ = false;
+  dyn_blocks_.clear();
+  dyn_free_.clear();
+  stats_.static_region_bytes = stats_.dynamic_region_bytes = 0;
+  stats_.arena_base = stats_.dynamic_base = 0;
+}
+
 int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend& backend,
                          std::string& error) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -251,27 +281,34 @@ int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend&
     error = "arena of 0 bytes requested";
     return XEMA_E_INVALID;
   }
-  if (base_ != nullptr) {
-    if (!static_live_.empty() || stats_.dynamic_active_bytes != 0) {
-      error = "device " + std::to_string(device_) + " arena still holds " +
-              std::to_string(stats_.static_active_bytes + stats_.dynamic_active_bytes) +
-              " live bytes; it cannot be re-reserved";
+  if (reserved_) {
+    if (stats_.dynamic_active_bytes != 0) {
+      error = "device " + std::to_string(device_) + " dynamic region still holds " +
+              std::to_string(stats_.dynamic_active_bytes) +
+              " live bytes; the arena cannot be re-reserved";
       return XEMA_E_STATE;
     }
-    if (armed_plan_ != nullptr) {
-      error = "device " + std::to_string(device_) + " is armed; disarm before re-reserving";
-      return XEMA_E_STATE;
-    }
-    arena_backend_->deallocate(base_, device_, error);
-    stats_.reserved_bytes -= static_bytes_ + dynamic_bytes_;
-    base_ = nullptr;
-    static_bytes_ = dynamic_bytes_ = 0;
-    dyn_blocks_.clear();
-    dyn_free_.clear();
+    const int rc = static_state_error("re-reserving", error);
+    if (rc != XEMA_OK) return rc;
+    free_regions();
   }
-  void* p = backend.allocate(static_bytes + dynamic_bytes, device_, error);
-  if (p == nullptr) return XEMA_E_NOMEM;
-  base_ = static_cast<char*>(p);
+  void* s = nullptr;
+  if (static_bytes > 0) {
+    s = backend.allocate(static_bytes, device_, error);
+    if (s == nullptr) return XEMA_E_NOMEM;
+  }
+  void* d = nullptr;
+  if (dynamic_bytes > 0) {
+    d = backend.allocate(dynamic_bytes, device_, error);
+    if (d == nullptr) {
+      std::string ignored;
+      if (s != nullptr) backend.deallocate(s, device_, ignored);
+      return XEMA_E_NOMEM;
+    }
+  }
+  reserved_ = true;
+  static_base_ = static_cast<char*>(s);
+  dynamic_base_ = static_cast<char*>(d);
   static_bytes_ = static_bytes;
   dynamic_bytes_ = dynamic_bytes;
   arena_backend_ = &backend;
@@ -281,7 +318,8 @@ int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend&
   }
   stats_.static_region_bytes = static_bytes;
   stats_.dynamic_region_bytes = dynamic_bytes;
-  stats_.arena_base = reinterpret_cast<uintptr_t>(base_);
+  stats_.arena_base = reinterpret_cast<uintptr_t>(static_base_);
+  stats_.dynamic_base = reinterpret_cast<uintptr_t>(dynamic_base_);
   stats_.reserved_bytes += static_bytes + dynamic_bytes;
   update_peaks();
   return XEMA_OK;
@@ -289,27 +327,72 @@ int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend&
 
 int DeviceArena::release(std::string& error) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (base_ == nullptr) return XEMA_OK;
-  if (!static_live_.empty() || stats_.dynamic_active_bytes != 0) {
-    error = "device " + std::to_string(device_) + " arena still holds " +
-            std::to_string(stats_.static_active_bytes + stats_.dynamic_active_bytes) +
+  if (!reserved_) return XEMA_OK;
+  if (stats_.dynamic_active_bytes != 0) {
+    error = "device " + std::to_string(device_) + " dynamic region still holds " +
+            std::to_string(stats_.dynamic_active_bytes) +
             " live bytes; release refused so their frees stay valid";
     return XEMA_E_STATE;
   }
-  if (armed_plan_ != nullptr) {
-    error = "device " + std::to_string(device_) + " is armed; disarm before releasing";
+  int rc = static_state_error("releasing", error);
+  if (rc != XEMA_OK) return rc;
+  bool ok = true;
+  if (static_base_ != nullptr) ok = arena_backend_->deallocate(static_base_, device_, error) && ok;
+  static_base_ = nullptr;
+  if (dynamic_base_ != nullptr) ok = arena_backend_->deallocate(dynamic_base_, device_, error) && ok;
+  dynamic_base_ = nullptr;
+  free_regions();
+  arena_backend_ = nullptr;
+  return ok ? XEMA_OK : XEMA_E_BACKEND;
+}
+
+int DeviceArena::resize_static(uint64_t static_bytes, std::string& error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!reserved_) {
+    error = "device " + std::to_string(device_) + " has no arena; reserve before resizing it";
     return XEMA_E_STATE;
   }
-  if (!arena_backend_->deallocate(base_, device_, error)) return XEMA_E_BACKEND;
-  stats_.reserved_bytes -= static_bytes_ + dynamic_bytes_;
-  base_ = nullptr;
-  static_bytes_ = dynamic_bytes_ = 0;
-  arena_backend_ = nullptr;
-  dyn_blocks_.clear();
-  dyn_free_.clear();
-  stats_.static_region_bytes = stats_.dynamic_region_bytes = 0;
-  stats_.arena_base = 0;
-  return XEMA_OK;
+  static_bytes = round_block(static_bytes);
+  if (static_bytes == static_bytes_) return XEMA_OK;
+  const int rc = static_state_error("resizing the static region", error);
+  if (rc != XEMA_OK) return rc;
+  // Free first, then allocate: the device never holds both regions (the point of shrinking
+  // before weights come in). On failure the old size is tried again, so a refused grow leaves
+  // the region as it was; if even that fails, the static region is gone (0 bytes) and says so.
+  const uint64_t old = static_bytes_;
+  if (static_base_ != nullptr && !arena_backend_->deallocate(static_base_, device_, error)) {
+    return XEMA_E_BACKEND;
+  }
+  static_base_ = nullptr;
+  static_bytes_ = 0;
+  stats_.reserved_bytes -= old;
+  int result = XEMA_OK;
+  uint64_t now = static_bytes;
+  void* p = nullptr;
+  if (now > 0) {
+    p = arena_backend_->allocate(now, device_, error);
+    if (p == nullptr) {
+      result = XEMA_E_NOMEM;
+      const std::string why = error;
+      now = old;
+      std::string again;
+      p = old > 0 ? arena_backend_->allocate(old, device_, again) : nullptr;
+      if (p == nullptr) now = 0;
+      error = "device " + std::to_string(device_) + ": static region of " +
+              std::to_string(static_bytes) + " bytes refused (" + why + "); it is " +
+              (now > 0 ? "back at " + std::to_string(old) + " bytes"
+                       : "now 0 bytes (the old " + std::to_string(old) +
+                             " could not be allocated again: " + again + ")");
+    }
+  }
+  static_base_ = static_cast<char*>(p);
+  static_bytes_ = now;
+  stats_.reserved_bytes += now;
+  stats_.static_region_bytes = now;
+  stats_.arena_base = reinterpret_cast<uintptr_t>(static_base_);
+  ++stats_.static_resizes;
+  update_peaks();
+  return result;
 }
 
 int64_t DeviceArena::load_plan(const uint64_t* sizes, const uint64_t* offsets, uint64_t n,
@@ -362,7 +445,7 @@ int DeviceArena::arm(int64_t plan_id, xema_stream_t stream, std::string& error) 
     error = "plan " + std::to_string(plan_id) + " needs a static region of " +
             std::to_string(it->second->static_bytes_needed) + " bytes, device " +
             std::to_string(device_) + " has " + std::to_string(static_bytes_) +
-            (base_ == nullptr ? " (no arena reserved)" : "");
+            (!reserved_ ? " (no arena reserved)" : "");
     return XEMA_E_INVALID;
   }
   armed_plan_ = it->second;
@@ -420,7 +503,7 @@ int64_t DeviceArena::record_read(xema_event* out, uint64_t capacity) {
 
 bool DeviceArena::holds_memory() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return base_ != nullptr || !live_.empty();
+  return reserved_ || !live_.empty();
 }
 
 }  // namespace xema::runtime

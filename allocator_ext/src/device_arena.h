@@ -1,7 +1,8 @@
-// One device's memory under the static allocator: the arena (static region at the planned
-// offsets, then a dynamic region with a best-fit free list), the driver fallback, the loaded
-// plans, the armed request's cursor and the statistics. Every public method takes the arena's
-// own mutex, so devices never contend with each other. Declarations only.
+// One device's memory under the static allocator: the arena (a static region at the planned
+// offsets and a dynamic region with a best-fit free list, two backend allocations so the static
+// one can be re-sized while the dynamic one keeps its long-lived blocks), the driver fallback,
+// the loaded plans, the armed request's cursor and the statistics. Every public method takes the
+// arena's own mutex, so devices never contend with each other. Declarations only.
 #pragma once
 
 #include <cstddef>
@@ -43,6 +44,9 @@ class DeviceArena {
   int reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend& backend,
               std::string& error);
   int release(std::string& error);
+  // Replaces the static region by one of `static_bytes` (0: none); refused while a static block
+  // is live or a plan is armed. The dynamic region and its blocks are untouched.
+  int resize_static(uint64_t static_bytes, std::string& error);
 
   int64_t load_plan(const uint64_t* sizes, const uint64_t* offsets, uint64_t n,
                     std::string& error);
@@ -80,12 +84,18 @@ class DeviceArena {
   void record(uint64_t ptr, uint64_t size, uint64_t requested, xema_stream_t stream,
               uint64_t kind, int region);
   void update_peaks();
+  int static_state_error(const char* what, std::string& error) const;
+  void free_regions();
 
   std::mutex mutex_;
   int device_ = 0;
 
-  // Arena: [base_, base_ + static_bytes_) is the static region, the dynamic region follows.
-  char* base_ = nullptr;
+  // Arena: [static_base_, + static_bytes_) is the static region, [dynamic_base_, +
+  // dynamic_bytes_) the dynamic region; each its own backend allocation (nullptr when 0 bytes).
+  // reserved_ is true between reserve and release, even while both regions are 0 bytes.
+  bool reserved_ = false;
+  char* static_base_ = nullptr;
+  char* dynamic_base_ = nullptr;
   uint64_t static_bytes_ = 0;
   uint64_t dynamic_bytes_ = 0;
   Backend* arena_backend_ = nullptr;

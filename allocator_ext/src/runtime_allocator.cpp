@@ -174,6 +174,16 @@ int xema_release(int device) {
   });
 }
 
+int xema_resize_static(int device, uint64_t static_bytes) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int {
+    std::string error;
+    const int rc = registry().arenas[device].resize_static(static_bytes, error);
+    if (rc != XEMA_OK) set_error(error);
+    return rc;
+  });
+}
+
 int64_t xema_load_plan(int device, const uint64_t* sizes, const uint64_t* offsets, uint64_t n) {
   if (!valid_device(device)) return XEMA_E_INVALID;
   int64_t id = XEMA_E_INTERNAL;

@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define XEMA_API __attribute__((visibility("default")))
-#define XEMA_ABI_VERSION 1
+#define XEMA_ABI_VERSION 2
 #define XEMA_MAX_DEVICES 64
 
 typedef void* xema_stream_t;
@@ -65,6 +65,8 @@ typedef struct xema_stats {
   uint64_t plan_cursor;          /* planned-stream allocations seen since arming */
   uint64_t plan_length;
   uint64_t arena_base;           /* address of the static region (0 if none reserved) */
+  uint64_t dynamic_base;         /* address of the dynamic region (0 if none reserved) */
+  uint64_t static_resizes;       /* xema_resize_static calls that changed the static region */
 } xema_stats;
 
 /* One recorded allocator event (xema_record_*), for turning a real run into a MemoryTrace. */
@@ -90,10 +92,16 @@ XEMA_API const char* xema_last_error(void);
  * Switching backends is refused while any device holds memory. */
 XEMA_API int xema_init(int backend, const char* cudart_path);
 
-/* Allocates the device's arena: static region then dynamic region, one backend allocation. */
+/* Allocates the device's arena: a static region and a dynamic region, two backend allocations
+ * (either may be 0 bytes, not both). */
 XEMA_API int xema_reserve(int device, uint64_t static_bytes, uint64_t dynamic_bytes);
 /* Returns the arena to the backend; refused while a block in it is live. */
 XEMA_API int xema_release(int device);
+/* Replaces the static region by one of static_bytes (0: none), freeing the old one first; the
+ * dynamic region and its live blocks are untouched. Refused (XEMA_E_STATE) without an arena,
+ * while a static block is live or while a plan is armed. XEMA_E_NOMEM: the backend refused the
+ * new size; the region is back at its old size (or 0 bytes if even that failed: see the error). */
+XEMA_API int xema_resize_static(int device, uint64_t static_bytes);
 
 /* Copies a plan (per planned allocation, in allocation order: rounded size and static offset) and
  * returns its id (>= 0) or a negative status. */

@@ -7,41 +7,19 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import itertools
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator import SolverOptions, solve_arrays, solve_layout
+from xema_ray.allocator.runtime import AllocatorError, StaticAllocator
 from xema_ray.allocator.synthetic import diffusion_like_trace, random_trace
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.allocator.runtime import AllocatorError, StaticAllocator
 
 KIB = 1024
 MIB = 1 << 20
-
-# The library keeps one arena per device index for the whole process; each test takes fresh
-# indices so no test sees another's state.
-_devices = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def alloc() -> StaticAllocator:
-    return StaticAllocator("host")
-
-
-@pytest.fixture
-def device(alloc: StaticAllocator) -> Iterator[int]:
-    d = next(_devices)
-    if d >= 64:
-        pytest.fail("more host-arena tests than device slots; reuse indices")
-    yield d
-    alloc.disarm(device=d)
-    live = alloc.stats(device=d).live_blocks
-    assert live == 0, f"test left {live} blocks live on device {d}"
-    alloc.release(device=d)
 
 
 def small_trace(seed: int = 0) -> MemoryTrace:
@@ -226,7 +204,7 @@ def test_zero_byte_requests_consume_no_plan_index(alloc: StaticAllocator, device
 
 def test_dynamic_region_best_fit_reuse_and_coalescing(alloc: StaticAllocator, device: int) -> None:
     alloc.reserve(0, 2 * MIB, device=device)
-    dyn = alloc.stats(device=device).arena_base  # static region is empty: dynamic starts at base
+    dyn = alloc.stats(device=device).dynamic_base
     a, b, c = (alloc.malloc(256 * KIB, device=device) for _ in range(3))
     assert [a - dyn, b - dyn, c - dyn] == [0, 256 * KIB, 512 * KIB]
     alloc.free(b, device=device)
@@ -428,7 +406,7 @@ def test_error_raised_if_warm_up_while_armed(alloc: StaticAllocator, device: int
 def test_stats_mirror_the_c_struct() -> None:
     from xema_ray.allocator.runtime import AllocatorStats, _CStats
 
-    assert ctypes.sizeof(_CStats) == 8 * len(AllocatorStats.model_fields) == 8 * 24
+    assert ctypes.sizeof(_CStats) == 8 * len(AllocatorStats.model_fields) == 8 * 26
 
 
 TINY_TEMPLATES = [("tiny-flux2", 64, 64, 1), ("tiny-cogvideox", 64, 64, 9), ("tiny-ltx2", 64, 64, 9)]
@@ -489,3 +467,87 @@ def test_unloaded_plan_stays_valid_while_armed(alloc: StaticAllocator, device: i
         q = alloc.malloc(4 * KIB, device=device)
     assert report.hits == 1
     alloc.free(q, device=device)
+
+
+# ---------------------------------------------------------------- resize_static (the arena follows the template)
+
+
+def test_resize_static_refused_while_a_static_block_is_live(alloc: StaticAllocator, device: int) -> None:
+    layout = solve_arrays(np.array([4 * KIB, 8 * KIB]), np.array([0, 1]), np.array([2, 3]))
+    alloc.reserve(layout.reserved_bytes, 64 * KIB, device=device)
+    with alloc.armed(layout.replay_plan(), device=device):
+        a = alloc.malloc(4 * KIB, device=device)
+    with pytest.raises(AllocatorError, match=r"wrong state.*static region still holds 4096 live bytes in 1 block"):
+        alloc.resize_static(64 * KIB, device=device)
+    assert alloc.stats(device=device).static_region_bytes == layout.reserved_bytes  # unchanged
+    alloc.free(a, device=device)
+    alloc.resize_static(64 * KIB, device=device)
+    stats = alloc.stats(device=device)
+    assert (stats.static_region_bytes, stats.static_resizes) == (64 * KIB, 1)
+
+
+def test_resize_static_refused_while_armed(alloc: StaticAllocator, device: int) -> None:
+    layout = solve_arrays(np.array([4 * KIB]), np.array([0]), np.array([1]))
+    alloc.reserve(layout.reserved_bytes, 64 * KIB, device=device)
+    alloc.arm(layout.replay_plan(), device=device)
+    with pytest.raises(AllocatorError, match="is armed; disarm before resizing the static region"):
+        alloc.resize_static(0, device=device)
+    alloc.disarm(device=device)
+    alloc.resize_static(0, device=device)
+    assert alloc.stats(device=device).static_region_bytes == 0
+
+
+def test_resize_static_refused_without_an_arena(alloc: StaticAllocator, device: int) -> None:
+    with pytest.raises(AllocatorError, match="has no arena; reserve before resizing"):
+        alloc.resize_static(4 * KIB, device=device)
+    with pytest.raises(ValueError, match="static_bytes must be >= 0"):
+        alloc.resize_static(-1, device=device)
+
+
+def test_dynamic_region_data_survives_static_resizes(alloc: StaticAllocator, device: int) -> None:
+    alloc.reserve(1 * MIB, 256 * KIB, device=device)
+    dyn = alloc.stats(device=device).dynamic_base
+    kept = [alloc.malloc(32 * KIB, device=device) for _ in range(3)]  # a warm-up's workspaces
+    for k, p in enumerate(kept):
+        assert dyn <= p < dyn + 256 * KIB
+        ctypes.memset(p, 0x41 + k, 32 * KIB)
+    for size in (64 * KIB, 4 * MIB, 0, 2 * MIB):  # shrink, grow, none, grow again
+        alloc.resize_static(size, device=device)
+        stats = alloc.stats(device=device)
+        assert (stats.static_region_bytes, stats.dynamic_base, stats.dynamic_active_bytes) == (size, dyn, 96 * KIB)
+        assert stats.reserved_bytes == size + 256 * KIB
+    for k, p in enumerate(kept):
+        assert ctypes.string_at(p, 32 * KIB) == bytes([0x41 + k]) * (32 * KIB)
+        alloc.free(p, device=device)
+    assert alloc.stats(device=device).static_resizes == 4
+
+
+def test_resize_static_frees_before_it_allocates(alloc: StaticAllocator, device: int) -> None:
+    alloc.reserve(4 * MIB, 64 * KIB, device=device)
+    alloc.reset_peaks(device=device)
+    alloc.resize_static(1 * MIB, device=device)
+    alloc.resize_static(3 * MIB, device=device)
+    # never old + new at once: the peak is the larger of the two arenas, not their sum
+    assert alloc.stats(device=device).peak_reserved_bytes == 4 * MIB + 64 * KIB
+
+
+def test_resized_static_region_serves_a_plan_that_needs_it(alloc: StaticAllocator, device: int) -> None:
+    trace = small_trace()
+    layout = solve_layout(trace)
+    alloc.reserve(0, 64 * KIB, device=device)
+    with pytest.raises(AllocatorError, match="needs a static region"):
+        alloc.arm(layout.replay_plan(), device=device)
+    alloc.resize_static(layout.reserved_bytes, device=device)
+    with alloc.armed(layout.replay_plan(), device=device) as report:
+        replay(alloc, trace, device)
+    assert (report.hits, report.misses) == (len(layout), 0)
+
+
+def test_a_refused_grow_leaves_the_static_region_as_it_was(alloc: StaticAllocator, device: int) -> None:
+    alloc.reserve(1 * MIB, 64 * KIB, device=device)
+    with pytest.raises(AllocatorError, match=r"out of memory.*refused.*back at 1048576 bytes"):
+        alloc.resize_static(1 << 50, device=device)  # beyond the address space: the host mmap fails
+    stats = alloc.stats(device=device)
+    assert (stats.static_region_bytes, stats.reserved_bytes) == (1 * MIB, 1 * MIB + 64 * KIB)
+    p = alloc.malloc(KIB, device=device)  # the arena still works
+    alloc.free(p, device=device)

@@ -112,5 +112,10 @@ def test_a_video_job_shows_per_step_progress_and_a_720p_job_preempts_a_1080p_one
     pre = stats["preemption"]["cogvideox-5b"]
     assert pre["per_template"][C1080]["preemptions"] >= 1 and pre["decisions"] >= 1
     assert pre["recent"][0]["kind"] == "preempt" and pre["recent"][0]["template"] == C1080
+    # the pause handshake beyond the predicted step boundary is measured (the simulator is charged it):
+    # Ray calls and the group's event loop, a few ms to a few hundred on a loaded 2-core machine
+    park = pre["park_overhead"]
+    assert park["total"] >= 1 and len(park["recent_s"]) == min(park["total"], 1000)
+    assert -0.1 < park["p50_s"] < 2.0, park
     content = requests.get(f"{box}/v1/videos/{short['id']}/content", timeout=30)
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4" and len(content.content) > 1000

@@ -4,8 +4,10 @@
 ``libxema_alloc.so`` exports the two functions ``torch.cuda.memory.CUDAPluggableAllocator`` calls
 (``xema_malloc`` / ``xema_free``) and a control API. Per device it keeps one arena: the static
 region, where allocation ``i`` of an armed request lands at ``offset[i]`` of its ``ReplayPlan``
-when its size matches, and a dynamic region above it (best-fit free list) for everything else;
-the driver is the last resort. This module loads the library through ctypes and turns its
+when its size matches, and a dynamic region (best-fit free list) for everything else; the driver
+is the last resort. The two regions are separate backend allocations, so ``resize_static`` can
+follow the template being run (a worker whose templates keep different weights on the device)
+while the dynamic region keeps the long-lived blocks of ``warm_up``. This module loads the library through ctypes and turns its
 statistics into typed objects; ``xema_ray.allocator.cuda`` installs it into torch (explicitly,
 never at import) and ``xema_ray.allocator.recording`` reads what it recorded.
 
@@ -45,7 +47,7 @@ from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 Backend = Literal["cuda", "host"]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_DEVICES = 64
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
@@ -86,6 +88,8 @@ class AllocatorStats(BaseModel):
     plan_cursor: int = Field(description="Planned-stream allocations seen since arming.")
     plan_length: int = Field(description="Allocations in the armed plan (0 when disarmed).")
     arena_base: int = Field(description="Address of the static region (0 if none).")
+    dynamic_base: int = Field(description="Address of the dynamic region (0 if none).")
+    static_resizes: int = Field(description="resize_static calls that changed the static region.")
 
 
 class _CStats(ctypes.Structure):
@@ -156,6 +160,7 @@ class _Library:
             "xema_init": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
             "xema_reserve": (ctypes.c_int, [ctypes.c_int, u64, u64]),
             "xema_release": (ctypes.c_int, [ctypes.c_int]),
+            "xema_resize_static": (ctypes.c_int, [ctypes.c_int, u64]),
             "xema_load_plan": (i64, [ctypes.c_int, ctypes.POINTER(u64), ctypes.POINTER(u64), u64]),
             "xema_unload_plan": (ctypes.c_int, [ctypes.c_int, i64]),
             "xema_arm": (ctypes.c_int, [ctypes.c_int, i64, vp]),
@@ -255,6 +260,19 @@ class StaticAllocator:
         """Return the arena; refused (``AllocatorError``) while a block in it is live."""
         _check_device(device)
         self._lib.check(self._lib.c.xema_release(device), f"release on device {device}")
+
+    def resize_static(self, static_bytes: int, *, device: int = 0) -> None:
+        """Replace the static region by one of ``static_bytes`` (0: none), the old one freed first.
+
+        The dynamic region and its blocks stay where they are. Refused (``AllocatorError``, "wrong
+        state") without an arena, while a block in the static region is live or while a plan is
+        armed; "out of memory" when the backend refused the new size (the region is then back at
+        its old size, or 0 bytes where even that failed: ``stats().static_region_bytes`` says).
+        """
+        _check_device(device)
+        if static_bytes < 0:
+            raise ValueError(f"static_bytes must be >= 0, got {static_bytes}")
+        self._lib.check(self._lib.c.xema_resize_static(device, static_bytes), f"resize_static on device {device}")
 
     # ------------------------------------------------------------------ plans
     def load(self, plan: ReplayPlan | StaticLayout, *, device: int = 0) -> int:

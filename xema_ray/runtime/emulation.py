@@ -3,20 +3,18 @@ clock and the group's move costs (``EmulationConfig``), and the plan table itsel
 (``scale_table``). Kept apart from the worker (``xema_ray.runtime.emulated``) so the load config
 can carry it without importing the worker.
 
-The phase split comes from the plan: the entry's ``latency_s`` is the total; the cost model of
-the table's hardware divides what it estimates between the denoising loop and the decode, and
-what the plan adds beyond the cost model (the planned text encoder) is the text phase. A table
-for hardware without a profile falls back to the model group's own prior (5 % decode for
-images, 10 % for videos).
+The phase split is ``xema_ray.profiling.phases.plan_phases``: the same one the model group's
+prior and the simulator's preemption model use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.plan import PlanTable
+from xema_ray.profiling.phases import TIME_SCALE_KEY, plan_phases, table_profile, time_scales
 
 #: bytes/s of a paused state's move to the host and back (the dispatcher's PreemptionPolicy default)
 DEFAULT_HOST_BANDWIDTH = 20e9
@@ -71,34 +69,6 @@ class EmulationConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------- from the plan table
-def _profile_of(table: PlanTable) -> Any:
-    from xema_ray.profiling.hardware import HARDWARE
-
-    for p in HARDWARE.values():
-        if p.name in table.hardware:
-            return p
-    return None
-
-
-def plan_phases(entry: PlanEntry, profile: Any) -> tuple[float, float, float]:
-    """(text, denoise, decode) reference seconds of ``entry``'s batch, summing to its latency."""
-    total = entry.prediction.latency_s
-    video = entry.config.template.spec.kind == "video"
-    if profile is None:
-        decode = (0.10 if video else 0.05) * total
-        return 0.0, total - decode, decode
-    from xema_ray.profiling import estimate_latency
-
-    est = estimate_latency(entry.config, profile).per_phase
-    denoise, decode = est.get("denoise", 0.0), est.get("decode", 0.0)
-    model = denoise + decode
-    text = max(0.0, total - model - est.get("setup", 0.0)) + est.get("setup", 0.0)
-    rest = total - min(text, total)
-    if model <= 0:
-        return total - rest, rest, 0.0
-    return total - rest, rest * denoise / model, rest * decode / model
-
-
 def emulation_for(table: PlanTable, time_scale: float, keys: list[str] | None = None,
                   host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> EmulationConfig:
     """The emulation of ``table``'s plans (all, or ``keys``) at ``time_scale``.
@@ -111,7 +81,7 @@ def emulation_for(table: PlanTable, time_scale: float, keys: list[str] | None = 
     """
     from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS as fps_default
 
-    profile = _profile_of(table)
+    profile = table_profile(table)
     phases = {}
     for key in keys if keys is not None else sorted(table.entries):
         e = table.entries[key]
@@ -151,5 +121,9 @@ def scale_table(table: PlanTable, time_scale: float | dict[str, float]) -> PlanT
     residency = {m: r.model_copy(update={"switch_s": {a: {b: s / ts(m) for b, s in row.items()}
                                                       for a, row in r.switch_s.items()}})
                  for m, r in table.residency.items()}
+    # per model, composed with any earlier scaling: what reads the table's phases scales them back
+    scales = time_scales(table)
+    for m in {e.config.template.model for e in table.entries.values()}:
+        scales[m] = scales.get(m, 1.0) * ts(m)
     return table.model_copy(update={"entries": entries, "residency": residency,
-                                    "provenance": {**table.provenance, "emulated_time_scale": str(time_scale)}})
+                                    "provenance": {**table.provenance, TIME_SCALE_KEY: json.dumps(scales, sort_keys=True)}})

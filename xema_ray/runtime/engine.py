@@ -129,6 +129,8 @@ class BatchResult(BaseModel):
     residency_bytes_moved: int = Field(default=0, description="weight bytes a residency switch moved before the batch")
     host_weight_bytes: int = Field(default=0, description="weight bytes homed on host memory while the batch ran")
     layout_status: str | None = Field(default=None, description="the worker's static layouts: armed, or why not")
+    layout_note: str | None = Field(default=None, description="why this batch ran without the layout its plan names "
+                                                              "(None: armed as planned, or the plan has none)")
     layout_hits: int = Field(default=0, description="allocations the armed layout placed")
     layout_misses: int = Field(default=0, description="allocations that fell back to the dynamic region")
     layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")

@@ -60,6 +60,9 @@ class ModelLoadConfig(BaseModel):
                     "else on the device when weights_dir has one; 'none' = stand-in embeddings")
     layouts_dir: Path | None = Field(
         default=None, description="the plan table's layouts folder (<table>.layouts/): plans with a layout_ref arm theirs")
+    budget_bytes: int | None = Field(
+        default=None, ge=1, description="device memory per worker (the plan table's budget): sizes the static "
+                                        "allocator's dynamic region for the group; None: not known")
     emulation: EmulationConfig | None = Field(
         default=None, description="device emulated: the templates' phases from the plan table (xema_ray.runtime.emulated); "
                                   "a real worker refuses a load config that has one")
@@ -119,6 +122,7 @@ class Worker:
         self.layouts: dict[str, Any] = {}
         self._plans: dict[str, Any] = {}
         self.layout_status: str | None = None
+        self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
         self._local = threading.local()  # the layout report of the batch this thread runs
         self._runs: dict[str, PreemptibleRun] = {}  # preemptible batches, running or paused
         self._run_residency: dict[str, Residency] = {}
@@ -195,11 +199,14 @@ class Worker:
 
     def _load_layouts(self, load: ModelLoadConfig) -> None:
         """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the
-        static allocator installed, reserve one arena for all of them and warm up once."""
+        static allocator installed, reserve the arena's dynamic region for all of them and warm
+        up once (the static region follows the template: ``xema_ray.runtime.arena``)."""
+        from xema_ray.runtime.arena import ArenaEntry, TemplateArena
         from xema_ray.runtime.layouts import load_artifact
 
         refs = sorted({c.layout_ref for c in load.plans if c.layout_ref is not None})
         self.layouts = {}
+        self.arena = None
         if not refs:
             self.layout_status = None
             return
@@ -220,11 +227,14 @@ class Worker:
         if not seeded():  # the stream would not be the one solved: every planned allocation would miss
             self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {unseeded_reason()}"
             return
-        self.allocator.reserve_for([a.solved() for a in self.layouts.values()])
+        self.arena = TemplateArena(self.allocator, {r: ArenaEntry(a.loaded_bytes, a.reserved_bytes)
+                                                    for r, a in self.layouts.items()}, load.budget_bytes)
+        self.arena.reserve()
         # cuBLAS workspaces (one per handle and stream, on the first matmul) and attention scratch
         # land in the dynamic region now, once, instead of derailing the first armed batch's plan
-        self.allocator.warm_up()
-        self.layout_status = f"{len(refs)} layout(s) armed per batch"
+        # (the host backend, in CPU tests, has none)
+        self.allocator.warm_up(None if self.allocator.backend == "cuda" else (lambda: None))
+        self.layout_status = self.arena.describe()
 
     @contextlib.contextmanager
     def _arm(self, layout_ref: str) -> Iterator[None]:
@@ -235,6 +245,16 @@ class Worker:
         with self.allocator.armed(plan) as report:
             yield
         self._local.layout_report = report
+
+    def _switch(self, layout_ref: str | None, move: Any) -> tuple[Any, str | None]:
+        """The residency switch ``move`` for a batch of ``layout_ref`` (None: it runs disarmed),
+        with the arena following it; returns its report and why the batch cannot arm its layout."""
+        if self.arena is None:
+            return move(), None
+        out = self.arena.switch(layout_ref, move)
+        if out.not_armed is None or layout_ref is None:
+            return out.moved, None
+        return out.moved, f"{layout_ref} not armed for this batch: {out.not_armed}"
 
     def layout_reserved_bytes(self) -> int:
         """Device bytes the static allocator holds now (arena + driver blocks; 0 when not installed)."""
@@ -285,7 +305,10 @@ class Worker:
         if run is None or run.control.paused is None:
             raise ValueError(f"run {run_id!r} is not paused on this worker")
         assert self.residency is not None
-        moved = self.residency.switch(self._run_residency[run_id]).bytes_moved  # back to the batch's own
+        residency = self.residency
+        # back to the batch's own residency; it continues disarmed (its allocation order restarted),
+        # so the static region goes before its weights come back
+        moved = self._switch(None, lambda: residency.switch(self._run_residency[run_id]))[0].bytes_moved
         self._run_moved[run_id] = self._run_moved.get(run_id, 0) + moved
         return self._settle(run_id, run.resume)
 
@@ -316,10 +339,13 @@ class Worker:
     def _execute(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
         assert self.engine is not None and self.residency is not None
         target = self.target_residency(batch.config)
-        switch = self.residency.switch(target)
+        residency = self.residency
+        switch, not_armed = self._switch(batch.config.layout_ref, lambda: residency.switch(target))
         if control is not None:
             self._run_residency[control.run_id] = target
         config = with_residency(batch.config, self.residency.current)
+        if not_armed is not None:  # runs as without a layout: the dynamic region, then the driver
+            config = config.model_copy(update={"layout_ref": None})
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
         self._local.layout_report = None
@@ -328,6 +354,7 @@ class Worker:
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
                                          "host_weight_bytes": self.residency.host_bytes(),
                                          "layout_status": self.layout_status,
+                                         "layout_note": not_armed,
                                          "layout_hits": rep.hits if rep is not None else 0,
                                          "layout_misses": rep.misses if rep is not None else 0,
                                          "layout_reserved_bytes": self.layout_reserved_bytes()})

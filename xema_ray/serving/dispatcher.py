@@ -47,6 +47,7 @@ from xema_ray.plan import AdmissionPolicy
 
 if TYPE_CHECKING:
     from xema_ray.plan import PlanEntry
+    from xema_ray.profiling.phases import PhaseShares
 
 P = TypeVar("P")  # what a request carries (the HTTP payload live, nothing in simulation)
 
@@ -70,12 +71,14 @@ class DispatchPlan:
     min_latency_s: float | None = None  # a batch of one (None: latency_s): whether a late request can still make it
 
     @classmethod
-    def of_entry(cls, entry: PlanEntry, slo_s: float | None = None) -> DispatchPlan:
-        """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's)."""
+    def of_entry(cls, entry: PlanEntry, slo_s: float | None = None, shares: PhaseShares | None = None) -> DispatchPlan:
+        """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's;
+        ``shares``: where its latency goes, ``xema_ray.profiling.phases``; None: no phases known)."""
         c, p = entry.config, entry.prediction
+        phases = {} if shares is None else {"denoise_frac": shares.denoise, "tail_frac": shares.tail}
         return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
                    steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
-                   static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1))
+                   static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)
 
 
 class Refused(OverflowError):
@@ -139,6 +142,7 @@ class Assignment(Generic[P]):
     plan: DispatchPlan
     preempts: tuple[Preemption, ...] = ()  # batches that pause so this one runs on their workers
     resume: bool = False  # a paused batch continuing on its own workers
+    park_wait_s: float = 0.0  # predicted seconds until ``preempts`` have parked (step boundary, switch, move out)
 
 
 @dataclass
@@ -282,14 +286,15 @@ class Dispatcher(Generic[P]):
                 plan = self.plans[template]
                 group = self._free_group(plan.sp)
                 preempts: tuple[Preemption, ...] = ()
+                park_wait = 0.0
                 if group is None:
                     chosen = self._preemptible_group(template, now)
                     if chosen is None:
                         break
-                    group, preempts = chosen
+                    group, preempts, park_wait = chosen
                 q = self._queues[template]
                 reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
-                a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts)
+                a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
                 for p in preempts:
                     self._pause(p, a, now)
                 for w in group:
@@ -415,9 +420,10 @@ class Dispatcher(Generic[P]):
         v = self.plans[a.template]
         step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
         denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
-        if denoise_left <= 0 or step <= 0:
+        # the boundary after the last step is none: a worker pauses only between steps (step < total)
+        if step <= 0 or denoise_left <= step * (1 + 1e-9):
             return None
-        return min(step, denoise_left % step or step)
+        return min(step, (denoise_left - step) % step or step)
 
     def _free_at(self, group: tuple[int, ...], now: float) -> float:
         """When ``group`` would be free without preemption (running batches end, paused ones
@@ -434,8 +440,10 @@ class Dispatcher(Generic[P]):
         assert self.preemption is not None
         return self.preemption.switch_s.get(a, {}).get(b, 0.0) if a != b else 0.0
 
-    def _preemptible_group(self, template: str, now: float) -> tuple[tuple[int, ...], tuple[Preemption, ...]] | None:
-        """A group for ``template``'s next batch by pausing running batches, or None."""
+    def _preemptible_group(self, template: str, now: float
+                           ) -> tuple[tuple[int, ...], tuple[Preemption, ...], float] | None:
+        """A group for ``template``'s next batch by pausing running batches, the pauses, and the
+        seconds until they have parked; or None."""
         pol = self.preemption
         plan = self.plans[template]
         if pol is None or plan.peak_bytes is None:
@@ -444,7 +452,7 @@ class Dispatcher(Generic[P]):
         groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.workers - plan.sp + 1, plan.sp)]
         if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
             return None  # waiting costs it nothing
-        best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...]] | None = None
+        best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...], float] | None = None
         for g in groups:
             if any(w in self._held for w in g):
                 continue  # a worker already holds a paused batch
@@ -458,15 +466,17 @@ class Dispatcher(Generic[P]):
                 pauses.append(p)
                 boundary = self._to_boundary(bid, now)
                 assert boundary is not None  # _pause_for refuses a batch with no boundary left
-                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template))
+                # the state leaves the device before the preempting batch may start (it is moved back on resume)
+                move = (self.plans[self._running[bid].template].pause_bytes or 0) / pol.host_bandwidth if p.offload else 0.0
+                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template) + move)
             else:
                 if now + wait + plan.latency_s > head.deadline:
                     continue  # preempting does not save it either
                 slack = min((_deadline(self._running[b]) for b in victims), default=float("inf"))
                 key = (len(victims), -slack)
                 if best is None or key < best[0]:
-                    best = (key, g, tuple(pauses))
-        return None if best is None else (best[1], best[2])
+                    best = (key, g, tuple(pauses), wait)
+        return None if best is None else (best[1], best[2], best[3])
 
     def _pause_for(self, bid: int, template: str, plan: DispatchPlan, deadline: float, now: float) -> Preemption | None:
         """How running batch ``bid`` would pause for a batch of ``template``, or None if it may not."""

@@ -24,9 +24,13 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from xema_ray.runtime.engine import PhaseTimings
 from xema_ray.serving.jobs import JobStoreConfig, open_store
+
+if TYPE_CHECKING:
+    from xema_ray.profiling.phases import PhaseShares
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -66,6 +70,14 @@ class PhaseEstimate:
         latency_s = max(latency_s, 1e-3)
         decode = (0.10 if video else 0.05) * latency_s
         return cls(steps=steps, text_s=0.0, step_s=(latency_s - decode) / steps, decode_s=decode, encode_s=0.0)
+
+    @classmethod
+    def from_shares(cls, steps: int, latency_s: float, shares: PhaseShares) -> PhaseEstimate:
+        """Before any batch ran: the plan's predicted latency split as the plan table's hardware
+        splits it (``xema_ray.profiling.phases``, the split the simulator uses too)."""
+        latency_s = max(latency_s, 1e-3)
+        return cls(steps=steps, text_s=shares.text * latency_s, step_s=shares.denoise * latency_s / steps,
+                   decode_s=shares.tail * latency_s, encode_s=0.0)
 
     @classmethod
     def from_timings(cls, steps: int, t: PhaseTimings) -> PhaseEstimate:

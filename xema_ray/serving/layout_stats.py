@@ -25,6 +25,8 @@ class TemplateLayoutStats(BaseModel):
     hits: int = Field(default=0, ge=0, description="allocations placed at their planned offset")
     fallbacks: int = Field(default=0, ge=0, description="allocations the layout did not know, served by the dynamic path")
     reserved_bytes: int = Field(default=0, ge=0, description="bytes the static allocator held after the last batch (0: not armed)")
+    not_armed: str | None = Field(default=None, description="why the last batch ran without its layout (None: it was armed, "
+                                                            "or the workers' status says why none is)")
 
 
 class GroupLayoutStats(BaseModel):
@@ -56,6 +58,7 @@ class LayoutCounters:
         st.hits += result.layout_hits
         st.fallbacks += result.layout_misses
         st.reserved_bytes = result.layout_reserved_bytes
+        st.not_armed = result.layout_note
         if result.layout_status is not None:
             self.status = result.layout_status
 

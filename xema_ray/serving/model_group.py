@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from xema_ray.plan import AdmissionPolicy, PlanEntry
+from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
@@ -112,12 +113,17 @@ class ModelGroup(PublishesSummary):
         wait_window_s, max_queue: dispatcher settings.
         jobs: the job store's config; None: no video jobs.
         layouts_dir: the plan table's layouts folder (plans with a layout_ref arm theirs).
+        budget_bytes: device memory per worker (the plan table's budget): the static allocator's
+            arena is sized for it (``xema_ray.runtime.arena``); None: not known.
         preemption: the step-level preemption policy; None: off.
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
         emulation: device "emulated": the templates' phases from the plan table (docs/emulated.md).
         admission: the SLO-aware admission policy the plan table chose for this group's load;
             None: plain EDF, every request served.
+        phases: each template's phase shares on the plan table's hardware (``phase_shares``, as the
+            simulator's): where its step boundaries fall until its first batch is measured; None:
+            the fallback split (``PhaseEstimate.from_plan``).
 
     Each replica publishes a summary of its dispatcher for the request router and the autoscaler
     (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
@@ -128,7 +134,8 @@ class ModelGroup(PublishesSummary):
                  max_queue: int = 64, residency: Literal["per_template", "shared"] = "per_template",
                  jobs: JobStoreConfig | None = None, layouts_dir: str | Path | None = None,
                  preemption: PreemptionPolicy | None = None, worker_set: WorkerSetFactory = worker_set_for,
-                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None) -> None:
+                 emulation: EmulationConfig | None = None, admission: AdmissionPolicy | None = None,
+                 phases: dict[str, PhaseShares] | None = None, budget_bytes: int | None = None) -> None:
         from xema_ray.runtime.worker import ModelLoadConfig
 
         self.model = model
@@ -153,15 +160,18 @@ class ModelGroup(PublishesSummary):
         self._store_lags_until = 0.0  # until then, a batch does not wait for its jobs' start marks
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        self.estimates = {k: PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
-                                                     e.config.template.spec.kind == "video")
+        self.estimates = {k: PhaseEstimate.from_shares(e.config.template.steps, e.prediction.latency_s, phases[k])
+                          if phases is not None and k in phases else
+                          PhaseEstimate.from_plan(e.config.template.steps, e.prediction.latency_s,
+                                                  e.config.template.spec.kind == "video")
                           for k, e in self.entries.items()}
         for k, est in self.estimates.items():  # where each template's step boundaries fall (preemption)
             self._tell_phases(k, est)
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=Path(weights_dir) if weights_dir else None, residency=residency,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation)
+                               layouts_dir=Path(layouts_dir) if layouts_dir else None, emulation=emulation,
+                               budget_bytes=budget_bytes)
         spec = WorkerSetSpec(
             device=device, size=workers, load=load, worker_cpus=worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
@@ -310,7 +320,7 @@ class ModelGroup(PublishesSummary):
                     continue
                 for p in a.preempts:
                     self.runner.request_pause(p.batch_id, p.offload)
-                asyncio.get_running_loop().create_task(self._run(a))
+                asyncio.get_running_loop().create_task(self._run(a, now))
             for r in self.dispatcher.take_shed():
                 await self._shed(r)
             wake = self.dispatcher.next_wakeup(now)
@@ -365,11 +375,13 @@ class ModelGroup(PublishesSummary):
                                                          replica=self.owner)
         return outputs
 
-    async def _run(self, a: Assignment[_Ticket]) -> None:
+    async def _run(self, a: Assignment[_Ticket], decided: float | None = None) -> None:
         started = time.monotonic()
         try:
             for p in a.preempts:  # the paused batches' workers must have parked before this starts
                 await self.runner.state.wait_parked(p.batch_id)
+            if a.preempts:  # the pause handshake: what the dispatcher's prediction leaves out
+                self.runner.state.observe_park(time.monotonic() - (decided or started) - a.park_wait_s)
             for attempt in (1, 2):
                 generation = self.workers.generation
                 try:

@@ -5,6 +5,7 @@ the metrics report (the decisions themselves are the shared ``Dispatcher``'s).""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,29 @@ class DecisionRecord(BaseModel):
 
 #: decisions ``/v1/stats`` lists (the latest ones)
 RECENT_DECISIONS = 50
+#: preempting batches whose park overhead ``/v1/stats`` summarises (the latest ones)
+PARK_SAMPLES = 1000
+
+
+class ParkOverhead(BaseModel):
+    """How much longer preempting batches waited for their victims to park than the dispatcher
+    predicted (next step boundary, residency switch, state move): the pause handshake — the
+    pause call, the parked run's return, the group's event loop. The simulator is charged it."""
+
+    total: int = Field(description="preempting batches measured since the replica started")
+    mean_s: float = Field(description="over recent_s")
+    p50_s: float
+    p90_s: float
+    max_s: float
+    recent_s: list[float] = Field(description="the latest PARK_SAMPLES, oldest first")
+
+    @classmethod
+    def of(cls, samples: list[float], total: int) -> ParkOverhead | None:
+        if not samples:
+            return None
+        xs = sorted(samples)
+        return cls(total=total, mean_s=sum(xs) / len(xs), p50_s=xs[len(xs) // 2], p90_s=xs[int(0.9 * (len(xs) - 1))],
+                   max_s=xs[-1], recent_s=list(samples))
 
 
 class PreemptionReport(BaseModel):
@@ -41,6 +65,8 @@ class PreemptionReport(BaseModel):
     per_template: dict[str, TemplatePreemption]
     decisions: int = Field(description="preemptions the dispatcher decided (each is resumed in turn)")
     recent: list[DecisionRecord] = Field(default_factory=list, description="the latest decisions, oldest first")
+    park_overhead: ParkOverhead | None = Field(default=None, description="the preempting batches' wait beyond the "
+                                               "predicted one (None: no batch preempted yet)")
 
 
 @dataclass
@@ -54,6 +80,13 @@ class PreemptionState:
     #: batch id -> the run id of its sub-batch on the workers now
     current_run: dict[int, str] = field(default_factory=dict)
     stats: dict[str, TemplatePreemption] = field(default_factory=dict)
+    #: preempting batches: seconds their victims took to park beyond the dispatcher's prediction
+    park_overhead: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=PARK_SAMPLES))
+    parks_measured: int = 0
+
+    def observe_park(self, overhead_s: float) -> None:
+        self.park_overhead.append(overhead_s)
+        self.parks_measured += 1
 
     def _event(self, table: dict[int, asyncio.Event], bid: int) -> asyncio.Event:
         return table.setdefault(bid, asyncio.Event())
@@ -106,7 +139,8 @@ class PreemptionState:
             st.paused_bytes += nbytes
         recent = [DecisionRecord(kind=d.kind, template=d.template, requests=list(d.requests), by=list(d.by), offload=d.offload)
                   for d in list(decisions)[-RECENT_DECISIONS:]]
-        return PreemptionReport(enabled=enabled, per_template=per, decisions=total, recent=recent)
+        return PreemptionReport(enabled=enabled, per_template=per, decisions=total, recent=recent,
+                                park_overhead=ParkOverhead.of(list(self.park_overhead), self.parks_measured))
 
     def held_bytes(self, template: str) -> int:
         return sum(n for t, n in self._holding.values() if t == template)

@@ -8,9 +8,12 @@ fails every request, as an OOM would.
 
 With ``preemption`` the dispatcher may pause running batches for waiting ones (step-level
 preemption, ``xema_ray.serving.dispatcher``): a paused batch runs on to its next step boundary
-(``latency / steps`` granularity; after its last step it is not paused but finishes), the
+(where its phase shares put it: after the text encoding, a step's share of the latency each; in
+its last step or decode tail it is not paused but finishes, as on a worker), the
 preempting batch starts then, and the paused one resumes when its workers are free, charged the
-residency switches and the move of its state to the host and back where it was offloaded.
+residency switches and the move of its state back from the host where it was offloaded (the move
+out delays the preempting batch: the state leaves the device before that batch may start, as on a
+worker).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pydantic import BaseModel, Field
 
 from xema_ray.plan import PlanTable
+from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.serving.dispatcher import (
     Assignment,
     Decision,
@@ -32,7 +36,8 @@ from xema_ray.serving.dispatcher import (
     Refused,
 )
 
-
+#: a template whose phases are unknown: all of its latency is steps
+_NO_PHASES = PhaseShares(text=0.0, denoise=1.0, tail=0.0)
 #: seconds a wake-up is set past a partial batch's wait-window end (float rounding, see the loop)
 _WAKE_EPS = 1e-9
 
@@ -66,6 +71,8 @@ class SimResult(BaseModel):
     preemptions: int = Field(default=0, description="batches paused for another (step-level preemption)")
     decisions: list[Decision] = Field(default_factory=list, description="the preempt / resume decisions, in order "
                                       "(the latest dispatcher.MAX_DECISIONS_KEPT per model)")
+    latency_by_request: dict[str, float] = Field(default_factory=dict, description="request id -> its latency (the "
+                                                 "requests that finished; to compare with a live run request by request)")
 
 
 def base_slos(table: PlanTable) -> dict[str, float]:
@@ -115,6 +122,8 @@ def simulate(
     host_bandwidth: float | None = None,
     request_overhead_s: dict[str, float] | None = None,
     admission: bool = True,
+    phases: Mapping[str, PhaseShares] | None = None,
+    park_overhead_s: float = 0.0,
 ) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
@@ -141,6 +150,12 @@ def simulate(
             an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
         admission: apply the table's per-group admission policies (``PlanTable.admission``;
             refused and shed requests count as missed).
+        phases: each template's phase shares (text, steps, decode tail), which the dispatcher's
+            preemption and the paused batches' step boundaries follow, as the live model group's
+            (default, with preemption: ``phase_shares(table)``).
+        park_overhead_s: seconds a preempting batch waits beyond its victims' step boundaries and
+            state moves (the pause handshake: the pause call, the parked run's return, the group's
+            event loop), measured live (``/v1/stats`` ``preemption.<model>.park_overhead``); 0: none.
     """
     def predicted(template: str, n: int) -> float:
         p = table.entries[template].prediction
@@ -149,8 +164,11 @@ def simulate(
     batch_latency = batch_latency or predicted
     slos = dict(slos or base_slos(table))
     by_model: dict[str, dict[str, DispatchPlan]] = {}
+    # where each template's step boundaries fall: only a preempting dispatcher asks
+    shares = dict(phases) if phases is not None else phase_shares(table) if preemption else {}
     for k, e in table.entries.items():
-        by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan.of_entry(e, slo_s=slos[k] * slo_scale)
+        by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan.of_entry(
+            e, slo_s=slos[k] * slo_scale, shares=shares.get(k))
 
     def policy(model: str) -> PreemptionPolicy | None:
         if not preemption:
@@ -180,36 +198,52 @@ def simulate(
             last_template[(model, w)] = template
         return cost
     model_of = {k: e.config.template.model for k, e in table.entries.items()}
-    total: dict[tuple[str, int], float] = {}  # a batch's work when it started (to find its step boundaries)
+    # a batch's own latency, and what was left of it when it (re)started: the work before that
+    # (waiting for its victims to park, residency switches, state moves) runs first
+    own: dict[tuple[str, int], tuple[float, float]] = {}
     paused_left: dict[tuple[str, int], float] = {}
+
+    def boundary_of(template: str, steps: int, latency: float, ran: float) -> float | None:
+        """Where (seconds into its latency) a batch that ran ``ran`` parks: after its next step, if that
+        step is not its last (a worker pauses only between steps); None: it finishes instead."""
+        sh = shares.get(template, _NO_PHASES)
+        text, step_s = latency * sh.text, latency * sh.denoise / steps
+        k = 1 if ran < text else math.floor((ran - text) / step_s + 1e-9) + 1
+        return text + k * step_s if k < steps else None
+
+    def move_s(d: Dispatcher[None], template: str) -> float:
+        """One move of ``template``'s paused state between the device and the host."""
+        assert d.preemption is not None
+        return (d.plans[template].pause_bytes or 0) / d.preemption.host_bandwidth
 
     def start(m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
         """Work (seconds at full speed) of a batch starting or resuming now."""
         key = (m, a.batch_id)
-        if a.resume:
-            p = d.plans[a.template]
-            moves = 2 * (p.pause_bytes or 0) / d.preemption.host_bandwidth if offloaded.pop(key, False) and d.preemption else 0.0
-            return paused_left.pop(key) + switch_cost(m, a.template, a.workers) + moves
+        if a.resume:  # its residency back, then its state from the host where it was moved there
+            rest = paused_left.pop(key)
+            own[key] = (own[key][0], rest)
+            return rest + switch_cost(m, a.template, a.workers) + (move_s(d, a.template) if offloaded.pop(key, False) else 0.0)
         wait = 0.0
-        for pre in a.preempts:  # each runs on to its next step boundary, then parks
+        for pre in a.preempts:  # each runs on to its next step boundary, then parks (its state moved out first)
             vkey = (m, pre.batch_id)
             left, _ = running[vkey]
-            steps = max(1, d.assignment(pre.batch_id).plan.steps)
-            step_s = total[vkey] / steps
-            ran = total[vkey] - left
-            boundary = (math.floor(ran / step_s + 1e-9) + 1) * step_s
-            if boundary >= total[vkey] - 1e-9:
+            latency, at_start = own[vkey]
+            victim = d.assignment(pre.batch_id)
+            boundary = boundary_of(victim.template, max(1, victim.plan.steps), latency, latency - min(left, at_start))
+            if boundary is None:
                 wait = max(wait, left)  # already in its last step: it finishes instead
                 continue
-            wait = max(wait, boundary - ran)
+            wait = max(wait, left - latency + boundary + park_overhead_s
+                       + (move_s(d, victim.template) if pre.offload else 0.0))
             del running[vkey]
-            paused_left[vkey] = total[vkey] - boundary
+            paused_left[vkey] = latency - boundary
             offloaded[vkey] = pre.offload
-        work = wait + batch_latency(a.template, len(a.requests)) + switch_cost(m, a.template, a.workers)
-        total[key] = work - wait
-        return work
+        latency = batch_latency(a.template, len(a.requests))
+        own[key] = (latency, latency)
+        return wait + latency + switch_cost(m, a.template, a.workers)
     offloaded: dict[tuple[str, int], bool] = {}
     stats: dict[str, TemplateStats] = {}
+    by_request: dict[str, float] = {}
     shed = 0
     pending = sorted(arrivals, key=lambda a: a.t)
     nxt = 0
@@ -233,7 +267,7 @@ def simulate(
             for key, (left, _) in list(running.items()):
                 if left <= 1e-9:
                     del running[key]
-                    total.pop(key, None)
+                    own.pop(key, None)
                     a = disps[key[0]].complete(key[1])
                     for r in a.requests:
                         st = stats[r.template]
@@ -243,6 +277,7 @@ def simulate(
                             extra = overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict) else overhead_s
                         lat = now - r.arrival + extra
                         st.latencies_s.append(lat)
+                        by_request[r.request_id] = lat
                         st.met += lat <= r.deadline - r.arrival + 1e-9
         elif t == t_arr:
             arr = pending[nxt]
@@ -277,5 +312,5 @@ def simulate(
         duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
         attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
         shed=shed, preemptions=sum(d.preemptions_total for d in disps.values()),
-        decisions=[x for d in disps.values() for x in d.decisions],
+        decisions=[x for d in disps.values() for x in d.decisions], latency_by_request=by_request,
     )

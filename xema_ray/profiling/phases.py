@@ -1,0 +1,102 @@
+"""Where a plan entry's batch spends its time: text encoding, the denoising steps, the decode tail.
+
+One split for everything that reasons about step boundaries — the emulated worker (which sleeps
+through these phases), the live model group's prior before any batch of a template has run
+(``PhaseEstimate.from_shares``; measured batches replace it), and the simulator's preemption model
+(where a paused batch parks) — so that the live stack and the simulator agree on where a batch
+can be paused.
+
+The split comes from the plan: the entry's ``latency_s`` is the total; the cost model of the
+table's hardware divides what it estimates between the denoising loop and the decode, and what the
+plan adds beyond the cost model (the planned text encoder) is the text phase. A table for hardware
+without a profile falls back to 5 % decode for images and 10 % for videos.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xema_ray.plan import PlanEntry, PlanTable
+
+#: the provenance key of a time-scaled table's scales (``xema_ray.runtime.emulation.scale_table``)
+TIME_SCALE_KEY = "emulated_time_scale"
+#: the decode share when the table's hardware has no profile (images, videos)
+FALLBACK_DECODE_SHARE = (0.05, 0.10)
+
+
+class PhaseShares(BaseModel):
+    """Shares of a template's batch latency by phase (they sum to 1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: float = Field(ge=0, le=1, description="text encoding, before the first step")
+    denoise: float = Field(gt=0, le=1, description="the denoising steps (their boundaries are where a batch can pause)")
+    tail: float = Field(ge=0, lt=1, description="decode and encoding, after the last step (no boundary left)")
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> PhaseShares:
+        if abs(self.text + self.denoise + self.tail - 1.0) > 1e-6:
+            raise ValueError(f"phase shares must sum to 1, got {self.text} + {self.denoise} + {self.tail}")
+        return self
+
+    @classmethod
+    def of_seconds(cls, text_s: float, denoise_s: float, tail_s: float) -> PhaseShares:
+        total = text_s + denoise_s + tail_s
+        if total <= 0 or denoise_s <= 0:
+            return cls(text=0.0, denoise=1.0, tail=0.0)
+        tail = min(tail_s / total, 0.99)
+        text = min(text_s / total, 1.0 - tail)
+        return cls(text=text, denoise=max(1e-9, 1.0 - text - tail), tail=tail)
+
+
+def table_profile(table: PlanTable) -> Any:
+    """The hardware profile the table was planned for (None: hardware without a profile)."""
+    from xema_ray.profiling.hardware import HARDWARE
+
+    for p in HARDWARE.values():
+        if p.name in table.hardware:
+            return p
+    return None
+
+
+def time_scales(table: PlanTable) -> dict[str, float]:
+    """Model -> the time scale ``scale_table`` divided its latencies by (empty: the hardware's own seconds)."""
+    raw = table.provenance.get(TIME_SCALE_KEY)
+    return {str(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
+
+
+def plan_phases(entry: PlanEntry, profile: Any, time_scale: float = 1.0) -> tuple[float, float, float]:
+    """(text, denoise, decode) seconds of ``entry``'s batch, summing to its latency.
+
+    ``time_scale``: the entry's latencies were divided by it (an emulated box's clock); the cost
+    model's are in the hardware's own seconds, so the split is made there and scaled back."""
+    if time_scale != 1.0:
+        text, denoise, decode = plan_phases(entry.model_copy(update={"prediction": entry.prediction.model_copy(
+            update={"latency_s": entry.prediction.latency_s * time_scale})}), profile)
+        return text / time_scale, denoise / time_scale, decode / time_scale
+    total = entry.prediction.latency_s
+    if profile is None:
+        decode = FALLBACK_DECODE_SHARE[entry.config.template.spec.kind == "video"] * total
+        return 0.0, total - decode, decode
+    from xema_ray.profiling import estimate_latency
+
+    est = estimate_latency(entry.config, profile).per_phase
+    denoise, decode = est.get("denoise", 0.0), est.get("decode", 0.0)
+    model = denoise + decode
+    text = max(0.0, total - model - est.get("setup", 0.0)) + est.get("setup", 0.0)
+    rest = total - min(text, total)
+    if model <= 0:
+        return total - rest, rest, 0.0
+    return total - rest, rest * denoise / model, rest * decode / model
+
+
+def phase_shares(table: PlanTable, entries: Mapping[str, PlanEntry] | None = None) -> dict[str, PhaseShares]:
+    """The phase shares of ``entries`` (default: the table's), planned on ``table``'s hardware (a
+    time-scaled table's entries are split on the hardware's own clock, ``time_scales``)."""
+    profile, scales = table_profile(table), time_scales(table)
+    return {k: PhaseShares.of_seconds(*plan_phases(e, profile, scales.get(e.config.template.model, 1.0)))
+            for k, e in sorted((entries if entries is not None else table.entries).items())}
