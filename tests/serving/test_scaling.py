@@ -72,7 +72,7 @@ def test_arrival_meter_counts_the_recent_window_only() -> None:
 def test_replay_batches_by_plan_and_places_on_the_first_free_group() -> None:
     s = replica("a", queues={"img": q(4)}, running=[RunningBatch(template="img", workers=[0], requests=2,
                                                                  remaining_s=5.0, remaining_steps=5, deadline_s=25.0)])
-    outs = [o for o in schedule(s) if o.arrival <= 0 and o.tag == -1]
+    outs = [o for o in schedule(s) if o.arrival <= 0 and o.tag < 0]  # running and queued
     ends = sorted(o.completion for o in outs)
     # the running batch ends at 5; queued batch 1 on worker 1 at 0 -> 10; batch 2 on worker 0 at 5 -> 15
     assert ends == [5.0, 5.0, 10.0, 10.0, 15.0, 15.0]
