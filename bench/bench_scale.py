@@ -223,6 +223,7 @@ async def drive(b: Bench, cluster) -> tuple[FrontDoor, Autoscale, NodeLoss | Non
         await asyncio.sleep(a.front_seconds)
         cpu_after = await asyncio.to_thread(cpu_by_role, cluster, os.getpid())
         measure_to = b.now()
+        load_window = os.getloadavg()[0]  # the 1-minute load at the window's end (not the run's)
         cores = {k: round((cpu_after.get(k, 0.0) - cpu_before.get(k, 0.0)) / (measure_to - measure_from), 3)
                  for k in sorted(cpu_after) if cpu_after.get(k, 0.0) - cpu_before.get(k, 0.0) > 0.01}
         loss = None
@@ -271,7 +272,7 @@ async def drive(b: Bench, cluster) -> tuple[FrontDoor, Autoscale, NodeLoss | Non
                    router_overhead_p99_s=round(percentile(over, 0.99), 4),
                    lost=sum(s.status == 0 for s in front), queued_p50_s=round(percentile([s.queued_s or 0.0 for s in front
                                                                                         if s.status == 200], 0.5), 4),
-                   replicas_used=len({s.replica for s in front if s.replica}), load_avg_1m=round(os.getloadavg()[0], 2),
+                   replicas_used=len({s.replica for s in front if s.replica}), load_avg_1m=round(load_window, 2),
                    parts_p50_s={k: round(percentile(v, 0.5), 4) for k, v in parts.items()},
                    parts_p99_s={k: round(percentile(v, 0.99), 4) for k, v in parts.items()},
                    client_response_p50_s=round(percentile([s.seconds for s in ok], 0.5), 4), cpu_cores_by_role=cores)
