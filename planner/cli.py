@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -174,11 +175,31 @@ def _planning_work(template: RequestTemplate) -> tuple[int, int]:
     return len(passes) * blocks, template.latent_length
 
 
-def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bool) -> list[dict[str, Any]]:
+GroupDone = Callable[[str, list[dict[str, Any]]], None]
+
+
+def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bool,
+             on_group: GroupDone | None = None) -> list[dict[str, Any]]:
+    """Every template's ``plan_one`` result, in ``templates``' order; ``on_group(model, results)``
+    is called as soon as a model group's last template is planned (the others still planning)."""
     from tqdm import tqdm
 
+    model_of = {t.shape_key: t.model for t in templates}
+    left = {m: list(model_of.values()).count(m) for m in set(model_of.values())}
+    order = {t.shape_key: i for i, t in enumerate(templates)}
+    results: list[dict[str, Any]] = []
+
+    def arrived(r: dict[str, Any]) -> None:
+        results.append(r)
+        model = model_of[r["template"]]
+        left[model] -= 1
+        if on_group is not None and left[model] == 0:
+            on_group(model, sorted((x for x in results if model_of[x["template"]] == model), key=lambda x: order[x["template"]]))
+
     if not use_ray:
-        return [plan_one(t.model_dump_json(), opts) for t in tqdm(templates, desc="planning", unit="template")]
+        for t in tqdm(templates, desc="planning", unit="template"):
+            arrived(plan_one(t.model_dump_json(), opts))
+        return sorted(results, key=lambda r: order[r["template"]])
     import ray
 
     from planner.boot import init_ray
@@ -191,32 +212,37 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
     # memory); a reused worker keeps its imports and meta pipelines
     task = ray.remote(num_gpus=1 if gpus_in_cluster >= 1 else 0, max_calls=0)(plan_one)
     pending = {task.remote(t.model_dump_json(), opts): t for t in sorted(templates, key=_planning_work, reverse=True)}
-    results = []
     with tqdm(total=len(pending), desc="planning", unit="template") as bar:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 pending.pop(ref)
-                results.append(ray.get(ref))
+                arrived(ray.get(ref))
                 bar.update(1)
-    order = {t.shape_key: i for i, t in enumerate(templates)}
     return sorted(results, key=lambda r: order[r["template"]])
 
 
-def group_residencies(entries: dict[str, PlanEntry], latency: LatencyModel
-                      ) -> tuple[dict[str, PlanEntry], dict[str, GroupResidency]]:
-    """Per model group: the residency policy with more goodput, and the entries it serves with."""
+def finish_group(results: list[dict[str, Any]], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
+                 latency: LatencyModel, budget: int) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, str]]:
+    """One model group's planned entries made final: the residency policy with more goodput
+    (Xema) and each template's text-encoder placement (after it: the residency changes the
+    plans). Returns the entries to serve with, the residency (None: a baseline or no entry) and
+    the placement chosen per entry, for the summary."""
     from planner.residency import choose_group_residency
+    from planner.text_encoder import place_text_encoder
 
-    by_model: dict[str, dict[str, PlanEntry]] = {}
-    for k, e in entries.items():
-        by_model.setdefault(e.config.template.model, {})[k] = e
-    out: dict[str, PlanEntry] = {}
-    chosen: dict[str, GroupResidency] = {}
-    for model, mine in sorted(by_model.items()):
-        chosen[model], served = choose_group_residency(mine, latency.seconds, latency.hardware.h2d_gbps)
-        out.update(served)
-    return {k: out[k] for k in entries}, chosen
+    residency = None
+    if planner == "xema" and entries:
+        residency, entries = choose_group_residency(entries, latency.seconds, latency.hardware.h2d_gbps)
+    entries, encoders = dict(entries), {}
+    if text_encoder == "plan":
+        facts = merged_encoder_facts(results)
+        for k, e in list(entries.items()):
+            if e.config.template.spec.text_encoder is not None:
+                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name))
+                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
+                encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
+    return entries, residency, encoders
 
 
 def print_summary(results: list[dict[str, Any]], out: TextIO | None = None) -> None:
@@ -236,7 +262,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from xema_ray.runtime.residency import block_sizes
 
     from planner.load_aware import plan_groups_for_load, read_loads
-    from planner.text_encoder import place_text_encoder
 
     group_gpus: dict[str, int] = {}
     try:
@@ -271,58 +296,72 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              name="block-sizes", daemon=True)
     if not args.no_ray:
         sizes.start()
-    results = _run_all(templates, opts, use_ray=not args.no_ray)
-    wall = time.perf_counter() - t0
-    if sizes.is_alive():
-        sizes.join()
-    entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
-    residency = {}
     latency_model = LatencyModel(args.hardware, store_path=args.profile_store)
+    if args.layouts and not args.out:
+        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
+              "says so explicitly)", file=sys.stderr)
+    wave = None
+    if args.layouts and args.out:
+        from planner.layouts import LayoutWave
+
+        wave = LayoutWave(args.out, latency_model.hardware.gpu_model, use_ray=not args.no_ray)
+    final: dict[str, PlanEntry] = {}
+    residency: dict[str, GroupResidency] = {}
+    encoders: dict[str, str] = {}
+
+    def finish(model: str, group: list[dict[str, Any]], entries: dict[str, PlanEntry] | None = None) -> None:
+        """A model group is planned: its residency and text encoders, then its layouts start."""
+        if sizes.is_alive():
+            sizes.join()
+        if entries is None:
+            entries = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in group if r["entry"]}
+        served, chosen, placed = finish_group(group, entries, args.planner, args.text_encoder, latency_model, budget)
+        final.update(served)
+        encoders.update(placed)
+        if chosen is not None:
+            residency[model] = chosen
+        if wave is not None:
+            wave.submit(served)
+
+    # with an expected load the groups' choices are made together, after every template is planned
+    results = _run_all(templates, opts, use_ray=not args.no_ray, on_group=None if loads else finish)
+    wall = time.perf_counter() - t0
     loaded = None
     if loads:  # the goodput choices compete with the other assembled configurations under the load
-        draft = PlanTable(hardware="planning", gpus=gpus, budget_bytes=budget, group_gpus=group_gpus, entries=entries)
-        alts = {r["template"]: [entries[r["template"]], *(PlanEntry.model_validate_json(j) for j in r.get("candidates", []))]
+        planned = {r["template"]: PlanEntry.model_validate_json(r["entry"]) for r in results if r["entry"]}
+        draft = PlanTable(hardware="planning", gpus=gpus, budget_bytes=budget, group_gpus=group_gpus, entries=planned)
+        alts = {r["template"]: [planned[r["template"]], *(PlanEntry.model_validate_json(j) for j in r.get("candidates", []))]
                 for r in results if r["entry"]}
         try:
             loaded = plan_groups_for_load(draft, alts, {r["template"]: r["slo_s"] for r in results if r["entry"]}, loads)
         except ValueError as e:
             print(f"planner: {e}", file=sys.stderr)
             return 2
-        entries = dict(loaded.entries)
-    if args.planner == "xema":
-        entries, residency = group_residencies(entries, latency_model)
-    encoders: dict[str, str] = {}
-    if args.text_encoder == "plan":
-        facts = merged_encoder_facts(results)
-        for k, e in list(entries.items()):
-            if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency_model.hardware, budget,
-                                                       facts.get(e.config.template.spec.name))
-                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
-                encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
+        model_of = {t.shape_key: t.model for t in templates}
+        for model in sorted(set(model_of.values())):
+            group = [r for r in results if model_of[r["template"]] == model]
+            finish(model, group, {r["template"]: loaded.entries[r["template"]] for r in group if r["template"] in loaded.entries})
+    in_order = [r["template"] for r in results if r["template"] in final]
     table = PlanTable(
         hardware=LatencyModel(args.hardware).fingerprint(gpus), gpus=gpus, budget_bytes=budget,
-        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner, residency=residency,
-        entries=entries, admission=loaded.admission if loaded else {}, planned_load=loaded.planned_load if loaded else {},
+        group_gpus=group_gpus, slo_scale=args.slo_scale, planner=args.planner,
+        residency={m: residency[m] for m in sorted(residency)},
+        entries={k: final[k] for k in in_order}, admission=loaded.admission if loaded else {},
+        planned_load=loaded.planned_load if loaded else {},
         provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
                     "profiled": str(sum(r["profiled"] for r in results)),
                     "tasks_cpu_s": f"{sum(r['cpu_s'] for r in results):.1f}",
-                    "text_encoders": "; ".join(f"{k}: {v}" for k, v in encoders.items()),
+                    "text_encoders": "; ".join(f"{k}: {encoders[k]}" for k in in_order if k in encoders),
                     "measured": str(sum(r.get("measured", 0) for r in results)),
                     "estimated": str(sum(r.get("estimated", 0) for r in results)),
                     "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
                     "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
-    if args.layouts and not args.out:
-        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
-              "says so explicitly)", file=sys.stderr)
-    elif args.layouts:
-        from planner.layouts import attach_layouts
-
-        t1 = time.perf_counter()
-        table.entries, ratios, layout_cpu = attach_layouts(table.entries, args.out, latency_model.hardware.gpu_model,
-                                                           use_ray=not args.no_ray)
-        layout_wall = time.perf_counter() - t1
+    if wave is not None:
+        solved, ratios, layout_cpu = wave.collect()
+        table.entries = {k: solved[k] for k in table.entries}
+        # the wall time the layouts add after the last template is planned (they start while others plan)
+        layout_wall = time.perf_counter() - t0 - wall
         table.provenance.update(layouts_wall_s=f"{layout_wall:.1f}", layouts_cpu_s=f"{layout_cpu:.1f}",
                                 layouts_gpu=latency_model.hardware.gpu_model)
         for k, e in table.entries.items():
@@ -330,10 +369,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
             print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {ratios[k]:.3f}, "
                   f"predicted peak {gb(p.peak_bytes)}{over}")
-        print(f"solved {len(ratios)} static layouts in {layout_wall:.1f} s ({layout_cpu:.1f} CPU s in the tasks)")
+        print(f"solved {len(ratios)} static layouts, done {layout_wall:.1f} s after the last template was planned "
+              f"({layout_cpu:.1f} CPU s in the tasks)")
     print_summary(results)
-    for k, v in encoders.items():
-        print(f"text encoder {k}: {v}")
+    for k in table.entries:
+        if k in encoders:
+            print(f"text encoder {k}: {encoders[k]}")
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")

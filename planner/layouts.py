@@ -10,17 +10,20 @@ model's ``LAYOUT_OVERHEAD`` allowance. Where the layouts folder holds a record o
 allocations taken on that GPU model (``xema_ray.allocator.device_allocs``, written by ``make
 gpu-check``), they are included before solving, so the predicted peak counts them too.
 
-``xema plan`` does this for every entry by default (``--no-layouts`` skips it), after the group
-residencies and text encoders are placed (both change the worker's stream), as a second wave of
-Ray tasks on the planning workers (their imports and model specs are warm): one task per entry,
-in parallel. The solve is deterministic (a layout's id is its content hash), so ``xema layouts``
-rebuilds a table's layout files exactly from the table alone.
+``xema plan`` does this for every entry by default (``--no-layouts`` skips it), after its group's
+residency and text encoders are placed (both change the worker's stream), as Ray tasks on the
+planning workers (their imports and model specs are warm): one task per entry, submitted as soon
+as the last template of its model group is planned (``LayoutWave``), so one group's layouts run
+while the other groups still plan and no core waits for the slowest planning task. The solve is
+deterministic (a layout's id is its content hash), so ``xema layouts`` rebuilds a table's layout
+files exactly from the table alone, and the order the groups finish in changes nothing.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from xema_ray.plan import PlanEntry
 from xema_ray.allocator.margins import reserved_with_layout
@@ -55,26 +58,55 @@ def attach_layout(entry: PlanEntry, table_path: str | Path, gpu: str) -> tuple[P
     return with_layout(entry, art)
 
 
+class LayoutWave:
+    """Layout tasks submitted per group of final entries (``submit``, any number of times; Ray
+    tasks, or solved at once in this process), gathered and saved by ``collect``."""
+
+    def __init__(self, table_path: str | Path, gpu: str, use_ray: bool) -> None:
+        self.folder, self.gpu, self.use_ray = layouts_dir(table_path), gpu, use_ray
+        self._entries: dict[str, PlanEntry] = {}
+        self._pending: dict[str, Any] = {}  # shape key -> Ray ref, or the solve's result
+        self._task: Any = None
+
+    def submit(self, entries: dict[str, PlanEntry]) -> None:
+        """Start solving these entries' layouts (longest first: fewer idle cores at the end)."""
+        for k in sorted(entries, key=lambda k: entries[k].config.template.latent_length, reverse=True):
+            self._entries[k] = entries[k]
+            args = (entries[k].model_dump_json(), self.gpu, str(self.folder))
+            if not self.use_ray:
+                self._pending[k] = solve_one(*args)
+                continue
+            if self._task is None:
+                import ray
+
+                self._task = ray.remote(num_gpus=0, max_calls=0)(solve_one)
+            self._pending[k] = self._task.remote(*args)
+
+    def collect(self) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
+        """Every submitted entry with its layout saved and referenced: (entries, reserved / lower
+        bound per entry, CPU seconds the solves took)."""
+        if self.use_ray and self._pending:
+            import ray
+
+            done = dict(zip(self._pending, ray.get(list(self._pending.values())), strict=True))
+        else:
+            done = dict(self._pending)
+        out, ratios, cpu = {}, {}, 0.0
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for k, (art_json, _, cpu_s) in done.items():
+            art = LayoutArtifact.model_validate_json(art_json)
+            (self.folder / f"{art.layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
+            out[k], ratios[k] = with_layout(self._entries[k], art)
+            cpu += cpu_s
+        return out, ratios, cpu
+
+
 def attach_layouts(entries: dict[str, PlanEntry], table_path: str | Path, gpu: str, use_ray: bool
                    ) -> tuple[dict[str, PlanEntry], dict[str, float], float]:
     """Every entry's layout, solved in parallel Ray tasks (or here, in turn), saved next to
     ``table_path``: (entries with their ``layout_ref``, reserved / lower bound per entry, CPU
     seconds the solves took)."""
-    folder = layouts_dir(table_path)
-    keys = sorted(entries, key=lambda k: entries[k].config.template.latent_length, reverse=True)  # longest first
-    if use_ray:
-        import ray
-
-        task = ray.remote(num_gpus=0, max_calls=0)(solve_one)
-        refs = {k: task.remote(entries[k].model_dump_json(), gpu, str(folder)) for k in keys}
-        done = {k: ray.get(r) for k, r in refs.items()}
-    else:
-        done = {k: solve_one(entries[k].model_dump_json(), gpu, str(folder)) for k in keys}
-    out, ratios, cpu = dict(entries), {}, 0.0
-    folder.mkdir(parents=True, exist_ok=True)
-    for k, (art_json, _, cpu_s) in done.items():
-        art = LayoutArtifact.model_validate_json(art_json)
-        (folder / f"{art.layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
-        out[k], ratios[k] = with_layout(entries[k], art)
-        cpu += cpu_s
+    wave = LayoutWave(table_path, gpu, use_ray)
+    wave.submit(entries)
+    out, ratios, cpu = wave.collect()
     return {k: out[k] for k in entries}, ratios, cpu

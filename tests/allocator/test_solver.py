@@ -410,3 +410,17 @@ def test_error_raised_if_replay_rows_out_of_range() -> None:
         layout.replay_plan(np.array([True, False]))
     with pytest.raises(ValueError, match="row indices span"):
         layout.replay_plan(np.array([3]))
+
+
+@pytest.mark.parametrize(("n", "max_live", "seed", "layout_id"), [
+    (3000, 300, 1, "9cf675a6bb4ff9c5"),  # hundreds of conflicts per placement: GapFinder's radix order
+    (2000, 64, 3, "2be3198638b332af"),  # tens: the comparison sort
+])
+def test_solved_offsets_are_pinned(n: int, max_live: int, seed: int, layout_id: str) -> None:
+    """A layout's id is its content hash, and committed plan tables name layouts by it
+    (``xema layouts`` rebuilds the files from the table): a change to the solver that moves any
+    offset must be a deliberate re-plan, never a side effect of making it faster. The ids were
+    computed with the solver before its gap search ordered large conflict sets by radix sort."""
+    from xema_ray.runtime.layouts import content_id
+
+    assert content_id(solve_layout(random_trace(n, seed=seed, max_live=max_live))) == layout_id

@@ -44,3 +44,22 @@ def test_no_layouts(tmp_path: Path) -> None:
     assert planner([*PLAN, "--no-layouts", "--out", str(out)]) == 0
     assert PlanTable.load(str(out)).entries["tiny-flux2/64x64x1"].config.layout_ref is None
     assert not layouts_dir(out).exists()
+
+
+def test_each_group_is_finished_as_soon_as_its_last_template_is_planned(monkeypatch) -> None:
+    """``xema plan`` places a group's residency and text encoders, and starts its layouts, when the
+    group's last template is planned, while the others still plan (``_run_all``'s ``on_group``)."""
+    import planner.cli as cli
+    from xema_ray.templates import RequestTemplate
+
+    templates = [RequestTemplate(model=m, width=w, height=64) for m, w in
+                 (("tiny-flux2", 64), ("tiny-ltx2", 64), ("tiny-flux2", 128), ("tiny-ltx2", 128))]
+    planned: list[str] = []
+    monkeypatch.setattr(cli, "plan_one", lambda t, _opts: planned.append(RequestTemplate.model_validate_json(t).shape_key)
+                        or {"template": planned[-1]})
+    calls: list[tuple[str, list[str], int]] = []
+    results = cli._run_all(templates, {}, use_ray=False,
+                           on_group=lambda model, group: calls.append((model, [r["template"] for r in group], len(planned))))
+    assert [r["template"] for r in results] == [t.shape_key for t in templates]
+    assert calls == [("tiny-flux2", ["tiny-flux2/64x64x1", "tiny-flux2/128x64x1"], 3),
+                     ("tiny-ltx2", ["tiny-ltx2/64x64x1", "tiny-ltx2/128x64x1"], 4)]

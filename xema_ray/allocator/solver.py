@@ -404,20 +404,28 @@ def first_overlap(
     kinds = np.concatenate([np.ones(nz.size, np.int8), np.zeros(nz.size, np.int8)])
     ids = np.concatenate([nz, nz])
     order = np.lexsort((kinds, times))
-    live: list[tuple[int, int, int]] = []  # (offset, end address, id), sorted
-    for k in order.tolist():
-        i = int(ids[k])
-        lo, hi = int(offset[i]), int(offset[i] + extent[i])
-        if kinds[k] == 0:
-            pos = bisect.bisect_left(live, (lo, hi, i))
-            del live[pos]
+    lo_of = np.asarray(offset, dtype=np.int64).tolist()
+    hi_of = (np.asarray(offset, dtype=np.int64) + np.asarray(extent, dtype=np.int64)).tolist()
+    # the live ranges as three parallel lists sorted by start: while they are disjoint (else the
+    # sweep has returned) and non-empty, no two share a start, so a range is found by its start
+    los: list[int] = []
+    his: list[int] = []
+    who: list[int] = []
+    find = bisect.bisect_left
+    for i, made in zip(ids[order].tolist(), kinds[order].tolist(), strict=True):
+        lo = lo_of[i]
+        pos = find(los, lo)
+        if not made:
+            del los[pos], his[pos], who[pos]
             continue
-        pos = bisect.bisect_left(live, (lo, hi, i))
-        if pos > 0 and live[pos - 1][1] > lo:
-            return live[pos - 1][2], i
-        if pos < len(live) and live[pos][0] < hi:
-            return live[pos][2], i
-        live.insert(pos, (lo, hi, i))
+        if pos > 0 and his[pos - 1] > lo:
+            return who[pos - 1], i
+        hi = hi_of[i]
+        if pos < len(los) and los[pos] < hi:
+            return who[pos], i
+        los.insert(pos, lo)
+        his.insert(pos, hi)
+        who.insert(pos, i)
     return None
 
 

@@ -141,6 +141,14 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     return base.expand(shape)
 
 
+def forget_placeholders(device_type: str) -> None:
+    """Drop the shared scalars of ``device_type``: the next placeholder made there allocates
+    its scalar again. A worker's load traced on meta starts with this (``xema_ray.runtime.verify``),
+    so its weight bytes are those of a process's first load whatever the process did before."""
+    for key in [k for k in _SCALARS if k[1].type == device_type]:
+        del _SCALARS[key]
+
+
 def placeholder_like(t: torch.Tensor) -> torch.Tensor:
     return placeholder(t.shape, t.dtype, t.device)
 

@@ -358,6 +358,34 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+#: ``torch.nn.init`` functions constructors call on their parameters (Linear, Conv, Embedding,
+#: norms): on a meta parameter they compute nothing, at ~0.1 ms a call (LTX-2's 3,267 linear
+#: layers: 0.3 s of its transformer's 0.47 s build)
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def no_init_on_meta() -> Iterator[None]:
+    """``torch.nn.init``'s initialisers return a meta tensor as it is (it has no values to set);
+    every other tensor (a buffer a constructor computes on the CPU) is initialised as usual."""
+    init = nn.init
+    original = {name: getattr(init, name) for name in _INIT_FUNCTIONS if hasattr(init, name)}
+
+    def skipping(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else fn(tensor, *args, **kwargs)
+        return call
+
+    for name, fn in original.items():
+        setattr(init, name, skipping(fn))
+    try:
+        yield
+    finally:
+        for name, fn in original.items():
+            setattr(init, name, fn)
+
+
 def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:
     """The component's module tree with its parameters on the meta device (no memory, seconds
     for 32 B parameters) and its buffers computed on the CPU (``real_buffers``; else on meta too).
@@ -369,7 +397,7 @@ def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype, re
 
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     where = parameters_on_meta() if real_buffers else torch.device("meta")
-    with _disable_current_modes(), default_dtype(dtype), where:
+    with _disable_current_modes(), default_dtype(dtype), where, no_init_on_meta():
         model = cls.from_config(cfg)
     return model.eval().requires_grad_(False)
 

@@ -100,10 +100,16 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
     """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
     meta under ``tracer``; (host bytes, text encoder placement, error). ``replay_blocks``: the
     analyzer's block replay (``xema_ray.memory.block_replay``, exact) beneath the batch's hooks,
-    for SP 1 batches."""
+    SP ranks included (the fake process group's collectives are allocations like any other)."""
+    from xema_ray.mitigation.hooks import forget_placeholders
+
     template = config.template
     run = config.model_copy(update={"template": template.with_(steps=steps)})
     plans = (config, *[p for p in group_plans if p != config])
+    # the placeholders' shared scalars (512 B each) are made by a process's first load: made
+    # again here, the load counts them whatever this process traced before (the loaded bytes,
+    # and so the entry's predicted peak, do not depend on which planning worker ran it)
+    forget_placeholders("meta")
     worker = Worker(platform="meta")
     try:
         from xema_ray.memory.analyzer import trace_markers
@@ -123,7 +129,7 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
                                                        layouts_dir=layouts_dir))
             tracer.mark(LOAD_END)
             assert worker.engine is not None
-            if replay_blocks and config.sp == 1:
+            if replay_blocks:
                 from xema_ray.memory.block_replay import BlockReplay, transformer_blocks
 
                 worker.engine.inner_env = lambda pipe: BlockReplay(tracer, transformer_blocks(pipe, {})).installed()
