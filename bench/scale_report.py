@@ -22,6 +22,8 @@ class Sample(BaseModel):
     batch_s: float | None = None  # the batch's time on the workers, as the group measured it
     group_s: float | None = None  # queued + batch + hand-back, in the group
     server_s: float | None = None  # the HTTP proxy's response time (request in -> response headers out)
+    router_s: float | None = None  # the Router's handler: start -> response (X-Xema-Router-Seconds)
+    call_s: float | None = None  # the Router's call to the group: sent -> answered (X-Xema-Call-Seconds)
     batch_size: int | None = None
     replica: str | None = None
     met: bool = False
@@ -103,6 +105,37 @@ class Saturation(BaseModel):
     measured_at: str = Field(default="", description="UTC time of the run (a run without --saturation keeps this section)")
 
 
+class CurveLevel(BaseModel):
+    """The front door at one number of requests in flight (closed loop), replicas fixed."""
+
+    in_flight: int
+    requests: int = Field(description="requests of this level answered within the measured window")
+    rps: float
+    router_overhead_p50_s: float
+    router_overhead_p99_s: float
+    parts_p50_s: dict[str, float] = Field(default_factory=dict, description="see overhead_parts")
+    parts_p99_s: dict[str, float] = Field(default_factory=dict)
+    cpu_cores_by_role: dict[str, float] = Field(description="CPU seconds / second by process role in the window")
+    cpu_s_per_request: dict[str, float] = Field(default_factory=dict,
+                                                description="the same, per answered request (empty when idle)")
+    load_avg_1m: float
+
+
+class FrontCurve(BaseModel):
+    """``bench/bench_front_door.py``: router overhead and CPU against requests in flight at a fixed
+    replica count — what bounds the front door on this machine."""
+
+    machine: str
+    time_scale: float
+    gpus: int
+    replicas: int
+    serve_env: dict[str, str] = Field(default_factory=dict, description="environment given to every node")
+    levels: list[CurveLevel]
+    measured_at: str
+    wall_s: float
+    load_avg: tuple[float, float, float]
+
+
 class ScaleResult(BaseModel):
     machine: str
     time_scale: float
@@ -122,6 +155,37 @@ def percentile(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+def overhead(s: Sample) -> float:
+    """The router overhead of an answered request: the server's response time - queued - the batch."""
+    return s.server_s - s.queued_s - s.batch_s  # type: ignore[operator]
+
+
+def overhead_parts(ok: list[Sample], work: dict[int, float]) -> dict[str, list[float]]:
+    """The parts of each answered request's time outside its emulated work (seconds):
+
+    * front = proxy + router + call: the server's time less the group's, split by the Router's
+      headers into proxy (the HTTP proxy and its hop to the Router and back), router (the Router's
+      own work around its call: parsing, the image's base64, JSON) and call (the Router's call to
+      the group less the group's time: Serve's routing, the two hops, the group's loop picking the
+      call up and handing its answer back);
+    * dispatch: in the group, beyond the queue and the batch (its loop and hand-back);
+    * not in the overhead: workers (the batch's time on the workers beyond its emulated work) and
+      client (the bench client's side)."""
+    full = work[max(work)]
+    parts: dict[str, list[float]] = {
+        "front": [s.server_s - s.group_s for s in ok],  # type: ignore[operator]
+        "dispatch": [s.group_s - s.queued_s - s.batch_s for s in ok],  # type: ignore[operator]
+        "workers": [s.batch_s - work.get(s.batch_size or 0, full) for s in ok],  # type: ignore[operator]
+        "client": [s.seconds - s.server_s for s in ok]}  # type: ignore[operator]
+    split = [s for s in ok if s.router_s is not None and s.call_s is not None
+             and s.router_s == s.router_s and s.call_s == s.call_s]  # headers present (not NaN)
+    if split:
+        parts["proxy"] = [s.server_s - s.router_s for s in split]  # type: ignore[operator]
+        parts["router"] = [s.router_s - s.call_s for s in split]  # type: ignore[operator]
+        parts["call"] = [s.call_s - s.group_s for s in split]  # type: ignore[operator]
+    return parts
 
 
 def plot(timeline: list[tuple[float, int]], targets: list[tuple[float, int]], samples: list[Sample],

@@ -172,7 +172,11 @@ class LocalCluster:
         args = [f"--address={self.gcs_address}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
                 f"--dashboard-agent-listen-port={ports['agent_http']}",
                 f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--metrics-export-port={ports['metrics']}",
-                f"--runtime-env-agent-port={ports['runtime_env']}", "--disable-usage-stats"]
+                f"--runtime-env-agent-port={ports['runtime_env']}", "--disable-usage-stats",
+                # every node of this machine writes to the head's session directory, which the
+                # head's log monitor already tails: one per node would read (and publish) every
+                # file again, once per node (Ray: "only one log monitor ... per physical host")
+                "--include-log-monitor=false"]
         if resources:
             args.append(f"--resources={json.dumps(resources)}")
         return args, ports

@@ -72,7 +72,7 @@ def test_arrival_meter_counts_the_recent_window_only() -> None:
 def test_replay_batches_by_plan_and_places_on_the_first_free_group() -> None:
     s = replica("a", queues={"img": q(4)}, running=[RunningBatch(template="img", workers=[0], requests=2,
                                                                  remaining_s=5.0, remaining_steps=5, deadline_s=25.0)])
-    outs = [o for o in schedule(s) if o.arrival <= 0 and o.tag == -1]
+    outs = [o for o in schedule(s) if o.arrival <= 0 and o.tag < 0]  # running and queued
     ends = sorted(o.completion for o in outs)
     # the running batch ends at 5; queued batch 1 on worker 1 at 0 -> 10; batch 2 on worker 0 at 5 -> 15
     assert ends == [5.0, 5.0, 10.0, 10.0, 15.0, 15.0]
@@ -98,6 +98,56 @@ def test_predicted_attainment_counts_arrivals_over_the_window() -> None:
     att = predict_attainment(busy, window_s=60.0)
     assert att.total == 60 and att.fraction < 0.2
     assert att.work_gpu_s == pytest.approx(60 * 10.0 / 2)
+
+
+FLUX = PlanBrief(batch=3, sp=2, latency_s=10.0, slo_s=12.0, steps=50, min_latency_s=5.0)
+
+
+def test_a_partial_batch_is_replayed_at_its_own_latency() -> None:
+    assert [FLUX.latency_for(n) for n in (1, 2, 3)] == [5.0, 7.5, 10.0]
+    assert PLANS["img"].latency_for(1) == 10.0  # no batch-of-one latency known: the full batch's
+    s = ReplicaSummary(replica="a", t=0.0, workers=4, wait_window_s=0.0, plans={"f": FLUX},
+                       queues={"f": TemplateQueue(queued=1, deadlines_s=[12.0])})
+    assert [o.completion for o in schedule(s)] == [5.0]  # alone: 5 s, not the full batch's 10
+
+
+def test_summary_counts_a_partial_batch_against_its_own_latency() -> None:
+    d: Dispatcher[None] = Dispatcher({"f": DispatchPlan(batch=3, sp=2, slo_s=12.0, latency_s=10.0, steps=50,
+                                                        min_latency_s=5.0)}, workers=4, wait_window_s=0.0)
+    d.submit("f", "r0", now=0.0)
+    d.dispatch(now=0.0)
+    s = summarize(d, "a", now=2.0, wall=2.0)
+    assert [b.remaining_s for b in s.running] == [3.0]  # the dispatcher's own count says 8
+    assert s.running[0].remaining_steps == 30
+
+
+def test_an_old_summary_keeps_the_outcomes_it_predicted() -> None:
+    # at t=100: a batch ends at 101 (deadline 102); one request queued (deadline 109) waits for
+    # its workers and runs 101 -> 106; everything met
+    s = ReplicaSummary(replica="a", t=100.0, workers=2, wait_window_s=0.0, plans={"f": FLUX},
+                       queues={"f": TemplateQueue(queued=1, deadlines_s=[9.0], oldest_wait_s=3.0)},
+                       running=[RunningBatch(template="f", workers=[0, 1], requests=1, remaining_s=1.0,
+                                             remaining_steps=5, deadline_s=2.0)])
+    assert predict_attainment(s, window_s=10.0, rates={}).fraction == 1.0
+    # read 4 s later the same state is 4 s older: the batch ended at -3 (in time), the queued one
+    # started then and ends at +2, 3 s before its deadline; still all met
+    old = predict_attainment(s, window_s=10.0, now=104.0, rates={})
+    assert old.fraction == 1.0 and old.total == 2
+    assert sorted(o.completion for o in schedule(s, now=104.0)) == [-3.0, 2.0]
+
+
+def test_replicas_still_starting_count_towards_a_scale_up() -> None:
+    # one running replica below the target whose window needs two: a second asked for and still
+    # starting is enough, however often the policy asks (Serve: every 0.1 s)
+    live = [ReplicaSummary(replica="r0", t=100.0, workers=4, wait_window_s=0.0, plans={"f": FLUX},
+                           queues={"f": TemplateQueue(queued=6, deadlines_s=[12.0] * 6, arrival_rate=0.6)})]
+    first = decide_replicas(live, current=1, spec=SPEC, now=100.0)
+    assert first.action == "up" and first.replicas == 2
+    current = first.replicas
+    for _ in range(20):
+        d = decide_replicas(live, current=current, spec=SPEC, now=100.0)
+        current = d.replicas
+    assert current == 2 and d.action == "hold" and "starting" in d.reason
 
 
 # ---------------------------------------------------------------------------- replica choice

@@ -41,7 +41,7 @@ from xema_ray.serving.errors import ErrorResponse, error_response, exception_res
 from xema_ray.serving.health import HEALTHZ_FRESH_S, STARTING_RETRY_AFTER_S, GroupHealth, HealthResponse, serve_replica_counts
 from xema_ray.serving.layout_stats import GroupLayoutStats
 from xema_ray.serving.preemption import PreemptionReport
-from xema_ray.serving.stats import StatsResponse
+from xema_ray.serving.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.middleware import RequestGuard
 from xema_ray.serving.group_api import GenerateResult, GroupUnavailable
 from xema_ray.serving.openapi import install_openapi
@@ -102,6 +102,16 @@ def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     return headers
 
 
+def _front_timing(entered: float, called: float, answered: float) -> dict[str, str]:
+    """Response headers splitting the front door's time (perf_counter seconds): ``X-Xema-Call-Seconds``
+    from the Router's call to the model group to its answer (the group's own time, Serve's routing
+    and both hops), ``X-Xema-Router-Seconds`` from the Router's handler starting to its response
+    (the call plus parsing, encoding, JSON). The proxy's ``X-Xema-Proxy-Seconds`` less the latter is
+    the proxy and its hop to the Router."""
+    return {"X-Xema-Call-Seconds": f"{answered - called:.4f}",
+            "X-Xema-Router-Seconds": f"{time.perf_counter() - entered:.4f}"}
+
+
 def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
     """Serve's controller's count of each group's running replicas, for this Router's application
     (None outside a Serve replica, e.g. in tests that call the Router directly)."""
@@ -115,6 +125,9 @@ def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
 
     return counts
 
+
+#: a Router replica adds its received requests to the Stats deployment at most this often
+COUNT_FLUSH_S = 0.5
 
 #: longest wait for a group's stats (a group that answers later is left out of that answer)
 STATS_TIMEOUT_S = 5.0
@@ -143,7 +156,7 @@ class Router:
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
-        self._pending_counts: set[asyncio.Task] = set()
+        self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
@@ -155,17 +168,11 @@ class Router:
                 pass
 
     def _count_received(self) -> None:
-        """One generation request arrived: counted here and, without waiting, in Stats."""
+        """One generation request arrived: counted here and, without waiting, in Stats (in one
+        call per ``COUNT_FLUSH_S`` for every request since the last: ``BufferedCounts``)."""
         self.received += 1
-        if self.stats is not None:
-            async def add() -> None:
-                try:
-                    await asyncio.wait_for(self._stats_add("received"), timeout=10.0)
-                except Exception:  # the counter must never fail (or hold) a request
-                    pass
-            task = asyncio.get_running_loop().create_task(add())
-            self._pending_counts.add(task)
-            task.add_done_callback(self._pending_counts.discard)
+        if self._counts is not None:
+            self._counts.add("received")
 
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -214,6 +221,7 @@ class Router:
 
     @app.post("/v1/images/generations", response_model=None, openapi_extra=request_body_doc(ImageRequest))
     async def images(self, request: Request) -> ImageResponse | JSONResponse:
+        entered = time.perf_counter()
         self._count_received()
         req = await parse_request(request, ImageRequest)
         if req.response_format == "url" and self.jobs_cfg is None:
@@ -240,11 +248,15 @@ class Router:
 
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+            called = time.perf_counter()
             outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
+            answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
                                  emulated=True if any(o.emulated for o in outs) else None)
-            return JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
+            response = JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
+            response.headers.update(_front_timing(entered, called, answered))
+            return response
 
         return await self._guarded(run())
 
@@ -370,6 +382,8 @@ class Router:
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
         received = self.received
         if self.stats is not None:
+            if self._counts is not None:
+                await self._counts.flush()  # this replica's own requests are in the answer
             try:
                 counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
                 received = counts.get("received", 0)
@@ -405,8 +419,8 @@ class Router:
     async def _group_preemption_stats(self, model: str) -> dict[str, Any]:
         return await self.groups[model].preemption_stats.remote()
 
-    async def _stats_add(self, name: str) -> None:
-        await self.stats.add.remote(name)
+    async def _stats_add(self, name: str, n: int = 1) -> None:
+        await self.stats.add.remote(name, n)
 
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()

@@ -113,10 +113,30 @@ def _absorbed(summaries: Sequence[ReplicaSummary], removed: int) -> list[Replica
     return others
 
 
+def _spread(summaries: Sequence[ReplicaSummary], k: int) -> list[ReplicaSummary]:
+    """``k`` replicas sharing the running ones' queues and arrivals evenly (``k`` >= their count):
+    the running ones keep their running batches, the added ones start idle."""
+    base = summaries[0]
+    out = [s.model_copy(deep=True) for s in summaries]
+    out += [base.model_copy(update={"replica": f"new-{i}", "queues": {}, "running": [], "draining": False},
+                            deep=True) for i in range(k - len(summaries))]
+    keys = sorted({key for s in summaries for key in s.queues})
+    for key in keys:
+        qs = [s.queues[key] for s in summaries if key in s.queues]
+        total = sum(q.queued for q in qs)
+        rate = sum(q.arrival_rate for q in qs)
+        deadlines = sorted(d for q in qs for d in q.deadlines_s)
+        for i, s in enumerate(out):
+            share = total // k + (1 if i < total % k else 0)
+            s.queues[key] = TemplateQueue(queued=share, deadlines_s=deadlines[i::k][:MAX_DEADLINES],
+                                          oldest_wait_s=max(q.oldest_wait_s for q in qs), arrival_rate=rate / k)
+    return out
+
+
 def _attainment(summaries: Sequence[ReplicaSummary], window_s: float, now: float) -> Attainment:
     total = Attainment(met=0, total=0)
     for s in summaries:
-        total = total + predict_attainment(s, window_s, now)
+        total = total + predict_attainment(s, window_s, now, running=False)
     return total
 
 
@@ -134,9 +154,22 @@ def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: Aut
         return ScaleDecision(replicas=lo, action="up", attainment=frac, reason=f"below min_replicas ({lo})")
     if frac < spec.target_attainment and current < hi:
         gpus = live[0].workers
-        # as many replicas as the window's work needs, at least one more
-        need = math.ceil(att.work_gpu_s / (gpus * spec.window_s)) if att.work_gpu_s else current + 1
-        want = min(hi, max(current + 1, need))
+        # as many replicas as the window's work needs, at least one more than those running. The
+        # "one more" counts from the running replicas, not from ``current``: replicas asked for and
+        # still starting (tens of seconds) publish nothing yet, so the running ones keep predicting
+        # the same shortfall on every tick (Serve asks the policy every 0.1 s); counted from
+        # ``current``, one burst would ratchet the group to max_replicas within a second
+        need = math.ceil(att.work_gpu_s / (gpus * spec.window_s)) if att.work_gpu_s else len(live) + 1
+        want = min(hi, max(len(live) + 1, need))
+        # the window's GPU-seconds count full batches back to back; under an SLO a few seconds
+        # above a batch's time, queueing needs more: the fewest replicas whose replay, the load
+        # shared among them, meets the target
+        while want < hi and _attainment(_spread(live, want), spec.window_s, now).fraction < spec.target_attainment:
+            want += 1
+        if want <= current:
+            return ScaleDecision(replicas=current, action="hold", attainment=frac,
+                                 reason=f"predicted attainment {frac:.3f} < target {spec.target_attainment}: "
+                                        f"{current - len(live)} replicas asked for are still starting")
         return ScaleDecision(replicas=want, action="up", attainment=frac,
                              reason=f"predicted attainment {frac:.3f} < target {spec.target_attainment}")
     if len(live) < current and frac >= min(1.0, spec.target_attainment + spec.scale_down_margin):
