@@ -43,8 +43,9 @@ PLAN: tuple[PlannedTest, ...] = (
                 what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block)"),
     PlannedTest(match=_A + "test_install_refuses_after_cuda_initialized", part=1, expected_s=13, timeout_s=60,
                 what="libxema_alloc refuses once CUDA is initialised"),
-    PlannedTest(match=_A + "test_teardown_with_live_tensors_does_not_crash", part=1, expected_s=13, timeout_s=60,
-                what="teardown with live tensors under the static allocator"),
+    PlannedTest(match=_A + "test_static_region_resizes_and_teardown_with_live_tensors", part=1, expected_s=13,
+                timeout_s=60, what="the static region re-sized around a live dynamic block (its seconds); teardown "
+                                   "with live tensors under the static allocator"),
     PlannedTest(match=_A + "test_cogvideox_720x480_armed_layout_against_the_caching_allocator", part=1,
                 expected_s=102, timeout_s=200, files=("device-allocs-cogvideox-5b_720x480x49.json",),
                 what="CogVideoX-5B 720x480x49, 3 steps: caching run + recording, layout, armed run (2 builds)"),

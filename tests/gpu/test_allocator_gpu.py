@@ -156,14 +156,27 @@ def test_install_refuses_after_cuda_initialized() -> None:
     assert "refused" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_teardown_with_live_tensors_does_not_crash() -> None:
-    """Tensors still alive at interpreter exit are freed after everything else is torn down."""
+def test_static_region_resizes_and_teardown_with_live_tensors() -> None:
+    """The static region follows the template (xema_ray/runtime/arena.py): grown and shrunk on the
+    device around a live block of the dynamic region, which keeps its bytes; the device's free
+    memory follows each resize; the seconds of each resize are recorded (arena-resize.json). Then
+    tensors still alive at interpreter exit are freed after everything else is torn down."""
     code = ("from xema_ray.allocator.cuda import install_cuda_allocator\n"
-            "import numpy as np, torch\n"
+            "import json, time, numpy as np, torch\n"
             "from xema_ray.allocator import solve_arrays\n"
             "alloc = install_cuda_allocator()\n"
             "layout = solve_arrays(np.array([4096, 4096]), np.array([0, 1]), np.array([3, 3]))\n"
             "alloc.reserve(layout.reserved_bytes, 1 << 20)\n"
+            "d = torch.full((1024,), 7, dtype=torch.uint8, device='cuda')  # unarmed: the dynamic region\n"
+            "free0 = torch.cuda.mem_get_info()[0]\n"
+            "t = time.perf_counter(); alloc.resize_static(4 << 30); grow = time.perf_counter() - t\n"
+            "free1 = torch.cuda.mem_get_info()[0]\n"
+            "t = time.perf_counter(); alloc.resize_static(layout.reserved_bytes); shrink = time.perf_counter() - t\n"
+            "free2 = torch.cuda.mem_get_info()[0]\n"
+            "assert free0 - free1 >= (4 << 30) - layout.reserved_bytes - (64 << 20), (free0, free1)\n"
+            "assert free2 - free1 >= (4 << 30) - layout.reserved_bytes - (64 << 20), (free1, free2)\n"
+            "assert int(d.sum()) == 7 * 1024 and alloc.stats().static_region_bytes == layout.reserved_bytes\n"
+            "print('resize', json.dumps({'grow_4gib_s': grow, 'shrink_s': shrink, 'free_bytes': [free0, free1, free2]}))\n"
             "with alloc.armed(layout.replay_plan()) as r:\n"
             "    keep = [torch.empty(4096, dtype=torch.uint8, device='cuda') for _ in range(2)]\n"
             "assert r.hits == 2, r\n"
@@ -171,3 +184,6 @@ def test_teardown_with_live_tensors_does_not_crash() -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("resize "))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "arena-resize.json").write_text(line.removeprefix("resize "))
