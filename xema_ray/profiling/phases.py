@@ -28,6 +28,12 @@ TIME_SCALE_KEY = "emulated_time_scale"
 FALLBACK_DECODE_SHARE = (0.05, 0.10)
 
 
+def fallback_shares(video: bool) -> PhaseShares:
+    """The split where nothing better is known: no text phase, 5 % decode for images, 10 % for videos."""
+    tail = FALLBACK_DECODE_SHARE[video]
+    return PhaseShares(text=0.0, denoise=1.0 - tail, tail=tail)
+
+
 class PhaseShares(BaseModel):
     """Shares of a template's batch latency by phase (they sum to 1)."""
 
@@ -74,24 +80,20 @@ def plan_phases(entry: PlanEntry, profile: Any, time_scale: float = 1.0) -> tupl
 
     ``time_scale``: the entry's latencies were divided by it (an emulated box's clock); the cost
     model's are in the hardware's own seconds, so the split is made there and scaled back."""
-    if time_scale != 1.0:
-        text, denoise, decode = plan_phases(entry.model_copy(update={"prediction": entry.prediction.model_copy(
-            update={"latency_s": entry.prediction.latency_s * time_scale})}), profile)
-        return text / time_scale, denoise / time_scale, decode / time_scale
-    total = entry.prediction.latency_s
+    total = entry.prediction.latency_s * time_scale  # in the hardware's own seconds
     if profile is None:
-        decode = FALLBACK_DECODE_SHARE[entry.config.template.spec.kind == "video"] * total
-        return 0.0, total - decode, decode
-    from xema_ray.profiling import estimate_latency
+        sh = fallback_shares(entry.config.template.spec.kind == "video")
+        text, denoise, decode = 0.0, total * sh.denoise, total * sh.tail
+    else:
+        from xema_ray.profiling import estimate_latency
 
-    est = estimate_latency(entry.config, profile).per_phase
-    denoise, decode = est.get("denoise", 0.0), est.get("decode", 0.0)
-    model = denoise + decode
-    text = max(0.0, total - model - est.get("setup", 0.0)) + est.get("setup", 0.0)
-    rest = total - min(text, total)
-    if model <= 0:
-        return total - rest, rest, 0.0
-    return total - rest, rest * denoise / model, rest * decode / model
+        est = estimate_latency(entry.config, profile).per_phase
+        loop, vae = est.get("denoise", 0.0), est.get("decode", 0.0)
+        model = loop + vae
+        text = min(total, max(0.0, total - model - est.get("setup", 0.0)) + est.get("setup", 0.0))
+        rest = total - text
+        denoise, decode = (rest, 0.0) if model <= 0 else (rest * loop / model, rest * vae / model)
+    return text / time_scale, denoise / time_scale, decode / time_scale
 
 
 def phase_shares(table: PlanTable, entries: Mapping[str, PlanEntry] | None = None) -> dict[str, PhaseShares]:

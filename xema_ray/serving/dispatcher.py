@@ -99,6 +99,10 @@ class PreemptionPolicy(BaseModel):
         default_factory=dict, description="residency switch seconds, switch_s[from][to] (the plan table's)")
     host_bandwidth: float = Field(default=20e9, gt=0, description="bytes/s of a paused state's move to the host and back")
 
+    def move_s(self, nbytes: int | None) -> float:
+        """Seconds of one move of a paused state of ``nbytes`` between the device and the host."""
+        return (nbytes or 0) / self.host_bandwidth
+
 
 @dataclass(frozen=True)
 class Preemption:
@@ -467,7 +471,7 @@ class Dispatcher(Generic[P]):
                 boundary = self._to_boundary(bid, now)
                 assert boundary is not None  # _pause_for refuses a batch with no boundary left
                 # the state leaves the device before the preempting batch may start (it is moved back on resume)
-                move = (self.plans[self._running[bid].template].pause_bytes or 0) / pol.host_bandwidth if p.offload else 0.0
+                move = pol.move_s(self.plans[self._running[bid].template].pause_bytes) if p.offload else 0.0
                 wait = max(wait, boundary + self._switch_s(self._running[bid].template, template) + move)
             else:
                 if now + wait + plan.latency_s > head.deadline:
@@ -494,7 +498,7 @@ class Dispatcher(Generic[P]):
         if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:
             offload, moves = False, 0.0
         elif pol.host_bytes is None or v.pause_bytes <= pol.host_bytes:
-            offload, moves = True, 2 * v.pause_bytes / pol.host_bandwidth
+            offload, moves = True, 2 * pol.move_s(v.pause_bytes)
         else:
             return None  # neither the device nor the host has room for the paused state
         delay = plan.latency_s + self._switch_s(a.template, template) + self._switch_s(template, a.template) + moves

@@ -65,11 +65,12 @@ class PhaseEstimate:
 
     @classmethod
     def from_plan(cls, steps: int, latency_s: float, video: bool) -> PhaseEstimate:
-        """Before any batch ran: the plan's predicted latency, 10 % of it (5 % for images) for the
-        decoders and the rest for the steps; measured batches replace it (``from_timings``)."""
-        latency_s = max(latency_s, 1e-3)
-        decode = (0.10 if video else 0.05) * latency_s
-        return cls(steps=steps, text_s=0.0, step_s=(latency_s - decode) / steps, decode_s=decode, encode_s=0.0)
+        """Before any batch ran, where the plan table's hardware split is not known: the plan's
+        predicted latency split by ``phases.fallback_shares`` (10 % decode for videos, 5 % for
+        images); measured batches replace it (``from_timings``)."""
+        from xema_ray.profiling.phases import fallback_shares
+
+        return cls.from_shares(steps, latency_s, fallback_shares(video))
 
     @classmethod
     def from_shares(cls, steps: int, latency_s: float, shares: PhaseShares) -> PhaseEstimate:

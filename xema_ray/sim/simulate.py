@@ -212,9 +212,8 @@ def simulate(
         return text + k * step_s if k < steps else None
 
     def move_s(d: Dispatcher[None], template: str) -> float:
-        """One move of ``template``'s paused state between the device and the host."""
         assert d.preemption is not None
-        return (d.plans[template].pause_bytes or 0) / d.preemption.host_bandwidth
+        return d.preemption.move_s(d.plans[template].pause_bytes)
 
     def start(m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
         """Work (seconds at full speed) of a batch starting or resuming now."""
