@@ -128,16 +128,16 @@ bench-tenancy: install
 # Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the device tool
 # carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
 gpu-kit: install
-	$(PY) bench/gpu_kit.py
+	$(PY) gpu_check/gpu_kit.py
 
-# On a GPU machine, after `bash bench/gpu_prep.sh`: the GPU tests one process each, in priority order,
+# On a GPU machine, after `bash gpu_check/gpu_prep.sh`: the GPU tests one process each, in priority order,
 # gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
 # Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
 # under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
 PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) gpu_check/run.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

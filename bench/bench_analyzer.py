@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from xema_ray.memory.analysis import summarize
-from xema_ray.memory.analyzer import trace_template
+from xema_ray.analyzer.run import trace_template
 from xema_ray.templates import RequestTemplate
 
 CASES = [

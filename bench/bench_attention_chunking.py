@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from xema_ray.memory.analysis import phase_group, phase_peaks
-from xema_ray.memory.analyzer import TraceOptions, default_dtype_for, trace_template
+from xema_ray.analyzer.run import TraceOptions, default_dtype_for, trace_template
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
 from xema_ray.models import BuildOptions, get_model_spec

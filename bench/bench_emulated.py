@@ -41,7 +41,7 @@ from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulated import DEFAULT_HOST_BANDWIDTH, scale_table
 from xema_ray.serving.config import ServeConfig
-from xema_ray.serving.preemption import ParkOverhead
+from xema_ray.serving.group.preemption import ParkOverhead
 from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate
 

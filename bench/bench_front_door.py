@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_scale import FAST_HEALTH, FRONT_DOOR_ENV, Bench, app_args, cpu_by_role
@@ -108,11 +107,11 @@ def main() -> None:
     extra = {**FRONT_DOOR_ENV, **dict(kv.split("=", 1) for kv in args.serve_env)}
 
     import ray
-    from local_cluster import LocalCluster
+    from bench.scenarios.local_cluster import LocalCluster
     from ray import serve
 
     from deployments.app import build_app
-    from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     b = Bench(args)
     replicas = args.replicas or b.max_replicas

@@ -31,7 +31,7 @@ import numpy as np
 import requests
 
 from xema_ray.net import free_port
-from xema_ray.serving.ready import wait_ready
+from xema_ray.serving.api.ready import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 

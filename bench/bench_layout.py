@@ -7,7 +7,7 @@ solve time of both solvers (median of ``--repeat`` runs). Traces:
 
 * synthetic: DiT-like requests and random traces (always);
 * real: the analyzer's shape-only traces of the paper's templates
-  (``xema_ray.memory.analyzer.trace_template``; skipped if it is not importable, or with
+  (``xema_ray.analyzer.run.trace_template``; skipped if it is not importable, or with
   ``--synthetic-only``). Tracing real models on the meta device takes seconds to a minute each;
   ``--trace-cache DIR`` keeps them between runs.
 
@@ -106,7 +106,7 @@ def synthetic_traces() -> Iterator[tuple[str, Callable[[], MemoryTrace]]]:
 
 def real_traces(cache: Path | None) -> Iterator[tuple[str, Callable[[], MemoryTrace]]]:
     try:
-        from xema_ray.memory.analyzer import trace_template
+        from xema_ray.analyzer.run import trace_template
         from xema_ray.templates import RequestTemplate
     except ImportError as e:
         print(f"analyzer not importable ({e}); real traces skipped", file=sys.stderr)

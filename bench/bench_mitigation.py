@@ -38,10 +38,10 @@ import numpy as np
 from torch import nn
 
 from xema_ray.memory.analysis import event_phases, phase_group, phase_peaks
-from xema_ray.memory.analyzer import default_dtype_for, trace_template
+from xema_ray.analyzer.run import default_dtype_for, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from planner.estimates import estimate_saving, evenly_spread
-from xema_ray.mitigation import trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.mitigation.hooks import resolve_module
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation

@@ -9,7 +9,7 @@ table, each entry's pause bytes from its trace (``planner.pause_state``), the sa
 Dispatcher policy as ``xema simulate`` and the live group.
 
 live: one tiny-cogvideox worker on this CPU, two long requests (200 steps) and a short one
-0.5 s later (``tests/serving/preemption_scenario.py``), with ``max_preemptions`` 2 and 0 (off).
+0.5 s later (``bench/scenarios/preemption.py``), with ``max_preemptions`` 2 and 0 (off).
 The tiny models' seconds hide what preemption buys at the paper's scale, so ``live_emulated`` asks
 the same of the emulated reference box (``docs/emulated.md``): CogVideoX-5B's 2 A6000s busy with
 two 1080p x 81 requests (6.6 h planned), a 720p x 49 one (36 min) arriving after them.
@@ -81,7 +81,7 @@ def simulated(table: PlanTable, requests: int, seeds: int) -> dict:
 
 def live() -> dict:
     from deployments.planning import machine_fingerprint
-    from tests.serving import preemption_scenario as sc
+    from bench.scenarios import preemption as sc
     from xema_ray.serving.config import ServeConfig
 
     latency = sc.measure_latencies()

@@ -27,7 +27,7 @@ from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.profiling import A6000_8X, H200, ProfileStore, RequestRecord, estimate_latency
 from xema_ray.profiling.costmodel import block_compute_s, transformer_blocks
-from xema_ray.profiling.profiler import LatencyProfiler
+from xema_ray.measure.profiler import LatencyProfiler
 from xema_ray.runtime import ExecutionEngine
 from xema_ray.templates import RequestTemplate
 

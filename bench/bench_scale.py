@@ -4,7 +4,7 @@ removed under load. Writes ``bench/results/scale.json`` and a plot of replicas a
 
 The cluster: a head (the HTTP proxy, the Router, Serve's controller; no GPUs) and ``--nodes``
 worker nodes of ``--gpus`` emulated GPUs each, separate raylets on loopback
-(``tests/local_cluster.py``). The app: the real one (``deployments/app.py``) with
+(``bench/scenarios/local_cluster.py``). The app: the real one (``deployments/app.py``) with
 ``device: emulated`` on ``plans/a6000x8.json`` at ``--time-scale``, one model group (Flux.2,
 4 GPUs per replica, SP 2 x DP 2, as planned) whose replicas the SLO-driven autoscaler adds
 and removes (min 1, max nodes x gpus / 4), each replica a placement group of its own 4 GPUs.
@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from scale_report import (
@@ -414,10 +413,10 @@ def main() -> None:
     import platform
 
     import ray
-    from local_cluster import LocalCluster
+    from bench.scenarios.local_cluster import LocalCluster
     from ray import serve
 
-    from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     b = Bench(args)
     cluster = LocalCluster(env={PROXY_CALLBACK_ENV: PROXY_CALLBACK, **FAST_HEALTH, **FRONT_DOOR_ENV},

@@ -24,7 +24,7 @@ import requests
 import torch
 from xema_ray.serving.ray_env import apply_ray_env
 from xema_ray.net import free_port
-from xema_ray.serving.ready import wait_ready
+from xema_ray.serving.api.ready import wait_ready
 
 
 

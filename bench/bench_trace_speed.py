@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from planner.traces import PLANNER_TRACE
-from xema_ray.memory.analyzer import default_dtype_for, trace_template
+from xema_ray.analyzer.run import default_dtype_for, trace_template
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.mitigation.tracing import trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate

@@ -30,7 +30,7 @@ from deployments.planning import machine_fingerprint
 from xema_ray.net import free_port
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.serving.config import ServeConfig
-from xema_ray.serving.jobs import JobStoreConfig
+from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.templates import RequestTemplate
 
 SYNC = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=4)

@@ -17,16 +17,16 @@ from deployments.planning import load_or_plan
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
-from xema_ray.runtime.layouts import layouts_dir
+from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
-from xema_ray.serving.dispatcher import PreemptionPolicy
-from xema_ray.serving.model_group import ModelGroup
+from xema_ray.scheduling.dispatcher import PreemptionPolicy
+from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
-from xema_ray.serving.replica_summary import PlanBrief
-from xema_ray.serving.router import Router
+from xema_ray.serving.scale.replica_summary import PlanBrief
+from xema_ray.serving.api.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
-from xema_ray.serving.stats import Stats
-from xema_ray.serving.worker_set import WORKER_KINDS
+from xema_ray.serving.api.stats import Stats
+from xema_ray.serving.group.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -73,9 +73,9 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
 
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-    from xema_ray.serving.dispatcher import DispatchPlan
-    from xema_ray.serving.replica_router import SloRequestRouter
-    from xema_ray.serving.scaling import SloAutoscalingPolicy
+    from xema_ray.scheduling.dispatcher import DispatchPlan
+    from xema_ray.serving.scale.replica_router import SloRequestRouter
+    from xema_ray.serving.scale.scaling import SloAutoscalingPolicy
 
     a = g.autoscaling
     longest = max(e.prediction.latency_s for e in entries.values())

@@ -22,7 +22,7 @@ import yaml
 
 from xema_ray.plan import PlanTable
 from xema_ray.serving.ray_env import ray_env
-from xema_ray.serving.ready import NotReady, poll_health, wait_ready
+from xema_ray.serving.api.ready import NotReady, poll_health, wait_ready
 from xema_ray.sim.simulate import Arrival, simulate
 
 ROOT = Path(__file__).resolve().parent.parent

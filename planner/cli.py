@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 PLANNERS = ("xema", *BASELINES)
 #: what ``plan_one`` and ``cmd_plan`` import on first use (torch, diffusers: seconds)
 HEAVY_MODULES = ("planner.trace_model", "planner.traces", "planner.pause_state", "planner.text_encoder",
-                 "planner.residency", "planner.layouts", "xema_ray.runtime.residency")
+                 "planner.residency_choice", "planner.layouts", "xema_ray.runtime.residency")
 
 
 def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
@@ -63,17 +63,10 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
 
 def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]]:
     """``model -> GPUs of its group`` and the served templates of a ``serve run`` YAML."""
-    import yaml
+    from xema_ray.deployment import DeploymentShape, served_templates
 
-    from xema_ray.serving.config import ServeConfig
-    from xema_ray.serving.startup import served_templates
-
-    doc = yaml.safe_load(path.read_text())
-    apps = doc.get("applications") or []
-    if not apps or "args" not in apps[0]:
-        raise ValueError(f"{path}: expected a Serve config with applications[0].args (as deployments/xema.yaml)")
-    cfg = ServeConfig.model_validate(apps[0]["args"])
-    return {g.model: g.workers for g in cfg.models}, served_templates(cfg)
+    shape = DeploymentShape.from_serve_yaml(path)
+    return {g.model: g.workers for g in shape.models}, served_templates(shape.models)
 
 
 def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +221,7 @@ def finish_group(results: list[dict[str, Any]], entries: dict[str, PlanEntry], p
     (Xema) and each template's text-encoder placement (after it: the residency changes the
     plans). Returns the entries to serve with, the residency (None: a baseline or no entry) and
     the placement chosen per entry, for the summary."""
-    from planner.residency import choose_group_residency
+    from planner.residency_choice import choose_group_residency
     from planner.text_encoder import place_text_encoder
 
     residency = None

@@ -6,7 +6,7 @@ plan schema; issue #16).
 ``Mitigation`` removes from each phase's peak; the per-primitive estimates
 (``estimate_block_offload``, ``estimate_hsdp``, ``estimate_dit_chunking``,
 ``estimate_serialization``) work from sizes alone. The analyzer confirms by tracing
-(``xema_ray.mitigation.tracing.trace_with_mitigations``), and the planner's search uses the
+(``xema_ray.analyzer.mitigated.trace_with_mitigations``), and the planner's search uses the
 event-by-event transform of ``planner.memory_model``.
 """
 
@@ -152,7 +152,7 @@ def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches:
 @cache
 def _meta_pipeline(model: str) -> Any:
     from xema_ray.models import get_model_spec
-    from xema_ray.memory.analyzer import default_dtype_for
+    from xema_ray.analyzer.run import default_dtype_for
 
     spec = get_model_spec(model)
     return spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))

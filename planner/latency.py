@@ -92,7 +92,7 @@ class LatencyModel:
         import torch
 
         from xema_ray.models import BuildOptions
-        from xema_ray.profiling.profiler import LatencyProfiler
+        from xema_ray.measure.profiler import LatencyProfiler
         from xema_ray.runtime.engine import ExecutionEngine
 
         done = 0

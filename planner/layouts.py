@@ -2,7 +2,7 @@
 
 Each chosen configuration's layout is solved from the serving worker's own allocation stream
 for that configuration (its mitigations and text-encoder placement applied:
-``xema_ray.runtime.layouts.solve_entry_layout``), saved as ``<table>.layouts/<layout_id>.json``
+``xema_ray.measure.layout_solve.solve_entry_layout``), saved as ``<table>.layouts/<layout_id>.json``
 and named by the entry's ``layout_ref``. The entry's predicted peak becomes what the static
 allocator will hold: the weights the worker places at load, plus the solved static region, plus
 the dynamic region (``margins.DYNAMIC_FRACTION`` of it) — the solver's number, not the memory
@@ -27,7 +27,8 @@ from typing import Any
 
 from xema_ray.plan import PlanEntry
 from xema_ray.allocator.margins import entry_peak_bytes, fits_with_layout, group_dynamic_bytes, reserved_with_layout
-from xema_ray.runtime.layouts import LayoutArtifact, layouts_dir, save_artifact, solve_entry_layout
+from xema_ray.allocator.artifact import LayoutArtifact, layouts_dir, save_artifact
+from xema_ray.measure.layout_solve import solve_entry_layout
 
 
 def solve_one(entry_json: str, gpu: str, folder: str) -> tuple[str, float, float]:

@@ -60,7 +60,7 @@ class DeviceLatency:
 
             from xema_ray.models import BuildOptions
             from xema_ray.platforms import get_platform
-            from xema_ray.profiling.profiler import LatencyProfiler
+            from xema_ray.measure.profiler import LatencyProfiler
             from xema_ray.runtime.engine import ExecutionEngine
 
             spec = self.template.spec
@@ -107,10 +107,9 @@ class DeviceLatency:
 
 def _free_device(device: str) -> None:
     gc.collect()
-    if device == "cuda":
-        import torch
+    from xema_ray.platforms import get_platform
 
-        torch.cuda.empty_cache()
+    get_platform(device).release_cached_memory()  # type: ignore[arg-type]
 
 
 def task_device(hardware: str, measure: str) -> str | None:
@@ -122,9 +121,9 @@ def task_device(hardware: str, measure: str) -> str | None:
     if hardware == "cpu":
         return "cpu"
     try:
-        import torch
+        from xema_ray.platforms.cuda import cuda_available
 
-        has_gpu = torch.cuda.is_available()
+        has_gpu = cuda_available()
     except ImportError:
         has_gpu = False
     if not has_gpu:

@@ -93,7 +93,7 @@ def _encoder_facts(model: str) -> tuple[int, int, int, int]:
 @cache
 def trace_encode(model: str, batch: int) -> int:
     """Peak activation bytes of the model's real encoder on ``batch`` prompts (meta trace, weights excluded)."""
-    from xema_ray.memory.tracer import AllocationTracer, cuda_like_attention
+    from xema_ray.analyzer.tracer import AllocationTracer, cuda_like_attention
     from xema_ray.models import get_model_spec
     from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, meta_shims
 

@@ -255,7 +255,7 @@ class TracePlannerModel:
 
     def traced_profile(self, config: ExecutionConfig) -> TraceProfile:
         """The trace of ``config``'s batch with its mitigations really applied (meta device)."""
-        from xema_ray.mitigation.tracing import trace_with_mitigations
+        from xema_ray.analyzer.mitigated import trace_with_mitigations
 
         t = self.template.with_(batch=config.batch, steps=min(self.template.steps, PLANNER_STEPS))
         trace = trace_with_mitigations(t, list(config.mitigations), options=PLANNER_TRACE,

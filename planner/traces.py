@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xema_ray.memory.analyzer import TRACER_VERSION, TraceOptions, default_dtype_for, trace_template
+from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, default_dtype_for, trace_template
 from xema_ray.models import BuildOptions
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.templates import RequestTemplate
 
-#: how the planner traces: DiT blocks replayed (exact, ``xema_ray.memory.block_replay``; LTX-2's
+#: how the planner traces: DiT blocks replayed (exact, ``xema_ray.analyzer.block_replay``; LTX-2's
 #: 48 blocks x 3 passes per step run once per signature: ~4.5x faster traces)
 PLANNER_TRACE = TraceOptions(replay_blocks=True)
 

@@ -1,7 +1,7 @@
 """`make gpu-check` without a GPU (issue #24): the "no CUDA GPU" record; and a rehearsal of the
 GPU machine's run on CPU. The dry run collects the GPU tests with every package the GPU machine
 lacks made unimportable (ray, fastapi, redis, xfuser, openai, locust, schemathesis and the rest:
-installed here, absent from bench/gpu_device_packages.txt and not in the kit, bench/gpu-kit.txt);
+installed here, absent from gpu_check/gpu_device_packages.txt and not in the kit, gpu_check/gpu-kit.txt);
 planted tests that crash (SIGSEGV), hang (with a child process), fail and pass are each recorded
 as such, in their own process, while the others still report."""
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK = ROOT / "bench" / "gpu_check.py"
+CHECK = ROOT / "gpu_check" / "run.py"
 
 
 def _part_budget_s() -> float:
-    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "bench" / "gpu_plan.py")
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "gpu_check" / "gpu_plan.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -91,7 +91,7 @@ def _needed_by(kept: set[str]) -> set[str]:
 def _blocked_modules() -> list[str]:
     """Top-level modules installed here whose every distribution is absent from the GPU machine
     (neither there, nor in the kit, nor needed by what is) and the issue's named ones."""
-    keep = _names(ROOT / "bench" / "gpu_device_packages.txt") | _names(ROOT / "bench" / "gpu-kit.txt")
+    keep = _names(ROOT / "gpu_check" / "gpu_device_packages.txt") | _names(ROOT / "gpu_check" / "gpu-kit.txt")
     keep = _needed_by(keep) | {"xema-ray"}  # the project itself: its dependencies are the question
     blocked = {m for m, dists in importlib.metadata.packages_distributions().items()
                if m not in sys.stdlib_module_names and all(_norm(d) not in keep for d in dists)}

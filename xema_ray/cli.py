@@ -83,7 +83,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     # the analysis needs torch (and builds the model with diffusers): imported here, not at start-up
-    from xema_ray.memory.analyzer import TraceOptions, trace_template
+    from xema_ray.analyzer.run import TraceOptions, trace_template
     from xema_ray.models.text_encoders import encoder_weight_bytes
 
     imports = time.perf_counter() - t0
@@ -158,7 +158,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from xema_ray.plan import PlanTable
-    from xema_ray.runtime.verify import verify_table
+    from xema_ray.measure.verify import verify_table
 
     try:
         table = PlanTable.load(str(args.plan_table))
@@ -173,7 +173,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"xema verify: no entry for {', '.join(unknown)}; the table has {', '.join(sorted(table.entries))}",
                   file=sys.stderr)
             return 2
-    from xema_ray.runtime.layouts import LayoutMismatch
+    from xema_ray.allocator.artifact import LayoutMismatch
 
     try:
         report = verify_table(table, keys, path=str(args.plan_table))
@@ -215,7 +215,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     """Solve every missing or unreadable layout the table names; exit 1 if one solves to another id
     (the model code or the solver changed since planning: re-plan)."""
     from xema_ray.plan import PlanTable
-    from xema_ray.runtime.layouts import LayoutMismatch, layouts_dir, load_artifact, save_artifact, solve_entry_layout
+    from xema_ray.allocator.artifact import LayoutMismatch, layouts_dir, load_artifact, save_artifact
+    from xema_ray.measure.layout_solve import solve_entry_layout
 
     try:
         table = PlanTable.load(str(args.plan_table))

@@ -17,7 +17,7 @@ served under ``PYTHONHASHSEED=0``, which the interpreter only reads when it star
 - ``xema serve`` starts Ray with it (``xema_ray.serving.ray_env``), and the deployment YAMLs set it
   in the application's runtime env, so the serving workers run with it;
 - ``worker_trace`` run in any other process traces in a child process that has it
-  (``xema_ray.runtime.seeded_trace``), and a serving worker in such a process loads and validates
+  (``xema_ray.measure.seeded_trace``), and a serving worker in such a process loads and validates
   its layouts but does not arm them (``Worker.layout_status`` says why).
 """
 

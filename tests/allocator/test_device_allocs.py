@@ -24,13 +24,14 @@ from xema_ray.allocator.device_allocs import (
     save_record,
     trace_key,
 )
-from xema_ray.allocator.replay import replay
+from xema_ray.allocator.layout_replay import replay
 from xema_ray.allocator.solver import solve_layout
-from xema_ray.memory.analyzer import TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.runtime.layouts import layouts_dir, save_artifact, solve_entry_layout
-from xema_ray.runtime.verify import verify_table, worker_trace
+from xema_ray.allocator.artifact import layouts_dir, save_artifact
+from xema_ray.measure.layout_solve import solve_entry_layout
+from xema_ray.measure.verify import verify_table, worker_trace
 from xema_ray.templates import RequestTemplate
 
 H200, A6000 = "NVIDIA H200", "NVIDIA RTX A6000"

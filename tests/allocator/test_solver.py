@@ -148,7 +148,7 @@ def test_hundred_thousand_allocations_solve() -> None:
 def test_cogvideox_720p_meets_the_target() -> None:
     """Issue #3's target on the analyzer's trace that missed it: the VAE decode, where each batch's
     conv caches live until the next batch has made its own."""
-    analyzer = pytest.importorskip("xema_ray.memory.analyzer")
+    analyzer = pytest.importorskip("xema_ray.analyzer.run")
     from xema_ray.templates import RequestTemplate
 
     trace = analyzer.trace_template(RequestTemplate(model="cogvideox-5b", height=720, width=1280, frames=49))
@@ -421,6 +421,6 @@ def test_solved_offsets_are_pinned(n: int, max_live: int, seed: int, layout_id: 
     (``xema layouts`` rebuilds the files from the table): a change to the solver that moves any
     offset must be a deliberate re-plan, never a side effect of making it faster. The ids were
     computed with the solver before its gap search ordered large conflict sets by radix sort."""
-    from xema_ray.runtime.layouts import content_id
+    from xema_ray.allocator.artifact import content_id
 
     assert content_id(solve_layout(random_trace(n, seed=seed, max_live=max_live))) == layout_id

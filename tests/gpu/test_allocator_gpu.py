@@ -65,10 +65,11 @@ def _armed_check(name: str, config, tmp_path: Path, timeout: int = 150) -> dict:
     """Default run (+ recording) -> record -> layout with it -> static run; the combined report."""
     from xema_ray.allocator.device_allocs import (DeviceAllocRecord, GpuEvent, compare, include, record_path,
                                                   save_record)
-    from xema_ray.memory.analyzer import TraceOptions, trace_template
+    from xema_ray.analyzer.run import TraceOptions, trace_template
     from xema_ray.memory.trace import Category
-    from xema_ray.runtime.layouts import save_artifact, solve_entry_layout
-    from xema_ray.runtime.verify import worker_trace
+    from xema_ray.allocator.artifact import save_artifact
+    from xema_ray.measure.layout_solve import solve_entry_layout
+    from xema_ray.measure.verify import worker_trace
 
     gpu = _gpu_name()
     layouts = tmp_path / "table.layouts"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from xema_ray.memory.analyzer import TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.models import BuildOptions
 from xema_ray.templates import RequestTemplate
 

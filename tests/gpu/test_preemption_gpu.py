@@ -19,7 +19,7 @@ import torch
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.runtime.preemption import PausedRun
+from xema_ray.runtime.pause import PausedRun
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 

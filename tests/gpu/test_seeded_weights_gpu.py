@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from xema_ray.models import get_model_spec
-from xema_ray.models.loading import TILE_THRESHOLD, SeededWeights, WeightHome, build_on_meta, materialize
+from xema_ray.models.loading import TILE_THRESHOLD, SeededWeights, build_on_meta, materialize
+from xema_ray.placement import WeightHome
 
 pytestmark = pytest.mark.gpu
 

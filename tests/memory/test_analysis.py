@@ -93,7 +93,7 @@ def test_lazy_intervals_read_as_described_ones(model: str) -> None:
     # the planner's views describe an interval (units, phases, ops) only when it is read: a lazy
     # interval reads, dumps, compares and prints exactly like one described up front
     from xema_ray.memory.analysis import IntervalIndex, LazyPressureInterval
-    from xema_ray.memory.analyzer import trace_template
+    from xema_ray.analyzer.run import trace_template
     from xema_ray.templates import RequestTemplate
 
     t = trace_template(RequestTemplate(model=model, height=64, width=64, frames=1 if model == "tiny-flux2" else 9, steps=3))

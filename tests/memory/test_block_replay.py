@@ -16,12 +16,12 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from tests.memory.trace_equality import TEMPLATES, columns_equal
-from xema_ray.memory.analyzer import TraceOptions, trace_template
-from xema_ray.memory.block_replay import transformer_blocks
+from xema_ray.analyzer.run import TraceOptions, trace_template
+from xema_ray.analyzer.block_replay import transformer_blocks
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, QueryChunkedCogVideoXProcessor, apply_dit_chunking
 from xema_ray.mitigation.hooks import MitigationHandle
-from xema_ray.mitigation.tracing import trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate

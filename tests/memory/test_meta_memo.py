@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.memory.trace_equality import TEMPLATES, columns_equal
-from xema_ray.memory.analyzer import TraceOptions, trace_template
-from xema_ray.memory.meta_memo import MetaKernelMemo
+from xema_ray.analyzer.run import TraceOptions, trace_template
+from xema_ray.analyzer.meta_memo import MetaKernelMemo
 from xema_ray.templates import RequestTemplate
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.memory.analysis import summarize
-from xema_ray.memory.analyzer import trace_template
+from xema_ray.analyzer.run import trace_template
 from xema_ray.memory.trace import Category
 from xema_ray.templates import RequestTemplate
 

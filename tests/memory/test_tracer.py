@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xema_ray.memory.tracer import ALLOC, FREE, AllocationTracer, make_cuda_like_sdpa, raw_to_arrays, round_size
+from xema_ray.analyzer.tracer import ALLOC, FREE, AllocationTracer, make_cuda_like_sdpa, raw_to_arrays, round_size
 
 
 def trace(fn, device: str = "meta", count_host: bool = False):  # type: ignore[no-untyped-def]

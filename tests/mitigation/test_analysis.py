@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.memory.analysis import phase_group, phase_peaks
-from xema_ray.memory.analyzer import trace_template
+from xema_ray.analyzer.run import trace_template
 from planner.estimates import estimate_saving, evenly_spread
-from xema_ray.mitigation import primitive_for, trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
+from xema_ray.mitigation import primitive_for
 from xema_ray.mitigation.hooks import resolve_module
 from planner.estimates import dit_block_bytes
 from xema_ray.models import BuildOptions, get_model_spec

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tests.mitigation.conftest import TINY_MODELS, run_pipeline, tiny_template
 from xema_ray.memory.analysis import phase_group, phase_peaks
-from xema_ray.memory.analyzer import TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, QueryChunkedCogVideoXProcessor, apply_dit_chunking
 from xema_ray.models import BuildOptions, get_model_spec
 

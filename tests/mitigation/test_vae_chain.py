@@ -14,10 +14,11 @@ import torch
 
 from tests.mitigation.conftest import run_pipeline
 from xema_ray.memory.analysis import event_modules, event_phases, phase_group, phase_peaks
-from xema_ray.memory.analyzer import trace_template
+from xema_ray.analyzer.run import trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
 from planner.estimates import estimate_saving
-from xema_ray.mitigation import apply_mitigations, trace_with_mitigations, vae_chunking
+from xema_ray.analyzer.mitigated import trace_with_mitigations
+from xema_ray.mitigation import apply_mitigations, vae_chunking
 from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking, chain_paths, parse_chain
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import Mitigation

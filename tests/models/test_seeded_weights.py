@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xema_ray.models.loading import _TILE, TILE_THRESHOLD, SeededWeights, WeightHome, _seed_for, materialize
+from xema_ray.models.loading import _TILE, TILE_THRESHOLD, SeededWeights, _seed_for, materialize
+from xema_ray.placement import WeightHome
 
 
 def _reference(seed: int, component: str, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

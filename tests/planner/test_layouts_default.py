@@ -8,7 +8,7 @@ from pathlib import Path
 
 from xema_ray.cli import main as xema
 from xema_ray.plan import PlanTable
-from xema_ray.runtime.layouts import layouts_dir, load_artifact
+from xema_ray.allocator.artifact import layouts_dir, load_artifact
 
 from planner.cli import main as planner
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from local_cluster import BIN, ROOT, LocalCluster
+from bench.scenarios.local_cluster import BIN, ROOT, LocalCluster
 from xema_ray.plan import PlanTable
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from xema_ray.runtime.residency import block_sizes
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 
-from planner.residency import choose_group_residency
+from planner.residency_choice import choose_group_residency
 
 A = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 B = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)

@@ -9,7 +9,7 @@ from planner.memory_model import MemoryModel
 from planner.stages import plan_template
 from planner.trace_model import TracePlannerModel, block_paths
 from planner.traces import TraceCache
-from xema_ray.mitigation.tracing import trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
 

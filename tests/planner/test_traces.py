@@ -8,9 +8,9 @@ import pytest
 
 from planner.trace_model import block_paths
 from planner.traces import TraceCache
-from xema_ray.memory.analyzer import trace_template
+from xema_ray.analyzer.run import trace_template
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.mitigation.tracing import trace_with_mitigations
+from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
 

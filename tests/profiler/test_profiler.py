@@ -12,7 +12,7 @@ import torch
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.profiling import H200, ProfileStore, estimate_latency
-from xema_ray.profiling.profiler import LatencyProfiler
+from xema_ray.measure.profiler import LatencyProfiler
 from xema_ray.runtime import ExecutionEngine
 from xema_ray.templates import RequestTemplate
 

@@ -226,8 +226,9 @@ def test_worker_arena_follows_the_templates_it_runs(monkeypatch: pytest.MonkeyPa
     from xema_ray.parallel.groups import ParallelConfig
     from xema_ray.plan import ExecutionConfig, Mitigation
     from xema_ray.runtime.engine import Batch, GenerationRequest
-    from xema_ray.runtime.layouts import save_artifact, solve_entry_layout
-    from xema_ray.runtime.preemption import PausedRun
+    from xema_ray.allocator.artifact import save_artifact
+    from xema_ray.measure.layout_solve import solve_entry_layout
+    from xema_ray.runtime.pause import PausedRun
     from xema_ray.runtime.worker import ModelLoadConfig, Worker
     from xema_ray.templates import RequestTemplate
 

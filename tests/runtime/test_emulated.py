@@ -16,7 +16,7 @@ from xema_ray.plan import PlanTable
 from xema_ray.profiling.hardware import A6000_8X
 from xema_ray.runtime.emulated import EmulatedWorker, emulation_for, plan_phases, scale_table
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.runtime.preemption import PausedRun
+from xema_ray.runtime.pause import PausedRun
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.runtime.worker import ModelLoadConfig
 

@@ -27,7 +27,7 @@ _STREAM = """
 import hashlib, sys
 import numpy as np
 from xema_ray.plan import ExecutionConfig
-from xema_ray.runtime.verify import trace_here
+from xema_ray.measure.verify import trace_here
 (t,) = trace_here(ExecutionConfig.model_validate_json(sys.argv[1]))
 print(hashlib.sha256(np.concatenate([t.size, t.begin, t.end]).tobytes()).hexdigest())
 """
@@ -36,7 +36,8 @@ _SOLVE = """
 import sys
 from pathlib import Path
 from xema_ray.plan import ExecutionConfig
-from xema_ray.runtime.layouts import save_artifact, solve_entry_layout
+from xema_ray.allocator.artifact import save_artifact
+from xema_ray.measure.layout_solve import solve_entry_layout
 art = solve_entry_layout(ExecutionConfig.model_validate_json(sys.argv[1]), gpu="NVIDIA RTX A6000")
 save_artifact(art, Path(sys.argv[2]))
 print(art.layout_id)
@@ -45,7 +46,7 @@ print(art.layout_id)
 _VERIFY = """
 import sys
 from xema_ray.plan import PlanTable
-from xema_ray.runtime.verify import verify_table
+from xema_ray.measure.verify import verify_table
 (e,) = verify_table(PlanTable.load(sys.argv[1]), path=sys.argv[1]).entries
 print(e.error, e.layout_misses)
 """

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from xema_ray.allocator.solver import solve_layout
-from xema_ray.memory.analyzer import TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.allocator.replay import replay
-from xema_ray.runtime.layouts import LayoutMismatch, layouts_dir, load_artifact, save_artifact, solve_entry_layout
-from xema_ray.runtime.verify import verify_table
+from xema_ray.allocator.layout_replay import replay
+from xema_ray.allocator.artifact import LayoutMismatch, layouts_dir, load_artifact, save_artifact
+from xema_ray.measure.layout_solve import solve_entry_layout
+from xema_ray.measure.verify import verify_table
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from xema_ray.allocator import step_repeat
-from xema_ray.allocator.replay import replay
+from xema_ray.allocator.layout_replay import replay
 from xema_ray.allocator.solver import StaticLayout
 from xema_ray.plan import ExecutionConfig, Mitigation
-from xema_ray.runtime.layouts import LayoutMismatch, load_artifact, save_artifact, solve_entry_layout
-from xema_ray.runtime.verify import worker_trace
+from xema_ray.allocator.artifact import LayoutMismatch, load_artifact, save_artifact
+from xema_ray.measure.layout_solve import solve_entry_layout
+from xema_ray.measure.verify import worker_trace
 from xema_ray.templates import RequestTemplate
 
 # LTX-2's latents outlive their step by two events: the layout repeats every two steps

@@ -12,7 +12,7 @@ from tests.parallel.sp_harness import run_worker_set
 from xema_ray.parallel.groups import ParallelConfig, SPLayout
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.runtime import Batch, GenerationRequest
-from xema_ray.runtime.preemption import PausedRun
+from xema_ray.runtime.pause import PausedRun
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 

@@ -19,7 +19,7 @@ from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.runtime.residency import Residency, block_sizes
-from xema_ray.runtime.verify import verify_config
+from xema_ray.measure.verify import verify_config
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.startup import PlanNotRunnable, check_runnable

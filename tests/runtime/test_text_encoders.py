@@ -12,13 +12,13 @@ import torch
 
 from xema_ray.checkpoints import write_checkpoint
 from xema_ray.memory.analysis import summarize
-from xema_ray.memory.analyzer import TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.loading import CheckpointError
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.runtime.verify import verify_config
+from xema_ray.measure.verify import verify_config
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 

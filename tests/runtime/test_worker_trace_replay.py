@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xema_ray.plan import ExecutionConfig, Mitigation
-from xema_ray.runtime.verify import worker_trace
+from xema_ray.measure.verify import worker_trace
 from xema_ray.templates import RequestTemplate
 
 CASES = [

@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from xema_ray.serving.dispatcher import Assignment, Dispatcher, DispatchPlan
-from xema_ray.serving.replica_stats import PublishesSummary
+from xema_ray.scheduling.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.serving.scale.replica_stats import PublishesSummary
 
 
 class DispatchOnlyGroup(PublishesSummary):

@@ -18,7 +18,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from serve_app import running_app  # noqa: E402
+from bench.scenarios.serve_app import running_app  # noqa: E402
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402

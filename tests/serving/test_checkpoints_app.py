@@ -16,7 +16,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
-from serve_app import running_app  # noqa: E402
+from bench.scenarios.serve_app import running_app  # noqa: E402
 
 from xema_ray.checkpoints import TINY_MODELS, write_checkpoint  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
 
 
 def plans(**kw) -> dict[str, DispatchPlan]:  # type: ignore[no-untyped-def]

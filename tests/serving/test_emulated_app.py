@@ -21,7 +21,7 @@ pytest.importorskip("ray")
 from deployments.emulated_box import start_box, stop_box  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import PlanTable  # noqa: E402
-from xema_ray.serving.ready import wait_ready  # noqa: E402
+from xema_ray.serving.api.ready import wait_ready  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 

@@ -13,11 +13,11 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from asgi_client import call, post_json
-from xema_ray.serving.api import ImageRequest, RequestLimits, UnsupportedTemplate, VideoRequest, set_limits
-from xema_ray.serving.errors import exception_response, install_error_handlers
-from xema_ray.serving.middleware import ProxyErrorsAsJson, RequestGuard
-from xema_ray.serving.model_group import GroupUnavailable, InvalidRequest, QueueFull, _validated
-from xema_ray.serving.openapi import build_openapi
+from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, UnsupportedTemplate, VideoRequest, set_limits
+from xema_ray.serving.api.errors import exception_response, install_error_handlers
+from xema_ray.serving.api.middleware import ProxyErrorsAsJson, RequestGuard
+from xema_ray.serving.group.model_group import GroupUnavailable, InvalidRequest, QueueFull, _validated
+from xema_ray.serving.api.openapi import build_openapi
 from xema_ray.templates import RequestTemplate
 
 GOOD = {"model": "tiny-flux2", "prompt": "a red fox", "size": "64x64"}
@@ -243,7 +243,7 @@ def test_openapi_lists_statuses_models_and_sizes(app: FastAPI) -> None:
 
 
 def test_openapi_lists_the_auth_rate_limit_and_timeout_statuses() -> None:
-    from xema_ray.serving.router import app as router_app
+    from xema_ray.serving.api.router import app as router_app
 
     served = {t.shape_key: t for t in (RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2),
                                        RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2))}

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serving.group_harness import Harness, entry, running_group
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
-from xema_ray.serving.replica_summary import ReplicaSummary
-from xema_ray.serving.scaling import summary_from_metrics, summary_metrics
+from bench.scenarios.group_harness import Harness, entry, running_group
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
+from xema_ray.serving.scale.replica_summary import ReplicaSummary
+from xema_ray.serving.scale.scaling import summary_from_metrics, summary_metrics
 from xema_ray.templates import RequestTemplate
 
 COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=6)

@@ -14,11 +14,11 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 
-from tests.serving.group_harness import Harness, entry, running_group
+from bench.scenarios.group_harness import Harness, entry, running_group
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
-from xema_ray.serving.videos import result_name
-from xema_ray.serving.worker_set import WORKER_KINDS, WorkerKind, worker_set_for
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
+from xema_ray.serving.api.videos import result_name
+from xema_ray.serving.group.worker_set import WORKER_KINDS, WorkerKind, worker_set_for
 from xema_ray.templates import RequestTemplate
 
 COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=6)

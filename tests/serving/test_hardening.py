@@ -22,7 +22,7 @@ import pytest
 import requests
 
 ray = pytest.importorskip("ray")
-from serve_app import running_app  # noqa: E402
+from bench.scenarios.serve_app import running_app  # noqa: E402
 from ray import serve  # noqa: E402
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402

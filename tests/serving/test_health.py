@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from xema_ray.serving.health import GroupHealth
-from xema_ray.serving.model_group import GroupUnavailable
+from xema_ray.serving.api.health import GroupHealth
+from xema_ray.serving.group.model_group import GroupUnavailable
 
 
 class _Group:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.serving.redis_server import redis_server
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id
-from xema_ray.serving.jobs_sqlite import SQLiteJobStore
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id
+from xema_ray.serving.jobs.sqlite_store import SQLiteJobStore
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def redis_url() -> Iterator[str]:
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> JobStore:
     if request.param == "sqlite":
         return SQLiteJobStore(JobStoreConfig(path=tmp_path, ttl_s=60, lease_s=0.5))
-    from xema_ray.serving.jobs_redis import RedisJobStore
+    from xema_ray.serving.jobs.redis_store import RedisJobStore
 
     url = request.getfixturevalue("redis_url")
     return RedisJobStore(JobStoreConfig(backend="redis", redis_url=url, prefix=f"t{time.time_ns()}", ttl_s=60, lease_s=0.5))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loadtests import run
-from xema_ray.serving.ready import NotReady, ReadyPoll, wait_ready
+from xema_ray.serving.api.ready import NotReady, ReadyPoll, wait_ready
 
 
 class _Starting(http.server.BaseHTTPRequestHandler):

@@ -1,5 +1,5 @@
 """ModelGroup without Ray: dispatch, results, admission, a worker's death and the rebuild, through
-the in-process worker set (``xema_ray.serving.worker_set_local``). What is Ray's own (placement,
+the in-process worker set (``xema_ray.serving.group.worker_set_local``). What is Ray's own (placement,
 actor death, Serve routing) stays in test_app.py / test_hardening.py / test_two_nodes.py."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from tests.serving.group_harness import Harness, entry, running_group
+from bench.scenarios.group_harness import Harness, entry, running_group
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
-from xema_ray.serving.group_api import GenerateResult, GroupUnavailable, InvalidRequest, QueueFull
-from xema_ray.serving.model_group import ModelGroup
-from xema_ray.serving.worker_set import WORKER_KINDS, WorkerKind, WorkerSetSpec, worker_set_for
-from xema_ray.serving.worker_set_local import InProcessWorkerSet
+from xema_ray.serving.group.messages import GenerateResult, GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.serving.group.worker_set import WORKER_KINDS, WorkerKind, WorkerSetSpec, worker_set_for
+from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate
 
 FLUX_S = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deployments.planning import machine_fingerprint
-from tests.serving import preemption_scenario as sc
+from bench.scenarios import preemption as sc
 from xema_ray.serving.config import ServeConfig
 
 
@@ -51,7 +51,7 @@ def test_a_paused_video_job_is_in_progress(scenario: tuple[sc.PlanTable, list[sc
 
 def test_layout_counters_per_template_say_why_not_armed(
         scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
-    from xema_ray.serving.layout_stats import GroupLayoutStats
+    from xema_ray.serving.group.layout_stats import GroupLayoutStats
 
     table, _, live = scenario
     group = GroupLayoutStats.model_validate(live.all_stats["static_layouts"]["tiny-cogvideox"])

@@ -20,9 +20,9 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig  # noqa: E402
 
-from local_cluster import LocalCluster  # noqa: E402
-from xema_ray.serving.replica_router import SloRequestRouter  # noqa: E402
-from xema_ray.serving.scaling import AutoscalingSpec, SloAutoscalingPolicy  # noqa: E402
+from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
+from xema_ray.serving.scale.replica_router import SloRequestRouter  # noqa: E402
+from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy  # noqa: E402
 
 # Serve re-validates the autoscaling config and warns each time that metrics_interval_s moves to an env variable
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")]

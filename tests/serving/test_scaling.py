@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
-from xema_ray.serving.replica_summary import (
+from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.serving.scale.replica_summary import (
     ArrivalMeter,
     PlanBrief,
     ReplicaSummary,
@@ -16,7 +16,7 @@ from xema_ray.serving.replica_summary import (
     schedule,
     summarize,
 )
-from xema_ray.serving.scaling import (
+from xema_ray.serving.scale.scaling import (
     AutoscalingSpec,
     SloAutoscalingPolicy,
     choose_replica,

@@ -25,9 +25,9 @@ import pytest
 
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulation import scale_table
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan
-from xema_ray.serving.replica_summary import ArrivalMeter, PlanBrief, predict_attainment, summarize
-from xema_ray.serving.scaling import AutoscalingSpec, decide_replicas, summary_from_metrics, summary_metrics
+from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.serving.scale.replica_summary import ArrivalMeter, PlanBrief, predict_attainment, summarize
+from xema_ray.serving.scale.scaling import AutoscalingSpec, decide_replicas, summary_from_metrics, summary_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = "flux2/256x256x1"

@@ -12,7 +12,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from xema_ray.serving import ray_env
-from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan, Refused
+from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, Refused
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 
@@ -108,8 +108,8 @@ def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
 
 # ---------------------------------------------------------------- the live group (in-process workers)
 def test_the_live_group_refuses_and_sheds_with_503s_and_serves_the_rest() -> None:
-    from tests.serving.group_harness import entry, running_group
-    from xema_ray.serving.group_api import QueueFull
+    from bench.scenarios.group_harness import entry, running_group
+    from xema_ray.serving.group.messages import QueueFull
 
     ok = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
     tight = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)

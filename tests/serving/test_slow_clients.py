@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from xema_ray.net import free_port
-from xema_ray.serving.slow_clients import BODY_TIMEOUT_ENV, HEADER_TIMEOUT_ENV, BodyTimeout, install_header_timeout
+from xema_ray.serving.api.slow_clients import BODY_TIMEOUT_ENV, HEADER_TIMEOUT_ENV, BodyTimeout, install_header_timeout
 
 
 async def _echo(scope, receive, send):  # type: ignore[no-untyped-def]

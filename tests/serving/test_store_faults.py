@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.serving.redis_server import redis_server
-from xema_ray.serving.job_progress import SYNC_WAIT_S, JobProgress, PhaseEstimate, publisher_for
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, TenantBusy, epoch_of, new_job_id
-from xema_ray.serving.jobs_sqlite import SQLiteJobStore
+from xema_ray.serving.jobs.progress import SYNC_WAIT_S, JobProgress, PhaseEstimate, publisher_for
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, epoch_of, new_job_id
+from xema_ray.serving.jobs.sqlite_store import SQLiteJobStore
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def redis_url() -> Iterator[str]:
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> JobStore:
     if request.param == "sqlite":
         return SQLiteJobStore(JobStoreConfig(path=tmp_path, ttl_s=60, lease_s=0.5))
-    from xema_ray.serving.jobs_redis import RedisJobStore
+    from xema_ray.serving.jobs.redis_store import RedisJobStore
 
     url = request.getfixturevalue("redis_url")
     return RedisJobStore(JobStoreConfig(backend="redis", redis_url=url, prefix=f"t{time.time_ns()}", ttl_s=60))
@@ -121,7 +121,7 @@ def test_the_epoch_is_stable_and_job_ids_carry_it(store: JobStore) -> None:
 def test_a_redis_restarted_empty_has_a_new_epoch(redis_url: str) -> None:
     import redis
 
-    from xema_ray.serving.jobs_redis import RedisJobStore
+    from xema_ray.serving.jobs.redis_store import RedisJobStore
 
     s = RedisJobStore(JobStoreConfig(backend="redis", redis_url=redis_url, prefix=f"e{time.time_ns()}"))
     before = s.epoch()
@@ -165,7 +165,7 @@ def paused_redis() -> Iterator[tuple[str, int]]:
 
 
 def test_steps_never_wait_for_a_paused_store(paused_redis: tuple[str, int]) -> None:
-    from xema_ray.serving.jobs_redis import RedisJobStore
+    from xema_ray.serving.jobs.redis_store import RedisJobStore
 
     url, pid = paused_redis
     cfg = JobStoreConfig(backend="redis", redis_url=url, prefix="p", timeout_s=0.5)

@@ -25,7 +25,7 @@ import requests
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 redis = pytest.importorskip("redis")
-from serve_app import running_app  # noqa: E402
+from bench.scenarios.serve_app import running_app  # noqa: E402
 
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402

@@ -18,10 +18,10 @@ import requests
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from local_cluster import LocalCluster  # noqa: E402
+from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
-from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
-from xema_ray.serving.ready import wait_ready  # noqa: E402
+from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
+from xema_ray.serving.api.ready import wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

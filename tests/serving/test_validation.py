@@ -12,11 +12,11 @@ import pytest
 from fastapi import FastAPI, Request
 
 from asgi_client import call, post_json
-from xema_ray.serving.api import ImageRequest, RequestLimits, VideoRequest, set_limits
-from xema_ray.serving.auth import ApiKey, AuthConfig, TenantGuard, Tenants, set_auth, tenant_of
-from xema_ray.serving.errors import install_error_handlers
-from xema_ray.serving.validation import parse_request
-from xema_ray.serving.videos import VideoCreate
+from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest, set_limits
+from xema_ray.serving.api.auth import ApiKey, AuthConfig, TenantGuard, Tenants, set_auth, tenant_of
+from xema_ray.serving.api.errors import install_error_handlers
+from xema_ray.serving.api.validation import parse_request
+from xema_ray.serving.api.videos import VideoCreate
 
 ENDPOINTS = {"/v1/images/generations": ImageRequest, "/v1/videos": VideoCreate, "/v1/videos/sync": VideoRequest}
 GOOD = {"/v1/images/generations": {"model": "m", "prompt": "p", "size": "64x64"},

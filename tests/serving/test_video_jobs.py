@@ -30,10 +30,10 @@ from ray import serve  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.jobs import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store  # noqa: E402
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
-from xema_ray.serving.ready import wait_ready  # noqa: E402
+from xema_ray.serving.api.ready import wait_ready  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

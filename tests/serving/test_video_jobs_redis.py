@@ -24,7 +24,7 @@ from tests.serving.test_video_jobs import (  # noqa: F401 - fixtures and checks 
     test_job_survives_killing_the_router_replica,
     test_list_pages,
 )
-from xema_ray.serving.jobs import JobStore, JobStoreConfig, open_store
+from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store
 
 ray = pytest.importorskip("ray")
 

@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 from xema_ray.runtime.encode import encode_mp4, encode_png
-from xema_ray.serving.api import UnsupportedTemplate
-from xema_ray.serving.jobs import JobRecord, JobStoreConfig
-from xema_ray.serving.job_progress import PhaseEstimate
-from xema_ray.serving.media import first_frame_png, transcode_image
-from xema_ray.serving.videos import VideoCreate, map_video_request, poll_after_ms, served_seconds, video_view
+from xema_ray.serving.api.schemas import UnsupportedTemplate
+from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig
+from xema_ray.serving.jobs.progress import PhaseEstimate
+from xema_ray.serving.api.media import first_frame_png, transcode_image
+from xema_ray.serving.api.videos import VideoCreate, map_video_request, poll_after_ms, served_seconds, video_view
 from xema_ray.templates import RequestTemplate
 
 SERVED = {t.shape_key: t for t in (
@@ -127,7 +127,7 @@ def test_image_formats_and_thumbnail() -> None:
 
 
 def test_an_unreachable_store_costs_progress_not_the_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from xema_ray.serving.job_progress import JobProgress
+    from xema_ray.serving.jobs.progress import JobProgress
 
     cfg = JobStoreConfig(backend="redis", redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
     obs = JobProgress(cfg, ["video_a"], others=0, estimate=PhaseEstimate(4, 0.0, 1.0, 0.0, 0.0))

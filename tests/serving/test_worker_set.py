@@ -13,7 +13,7 @@ import pytest
 
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.runtime.worker import ModelLoadConfig
-from xema_ray.serving.worker_set import (
+from xema_ray.serving.group.worker_set import (
     WORKER_KINDS,
     RebuildFailed,
     WorkerDied,
@@ -21,7 +21,7 @@ from xema_ray.serving.worker_set import (
     WorkerSetSpec,
     worker_set_for,
 )
-from xema_ray.serving.worker_set_local import InProcessWorkerSet
+from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 
 
 class _EchoWorker:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.group_harness import entry, running_group
+from bench.scenarios.group_harness import entry, running_group
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
-from xema_ray.serving.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 
@@ -127,7 +127,7 @@ def test_the_dispatcher_predicts_the_wait_for_its_victims_to_park() -> None:
 
 
 def test_park_overhead_summary() -> None:
-    from xema_ray.serving.preemption import ParkOverhead, PreemptionState
+    from xema_ray.serving.group.preemption import ParkOverhead, PreemptionState
 
     st = PreemptionState()
     assert st.report(True, [], 0).park_overhead is None

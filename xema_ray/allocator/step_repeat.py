@@ -1,7 +1,7 @@
 """A static layout solved for a few denoising steps and repeated for the rest (paper §6: the
 steps of a template allocate the same pattern).
 
-The analyzer's step replication (``xema_ray.memory.analyzer.expand_steps``) builds a request's
+The analyzer's step replication (``xema_ray.analyzer.run.expand_steps``) builds a request's
 stream as: set-up and step 0, step 1, step 2 (the pattern), time-shifted copies of step 2, then
 the tail (decode). Every allocation of a step is freed by the end of the next step (the analyzer
 refuses streams where one lives longer), but some live longer than one step (LTX-2's latents: made
@@ -17,7 +17,7 @@ survivors sit; then ``W``'s offsets are valid for every middle window, and the f
     last window                     ``L``'s rows and offsets, shifted
     tail                            as solved, shifted
 
-``expand`` builds it; the solve (``xema_ray.runtime.layouts``) checks that its allocations are
+``expand`` builds it; the solve (``xema_ray.measure.layout_solve``) checks that its allocations are
 exactly the worker's full stream's and that it is valid, else solves the full stream. A layout
 that repeats this way is valid iff its expansion with two middle windows is (an instant of a
 middle window sees a time-shifted copy of what an instant of the second one sees, and the rows

@@ -50,7 +50,7 @@ class MemoryTrace:
         modules, phases, ops: string tables.
         step_bounds: event index of each denoising step's scheduler entry (the step boundaries).
         loaded_bytes: device bytes the serving worker placed before the request (its weights),
-            for a worker's request stream (``xema_ray.runtime.verify.worker_trace``); else 0.
+            for a worker's request stream (``xema_ray.measure.verify.worker_trace``); else 0.
         mitigations: the mitigations the trace was taken under, each an ``xema_ray.plan.Mitigation``
             as JSON (this layer does not know that type).
         meta: provenance for display only (template, device, tracer version, replay counts):

@@ -16,7 +16,8 @@ temporary_serialization ``serialization``                   module paths or bloc
 
 ``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``) and applies lists
 (``apply_mitigations``); the planner's analytic estimates live in ``planner.estimates``;
-``tracing.trace_with_mitigations`` has the analyzer trace a mitigated pipeline at real size.
+the analyzer traces a mitigated pipeline at real size (``xema_ray.analyzer.mitigated``): mitigation
+never imports the analyzer.
 """
 
 from xema_ray.mitigation.activation_offload import ActivationOffloadConfig, apply_activation_offload
@@ -26,7 +27,6 @@ from xema_ray.mitigation.hooks import MitigationHandle
 from xema_ray.mitigation.hsdp import HSDPConfig, ProcessGroupCollective, ShapeOnlyGroup, apply_hsdp
 from xema_ray.mitigation.registry import apply_mitigations, primitive_for
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
-from xema_ray.mitigation.tracing import trace_with_mitigations
 from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
 
 __all__ = [
@@ -47,5 +47,4 @@ __all__ = [
     "apply_serialization",
     "apply_vae_chunking",
     "primitive_for",
-    "trace_with_mitigations",
 ]

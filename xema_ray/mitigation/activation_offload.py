@@ -38,7 +38,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from xema_ray.platforms import streams as _device
-from xema_ray.mitigation.hooks import HOOK_NAMES, HostCopy, MitigationHandle, OffloadedTensor, hook_module, resolve_module
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, hook_module, resolve_module
+from xema_ray.placement import HostCopy, OffloadedTensor
 
 
 class ActivationOffloadConfig(BaseModel):

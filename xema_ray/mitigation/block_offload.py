@@ -26,15 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.platforms import streams as _device
-from xema_ray.mitigation.hooks import (
-    HOOK_NAMES,
-    HostCopy,
-    MitigationHandle,
-    check_blocks,
-    compute_device,
-    hook_module,
-)
-from xema_ray.models.loading import WEIGHT_HOME_ATTR, WeightHome
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
+from xema_ray.placement import HostCopy, compute_device
+from xema_ray.placement import WEIGHT_HOME_ATTR, WeightHome
 
 
 class BlockOffloadConfig(BaseModel):

@@ -6,18 +6,13 @@ Each primitive lives in its own file with a pydantic ``XConfig``, one or more ``
 exactly as before. Hooks are registered under names from ``HOOK_NAMES`` on diffusers'
 per-module ``HookRegistry``, so they compose with diffusers' own hooks.
 
-Where tensors live is a ``Placement``: the compute device plus how a "host" copy is kept.
-On CUDA the host copy is pinned CPU memory and transfers run on a side stream; on CPU the
-"device" is host memory, so the host copy is the tensor itself and transfers are copies on
-the one stream; on the meta device (shape-only analysis) a host copy holds only the tensor's
-shape and dtype: nothing is allocated anywhere, and bringing it back allocates a fresh meta
-tensor, which is exactly the allocation the analyzer must see. This is how a 32 B-parameter
-model is analysed with K blocks "on host" without 64 GB of host RAM.
+Where a tensor lives (host copies, placeholders, the compute device) is ``xema_ray.placement``:
+models and mitigation both use it, and neither imports the other.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +20,6 @@ from typing import Any
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
-
-from xema_ray.platforms import streams as _device
 
 HOOK_NAMES = {
     "block_offload": "xema_block_offload",
@@ -115,162 +108,8 @@ def check_blocks(kind: str, blocks: tuple[int, ...], n_blocks: int) -> None:
         raise ValueError(f"{kind}: block indices must be distinct, got {list(blocks)}")
 
 
-def compute_device(module: nn.Module) -> torch.device:
-    """The device ``module`` computes on: recorded by the loader (a host-homed block's tensors
-    are on the CPU while the model computes on CUDA), else its first parameter's."""
-    from xema_ray.models.loading import COMPUTE_DEVICE_ATTR
-
-    recorded = getattr(module, COMPUTE_DEVICE_ATTR, None)
-    return recorded if recorded is not None else next(module.parameters()).device
-
-
-# ---------------------------------------------------------------------------- host copies
-_SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape`` backed by one shared element (a stride-0 expand): what a
-    parameter points to while its real data lives elsewhere. Modules that read
-    ``.shape``/``.dtype`` outside ``forward`` keep working; the hooks guarantee the real data
-    is back before ``forward`` reads values. One scalar per (dtype, device) backs them all, so
-    the analyzer counts it once (512 B), not once per parameter."""
-    key = (dtype, torch.device(device))
-    base = _SCALARS.get(key)
-    if base is None:
-        base = _SCALARS[key] = torch.zeros((), dtype=dtype, device=device)
-    return base.expand(shape)
-
-
-def forget_placeholders(device_type: str) -> None:
-    """Drop the shared scalars of ``device_type``: the next placeholder made there allocates
-    its scalar again. A worker's load traced on meta starts with this (``xema_ray.runtime.verify``),
-    so its weight bytes are those of a process's first load whatever the process did before."""
-    for key in [k for k in _SCALARS if k[1].type == device_type]:
-        del _SCALARS[key]
-
-
-def placeholder_like(t: torch.Tensor) -> torch.Tensor:
-    return placeholder(t.shape, t.dtype, t.device)
-
-
-class HostCopy:
-    """A tensor's data kept off the compute device (see the module docstring per device).
-
-    Args:
-        t: the device tensor to copy.
-        pin: pin the CUDA host copy (needed for asynchronous copies; done once here).
-        keep: on CPU, keep ``t`` itself as the host copy instead of cloning it (weights, whose
-            storage nobody else frees).
-        device: the compute device the copy returns to (default ``t.device``; given when ``t``
-            is already on the host, e.g. a block the worker homed there at load).
-    """
-
-    __slots__ = ("shape", "dtype", "device", "data", "pending")
-
-    def __init__(self, t: torch.Tensor, pin: bool = True, keep: bool = False, device: torch.device | None = None,
-                 stream: _device.TransferStream | None = None) -> None:
-        self.shape = t.shape
-        self.dtype = t.dtype
-        self.device = device if device is not None else t.device
-        #: event of an asynchronous device->host copy still in flight (CUDA with a ``stream``)
-        self.pending: object | None = None
-        if self.device.type == "meta":
-            self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
-        elif t.device.type == "cpu" and self.device.type != "cpu":
-            # already on the host: keep it (pinned once, at load, for asynchronous copies)
-            self.data = t if (t.is_pinned() or not pin) else t.pin_memory()
-        elif t.device.type == "cpu":
-            self.data = t if keep else t.clone()
-        else:
-            self.data, self.pending = _device.to_host(t, pin=pin, stream=stream)
-
-    def to_device(self, stream: _device.TransferStream | None = None) -> torch.Tensor:
-        """A fresh device tensor with the host data (allocated now, on ``stream`` if given)."""
-        if self.data is None:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            return self.data.clone()
-        return _device.to_device(self.data, self.device, stream, self.pending)
-
-    def placeholder(self) -> torch.Tensor:
-        """What the original tensor object points to while offloaded: the host data itself on
-        CPU and CUDA (so a stray read fails loudly with a device mismatch on CUDA and still
-        sees the right values on CPU), a storage-less stand-in on meta."""
-        if self.data is None:
-            return placeholder(self.shape, self.dtype, self.device)
-        return self.data
-
-    @classmethod
-    def empty(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> HostCopy:
-        """An uninitialised host buffer for a tensor of ``device`` (pinned on CUDA, nothing on
-        meta): the target of band-wise writes (``copy_rows``) that never exist whole on the device."""
-        obj = cls.__new__(cls)
-        obj.shape, obj.dtype, obj.device = torch.Size(shape), dtype, torch.device(device)
-        obj.pending = None
-        if obj.device.type == "meta":
-            obj.data = None
-        else:
-            obj.data = torch.empty(obj.shape, dtype=dtype, pin_memory=obj.device.type == "cuda")
-        return obj
-
-    def narrow(self, dim: int, start: int, length: int) -> HostCopy:
-        """The rows ``[start, start + length)`` along ``dim``: a view of the host data, no copy."""
-        obj = HostCopy.__new__(HostCopy)
-        shape = list(self.shape)
-        shape[dim] = length
-        obj.shape, obj.dtype, obj.device = torch.Size(shape), self.dtype, self.device
-        obj.pending = self.pending
-        obj.data = None if self.data is None else self.data.narrow(dim, start, length)
-        return obj
-
-    def copy_rows(self, dim: int, start: int, src: HostCopy, src_start: int, length: int) -> None:
-        """Host-to-host: ``self[start:start+length] = src[src_start:src_start+length]`` along ``dim``."""
-        if self.data is not None and src.data is not None:
-            _device.host_ready(src.pending)  # a CPU read: the asynchronous copy must have landed
-            self.data.narrow(dim, start, length).copy_(src.data.narrow(dim, src_start, length))
-
-
-class OffloadedTensor:
-    """A tensor waiting on the host in place of the tensor itself (e.g. a conv cache in the
-    caller's dict); ``load()`` brings it back. Primitives that restructure calls (VAE bands)
-    load these before slicing and offload their reassembled results again."""
-
-    __slots__ = ("host", "stream")
-
-    def __init__(self, t: torch.Tensor, stream: _device.TransferStream | None = None) -> None:
-        self.host = HostCopy(t, stream=stream)  # asynchronous on CUDA: the cache leaves on the side stream
-        self.stream = stream
-
-    @classmethod
-    def from_host(cls, host: HostCopy, stream: _device.TransferStream | None = None) -> OffloadedTensor:
-        """Wrap a host copy that is already there (a band of a whole cache, a buffer written band by band)."""
-        obj = cls.__new__(cls)
-        obj.host, obj.stream = host, stream
-        return obj
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.host.shape
-
-    def load(self) -> torch.Tensor:
-        t = self.host.to_device(self.stream)
-        if self.stream is not None:
-            # the tensor is read right away: order compute after the copy
-            self.stream.wait(self.stream.record(), [t])
-        return t
-
-
 class ChunkedHook(ModelHook):
     """Base for hooks that replace a module's forward by a chunked one (``new_forward``)."""
 
     @abstractmethod
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class Primitive(ABC):
-    """What the registry needs from each primitive module (one per ``Mitigation.kind``)."""
-
-    kind: str
-
-    @abstractmethod
-    def apply(self, pipe: Any) -> MitigationHandle: ...

@@ -29,16 +29,9 @@ from diffusers.hooks import ModelHook
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.mitigation.hooks import (
-    HOOK_NAMES,
-    MitigationHandle,
-    check_blocks,
-    compute_device,
-    hook_module,
-    placeholder,
-    placeholder_like,
-)
-from xema_ray.models.loading import WEIGHT_HOME_ATTR, WeightHome
+from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
+from xema_ray.placement import compute_device, placeholder, placeholder_like
+from xema_ray.placement import WEIGHT_HOME_ATTR, WeightHome
 
 
 class HSDPConfig(BaseModel):

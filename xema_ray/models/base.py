@@ -172,13 +172,12 @@ class ModelSpec(ABC):
         from xema_ray.models.loading import (
             CheckpointWeights,
             SeededWeights,
-            WeightHome,
             WeightSource,
             build_on_meta,
             checkpoint_dtype,
             materialize,
-            PLACEMENT_ATTR,
         )
+        from xema_ray.placement import WeightHome, PLACEMENT_ATTR
 
         source: WeightSource
         if opts.weights_dir is not None:
@@ -221,14 +220,8 @@ class ModelSpec(ABC):
         then placed module by module: on the device, or on (pinned) host memory for layers that
         stream (``host_modules`` under ``text_encoder.``), or left on the CPU to run there. A
         random-weight encoder is built at the real config with seeded values the same way."""
-        from xema_ray.models.loading import (
-            PLACEMENT_ATTR,
-            LoadedWeights,
-            SeededWeights,
-            WeightHome,
-            WeightSource,
-            materialize,
-        )
+        from xema_ray.placement import PLACEMENT_ATTR, WeightHome
+        from xema_ray.models.loading import LoadedWeights, SeededWeights, WeightSource, materialize
         from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, load_tokenizer
 
         placement = opts.encoder_placement()
@@ -259,7 +252,7 @@ class ModelSpec(ABC):
         report = materialize(model, device, opts.dtype, source, home_of)
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
-            from xema_ray.models.loading import WEIGHT_HOME_ATTR
+            from xema_ray.placement import WEIGHT_HOME_ATTR
 
             for _, unit in spec.units(model):
                 setattr(unit, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks

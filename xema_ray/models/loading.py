@@ -37,7 +37,6 @@ from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -45,40 +44,11 @@ import torch
 from torch import nn
 
 from xema_ray.models.base import default_dtype
-
-
-class WeightHome(str, Enum):
-    """Where a module's weights live between uses."""
-
-    DEVICE = "device"
-    HOST = "host"
-
-
-#: attribute set on a module whose weights the loader (or a residency switch) homed on the host;
-#: the block-offload primitive reads it to stream those weights instead of moving them
-WEIGHT_HOME_ATTR = "_xema_weight_home"
-#: attribute on a component: the device it computes on (a host-homed block's tensors are on the CPU)
-COMPUTE_DEVICE_ATTR = "_xema_compute_device"
-#: attribute on a component: its ``PlacementReport`` (bytes placed per home at load)
-PLACEMENT_ATTR = "_xema_placement"
+from xema_ray.placement import COMPUTE_DEVICE_ATTR, PlacementReport, WeightHome, placeholder
 
 
 class CheckpointError(ValueError):
     """A diffusers directory does not hold what the model's config needs."""
-
-
-@dataclass
-class PlacementReport:
-    """Bytes placed per home while loading one component."""
-
-    device_bytes: int = 0
-    host_bytes: int = 0
-    tensors: int = 0
-
-    def add(self, other: PlacementReport) -> None:
-        self.device_bytes += other.device_bytes
-        self.host_bytes += other.host_bytes
-        self.tensors += other.tensors
 
 
 # ---------------------------------------------------------------------------- sources
@@ -438,8 +408,6 @@ def materialize(
             as_dtype = meta.is_floating_point() and name in sub._parameters
             nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
             if device.type == "meta":
-                from xema_ray.mitigation.hooks import placeholder
-
                 t_dtype = dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
                 t = (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
                      else placeholder(meta.shape, t_dtype, torch.device("meta")))

@@ -51,6 +51,9 @@ class Platform(ABC):
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
 
+    def release_cached_memory(self) -> None:
+        """Hand memory the allocator caches but no tensor holds back to the device (no-op but on CUDA)."""
+
     @abstractmethod
     def memory_stats(self) -> MemoryStats:
         """Memory used since the last ``reset_peak_memory``."""

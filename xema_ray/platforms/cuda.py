@@ -115,6 +115,9 @@ class CudaPlatform(Platform):
             # (ARCHITECTURE.md); memory_stats() then reports NVML's device usage instead
             pass
 
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def memory_stats(self) -> MemoryStats:
         try:
             return MemoryStats(

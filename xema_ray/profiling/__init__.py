@@ -1,4 +1,6 @@
-"""Latency: the segment-reuse profiler (§7.2), its on-disk store, and the roofline cost model.
+"""Latency estimates: the roofline cost model, hardware profiles, the profile store, phase shares.
+
+The segment-reuse profiler (§7.2) that measures on a worker is ``xema_ray.measure.profiler``.
 
 The planner calls ``estimate_latency(config, hardware, store)``; it returns a
 ``LatencyEstimate`` whose ``source`` is "measured", "profiled" or "estimated".

@@ -40,7 +40,7 @@ from xema_ray.runtime.emulation import (  # noqa: F401 - re-exported: the emulat
     scale_table,
 )
 from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS, Batch, BatchResult, PhaseTimings, RequestOutput
-from xema_ray.runtime.preemption import PausedRun, PreemptibleRun
+from xema_ray.runtime.pause import PausedRun, PreemptibleRun
 from xema_ray.runtime.progress import VOTE_PAUSE, VOTE_PAUSE_OFFLOAD, VOTE_STOP, BatchCancelled, StepObserver, step_vote
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig
 

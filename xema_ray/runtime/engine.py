@@ -40,7 +40,7 @@ from xema_ray.parallel.sp import Backend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
-from xema_ray.runtime.preemption import PauseControl
+from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.text import EncodedPrompts
 
@@ -323,7 +323,7 @@ class ExecutionEngine:
         """One pipeline call under ``config``: returns (pipeline output, phase seconds, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
-        serving layer pause it at a step boundary (``xema_ray.runtime.preemption``: only on a
+        serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
         thread of its own, which the pause parks)."""
         self._check(config)
         if len(prompts) != len(seeds):
@@ -343,7 +343,7 @@ class ExecutionEngine:
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
                 env[0] = self._batch_env(config, group, arm=False)  # its allocation order restarted)
             if self.shape_only:
-                from xema_ray.memory.analyzer import shape_only_execution
+                from xema_ray.analyzer.run import shape_only_execution
 
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy

@@ -7,7 +7,7 @@ loop at the same step (a rank that leaves early would strand the others in their
 collective), so with SP > 1 the ranks agree on the answer with one ``all_reduce(MAX)`` of a
 one-element tensor per step; rank 0's vote is the only one that can be true.
 
-A preemptible batch also gets a ``PauseControl`` (``xema_ray.runtime.preemption``): its pause
+A preemptible batch also gets a ``PauseControl`` (``xema_ray.runtime.pause``): its pause
 vote rides the same collective (0 = go on, 1 = pause keeping the state on the device, 2 = pause
 moving it to the host, 3 = stop; MAX wins, and any rank's pause request counts, since the
 serving layer asks every rank the same), and a pause parks the run's thread
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from xema_ray.runtime.preemption import PauseControl
+    from xema_ray.runtime.pause import PauseControl
 
 _GO, _PAUSE, _PAUSE_OFFLOAD, _STOP = 0, 1, 2, 3
 #: the votes ``step_vote`` returns, for other runners of the step protocol (the emulated worker)

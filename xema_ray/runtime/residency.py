@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.models import ModelSpec
-from xema_ray.models.loading import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
+from xema_ray.placement import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
 from xema_ray.plan import ExecutionConfig, Mitigation
 
 
@@ -189,7 +189,7 @@ class ResidencyManager:
         for t in [*block.parameters(), *block.buffers()]:
             nbytes = t.numel() * t.element_size()
             if self.device.type == "meta":
-                from xema_ray.mitigation.hooks import placeholder
+                from xema_ray.placement import placeholder
 
                 t.data = (torch.empty(t.shape, dtype=t.dtype, device="meta") if home is WeightHome.DEVICE
                           else placeholder(t.shape, t.dtype, self.device))

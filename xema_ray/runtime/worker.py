@@ -26,14 +26,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import BuildOptions, get_model_spec
-from xema_ray.models.loading import PLACEMENT_ATTR, PlacementReport
+from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import Backend
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
-from xema_ray.runtime.preemption import PausedRun, PreemptibleRun
+from xema_ray.runtime.pause import PausedRun, PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
 
@@ -202,7 +202,7 @@ class Worker:
         static allocator installed, reserve the arena's dynamic region for all of them and warm
         up once (the static region follows the template: ``xema_ray.runtime.arena``)."""
         from xema_ray.runtime.arena import ArenaEntry, TemplateArena
-        from xema_ray.runtime.layouts import load_artifact
+        from xema_ray.allocator.artifact import load_artifact
 
         refs = sorted({c.layout_ref for c in load.plans if c.layout_ref is not None})
         self.layouts = {}

@@ -7,33 +7,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xema_ray.models import MODEL_NAMES
-from xema_ray.serving.api import RequestLimits
-from xema_ray.serving.auth import AuthConfig
-from xema_ray.serving.jobs import JobStoreConfig
-from xema_ray.serving.scaling import AutoscalingSpec
+from xema_ray.deployment import GroupShape, TemplateSpec  # noqa: F401  (TemplateSpec: read from here too)
+from xema_ray.serving.api.schemas import RequestLimits
+from xema_ray.serving.api.auth import AuthConfig
+from xema_ray.serving.jobs.store import JobStoreConfig
+from xema_ray.serving.scale.scaling import AutoscalingSpec
 
 
-class TemplateSpec(BaseModel):
-    """A template to serve: ``{"width": 64, "height": 64, "frames": 1, "steps": 4}``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    width: int = Field(gt=0)
-    height: int = Field(gt=0)
-    frames: int = Field(default=1, ge=1)
-    steps: int = Field(default=50, ge=1)
-
-
-class ModelGroupConfig(BaseModel):
-    """One model's worker set."""
+class ModelGroupConfig(GroupShape):
+    """One model's worker set (its model, workers and templates are ``GroupShape``'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description=f"registry name: {', '.join(MODEL_NAMES)}")
-    workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
-    templates: list[TemplateSpec] = Field(min_length=1)
     replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs); "
                                                         "with autoscaling, the count it starts with")
     autoscaling: AutoscalingSpec | None = Field(
@@ -60,8 +46,6 @@ class ModelGroupConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
         if self.weights_dir is not None:
             # workers run in other directories: a relative path means the one `serve run` started in
             # (its contents are checked where the weights are read: on the workers' machines)

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 
 from xema_ray.hash_seed import HASH_SEED, HASH_SEED_ENV
-from xema_ray.serving.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 #: Ray's switch: "0" makes a node use 127.0.0.1 as its address, so its servers bind only there
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

@@ -8,6 +8,7 @@ imports ``planner``.
 
 from __future__ import annotations
 
+from xema_ray import deployment
 from xema_ray.plan import PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.templates import RequestTemplate
@@ -15,11 +16,7 @@ from xema_ray.templates import RequestTemplate
 
 def served_templates(cfg: ServeConfig) -> list[RequestTemplate]:
     """Every configured template, validated (a bad one fails start-up with its reason)."""
-    out = []
-    for g in cfg.models:
-        for t in g.templates:
-            out.append(RequestTemplate(model=g.model, width=t.width, height=t.height, frames=t.frames, steps=t.steps))
-    return out
+    return deployment.served_templates(list(cfg.models))
 
 
 class PlanNotRunnable(ValueError):

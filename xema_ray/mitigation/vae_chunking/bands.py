@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xema_ray.mitigation.hooks import HostCopy, OffloadedTensor
+from xema_ray.placement import HostCopy, OffloadedTensor
 
 
 def map_shape(t: Any) -> torch.Size | None:

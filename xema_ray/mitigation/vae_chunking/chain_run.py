@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from xema_ray.mitigation.hooks import placeholder
+from xema_ray.placement import placeholder
 from xema_ray.mitigation.vae_chunking.bands import (
     Bands,
     WholeOutput,

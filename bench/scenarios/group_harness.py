@@ -1,0 +1,68 @@
+"""A ``ModelGroup`` on in-process workers, without Ray: its event loop runs on a thread of its own
+(as a Serve replica's does), and the test calls into it with ``call``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
+from xema_ray.templates import RequestTemplate
+
+T = TypeVar("T")
+
+
+def entry(t: RequestTemplate, batch: int = 1, dp: int = 1, latency_s: float = 0.5, slo_s: float = 30.0,
+          layout_ref: str | None = None) -> PlanEntry:
+    cfg = ExecutionConfig(template=t, batch=batch, dp=dp, layout_ref=layout_ref)
+    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0,
+                                                            slo_s=slo_s, latency_source="measured"))
+
+
+class Harness:
+    """The group and the loop it runs on."""
+
+    def __init__(self, group: ModelGroup, loop: asyncio.AbstractEventLoop) -> None:
+        self.group = group
+        self.loop = loop
+
+    def call(self, fn: Callable[[ModelGroup], Awaitable[T]], timeout: float = 120.0) -> T:
+        """Run ``fn(group)`` on the group's loop and wait for its result (or its exception)."""
+        async def run() -> T:
+            return await fn(self.group)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def submit(self, fn: Callable[[ModelGroup], Awaitable[T]]) -> Any:
+        """Start ``fn(group)`` on the loop; returns a ``concurrent.futures.Future``."""
+        async def run() -> T:
+            return await fn(self.group)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+
+@contextmanager
+def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1, **kwargs: Any) -> Iterator[Harness]:
+    """A started group of ``workers`` in-process workers serving ``plans`` (kwargs: ModelGroup's)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"group-{model}", daemon=True)
+    thread.start()
+    group = ModelGroup(model, workers, plans, **{"worker_set": InProcessWorkerSet, **kwargs})
+    try:
+        yield Harness(group, loop)
+    finally:
+        async def stop() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        group.workers.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()

@@ -1,0 +1,42 @@
+"""The Serve application on this machine for a test module: Ray with local-only ports and the
+proxy's JSON errors (as ``make serve`` starts it), the app built from ``args`` with a plan table,
+everything torn down afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from xema_ray.net import free_port
+from xema_ray.plan import PlanTable
+from xema_ray.serving.ray_env import apply_ray_env
+from xema_ray.serving.api.ready import wait_ready
+
+
+@contextlib.contextmanager
+def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4) -> Iterator[str]:
+    """Serve the app of ``args`` with ``table`` (saved under ``plans_dir``); yields its base URL."""
+    from deployments.app import build_app
+
+    path = plans_dir / "table.json"
+    table.save(str(path))
+    args = {**args, "plan_table": str(path)}
+    port = free_port()
+    saved_env = dict(os.environ)
+    apply_ray_env(open_ports=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="xema", route_prefix="/")
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)  # /healthz 200: every group answers
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved_env)

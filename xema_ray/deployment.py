@@ -1,0 +1,72 @@
+"""What a deployment serves, as the planner and the serving app both read it: the model groups'
+sizes and templates from a ``serve run`` YAML (``applications[0].args``).
+
+The serving app validates the whole document (``xema_ray.serving.config.ServeConfig``, whose
+``ModelGroupConfig`` extends ``GroupShape`` here); the planner reads only the shape it plans for,
+so planning never imports serving (docs/architecture.md, "The layers").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xema_ray.models import MODEL_NAMES
+from xema_ray.templates import RequestTemplate
+
+
+class TemplateSpec(BaseModel):
+    """A template to serve: ``{"width": 64, "height": 64, "frames": 1, "steps": 4}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    frames: int = Field(default=1, ge=1)
+    steps: int = Field(default=50, ge=1)
+
+
+class GroupShape(BaseModel):
+    """One model group as planning sees it: the model, its GPUs and its templates."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description=f"registry name: {', '.join(MODEL_NAMES)}")
+    workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
+    templates: list[TemplateSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _known_model(self) -> GroupShape:
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        return self
+
+
+class DeploymentShape(BaseModel):
+    """The model groups of a deployment (every other key of the app's args is serving's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    models: list[GroupShape] = Field(min_length=1)
+
+    @classmethod
+    def from_serve_yaml(cls, path: Path) -> DeploymentShape:
+        """Read ``applications[0].args`` of a ``serve run`` YAML.
+
+        Raises:
+            ValueError: the file is not a Serve config with an application's args.
+        """
+        import yaml
+
+        doc = yaml.safe_load(path.read_text())
+        apps = (doc or {}).get("applications") or []
+        if not apps or "args" not in apps[0]:
+            raise ValueError(f"{path}: expected a Serve config with applications[0].args (as deployments/xema.yaml)")
+        return cls.model_validate(apps[0]["args"])
+
+
+def served_templates(groups: list[GroupShape]) -> list[RequestTemplate]:
+    """Every configured template, validated (a bad one fails with its reason)."""
+    return [RequestTemplate(model=g.model, width=t.width, height=t.height, frames=t.frames, steps=t.steps)
+            for g in groups for t in g.templates]

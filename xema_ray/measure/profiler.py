@@ -1,0 +1,401 @@
+"""The latency profiler (paper §7.2): a request's latency from a few measured segments.
+
+Profiling a whole request can take minutes to hours. The memory trace already names every
+*segment* of the request (a maximal run of one unit — a DiT block, a VAE up-block, the code
+between them — in one phase) and its operator pattern. Runs with the same pattern are the same
+operator combination and take the same time under the same execution shape, so:
+
+1. trace the template on the meta device (the analyzer) and group its segments by
+   (unit, phase); the *signature* of a group is the unit's class plus its segments' patterns;
+2. if the store holds a latency for every signature of the request under this execution shape,
+   nothing runs; otherwise run one *calibration request* of ``min(steps, 3)`` denoising steps
+   (step 0 carries one-off set-up, steps 1-2 are the steady state every later step repeats) with
+   hooks that attribute wall time exclusively to the innermost unit running, per phase;
+3. the latency of a signature is the median over the calibration groups sharing it (identical
+   DiT blocks measure each other); the request's estimate is the sum, over every group of the
+   full request's trace, of its signature's latency, plus the time no unit claims (scheduler,
+   pipeline glue), extrapolated per steady step.
+
+Measurements go to the ``ProfileStore`` keyed by hardware fingerprint, model, execution shape
+and signature, so a second template with the same shape but more steps, or a config whose
+mitigations leave a region untouched, reuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from xema_ray.memory.analysis import segments as trace_segments
+from xema_ray.memory.analysis import phase_group, unit_of
+from xema_ray.analyzer.run import DIT_BEGIN, STEP_BOUNDARY, TraceOptions, _markers, trace_template
+from xema_ray.memory.trace import MemoryTrace
+from xema_ray.plan import ExecutionConfig
+from xema_ray.platforms import Platform, current_platform
+from xema_ray.profiling.store import ProfileStore, RequestRecord, SegmentRecord, now
+from xema_ray.runtime.engine import ExecutionEngine, apply_config_mitigations
+
+PIPELINE_UNIT = "<pipeline>"
+#: denoising steps of the calibration request: step 0 (with set-up) and two steady steps (the
+#: analyzer's replication window; two samples of every steady operator combination)
+CALIBRATION_STEPS = 3
+
+UnitPhase = tuple[str, str]
+
+
+class ProfileReport(BaseModel):
+    """What one ``LatencyProfiler.profile`` call did and estimated."""
+
+    model_config = ConfigDict(frozen=True)
+
+    template: str
+    config_hash: str
+    fingerprint: str
+    estimate_s: float = Field(description="estimated pipeline latency of one batch (text + denoise + decode)")
+    per_phase: dict[str, float]
+    segments_estimated: int = Field(description="trace segments of the full request the estimate covers")
+    segments_profiled: int = Field(description="trace segments executed by the calibration request (0: all reused)")
+    signatures: int = Field(description="distinct operator combinations in the request")
+    signatures_measured: int = Field(description="of which measured now")
+    signatures_reused: int = Field(description="of which taken from the store")
+    matched_by_unit: int = Field(description="(unit, phase) runs whose exact pattern was not measured, timed by the same unit's run")
+    calibration_steps: int
+    profiling_s: float = Field(description="wall time spent profiling (trace + calibration run)")
+
+
+def latency_phase(phase: str) -> str:
+    """A trace phase -> the bucket its time is reported in: its ``phase_group``, with "post" (the
+    few operators after the last step) counted in "decode", as the engine's clock counts it."""
+    group = phase_group(phase)
+    return "decode" if group == "post" else group
+
+
+def _phase_kind(phase: str) -> str:
+    """Steps >= 1 are interchangeable (the analyzer replicates them); step 0 and the rest keep their name."""
+    if phase.startswith("denoise.step") and phase != "denoise.step0":
+        return "denoise.step*"
+    return phase
+
+
+def _unit_key(unit: str, phase: str) -> str:
+    return f"unit:{unit}@{_phase_kind(phase)}"
+
+
+def _unit_classes(pipe: Any) -> dict[str, str]:
+    """Unit name -> class name of the module at that path (the unit's root)."""
+    out: dict[str, str] = {}
+    for comp, module in pipe.components.items():
+        if not isinstance(module, nn.Module):
+            continue
+        for path, sub in module.named_modules():
+            full = f"{comp}.{path}" if path else comp
+            if unit_of(full) == full:
+                out.setdefault(full, type(sub).__name__)
+    return out
+
+
+def group_signatures(trace: MemoryTrace, classes: dict[str, str]) -> tuple[dict[UnitPhase, str], int]:
+    """(unit, phase) -> signature of its segments, and the number of segments."""
+    patterns: dict[UnitPhase, list[str]] = defaultdict(list)
+    segs = trace_segments(trace)
+    for s in segs:
+        patterns[(s.unit, s.phase)].append(s.pattern)
+    sigs = {}
+    for (unit, phase), pats in patterns.items():
+        text = classes.get(unit, PIPELINE_UNIT if unit == PIPELINE_UNIT else unit) + "|" + ",".join(pats)
+        sigs[(unit, phase)] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return sigs, len(segs)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Collect first, then keep Python's cyclic GC out of the timed region: a generation-2
+    collection over the pipeline's objects takes ~0.1-0.2 s on the CI box and would land in
+    whichever segment it interrupts. Applied to calibration and measurement alike."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Timeline:
+    """Wall-clock attribution of a pipeline call to (innermost unit, phase).
+
+    Hooks push/pop unit roots; the analyzer's markers (``_markers``) record DiT entry, step
+    boundaries and decoder windows, so phases here are the trace's phases."""
+
+    def __init__(self, pipe: Any, platform: Platform) -> None:
+        self.pipe = pipe
+        self.platform = platform
+        self.events: list[tuple[float, str, str]] = []
+        self._handles: list[Any] = []
+
+    def _now(self) -> float:
+        self.platform.synchronize()  # device work queued so far belongs to the interval that launched it
+        return time.perf_counter()
+
+    def mark(self, label: str) -> None:
+        self.events.append((self._now(), "mark", label))
+
+    @contextlib.contextmanager
+    def recording(self, device_type: str) -> Iterator[None]:
+        for comp, module in self.pipe.components.items():
+            if not isinstance(module, nn.Module):
+                continue
+            for path, sub in module.named_modules():
+                full = f"{comp}.{path}" if path else comp
+                if unit_of(full) != full:
+                    continue
+                self._handles.append(sub.register_forward_pre_hook(lambda *_a, _n=full: self.events.append((self._now(), "push", _n))))
+                self._handles.append(sub.register_forward_hook(lambda *_a, _n=full: self.events.append((self._now(), "pop", _n))))
+        try:
+            with _no_gc(), _markers(self.pipe, self, device_type):
+                self.events.append((self._now(), "start", ""))
+                yield
+                self.events.append((self._now(), "end", ""))
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+    def hook_overhead(self, calls: int = 2000) -> float:
+        """Seconds one recorded event adds to the interval it ends (hook dispatch + clock read),
+        measured on a trivial module with the same hooks; subtracted per interval so the hooks'
+        own cost does not inflate small segments."""
+        probe = nn.Identity()
+        x = object()
+        sink: list[tuple[float, str, str]] = []
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                probe(x)
+            return time.perf_counter() - t0
+
+        plain = min(run() for _ in range(3))
+        handles = [
+            probe.register_forward_pre_hook(lambda *_a: sink.append((self._now(), "push", "probe"))),
+            probe.register_forward_hook(lambda *_a: sink.append((self._now(), "pop", "probe"))),
+        ]
+        try:
+            hooked = min(run() for _ in range(3))
+        finally:
+            for h in handles:
+                h.remove()
+        return max(0.0, (hooked - plain) / (2 * calls))
+
+    def attribute(self, overhead_s: float = 0.0) -> dict[UnitPhase, float]:
+        marks = [(t, label) for t, kind, label in self.events if kind == "mark"]
+        first_dit = next((t for t, label in marks if label == DIT_BEGIN), float("inf"))
+        bounds = [t for t, label in marks if label == STEP_BOUNDARY]
+        windows: list[tuple[float, float, str]] = []
+        opened: dict[str, float] = {}
+        for t, label in marks:
+            if label.startswith("begin:"):
+                opened[label[6:]] = t
+            elif label.startswith("end:") and label[4:] in opened:
+                windows.append((opened.pop(label[4:]), t, label[4:]))
+
+        def phase_at(t: float) -> str:
+            if t < first_dit and (not bounds or t < bounds[0]):
+                return "setup"
+            k = sum(1 for b in bounds if b <= t)
+            if k < len(bounds) or not bounds:
+                return f"denoise.step{k}"
+            for s, e, name in windows:
+                if s <= t < e:
+                    return f"decode.{name}"
+            return "post"
+
+        out: dict[UnitPhase, float] = defaultdict(float)
+        stack: list[str] = []
+        for (t, kind, name), (t_next, _, _) in zip(self.events, self.events[1:], strict=False):
+            if kind == "push":
+                stack.append(name)
+            elif kind == "pop" and stack and stack[-1] == name:
+                stack.pop()
+            key = (stack[-1] if stack else PIPELINE_UNIT, phase_at(t))
+            out[key] += max(0.0, t_next - t - overhead_s)
+        return dict(out)
+
+
+class LatencyProfiler:
+    """Segment-reuse latency profiling on one worker's engine.
+
+    Args:
+        engine: the worker's engine (its pipeline is what gets measured; SP and mitigations of
+            the config are installed by the engine, so every SP rank must profile together).
+        store: where measurements are looked up and recorded.
+        platform: for synchronisation and the hardware fingerprint (default: current).
+
+    Example:
+        >>> profiler = LatencyProfiler(engine, ProfileStore("profiles.json"))  # doctest: +SKIP
+        >>> profiler.profile(ExecutionConfig(template=t)).estimate_s  # doctest: +SKIP
+    """
+
+    def __init__(self, engine: ExecutionEngine, store: ProfileStore, platform: Platform | None = None) -> None:
+        self.engine = engine
+        self.store = store
+        self.platform = platform or engine.platform or current_platform()
+        self.fingerprint = self.platform.hardware_fingerprint()
+        self._classes = _unit_classes(engine.pipe)
+
+    @staticmethod
+    def exec_key(config: ExecutionConfig) -> str:
+        """The execution shape a segment's latency depends on besides its own pattern."""
+        return f"{config.template.shape_key}/b{config.batch}/u{config.ulysses}r{config.ring}"
+
+    def _trace(self, config: ExecutionConfig, steps: int) -> MemoryTrace:
+        spec = self.engine.spec
+        template = config.batched_template.with_(steps=steps)
+
+        def prepare(pipe: Any, _tracer: Any) -> contextlib.AbstractContextManager[None]:
+            return apply_config_mitigations(pipe, spec, config.mitigations)
+
+        return trace_template(template, TraceOptions(device="meta", dtype=self.engine.dtype), prepare=prepare)
+
+    def calibrate(self, config: ExecutionConfig, steps: int) -> dict[UnitPhase, float]:
+        """Run ``config``'s request with ``steps`` denoising steps under the timeline hooks."""
+        calib = ExecutionConfig(**{**config.model_dump(exclude={"template"}), "template": config.template.with_(steps=steps)})
+        timeline = _Timeline(self.engine.pipe, self.platform)
+        overhead = timeline.hook_overhead()
+        with timeline.recording(self.engine.device.type):
+            self.engine.run_pipeline(calib, ["profiling"] * config.batch, list(range(config.batch)), output_type="np")
+        return timeline.attribute(overhead)
+
+    def profile(self, config: ExecutionConfig) -> ProfileReport:
+        """Estimate one batch's pipeline latency under ``config``, measuring only what the store lacks."""
+        t0 = time.perf_counter()
+        steps = config.template.steps
+        full_sigs, n_segments = group_signatures(self._trace(config, steps), self._classes)
+        key = self.exec_key(config)
+        model = config.template.model
+        wanted = set(full_sigs.values())
+        phase_kinds = {_phase_kind(p) for _, p in full_sigs}
+        missing = {
+            s for (unit, phase), s in full_sigs.items()
+            if self.store.get_segment(self.fingerprint, model, key, s) is None
+            and self.store.get_segment(self.fingerprint, model, key, _unit_key(unit, phase)) is None
+        }
+        missing |= {f"untraced:{k}" for k in phase_kinds if self.store.get_segment(self.fingerprint, model, key, f"untraced:{k}") is None}
+        calib_steps = min(steps, CALIBRATION_STEPS)
+        profiled = 0
+        measured: set[str] = set()
+        if missing:
+            calib_sigs, profiled = group_signatures(self._trace(config, calib_steps), self._classes)
+            times = self.calibrate(config, calib_steps)
+            by_sig: dict[str, list[float]] = defaultdict(list)
+            by_unit: dict[str, list[float]] = defaultdict(list)
+            units: dict[str, str] = {}
+            untraced: dict[str, list[float]] = defaultdict(list)
+            for (unit, phase), seconds in times.items():
+                sig = calib_sigs.get((unit, phase))
+                if sig is None:
+                    untraced[_phase_kind(phase)].append(seconds)  # a unit that allocated nothing
+                else:
+                    by_sig[sig].append(seconds)
+                    by_unit[_unit_key(unit, phase)].append(seconds)
+                    units.setdefault(sig, unit)
+            for (unit, phase), sig in calib_sigs.items():
+                if (unit, phase) not in times:
+                    # allocations with no execution time: resident weights registered at set-up
+                    by_sig[sig].append(0.0)
+                    by_unit[_unit_key(unit, phase)].append(0.0)
+                    units.setdefault(sig, unit)
+            for phase in {_phase_kind(p) for _, p in calib_sigs}:
+                untraced.setdefault(phase, [0.0])
+            records = [(sig, units.get(sig, "?"), vals) for sig, vals in by_sig.items()]
+            records += [(k, k, vals) for k, vals in by_unit.items()]
+            records += [(f"untraced:{k}", "untraced", vals) for k, vals in untraced.items()]
+            for sig, unit, vals in records:
+                if sig in missing:
+                    measured.add(sig)
+                self.store.put_segment(
+                    SegmentRecord(
+                        fingerprint=self.fingerprint, model=model, exec_key=key, signature=sig, unit=unit,
+                        seconds=statistics.median(vals), samples=len(vals), config_hash=config.config_hash(),
+                        measured_at=now(),
+                    )
+                )
+        per_phase: dict[str, float] = defaultdict(float)
+        by_unit_fallbacks = 0
+        for (unit, phase), sig in full_sigs.items():
+            rec = self.store.get_segment(self.fingerprint, model, key, sig)
+            if rec is None:
+                # the same unit in the same kind of phase with a slightly different allocation
+                # sequence, e.g. the set-up's timestep table, whose length is the step count
+                rec = self.store.get_segment(self.fingerprint, model, key, _unit_key(unit, phase))
+                by_unit_fallbacks += 1
+            if rec is None:
+                raise RuntimeError(
+                    f"unit {unit} in phase {phase} of {config.template.key} was not executed by the "
+                    f"{calib_steps}-step calibration request"
+                )
+            per_phase[latency_phase(phase)] += rec.seconds
+        phases_present: dict[str, int] = defaultdict(int)
+        for phase in {p for _, p in full_sigs}:
+            phases_present[_phase_kind(phase)] += 1
+        for kind, count in phases_present.items():
+            rec = self.store.get_segment(self.fingerprint, model, key, f"untraced:{kind}")
+            if rec is not None:
+                per_phase[latency_phase(kind)] += rec.seconds * count
+        estimate = sum(per_phase.values())
+        report = ProfileReport(
+            template=config.template.key,
+            config_hash=config.config_hash(),
+            fingerprint=self.fingerprint,
+            estimate_s=estimate,
+            per_phase=dict(per_phase),
+            segments_estimated=n_segments,
+            segments_profiled=profiled,
+            signatures=len(wanted),
+            signatures_measured=len(measured & wanted),
+            signatures_reused=len(wanted - measured),
+            matched_by_unit=by_unit_fallbacks,
+            calibration_steps=calib_steps if missing else 0,
+            profiling_s=time.perf_counter() - t0,
+        )
+        self.store.put_request(
+            RequestRecord(
+                fingerprint=self.fingerprint, model=model, template=config.template.key, config_hash=config.config_hash(),
+                source="profiled", total_s=estimate, per_phase=dict(per_phase), steps=steps, measured_at=now(),
+                config=config,
+            )
+        )
+        return report
+
+    def measure(self, config: ExecutionConfig, repeats: int = 1) -> RequestRecord:
+        """Run the full request ``repeats`` times and record the median pipeline latency as "measured"."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        totals, phases = [], []
+        for _ in range(repeats):
+            with _no_gc():
+                t0 = time.perf_counter()
+                _, ph, _, _ = self.engine.run_pipeline(
+                    config, ["profiling"] * config.batch, list(range(config.batch)), output_type="np"
+                )
+                totals.append(time.perf_counter() - t0)
+            phases.append(ph)
+        i = totals.index(statistics.median_low(totals))
+        record = RequestRecord(
+            fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
+            config_hash=config.config_hash(), source="measured", total_s=totals[i],
+            per_phase={latency_phase(k) if k != "text" else "setup": v for k, v in phases[i].items()},
+            steps=config.template.steps, measured_at=now(), config=config,
+        )
+        self.store.put_request(record)
+        return record

@@ -1,0 +1,264 @@
+"""``xema verify``: the serving worker's own load + execute code, on the meta device, counted.
+
+For each plan-table entry a ``Worker`` is started on the meta platform (the same class a GPU
+worker actor runs; SP ranks join a fake process group, so one process stands for rank 0 of the
+batch's SP group), loads the model with the entry's plans (each weight placed where the
+residency says, exactly as on a GPU) and executes one batch of the plan's size, all under the
+``AllocationTracer``. Device bytes are counted from the first weight placed to the end of the
+request; host bytes (weights homed on pinned host memory) are reported separately. Nothing is
+modelled here: what is counted is what the worker allocates.
+
+Denoising steps repeat the same allocations (the analyzer checks it), so ``VERIFY_STEPS``
+steps stand for all of them.
+
+Example:
+    >>> from xema_ray.plan import ExecutionConfig
+    >>> from xema_ray.templates import RequestTemplate
+    >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)
+    >>> r = verify_config(ExecutionConfig(template=t), budget_bytes=10**9)
+    >>> r.fits, r.device_peak_bytes > r.load_peak_bytes > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.analyzer.run import REPLICATE_FROM
+from xema_ray.memory.trace import MemoryTrace
+from xema_ray.analyzer.tracer import ALLOC, AllocationTracer, RawTrace, round_size
+from xema_ray.plan import ExecutionConfig, PlanTable
+from xema_ray.runtime.worker import ModelLoadConfig, ResidencyPolicy, Worker
+
+if TYPE_CHECKING:
+    from xema_ray.allocator.artifact import LayoutArtifact
+
+VERIFY_STEPS = REPLICATE_FROM
+LOAD_END = "verify:load_end"
+
+
+class VerifyEntry(BaseModel):
+    """What the worker's own code allocated for one plan entry."""
+
+    model_config = ConfigDict(frozen=True)
+
+    template: str
+    plan: str = Field(description="ExecutionConfig.describe() of the entry")
+    device_peak_bytes: int = Field(description="device peak from the first weight placed to the end of the request")
+    load_peak_bytes: int = Field(description="device peak while loading (the weights the device holds after load)")
+    host_bytes: int = Field(description="weight bytes homed on (pinned) host memory")
+    text_encoder: str | None = Field(default=None, description="where the text encoder ran (None: stand-in embeddings)")
+    budget_bytes: int
+    predicted_peak_bytes: int | None = Field(default=None, description="the planner's prediction, for comparison")
+    fits: bool
+    steps_traced: int
+    sp_rank_traced: int = Field(default=0, description="the SP rank whose allocations were counted")
+    seconds: float
+    error: str | None = Field(default=None, description="why the worker could not run the entry (then fits is false)")
+    static_reserved_bytes: int | None = Field(default=None, description="the entry's static layout: reserved bytes")
+    lower_bound_bytes: int | None = Field(default=None, description="max live bytes of the request (no layout can do better)")
+    layout_misses: int | None = Field(default=None, description="allocations of the worker's stream the layout did not "
+                                                                "place (replayed through the host arena)")
+
+
+class VerifyReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    plan_table: str | None = None
+    entries: list[VerifyEntry]
+
+    @property
+    def all_fit(self) -> bool:
+        return all(e.fits for e in self.entries)
+
+
+def device_peaks(raw: RawTrace) -> tuple[int, int]:
+    """(whole-run peak, peak up to the load-end marker) of a raw trace, in caching-allocator bytes."""
+    kinds = np.asarray(raw.event_kind, dtype=np.int8)
+    sizes = np.asarray([round_size(r.nbytes) for r in raw.records], dtype=np.int64)
+    alloc_of = np.asarray(raw.event_alloc, dtype=np.int64)
+    if kinds.size == 0:
+        return 0, 0
+    delta = np.where(kinds == ALLOC, sizes[alloc_of], -sizes[alloc_of])
+    live = np.cumsum(delta)
+    load_end = next((pos for pos, label in raw.markers if label == LOAD_END), len(live))
+    load_peak = int(live[:load_end].max()) if load_end > 0 else 0
+    return int(live.max()), load_peak
+
+
+def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
+                group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
+                layouts_dir: Path | None = None, replay_blocks: bool = False) -> tuple[int, str | None, str | None]:
+    """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
+    meta under ``tracer``; (host bytes, text encoder placement, error). ``replay_blocks``: the
+    analyzer's block replay (``xema_ray.analyzer.block_replay``, exact) beneath the batch's hooks,
+    SP ranks included (the fake process group's collectives are allocations like any other)."""
+    from xema_ray.placement import forget_placeholders
+
+    template = config.template
+    run = config.model_copy(update={"template": template.with_(steps=steps)})
+    plans = (config, *[p for p in group_plans if p != config])
+    # the placeholders' shared scalars (512 B each) are made by a process's first load: made
+    # again here, the load counts them whatever this process traced before (the loaded bytes,
+    # and so the entry's predicted peak, do not depend on which planning worker ran it)
+    forget_placeholders("meta")
+    worker = Worker(platform="meta")
+    try:
+        from xema_ray.analyzer.run import trace_markers
+        from xema_ray.parallel.groups import ParallelConfig, SPLayout
+        from xema_ray.runtime.engine import Batch, GenerationRequest
+
+        layouts = tuple({(p.ulysses, p.ring) for p in plans if p.sp > 1 and p.sp <= config.sp})
+        parallel = (ParallelConfig(rank=0, world_size=1) if config.sp == 1 else
+                    ParallelConfig(rank=0, world_size=config.sp, init_method="fake://", backend="fake",
+                                   layouts=tuple(SPLayout(ulysses=u, ring=r) for u, r in sorted(layouts)
+                                                 if config.sp % (u * r) == 0)))
+        batch = Batch(config=run, requests=tuple(GenerationRequest(request_id=f"verify-{i}", prompt="a photo of a cat",
+                                                                    seed=i) for i in range(config.batch)))
+        with torch.no_grad(), tracer:
+            worker.init_device(parallel)
+            loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency,
+                                                       layouts_dir=layouts_dir))
+            tracer.mark(LOAD_END)
+            assert worker.engine is not None
+            if replay_blocks:
+                from xema_ray.analyzer.block_replay import BlockReplay, transformer_blocks
+
+                worker.engine.inner_env = lambda pipe: BlockReplay(tracer, transformer_blocks(pipe, {})).installed()
+            with trace_markers(worker.engine.pipe, tracer, "meta") if markers else contextlib.nullcontext():
+                worker.execute(batch)
+        return loaded.host_bytes, loaded.text_encoder, None
+    except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
+        return 0, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        worker.shutdown()
+
+
+def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None, replay_blocks: bool = True) -> MemoryTrace:
+    """The allocations one batch of ``config`` makes in the serving worker after its weights are
+    placed, for the template's full step count (steps traced and replicated like the analyzer's;
+    DiT blocks replayed where exact: ``replay_blocks``, the same stream, ~4x faster on LTX-2).
+
+    Always the stream of a process started with ``PYTHONHASHSEED=0``, as serving workers are
+    (``xema_ray.hash_seed``: the model code's set iteration order depends on it): traced
+    here when this process is, else in a seeded child process."""
+    return worker_streams(config, (config.template.steps,), layouts_dir, replay_blocks)[0]
+
+
+def worker_streams(config: ExecutionConfig, steps: tuple[int, ...], layouts_dir: Path | None = None,
+                   replay_blocks: bool = True) -> list[MemoryTrace]:
+    """``worker_trace`` with the traced steps replicated to each of ``steps`` step counts (one
+    worker run; a step count below the traced ones is not allowed)."""
+    from xema_ray.hash_seed import seeded
+
+    if not seeded():
+        from xema_ray.measure.seeded_trace import trace_in_child
+
+        return trace_in_child(config, steps, layouts_dir, replay_blocks)
+    return trace_here(config, steps, layouts_dir, replay_blocks)
+
+
+def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, layouts_dir: Path | None = None,
+               replay_blocks: bool = True) -> list[MemoryTrace]:
+    """``worker_streams`` in this process, whatever its string-hash seed (default: the template's steps)."""
+    from xema_ray.analyzer.run import expand_steps
+
+    tracer = AllocationTracer("meta", {})
+    _, _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS), tracer, markers=True,
+                              layouts_dir=layouts_dir, replay_blocks=replay_blocks)
+    if error is not None:
+        raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
+    raw = tracer.raw()
+    load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
+    loaded = device_peaks(raw)[1]
+    out = []
+    for n in steps or (config.template.steps,):
+        trace = expand_steps(raw, n)
+        request = trace.subset(trace.begin >= load_end)
+        # events numbered from the request's start: what the load made before it (a first load in a
+        # process makes one lazily built buffer more) does not shift the stream, so the layout solved
+        # from it, and its id, are the same in every process
+        request.begin, request.end = request.begin - load_end, request.end - load_end
+        request.n_events -= load_end
+        request.step_bounds = [b - load_end for b in request.step_bounds]
+        request.loaded_bytes = loaded  # the weights the worker placed before the request
+        out.append(request)
+    return out
+
+
+def verify_config(
+    config: ExecutionConfig,
+    budget_bytes: int,
+    group_plans: Iterable[ExecutionConfig] = (),
+    residency: ResidencyPolicy = "per_template",
+    predicted_peak_bytes: int | None = None,
+    layout: LayoutArtifact | None = None,
+    layouts_dir: Path | None = None,
+) -> VerifyEntry:
+    """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
+
+    Args:
+        config: the plan to run.
+        budget_bytes: the per-GPU budget it must stay within.
+        group_plans: the other plans of the worker's group (they shape the residency at load).
+        residency: the group's residency policy.
+        predicted_peak_bytes: the planner's prediction, reported beside the count.
+        layout: the entry's static layout artifact: the worker's full request stream (with the
+            GPU-only allocations the layout was solved with, if any) is replayed through the C++
+            allocator's host arena against it (misses, reserved bytes reported).
+        layouts_dir: the plan table's layouts folder (the worker validates the layouts it names).
+    """
+    t0 = time.perf_counter()
+    steps = min(config.template.steps, VERIFY_STEPS)
+    tracer = AllocationTracer("meta", {})
+    host, encoder, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
+                                       residency=residency, layouts_dir=layouts_dir)
+    peak, load_peak = device_peaks(tracer.raw())
+    replayed = None
+    if layout is not None and error is None:
+        from xema_ray.allocator.device_allocs import include
+        from xema_ray.allocator.layout_replay import replay
+
+        stream = worker_trace(config, layouts_dir)
+        if layout.device_allocs is not None:
+            # the GPU-only allocations recorded on this GPU model count in the device peak too
+            stream = include(stream, layout.device_allocs)[0]
+            peak = max(peak, stream.loaded_bytes + stream.peak())
+        replayed = replay(layout.solved(), stream)
+    return VerifyEntry(
+        template=config.template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
+        host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
+        fits=error is None and peak <= budget_bytes and (replayed is None or replayed.misses == 0),
+        steps_traced=steps, seconds=time.perf_counter() - t0, error=error,
+        static_reserved_bytes=replayed.static_reserved_bytes if replayed else None,
+        lower_bound_bytes=replayed.lower_bound_bytes if replayed else None,
+        layout_misses=replayed.misses if replayed else None,
+    )
+
+
+def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path: str | None = None) -> VerifyReport:
+    """``verify_config`` for every entry of ``table`` (or the named shape keys). Each entry is
+    loaded with its own plan first, as a per-template worker loads it for that template; a
+    switch from another template's residency only moves blocks out before others come in, so
+    it never exceeds the larger of the two residencies' device bytes."""
+    keys = list(templates) if templates is not None else sorted(table.entries)
+    out = []
+    for key in keys:
+        e = table.entries[key]
+        layout = folder = None
+        if e.config.layout_ref is not None and path is not None:
+            from xema_ray.allocator.artifact import load_artifact, layouts_dir
+
+            folder = layouts_dir(path)
+            layout = load_artifact(folder, e.config.layout_ref)
+        out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
+                                 predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder))
+    return VerifyReport(plan_table=path, entries=out)

@@ -1,0 +1,5 @@
+"""The dispatch policy (paper §4, Figure 3): batching, step-level preemption, admission.
+
+Pure: no I/O and no clock. The live model group (``xema_ray.serving.group``) and the simulator
+(``xema_ray.sim``) both drive the same ``Dispatcher``, as vLLM's scheduler sits under its engine.
+"""

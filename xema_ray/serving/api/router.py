@@ -1,0 +1,459 @@
+"""The HTTP ingress (Ray Serve + FastAPI): OpenAI-style endpoints, template mapping, errors.
+
+Status codes (``errors.py`` has the table and the JSON shape): 422 malformed input naming the
+field, 400 a well-formed request for a template this deployment does not serve (with the list it
+does serve), 413 / 415 a body too large / not JSON, 503 with Retry-After when a queue is full,
+the server is busy or a worker set / replica died, 500 only for bugs.
+
+Video jobs (``/v1/videos``, the OpenAI video API) live in the job store; every replica answers
+for every job, and each replica re-dispatches jobs no model group holds (``VideoJobs.reconcile``).
+"""
+
+# no `from __future__ import annotations`: FastAPI must see the request models as real classes
+
+import asyncio
+import base64
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from xema_ray.plan import PlanTable
+from xema_ray.serving.api.schemas import (
+    ImageData,
+    ImageRequest,
+    ImageResponse,
+    RequestLimits,
+    TemplateInfo,
+    UnsupportedTemplate,
+    VideoRequest,
+    match_template,
+    parse_size,
+    set_limits,
+)
+from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth, tenant_of
+from xema_ray.serving.api.errors import ErrorResponse, error_response, exception_response, install_error_handlers
+from xema_ray.serving.api.health import (
+    HEALTHZ_FRESH_S,
+    STARTING_RETRY_AFTER_S,
+    GroupHealth,
+    HealthResponse,
+    serve_replica_counts,
+)
+from xema_ray.serving.group.layout_stats import GroupLayoutStats
+from xema_ray.serving.group.preemption import PreemptionReport
+from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
+from xema_ray.serving.api.middleware import RequestGuard
+from xema_ray.serving.group.messages import GenerateResult, GroupUnavailable
+from xema_ray.serving.api.openapi import install_openapi
+from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
+from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
+from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
+from xema_ray.serving.api.validation import parse_request, request_body_doc
+from xema_ray.serving.api.videos import VideoCreate
+from xema_ray.templates import RequestTemplate
+
+app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
+install_error_handlers(app)
+app.add_middleware(RequestGuard)
+app.add_middleware(TenantGuard)  # added last, so it runs first: no key, no body read
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    if "supported_templates" in extra:
+        extra.setdefault("code", "unsupported_template")
+    return error_response(status, message, **extra)
+
+
+_STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
+                404: "no such video or file: it never existed, was deleted or has expired",
+                429: "this API key's tenant has auth.max_jobs_in_flight video jobs queued or running (with Retry-After)"}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+
+def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of an endpoint: its error statuses and, where the endpoint builds the
+    answer itself, the media types of its 200."""
+    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+    if 429 in out:
+        out[429]["headers"] = _RETRY_AFTER
+    if media:
+        out[200] = {"description": "the file", "content": {m: {"schema": {"type": "string", "format": "binary"}}
+                                                          for m in media}}
+    return out
+
+
+def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
+    """Response headers saying how the request ran: template, batch and the workers of its group."""
+    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
+               "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
+               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+    if out.emulated:  # an emulated worker made it: no model ran (docs/emulated.md)
+        headers["X-Xema-Emulated"] = "true"
+    if out.group_seconds is not None:  # queued + batch time in the model group; the rest is the front end
+        headers["X-Xema-Group-Seconds"] = f"{out.group_seconds:.4f}"
+    if out.queued_s is not None:  # how long it waited in its group's queue, and which replica ran it
+        headers["X-Xema-Queue-Seconds"] = f"{out.queued_s:.4f}"
+    if out.replica is not None:
+        headers["X-Xema-Replica"] = out.replica
+    if out.prompt_tokens is not None:
+        # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
+        headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
+        headers["X-Xema-Prompt-Truncated"] = "true" if out.prompt_truncated else "false"
+    return headers
+
+
+def _front_timing(entered: float, called: float, answered: float) -> dict[str, str]:
+    """Response headers splitting the front door's time (perf_counter seconds): ``X-Xema-Call-Seconds``
+    from the Router's call to the model group to its answer (the group's own time, Serve's routing
+    and both hops), ``X-Xema-Router-Seconds`` from the Router's handler starting to its response
+    (the call plus parsing, encoding, JSON). The proxy's ``X-Xema-Proxy-Seconds`` less the latter is
+    the proxy and its hop to the Router."""
+    return {"X-Xema-Call-Seconds": f"{answered - called:.4f}",
+            "X-Xema-Router-Seconds": f"{time.perf_counter() - entered:.4f}"}
+
+
+def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
+    """Serve's controller's count of each group's running replicas, for this Router's application
+    (None outside a Serve replica, e.g. in tests that call the Router directly)."""
+    try:
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # not inside a Serve replica
+        return None
+
+    async def counts() -> dict[str, int] | None:
+        return await serve_replica_counts(app_name, models)
+
+    return counts
+
+
+#: a Router replica adds its received requests to the Stats deployment at most this often
+COUNT_FLUSH_S = 0.5
+
+#: longest wait for a group's stats (a group that answers later is left out of that answer)
+STATS_TIMEOUT_S = 5.0
+
+
+@serve.ingress(app)
+class Router:
+    """Maps requests to templates, looks up the plan, forwards to the model's group."""
+
+    def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
+                 limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
+                 auth: AuthConfig | None = None) -> None:
+        self.groups = groups
+        self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
+        self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
+        try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
+            self.health.ensure_started()
+        except RuntimeError:  # no running loop here: the first request starts them
+            pass
+        self.stats = stats  # the Stats deployment: counters that outlive this replica
+        self.limits = limits or RequestLimits()
+        set_limits(self.limits)
+        self.auth = auth or AuthConfig()
+        set_auth(self.auth)
+        self.table = table
+        self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
+        self._ids = itertools.count()
+        self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
+        self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
+        install_openapi(app, self.served, self.limits)
+        self.jobs_cfg = jobs
+        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
+                              self.auth.max_jobs_in_flight) if self.jobs_cfg else None
+        if self.jobs is not None:
+            try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
+                self.jobs.start_background()
+            except RuntimeError:  # no running loop here: the first request starts it
+                pass
+
+    def _count_received(self) -> None:
+        """One generation request arrived: counted here and, without waiting, in Stats (in one
+        call per ``COUNT_FLUSH_S`` for every request since the last: ``BufferedCounts``)."""
+        self.received += 1
+        if self._counts is not None:
+            self._counts.add("received")
+
+    def _request_id(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def _template(self, model: str, size: str, frames: int, steps: int | None, kind: str) -> RequestTemplate:
+        width, height = parse_size(size)
+        t = match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
+        if steps is not None and steps != t.steps:
+            raise UnsupportedTemplate(
+                f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={steps}",
+                sorted(self.served), "num_inference_steps")
+        return t
+
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
+        handle = self.groups[t.model]
+        self.health.ensure_started()
+        self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
+        seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
+        # error, or Serve's controller reporting no running replica) — never because it is slow
+        response = handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
+
+        async def result() -> GenerateResult:
+            return await response
+
+        call = asyncio.ensure_future(result())
+        gone = asyncio.ensure_future(self.health.wait_gone(t.model))
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            response.cancel()
+            call.cancel()
+            raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")
+        finally:
+            gone.cancel()
+
+    async def _guarded(self, coro) -> Any:  # type: ignore[no-untyped-def]
+        try:
+            return await coro
+        except Exception as e:  # translate the replica's error into an HTTP status (errors.py)
+            mapped = exception_response(e)
+            if mapped is None:
+                raise
+            return mapped
+
+    @app.post("/v1/images/generations", response_model=None, openapi_extra=request_body_doc(ImageRequest))
+    async def images(self, request: Request) -> ImageResponse | JSONResponse:
+        entered = time.perf_counter()
+        self._count_received()
+        req = await parse_request(request, ImageRequest)
+        if req.response_format == "url" and self.jobs_cfg is None:
+            return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
+                          param="response_format")
+        try:
+            t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
+        except UnsupportedTemplate as e:
+            return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        batch = self.table.entries[t.shape_key].config.batch
+        if req.n > batch:
+            return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
+                          param="n")
+
+        if req.response_format == "url":
+            # the link needs the store: a store that is down is said now, before the work starts
+            # (a store that fails after it answers with the image inline instead, b64_json)
+            try:
+                await store_call(self.jobs_cfg, self._store().epoch)  # type: ignore[arg-type]
+            except store_faults() as e:
+                return _error(503, f"the job store is unavailable ({type(e).__name__}); response_format='url' needs "
+                                   "it: retry later or ask for b64_json", type_="service_unavailable",
+                              code="store_unavailable", param="response_format", retry_after_s=5)
+
+        async def run() -> JSONResponse:
+            seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+            called = time.perf_counter()
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
+            answered = time.perf_counter()
+            data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
+                                 emulated=True if any(o.emulated for o in outs) else None)
+            response = JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
+            response.headers.update(_front_timing(entered, called, answered))
+            return response
+
+        return await self._guarded(run())
+
+    async def _image_data(self, png: bytes, req: ImageRequest, base_url: str) -> ImageData:
+        data = await asyncio.to_thread(transcode_image, png, req.output_format, req.output_compression)
+        if req.response_format == "b64_json":
+            return ImageData(b64_json=base64.b64encode(data).decode())
+        assert self.jobs_cfg is not None
+        name = f"img_{uuid.uuid4().hex}.{req.output_format}"
+        try:
+            await store_call(self.jobs_cfg, self._store().put_file, name, data, MEDIA_TYPES[req.output_format],
+                             time.time() + self.jobs_cfg.ttl_s)
+        except store_faults():  # the work is done: never thrown away for a link (the client reads either field)
+            return ImageData(b64_json=base64.b64encode(data).decode())
+        return ImageData(url=f"{base_url.rstrip('/')}/v1/images/files/{name}")
+
+    def _store(self) -> JobStore:
+        assert self.jobs_cfg is not None
+        return open_store(self.jobs_cfg)
+
+    @app.get("/v1/images/files/{name}", response_model=None,
+             responses=_documented(404, media=("image/png", "image/jpeg", "image/webp")))
+    async def image_file(self, name: str) -> Response:
+        """An image generated with ``response_format="url"`` (until it expires)."""
+        got = None
+        if self.jobs_cfg is not None and name.startswith("img_") and "/" not in name:
+            try:
+                got = await store_call(self.jobs_cfg, self._store().get_file, name)
+            except store_faults() as e:
+                return _error(503, f"the job store is unavailable ({type(e).__name__}); retry later",
+                              type_="service_unavailable", code="store_unavailable", retry_after_s=5)
+        if got is None:
+            return _error(404, f"no image {name!r} (it never existed or expired)", type_="not_found_error", param="name")
+        return Response(content=got[0], media_type=got[1])
+
+    # ------------------------------------------------------------------ video jobs (OpenAI video API)
+    async def _job_api(self, call: Callable[[VideoJobs], Awaitable[Response]]) -> Response:
+        if self.jobs is None:
+            return _error(400, "video jobs need the job store (jobs: in the deployment config)")
+        self.jobs.start_background()
+        try:
+            return await call(self.jobs)
+        except ApiError as e:
+            return _error(e.status, e.message, type_=e.type, param=e.param, **e.extra)
+        except store_faults() as e:  # nothing was lost: the client retries
+            return _error(503, f"the job store is unavailable ({type(e).__name__}: {e}); retry later",
+                          type_="service_unavailable", code="store_unavailable", retry_after_s=5)
+
+    @app.post("/v1/videos", response_model=None, openapi_extra=request_body_doc(VideoCreate), responses=_documented(429))
+    async def create_video(self, request: Request) -> Response:
+        """Create a video job (JSON or multipart, as ``openai.videos.create`` sends it)."""
+        self._count_received()
+        return await self._job_api(lambda j: j.create(request, tenant_of(request)))
+
+    @app.get("/v1/videos", response_model=None, responses=_documented(400))
+    async def list_videos(self, request: Request, after: str | None = None,
+                          limit: int = Query(default=20, ge=1, le=100),
+                          order: Literal["asc", "desc"] = "desc") -> Response:
+        return await self._job_api(lambda j: j.list(after, limit, order, tenant_of(request)))
+
+    @app.get("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
+    async def retrieve_video(self, video_id: str, request: Request) -> Response:
+        return await self._job_api(lambda j: j.retrieve(video_id, tenant_of(request)))
+
+    @app.delete("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
+    async def delete_video(self, video_id: str, request: Request) -> Response:
+        return await self._job_api(lambda j: j.delete(video_id, tenant_of(request)))
+
+    @app.get("/v1/videos/{video_id}/content", response_model=None,
+             responses=_documented(400, 404, media=("video/mp4", "image/png")))
+    async def video_content(self, video_id: str, request: Request,
+                            variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> Response:
+        return await self._job_api(lambda j: j.content(video_id, variant, tenant_of(request)))
+
+    @app.post("/v1/videos/sync", response_model=None, openapi_extra=request_body_doc(VideoRequest))
+    async def videos_sync(self, request: Request) -> Response:
+        """The synchronous path: waits for the video and answers with the MP4."""
+        self._count_received()
+        req = await parse_request(request, VideoRequest)
+        try:
+            t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")
+        except UnsupportedTemplate as e:
+            return _error(400, str(e), supported_templates=e.supported, param=e.param)
+
+        async def run() -> Response:
+            out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
+            return Response(content=out.data, media_type="video/mp4",
+                            headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
+
+        return await self._guarded(run())
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        names = sorted({t.model for t in self.served.values()})
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "xema-ray",
+                                            "kind": self.served_kind(n)} for n in names]}
+
+    def served_kind(self, model: str) -> str:
+        return next(t.spec.kind for t in self.served.values() if t.model == model)
+
+    @app.get("/v1/templates")
+    async def templates(self) -> list[TemplateInfo]:
+        out = []
+        for key, t in sorted(self.served.items()):
+            e = self.table.entries[key]
+            out.append(TemplateInfo(template=key, model=t.model, width=t.width, height=t.height, frames=t.frames,
+                                    steps=t.steps, latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
+                                    predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
+        return out
+
+    @app.get("/v1/plans")
+    async def plans(self) -> dict[str, Any]:
+        """The plan table this deployment serves with (for the simulator and for operators)."""
+        return self.table.model_dump(mode="json")
+
+    @app.get("/v1/stats")
+    async def stats(self) -> StatsResponse:
+        """Generation requests received (valid ones: malformed input is refused earlier), by every
+        Router replica since the application started (kept in the Stats deployment; this
+        replica's own count when Stats cannot be reached), each model group's static-allocator
+        counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
+        reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
+        bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
+        received = self.received
+        if self.stats is not None:
+            if self._counts is not None:
+                await self._counts.flush()  # this replica's own requests are in the answer
+            try:
+                counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
+                received = counts.get("received", 0)
+            except Exception:
+                pass
+        layouts, preemption = await asyncio.gather(self._layout_stats(), self._preemption_stats())
+        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption)
+
+    async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
+        async def ask(model: str) -> GroupLayoutStats:
+            try:
+                raw = await asyncio.wait_for(self._group_layout_stats(model), timeout=STATS_TIMEOUT_S)
+                return GroupLayoutStats.model_validate(raw)
+            except Exception as e:  # a group being replaced must not fail the stats
+                return GroupLayoutStats(status=f"unavailable: {type(e).__name__}")
+        models = sorted(self.groups)
+        return dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
+
+    async def _group_layout_stats(self, model: str) -> dict[str, Any]:
+        return await self.groups[model].layout_stats.remote()
+
+    async def _preemption_stats(self) -> dict[str, PreemptionReport]:
+        async def ask(model: str) -> PreemptionReport | None:
+            try:
+                raw = await asyncio.wait_for(self._group_preemption_stats(model), timeout=STATS_TIMEOUT_S)
+                return PreemptionReport.model_validate(raw)
+            except Exception:  # a group being replaced is left out rather than failing the stats
+                return None
+        models = sorted(self.groups)
+        answers = await asyncio.gather(*(ask(m) for m in models))
+        return {m: r for m, r in zip(models, answers, strict=True) if r is not None}
+
+    async def _group_preemption_stats(self, model: str) -> dict[str, Any]:
+        return await self.groups[model].preemption_stats.remote()
+
+    async def _stats_add(self, name: str, n: int = 1) -> None:
+        await self.stats.add.remote(name, n)
+
+    async def _stats_counts(self) -> dict[str, int]:
+        return await self.stats.get.remote()
+
+    @app.get("/healthz", response_model=None,
+             responses={200: {"model": HealthResponse, "description": "ready: every group can take a request"},
+                        503: {"model": HealthResponse, "description": "not ready (starting or degraded), with "
+                                                                       "Retry-After"}})
+    async def healthz(self) -> JSONResponse:
+        """Readiness: 200 only when every group can take a request; otherwise 503 (Retry-After)
+        with each group's state (``starting``, ``degraded``, ``ok``) and why. Answered from what
+        the background probes know (``health.py``): it never waits for a group, and a group that
+        answers slowly under load is not reported down."""
+        await self.health.fresh(HEALTHZ_FRESH_S)
+        body = self.health.health(self.table.hardware)
+        headers = {} if body.ready else {"Retry-After": str(STARTING_RETRY_AFTER_S)}
+        return JSONResponse(content=body.model_dump(mode="json"), status_code=200 if body.ready else 503,
+                            headers=headers)
+
+    @app.get("/livez")
+    async def livez(self) -> dict[str, str]:
+        """Liveness of this Router replica: 200 as long as it answers HTTP (ready or not)."""
+        self.health.ensure_started()
+        return {"status": "alive"}
+
+    def check_health(self) -> None:
+        """Serve's own health check of this replica (``health_check_period_s``): it fails only
+        when a group's probe task died of a bug, so that Serve replaces the replica."""
+        self.health.check()
+

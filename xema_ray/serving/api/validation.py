@@ -1,0 +1,117 @@
+"""One validation path for the three generation endpoints (``/v1/images/generations``,
+``/v1/videos``, ``/v1/videos/sync``), JSON or multipart alike: the same body gets the same
+status everywhere.
+
+- the body is read by ``read_body``: JSON (``application/json`` or ``+json``) or a form
+  (``multipart/form-data``, ``application/x-www-form-urlencoded``); anything else is a 415; JSON
+  that cannot be parsed — malformed, nested too deep for the parser (``RecursionError``), an
+  integer beyond the interpreter's digit limit — or that is not an object is a 422; a file sent
+  in a form field is a 422 naming the field (no field takes a file);
+- ``parse_body`` then checks it against the endpoint's request model: an option the endpoint
+  does not know is a 400 naming it and listing the accepted ones; a missing, malformed or
+  out-of-range field is a 422 naming the field (``errors.validation_message``).
+
+Form fields are text: a field the model types as a number is converted before the (strict)
+model sees it, and a text that is not a number stays text, so the model refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from xema_ray.serving.api.errors import BodyError, validation_message
+
+M = TypeVar("M", bound=BaseModel)
+_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _number_kinds(model: type[BaseModel], name: str) -> tuple[type, ...]:
+    field = model.model_fields.get(name)
+    if field is None:
+        return ()
+    ann = field.annotation
+    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
+    if str in args:
+        return ()  # the field takes text as it is (e.g. seconds: '4')
+    return tuple(k for k in (int, float) if k in args)
+
+
+def _from_form(value: str, kinds: tuple[type, ...]) -> Any:
+    for kind in kinds:
+        try:
+            return kind(value.strip())
+        except ValueError:
+            continue
+    return value
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> dict[str, Any]:
+    """The body as a dict (JSON object or form), or BodyError (415 / 422)."""
+    ctype = content_type(request)
+    if ctype in _FORMS:
+        try:
+            form = await request.form()
+        except Exception as e:  # a malformed form is the client's error, never a 500
+            raise BodyError(422, f"the form body could not be parsed ({type(e).__name__}: {e})") from None
+        out: dict[str, Any] = {}
+        for k, v in form.multi_items():
+            if not isinstance(v, str):
+                raise BodyError(422, f"{k}: a file was sent where text is expected "
+                                     f"(file {getattr(v, 'filename', '')!r}); no field of this endpoint takes a file",
+                                param=k)
+            kinds = _number_kinds(model, k)
+            out[k] = _from_form(v, kinds) if kinds else v
+        return out
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise BodyError(415, f"the request body must be JSON (application/json) or a form (multipart/form-data, "
+                        f"application/x-www-form-urlencoded), got Content-Type {ctype!r}",
+                        code="unsupported_media_type")
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BodyError(422, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BodyError(422, "the body is not valid JSON: it nests arrays or objects too deeply") from None
+    except ValueError as e:  # e.g. an integer with more digits than the interpreter converts
+        raise BodyError(422, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BodyError(422, "the body must be a JSON object with at least 'model' and 'prompt'")
+    return body
+
+
+def parse_body(model: type[M], body: dict[str, Any]) -> M:
+    """``body`` as ``model``, or BodyError: 400 for an unknown option, 422 for a bad field."""
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        raise BodyError(400, f"unknown option {unknown[0]!r}; accepted: {', '.join(model.model_fields)}",
+                        param=unknown[0], code="unknown_option")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        message, param = validation_message(e.errors())
+        raise BodyError(422, message, param=param) from None
+    except RecursionError:  # a value nested too deeply for the validator
+        raise BodyError(422, "a field nests arrays or objects too deeply") from None
+
+
+async def parse_request(request: Request, model: type[M]) -> M:
+    """``read_body`` then ``parse_body``: what every generation endpoint calls first."""
+    return parse_body(model, await read_body(request, model))
+
+
+def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The ``openapi_extra`` of an endpoint that takes ``model`` as JSON or a form."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref},
+                                                          "multipart/form-data": {"schema": ref}}}}

@@ -1,0 +1,69 @@
+"""What crosses between the Router and a ModelGroup: the typed results and status, and the
+errors a group answers with (each maps to an HTTP status in ``errors.py``). They cross the
+replica boundary by pickle: an exception keeps its values in ``args``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from xema_ray.runtime.engine import RequestOutput
+from xema_ray.serving.group.layout_stats import GroupLayoutStats
+
+
+class GroupUnavailable(RuntimeError):
+    """The worker set failed twice for a batch, or could not be rebuilt (HTTP 503 with the reason)."""
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot run (HTTP 422 naming the field); refused before it joins a batch."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param)  # both in args: it crosses the replica -> router boundary by pickle
+        self.param = param
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class QueueFull(RuntimeError):
+    """The template's queue is full (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        # both values in args: the exception crosses the replica -> router boundary by pickle
+        super().__init__(message, retry_after_s)
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class GenerateResult(RequestOutput):
+    """One request's encoded output and where it ran (the Router turns the latter into headers)."""
+
+    batch_id: int = Field(description="the dispatcher's batch the request ran in")
+    batch_size: int = Field(ge=1, description="requests of its (sub-)batch")
+    workers: tuple[int, ...] = Field(description="ranks of the SP group it ran on")
+    batch_seconds: float = Field(ge=0, description="seconds its sub-batch took on the workers")
+    queued_s: float | None = Field(default=None, ge=0, description="seconds it waited in the group's queue "
+                                                                   "before its sub-batch started")
+    replica: str | None = Field(default=None, description="the group replica that ran it (its job-store owner id)")
+    group_seconds: float | None = Field(default=None, ge=0, description="seconds it spent in the group (queued + "
+                                                                       "its batch); the rest of its latency is the front end's")
+
+
+class GroupStatus(BaseModel):
+    """A group's state for ``/healthz`` (sent as its ``model_dump()``)."""
+
+    model: str
+    status: Literal["ok", "degraded"]
+    reason: str | None = Field(default=None, description="why it is degraded (rebuilding, the last failure)")
+    workers: int
+    generation: int = Field(description="worker sets built so far: 1 after start, +1 per rebuild")
+    queued: int
+    static_layouts: GroupLayoutStats
+    running: int
+    paused: int
+    jobs: int = Field(description="video jobs queued or running here")
+    owner: str = Field(description="this replica as the owner of its jobs")

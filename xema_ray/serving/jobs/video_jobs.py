@@ -1,0 +1,267 @@
+"""What the router does for the OpenAI video job API (``/v1/videos``), over the job store.
+
+A router replica keeps no job state: create writes the job to the store and hands it to the
+model's group; retrieve, list, download and delete read or change the store, so any replica
+answers for any job. Each replica also runs ``reconcile`` in the background: jobs that no live
+model group holds — created by a replica that died before dispatching them, or held by a group
+replica whose lease lapsed — are taken back (compare-and-set) and dispatched again.
+
+Every endpoint takes the request's tenant (``auth.tenant_of``; None when the API is open): a job
+of another tenant answers exactly like one that does not exist. A job id the store does not
+know but that was made in an earlier store epoch (the store lost its data) answers 404 with
+``code: job_store_lost`` (it existed; the store lost it), never as one that never existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from xema_ray.plan import PlanTable
+from xema_ray.serving.api.schemas import UnsupportedTemplate
+from xema_ray.serving.jobs.store import (
+    JobRecord,
+    JobStore,
+    JobStoreConfig,
+    TenantBusy,
+    epoch_of,
+    new_job_id,
+    open_store,
+    store_call,
+)
+from xema_ray.serving.api.media import first_frame_png
+from xema_ray.serving.api.errors import cause_of
+from xema_ray.serving.group.model_group import InvalidRequest, QueueFull
+from xema_ray.serving.api.validation import parse_request
+from xema_ray.serving.api.videos import (
+    VideoCreate,
+    VideoDeleted,
+    VideoList,
+    map_video_request,
+    poll_after_ms,
+    result_name,
+    served_seconds,
+    video_view,
+)
+from xema_ray.templates import RequestTemplate
+
+logger = logging.getLogger("xema_ray.serving")
+
+#: how often each replica purges expired jobs and files
+PURGE_INTERVAL_S = 60.0
+#: how long a replica reuses a group's predicted run time for new jobs
+ESTIMATE_TTL_S = 10.0
+
+
+class ApiError(Exception):
+    """An HTTP error the router renders with its ``_error`` helper."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.extra = status, message, type, param, extra
+
+
+class VideoJobs:
+    """The video job endpoints' logic (one per router replica).
+
+    Args:
+        cfg: the job store.
+        groups: model name -> the model group's deployment handle.
+        served: shape key -> served template.
+        table: the plan table (predicted latency per template).
+    """
+
+    def __init__(self, cfg: JobStoreConfig, groups: dict[str, Any], served: dict[str, RequestTemplate],
+                 table: PlanTable, emulated: bool = False, max_jobs_in_flight: int | None = None) -> None:
+        self.cfg = cfg
+        self.emulated = emulated  # the box is emulated: every video object says so
+        self.max_jobs_in_flight = max_jobs_in_flight
+        self.groups = groups
+        self.served = served
+        self.table = table
+        self.replica = uuid.uuid4().hex[:8]
+        self._task: asyncio.Task | None = None
+        self._last_purge = 0.0
+        self._estimates: dict[str, tuple[float, float]] = {}  # template -> (seconds, when asked)
+
+    def store(self) -> JobStore:
+        return open_store(self.cfg)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await store_call(self.cfg, fn, *args)
+
+    def start_background(self) -> None:
+        """Start ``reconcile`` on this replica's event loop (once)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._background())
+
+    def _headers(self, rec: JobRecord | None = None) -> dict[str, str]:
+        h = {"X-Xema-Router": self.replica}
+        if rec is not None and rec.status in ("queued", "in_progress"):
+            h["openai-poll-after-ms"] = str(poll_after_ms(rec, self.cfg))
+        return h
+
+    def _video(self, rec: JobRecord, status: int = 200) -> JSONResponse:
+        return JSONResponse(video_view(rec, self.emulated).body(), status_code=status, headers=self._headers(rec))
+
+    async def _live(self, video_id: str, tenant: str | None) -> JobRecord:
+        rec = await self._call(self.store().get, video_id)
+        if rec is not None and rec.tenant == tenant:
+            return rec
+        made_in = epoch_of(video_id)
+        if rec is None and made_in is not None and made_in != await self._call(self.store().epoch):
+            raise ApiError(404, f"video {video_id!r} was lost: the job store lost its data after the job was created "
+                                f"(store epoch {made_in}, now another); create it again", type="not_found_error",
+                           param="video_id", code="job_store_lost")
+        raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                       type="not_found_error", param="video_id")
+
+    # ------------------------------------------------------------------ endpoints
+    async def create(self, request: Request, tenant: str | None = None) -> Response:
+        req = await parse_request(request, VideoCreate)
+        if req.input_reference is not None:
+            raise ApiError(400, "input_reference (image-to-video) is not served; send a text prompt only",
+                           param="input_reference")
+        try:
+            t = map_video_request(req, self.served)
+        except UnsupportedTemplate as e:
+            raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
+                           supported_templates=e.supported) from None
+        seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        predicted = await self._predicted_s(t)
+        store = self.store()
+        epoch = await self._call(store.epoch)
+        rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
+                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
+                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant)
+        try:
+            rec = await self._call(store.create, rec, self.max_jobs_in_flight if tenant is not None else None)
+        except TenantBusy as e:
+            raise ApiError(429, f"this API key's tenant has {e.active} video jobs queued or running "
+                                f"(auth.max_jobs_in_flight {self.max_jobs_in_flight}); wait for one to finish",
+                           type="rate_limit_error", code="too_many_jobs", retry_after_s=max(1.0, rec.predicted_s)) from None
+        try:
+            await self._dispatch(rec)
+        except Exception as e:
+            refused = cause_of(e)
+            if isinstance(refused, QueueFull):  # not accepted: the client retries after Retry-After
+                await self._call(store.discard, rec.id)  # a refused create leaves nothing behind
+                raise ApiError(503, str(refused), type="service_unavailable", code="queue_full",
+                               retry_after_s=refused.retry_after_s) from None
+            if isinstance(refused, InvalidRequest):  # it could never run: refused like bad input
+                await self._call(store.discard, rec.id)
+                raise ApiError(422, str(refused), param=refused.param, code="invalid_value") from None
+            # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
+            logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
+        return self._video(rec)
+
+    async def retrieve(self, video_id: str, tenant: str | None = None) -> Response:
+        return self._video(await self._live(video_id, tenant))
+
+    async def list(self, after: str | None, limit: int, order: str, tenant: str | None = None) -> Response:
+        try:
+            recs, more = await self._call(self.store().list, after, limit, order, tenant)
+        except KeyError:
+            raise ApiError(400, f"after={after!r} names no video", param="after") from None
+        views = [video_view(r, self.emulated) for r in recs]
+        body = VideoList(data=views, first_id=views[0].id if views else None, last_id=views[-1].id if views else None,
+                         has_more=more).model_dump(mode="json")
+        body["data"] = [v.body() for v in views]
+        return JSONResponse(body, headers=self._headers())
+
+    async def delete(self, video_id: str, tenant: str | None = None) -> Response:
+        """Queued: leaves the queue. Running: its batch drops it at the next step (and stops if it
+        was the batch's last member). Finished: its files go, every one derived from it."""
+        await self._live(video_id, tenant)  # another tenant's job is not there for this one
+        names = (result_name(video_id, "video"), result_name(video_id, "thumbnail"))
+        before = await self._call(self.store().delete, video_id, names)
+        if before is None:
+            raise ApiError(404, f"no video {video_id!r}: it never existed, was deleted or has expired",
+                           type="not_found_error", param="video_id")
+        if before.status == "queued" and before.model in self.groups:
+            try:
+                await self.groups[before.model].cancel_job.remote(video_id)
+            except Exception:  # the group drops it anyway when it finds the tombstone at start
+                logger.exception("cancel_job(%s) failed", video_id)
+        return JSONResponse(VideoDeleted(id=video_id).model_dump(), headers=self._headers())
+
+    async def content(self, video_id: str, variant: str, tenant: str | None = None) -> Response:
+        rec = await self._live(video_id, tenant)
+        if variant == "spritesheet":
+            raise ApiError(400, "variant 'spritesheet' is not produced; available: video, thumbnail", param="variant")
+        if rec.status != "completed":
+            raise ApiError(400, f"video {video_id} is not ready: status {rec.status}, progress {video_view(rec).progress}%",
+                           param="video_id")
+        store = self.store()
+        got = await self._call(store.get_file, result_name(video_id, "video"))
+        if got is None:
+            raise ApiError(404, f"the result of {video_id} has expired", type="not_found_error", param="video_id")
+        if variant == "thumbnail":
+            name = result_name(video_id, "thumbnail")
+            thumb = await self._call(store.get_file, name)
+            if thumb is None:
+                png = await asyncio.to_thread(first_frame_png, got[0])
+                await self._call(store.put_file, name, png, "image/png", rec.expires_at or time.time() + self.cfg.ttl_s)
+                # a DELETE that ran while the thumbnail was made removed the files before this one
+                # was written: look again, and take it back (the job is gone for this client too)
+                if await self._call(store.get, video_id) is None:
+                    await self._call(store.delete_file, name)
+                    raise ApiError(404, f"no video {video_id!r}: it was deleted", type="not_found_error",
+                                   param="video_id")
+                thumb = (png, "image/png")
+            got = thumb
+        return Response(content=got[0], media_type=got[1], headers=self._headers())
+
+    # ------------------------------------------------------------------ dispatch
+    async def _predicted_s(self, t: RequestTemplate) -> float:
+        """The group's current estimate for ``t`` (asked at most every ``ESTIMATE_TTL_S``)."""
+        cached = self._estimates.get(t.shape_key)
+        if cached is not None and time.monotonic() - cached[1] < ESTIMATE_TTL_S:
+            return cached[0]
+        try:
+            value = float(await self.groups[t.model].estimate.remote(t.shape_key))
+        except Exception:  # the group is unreachable: the plan's prediction
+            value = max(1e-3, self.table.entries[t.shape_key].prediction.latency_s)
+        self._estimates[t.shape_key] = (value, time.monotonic())
+        return value
+
+    async def _dispatch(self, rec: JobRecord) -> bool:
+        return bool(await self.groups[rec.model].submit_job.remote(
+            rec.id, rec.template, rec.prompt, rec.seed, rec.guidance_scale))
+
+    async def reconcile(self) -> int:
+        """Dispatch the jobs no live model group holds; returns how many were dispatched."""
+        store = self.store()
+        n = 0
+        for rec in await self._call(store.orphans, self.cfg.lease_s):
+            if rec.owner is not None:  # its group replica died: take the job back first (one taker wins)
+                taken = await self._call(store.requeue, rec.id, rec.owner)
+                if taken is None:
+                    continue
+                rec = taken
+            if rec.model not in self.groups:
+                continue
+            try:
+                n += await self._dispatch(rec)
+            except Exception as e:  # full or unreachable: it stays an orphan for the next round
+                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, cause_of(e))
+        if time.time() - self._last_purge > PURGE_INTERVAL_S:
+            self._last_purge = time.time()
+            await self._call(store.purge_expired)
+        return n
+
+    async def _background(self) -> None:
+        while True:
+            try:
+                dispatched = await self.reconcile()
+                if dispatched:
+                    logger.warning("re-dispatched %d orphaned video job(s)", dispatched)
+            except Exception:  # the store may be briefly unreachable; keep trying
+                logger.exception("video job reconciliation failed")
+            await asyncio.sleep(max(0.2, self.cfg.lease_s / 2))

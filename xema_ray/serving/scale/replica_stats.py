@@ -1,0 +1,99 @@
+"""What a ModelGroup replica publishes for the request router and the autoscaler, and how it
+drains when Serve scales it down.
+
+* ``record_routing_stats``: Serve's controller polls it every ``request_routing_stats_period_s``
+  and hands the result to every handle's request router (``replica_router.SloRequestRouter``):
+  the replica's ``ReplicaSummary`` as JSON.
+* ``record_autoscaling_stats``: the same summary as flat numbers, pushed to the controller for the
+  custom autoscaling policy (``scaling.SloAutoscalingPolicy``).
+* ``drain`` (from the deployment's ``__del__``, which Serve calls once the replica's ongoing
+  requests — every synchronous request it accepted — have finished): its queued video jobs go
+  back to the job store at once (another replica's reconciler re-dispatches them), its running
+  batches finish here within the shutdown budget, and any job still unfinished then is handed
+  back too. Nothing it accepted is lost: a job either completes here or is queued again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from xema_ray.serving.scale.replica_router import SUMMARY_KEY
+from xema_ray.serving.scale.replica_summary import ArrivalMeter, ReplicaSummary, summarize
+from xema_ray.serving.scale.scaling import summary_metrics
+
+logger = logging.getLogger("xema_ray.serving")
+
+#: arrivals are counted over this window for the predicted load of the next one
+ARRIVAL_WINDOW_S = 30.0
+
+
+class PublishesSummary:
+    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model`` and, for jobs, ``jobs_cfg``,
+    ``_job_ids`` and ``_store()``."""
+
+    dispatcher: Any
+    owner: str
+    model: str
+    jobs_cfg: Any
+    _job_ids: set[str]
+
+    def _arrivals(self) -> ArrivalMeter:
+        meter = getattr(self, "_arrival_meter", None)
+        if meter is None:
+            meter = self._arrival_meter = ArrivalMeter(ARRIVAL_WINDOW_S)
+        return meter
+
+    def note_arrival(self, template: str) -> None:
+        """A request of ``template`` arrived (for the arrival rate the autoscaler extrapolates)."""
+        self._arrivals().add(template, time.monotonic())
+
+    def summary(self) -> ReplicaSummary:
+        now = time.monotonic()
+        return summarize(self.dispatcher, self.owner, now, time.time(), self._arrivals().rates(now),
+                         draining=getattr(self, "_draining", False))
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return {SUMMARY_KEY: self.summary().model_dump(mode="json")}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return summary_metrics(self.summary())
+
+    async def replica_summary(self) -> dict[str, Any]:
+        """The summary as JSON (for ``/v1/stats``, tests and the bench)."""
+        return self.summary().model_dump(mode="json")
+
+    async def drain(self, budget_s: float) -> dict[str, int]:
+        """Hand back queued jobs, let running batches finish within ``budget_s``, hand back the rest.
+        Returns how many jobs were handed back and how many batches were still running at the end."""
+        self._draining = True
+        handed = 0
+        deadline = time.monotonic() + budget_s
+        handed += await self._hand_back_queued_jobs()
+        while (self.dispatcher.running or self.dispatcher.paused or self.dispatcher.queue_depth()) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        unfinished = len(self.dispatcher.running) + len(self.dispatcher.paused)
+        if self.jobs_cfg is not None:
+            store = self._store()  # type: ignore[attr-defined]
+            for job_id in list(self._job_ids):
+                if await asyncio.to_thread(store.requeue, job_id, self.owner) is not None:
+                    handed += 1
+                self._job_ids.discard(job_id)
+        logger.info("%s: drained replica %s (%d jobs handed back, %d batches unfinished)", self.model, self.owner,
+                    handed, unfinished)
+        return {"handed_back": handed, "unfinished_batches": unfinished}
+
+    async def _hand_back_queued_jobs(self) -> int:
+        if self.jobs_cfg is None:
+            return 0
+        store = self._store()  # type: ignore[attr-defined]
+        n = 0
+        for job_id in list(self._job_ids):
+            if self.dispatcher.cancel(job_id):  # queued, not running: another replica takes it
+                self._job_ids.discard(job_id)
+                if await asyncio.to_thread(store.requeue, job_id, self.owner) is not None:
+                    n += 1
+        return n
