@@ -384,7 +384,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8260)
     ap.add_argument("--base-rate", type=float, default=0.15,
                     help="one replica meets 0.94 of its SLOs at 0.25 req/s of Poisson arrivals, 1.0 at 0.125 "
-                         "(tests/serving/test_scaling_low_rate.py): the base is a load one replica serves")
+                         "(tests/serving/scale/test_scaling_low_rate.py): the base is a load one replica serves")
     ap.add_argument("--base-seconds", type=float, default=30.0)
     ap.add_argument("--step-rate", type=float, default=2.0,
                     help="one replica serves ~0.58 req/s at time_scale 4 in full batches (0.4 in batches of one); "

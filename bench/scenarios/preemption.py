@@ -3,7 +3,7 @@ short one arriving while the first long one runs. The first long request is a vi
 others are synchronous; while they run, a sampler records the job's status next to the group's
 paused-batch count. Two ways to run it: ``run_live`` through the Serve app (``POST /v1/videos``
 polled until completed, ``/v1/videos/sync``; ``make bench-preemption``) and ``run_group`` on a
-ModelGroup with in-process workers, no Ray (tests/serving/test_preemption_live.py).
+ModelGroup with in-process workers, no Ray (tests/serving/group/test_preemption_live.py).
 
 The plan table's latencies are measured here first (one run of each template in-process), so the
 dispatcher's predictions match this machine; pause bytes come from the planner's traces. The

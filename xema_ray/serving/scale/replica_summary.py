@@ -305,7 +305,7 @@ def expected_arrivals(rates: Mapping[str, float], window_s: float) -> list[tuple
     the expected count, at uniform random times (a Poisson process given its count), from a seed
     fixed by the count, so that the same summary gives the same prediction. Evenly spaced arrivals
     never bunch, and a replica fed them looks better than it is: on the live dispatcher and the
-    Flux.2 plan of ``make bench-scale`` (tests/serving/test_scaling_low_rate.py), one replica at
+    Flux.2 plan of ``make bench-scale`` (tests/serving/scale/test_scaling_low_rate.py), one replica at
     0.25 / 0.4 / 0.5 req/s of Poisson arrivals meets 0.94 / 0.71 / 0.39 of its SLOs; spread this
     way the replay predicts 0.95 / 0.70 / 0.39, evenly spaced 0.98 / 0.80 / 0.47."""
     out = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.redis_server import redis_server
+from tests.serving.jobs.redis_server import redis_server
 from xema_ray.serving.jobs.progress import SYNC_WAIT_S, JobProgress, PhaseEstimate, publisher_for
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, epoch_of, new_job_id
 from xema_ray.serving.jobs.sqlite_store import SQLiteJobStore

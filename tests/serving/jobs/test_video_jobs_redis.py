@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.serving.redis_server import redis_server
-from tests.serving.test_video_jobs import (  # noqa: F401 - fixtures and checks reused with this module's server
+from tests.serving.jobs.redis_server import redis_server
+from tests.serving.jobs.test_video_jobs import (  # noqa: F401 - fixtures and checks reused with this module's server
     Seen,
     client,
     seen,

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from asgi_client import call, post_json
+from tests.serving.api.asgi_client import call, post_json
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, UnsupportedTemplate, VideoRequest, set_limits
 from xema_ray.serving.api.errors import exception_response, install_error_handlers
 from xema_ray.serving.api.middleware import ProxyErrorsAsJson, RequestGuard

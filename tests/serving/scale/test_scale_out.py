@@ -35,8 +35,9 @@ SPEC = AutoscalingSpec(min_replicas=1, max_replicas=2, target_attainment=0.9, wi
 
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
-    here = os.path.dirname(os.path.abspath(__file__))  # the replicas import scale_group from here
-    c = LocalCluster(env={"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), here])},
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    # the replicas import tests.serving.scale.scale_group from the repository root
+    c = LocalCluster(env={"PYTHONPATH": root},
                      auth_mode=os.environ.get("RAY_AUTH_MODE", "disabled"))
     try:
         c.start_head(num_cpus=2, num_gpus=0, dashboard=False)
@@ -50,7 +51,7 @@ def cluster():  # type: ignore[no-untyped-def]
 
 
 def _deployment():  # type: ignore[no-untyped-def]
-    from scale_group import DispatchOnlyGroup
+    from tests.serving.scale.scale_group import DispatchOnlyGroup
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.memory.trace_equality import TEMPLATES, columns_equal
+from tests.analyzer.trace_equality import TEMPLATES, columns_equal
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.analyzer.meta_memo import MetaKernelMemo
 from xema_ray.templates import RequestTemplate

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.redis_server import redis_server
+from tests.serving.jobs.redis_server import redis_server
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id
 from xema_ray.serving.jobs.sqlite_store import SQLiteJobStore
 

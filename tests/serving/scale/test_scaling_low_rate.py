@@ -29,7 +29,7 @@ from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
 from xema_ray.serving.scale.replica_summary import ArrivalMeter, PlanBrief, predict_attainment, summarize
 from xema_ray.serving.scale.scaling import AutoscalingSpec, decide_replicas, summary_from_metrics, summary_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPLATE = "flux2/256x256x1"
 TIME_SCALE = 4.0
 #: the bench's autoscaling (bench/bench_scale.py app_args): 4 nodes x 8 GPUs / 4 per replica

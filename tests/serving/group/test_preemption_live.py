@@ -1,7 +1,7 @@
 """Step-level preemption in a live ModelGroup on CPU, its one worker in this process (no Ray: the
 pause and resume at step boundaries are the group's and the worker's, not Ray's): a short
 tiny-cogvideox request arriving while a long one runs preempts it (outputs staying bitwise equal
-is tests/runtime/test_preemption.py's part); the live group makes the simulator's decisions on
+is tests/runtime/test_pause.py's part); the live group makes the simulator's decisions on
 the same arrivals; a paused video job reports itself in progress; the group's static-layout
 counters (what /v1/stats shows) say the worker loaded and validated the short template's layout
 and why it cannot arm it. ``make bench-preemption`` runs the same scenario through the Serve app."""

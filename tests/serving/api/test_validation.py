@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Request
 
-from asgi_client import call, post_json
+from tests.serving.api.asgi_client import call, post_json
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest, set_limits
 from xema_ray.serving.api.auth import ApiKey, AuthConfig, TenantGuard, Tenants, set_auth, tenant_of
 from xema_ray.serving.api.errors import install_error_handlers

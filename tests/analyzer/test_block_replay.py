@@ -15,7 +15,7 @@ from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from tests.memory.trace_equality import TEMPLATES, columns_equal
+from tests.analyzer.trace_equality import TEMPLATES, columns_equal
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.analyzer.block_replay import transformer_blocks
 from xema_ray.memory.trace import MemoryTrace
