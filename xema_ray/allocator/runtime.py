@@ -45,7 +45,7 @@ from xema_ray.allocator.margins import dynamic_region_bytes
 from xema_ray.allocator.recording import RecordedEvent, Recording
 from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
-Backend = Literal["cuda", "host"]
+ArenaBackend = Literal["cuda", "host"]
 
 ABI_VERSION = 2
 MAX_DEVICES = 64
@@ -208,11 +208,11 @@ class StaticAllocator:
         cudart: path of libcudart for the CUDA backend; defaults to the one torch loaded.
     """
 
-    def __init__(self, backend: Backend = "cuda", *, library: Path | None = None, cudart: Path | None = None) -> None:
+    def __init__(self, backend: ArenaBackend = "cuda", *, library: Path | None = None, cudart: Path | None = None) -> None:
         if backend not in _BACKEND_CODES:
             raise ValueError(f"backend must be 'cuda' or 'host', got {backend!r}")
         self._lib = _Library.get((library or default_library_path()).resolve())
-        self._backend: Backend = backend
+        self._backend: ArenaBackend = backend
         if backend == "cuda" and cudart is None:
             cudart = find_loaded_cudart()
         path = str(cudart).encode() if cudart is not None else None
@@ -222,7 +222,7 @@ class StaticAllocator:
         self._pluggable: object | None = None  # keeps torch's allocator object alive
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ArenaBackend:
         return self._backend
 
     @property

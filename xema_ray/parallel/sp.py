@@ -45,7 +45,7 @@ from xema_ray.parallel.attention import (
 from xema_ray.parallel.groups import SPGroup
 from xema_ray.parallel.plans import ShardContext, SPPlan, bind_arguments, plan_for
 
-Backend = Literal["auto", "native", "xfuser"]
+SPBackend = Literal["auto", "native", "xfuser"]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -56,7 +56,7 @@ class USPAttention:
     ``ctx`` (the current transformer call's shard sizes) says whether shards are even; if not,
     each call first exchanges every rank's query and key lengths (a few bytes)."""
 
-    def __init__(self, group: SPGroup, backend: Backend = "auto") -> None:
+    def __init__(self, group: SPGroup, backend: SPBackend = "auto") -> None:
         self.group = group
         self.backend = backend
         self.ctx: ShardContext | None = None
@@ -219,7 +219,7 @@ class SequenceParallelHandle:
 
 
 def apply_sequence_parallel(
-    transformer: nn.Module, family: str, group: SPGroup, backend: Backend = "auto"
+    transformer: nn.Module, family: str, group: SPGroup, backend: SPBackend = "auto"
 ) -> SequenceParallelHandle:
     """Make ``transformer`` run sequence-parallel over ``group`` until the handle is removed.
 

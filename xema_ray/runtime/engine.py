@@ -36,7 +36,7 @@ from torch import nn
 from xema_ray.models import ModelSpec
 from xema_ray.models.base import TextEncoderPlacement
 from xema_ray.parallel.groups import ProcessGroups
-from xema_ray.parallel.sp import Backend, apply_sequence_parallel
+from xema_ray.parallel.sp import SPBackend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
@@ -274,7 +274,7 @@ class ExecutionEngine:
         groups: ProcessGroups | None = None,
         platform: Platform | None = None,
         arm_layout: ArmLayout | None = None,
-        sp_backend: Backend = "auto",
+        sp_backend: SPBackend = "auto",
         text_encoder_placement: TextEncoderPlacement = "device",
     ) -> None:
         from xema_ray.runtime.text import PromptEncoder

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
-from xema_ray.parallel.sp import Backend
+from xema_ray.parallel.sp import SPBackend
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
@@ -112,10 +112,10 @@ class Worker:
         result = w.execute(batch)
     """
 
-    def __init__(self, platform: Platform | str | None = None, sp_backend: Backend = "auto", arm_layout: ArmLayout | None = None,
+    def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
                  static_allocator: bool = False) -> None:
         self.platform = get_platform(platform) if isinstance(platform, str) else (platform or current_platform())  # type: ignore[arg-type]
-        self.sp_backend: Backend = sp_backend
+        self.sp_backend: SPBackend = sp_backend
         self.arm_layout = arm_layout
         self.allocator: Any = None
         #: layout_ref -> its artifact, validated at load (hash, version, GPU model), and the plan armed per batch

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger("xema_ray.serving")
 
-Backend = Literal["ray", "inprocess"]
+WorkerSetBackend = Literal["ray", "inprocess"]
 #: one worker as ``probe`` finds it: dead by fact (its process is gone), busy (no answer in time:
 #: a worker running a batch answers late, which is not death), ok
 WorkerState = Literal["ok", "busy", "dead"]
@@ -52,7 +52,7 @@ class WorkerKind:
     platform: str
     num_gpus: float = 0.0
     ray_options: dict[str, Any] = field(default_factory=dict)
-    backend: Backend = "ray"
+    backend: WorkerSetBackend = "ray"
 
     def bundle(self, worker_cpus: float) -> dict[str, float]:
         """The placement-group bundle one worker of this kind needs (its actor's resources)."""
@@ -87,7 +87,7 @@ class WorkerSetSpec(BaseModel):
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs one worker asks for")
     concurrency: int = Field(default=1, ge=1, description="calls a worker serves at once (>1: preemption reaches a busy worker)")
     static_allocator: bool = Field(default=False, description="CUDA workers install the static allocator")
-    backend: Backend | None = Field(default=None, description="None: the kind's own (Ray actors for cpu and cuda)")
+    backend: WorkerSetBackend | None = Field(default=None, description="None: the kind's own (Ray actors for cpu and cuda)")
 
     def kind(self) -> WorkerKind:
         if self.device not in WORKER_KINDS:
