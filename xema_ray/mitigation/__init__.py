@@ -1,7 +1,10 @@
 """Fine-grained memory mitigation (paper §5): each primitive applied only where needed and
 only as much as needed, as removable hooks on a diffusers pipeline.
 
-One file per primitive, each with a ``Config``, hooks and a public ``apply_*``:
+One module per primitive, each with a ``Config``, hooks and the one entry point
+``apply(pipe, spec, config, comm)`` returning its ``MitigationHandle`` (``comm``: the process group,
+read by HSDP only). The lower-level ``apply_*`` functions stay where a caller hooks something that is
+not a pipeline's DiT (``apply_block_offload`` on a text encoder) or tests and benchmarks drive them:
 
 =====================  ===================================  ============================================
 Mitigation.kind         module                              location / intensity
@@ -14,13 +17,14 @@ vae_chunking            ``vae_chunking``                    decoder paths or cha
 temporary_serialization ``serialization``                   module paths or blocks / sub-batches
 =====================  ===================================  ============================================
 
-``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``) and applies lists
+``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``), dispatches a config to its
+module's ``apply`` through a table by config type (``PRIMITIVES``, ``apply_config``) and applies lists
 (``apply_mitigations``); the planner's analytic estimates live in ``planner.estimates``;
 the analyzer traces a mitigated pipeline at real size (``xema_ray.analyzer.mitigated``): mitigation
 never imports the analyzer.
 """
 
-from xema_ray.mitigation.activation_offload import ActivationOffloadConfig, apply_activation_offload
+from xema_ray.mitigation.activation_offload import ActivationOffloadConfig
 from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
 from xema_ray.mitigation.hooks import MitigationHandle
@@ -39,7 +43,6 @@ __all__ = [
     "SerializationConfig",
     "ShapeOnlyGroup",
     "VaeChunkingConfig",
-    "apply_activation_offload",
     "apply_block_offload",
     "apply_dit_chunking",
     "apply_hsdp",

@@ -21,7 +21,7 @@ Example:
     >>> from xema_ray.models import BuildOptions, get_model_spec
     >>> spec = get_model_spec("tiny-cogvideox")
     >>> pipe = spec.build_pipeline(BuildOptions())
-    >>> h = apply_activation_offload(pipe, ActivationOffloadConfig(modules=("vae.decoder",)))
+    >>> h = apply(pipe, spec, ActivationOffloadConfig(modules=("vae.decoder",)))
     >>> h.remove()
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.hooks import ModelHook
@@ -40,6 +40,10 @@ from torch.utils._pytree import tree_leaves
 from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, hook_module, resolve_module
 from xema_ray.placement import HostCopy, OffloadedTensor
+
+if TYPE_CHECKING:
+    from xema_ray.mitigation.hsdp import Collective
+    from xema_ray.models import ModelSpec
 
 
 class ActivationOffloadConfig(BaseModel):
@@ -141,13 +145,15 @@ def cache_producers(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in root.named_modules() if _is_cache_producer(m)]
 
 
-def apply_activation_offload(pipe: Any, config: ActivationOffloadConfig) -> MitigationHandle:
+def apply(pipe: Any, spec: ModelSpec, config: ActivationOffloadConfig, comm: Collective | None = None) -> MitigationHandle:
     """Offload conv caches under each path that has causal convolutions, reused arguments of
     each other path.
 
     Args:
         pipe: the diffusers pipeline.
+        spec: its model (unused: the paths resolve against ``pipe``).
         config: paths and limits.
+        comm: unused (the one primitive signature).
     """
     if not config.modules:
         raise ValueError("activation_offload: give at least one module path")

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.hooks import ModelHook
@@ -29,6 +29,10 @@ from xema_ray.platforms import streams as _device
 from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
 from xema_ray.placement import HostCopy, compute_device
 from xema_ray.placement import WEIGHT_HOME_ATTR, WeightHome
+
+if TYPE_CHECKING:
+    from xema_ray.mitigation.hsdp import Collective
+    from xema_ray.models import ModelSpec
 
 
 class BlockOffloadConfig(BaseModel):
@@ -161,3 +165,8 @@ def apply_block_offload(
     return handle
 
 
+def apply(pipe: Any, spec: ModelSpec, config: BlockOffloadConfig, comm: Collective | None = None) -> MitigationHandle:
+    """The primitive's entry point: ``apply_block_offload`` on ``pipe.transformer``'s DiT blocks
+    (``comm`` unused). ``apply_block_offload`` stays for modules that are not a pipeline's DiT
+    (the text encoder streamed block by block)."""
+    return apply_block_offload(pipe.transformer, spec.dit_blocks(pipe.transformer), config)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
+
+if TYPE_CHECKING:
+    from xema_ray.mitigation.hsdp import Collective
+    from xema_ray.models import ModelSpec
 
 DitPart = Literal["ff", "qk_norm", "rotary", "attention"]
 DIT_PARTS: tuple[DitPart, ...] = ("ff", "qk_norm", "rotary", "attention")
@@ -263,6 +267,12 @@ def apply_dit_chunking(blocks: list[tuple[str, nn.Module]], config: DitChunkingC
         _install_rotary()
         handle.add_undo(_uninstall_rotary)
     return handle
+
+
+def apply(pipe: Any, spec: ModelSpec, config: DitChunkingConfig, comm: Collective | None = None) -> MitigationHandle:
+    """The primitive's entry point: ``apply_dit_chunking`` on ``pipe.transformer``'s DiT blocks
+    (``comm`` unused)."""
+    return apply_dit_chunking(spec.dit_blocks(pipe.transformer), config)
 
 
 # ---------------------------------------------------------------------------- attention

@@ -21,7 +21,7 @@ Example (one process, a shape-only group of 2):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from torch import nn
 from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, check_blocks, hook_module
 from xema_ray.placement import compute_device, placeholder, placeholder_like
 from xema_ray.placement import WEIGHT_HOME_ATTR, WeightHome
+
+if TYPE_CHECKING:
+    from xema_ray.models import ModelSpec
 
 
 class HSDPConfig(BaseModel):
@@ -222,3 +225,9 @@ def apply_hsdp(
     return handle
 
 
+def apply(pipe: Any, spec: ModelSpec, config: HSDPConfig, comm: Collective | None = None) -> MitigationHandle:
+    """The primitive's entry point: ``apply_hsdp`` on ``pipe.transformer``'s DiT blocks over ``comm``
+    (required: ``ProcessGroupCollective(group)`` to run, ``ShapeOnlyGroup(W)`` to analyse)."""
+    if comm is None:
+        raise ValueError("hsdp needs a process group (comm)")
+    return apply_hsdp(pipe.transformer, spec.dit_blocks(pipe.transformer), config, comm)

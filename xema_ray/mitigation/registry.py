@@ -1,7 +1,9 @@
 """From a plan's ``Mitigation`` (xema_ray/plan.py) to an applied primitive.
 
-``primitive_for`` turns the serialised form into the primitive's typed config; ``apply_mitigations``
-installs a list of them on a pipeline and returns one handle that removes them all. What each
+``primitive_for`` turns the serialised form into the primitive's typed config; ``apply_config`` installs
+one through its module's ``apply(pipe, spec, config, comm)`` (``PRIMITIVES``: config type -> entry
+point, the one signature every primitive has); ``apply_mitigations`` installs a list of them on a
+pipeline and returns one handle that removes them all. What each
 removes from each phase's peak, predicted without running anything, is the planner's business
 (``planner.estimates.estimate_saving``); the analyzer measures it (``tracing``).
 
@@ -16,7 +18,7 @@ in one list, all with the same bands.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,19 +26,32 @@ import numpy as np
 
 from xema_ray.memory.analysis import event_modules, unit_of
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.mitigation.activation_offload import ActivationOffloadConfig, apply_activation_offload
-from xema_ray.mitigation.block_offload import BlockOffloadConfig, apply_block_offload
-from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
+from xema_ray.mitigation import activation_offload, block_offload, dit_chunking, hsdp, serialization, vae_chunking
+from xema_ray.mitigation.activation_offload import ActivationOffloadConfig
+from xema_ray.mitigation.block_offload import BlockOffloadConfig
+from xema_ray.mitigation.dit_chunking import DitChunkingConfig
 from xema_ray.mitigation.hooks import MitigationHandle
-from xema_ray.mitigation.hsdp import Collective, HSDPConfig, apply_hsdp
-from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
-from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
+from xema_ray.mitigation.hsdp import Collective, HSDPConfig
+from xema_ray.mitigation.serialization import SerializationConfig
+from xema_ray.mitigation.vae_chunking import VaeChunkingConfig
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.plan import Mitigation
 
 PrimitiveConfig = (
     BlockOffloadConfig | HSDPConfig | ActivationOffloadConfig | DitChunkingConfig | VaeChunkingConfig | SerializationConfig
 )
+#: a primitive's entry point: ``apply(pipe, spec, config, comm)`` -> the handle that removes it
+Apply = Callable[[Any, ModelSpec, Any, Collective | None], MitigationHandle]
+
+#: config type -> its primitive's entry point (one row per module; a new primitive adds its row)
+PRIMITIVES: dict[type, Apply] = {
+    BlockOffloadConfig: block_offload.apply,
+    HSDPConfig: hsdp.apply,
+    DitChunkingConfig: dit_chunking.apply,
+    ActivationOffloadConfig: activation_offload.apply,
+    VaeChunkingConfig: vae_chunking.apply,
+    SerializationConfig: serialization.apply,
+}
 
 
 def events_to_modules(trace: MemoryTrace, events: tuple[int, int]) -> tuple[str, ...]:
@@ -109,21 +124,13 @@ def primitive_for(m: Mitigation, spec: ModelSpec, pipe: Any, trace: MemoryTrace 
     raise ValueError(f"unknown mitigation kind {m.kind!r}")
 
 
-def apply_config(config: PrimitiveConfig, spec: ModelSpec, pipe: Any, comm: Collective | None = None) -> MitigationHandle:
-    """Install one primitive. ``comm`` is the process group for HSDP (``ShapeOnlyGroup`` to analyse)."""
-    if isinstance(config, BlockOffloadConfig):
-        return apply_block_offload(pipe.transformer, spec.dit_blocks(pipe.transformer), config)
-    if isinstance(config, HSDPConfig):
-        if comm is None:
-            raise ValueError("hsdp needs a process group (comm)")
-        return apply_hsdp(pipe.transformer, spec.dit_blocks(pipe.transformer), config, comm)
-    if isinstance(config, DitChunkingConfig):
-        return apply_dit_chunking(spec.dit_blocks(pipe.transformer), config)
-    if isinstance(config, ActivationOffloadConfig):
-        return apply_activation_offload(pipe, config)
-    if isinstance(config, VaeChunkingConfig):
-        return apply_vae_chunking(pipe, config)
-    return apply_serialization(pipe, config)
+def apply_config(pipe: Any, spec: ModelSpec, config: PrimitiveConfig, comm: Collective | None = None) -> MitigationHandle:
+    """Install one primitive through ``PRIMITIVES``. ``comm`` is the process group for HSDP
+    (``ShapeOnlyGroup`` to analyse)."""
+    for cls in type(config).__mro__:
+        if cls in PRIMITIVES:
+            return PRIMITIVES[cls](pipe, spec, config, comm)
+    raise TypeError(f"no primitive applies a {type(config).__name__}; known: {', '.join(c.__name__ for c in PRIMITIVES)}")
 
 
 @dataclass
@@ -160,7 +167,7 @@ def apply_mitigations(
     applied = AppliedMitigations()
     try:
         for m in mitigations:
-            applied.handles.append(apply_config(primitive_for(m, spec, pipe, trace), spec, pipe, comm))
+            applied.handles.append(apply_config(pipe, spec, primitive_for(m, spec, pipe, trace), comm))
     except BaseException:
         applied.remove()
         raise

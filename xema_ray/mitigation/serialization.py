@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.hooks import ModelHook
@@ -27,6 +27,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, hook_module, resolve_module
+
+if TYPE_CHECKING:
+    from xema_ray.mitigation.hsdp import Collective
+    from xema_ray.models import ModelSpec
 
 
 class SerializationConfig(BaseModel):
@@ -109,3 +113,6 @@ def apply_serialization(pipe: Any, config: SerializationConfig) -> MitigationHan
     return handle
 
 
+def apply(pipe: Any, spec: ModelSpec, config: SerializationConfig, comm: Collective | None = None) -> MitigationHandle:
+    """The primitive's entry point: ``apply_serialization`` on ``pipe`` (``spec`` and ``comm`` unused)."""
+    return apply_serialization(pipe, config)

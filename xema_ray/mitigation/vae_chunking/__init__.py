@@ -53,7 +53,8 @@ the statistics (fp32 on CPU: max abs difference below 1e-4 on outputs in [-1, 1]
 One file per concern: ``config`` (the action and chain paths), ``bands`` (planning bands,
 cutting inputs, assembling outputs, receptive radius), ``statistics`` (group norm over the whole
 map), ``per_unit``, ``chain_run`` (the chain interpreter; its modes are ``ChainMode`` and
-``ModuleRole`` enums), ``chain`` (the hook on the chain's parent) and ``apply``.
+``ModuleRole`` enums), ``chain`` (the hook on the chain's parent) and ``install`` (``apply``, the entry point every
+primitive has, and ``apply_vae_chunking``).
 
 Example:
     >>> from xema_ray.models import BuildOptions, get_model_spec
@@ -65,7 +66,7 @@ Example:
     >>> h.remove()
 """
 
-from xema_ray.mitigation.vae_chunking.apply import apply_vae_chunking, band_rows
+from xema_ray.mitigation.vae_chunking.install import apply, apply_vae_chunking, band_rows
 from xema_ray.mitigation.vae_chunking.bands import Bands, receptive_radius
 from xema_ray.mitigation.vae_chunking.chain import (
     ChainChunkHook,
@@ -88,6 +89,7 @@ __all__ = [
     "GlobalGroupNormHook",
     "SpatialChunkHook",
     "VaeChunkingConfig",
+    "apply",
     "apply_vae_chunking",
     "band_rows",
     "chain_modules",

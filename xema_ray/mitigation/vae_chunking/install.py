@@ -1,9 +1,10 @@
-"""``apply_vae_chunking``: hooks per-unit and chain chunking (and their group norms) on a pipeline."""
+"""``apply`` (the primitive's entry point) and ``apply_vae_chunking``: hooks per-unit and chain chunking
+(and their group norms) on a pipeline."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -22,6 +23,10 @@ from xema_ray.mitigation.vae_chunking.chain import (
 from xema_ray.mitigation.vae_chunking.config import VaeChunkingConfig, parse_chain
 from xema_ray.mitigation.vae_chunking.per_unit import SpatialChunkHook, chunk_units
 from xema_ray.mitigation.vae_chunking.statistics import GlobalGroupNormHook
+
+if TYPE_CHECKING:
+    from xema_ray.mitigation.hsdp import Collective
+    from xema_ray.models import ModelSpec
 
 
 def _hook_norms(handle: MitigationHandle, root: nn.Module) -> None:
@@ -81,6 +86,11 @@ def apply_vae_chunking(pipe: Any, config: VaeChunkingConfig) -> MitigationHandle
         handle.remove()
         raise
     return handle
+
+
+def apply(pipe: Any, spec: ModelSpec, config: VaeChunkingConfig, comm: Collective | None = None) -> MitigationHandle:
+    """The primitive's entry point: ``apply_vae_chunking`` on ``pipe`` (``spec`` and ``comm`` unused)."""
+    return apply_vae_chunking(pipe, config)
 
 
 def band_rows(height: int, chunks: int) -> int:
