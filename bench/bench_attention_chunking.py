@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from xema_ray.memory.analysis import phase_group, phase_peaks
+from xema_ray.memory.analysis import phase_peaks
 from xema_ray.analyzer.run import TraceOptions, default_dtype_for, trace_template
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, apply_dit_chunking
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 WITHOUT = ("ff", "qk_norm", "rotary")
 WITH = ("ff", "qk_norm", "rotary", "attention")
@@ -49,7 +50,7 @@ def dit_peak(t: RequestTemplate, parts: tuple[str, ...], chunks: int, serialize:
     finally:
         for h in reversed(handles):
             h.remove()
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "denoise")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_of_trace(p.phase) == Phase.DENOISE)
 
 
 def cpu_overhead(model: str, chunks: int, repeats: int) -> dict[str, Any]:

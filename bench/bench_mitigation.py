@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from xema_ray.memory.analysis import event_phases, phase_group, phase_peaks
+from xema_ray.memory.analysis import event_phases, phase_peaks
 from xema_ray.analyzer.run import default_dtype_for, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from planner.estimates import estimate_saving, evenly_spread
@@ -46,14 +46,15 @@ from xema_ray.mitigation.hooks import resolve_module
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 GIB = 2**30
 
 
-def group_peaks(trace: MemoryTrace) -> dict[str, int]:
-    out: dict[str, int] = {}
+def group_peaks(trace: MemoryTrace) -> dict[Phase, int]:
+    out: dict[Phase, int] = {}
     for p in phase_peaks(trace):
-        g = phase_group(p.phase)
+        g = phase_of_trace(p.phase)
         out[g] = max(out.get(g, 0), p.peak_bytes)
     return out
 
@@ -191,7 +192,7 @@ def vae_conv_flops(trace: MemoryTrace, model: str) -> float:
     bytes, its module) times 2 x in-channels / groups x kernel volume. What chunking costs in
     compute (recomputed statistics passes, halos) shows up here; time splits do not."""
     ph = event_phases(trace)[trace.begin]
-    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "decode"])
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_of_trace(n) == Phase.DECODE])
     conv = np.array([o == "convolution" for o in trace.ops] + [False])[trace.op]
     pipe = _meta_pipe(model)
     per_elem: dict[int, float] = {}
@@ -232,18 +233,18 @@ def cogvideox_point(t: RequestTemplate, budget: int) -> dict:
                 cache[key] = None
         return cache[key]
 
-    def fits(plan: Plan, group: str, unsplit: bool = False) -> bool:
+    def fits(plan: Plan, group: Phase, unsplit: bool = False) -> bool:
         r = traced(plan, unsplit)
         return r is not None and r["peaks"].get(group, 0) <= budget
 
     # the DiT and the VAE options act on different phases: find each side's least option
     # (DiT probes with the decoder unmitigated and unsplit), then the VAE's with that DiT plan
-    dit = least(dit_modes(t), lambda d: fits(d, "denoise", unsplit=True))
-    vae = least(vae_modes(t), lambda v: fits(v + dit, "decode"))
+    dit = least(dit_modes(t), lambda d: fits(d, Phase.DENOISE, unsplit=True))
+    vae = least(vae_modes(t), lambda v: fits(v + dit, Phase.DECODE))
     plan = vae + dit
     final = traced(plan) or {"peaks": {}, "conv": 0}
     after = final["peaks"]
-    estimate = before.get("decode", 0) - sum(estimate_saving(m, t, baseline=base).at("decode") for m in vae)
+    estimate = before.get(Phase.DECODE, 0) - sum(estimate_saving(m, t, baseline=base).at(Phase.DECODE) for m in vae)
     return {
         "template": t.key, "budget_bytes": budget,
         "before": before, "after": after, "peak_before": max(before.values()),

@@ -30,6 +30,7 @@ from xema_ray.profiling.costmodel import block_compute_s, transformer_blocks
 from xema_ray.measure.profiler import LatencyProfiler
 from xema_ray.runtime import ExecutionEngine
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase
 
 TINY = {
     "tiny-flux2": RequestTemplate(model="tiny-flux2", height=256, width=256, steps=50),
@@ -89,11 +90,11 @@ def bench_costmodel() -> dict[str, object]:
     uncal = []
     for label, template, kind, measured in H200_POINTS:
         est = estimate_latency(ExecutionConfig(template=template), H200)
-        value = est.per_step_s if kind == "step" else est.per_phase["decode"]
+        value = est.per_step_s if kind == "step" else est.per_phase[Phase.DECODE]
         assert value is not None
         uncal.append({"point": label, "measured_s": measured, "estimate_s": value, "error": value / measured - 1,
                       "a6000_estimate_s": (estimate_latency(ExecutionConfig(template=template), A6000_8X).per_step_s if kind == "step"
-                                           else estimate_latency(ExecutionConfig(template=template), A6000_8X).per_phase["decode"])})
+                                           else estimate_latency(ExecutionConfig(template=template), A6000_8X).per_phase[Phase.DECODE])})
     blocks = transformer_blocks(get_model_spec("flux2"), H200_POINTS[0][1], rows=1)
     flux_blocks = {
         "double_block_ms": block_compute_s(blocks[0], H200) * 1e3, "double_block_measured_ms": 9.1,
@@ -107,13 +108,13 @@ def bench_costmodel() -> dict[str, object]:
         cfg = ExecutionConfig(template=template)
         store.put_request(RequestRecord(
             fingerprint="h200-reference", model=template.model, template=template.key, config_hash=cfg.config_hash(),
-            source="measured", total_s=step * template.steps + decode, per_phase={"denoise": step * template.steps, "decode": decode},
+            source="measured", total_s=step * template.steps + decode, per_phase={Phase.DENOISE: step * template.steps, Phase.DECODE: decode},
             steps=template.steps, measured_at=0.0, config=cfg,
         ))
     held_out = []
     for label, template, kind, measured in H200_POINTS[4:]:
         est = estimate_latency(ExecutionConfig(template=template), hw, store)
-        value = est.per_step_s if kind == "step" else est.per_phase["decode"]
+        value = est.per_step_s if kind == "step" else est.per_phase[Phase.DECODE]
         assert value is not None
         held_out.append({"point": label, "measured_s": measured, "calibrated_estimate_s": value, "error": value / measured - 1})
     return {"uncalibrated": uncal, "flux2_blocks": flux_blocks, "calibrated_held_out": held_out}

@@ -75,7 +75,7 @@ PLAN: tuple[PlannedTest, ...] = (
 Status = Literal["planned", "running", "passed", "failed", "skipped", "error", "timeout", "crashed", "not_run"]
 
 
-class Phase(BaseModel):
+class ReportPhase(BaseModel):
     """One pytest report of the test (setup, call, teardown) as its process wrote it."""
 
     when: str
@@ -104,7 +104,7 @@ class TestRecord(BaseModel):
     signal: str | None = None
     message: str | None = None
     stderr_tail: str | None = None
-    phases: list[Phase] = Field(default_factory=list)
+    phases: list[ReportPhase] = Field(default_factory=list)
     results: dict[str, JsonValue] = Field(default_factory=dict)
     files: list[str] = Field(default_factory=list)
 

@@ -58,7 +58,7 @@ if PREP_SITE is not None and PREP_SITE not in sys.path:  # the kit (pydantic amo
     sys.path.append(PREP_SITE)
 sys.path.insert(0, str(KIT))
 from gpu_plan import (  # noqa: E402  (gpu_check/ is not a package)
-    GPU_MODULES_GLOB, MAX_OUT_FILES, PART_BUDGET_S, CollectionError, GpuCheckRecord, Phase, TestRecord, plan_for)
+    GPU_MODULES_GLOB, MAX_OUT_FILES, PART_BUDGET_S, CollectionError, GpuCheckRecord, ReportPhase, TestRecord, plan_for)
 
 
 def _now() -> str:
@@ -247,7 +247,7 @@ def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float)
     rec.returncode = None if timed_out else proc.returncode
     if rec.returncode is not None and rec.returncode < 0:
         rec.signal = signal.Signals(-rec.returncode).name
-    rec.phases = [Phase.model_validate({k: v for k, v in e.items() if k != "kind" and k != "nodeid"})
+    rec.phases = [ReportPhase.model_validate({k: v for k, v in e.items() if k != "kind" and k != "nodeid"})
                   for e in _events(report) if e["kind"] == "phase"]
     _status(rec, timed_out)
     err = stderr.read_bytes().decode(errors="replace")

@@ -20,7 +20,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.memory.analysis import phase_group
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.block_offload import BlockOffloadConfig
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig
@@ -31,20 +30,20 @@ from xema_ray.mitigation.vae_chunking import chain_paths, parse_chain
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, PhaseKeyed, phase_of_trace
 
 
 class MemorySaving(BaseModel):
     """What a mitigation is predicted to remove from each phase's peak, in bytes (analytic;
-    the analyzer confirms by tracing). Phases are the analyzer's groups: "denoise" (denoising),
-    "decode" (decode), "setup" (before the first step)."""
+    the analyzer confirms by tracing), by ``Phase``: DENOISE, DECODE, TEXT (before the first step)."""
 
     model_config = ConfigDict(frozen=True)
 
     kind: str
-    per_phase: dict[str, int] = Field(description="phase group -> bytes removed from that phase's peak")
+    per_phase: PhaseKeyed[int] = Field(description="phase -> bytes removed from that phase's peak")
     note: str = Field(default="", description="how the number was derived")
 
-    def at(self, phase: str) -> int:
+    def at(self, phase: Phase) -> int:
         return self.per_phase.get(phase, 0)
 
 
@@ -70,20 +69,20 @@ def estimate_block_offload(sizes: list[int], config: BlockOffloadConfig) -> Memo
 
     Example:
         >>> estimate_block_offload([10, 10, 10, 10], BlockOffloadConfig(blocks=(0, 2))).per_phase
-        {'denoise': 0, 'decode': 20, 'setup': 20}
+        {'denoise': 0, 'decode': 20, 'text': 20}
     """
     check_blocks("block_offload", config.blocks, len(sizes))
     order = sorted(config.blocks)
     total = sum(sizes[i] for i in order)
     if not order:
-        return MemorySaving(kind="block_offload", per_phase={"denoise": 0, "decode": 0, "setup": 0})
+        return MemorySaving(kind="block_offload", per_phase={Phase.DENOISE: 0, Phase.DECODE: 0, Phase.TEXT: 0})
     if config.prefetch and len(order) > 1:
         in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
     else:
         in_flight = max(sizes[i] for i in order)
     return MemorySaving(
         kind="block_offload",
-        per_phase={"denoise": total - in_flight, "decode": total, "setup": total},
+        per_phase={Phase.DENOISE: total - in_flight, Phase.DECODE: total, Phase.TEXT: total},
         note=f"{len(order)} blocks, {total} B on host; {in_flight} B in flight at most during the DiT",
     )
 
@@ -92,7 +91,7 @@ def estimate_hsdp(sizes: list[int], config: HSDPConfig, world_size: int) -> Memo
 
     Example:
         >>> estimate_hsdp([8, 8, 8, 8], HSDPConfig(blocks=(0, 2)), 2).per_phase
-        {'denoise': -8, 'decode': 8, 'setup': 8}
+        {'denoise': -8, 'decode': 8, 'text': 8}
     """
     check_blocks("hsdp", config.blocks, len(sizes))
     if world_size < 2:
@@ -100,14 +99,14 @@ def estimate_hsdp(sizes: list[int], config: HSDPConfig, world_size: int) -> Memo
     order = sorted(config.blocks)
     saved = sum(sizes[i] - sizes[i] // world_size for i in order)
     if not order:
-        return MemorySaving(kind="hsdp", per_phase={"denoise": 0, "decode": 0, "setup": 0})
+        return MemorySaving(kind="hsdp", per_phase={Phase.DENOISE: 0, Phase.DECODE: 0, Phase.TEXT: 0})
     if config.prefetch and len(order) > 1:
         in_flight = max(sizes[a] + sizes[b] for a, b in zip(order, order[1:], strict=False))
     else:
         in_flight = max(sizes[i] for i in order)
     return MemorySaving(
         kind="hsdp",
-        per_phase={"denoise": saved - in_flight, "decode": saved, "setup": saved},
+        per_phase={Phase.DENOISE: saved - in_flight, Phase.DECODE: saved, Phase.TEXT: saved},
         note=f"{len(order)} blocks sharded {world_size} ways; up to {in_flight} B gathered during the DiT",
     )
 
@@ -125,10 +124,10 @@ def estimate_dit_chunking(tokens: int, batch: int, hidden: int, ff_mult: float, 
     ff = 2 * tokens * batch * hidden * ff_mult * elem if "ff" in config.parts else 0.0
     rot = 2 * tokens * batch * hidden * 4 if "rotary" in config.parts else 0.0
     saved = int(max(ff, rot) * (1 - keep)) if config.blocks else 0
-    return MemorySaving(kind="dit_chunking", per_phase={"denoise": saved},
+    return MemorySaving(kind="dit_chunking", per_phase={Phase.DENOISE: saved},
                         note=f"{config.chunks} chunks over {tokens * batch} tokens")
 
-def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches: int, phase: str) -> MemorySaving:
+def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches: int, phase: Phase) -> MemorySaving:
     """Activations proportional to the batch shrink to one part's share.
 
     Args:
@@ -136,10 +135,10 @@ def estimate_serialization(batch_activation_bytes: int, batch: int, sub_batches:
             trace) that scale with the batch.
         batch: the module's batch (requests x CFG).
         sub_batches: parts.
-        phase: the phase group the segment is in ("denoise" or "decode").
+        phase: the phase the segment is in (``Phase.DENOISE`` or ``Phase.DECODE``).
 
     Example:
-        >>> estimate_serialization(100, 2, 2, "denoise").per_phase
+        >>> estimate_serialization(100, 2, 2, Phase.DENOISE).per_phase
         {'denoise': 50}
     """
     n = min(sub_batches, batch)
@@ -166,13 +165,13 @@ def dit_block_bytes(model: str) -> list[int]:
     return block_bytes(get_model_spec(model).dit_blocks(pipe.transformer))
 
 
-def _live_at_phase_peak(trace: MemoryTrace, group: str) -> tuple[int, np.ndarray] | None:
-    """(peak event, mask of activations live there) for the highest event of a phase group."""
+def _live_at_phase_peak(trace: MemoryTrace, group: Phase) -> tuple[int, np.ndarray] | None:
+    """(peak event, mask of activations live there) for the highest event of a phase."""
     curve = trace.active_curve()
     from xema_ray.memory.analysis import event_phases
 
     ph = event_phases(trace)
-    sel = np.flatnonzero(np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == group]))
+    sel = np.flatnonzero(np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_of_trace(n) == group]))
     if len(sel) == 0:
         return None
     e = int(sel[np.argmax(curve[sel])])
@@ -232,7 +231,7 @@ def estimate_saving(
     if baseline is None:
         raise ValueError(f"{m.kind}: the estimate reads the baseline trace; pass baseline=")
     paths = m.modules if m.modules is not None else events_to_modules(baseline, m.events) if m.events else ()
-    group = "denoise" if any(p.startswith("transformer") for p in paths) else "decode"
+    group = Phase.DENOISE if any(p.startswith("transformer") for p in paths) else Phase.DECODE
     found = _live_at_phase_peak(baseline, group)
     if found is None:
         return MemorySaving(kind=m.kind, per_phase={}, note=f"no {group} phase in the trace")

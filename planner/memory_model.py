@@ -40,11 +40,12 @@ from functools import cached_property
 import numpy as np
 
 from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
-from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases, phase_group
+from xema_ray.memory.analysis import IntervalIndex, PressureInterval, event_phases
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.mitigation.block_offload import BlockOffloadConfig
 from xema_ray.mitigation.hsdp import HSDPConfig
 from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 from planner.estimates import conv_cache_allocations, estimate_block_offload, estimate_hsdp, evenly_spread
 from planner.vae_bands import BandGroup
@@ -77,23 +78,23 @@ class TraceProfile:
 
     @cached_property
     def groups(self) -> np.ndarray:
-        """Phase group per event: 'denoise', 'decode', 'setup', 'post'."""
+        """Phase per event (``Phase``: text, denoise, post, decode; '?' before any allocation)."""
         ph = event_phases(self.trace)
-        names = np.array([phase_group(p) for p in self.trace.phases] + ["?"])
+        names = np.array([phase_of_trace(p) for p in self.trace.phases] + ["?"])
         return names[ph]
 
     @cached_property
     def interval_index(self) -> IntervalIndex:
         return IntervalIndex(self.trace)
 
-    def in_group(self, group: str) -> np.ndarray:
+    def in_group(self, group: Phase) -> np.ndarray:
         """Per event, whether it belongs to a phase group (cached: a string comparison per event)."""
         key = ("in_group", group)
         if key not in self._curves:
             self._curves[key] = self.groups == group
         return self._curves[key]
 
-    def group_runs(self, group: str) -> list[tuple[int, int]]:
+    def group_runs(self, group: Phase) -> list[tuple[int, int]]:
         """Runs of events of a phase group (cached: every candidate asks again)."""
         key = ("group", group)
         if key not in self._runs:
@@ -131,7 +132,7 @@ class TraceProfile:
             self._curves[key] = np.maximum(np.cumsum(delta)[:-1] - kept, 0.0)
         return self._curves[key]
 
-    def unit_runs(self, paths: list[str], group: str) -> list[tuple[int, int]]:
+    def unit_runs(self, paths: list[str], group: Phase) -> list[tuple[int, int]]:
         """Runs of events of the given mitigation units within a phase group (cached)."""
         key = (tuple(sorted(paths)), group)
         if key not in self._runs:
@@ -142,7 +143,7 @@ class TraceProfile:
             self._runs[key] = self.runs(wanted[index.event_unit] & self.in_group(group))
         return self._runs[key]
 
-    def module_runs(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> list[tuple[int, int]]:
+    def module_runs(self, paths: tuple[str, ...], group: Phase, glue: tuple[str, ...] | None = None) -> list[tuple[int, int]]:
         """Runs of events of the modules under ``paths`` (module-path prefixes, finer than
         mitigation units: an up-block's resnets one by one, a chain's modules) within a phase
         group (cached). With ``glue`` (a chain's parent and the start's ancestors), their own
@@ -167,7 +168,7 @@ class TraceProfile:
                 self._runs[key] = runs
         return self._runs[key]
 
-    def temporaries(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> np.ndarray:
+    def temporaries(self, paths: tuple[str, ...], group: Phase, glue: tuple[str, ...] | None = None) -> np.ndarray:
         """Per event, the bytes of allocations made *and freed* inside one run of the modules
         under ``paths`` (what banding shrinks: a chunked unit's or chain's output, the conv
         caches it returns and anything else it leaves behind stay whole) (cached)."""
@@ -184,7 +185,7 @@ class TraceProfile:
             self._curves[key] = np.cumsum(delta)[:-1]
         return self._curves[key]
 
-    def temporaries_span(self, paths: tuple[str, ...], group: str, glue: tuple[str, ...] | None = None) -> tuple[int, np.ndarray]:
+    def temporaries_span(self, paths: tuple[str, ...], group: Phase, glue: tuple[str, ...] | None = None) -> tuple[int, np.ndarray]:
         """``temporaries`` cut to the events where it is not zero: (first event, values) (cached)."""
         key = ("span", paths, group, glue)
         if key not in self._spans:
@@ -213,7 +214,7 @@ class TraceProfile:
         """Per DiT block, its [start, stop) event run in each transformer forward, as an array
         (blocks, forwards, 2); None if the blocks' runs do not line up one per forward."""
         if "windows" not in self._curves:
-            runs = [self.unit_runs([p], "denoise") for p in self.block_paths]
+            runs = [self.unit_runs([p], Phase.DENOISE) for p in self.block_paths]
             same = runs and all(len(r) == len(runs[0]) and r for r in runs)
             self._curves["windows"] = np.array(runs, dtype=np.int64) if same else None  # type: ignore[assignment]
         return self._curves["windows"]  # type: ignore[return-value]
@@ -317,7 +318,7 @@ class MemoryModel:
             # token-proportional DiT activations split across the ranks; weights a mitigation
             # holds on the device for a while (a traced offload / HSDP window) do not
             held = prof.held_weights
-            for s, e in prof.group_runs("denoise"):
+            for s, e in prof.group_runs(Phase.DENOISE):
                 kept = held[s:e] if held is not None else 0.0
                 curve[s:e] = prof.floor + kept + (base[s:e] - prof.floor - kept) / cfg.sp
         floor = float(prof.floor)
@@ -344,29 +345,29 @@ class MemoryModel:
                 sizes = w.tolist()
                 saving = (estimate_block_offload(sizes, BlockOffloadConfig(blocks=blocks)) if m.kind == "block_offload"
                           else estimate_hsdp(sizes, HSDPConfig(blocks=blocks), world))
-                for s, e in prof.group_runs("denoise"):
-                    curve[s:e] += saving.at("decode") - max(0, saving.at("denoise"))
+                for s, e in prof.group_runs(Phase.DENOISE):
+                    curve[s:e] += saving.at(Phase.DECODE) - max(0, saving.at(Phase.DENOISE))
                 return removed
             add_block_windows(curve, windows, order, w)
             return removed
         elif m.kind == "dit_chunking":
             paths = [prof.block_paths[b] for b in m.blocks] if m.blocks is not None else list(m.modules or ())
-            _shrink_runs(curve, base, prof.unit_runs(paths, "denoise"), m.intensity)
+            _shrink_runs(curve, base, prof.unit_runs(paths, Phase.DENOISE), m.intensity)
         elif m.kind == "vae_chunking":
             if self._vae_groups is None:
-                _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), "decode"), m.intensity)
+                _shrink_runs(curve, base, prof.unit_runs(list(m.modules or ()), Phase.DECODE), m.intensity)
             else:
                 for g in self._vae_groups(tuple(m.modules or ()), m.intensity):
                     # only where the group's temporaries are not zero (elsewhere nothing changes)
-                    lo, temp = prof.temporaries_span(g.paths, "decode", g.glue)
+                    lo, temp = prof.temporaries_span(g.paths, Phase.DECODE, g.glue)
                     curve[lo:lo + len(temp)] -= temp * (1.0 - 1.0 / g.divisor)
         elif m.kind == "temporary_serialization":
-            group = "decode" if any(p.startswith("vae") for p in (m.modules or ())) else "denoise"
+            group = Phase.DECODE if any(p.startswith("vae") for p in (m.modules or ())) else Phase.DENOISE
             _shrink_runs(curve, base, prof.group_runs(group), m.intensity)
         elif m.kind == "activation_offload":
             # event by event, the conv caches (the clones the targeted modules return) alive then
             # leave the device, except the largest: the one being read is back
-            group = "denoise" if any(p.startswith("transformer") for p in (m.modules or ())) else "decode"
+            group = Phase.DENOISE if any(p.startswith("transformer") for p in (m.modules or ())) else Phase.DECODE
             live = prof.live_caches(tuple(m.modules or ()))
             for s, e in prof.group_runs(group):
                 curve[s:e] -= live[s:e]

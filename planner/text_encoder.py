@@ -1,17 +1,18 @@
 """Where each template's text encoder runs: a plan choice, searched like a mitigation.
 
-The set-up interval of a request encodes its prompts. Three placements (``TextEncoderPlacement``):
+The text phase of a request (before its first denoising step) encodes its prompts. Three placements
+(``TextEncoderPlacement``):
 
 - ``device``: the encoder's weights stay on the device for the whole request (they add to every
   phase's peak); it runs at device speed;
 - ``streamed``: its parts (embedding, layers, norm, head) live on pinned host memory and stream
-  through the device during the set-up interval only (block offload's machinery, the next part
+  through the device during the text phase only (block offload's machinery, the next part
   prefetched): the device holds two parts at a time; it takes the longer of the compute and the
   copy;
 - ``cpu``: the encoder runs on the host CPU; nothing of it is on the device.
 
 For each planned entry the placements that fit the budget (the plan's predicted peak, and the
-set-up peak: the plan's resident weights + the encoder's device part + its traced activations)
+text-phase peak: the plan's resident weights + the encoder's device part + its traced activations)
 are costed and the fastest kept; the entry's latency and goodput include it. Encoder activations
 come from a meta trace of the model's real encoder (``trace_encode``), not from a formula.
 """
@@ -37,7 +38,7 @@ class EncoderCosts:
 
     placement: str
     peak_bytes: int
-    setup_peak_bytes: int
+    text_peak_bytes: int
     seconds: float
 
 
@@ -143,7 +144,7 @@ def _resident_bytes(config: ExecutionConfig, facts: EncoderFacts) -> int:
 
 
 def placement_costs(entry: PlanEntry, hw: HardwareProfile, facts: EncoderFacts | None = None) -> list[EncoderCosts]:
-    """Each placement's device peaks and set-up seconds for ``entry``'s batch (``facts``: from
+    """Each placement's device peaks and text-phase seconds for ``entry``'s batch (``facts``: from
     ``encoder_facts``, computed here when not given)."""
     c = entry.config
     spec = c.template.spec
@@ -167,7 +168,7 @@ def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int,
                        facts: EncoderFacts | None = None) -> tuple[PlanEntry, list[EncoderCosts]]:
     """``entry`` with the fastest placement that fits ``budget`` (the CPU always fits)."""
     costs = placement_costs(entry, hw, facts)
-    fits = [k for k in costs if max(k.peak_bytes, k.setup_peak_bytes) <= budget] or [costs[-1]]
+    fits = [k for k in costs if max(k.peak_bytes, k.text_peak_bytes) <= budget] or [costs[-1]]
     best = min(fits, key=lambda k: k.seconds)
     cfg = entry.config.model_copy(update={"text_encoder": best.placement})
     p = entry.prediction
@@ -175,5 +176,5 @@ def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int,
     goodput = cfg.dp * cfg.batch / latency if latency <= p.slo_s else 0.0
     by_batch = {n: v + best.seconds * n / cfg.batch for n, v in p.latency_by_batch.items()}
     pred = p.model_copy(update={"latency_s": latency, "goodput_rps": goodput, "latency_by_batch": by_batch,
-                                "peak_bytes": max(p.peak_bytes, best.peak_bytes, best.setup_peak_bytes)})
+                                "peak_bytes": max(p.peak_bytes, best.peak_bytes, best.text_peak_bytes)})
     return entry.model_copy(update={"config": cfg, "prediction": pred}), costs

@@ -17,6 +17,7 @@ import numpy as np
 from xema_ray.memory.analysis import PressureInterval
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 from planner.estimates import evenly_spread
 from planner.memory_model import MemoryModel, TraceProfile, add_block_windows, weight_action_bytes
@@ -154,10 +155,10 @@ class TracePlannerModel:
         if config.sp > 1:
             for k in ladder:
                 opts.append(self._option(config, Mitigation(kind="hsdp", blocks=evenly_spread(k, n), intensity=k)))
-        groups = {p.split(".")[0] for p in interval.phases}
-        if "denoise" in groups:
+        groups = {phase_of_trace(p) for p in interval.phases}
+        if Phase.DENOISE in groups:
             opts += self._dit_options(config, interval)
-        if "decode" in groups:
+        if Phase.DECODE in groups:
             opts += self._vae_options(config, interval)
         return opts
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from xema_ray.memory.analysis import MemorySummary, gb, parse_bytes, summarize
 from xema_ray.models import MODEL_NAMES
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the trace and the summary as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
     p.add_argument("--text-encoder", choices=("device", "streamed", "cpu", "none"), default="device",
-                   help="trace the model's text encoder in the set-up phase, placed so (default: on the device)")
+                   help="trace the model's text encoder in the text phase, placed so (default: on the device)")
     p.add_argument("--layout", action="store_true",
                    help="also solve the static layout and compare with a simulated caching allocator")
     p.add_argument("--device-allocs", type=Path, default=None,
@@ -54,11 +55,11 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
     w(f"  activations       {gb(s.activation_bytes_at_peak)}\n")
     groups: dict[str, int] = {}
     for p in s.phase_peaks:
-        g = "denoise (max over steps)" if p.phase.startswith("denoise") else p.phase
+        g = "denoise (max over steps)" if phase_of_trace(p.phase) is Phase.DENOISE else p.phase
         groups[g] = max(groups.get(g, 0), p.peak_bytes)
     for g, v in groups.items():
         w(f"  phase {g:<26}{gb(v)}\n")
-    w(f"set-up peak         {gb(s.setup_peak_bytes)} (text encoding included when traced)\n")
+    w(f"text peak           {gb(s.text_peak_bytes)} (before the first step; text encoding included when traced)\n")
     if s.dit_cdf:
         w("DiT events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.dit_cdf.items()) + "\n")
     if s.vae_cdf:

@@ -64,7 +64,7 @@ def test_trace_roundtrips_through_json(tmp_path) -> None:  # type: ignore[no-unt
 def test_phases_cover_setup_steps_and_decode() -> None:
     t = RequestTemplate(model="tiny-cogvideox", height=64, width=64, frames=9, steps=6)
     trace = trace_template(t)
-    assert trace.phases[:2] == ["setup", "denoise.step0"]
+    assert trace.phases[:2] == ["text", "denoise.step0"]
     assert "denoise.step5" in trace.phases and "decode.vae" in trace.phases
     per_step = [int((trace.phase == trace.phases.index(f"denoise.step{k}")).sum()) for k in range(1, 6)]
     assert len(set(per_step)) == 1  # every steady-state step allocates the same

@@ -36,7 +36,7 @@ def toy() -> MemoryTrace:
         (300, 5, 6, 3, 2),
     ]
     modules = ["w", "transformer.transformer_blocks.0.attn", "transformer.transformer_blocks.1.ff", "vae.decoder.up_blocks.3.conv"]
-    t = make_trace(rows, ["setup", "denoise.step0", "decode.vae"], modules)
+    t = make_trace(rows, ["text", "denoise.step0", "decode.vae"], modules)
     t.n_events = 7
     return t
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.memory.analysis import phase_group, phase_peaks
+from xema_ray.memory.analysis import phase_peaks
+from xema_ray.vocabulary import phase_of_trace
 from xema_ray.analyzer.run import trace_template
 from planner.estimates import estimate_saving, evenly_spread
 from xema_ray.analyzer.mitigated import trace_with_mitigations
@@ -22,7 +23,7 @@ GIB = 2**30
 def group_peaks(trace) -> dict[str, int]:  # type: ignore[no-untyped-def]
     out: dict[str, int] = {}
     for p in phase_peaks(trace):
-        g = phase_group(p.phase)
+        g = phase_of_trace(p.phase)
         out[g] = max(out.get(g, 0), p.peak_bytes)
     return out
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.mitigation.conftest import TINY_MODELS, run_pipeline, tiny_template
-from xema_ray.memory.analysis import phase_group, phase_peaks
+from xema_ray.memory.analysis import phase_peaks
+from xema_ray.vocabulary import phase_of_trace
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig, QueryChunkedCogVideoXProcessor, apply_dit_chunking
 from xema_ray.models import BuildOptions, get_model_spec
@@ -83,7 +84,7 @@ def _traced_dit_peak(parts: tuple[str, ...]) -> int:
         trace = trace_template(t, TraceOptions(device="meta", dtype=torch.float32), pipeline=pipe)
     finally:
         handle.remove()
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "denoise")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_of_trace(p.phase) == "denoise")
 
 
 def test_attention_chunking_lowers_the_traced_dit_peak() -> None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.mitigation.conftest import run_pipeline
-from xema_ray.memory.analysis import event_modules, event_phases, phase_group, phase_peaks
+from xema_ray.memory.analysis import event_modules, event_phases, phase_peaks
+from xema_ray.vocabulary import phase_of_trace
 from xema_ray.analyzer.run import trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
 from planner.estimates import estimate_saving
@@ -49,12 +50,12 @@ def band_plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def _vae_peak(trace: MemoryTrace) -> int:
-    return max(p.peak_bytes for p in phase_peaks(trace) if phase_group(p.phase) == "decode")
+    return max(p.peak_bytes for p in phase_peaks(trace) if phase_of_trace(p.phase) == "decode")
 
 
 def _decode_allocations_under(trace: MemoryTrace, prefix: str) -> np.ndarray:
     ph = event_phases(trace)[trace.begin]
-    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_group(n) == "decode"])
+    vae = np.isin(ph, [i for i, n in enumerate(trace.phases) if phase_of_trace(n) == "decode"])
     under = np.array([n == prefix or n.startswith(prefix + ".") for n in trace.modules] + [False])[trace.module]
     return trace.size[vae & under & (trace.category == Category.ACTIVATION)]
 

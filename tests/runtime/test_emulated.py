@@ -96,7 +96,7 @@ def test_the_observer_stops_a_batch_at_a_step_boundary() -> None:
     with pytest.raises(BatchCancelled) as e:
         w.execute(_batch(COG), obs, run_id="c")
     assert e.value.step == 10 and obs.seen[-1][0] == 10 and not obs.decoded
-    assert time.perf_counter() - t0 == pytest.approx(ph.text_s + 10 * ph.step_s, rel=0.1, abs=0.02)
+    assert time.perf_counter() - t0 == pytest.approx(ph.text_s + 10 * ph.denoise_step_s, rel=0.1, abs=0.02)
 
 
 @pytest.mark.parametrize("offload", [False, True])

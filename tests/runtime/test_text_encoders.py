@@ -95,16 +95,16 @@ def test_verify_counts_the_encoder_where_it_runs(model: str) -> None:
     assert peaks["device"].host_bytes == 0 < peaks["streamed"].host_bytes <= peaks["cpu"].host_bytes
 
 
-def test_analyzer_reports_encoder_weights_and_setup_peak() -> None:
+def test_analyzer_reports_encoder_weights_and_text_peak() -> None:
     t = TEMPLATES["tiny-flux2"]
     plain = summarize(trace_template(t))
     with_enc = summarize(trace_template(t, TraceOptions(text_encoder="device")))
     streamed = summarize(trace_template(t, TraceOptions(text_encoder="streamed")))
     enc = with_enc.weight_bytes_by_component["text_encoder"]
     assert "text_encoder" not in plain.weight_bytes_by_component and enc > 0
-    assert with_enc.setup_peak_bytes > plain.setup_peak_bytes + enc * 0.9
+    assert with_enc.text_peak_bytes > plain.text_peak_bytes + enc * 0.9
     assert streamed.weight_bytes_by_component.get("text_encoder", 0) < enc
-    assert plain.setup_peak_bytes < streamed.setup_peak_bytes < with_enc.setup_peak_bytes
+    assert plain.text_peak_bytes < streamed.text_peak_bytes < with_enc.text_peak_bytes
 
 
 @pytest.mark.slow
@@ -117,7 +117,7 @@ def test_planner_places_encoder_by_fit_then_speed() -> None:
     pred = PlanPrediction(peak_bytes=40 * 10**9, latency_s=1.0, goodput_rps=1.0, slo_s=100.0, latency_source="estimated")
     entry = PlanEntry(config=ExecutionConfig(template=t), prediction=pred)
     hw = LatencyModel("a6000").hardware
-    need = {c.placement: max(c.peak_bytes, c.setup_peak_bytes) for c in placement_costs(entry, hw)}
+    need = {c.placement: max(c.peak_bytes, c.text_peak_bytes) for c in placement_costs(entry, hw)}
     speed = {c.placement: c.seconds for c in placement_costs(entry, hw)}
     assert need["device"] > need["streamed"] > need["cpu"] and speed["device"] <= speed["streamed"] < speed["cpu"]
     budgets = (need["device"], need["streamed"], need["cpu"])
@@ -142,7 +142,7 @@ def test_encoder_facts_sent_as_json_place_as_measured_here(model: str) -> None:
     assert facts.activation_bytes and all(v > 0 for v in facts.activation_bytes.values())
     costs = placement_costs(entry, hw)
     assert placement_costs(entry, hw, facts) == costs
-    for budget in sorted({max(c.peak_bytes, c.setup_peak_bytes) for c in costs}):
+    for budget in sorted({max(c.peak_bytes, c.text_peak_bytes) for c in costs}):
         assert place_text_encoder(entry, hw, budget, facts)[0] == place_text_encoder(entry, hw, budget)[0]
     with pytest.raises(ValueError, match="cannot merge"):
         facts.merged(facts.model_copy(update={"model": "other"}))

@@ -28,38 +28,38 @@ def test_shares_sum_to_one_and_are_the_same_on_the_emulated_clock() -> None:
     scaled = phase_shares(scale_table(REFERENCE, {"flux2": 100.0, "cogvideox-5b": 6000.0}))
     assert set(ref) == set(REFERENCE.entries) == set(scaled)
     for k, s in ref.items():
-        assert s.text + s.denoise + s.tail == pytest.approx(1.0)
+        assert s.text + s.denoise + s.decode_encode == pytest.approx(1.0)
         assert scaled[k].model_dump() == pytest.approx(s.model_dump(), rel=1e-9, abs=1e-12)
     # the emulated worker sleeps through the same split
     emu = emulation_for(REFERENCE, 100.0)
     for k, s in ref.items():
         ph = emu.templates[k]
         assert ph.text_s / ph.total_s == pytest.approx(s.text, abs=1e-9)
-        assert ph.decode_s / ph.total_s == pytest.approx(s.tail, abs=1e-9)
+        assert ph.decode_s / ph.total_s == pytest.approx(s.decode_encode, abs=1e-9)
     # LTX-2's decode (audio and video VAEs) is a tenth of its time, CogVideoX-5B's about 1 %
-    assert ref["ltx2/864x480x49"].tail > 0.1 > ref["cogvideox-5b/1280x720x49"].tail > 0.005
+    assert ref["ltx2/864x480x49"].decode_encode > 0.1 > ref["cogvideox-5b/1280x720x49"].decode_encode > 0.005
 
 
 def test_a_table_scaled_twice_keeps_one_split() -> None:
     once = scale_table(REFERENCE, 100.0)
     twice = scale_table(once, 60.0)
     for k, s in phase_shares(REFERENCE).items():
-        assert phase_shares(twice)[k].tail == pytest.approx(s.tail, rel=1e-9)
+        assert phase_shares(twice)[k].decode_encode == pytest.approx(s.decode_encode, rel=1e-9)
 
 
 def test_the_model_groups_prior_is_the_simulators_split() -> None:
     t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=8)
-    shares = PhaseShares(text=0.1, denoise=0.6, tail=0.3)
+    shares = PhaseShares(text=0.1, denoise=0.6, decode_encode=0.3)
     with running_group("tiny-flux2", {t.shape_key: entry(t, latency_s=2.0)}, phases={t.shape_key: shares}) as h:
         live = h.group.dispatcher.plans[t.shape_key]
     sim = DispatchPlan.of_entry(entry(t, latency_s=2.0), shares=shares)
-    assert (live.denoise_frac, live.tail_frac) == pytest.approx((0.6, 0.3)) == (sim.denoise_frac, sim.tail_frac)
+    assert (live.denoise_frac, live.decode_encode_frac) == pytest.approx((0.6, 0.3)) == (sim.denoise_frac, sim.decode_encode_frac)
 
 
 LONG = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, steps=4)
 SHORT = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
 # LONG: 10 s of text, 4 steps of 12.5 s (boundaries at 22.5, 35, 47.5; the last ends at 60), a 40 s tail
-LONG_SHARES = PhaseShares(text=0.1, denoise=0.5, tail=0.4)
+LONG_SHARES = PhaseShares(text=0.1, denoise=0.5, decode_encode=0.4)
 
 
 def _table(budget: int = 48 * GB, pause_bytes: int = GB) -> PlanTable:

@@ -36,13 +36,12 @@ from xema_ray.analyzer.tracer import (
 )
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, trace_decode, trace_step
 
 TRACER_VERSION = "2"  # 2: step bounds typed (MemoryTrace.step_bounds), not in meta
 STEP_BOUNDARY = "scheduler_step"
 REPLICATE_FROM = 3  # traced steps when replicating: step 0 carries set-up, steps 1 and 2 must match
 DIT_BEGIN = "dit_begin"
-PHASE_SETUP = "setup"
-PHASE_POST = "post"
 
 
 class StepPatternError(RuntimeError):
@@ -70,7 +69,7 @@ class TraceOptions:
     memoise: bool = True
     prompt: str = "a photo of a cat"
     seed: int = 0
-    #: trace the model's real text encoder (built from its config) in the set-up phase, placed
+    #: trace the model's real text encoder (built from its config) in the text phase, placed
     #: "device" (resident all request), "streamed" (layers through the device during set-up) or
     #: "cpu" (nothing on the device: the embeddings arrive as inputs); None = stand-in inputs
     text_encoder: str | None = None
@@ -143,7 +142,7 @@ def trace_template(
             replay.installed() if replay is not None else contextlib.nullcontext(),
             tracer,
         ):
-            if encoder is not None:  # text encoding is the first part of the set-up phase
+            if encoder is not None:  # text encoding is the first part of the text phase
                 tracer.mark("begin:text_encoder")
                 inputs = spec.encode_prompts(pipe, prompts, torch.device(opts.device), dtype)
                 tracer.mark("end:text_encoder")
@@ -482,16 +481,17 @@ def _assemble(
 ) -> MemoryTrace:
     # Phases by where each allocation was made. Step k runs from the first DiT call (k = 0) or
     # the scheduler entry of step k-1 up to the scheduler entry of step k; the last scheduler
-    # update and what follows is "post", with decode phases carved out of it by markers.
+    # update and what follows is "post", with decode phases carved out of it by markers; what runs
+    # before the first step is "text" (xema_ray.vocabulary).
     first_dit = next((pos for pos, label in raw.markers if label == DIT_BEGIN), 0)
     starts = [min(first_dit, bounds[0])] + bounds[:-1]
-    phases = [PHASE_SETUP] + [f"denoise.step{k}" for k in range(len(bounds))]
+    phases: list[str] = [Phase.TEXT.value] + [trace_step(k) for k in range(len(bounds))]
     # the regions [starts[0], bounds[0]), [bounds[0], bounds[1]), ... are contiguous: phase k + 1
     # for region k, 0 before the first, len(phases) (post) from the last bound on
     edges = np.asarray([starts[0], *bounds], dtype=np.int64)
     phase = np.searchsorted(edges, begin, side="right").astype(np.int32)
     after = begin >= bounds[-1]
-    phases.append(PHASE_POST)
+    phases.append(Phase.POST.value)
     # decode markers are in traced-event space; events after the loop shifted by the copies
     shift = n_events - raw.n_events
     opened: dict[str, int] = {}
@@ -501,7 +501,7 @@ def _assemble(
         elif label.startswith("end:") and label[4:] in opened:
             s, e = opened.pop(label[4:]), pos + shift
             phase[(begin >= s) & (begin < e) & after] = len(phases)
-            phases.append(f"decode.{label[4:]}")
+            phases.append(trace_decode(label[4:]))
     # canonical row order: by allocation event (replicated copies were appended at the end)
     if len(begin) > 1 and not np.all(begin[1:] >= begin[:-1]):
         order = np.argsort(begin, kind="stable")

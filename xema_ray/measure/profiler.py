@@ -36,13 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.memory.analysis import segments as trace_segments
-from xema_ray.memory.analysis import phase_group, unit_of
+from xema_ray.memory.analysis import unit_of
 from xema_ray.analyzer.run import DIT_BEGIN, STEP_BOUNDARY, TraceOptions, _markers, trace_template
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform
 from xema_ray.profiling.store import ProfileStore, RequestRecord, SegmentRecord, now
 from xema_ray.runtime.engine import ExecutionEngine, apply_config_mitigations
+from xema_ray.vocabulary import Phase, PhaseKeyed, latency_phase, trace_decode, trace_step
 
 PIPELINE_UNIT = "<pipeline>"
 #: denoising steps of the calibration request: step 0 (with set-up) and two steady steps (the
@@ -61,7 +62,7 @@ class ProfileReport(BaseModel):
     config_hash: str
     fingerprint: str
     estimate_s: float = Field(description="estimated pipeline latency of one batch (text + denoise + decode)")
-    per_phase: dict[str, float]
+    per_phase: PhaseKeyed[float] = Field(description="seconds by phase (xema_ray.vocabulary.LATENCY_PHASES)")
     segments_estimated: int = Field(description="trace segments of the full request the estimate covers")
     segments_profiled: int = Field(description="trace segments executed by the calibration request (0: all reused)")
     signatures: int = Field(description="distinct operator combinations in the request")
@@ -72,17 +73,10 @@ class ProfileReport(BaseModel):
     profiling_s: float = Field(description="wall time spent profiling (trace + calibration run)")
 
 
-def latency_phase(phase: str) -> str:
-    """A trace phase -> the bucket its time is reported in: its ``phase_group``, with "post" (the
-    few operators after the last step) counted in "decode", as the engine's clock counts it."""
-    group = phase_group(phase)
-    return "decode" if group == "post" else group
-
-
 def _phase_kind(phase: str) -> str:
     """Steps >= 1 are interchangeable (the analyzer replicates them); step 0 and the rest keep their name."""
-    if phase.startswith("denoise.step") and phase != "denoise.step0":
-        return "denoise.step*"
+    if phase.startswith(f"{Phase.DENOISE}.step") and phase != trace_step(0):
+        return f"{Phase.DENOISE}.step*"
     return phase
 
 
@@ -211,14 +205,14 @@ class _Timeline:
 
         def phase_at(t: float) -> str:
             if t < first_dit and (not bounds or t < bounds[0]):
-                return "setup"
+                return Phase.TEXT.value
             k = sum(1 for b in bounds if b <= t)
             if k < len(bounds) or not bounds:
-                return f"denoise.step{k}"
+                return trace_step(k)
             for s, e, name in windows:
                 if s <= t < e:
-                    return f"decode.{name}"
-            return "post"
+                    return trace_decode(name)
+            return Phase.POST.value
 
         out: dict[UnitPhase, float] = defaultdict(float)
         stack: list[str] = []
@@ -330,7 +324,7 @@ class LatencyProfiler:
                         measured_at=now(),
                     )
                 )
-        per_phase: dict[str, float] = defaultdict(float)
+        per_phase: dict[Phase, float] = defaultdict(float)
         by_unit_fallbacks = 0
         for (unit, phase), sig in full_sigs.items():
             rec = self.store.get_segment(self.fingerprint, model, key, sig)
@@ -394,7 +388,7 @@ class LatencyProfiler:
         record = RequestRecord(
             fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
             config_hash=config.config_hash(), source="measured", total_s=totals[i],
-            per_phase={latency_phase(k) if k != "text" else "setup": v for k, v in phases[i].items()},
+            per_phase={latency_phase(k): v for k, v in phases[i].items()},
             steps=config.template.steps, measured_at=now(), config=config,
         )
         self.store.put_request(record)

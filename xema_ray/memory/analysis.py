@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 _UNIT_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -90,7 +91,7 @@ class MemorySummary(BaseModel):
     pressure_event_fraction: float = 0.0
     weight_bytes_by_component: dict[str, int] = Field(
         default_factory=dict, description="device-resident weights per pipeline component (transformer, vae, text_encoder, ...)")
-    setup_peak_bytes: int = Field(default=0, description="peak before the first denoising step (text encoding included)")
+    text_peak_bytes: int = Field(default=0, description="peak of the text phase, before the first denoising step (text encoding included)")
     dit_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of DiT events below x% of the DiT peak")
     vae_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of VAE events below x% of the VAE peak")
 
@@ -115,19 +116,8 @@ def event_phases(trace: MemoryTrace) -> np.ndarray:
     return ph[idx]
 
 
-#: The one phase vocabulary (analyzer, planner, profiler, plots, the serving engine's timings).
-PhaseGroup = Literal["setup", "denoise", "decode", "post"]
-
-
-def phase_group(name: str) -> PhaseGroup:
-    """A trace phase ("setup", "denoise.step<k>", "decode.<component>", "post") -> its group:
-    "setup" before the first denoising step (text encoding included), "denoise" the DiT's steps,
-    "decode" the VAE decodes, "post" what follows the last step outside them."""
-    if name.startswith("denoise"):
-        return "denoise"
-    if name.startswith("decode"):
-        return "decode"
-    return "post" if name == "post" else "setup"
+# A trace's phase names ("text", "denoise.step<k>", "decode.<component>", "post") and the phase each
+# belongs to: ``xema_ray.vocabulary`` (``Phase``, ``phase_of_trace``), the one phase vocabulary.
 
 
 # ---------------------------------------------------------------------------- peaks
@@ -348,13 +338,13 @@ def segments(trace: MemoryTrace, curve: np.ndarray | None = None) -> list[Segmen
     return out
 
 
-def event_cdf(trace: MemoryTrace, group: str, thresholds: tuple[int, ...] = (50, 70, 90), curve: np.ndarray | None = None) -> dict[str, float]:
-    """Fraction of the events of a phase group ("denoise" or "decode") whose live memory is below x% of
-    that group's peak (the paper's Figure 2). Memory is measured above the resident floor
+def event_cdf(trace: MemoryTrace, group: Phase, thresholds: tuple[int, ...] = (50, 70, 90), curve: np.ndarray | None = None) -> dict[str, float]:
+    """Fraction of the events of a phase (``Phase.DENOISE`` or ``Phase.DECODE``) whose live memory is below x% of
+    that phase's peak (the paper's Figure 2). Memory is measured above the resident floor
     (weights and inputs), as the figure shows the phase's own dynamics."""
     curve = trace.active_curve() if curve is None else curve
     ph = event_phases(trace)
-    groups = np.array([phase_group(p) for p in trace.phases] + ["?"])
+    groups = np.array([phase_of_trace(p) for p in trace.phases] + ["?"])
     sel = groups[ph] == group
     if not sel.any():
         return {}
@@ -383,7 +373,7 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
     for m, size in zip(trace.module[is_w], trace.size[is_w], strict=True):
         comp = trace.modules[m].split(".", 1)[0] if m >= 0 else "?"
         by_component[comp] = by_component.get(comp, 0) + int(size)
-    setup = [p.peak_bytes for p in phase_peaks(trace, curve) if p.phase == "setup"]
+    text = [p.peak_bytes for p in phase_peaks(trace, curve) if p.phase == Phase.TEXT]
     return MemorySummary(
         template=trace.meta.get("template", "?"),
         n_allocations=len(trace),
@@ -399,10 +389,10 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
         budget_bytes=budget,
         pressure_intervals=intervals,
         pressure_event_fraction=frac,
-        dit_cdf=event_cdf(trace, "denoise", curve=curve),
-        vae_cdf=event_cdf(trace, "decode", curve=curve),
+        dit_cdf=event_cdf(trace, Phase.DENOISE, curve=curve),
+        vae_cdf=event_cdf(trace, Phase.DECODE, curve=curve),
         weight_bytes_by_component=dict(sorted(by_component.items(), key=lambda kv: -kv[1])),
-        setup_peak_bytes=max(setup, default=0),
+        text_peak_bytes=max(text, default=0),
     )
 
 
@@ -413,7 +403,7 @@ def between_step_bytes(trace: MemoryTrace) -> int:
     event); 0 when the trace has fewer than two steps."""
     starts = []
     for i, name in enumerate(trace.phases):
-        if name.startswith("denoise.step") and name != "denoise.step0":
+        if name.startswith(f"{Phase.DENOISE}.step") and name != f"{Phase.DENOISE}.step0":
             sel = trace.begin[trace.phase == i]
             if len(sel):
                 starts.append(int(sel.min()))

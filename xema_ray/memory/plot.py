@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from xema_ray.memory.analysis import event_phases, phase_group, pressure_intervals
+from xema_ray.memory.analysis import event_phases, pressure_intervals
 from xema_ray.memory.trace import Category, MemoryTrace
+from xema_ray.vocabulary import Phase, phase_of_trace
 
 _MAX_POINTS = 4000  # envelope points per curve: enough to show every peak of a 300k-event trace
 
@@ -36,8 +37,8 @@ def plot_trace(trace: MemoryTrace, path: str | Path, budget: int | None = None, 
     curve = trace.active_curve()
     fig, (ax, ax_cdf) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 1]})
     ph = event_phases(trace)
-    groups = np.array([phase_group(p) for p in trace.phases] + ["?"])[ph]
-    colors = {"denoise": "#dbe9f6", "decode": "#fde2c8"}
+    groups = np.array([phase_of_trace(p) for p in trace.phases] + ["?"])[ph]
+    colors = {Phase.DENOISE: "#dbe9f6", Phase.DECODE: "#fde2c8"}
     for group, color in colors.items():
         sel = (groups == group).astype(np.int8)
         edges = np.diff(np.concatenate([[0], sel, [0]]))
@@ -58,7 +59,7 @@ def plot_trace(trace: MemoryTrace, path: str | Path, budget: int | None = None, 
     ax.set_title(title or trace.meta.get("template", "memory trace"))
     ax.legend(loc="lower right", fontsize=8)
 
-    for group, color in (("denoise", "#1f77b4"), ("decode", "#ff7f0e")):
+    for group, color in ((Phase.DENOISE, "#1f77b4"), (Phase.DECODE, "#ff7f0e")):
         sel = groups == group
         if not sel.any():
             continue

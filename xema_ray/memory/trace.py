@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.vocabulary import read_stored_phase
+
 TRACE_SCHEMA_VERSION = 1
 
 
@@ -189,7 +191,7 @@ class MemoryTrace:
             free_module=np.asarray(f.free_module, dtype=np.int32),
             n_events=f.n_events,
             modules=list(f.modules),
-            phases=list(f.phases),
+            phases=[read_stored_phase(p) for p in f.phases],  # a cached trace of an earlier version says "setup"
             ops=list(f.ops),
             step_bounds=list(f.step_bounds),
             loaded_bytes=f.loaded_bytes,

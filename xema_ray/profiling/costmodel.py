@@ -38,6 +38,7 @@ from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.profiling.store import ProfileStore
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import Phase, PhaseKeyed
 
 if TYPE_CHECKING:
     from xema_ray.models import ModelSpec
@@ -59,7 +60,7 @@ class LatencyEstimate(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     total_s: float = Field(ge=0)
-    per_phase: dict[str, float] = Field(description="seconds per phase: setup, denoise, decode")
+    per_phase: PhaseKeyed[float] = Field(description="seconds per phase: text, denoise, decode")
     source: Source
     per_step_s: float | None = Field(default=None, description="one denoising step (cost model / profiled)")
     calibrated: bool = Field(default=False, description="cost model corrected by measurements in the store")
@@ -413,25 +414,25 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         # any decoder has) go to the host and come back once each, half hidden behind the convs
         moved, caches = conv_cache_traffic(spec, template, config.batch)
         decode += min(1.0, act_offload / caches) * 2 * moved / (hw.h2d_gbps * 1e9) * 0.5
-    per_phase = {"setup": 0.0, "denoise": step * template.steps, "decode": decode}
+    per_phase = {Phase.TEXT: 0.0, Phase.DENOISE: step * template.steps, Phase.DECODE: decode}
     return LatencyEstimate(
         total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step,
         label=f"estimate (roofline, {hw.name})",
     )
 
 
-def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[str, float]:
+def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[Phase, float]:
     """Per phase, the median ratio measured / modelled over the store's requests of this
     hardware and model family that were measured whole or from measured segments (the
     segment-reuse profiler's "profiled" records); empty when there are none."""
     if hw.fingerprint is None:
         return {}
-    ratios: dict[str, list[float]] = {}
+    ratios: dict[Phase, list[float]] = {}
     for rec in store.requests(hw.fingerprint):
         if rec.source not in ("measured", "profiled") or rec.config is None or rec.config.template.spec.family != family:
             continue
         model = cost_model_estimate(rec.config, hw)
-        for phase in ("denoise", "decode"):
+        for phase in (Phase.DENOISE, Phase.DECODE):
             if rec.per_phase.get(phase) and model.per_phase[phase] > 0:
                 ratios.setdefault(phase, []).append(rec.per_phase[phase] / model.per_phase[phase])
     return {p: statistics.median(v) for p, v in ratios.items()}
@@ -462,7 +463,7 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
             if rec is not None:
                 return LatencyEstimate(
                     total_s=rec.total_s, per_phase=dict(rec.per_phase), source=rec.source,
-                    per_step_s=rec.per_phase.get("denoise", 0.0) / rec.steps if rec.per_phase.get("denoise") else None,
+                    per_step_s=rec.per_phase.get(Phase.DENOISE, 0.0) / rec.steps if rec.per_phase.get(Phase.DENOISE) else None,
                     label=("measurement" if source == "measured" else "estimate (segment profile)") + f" on {hardware.name}",
                 )
     est = cost_model_estimate(config, hardware)
@@ -470,7 +471,7 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
     if not factors:
         return est
     per_phase = {p: v * factors.get(p, 1.0) for p, v in est.per_phase.items()}
-    step = (est.per_step_s or 0.0) * factors.get("denoise", 1.0)
+    step = (est.per_step_s or 0.0) * factors.get(Phase.DENOISE, 1.0)
     return LatencyEstimate(
         total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step, calibrated=True,
         label=f"estimate (roofline calibrated on {sum(1 for _ in factors)} phase(s) of measurements, {hardware.name})",

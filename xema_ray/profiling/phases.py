@@ -1,4 +1,6 @@
-"""Where a plan entry's batch spends its time: text encoding, the denoising steps, the decode tail.
+"""Where a plan entry's batch spends its time: text encoding, the denoising steps, and decode and
+encode (every phase after the last step, ``PhaseShares.decode_encode``); the phases are
+``xema_ray.vocabulary.Phase``.
 
 One split for everything that reasons about step boundaries — the emulated worker (which sleeps
 through these phases), the live model group's prior before any batch of a template has run
@@ -21,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.vocabulary import Phase
 
 #: the provenance key of a time-scaled table's scales (``xema_ray.runtime.emulation.scale_table``)
 TIME_SCALE_KEY = "emulated_time_scale"
@@ -30,33 +33,42 @@ FALLBACK_DECODE_SHARE = (0.05, 0.10)
 
 def fallback_shares(video: bool) -> PhaseShares:
     """The split where nothing better is known: no text phase, 5 % decode for images, 10 % for videos."""
-    tail = FALLBACK_DECODE_SHARE[video]
-    return PhaseShares(text=0.0, denoise=1.0 - tail, tail=tail)
+    decode = FALLBACK_DECODE_SHARE[video]
+    return PhaseShares(text=0.0, denoise=1.0 - decode, decode_encode=decode)
 
 
 class PhaseShares(BaseModel):
-    """Shares of a template's batch latency by phase (they sum to 1)."""
+    """Shares of a template's batch latency by phase (they sum to 1): ``Phase.TEXT``,
+    ``Phase.DENOISE``, and every phase after the last step as one (``Phase.POST``, ``Phase.DECODE``,
+    ``Phase.ENCODE``: the plan's split has no encode, so that is its decode)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     text: float = Field(ge=0, le=1, description="text encoding, before the first step")
     denoise: float = Field(gt=0, le=1, description="the denoising steps (their boundaries are where a batch can pause)")
-    tail: float = Field(ge=0, lt=1, description="decode and encoding, after the last step (no boundary left)")
+    decode_encode: float = Field(ge=0, lt=1, description="decode and encode, after the last step (no boundary left)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "tail" in data:
+            raise ValueError("phase shares: 'tail' is now called 'decode_encode' (shares: text, denoise, decode_encode)")
+        return data
 
     @model_validator(mode="after")
     def _sums_to_one(self) -> PhaseShares:
-        if abs(self.text + self.denoise + self.tail - 1.0) > 1e-6:
-            raise ValueError(f"phase shares must sum to 1, got {self.text} + {self.denoise} + {self.tail}")
+        if abs(self.text + self.denoise + self.decode_encode - 1.0) > 1e-6:
+            raise ValueError(f"phase shares must sum to 1, got {self.text} + {self.denoise} + {self.decode_encode}")
         return self
 
     @classmethod
-    def of_seconds(cls, text_s: float, denoise_s: float, tail_s: float) -> PhaseShares:
-        total = text_s + denoise_s + tail_s
+    def of_seconds(cls, text_s: float, denoise_s: float, decode_encode_s: float) -> PhaseShares:
+        total = text_s + denoise_s + decode_encode_s
         if total <= 0 or denoise_s <= 0:
-            return cls(text=0.0, denoise=1.0, tail=0.0)
-        tail = min(tail_s / total, 0.99)
-        text = min(text_s / total, 1.0 - tail)
-        return cls(text=text, denoise=max(1e-9, 1.0 - text - tail), tail=tail)
+            return cls(text=0.0, denoise=1.0, decode_encode=0.0)
+        decode_encode = min(decode_encode_s / total, 0.99)
+        text = min(text_s / total, 1.0 - decode_encode)
+        return cls(text=text, denoise=max(1e-9, 1.0 - text - decode_encode), decode_encode=decode_encode)
 
 
 def table_profile(table: PlanTable) -> Any:
@@ -83,14 +95,14 @@ def plan_phases(entry: PlanEntry, profile: Any, time_scale: float = 1.0) -> tupl
     total = entry.prediction.latency_s * time_scale  # in the hardware's own seconds
     if profile is None:
         sh = fallback_shares(entry.config.template.spec.kind == "video")
-        text, denoise, decode = 0.0, total * sh.denoise, total * sh.tail
+        text, denoise, decode = 0.0, total * sh.denoise, total * sh.decode_encode
     else:
         from xema_ray.profiling import estimate_latency
 
         est = estimate_latency(entry.config, profile).per_phase
-        loop, vae = est.get("denoise", 0.0), est.get("decode", 0.0)
+        loop, vae = est.get(Phase.DENOISE, 0.0), est.get(Phase.DECODE, 0.0)
         model = loop + vae
-        text = min(total, max(0.0, total - model - est.get("setup", 0.0)) + est.get("setup", 0.0))
+        text = min(total, max(0.0, total - model - est.get(Phase.TEXT, 0.0)) + est.get(Phase.TEXT, 0.0))
         rest = total - text
         denoise, decode = (rest, 0.0) if model <= 0 else (rest * loop / model, rest * vae / model)
     return text / time_scale, denoise / time_scale, decode / time_scale

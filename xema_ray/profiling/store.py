@@ -11,7 +11,9 @@ NVML's device name on GPUs, the CPU model on CPUs) and the model:
 * ``RequestRecord`` — a whole request's latency under one config (``config_hash``), either
   measured end to end or estimated from segments by the profiler.
 
-The file is rewritten atomically (write + rename), so a crash never leaves half a store.
+The file is rewritten atomically (write + rename), so a crash never leaves half a store. A store
+written before phases had one vocabulary names the text phase "setup" (in ``per_phase`` and in the
+profiler's ``unit:<unit>@<phase>`` / ``untraced:<phase>`` signatures); it is read as "text".
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import ExecutionConfig
+from xema_ray.vocabulary import PhaseKeyed, read_stored_phase
 
 STORE_SCHEMA_VERSION = 1
 
@@ -53,7 +56,7 @@ class RequestRecord(BaseModel):
     config_hash: str
     source: Literal["measured", "profiled"]
     total_s: float = Field(ge=0)
-    per_phase: dict[str, float] = Field(default_factory=dict, description="seconds by phase group (setup, denoise, decode)")
+    per_phase: PhaseKeyed[float] = Field(default_factory=dict, description="seconds by phase (text, denoise, decode)")
     steps: int = Field(ge=1)
     measured_at: float
     config: ExecutionConfig | None = Field(default=None, description="the config itself, so the cost model can calibrate against it")
@@ -126,7 +129,7 @@ class ProfileStore:
         os.replace(tmp, self.path)
 
     def _load(self, path: Path) -> None:
-        data = ProfileStoreFile.model_validate(json.loads(path.read_text()))
+        data = ProfileStoreFile.model_validate(_stored_phases(json.loads(path.read_text())))
         if data.schema_version != STORE_SCHEMA_VERSION:
             raise ValueError(
                 f"profile store {path} has schema version {data.schema_version}; this build reads {STORE_SCHEMA_VERSION}"
@@ -136,6 +139,28 @@ class ProfileStore:
         for r in data.requests:
             self.put_request(r)
 
+
+
+def _stored_signature(signature: str) -> str:
+    """A segment signature naming a phase (``unit:<unit>@<phase>``, ``untraced:<phase>``) with the
+    phase as it is called today; hashes are returned as they are."""
+    head, at, phase = signature.rpartition("@")
+    if at and head.startswith("unit:"):
+        return f"{head}@{read_stored_phase(phase)}"
+    if signature.startswith("untraced:"):
+        return "untraced:" + read_stored_phase(signature.removeprefix("untraced:"))
+    return signature
+
+
+def _stored_phases(raw: Any) -> Any:
+    """A store file as an earlier version wrote it, with its phase names as they are called today."""
+    if not isinstance(raw, dict):
+        return raw
+    segments = [{**s, "signature": _stored_signature(s["signature"])} if isinstance(s, dict) and isinstance(s.get("signature"), str)
+                else s for s in raw.get("segments", [])]
+    requests = [{**r, "per_phase": {read_stored_phase(k): v for k, v in r["per_phase"].items()}}
+                if isinstance(r, dict) and isinstance(r.get("per_phase"), dict) else r for r in raw.get("requests", [])]
+    return {**raw, "segments": segments, "requests": requests}
 
 def now() -> float:
     return time.time()

@@ -203,7 +203,7 @@ class EmulatedWorker:
         denoise_from = time.perf_counter()
         shift = 0.0  # time the batch spent not running (paused, moving state)
         for step in range(1, ph.steps + 1):
-            _sleep_until(text_end + shift + step * ph.step_s * f)
+            _sleep_until(text_end + shift + step * ph.denoise_step_s * f)
             vote = step_vote(observer, control, step, ph.steps, group, output_rank)
             if vote == VOTE_STOP:
                 raise BatchCancelled(step)
@@ -218,7 +218,7 @@ class EmulatedWorker:
                 time.sleep(self._switch_to(key) + move)
                 shift += time.perf_counter() - parked
         decode_from = time.perf_counter()
-        _sleep_until(text_end + shift + ph.steps * ph.step_s * f + ph.decode_s * f)
+        _sleep_until(text_end + shift + ph.steps * ph.denoise_step_s * f + ph.decode_s * f)
         end = time.perf_counter()
         if observer is not None and output_rank:
             observer.on_decoded()

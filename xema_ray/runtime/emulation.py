@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import TIME_SCALE_KEY, plan_phases, table_profile, time_scales
@@ -21,13 +21,14 @@ DEFAULT_HOST_BANDWIDTH = 20e9
 
 
 class EmulatedPhases(BaseModel):
-    """One template's full batch on the emulated box, in emulated seconds (reference / time_scale)."""
+    """One template's full batch on the emulated box, in emulated seconds (reference / time_scale), by
+    phase (``xema_ray.vocabulary.Phase``: text, denoise per step, decode)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     steps: int = Field(ge=1)
     text_s: float = Field(ge=0, description="text encoding (the plan's encoder placement)")
-    step_s: float = Field(ge=0, description="one denoising step")
+    denoise_step_s: float = Field(ge=0, description="one denoising step")
     decode_s: float = Field(ge=0, description="VAE decode and post-processing")
     latency_by_batch: dict[int, float] = Field(default_factory=dict, description="a partial batch of n: its total")
     peak_bytes: int = Field(ge=0, description="the plan's device peak per worker")
@@ -38,9 +39,16 @@ class EmulatedPhases(BaseModel):
     frames: int
     fps: float = Field(gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "step_s" in data:
+            raise ValueError("emulated phases: 'step_s' is now called 'denoise_step_s' (text_s, denoise_step_s, decode_s)")
+        return data
+
     @property
     def total_s(self) -> float:
-        return self.text_s + self.steps * self.step_s + self.decode_s
+        return self.text_s + self.steps * self.denoise_step_s + self.decode_s
 
     def factor(self, n: int) -> float:
         """How much longer or shorter than the full batch a batch of ``n`` requests takes."""
@@ -88,7 +96,7 @@ def emulation_for(table: PlanTable, time_scale: float, keys: list[str] | None = 
         t = e.config.template
         text, denoise, decode = plan_phases(e, profile)
         phases[key] = EmulatedPhases(
-            steps=t.steps, text_s=text / time_scale, step_s=denoise / t.steps / time_scale, decode_s=decode / time_scale,
+            steps=t.steps, text_s=text / time_scale, denoise_step_s=denoise / t.steps / time_scale, decode_s=decode / time_scale,
             latency_by_batch={n: s / time_scale for n, s in e.prediction.latency_by_batch.items()},
             peak_bytes=e.prediction.peak_bytes, pause_bytes=e.prediction.pause_bytes, video=t.spec.kind == "video",
             width=t.width, height=t.height, frames=t.frames, fps=float(getattr(t.spec, "frame_rate", fps_default)))

@@ -43,6 +43,7 @@ from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.text import EncodedPrompts
+from xema_ray.vocabulary import Phase
 
 ArmLayout = Callable[[str], contextlib.AbstractContextManager[None]]
 
@@ -84,7 +85,8 @@ class Batch(BaseModel):
 
 
 class PhaseTimings(BaseModel):
-    """Wall-clock seconds per phase on this worker (device work synchronised at each boundary)."""
+    """Wall-clock seconds per phase (``xema_ray.vocabulary.Phase``: text, denoise, decode, encode) on
+    this worker (device work synchronised at each boundary)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -319,8 +321,8 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
-    ) -> tuple[Any, dict[str, float], int, bool]:
-        """One pipeline call under ``config``: returns (pipeline output, phase seconds, SP rank,
+    ) -> tuple[Any, dict[Phase, float], int, bool]:
+        """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
@@ -364,9 +366,9 @@ class ExecutionEngine:
             t_end = time.perf_counter()
         decode_start = clock.first_decode if clock.first_decode is not None else t_end
         phases = {
-            "text": t_text + clock.encode_prompt_s,
-            "denoise": max(0.0, decode_start - t1 - clock.encode_prompt_s),
-            "decode": t_end - decode_start,
+            Phase.TEXT: t_text + clock.encode_prompt_s,
+            Phase.DENOISE: max(0.0, decode_start - t1 - clock.encode_prompt_s),
+            Phase.DECODE: t_end - decode_start,
         }
         return out, phases, group.rank if group is not None else 0, armed
 
@@ -413,7 +415,7 @@ class ExecutionEngine:
             sp_rank=sp_rank,
             outputs=outputs,
             timings=PhaseTimings(
-                text_s=phases["text"], denoise_s=phases["denoise"], decode_s=phases["decode"], encode_s=encode_s,
+                text_s=phases[Phase.TEXT], denoise_s=phases[Phase.DENOISE], decode_s=phases[Phase.DECODE], encode_s=encode_s,
                 total_s=time.perf_counter() - t0,
             ),
             memory=self.platform.memory_stats(),

@@ -67,7 +67,7 @@ class DispatchPlan:
     pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
     static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
     denoise_frac: float = 1.0  # share of latency_s in the denoising steps (1: no phases known)
-    tail_frac: float = 0.0  # share after the last step (VAE decode, encoding): no step boundary left there
+    decode_encode_frac: float = 0.0  # share after the last step (decode, encode): no step boundary left there
     min_latency_s: float | None = None  # a batch of one (None: latency_s): whether a late request can still make it
 
     @classmethod
@@ -75,7 +75,7 @@ class DispatchPlan:
         """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's;
         ``shares``: where its latency goes, ``xema_ray.profiling.phases``; None: no phases known)."""
         c, p = entry.config, entry.prediction
-        phases = {} if shares is None else {"denoise_frac": shares.denoise, "tail_frac": shares.tail}
+        phases = {} if shares is None else {"denoise_frac": shares.denoise, "decode_encode_frac": shares.decode_encode}
         return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
                    steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
                    static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)
@@ -239,13 +239,13 @@ class Dispatcher(Generic[P]):
                     return True
         return False
 
-    def set_phases(self, template: str, denoise_frac: float, tail_frac: float) -> None:
-        """Measured shares of ``template``'s latency in its denoising steps and in its tail
-        (decode, encoding): where its step boundaries fall (a batch in its tail has none left).
+    def set_phases(self, template: str, denoise_frac: float, decode_encode_frac: float) -> None:
+        """Measured shares of ``template``'s latency in its denoising steps and after them (decode,
+        encode): where its step boundaries fall (a batch past its last step has none left).
         Shares, not seconds: the plan's latency stays what the dispatcher predicts with."""
-        if not (0 < denoise_frac <= 1 and 0 <= tail_frac < 1 and denoise_frac + tail_frac <= 1 + 1e-9):
-            raise ValueError(f"{template}: phase shares must lie in (0, 1], got denoise {denoise_frac}, tail {tail_frac}")
-        self.plans[template] = dataclasses.replace(self.plans[template], denoise_frac=denoise_frac, tail_frac=tail_frac)
+        if not (0 < denoise_frac <= 1 and 0 <= decode_encode_frac < 1 and denoise_frac + decode_encode_frac <= 1 + 1e-9):
+            raise ValueError(f"{template}: phase shares must lie in (0, 1], got denoise {denoise_frac}, decode_encode {decode_encode_frac}")
+        self.plans[template] = dataclasses.replace(self.plans[template], denoise_frac=denoise_frac, decode_encode_frac=decode_encode_frac)
 
     def queued(self, template: str) -> list[Pending[P]]:
         """A template's queued requests, earliest deadline first (a copy: for summaries)."""
@@ -423,7 +423,7 @@ class Dispatcher(Generic[P]):
         a = self._running[bid]
         v = self.plans[a.template]
         step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
-        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
+        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.decode_encode_frac
         # the boundary after the last step is none: a worker pauses only between steps (step < total)
         if step <= 0 or denoise_left <= step * (1 + 1e-9):
             return None

@@ -30,7 +30,7 @@ from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.scheduling.dispatcher import Assignment, Decision, Dispatcher, DispatchPlan, PreemptionPolicy, Refused
 
 #: a template whose phases are unknown: all of its latency is steps
-_NO_PHASES = PhaseShares(text=0.0, denoise=1.0, tail=0.0)
+_NO_PHASES = PhaseShares(text=0.0, denoise=1.0, decode_encode=0.0)
 #: seconds a wake-up is set past a partial batch's wait-window end (float rounding, see the loop)
 _WAKE_EPS = 1e-9
 
@@ -143,7 +143,7 @@ def simulate(
             an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
         admission: apply the table's per-group admission policies (``PlanTable.admission``;
             refused and shed requests count as missed).
-        phases: each template's phase shares (text, steps, decode tail), which the dispatcher's
+        phases: each template's phase shares (text, denoise, decode_encode), which the dispatcher's
             preemption and the paused batches' step boundaries follow, as the live model group's
             (default, with preemption: ``phase_shares(table)``).
         park_overhead_s: seconds a preempting batch waits beyond its victims' step boundaries and

@@ -104,7 +104,7 @@ def test_poll_hint_is_a_tenth_of_the_remaining_time_within_bounds() -> None:
 
 
 def test_progress_is_the_fraction_of_predicted_time() -> None:
-    est = PhaseEstimate(steps=4, text_s=1.0, step_s=2.0, decode_s=2.0, encode_s=1.0)
+    est = PhaseEstimate(steps=4, text_s=1.0, denoise_step_s=2.0, decode_s=2.0, encode_s=1.0)
     assert est.total_s == 12.0
     assert [round(est.after_step(k), 3) for k in range(5)] == [0.083, 0.25, 0.417, 0.583, 0.75]
     assert est.after_decode() == 11 / 12

@@ -173,7 +173,7 @@ def test_steps_never_wait_for_a_paused_store(paused_redis: tuple[str, int]) -> N
     job = store.create(_job())
     store.accept(job.id, "g")
     store.start(job.id, "g", 2.0)
-    observer = JobProgress(cfg, [job.id], 0, PhaseEstimate(steps=40, text_s=0, step_s=0.05, decode_s=0.1, encode_s=0))
+    observer = JobProgress(cfg, [job.id], 0, PhaseEstimate(steps=40, text_s=0, denoise_step_s=0.05, decode_s=0.1, encode_s=0))
     os.kill(pid, signal.SIGSTOP)
     try:
         waits = []
@@ -201,7 +201,7 @@ def test_a_deleted_job_stops_its_batch_within_a_step_or_two(tmp_path: Path) -> N
     job = store.create(_job())
     store.accept(job.id, "g")
     store.start(job.id, "g", 2.0)
-    observer = JobProgress(cfg, [job.id], 0, PhaseEstimate(steps=50, text_s=0, step_s=0.05, decode_s=0.1, encode_s=0))
+    observer = JobProgress(cfg, [job.id], 0, PhaseEstimate(steps=50, text_s=0, denoise_step_s=0.05, decode_s=0.1, encode_s=0))
     stopped_at = None
     for step in range(1, 51):
         if step == 5:

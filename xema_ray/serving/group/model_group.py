@@ -275,8 +275,8 @@ class ModelGroup(PublishesSummary):
 
     def _tell_phases(self, template: str, est: PhaseEstimate) -> None:
         total = max(est.total_s, 1e-9)
-        tail = min(0.99, (est.decode_s + est.encode_s) / total)
-        self.dispatcher.set_phases(template, min(1.0 - tail, est.steps * est.step_s / total), tail)
+        decode_encode = min(0.99, (est.decode_s + est.encode_s) / total)
+        self.dispatcher.set_phases(template, min(1.0 - decode_encode, est.steps * est.denoise_step_s / total), decode_encode)
 
     async def cancel_job(self, job_id: str) -> bool:
         """Drop a queued job from the queue (a running one stops through its step observer)."""

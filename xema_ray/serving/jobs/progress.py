@@ -45,20 +45,21 @@ SYNC_WAIT_S = 0.05
 
 @dataclass(frozen=True)
 class PhaseEstimate:
-    """Predicted seconds of a template's batch, by phase (``progress`` is measured against it)."""
+    """Predicted seconds of a template's batch, by phase (``xema_ray.vocabulary.Phase``: text,
+    denoise per step, decode, encode); ``progress`` is measured against it."""
 
     steps: int
     text_s: float
-    step_s: float
+    denoise_step_s: float
     decode_s: float
     encode_s: float
 
     @property
     def total_s(self) -> float:
-        return self.text_s + self.steps * self.step_s + self.decode_s + self.encode_s
+        return self.text_s + self.steps * self.denoise_step_s + self.decode_s + self.encode_s
 
     def after_step(self, step: int) -> float:
-        return (self.text_s + min(step, self.steps) * self.step_s) / self.total_s
+        return (self.text_s + min(step, self.steps) * self.denoise_step_s) / self.total_s
 
     def after_decode(self) -> float:
         return (self.total_s - self.encode_s) / self.total_s
@@ -77,14 +78,14 @@ class PhaseEstimate:
         """Before any batch ran: the plan's predicted latency split as the plan table's hardware
         splits it (``xema_ray.profiling.phases``, the split the simulator uses too)."""
         latency_s = max(latency_s, 1e-3)
-        return cls(steps=steps, text_s=shares.text * latency_s, step_s=shares.denoise * latency_s / steps,
-                   decode_s=shares.tail * latency_s, encode_s=0.0)
+        return cls(steps=steps, text_s=shares.text * latency_s, denoise_step_s=shares.denoise * latency_s / steps,
+                   decode_s=shares.decode_encode * latency_s, encode_s=0.0)
 
     @classmethod
     def from_timings(cls, steps: int, t: PhaseTimings) -> PhaseEstimate:
         """A measured batch's phases (set-up time outside the phases counts as text encoding)."""
         rest = max(0.0, t.total_s - t.denoise_s - t.decode_s - t.encode_s)
-        return cls(steps=steps, text_s=rest, step_s=max(t.denoise_s / steps, 1e-6), decode_s=t.decode_s,
+        return cls(steps=steps, text_s=rest, denoise_step_s=max(t.denoise_s / steps, 1e-6), decode_s=t.decode_s,
                    encode_s=t.encode_s)
 
 
