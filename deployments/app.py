@@ -19,7 +19,7 @@ from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
-from xema_ray.scheduling.dispatcher import PreemptionPolicy
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.scale.replica_summary import PlanBrief
@@ -73,7 +73,7 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
 
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-    from xema_ray.scheduling.dispatcher import DispatchPlan
+    from xema_ray.scheduling.batch import DispatchPlan
     from xema_ray.serving.scale.replica_router import SloRequestRouter
     from xema_ray.serving.scale.scaling import SloAutoscalingPolicy
 

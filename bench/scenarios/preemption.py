@@ -173,7 +173,7 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
     ``submit_job`` and the job store, the others through ``generate``, each at its time."""
     from bench.scenarios.group_harness import running_group
     from xema_ray.allocator.artifact import layouts_dir
-    from xema_ray.scheduling.dispatcher import PreemptionPolicy
+    from xema_ray.scheduling.preemption_policy import PreemptionPolicy
     from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig, new_job_id, open_store
 
     folder = layouts_dir(plans_dir / "table.json")

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, Refused
+from xema_ray.scheduling.admission import Refused
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 

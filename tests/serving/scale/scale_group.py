@@ -10,7 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from xema_ray.scheduling.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import Assignment, DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.scale.replica_stats import PublishesSummary
 
 

@@ -42,7 +42,9 @@ from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.progress import BatchCancelled
-from xema_ray.scheduling.dispatcher import Assignment, Dispatcher, DispatchPlan, Pending, PreemptionPolicy
+from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.messages import GenerateResult, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.jobs.progress import JobProgress, PhaseEstimate
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, open_store, store_call, store_faults
