@@ -103,7 +103,6 @@ def _ticket(r: Pending[_Ticket]) -> _Ticket:
     return r.payload
 
 
-
 class ModelGroup(PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
