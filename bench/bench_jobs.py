@@ -32,6 +32,7 @@ import requests
 
 from xema_ray.net import free_port
 from xema_ray.serving.api.ready import wait_ready
+from xema_ray.vocabulary import LatencySource
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,7 @@ def main() -> None:
                               "templates": [{"width": 64, "height": 64, "frames": 9, "steps": args.steps}]}]}
     table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1), gpus=1, budget_bytes=10**9,
                       entries={t.shape_key: PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-                          peak_bytes=0, latency_s=3.0, goodput_rps=0, slo_s=120, latency_source="measured"))})
+                          peak_bytes=0, latency_s=3.0, goodput_rps=0, slo_s=120, latency_source=LatencySource.MEASURED))})
     table.save(str(tmp / "plans.json"))
     serve_args["plan_table"] = str(tmp / "plans.json")
     port = free_port()

@@ -30,7 +30,7 @@ from xema_ray.profiling.costmodel import block_compute_s, transformer_blocks
 from xema_ray.measure.profiler import LatencyProfiler
 from xema_ray.runtime import ExecutionEngine
 from xema_ray.templates import RequestTemplate
-from xema_ray.vocabulary import Phase
+from xema_ray.vocabulary import LatencySource, Phase
 
 TINY = {
     "tiny-flux2": RequestTemplate(model="tiny-flux2", height=256, width=256, steps=50),
@@ -108,7 +108,7 @@ def bench_costmodel() -> dict[str, object]:
         cfg = ExecutionConfig(template=template)
         store.put_request(RequestRecord(
             fingerprint="h200-reference", model=template.model, template=template.key, config_hash=cfg.config_hash(),
-            source="measured", total_s=step * template.steps + decode, per_phase={Phase.DENOISE: step * template.steps, Phase.DECODE: decode},
+            source=LatencySource.MEASURED, total_s=step * template.steps + decode, per_phase={Phase.DENOISE: step * template.steps, Phase.DECODE: decode},
             steps=template.steps, measured_at=0.0, config=cfg,
         ))
     held_out = []

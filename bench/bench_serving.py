@@ -25,6 +25,7 @@ import torch
 from xema_ray.serving.ray_env import apply_ray_env
 from xema_ray.net import free_port
 from xema_ray.serving.api.ready import wait_ready
+from xema_ray.vocabulary import LatencySource
 
 
 
@@ -66,7 +67,7 @@ def main() -> None:
                               "templates": [{"width": 64, "height": 64, "steps": 4}]}]}
     table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1), gpus=1, budget_bytes=10**9,
                       entries={t.shape_key: PlanEntry(config=cfg, prediction=PlanPrediction(
-                          peak_bytes=0, latency_s=float(np.median(direct)), goodput_rps=0, slo_s=60, latency_source="measured"))})
+                          peak_bytes=0, latency_s=float(np.median(direct)), goodput_rps=0, slo_s=60, latency_source=LatencySource.MEASURED))})
     path = Path(tempfile.mkdtemp()) / "plans.json"
     table.save(str(path))
     serve_args["plan_table"] = str(path)

@@ -32,6 +32,7 @@ from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import LatencySource
 
 SYNC = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=4)
 JOB = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, steps=4)
@@ -40,7 +41,7 @@ JOB = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, s
 def _entry(t: RequestTemplate, latency_s: float) -> PlanEntry:
     return PlanEntry(config=ExecutionConfig(template=t, batch=2),
                      prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0, slo_s=60.0,
-                                               latency_source="measured"))
+                                               latency_source=LatencySource.MEASURED))
 
 
 def main() -> None:

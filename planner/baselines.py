@@ -19,7 +19,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xema_ray.plan import ExecutionConfig, LatencySource, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.vocabulary import LatencySource, PlanLatencySource
 from xema_ray.templates import RequestTemplate
 
 from planner.model import PlannerModel
@@ -147,7 +148,7 @@ def catalogue(model: PlannerModel, cfg: ExecutionConfig, budget: int) -> list[tu
 
 
 def run_baseline(name: str, model: PlannerModel, template: RequestTemplate, space: SearchSpace,
-                 source: LatencySource = "estimated", time_limit_s: float | None = None) -> tuple[PlanEntry | None, CountingModel, bool]:
+                 source: PlanLatencySource = LatencySource.ESTIMATED, time_limit_s: float | None = None) -> tuple[PlanEntry | None, CountingModel, bool]:
     """Plan ``template`` with a baseline; returns (entry, counting model, finished)."""
     counting = CountingModel(model)
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
@@ -191,7 +192,7 @@ def _global_resolve(model: CountingModel, cfg: ExecutionConfig, budget: int, log
 
 
 def ablation_plan(name: str, model: CountingModel, template: RequestTemplate, space: SearchSpace,
-                  source: LatencySource = "estimated") -> TemplatePlan:
+                  source: PlanLatencySource = LatencySource.ESTIMATED) -> TemplatePlan:
     """One of Figure 14's ablations as a full template plan (its stage-4 ranking included, from
     which the load-aware choice picks)."""
     if name not in ("no-memory-planning", "no-parallelism-planning", "no-concurrency"):

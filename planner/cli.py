@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from xema_ray.memory.analysis import gb, parse_bytes
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
 from xema_ray.templates import RequestTemplate, named_templates
+from xema_ray.vocabulary import LatencySource
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
 from planner.latency import LatencyModel, combine, hardware_names
@@ -94,7 +95,7 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     budget = opts["budget"]
     counting = CountingModel(model)
     xema = plan_template(counting, template, gpus, budget, slo_scale=opts["slo_scale"], max_batch=opts["max_batch"],
-                         latency_source="estimated")
+                         latency_source=LatencySource.ESTIMATED)
     result: dict[str, Any] = {"template": template.shape_key, "slo_s": xema.slo_s, "traced": cache.traced,
                               "device": device or "none"}
     if opts["planner"] == "xema":
@@ -106,14 +107,14 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
         result.update(profiled=0, analysed=0, finished=True)
     else:
         space = SearchSpace(gpus=gpus, budget=budget, slo_s=xema.slo_s, max_batch=opts["max_batch"])
-        entry, counted, finished = run_baseline(opts["planner"], model, template, space, "estimated",
+        entry, counted, finished = run_baseline(opts["planner"], model, template, space, LatencySource.ESTIMATED,
                                                 time_limit_s=opts.get("time_limit_s"))
         result.update(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
     if entry is not None and opts["planner"] == "xema" and template.model in opts.get("loaded_models", ()):
         # a load is expected for this model's group: its other assembled configurations compete
         # under that load in the driver (planner.load_aware)
         alts = [with_pause_bytes(with_latency_source(e, timer), cache)
-                for e in load_candidates(counting, xema.ranked, budget, xema.slo_s or 0.0, "estimated")[1:]]
+                for e in load_candidates(counting, xema.ranked, budget, xema.slo_s or 0.0, LatencySource.ESTIMATED)[1:]]
         result["candidates"] = [e.model_dump_json() for e in alts]
     if entry is not None:
         entry = with_pause_bytes(with_latency_source(entry, timer), cache)
@@ -126,7 +127,7 @@ def plan_one(template_json: str, opts: dict[str, Any]) -> dict[str, Any]:
     else:  # the cost model; on a CPU, calibrated by one measured request (itself measured)
         counted_keys = xema.counter.profiled if opts["planner"] == "xema" else set()
         sources = [latency.source_of(ExecutionConfig.model_validate_json(k)) for k in counted_keys]
-        result["measured"] = sum(1 for x in sources if x == "measured")
+        result["measured"] = sum(1 for x in sources if x == LatencySource.MEASURED)
         result["estimated"] = result["profiled"] - result["measured"]
     if isinstance(timer, DeviceLatency):
         result["not_measured"] = timer.errors[:5]

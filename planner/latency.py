@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xema_ray.plan import ExecutionConfig, LatencySource
+from xema_ray.plan import ExecutionConfig
 from xema_ray.profiling import A6000_8X, H200, HardwareProfile, LatencyEstimate, ProfileStore, estimate_latency
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import TIMED_SOURCES, LatencySource, PlanLatencySource
 
 _PRESETS: dict[str, HardwareProfile] = {"a6000": A6000_8X, "a6000x8": A6000_8X, "h200": H200}
 
@@ -43,13 +44,13 @@ class LatencyModel:
     def __init__(self, hardware: str, store: ProfileStore | None = None, store_path: str | Path | None = None) -> None:
         if hardware == "cpu":
             self.hardware = cpu_profile()
-            self.source: LatencySource = "measured+estimated"
+            self.source: PlanLatencySource = LatencySource.MEASURED_ESTIMATED
         elif hardware in _PRESETS:
             self.hardware = _PRESETS[hardware]
-            self.source = "estimated"
+            self.source = LatencySource.ESTIMATED
         elif hardware == "local-gpu":
             self.hardware = _local_gpu()
-            self.source = "estimated"
+            self.source = LatencySource.ESTIMATED
         else:
             raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(hardware_names())}, local-gpu")
         self.name = hardware
@@ -61,7 +62,7 @@ class LatencyModel:
     def seconds(self, config: ExecutionConfig) -> float:
         return self.estimate(config).total_s
 
-    def source_of(self, config: ExecutionConfig) -> LatencySource:
+    def source_of(self, config: ExecutionConfig) -> PlanLatencySource:
         """Where ``seconds(config)`` comes from: a measurement of this hardware in the store, the
         cost model calibrated by such measurements, or the cost model alone."""
         return source_label(self.estimate(config))
@@ -99,7 +100,7 @@ class LatencyModel:
         engines: dict[str, ExecutionEngine] = {}
         for t in templates:
             cfg = ExecutionConfig(template=t)
-            if self.store.get_request(self.hardware.fingerprint or "", t.model, cfg.config_hash(), "measured"):
+            if self.store.get_request(self.hardware.fingerprint or "", t.model, cfg.config_hash(), LatencySource.MEASURED):
                 continue
             if t.model not in engines:
                 spec = t.spec
@@ -116,20 +117,22 @@ class LatencyModel:
         return done
 
 
-def source_label(est: LatencyEstimate) -> LatencySource:
-    if est.source in ("measured", "profiled"):
-        return "measured"
-    return "measured+estimated" if est.calibrated else "estimated"
+def source_label(est: LatencyEstimate) -> PlanLatencySource:
+    """What a plan entry says of ``est``: a timed latency (whole or profiled) is measured; a
+    calibrated cost model is measured+estimated."""
+    if est.source in TIMED_SOURCES:
+        return LatencySource.MEASURED
+    return LatencySource.MEASURED_ESTIMATED if est.calibrated else LatencySource.ESTIMATED
 
 
-def combine(sources: list[LatencySource]) -> LatencySource:
+def combine(sources: list[PlanLatencySource]) -> PlanLatencySource:
     """One label for several latencies (an entry's batch latency and its partial batches)."""
     kinds = set(sources)
-    if kinds == {"measured"}:
-        return "measured"
-    if kinds <= {"estimated"}:
-        return "estimated"
-    return "measured+estimated"
+    if kinds == {LatencySource.MEASURED}:
+        return LatencySource.MEASURED
+    if kinds <= {LatencySource.ESTIMATED}:
+        return LatencySource.ESTIMATED
+    return LatencySource.MEASURED_ESTIMATED
 
 
 def _local_gpu() -> HardwareProfile:

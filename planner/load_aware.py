@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import AdmissionPolicy, LatencySource, PlanEntry, PlannedLoad, PlanPrediction, PlanTable
+from xema_ray.plan import AdmissionPolicy, PlanEntry, PlannedLoad, PlanPrediction, PlanTable
+from xema_ray.vocabulary import PlanLatencySource
 from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate
 
 from planner.stages import CountingModel, Scored, StageLog, confirmed, partial_batch_latencies, why_lost
@@ -66,7 +67,7 @@ class LoadChoice:
 
 
 def load_candidates(model: CountingModel, ranked: list[Scored], budget: int, slo_s: float,
-                    latency_source: LatencySource, limit: int = MAX_CANDIDATES) -> list[PlanEntry]:
+                    latency_source: PlanLatencySource, limit: int = MAX_CANDIDATES) -> list[PlanEntry]:
     """The distinct (SP, batch) configurations of a template's stage-4 ranking that meet the SLO,
     best goodput first, each confirmed by the model's traced check where it has one; the first is
     the goodput choice. Every SP's batch-1 configuration is kept (the fastest per request)."""
@@ -117,7 +118,7 @@ def candidate_pool(entries: list[PlanEntry]) -> list[PlanEntry]:
     return out
 
 
-def entry_of(model: CountingModel, s: Scored, ranked: list[Scored], slo_s: float, latency_source: LatencySource) -> PlanEntry:
+def entry_of(model: CountingModel, s: Scored, ranked: list[Scored], slo_s: float, latency_source: PlanLatencySource) -> PlanEntry:
     other = next((r for r in ranked if r is not s), None)
     traced = getattr(model.model, "traced_peaks", {}).get(s.config.model_dump_json())
     return PlanEntry(

@@ -19,8 +19,10 @@ device's measurements in the store when there are any) and labelled so:
   needs their latency to rank them, and the memory model, not the device, decides what fits
   the *budget*.
 
-``source(config)`` says, per configuration, "measured", "estimated" or "measured+estimated"
-(a calibrated estimate); ``planner.latency.combine`` makes an entry's ``latency_source``.
+``source_of(config)`` says, per configuration, what a plan entry says of it
+(``xema_ray.vocabulary.PlanLatencySource``): "measured" (profiled here: a plan counts a profiled
+latency as measured), "estimated" or "measured+estimated" (a calibrated estimate);
+``planner.latency.combine`` makes an entry's ``latency_source``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any
 
-from xema_ray.plan import ExecutionConfig, LatencySource
+from xema_ray.plan import ExecutionConfig
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
 
 @dataclass
@@ -51,7 +54,7 @@ class DeviceLatency:
     estimated: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
     _profiler: Any = None
-    _sources: dict[str, LatencySource] = field(default_factory=dict)
+    _sources: dict[str, PlanLatencySource] = field(default_factory=dict)
     _seconds: dict[str, float] = field(default_factory=dict)
 
     def _build(self) -> Any:
@@ -83,7 +86,7 @@ class DeviceLatency:
         if config.sp == 1:
             try:
                 value = float(self._build().profile(config).estimate_s)
-                self._sources[key] = "measured"
+                self._sources[key] = LatencySource.MEASURED  # profiled on the device: measured, for a plan
                 self.measured.add(key)
             except (RuntimeError, ValueError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
                 self.errors.append(f"{config.describe()}: {str(e).splitlines()[0][:160]}")
@@ -95,7 +98,7 @@ class DeviceLatency:
         self._seconds[key] = value
         return value
 
-    def source_of(self, config: ExecutionConfig) -> LatencySource:
+    def source_of(self, config: ExecutionConfig) -> PlanLatencySource:
         key = config.model_dump_json()
         if key not in self._sources:
             self.seconds(config)

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xema_ray.memory.analysis import PressureInterval
-from xema_ray.plan import ExecutionConfig, LatencySource, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
+from xema_ray.vocabulary import LatencySource, PlanLatencySource
 from xema_ray.templates import RequestTemplate
 
 from planner.model import CostCounter, MemoryView, MitigationOption, PlannerModel
@@ -512,7 +513,7 @@ def plan_template(
     slo_scale: float = 1.0,
     slo_s: float | None = None,
     max_batch: int = 8,
-    latency_source: LatencySource = "estimated",
+    latency_source: PlanLatencySource = LatencySource.ESTIMATED,
     sp_degrees: list[int] | None = None,
     resolve_fn: ResolveFn = resolve,
 ) -> TemplatePlan:

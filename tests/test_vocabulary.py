@@ -71,3 +71,32 @@ def test_a_profile_store_of_an_earlier_version_reads_setup_as_text(tmp_path: Pat
     assert rec.per_phase == {Phase.TEXT: 0.25, Phase.DENOISE: 0.5, Phase.DECODE: 0.25}
     store.save()
     assert '"setup"' not in path.read_text() and "@setup" not in path.read_text()
+
+
+# ---------------------------------------------------------------------------- latency sources
+def test_one_latency_source_vocabulary() -> None:
+    from xema_ray.plan import PlanPrediction
+    from xema_ray.vocabulary import LatencySource
+
+    assert [s.value for s in LatencySource] == ["measured", "profiled", "estimated", "measured+estimated"]
+    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="measured+estimated")
+    assert pred.latency_source is LatencySource.MEASURED_ESTIMATED
+    assert '"latency_source":"measured+estimated"' in pred.model_dump_json()  # committed plans read and write as before
+    with pytest.raises(ValidationError, match="counts a profiled latency as measured"):
+        PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="profiled")
+    with pytest.raises(ValidationError):
+        LatencyEstimate(total_s=1.0, per_phase={}, source="measured+estimated")  # calibration is its own flag
+
+
+def test_plan_entries_count_profiled_latencies_as_measured() -> None:
+    from planner.latency import combine, source_label
+    from xema_ray.vocabulary import LatencySource
+
+    def est(source: str, calibrated: bool = False) -> LatencyEstimate:
+        return LatencyEstimate(total_s=1.0, per_phase={}, source=source, calibrated=calibrated)
+
+    assert [source_label(est(s)) for s in ("measured", "profiled", "estimated")] == ["measured", "measured", "estimated"]
+    assert source_label(est("estimated", calibrated=True)) is LatencySource.MEASURED_ESTIMATED
+    assert combine([LatencySource.MEASURED, LatencySource.MEASURED]) is LatencySource.MEASURED
+    assert combine([LatencySource.ESTIMATED]) is LatencySource.ESTIMATED
+    assert combine([LatencySource.MEASURED, LatencySource.ESTIMATED]) is LatencySource.MEASURED_ESTIMATED

@@ -17,6 +17,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
 MitigationKind = Literal[
     "block_offload",  # §5.1 selective weight offload of K DiT blocks (K = all: layerwise offload)
@@ -167,9 +168,6 @@ class ExecutionConfig(BaseModel):
 PLAN_TABLE_SCHEMA_VERSION = 1
 
 
-LatencySource = Literal["measured", "estimated", "measured+estimated"]
-
-
 class PlanPrediction(BaseModel):
     """What the planner predicts for a chosen configuration. Every figure is finite and
     non-negative (a NaN latency would order batches and hint Retry-After with garbage)."""
@@ -180,16 +178,25 @@ class PlanPrediction(BaseModel):
     latency_s: float = Field(ge=0, description="predicted end-to-end latency of one batch")
     goodput_rps: float = Field(ge=0, description="requests/s meeting the SLO: dp * batch / latency, 0 if over the SLO")
     slo_s: float = Field(gt=0, description="the template's SLO used in planning")
-    latency_source: LatencySource = Field(
-        description="measured: every latency behind the entry was measured on the device it plans for (the "
-        "segment-reuse profiler or a whole request); estimated: the roofline cost model only; "
-        "measured+estimated: some of each (e.g. the cost model calibrated by measurements)")
+    latency_source: PlanLatencySource = Field(
+        description="where the entry's latencies came from (xema_ray.vocabulary.LatencySource): measured: every "
+        "latency behind the entry was measured on the device it plans for (the segment-reuse profiler or a whole "
+        "request); estimated: the roofline cost model only; measured+estimated: some of each (e.g. the cost model "
+        "calibrated by measurements)")
     latency_by_batch: dict[int, float] = Field(
         default_factory=dict, description="predicted latency of a partial batch of n requests (n < batch)")
     pause_bytes: int | None = Field(
         default=None, ge=0,
         description="device bytes a batch holds between denoising steps besides weights (latents, prompt "
                     "embeddings, scheduler state): what it keeps while paused; None: not known (never preempted)")
+
+    @field_validator("latency_source", mode="before")
+    @classmethod
+    def _plan_source(cls, v: object) -> object:
+        if v == LatencySource.PROFILED:
+            raise ValueError("a plan entry counts a profiled latency as measured: latency_source is one of "
+                             "measured, estimated, measured+estimated")
+        return v
 
     @field_validator("latency_by_batch")
     @classmethod

@@ -1,4 +1,5 @@
-"""Words that cross the layers, defined once: the phases of a batch.
+"""Words that cross the layers, defined once: the phases of a batch (``Phase``) and where a latency
+came from (``LatencySource``).
 
 Every module that names a phase — the analyzer's traces, the memory analysis, the cost model and
 profile store, the engine's timings, job progress, the phase shares the dispatcher and simulator
@@ -25,13 +26,31 @@ last step, where no step boundary is left).
 Earlier versions called ``text`` "setup" in traces, the cost model and the profile store:
 ``read_stored_phase`` reads such stored data (a trace cache, a profile store) as the new word;
 ``parse_phase`` refuses old names in input, naming the new ones.
+
+Where a latency came from has one vocabulary too (``LatencySource``), read by the cost model's
+estimates, the profile store's records and a plan entry's ``latency_source``:
+
+====================  ===================================================================================
+source                the latency
+====================  ===================================================================================
+measured              timed on the hardware it is for, a whole request
+profiled              composed of segments timed on that hardware (the segment-reuse profiler)
+estimated             the roofline cost model alone
+measured+estimated    some of each: the cost model calibrated by measurements of that hardware, or
+                      latencies of both kinds behind one plan entry
+====================  ===================================================================================
+
+A profile store records what was timed (``TimedSource``); an estimate is one of the first three
+(``EstimateSource``; a calibrated cost model says ``estimated`` with ``calibrated`` set); a plan
+entry, which sums several latencies up, counts a profiled one as measured — both were timed on
+the device it plans for — so it says one of ``PlanLatencySource``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BeforeValidator
 
@@ -136,3 +155,26 @@ def _phase_keys(value: Any) -> Any:
 
 #: a mapping keyed by phase (pydantic field type): an old or unknown phase name is refused, naming the new ones
 PhaseKeyed = Annotated[dict[Phase, V], BeforeValidator(_phase_keys)]
+
+
+# ---------------------------------------------------------------------------- latency sources
+class LatencySource(StrEnum):
+    """Where a latency came from (see the module docstring); its value is its one name (also its repr)."""
+
+    MEASURED = "measured"
+    PROFILED = "profiled"
+    ESTIMATED = "estimated"
+    MEASURED_ESTIMATED = "measured+estimated"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: what a profile store records: latencies timed on the hardware (a whole request, or its segments)
+TimedSource = Literal[LatencySource.MEASURED, LatencySource.PROFILED]
+#: what one estimate says (``LatencyEstimate.source``): timed, or the cost model (calibrated or not)
+EstimateSource = Literal[LatencySource.MEASURED, LatencySource.PROFILED, LatencySource.ESTIMATED]
+#: what a plan entry says (``PlanPrediction.latency_source``): a profiled latency counts as measured
+PlanLatencySource = Literal[LatencySource.MEASURED, LatencySource.ESTIMATED, LatencySource.MEASURED_ESTIMATED]
+#: the timed sources, in the order a look-up prefers them (a whole request before its segments)
+TIMED_SOURCES: tuple[LatencySource, ...] = (LatencySource.MEASURED, LatencySource.PROFILED)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import LatencySource
 
 
 def plan_entry(t: RequestTemplate, *, batch: int = 1, ulysses: int = 1, dp: int = 1, latency_s: float = 0.5,
@@ -30,4 +31,4 @@ def plan_entry(t: RequestTemplate, *, batch: int = 1, ulysses: int = 1, dp: int 
     cfg = ExecutionConfig(template=t, batch=batch, ulysses=ulysses, dp=dp, layout_ref=layout_ref)
     return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=peak_bytes, latency_s=latency_s,
                                                            goodput_rps=goodput_rps, slo_s=slo_s,
-                                                           latency_source="measured"))
+                                                           latency_source=LatencySource.MEASURED))

@@ -43,7 +43,7 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform
 from xema_ray.profiling.store import ProfileStore, RequestRecord, SegmentRecord, now
 from xema_ray.runtime.engine import ExecutionEngine, apply_config_mitigations
-from xema_ray.vocabulary import Phase, PhaseKeyed, latency_phase, trace_decode, trace_step
+from xema_ray.vocabulary import LatencySource, Phase, PhaseKeyed, latency_phase, trace_decode, trace_step
 
 PIPELINE_UNIT = "<pipeline>"
 #: denoising steps of the calibration request: step 0 (with set-up) and two steady steps (the
@@ -365,7 +365,7 @@ class LatencyProfiler:
         self.store.put_request(
             RequestRecord(
                 fingerprint=self.fingerprint, model=model, template=config.template.key, config_hash=config.config_hash(),
-                source="profiled", total_s=estimate, per_phase=dict(per_phase), steps=steps, measured_at=now(),
+                source=LatencySource.PROFILED, total_s=estimate, per_phase=dict(per_phase), steps=steps, measured_at=now(),
                 config=config,
             )
         )
@@ -387,7 +387,7 @@ class LatencyProfiler:
         i = totals.index(statistics.median_low(totals))
         record = RequestRecord(
             fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
-            config_hash=config.config_hash(), source="measured", total_s=totals[i],
+            config_hash=config.config_hash(), source=LatencySource.MEASURED, total_s=totals[i],
             per_phase={latency_phase(k): v for k, v in phases[i].items()},
             steps=config.template.steps, measured_at=now(), config=config,
         )

@@ -3,7 +3,8 @@
 The segment-reuse profiler (§7.2) that measures on a worker is ``xema_ray.measure.profiler``.
 
 The planner calls ``estimate_latency(config, hardware, store)``; it returns a
-``LatencyEstimate`` whose ``source`` is "measured", "profiled" or "estimated".
+``LatencyEstimate`` whose ``source`` (``xema_ray.vocabulary.LatencySource``) is "measured", "profiled"
+or "estimated".
 """
 
 from xema_ray.profiling.costmodel import LatencyEstimate, cost_model_estimate, estimate_latency

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +38,7 @@ from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.profiling.store import ProfileStore
 from xema_ray.templates import RequestTemplate
-from xema_ray.vocabulary import Phase, PhaseKeyed
+from xema_ray.vocabulary import TIMED_SOURCES, EstimateSource, LatencySource, Phase, PhaseKeyed
 
 if TYPE_CHECKING:
     from xema_ray.models import ModelSpec
@@ -47,21 +47,16 @@ BYTES = 2  # bf16 weights and activations
 KERNEL_LAUNCH_S = 10e-6
 KERNELS_PER_BLOCK = 40  # launches of one DiT block (GEMMs, norms, rope, attention, elementwise)
 
-#: measured: a whole request timed; profiled: composed from measured segments (segment-reuse
-#: profiler); estimated: the roofline cost model. A plan entry's ``latency_source``
-#: (``xema_ray.plan.LatencySource``) counts the first two as measured.
-Source = Literal["measured", "profiled", "estimated"]
-
-
 class LatencyEstimate(BaseModel):
-    """Latency of one batch under a config. ``source`` says how it was obtained; anything but
-    "measured" is an estimate."""
+    """Latency of one batch under a config. ``source`` says how it was obtained
+    (``xema_ray.vocabulary.LatencySource``: measured, a whole request timed; profiled, composed from
+    timed segments; estimated, the roofline cost model); anything but "measured" is an estimate."""
 
     model_config = ConfigDict(frozen=True)
 
     total_s: float = Field(ge=0)
     per_phase: PhaseKeyed[float] = Field(description="seconds per phase: text, denoise, decode")
-    source: Source
+    source: EstimateSource
     per_step_s: float | None = Field(default=None, description="one denoising step (cost model / profiled)")
     calibrated: bool = Field(default=False, description="cost model corrected by measurements in the store")
     label: str = Field(default="", description="human-readable provenance, e.g. 'estimate (roofline, H200)'")
@@ -416,7 +411,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         decode += min(1.0, act_offload / caches) * 2 * moved / (hw.h2d_gbps * 1e9) * 0.5
     per_phase = {Phase.TEXT: 0.0, Phase.DENOISE: step * template.steps, Phase.DECODE: decode}
     return LatencyEstimate(
-        total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step,
+        total_s=sum(per_phase.values()), per_phase=per_phase, source=LatencySource.ESTIMATED, per_step_s=step,
         label=f"estimate (roofline, {hw.name})",
     )
 
@@ -429,7 +424,7 @@ def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) 
         return {}
     ratios: dict[Phase, list[float]] = {}
     for rec in store.requests(hw.fingerprint):
-        if rec.source not in ("measured", "profiled") or rec.config is None or rec.config.template.spec.family != family:
+        if rec.source not in TIMED_SOURCES or rec.config is None or rec.config.template.spec.family != family:
             continue
         model = cost_model_estimate(rec.config, hw)
         for phase in (Phase.DENOISE, Phase.DECODE):
@@ -458,13 +453,13 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
     """
     model = config.template.model
     if store is not None and hardware.fingerprint is not None:
-        for source in ("measured", "profiled"):
+        for source in TIMED_SOURCES:
             rec = store.get_request(hardware.fingerprint, model, config.config_hash(), source)
             if rec is not None:
                 return LatencyEstimate(
                     total_s=rec.total_s, per_phase=dict(rec.per_phase), source=rec.source,
                     per_step_s=rec.per_phase.get(Phase.DENOISE, 0.0) / rec.steps if rec.per_phase.get(Phase.DENOISE) else None,
-                    label=("measurement" if source == "measured" else "estimate (segment profile)") + f" on {hardware.name}",
+                    label=("measurement" if source == LatencySource.MEASURED else "estimate (segment profile)") + f" on {hardware.name}",
                 )
     est = cost_model_estimate(config, hardware)
     factors = _calibration_factors(store, hardware, config.template.spec.family) if store is not None else {}
@@ -473,6 +468,6 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
     per_phase = {p: v * factors.get(p, 1.0) for p, v in est.per_phase.items()}
     step = (est.per_step_s or 0.0) * factors.get(Phase.DENOISE, 1.0)
     return LatencyEstimate(
-        total_s=sum(per_phase.values()), per_phase=per_phase, source="estimated", per_step_s=step, calibrated=True,
+        total_s=sum(per_phase.values()), per_phase=per_phase, source=LatencySource.ESTIMATED, per_step_s=step, calibrated=True,
         label=f"estimate (roofline calibrated on {sum(1 for _ in factors)} phase(s) of measurements, {hardware.name})",
     )

@@ -23,12 +23,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import ExecutionConfig
-from xema_ray.vocabulary import PhaseKeyed, read_stored_phase
+from xema_ray.vocabulary import LatencySource, PhaseKeyed, TimedSource, read_stored_phase
 
 STORE_SCHEMA_VERSION = 1
 
@@ -54,7 +54,7 @@ class RequestRecord(BaseModel):
     model: str
     template: str
     config_hash: str
-    source: Literal["measured", "profiled"]
+    source: TimedSource = Field(description="measured: a whole request timed; profiled: composed from timed segments")
     total_s: float = Field(ge=0)
     per_phase: PhaseKeyed[float] = Field(default_factory=dict, description="seconds by phase (text, denoise, decode)")
     steps: int = Field(ge=1)
@@ -94,7 +94,7 @@ class ProfileStore:
         self._segments[(record.fingerprint, record.model, record.exec_key, record.signature)] = record
 
     # ------------------------------------------------------------------ requests
-    def get_request(self, fingerprint: str, model: str, config_hash: str, source: str) -> RequestRecord | None:
+    def get_request(self, fingerprint: str, model: str, config_hash: str, source: LatencySource) -> RequestRecord | None:
         return self._requests.get((fingerprint, model, config_hash, source))
 
     def put_request(self, record: RequestRecord) -> None:
