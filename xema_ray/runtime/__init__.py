@@ -1,6 +1,7 @@
 """Runtime: the execution engine, the workers (``WorkerBase``: real and emulated), weight
-residency, the static allocator's arena, pausing a batch, and the output encoders. Offline tools that drive the worker
-(verify, layout solving, profiling) are ``xema_ray.measure``, above this package."""
+residency, the static allocator's arena, pausing a batch, and the output encoders. Offline tools
+that drive the worker (verify, layout solving, profiling) are ``xema_ray.measure``, above this
+package."""
 
 from xema_ray.runtime.engine import (
     Batch,
