@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xema_ray.analyzer.run import StepPatternError, TraceOptions, trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.analyzer.tracer import ALLOC, FREE, RawTrace, _Record
-from xema_ray.analyzer.run import expand_steps, STEP_BOUNDARY
+from xema_ray.analyzer.steps import STEP_BOUNDARY, StepPatternError, expand_steps
 from xema_ray.templates import RequestTemplate
 
 TINY = [

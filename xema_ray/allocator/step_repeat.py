@@ -1,7 +1,7 @@
 """A static layout solved for a few denoising steps and repeated for the rest (paper §6: the
 steps of a template allocate the same pattern).
 
-The analyzer's step replication (``xema_ray.analyzer.run.expand_steps``) builds a request's
+The analyzer's step replication (``xema_ray.analyzer.steps.expand_steps``) builds a request's
 stream as: set-up and step 0, step 1, step 2 (the pattern), time-shifted copies of step 2, then
 the tail (decode). Every allocation of a step is freed by the end of the next step (the analyzer
 refuses streams where one lives longer), but some live longer than one step (LTX-2's latents: made

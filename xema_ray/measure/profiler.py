@@ -37,7 +37,9 @@ from torch import nn
 
 from xema_ray.memory.analysis import segments as trace_segments
 from xema_ray.memory.analysis import unit_of
-from xema_ray.analyzer.run import DIT_BEGIN, STEP_BOUNDARY, TraceOptions, _markers, trace_template
+from xema_ray.analyzer.assembly import trace_markers
+from xema_ray.analyzer.run import TraceOptions, trace_template
+from xema_ray.analyzer.steps import DIT_BEGIN, STEP_BOUNDARY
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform
@@ -128,7 +130,7 @@ def _no_gc() -> Iterator[None]:
 class _Timeline:
     """Wall-clock attribution of a pipeline call to (innermost unit, phase).
 
-    Hooks push/pop unit roots; the analyzer's markers (``_markers``) record DiT entry, step
+    Hooks push/pop unit roots; the analyzer's markers (``trace_markers``) record DiT entry, step
     boundaries and decoder windows, so phases here are the trace's phases."""
 
     def __init__(self, pipe: Any, platform: Platform) -> None:
@@ -156,7 +158,7 @@ class _Timeline:
                 self._handles.append(sub.register_forward_pre_hook(lambda *_a, _n=full: self.events.append((self._now(), "push", _n))))
                 self._handles.append(sub.register_forward_hook(lambda *_a, _n=full: self.events.append((self._now(), "pop", _n))))
         try:
-            with _no_gc(), _markers(self.pipe, self, device_type):
+            with _no_gc(), trace_markers(self.pipe, self, device_type):
                 self.events.append((self._now(), "start", ""))
                 yield
                 self.events.append((self._now(), "end", ""))

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from collections.abc import Iterable
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.analyzer.run import REPLICATE_FROM
+from xema_ray.analyzer.steps import REPLICATE_FROM
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.analyzer.tracer import ALLOC, AllocationTracer, RawTrace, round_size
 from xema_ray.plan import ExecutionConfig, PlanTable
@@ -112,7 +111,7 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
     forget_placeholders("meta")
     worker = Worker(platform="meta")
     try:
-        from xema_ray.analyzer.run import trace_markers
+        from xema_ray.analyzer.assembly import assembled
         from xema_ray.parallel.groups import ParallelConfig, SPLayout
         from xema_ray.runtime.engine import Batch, GenerationRequest
 
@@ -128,12 +127,12 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
             loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency,
                                                        layouts_dir=layouts_dir))
             tracer.mark(LOAD_END)
-            assert worker.engine is not None
-            if replay_blocks:
-                from xema_ray.analyzer.block_replay import BlockReplay, transformer_blocks
-
-                worker.engine.inner_env = lambda pipe: BlockReplay(tracer, transformer_blocks(pipe, {})).installed()
-            with trace_markers(worker.engine.pipe, tracer, "meta") if markers else contextlib.nullcontext():
+            engine = worker.engine
+            assert engine is not None
+            # the analyzer's assembly of the worker's call: its markers around the batch, the block
+            # replay beneath the hooks the engine installs for the batch (its ``inner_env``)
+            with assembled(engine.pipe, tracer, "meta", markers=markers, replay_blocks=replay_blocks,
+                           beneath=lambda install: setattr(engine, "inner_env", install)):
                 worker.execute(batch)
         return loaded.host_bytes, loaded.text_encoder, None
     except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
@@ -169,7 +168,7 @@ def worker_streams(config: ExecutionConfig, steps: tuple[int, ...], layouts_dir:
 def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, layouts_dir: Path | None = None,
                replay_blocks: bool = True) -> list[MemoryTrace]:
     """``worker_streams`` in this process, whatever its string-hash seed (default: the template's steps)."""
-    from xema_ray.analyzer.run import expand_steps
+    from xema_ray.analyzer.steps import expand_steps
 
     tracer = AllocationTracer("meta", {})
     _, _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS), tracer, markers=True,

@@ -6,11 +6,14 @@ diffusers ``LTX2Pipeline`` always denoises both streams and always decodes both 
 audio VAE + vocoder), so the audio branch is part of every request's memory and latency and we
 run it: the pipeline is the real one, not a video-only fork.
 
-Configs of the components beside the transformer and the video VAE (which come from
-``xema_ray/configs``) are those that diffusers' conversion script
+Every component's config is a JSON file of ``xema_ray/configs``: the transformer and the video
+VAE (``ltx2_transformer.json``, ``ltx2_vae.json``) and, beside them, the scheduler, audio VAE, text
+connectors and vocoder (``ltx2_scheduler.json``, ``ltx2_audio_vae.json``, ``ltx2_connectors.json``,
+``ltx2_vocoder.json``), which are those that diffusers' conversion script
 (``scripts/convert_ltx2_to_diffusers.py``, version "2.0") writes for the published
-``Lightricks/LTX-2`` checkpoint (``ltx-2-19b-dev.safetensors``); each constant below says where
-it comes from. The tiny variants scale them down consistently with ``tiny_ltx2_transformer.json``.
+``Lightricks/LTX-2`` checkpoint (``ltx-2-19b-dev.safetensors``); each file's ``_source`` says where
+it comes from. The tiny variants (``tiny_ltx2_*.json``) scale them down consistently with
+``tiny_ltx2_transformer.json``.
 """
 
 from __future__ import annotations
@@ -22,125 +25,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec
+from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec, load_config
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from xema_ray.templates import RequestTemplate
 
-# FlowMatchEulerDiscreteScheduler as the conversion script's ``--full_pipeline`` builds it for
-# Lightricks/LTX-2 (the rest are the class defaults). The pipeline computes ``mu`` from the
-# video token count with these shift bounds.
-SCHEDULER_CONFIG: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.95,
-    "max_shift": 2.05,
-    "base_image_seq_len": 1024,
-    "max_image_seq_len": 4096,
-    "shift_terminal": 0.1,
-}
 
-# AutoencoderKLLTX2Audio: conversion script ``get_ltx2_audio_vae_config("2.0")`` (identical to the
-# class defaults except ``norm_type`` "pixel" and ``causality_axis`` "height"). Its latent is
-# 8 channels x (64 mel bins / 4) = 128 features per audio token = the transformer's audio_in_channels.
-REAL_AUDIO_VAE_CONFIG: dict[str, Any] = {
-    "base_channels": 128,
-    "output_channels": 2,
-    "ch_mult": [1, 2, 4],
-    "num_res_blocks": 2,
-    "attn_resolutions": None,
-    "in_channels": 2,
-    "resolution": 256,
-    "latent_channels": 8,
-    "norm_type": "pixel",
-    "causality_axis": "height",
-    "dropout": 0.0,
-    "mid_block_add_attention": False,
-    "sample_rate": 16000,
-    "mel_hop_length": 160,
-    "is_causal": True,
-    "mel_bins": 64,
-    "double_z": True,
-}
+def component_config(name: str) -> dict[str, Any]:
+    """A component config of ``xema_ray/configs`` as its class takes it: without the ``_source`` note."""
+    return {k: v for k, v in load_config(name).items() if not k.startswith("_")}
 
-# LTX2TextConnectors: conversion script ``get_ltx2_connectors_config("2.0")``. Input is Gemma-3-12B's
-# 49 hidden states (48 layers + embeddings) of width 3840, stacked per token; ``rope_type`` "split"
-# like the transformer (the class default "interleaved" is not what LTX-2 was trained with).
-REAL_CONNECTORS_CONFIG: dict[str, Any] = {
-    "caption_channels": 3840,
-    "text_proj_in_factor": 49,
-    "video_connector_num_attention_heads": 30,
-    "video_connector_attention_head_dim": 128,
-    "video_connector_num_layers": 2,
-    "video_connector_num_learnable_registers": 128,
-    "audio_connector_num_attention_heads": 30,
-    "audio_connector_attention_head_dim": 128,
-    "audio_connector_num_layers": 2,
-    "audio_connector_num_learnable_registers": 128,
-    "connector_rope_base_seq_len": 4096,
-    "rope_theta": 10000.0,
-    "rope_double_precision": True,
-    "causal_temporal_positioning": False,
-    "rope_type": "split",
-}
-
-# LTX2Vocoder (HiFi-GAN style): conversion script ``get_ltx2_vocoder_config("2.0")``. Input is the
-# audio VAE's stereo mel (2 x 64 = 128 channels) at 100 frames/s; 6*5*2*2*2 = 240x upsampling gives
-# 24 kHz stereo.
-REAL_VOCODER_CONFIG: dict[str, Any] = {
-    "in_channels": 128,
-    "hidden_channels": 1024,
-    "out_channels": 2,
-    "upsample_kernel_sizes": [16, 15, 8, 4, 4],
-    "upsample_factors": [6, 5, 2, 2, 2],
-    "resnet_kernel_sizes": [3, 7, 11],
-    "resnet_dilations": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-    "leaky_relu_negative_slope": 0.1,
-    "output_sampling_rate": 24000,
-}
-
-# Tiny variants, consistent with tiny_ltx2_transformer.json (caption_channels 16, audio_in_channels 4):
-# audio latent 2 channels x (8 mel bins / 4) = 4 features per token. ``base_channels`` must equal that
-# too, because the audio VAE sizes its latents_mean/std buffers by base_channels and the pipeline
-# applies them to the packed audio tokens (in the real model both are 128).
-TINY_AUDIO_VAE_CONFIG: dict[str, Any] = {
-    **REAL_AUDIO_VAE_CONFIG,
-    "base_channels": 4,
-    "num_res_blocks": 1,
-    "latent_channels": 2,
-    "mel_bins": 8,
-}
-
-# Connector width must equal caption_channels (the LTX-2.0 projection maps the stacked text features
-# to caption_channels, and the connector blocks run at heads x head_dim): 2 x 8 = 16. Registers are
-# kept (8 of them, the text length 16 is a multiple) so the register-replacement path runs as in the
-# real model; 3 stacked "layers" as in diffusers' own test config.
-TINY_CONNECTORS_CONFIG: dict[str, Any] = {
-    **REAL_CONNECTORS_CONFIG,
-    "caption_channels": 16,
-    "text_proj_in_factor": 3,
-    "video_connector_num_attention_heads": 2,
-    "video_connector_attention_head_dim": 8,
-    "video_connector_num_layers": 1,
-    "video_connector_num_learnable_registers": 8,
-    "audio_connector_num_attention_heads": 2,
-    "audio_connector_attention_head_dim": 8,
-    "audio_connector_num_layers": 1,
-    "audio_connector_num_learnable_registers": 8,
-    "connector_rope_base_seq_len": 64,
-}
-
-# Same 240x upsampling (so a tiny request still yields 24 kHz audio of the right length), 32 hidden
-# channels halving through the five upsamplers, one resnet kernel per stage.
-TINY_VOCODER_CONFIG: dict[str, Any] = {
-    **REAL_VOCODER_CONFIG,
-    "in_channels": 16,
-    "hidden_channels": 32,
-    "resnet_kernel_sizes": [3],
-    "resnet_dilations": [[1, 3, 5]],
-}
 
 #: Gemma prompt length the pipeline pads to (``max_sequence_length`` default; a multiple of the
 #: connectors' 128 registers, which the connector requires).
@@ -262,9 +158,10 @@ class LTX2Spec(ModelSpec):
         if frame_rate <= 0:
             raise ValueError(f"{name}: frame_rate must be positive, got {frame_rate}")
         real = size == "real"
-        self.audio_vae_config: dict[str, Any] = dict(REAL_AUDIO_VAE_CONFIG if real else TINY_AUDIO_VAE_CONFIG)
-        self.connectors_config: dict[str, Any] = dict(REAL_CONNECTORS_CONFIG if real else TINY_CONNECTORS_CONFIG)
-        self.vocoder_config: dict[str, Any] = dict(REAL_VOCODER_CONFIG if real else TINY_VOCODER_CONFIG)
+        prefix = "ltx2" if real else "tiny_ltx2"
+        self.audio_vae_config: dict[str, Any] = component_config(f"{prefix}_audio_vae.json")
+        self.connectors_config: dict[str, Any] = component_config(f"{prefix}_connectors.json")
+        self.vocoder_config: dict[str, Any] = component_config(f"{prefix}_vocoder.json")
         self.text_tokens = REAL_TEXT_TOKENS if real else TINY_TEXT_TOKENS
         self.frame_rate = frame_rate
         self.guidance = self._scale_stg_blocks(guidance)
@@ -408,7 +305,7 @@ class LTX2Spec(ModelSpec):
             raise ValueError(f"{self.name}: weights_dir is for real execution; analysis on meta needs no weights")
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = LTX2Pipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(component_config("ltx2_scheduler.json")),
             vae=self.build_vae(opts),
             audio_vae=self.build_audio_vae(opts),
             text_encoder=text_encoder,

@@ -1,6 +1,7 @@
-"""Runtime: the execution engine, the workers (real and emulated), weight residency, the static
-allocator's arena, pausing a batch, and the output encoders. Offline tools that drive the worker
-(verify, layout solving, profiling) are ``xema_ray.measure``, above this package."""
+"""Runtime: the execution engine, the workers (``WorkerBase``: real and emulated), weight
+residency, the static allocator's arena, pausing a batch, and the output encoders. Offline tools
+that drive the worker (verify, layout solving, profiling) are ``xema_ray.measure``, above this
+package."""
 
 from xema_ray.runtime.engine import (
     Batch,
@@ -12,6 +13,7 @@ from xema_ray.runtime.engine import (
     RequestOutput,
 )
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
+from xema_ray.runtime.worker_base import WorkerBase
 
 __all__ = [
     "Batch",
@@ -24,4 +26,5 @@ __all__ = [
     "PhaseTimings",
     "RequestOutput",
     "Worker",
+    "WorkerBase",
 ]

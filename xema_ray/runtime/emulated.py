@@ -1,4 +1,4 @@
-"""The emulated worker: the worker interface of ``xema_ray.runtime.worker`` on a GPU that is not there.
+"""The emulated worker: the worker interface (``xema_ray.runtime.worker_base``) on a GPU that is not there.
 
 It loads no weights and does no math. A batch takes its plan entry's time, phase by phase — text
 encoding, every denoising step, the decode — plus the residency switches and the pause/resume
@@ -22,7 +22,6 @@ Example (one worker, no Ray)::
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Any
@@ -40,9 +39,9 @@ from xema_ray.runtime.emulation import (  # noqa: F401 - re-exported: the emulat
     scale_table,
 )
 from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS, Batch, BatchResult, PhaseTimings, RequestOutput
-from xema_ray.runtime.pause import PausedRun, PreemptibleRun
 from xema_ray.runtime.progress import VOTE_PAUSE, VOTE_PAUSE_OFFLOAD, VOTE_STOP, BatchCancelled, StepObserver, step_vote
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig
+from xema_ray.runtime.worker_base import WorkerBase
 
 # ---------------------------------------------------------------------------- the worker
 def _sleep_until(deadline: float) -> None:
@@ -51,8 +50,8 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(left)
 
 
-class EmulatedWorker:
-    """One emulated GPU of a worker set (same interface as ``Worker``; see the module docstring).
+class EmulatedWorker(WorkerBase):
+    """One emulated GPU of a worker set (``WorkerBase``, as ``Worker``; see the module docstring).
 
     Constructed as the worker set constructs every worker (``worker_set.WORKER_KINDS["emulated"]``);
     the templates' phases arrive with the load config (``ModelLoadConfig.emulation``).
@@ -65,6 +64,7 @@ class EmulatedWorker:
 
     def __init__(self, platform: Any = None, static_allocator: bool = False,
                  emulation: EmulationConfig | None = None) -> None:
+        super().__init__()  # the preemptible runs' bookkeeping (pause, resume: as ``Worker``'s)
         self.emulation = emulation
         # NVLink pairs (the A6000 box) until the load config names the emulated hardware
         self.platform = EmulatedPlatform("emulated GPU", nvlink_domain=2) if emulation is None \
@@ -74,9 +74,6 @@ class EmulatedWorker:
         self.load_count = 0
         self.media = EmulatedMedia()
         self._template: str | None = None  # whose residency the worker holds (per_template switches)
-        self._runs: dict[str, PreemptibleRun] = {}
-        self._early: dict[str, bool] = {}
-        self._ended: collections.deque[str] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
@@ -122,60 +119,10 @@ class EmulatedWorker:
         return self.media.get(key, ph.width, ph.height, ph.frames, ph.fps or DEFAULT_VIDEO_FPS, ph.video)
 
     # ------------------------------------------------------------------ batches
-    def execute(self, batch: Batch, observer: StepObserver | None = None,
-                run_id: str | None = None) -> BatchResult | PausedRun:
-        """As ``Worker.execute``: the batch's time passes, step by step; ``run_id``: preemptible."""
-        if self.load_config is None:
-            raise ValueError("no model loaded: call load_model first")
-        if run_id is None:
-            return self._run(batch, observer, None)
-        if run_id in self._runs:
-            raise ValueError(f"run {run_id!r} is already running or paused on this worker")
-        run = PreemptibleRun(run_id, lambda control: self._run(batch, observer, control))
-        if run_id in self._early:  # the pause overtook the batch
-            run.control.request(self._early.pop(run_id))
-        self._runs[run_id] = run
-        return self._settle(run_id, run.start)
-
-    def pause(self, run_id: str, offload: bool = False) -> bool:
-        """As ``Worker.pause``: park at the next step boundary (state kept, or moved: ``offload``)."""
-        run = self._runs.get(run_id)
-        if run is None:
-            if run_id not in self._ended:
-                self._early[run_id] = offload
-                return True
-            return False
-        if run.done:
-            return False
-        run.control.request(offload)
-        return True
-
-    def resume(self, run_id: str) -> BatchResult | PausedRun:
-        """As ``Worker.resume`` (the batch's own residency switch and state move are emulated on its thread)."""
-        run = self._runs.get(run_id)
-        if run is None or run.control.paused is None:
-            raise ValueError(f"run {run_id!r} is not paused on this worker")
-        return self._settle(run_id, run.resume)
-
-    def paused_runs(self) -> list[PausedRun]:
-        return [r.control.paused for r in self._runs.values() if r.control.paused is not None]
-
-    def _settle(self, run_id: str, step: Any) -> BatchResult | PausedRun:
-        try:
-            out = step()
-        except BaseException:
-            self._forget(run_id)
-            raise
-        if isinstance(out, PausedRun):
-            return out
-        run = self._runs[run_id]
-        self._forget(run_id)
-        return out.model_copy(update={"paused_s": run.paused_s, "pauses": run.control.pauses})
-
-    def _forget(self, run_id: str) -> None:
-        self._ended.append(run_id)
-        self._early.pop(run_id, None)
-        self._runs.pop(run_id, None)
+    # ``execute``, ``pause``, ``resume`` (WorkerBase): the batch's time passes, step by step; the
+    # batch's own residency switch and state move on resume are emulated on its thread
+    def _loaded(self) -> bool:
+        return self.load_config is not None
 
     def _switch_to(self, key: str) -> float:
         """Emulated seconds of the residency switch to ``key``'s plan (0 when it is already held)."""
@@ -185,7 +132,7 @@ class EmulatedWorker:
             return 0.0
         return self._config().switch_s.get(prev, {}).get(key, 0.0)
 
-    def _run(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
+    def _run_batch(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
         assert self.groups is not None
         config = batch.config
         key = config.template.shape_key

@@ -345,7 +345,7 @@ class ExecutionEngine:
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
                 env[0] = self._batch_env(config, group, arm=False)  # its allocation order restarted)
             if self.shape_only:
-                from xema_ray.analyzer.run import shape_only_execution
+                from xema_ray.analyzer.assembly import shape_only_execution
 
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy

@@ -3,8 +3,9 @@
 ``init_device`` binds the device and joins the worker set (all SP process groups are created
 here, once); ``load_model`` builds the pipeline once; ``execute`` runs a batch under any
 execution config, including a different SP degree than the previous batch, without reloading;
-``shutdown`` leaves the worker set. Arguments and results are pydantic, so the class can be
-wrapped as a Ray actor (``ray.remote(Worker)``) unchanged.
+``shutdown`` leaves the worker set (the interface: ``xema_ray.runtime.worker_base.WorkerBase``).
+Arguments and results are pydantic, so the class can be wrapped as a Ray actor
+(``ray.remote(Worker)``) unchanged.
 
 Preemption: ``execute(batch, run_id=...)`` runs the batch on a thread of its own and returns
 either its result or, when ``pause(run_id)`` was asked meanwhile, a ``PausedRun`` once it parked
@@ -15,7 +16,6 @@ worker that is busy in ``execute``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -33,9 +33,10 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
-from xema_ray.runtime.pause import PausedRun, PreemptibleRun
+from xema_ray.runtime.pause import PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
+from xema_ray.runtime.worker_base import WorkerBase
 
 ResidencyPolicy = Literal["per_template", "shared"]
 
@@ -101,7 +102,7 @@ class LoadedModel(BaseModel):
     layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
 
 
-class Worker:
+class Worker(WorkerBase):
     """One GPU (or CPU slot) of a worker set.
 
     Example (SP = 1, one process)::
@@ -114,6 +115,7 @@ class Worker:
 
     def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
                  static_allocator: bool = False) -> None:
+        super().__init__()  # the preemptible runs' bookkeeping
         self.platform = get_platform(platform) if isinstance(platform, str) else (platform or current_platform())  # type: ignore[arg-type]
         self.sp_backend: SPBackend = sp_backend
         self.arm_layout = arm_layout
@@ -124,11 +126,8 @@ class Worker:
         self.layout_status: str | None = None
         self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
         self._local = threading.local()  # the layout report of the batch this thread runs
-        self._runs: dict[str, PreemptibleRun] = {}  # preemptible batches, running or paused
-        self._run_residency: dict[str, Residency] = {}
+        self._run_residency: dict[str, Residency] = {}  # each preemptible run's residency
         self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
-        self._early: dict[str, bool] = {}  # pauses asked for runs that have not started yet
-        self._ended: collections.deque[str] = collections.deque(maxlen=1024)  # recent finished run ids
         if self.platform.name == "cuda":
             from xema_ray.allocator.cuda import install_cuda_allocator, pin_kernels
 
@@ -267,76 +266,33 @@ class Worker:
             return self.residency.current
         return Residency.of_config(config)
 
-    def execute(self, batch: Batch, observer: StepObserver | None = None,
-                run_id: str | None = None) -> BatchResult | PausedRun:
-        """Run one batch (every rank of the batch's SP group must call this with the same batch).
-        First the residency is switched to the batch's, moving only the blocks whose home changes.
-        ``observer`` hears each finished step and may stop the batch (``xema_ray.runtime.progress``).
-        ``run_id``: the batch is preemptible (see the module docstring); None: it runs to its end."""
-        if self.engine is None or self.residency is None:
-            raise ValueError("no model loaded: call load_model first")
-        if run_id is None:
-            return self._execute(batch, observer, None)
-        if run_id in self._runs:
-            raise ValueError(f"run {run_id!r} is already running or paused on this worker")
-        run = PreemptibleRun(run_id, lambda control: self._execute(batch, observer, control), self.device)
-        if run_id in self._early:  # the pause overtook the batch (a threaded actor keeps no call order)
-            run.control.request(self._early.pop(run_id))
-        self._runs[run_id] = run  # before it starts: the batch may be asked to pause at once
-        return self._settle(run_id, run.start)
+    # ------------------------------------------------------------------ batches (WorkerBase's hooks)
+    # ``execute`` (WorkerBase): first the residency is switched to the batch's, moving only the blocks
+    # whose home changes; ``resume`` switches back to the paused batch's own residency.
+    def _loaded(self) -> bool:
+        return self.engine is not None and self.residency is not None
 
-    def pause(self, run_id: str, offload: bool = False) -> bool:
-        """Ask a preemptible batch to park at its next step boundary, its between-step state on the
-        device (or on the host: ``offload``). False: no such run here (it already finished)."""
-        run = self._runs.get(run_id)
-        if run is None:
-            if run_id not in self._ended:
-                self._early[run_id] = offload  # not started yet: it pauses at its first boundary
-                return True
-            return False
-        if run.done:
-            return False
-        run.control.request(offload)
-        return True
+    def _state_device(self) -> torch.device | None:
+        return self.device
 
-    def resume(self, run_id: str) -> BatchResult | PausedRun:
-        """Continue a paused batch under its own residency; returns as ``execute`` does."""
-        run = self._runs.get(run_id)
-        if run is None or run.control.paused is None:
-            raise ValueError(f"run {run_id!r} is not paused on this worker")
+    def _before_resume(self, run_id: str) -> None:
         assert self.residency is not None
         residency = self.residency
         # back to the batch's own residency; it continues disarmed (its allocation order restarted),
         # so the static region goes before its weights come back
         moved = self._switch(None, lambda: residency.switch(self._run_residency[run_id]))[0].bytes_moved
         self._run_moved[run_id] = self._run_moved.get(run_id, 0) + moved
-        return self._settle(run_id, run.resume)
 
-    def paused_runs(self) -> list[PausedRun]:
-        """The batches parked on this worker."""
-        return [r.control.paused for r in self._runs.values() if r.control.paused is not None]
+    def _finished(self, run_id: str, result: BatchResult, run: PreemptibleRun) -> dict[str, Any]:
+        moved = self._run_moved.pop(run_id, 0)
+        return {**super()._finished(run_id, result, run), "residency_bytes_moved": result.residency_bytes_moved + moved}
 
-    def _settle(self, run_id: str, step: Any) -> BatchResult | PausedRun:
-        try:
-            out = step()
-        except BaseException:
-            self._forget(run_id)
-            raise
-        if isinstance(out, PausedRun):
-            return out
-        run = self._runs[run_id]
-        moved = self._forget(run_id)
-        return out.model_copy(update={"paused_s": run.paused_s, "pauses": run.control.pauses,
-                                      "residency_bytes_moved": out.residency_bytes_moved + moved})
-
-    def _forget(self, run_id: str) -> int:
-        self._ended.append(run_id)
-        self._early.pop(run_id, None)
-        self._runs.pop(run_id, None)
+    def _forget(self, run_id: str) -> None:
+        super()._forget(run_id)
         self._run_residency.pop(run_id, None)
-        return self._run_moved.pop(run_id, 0)
+        self._run_moved.pop(run_id, None)
 
-    def _execute(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
+    def _run_batch(self, batch: Batch, observer: StepObserver | None, control: Any) -> BatchResult:
         assert self.engine is not None and self.residency is not None
         target = self.target_residency(batch.config)
         residency = self.residency

@@ -45,7 +45,7 @@ def group(jobs_cfg: JobStoreConfig) -> Iterator[Harness]:
     """One worker, 64x64x9 videos at batch 2 (a second job joins within the 2 s wait window; a lone
     job waits that long in the queue, time enough to delete it there even on a loaded machine)."""
     _BrokenRebuildWorker.ok.set()
-    WORKER_KINDS["broken-rebuild"] = WorkerKind(f"{__name__}:_BrokenRebuildWorker", platform="cpu", backend="inprocess")
+    WORKER_KINDS["broken-rebuild"] = WorkerKind(_BrokenRebuildWorker, platform="cpu", backend="inprocess")
     try:
         with running_group("tiny-cogvideox", {COG.shape_key: entry(COG, batch=2, latency_s=4.0)}, device="broken-rebuild",
                            worker_set=worker_set_for, wait_window_s=2.0, jobs=jobs_cfg) as h:

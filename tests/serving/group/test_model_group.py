@@ -142,7 +142,7 @@ class _FlakyWorker(Worker):
 
 def test_a_failed_rebuild_degrades_the_group_until_the_next_one_succeeds(monkeypatch: pytest.MonkeyPatch) -> None:
     # a new kind of worker plugs in at one place: WORKER_KINDS
-    monkeypatch.setitem(WORKER_KINDS, "flaky", WorkerKind(f"{__name__}:_FlakyWorker", platform="cpu", backend="inprocess"))
+    monkeypatch.setitem(WORKER_KINDS, "flaky", WorkerKind(_FlakyWorker, platform="cpu", backend="inprocess"))
     plans = {FLUX_S.shape_key: entry(FLUX_S)}
     with running_group("tiny-flux2", plans, device="flaky", wait_window_s=0.0, worker_set=worker_set_for) as h:
         assert isinstance(h.group.workers, InProcessWorkerSet)

@@ -5,6 +5,8 @@ failure however many callers saw it, a failed rebuild leaving the set at its gen
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.runtime.worker import ModelLoadConfig
+from xema_ray.runtime.worker_base import WorkerBase
 from xema_ray.serving.group.worker_set import (
     WORKER_KINDS,
     RebuildFailed,
@@ -24,28 +27,41 @@ from xema_ray.serving.group.worker_set import (
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 
 
-class _EchoWorker:
-    """Worker's interface without a model: ``load_model`` counts, ``echo`` answers, ``block`` waits."""
+class _EchoWorker(WorkerBase):
+    """The worker interface without a model: ``load_model`` counts, ``echo`` answers, ``block`` waits."""
 
     loads = 0
     fail_loads = threading.Event()
     release = threading.Event()
 
     def __init__(self, platform: str, static_allocator: bool = False) -> None:
+        super().__init__()
         self.platform = platform
         self.rank: int | None = None
 
     def device_topology(self, local_index: int = 0) -> tuple[str, list[str]]:
         return f"echo:{id(self)}", []
 
-    def init_device(self, parallel: ParallelConfig) -> None:
+    def init_device(self, parallel: ParallelConfig, local_index: int = 0) -> None:
         self.rank = parallel.rank
 
-    def load_model(self, load: ModelLoadConfig) -> str:
+    def load_model(self, load: ModelLoadConfig) -> Any:
         if type(self).fail_loads.is_set():
             raise RuntimeError("no memory for the weights")
         type(self).loads += 1
         return f"loaded {load.model}"
+
+    def _loaded(self) -> bool:
+        return True
+
+    def _run_batch(self, batch: Any, observer: Any, control: Any) -> Any:
+        raise NotImplementedError("an echo worker runs no batch")
+
+    def layout_reserved_bytes(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        pass
 
     def echo(self, x: Any) -> tuple[int, Any]:
         return id(self), x
@@ -57,7 +73,7 @@ class _EchoWorker:
 
 @pytest.fixture()
 def echo_kind() -> Iterator[str]:
-    WORKER_KINDS["echo"] = WorkerKind(f"{__name__}:_EchoWorker", platform="cpu", backend="inprocess")
+    WORKER_KINDS["echo"] = WorkerKind(_EchoWorker, platform="cpu", backend="inprocess")
     _EchoWorker.fail_loads.clear()
     _EchoWorker.release.clear()
     try:
@@ -167,3 +183,17 @@ def test_a_pause_is_sent_without_waiting_for_the_busy_worker(echo_kind: str) -> 
 
     asyncio.run(run())
     ws.shutdown()
+
+
+def test_every_kind_names_a_worker_class_and_naming_one_imports_no_torch() -> None:
+    from xema_ray.runtime.emulated import EmulatedWorker
+    from xema_ray.runtime.worker import Worker
+
+    assert {d: k.load_class() for d, k in WORKER_KINDS.items()} == {"cpu": Worker, "cuda": Worker,
+                                                                     "emulated": EmulatedWorker}
+    with pytest.raises(TypeError, match="WorkerBase"):
+        WorkerKind(InProcessWorkerSet, platform="cpu").load_class()  # type: ignore[arg-type]
+    code = ("import sys\nfrom xema_ray.serving.group.worker_set import WORKER_KINDS\n"
+            "print(sorted(m for m in ('torch', 'xema_ray.runtime.worker') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

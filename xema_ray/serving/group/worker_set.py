@@ -9,13 +9,13 @@ interface; which implementation runs is a choice made at one place (``WORKER_KIN
 
 - ``RayWorkerSet`` (``worker_set_ray``): one Ray actor per worker in the replica's placement
   group bundles — what the deployment runs (``device: cpu`` or ``cuda``).
-- ``InProcessWorkerSet`` (``worker_set_local``): ``Worker`` objects in this process, each call
+- ``InProcessWorkerSet`` (``worker_set_local``): workers in this process, each call
   on a thread of its own worker — for tests of the group without a Ray cluster. It runs SP 1
   only (torch.distributed has one world per process) and says so when a plan needs more.
 
 A new kind of worker (another device, an emulated accelerator) plugs in by adding a
-``WorkerKind`` to ``WORKER_KINDS``: the class implementing ``Worker``'s interface, the platform
-it is given, and the Ray resources one worker asks for.
+``WorkerKind`` to ``WORKER_KINDS``: its class (a ``WorkerBase``: ``xema_ray.runtime.worker_base``),
+the platform it is given, and the Ray resources one worker asks for.
 
 A worker that dies (``WorkerDied``) breaks every SP group of its set: the caller rebuilds the
 set (``rebuild``), once per failure however many batches saw it. The blocking part of a rebuild
@@ -26,14 +26,16 @@ reads; the loop swaps it in when it is ready, so the loop never sees a half-buil
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.worker_base import WorkerBase
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -43,12 +45,27 @@ WorkerSetBackend = Literal["ray", "inprocess"]
 WorkerState = Literal["ok", "busy", "dead"]
 
 
+# The built-in kinds name their classes through functions that import them where the workers
+# start: naming a kind (this module, the app builder) imports neither torch nor the worker modules.
+def _worker() -> type[WorkerBase]:
+    from xema_ray.runtime.worker import Worker
+
+    return Worker
+
+
+def _emulated_worker() -> type[WorkerBase]:
+    from xema_ray.runtime.emulated import EmulatedWorker
+
+    return EmulatedWorker
+
+
 @dataclass(frozen=True)
 class WorkerKind:
-    """One kind of worker: its class (``module:Class``, imported where the workers start), the
-    platform its constructor gets, the Ray resources of one worker, the default backend."""
+    """One kind of worker: its class (a ``WorkerBase``, given as the class or as a function that
+    imports it where the workers start), the platform its constructor gets, the Ray resources of
+    one worker, the default backend."""
 
-    worker_class: str
+    worker_class: type[WorkerBase] | Callable[[], type[WorkerBase]]
     platform: str
     num_gpus: float = 0.0
     ray_options: dict[str, Any] = field(default_factory=dict)
@@ -60,18 +77,24 @@ class WorkerKind:
         out.update(self.ray_options.get("resources", {}))
         return out
 
-    def load_class(self) -> Any:
-        module, _, name = self.worker_class.partition(":")
-        return getattr(importlib.import_module(module), name)
+    def load_class(self) -> type[WorkerBase]:
+        """The worker class (what the in-process set constructs, what a Ray actor is made of)."""
+        from xema_ray.runtime.worker_base import WorkerBase
+
+        ref = self.worker_class
+        cls = ref if isinstance(ref, type) else ref()
+        if not (isinstance(cls, type) and issubclass(cls, WorkerBase)):
+            raise TypeError(f"a worker kind's class must implement xema_ray.runtime.worker_base.WorkerBase, got {cls!r}")
+        return cls
 
 
 #: device (the deployment's ``device``) -> its kind of worker: the one place a new kind plugs in
 WORKER_KINDS: dict[str, WorkerKind] = {
-    "cpu": WorkerKind("xema_ray.runtime.worker:Worker", platform="cpu"),
-    "cuda": WorkerKind("xema_ray.runtime.worker:Worker", platform="cuda", num_gpus=1.0),
+    "cpu": WorkerKind(_worker, platform="cpu"),
+    "cuda": WorkerKind(_worker, platform="cuda", num_gpus=1.0),
     # no weights, no math: the plan's latencies / time_scale, one Ray GPU of a node that declares
     # GPUs (docs/emulated.md); its phases arrive with the load config
-    "emulated": WorkerKind("xema_ray.runtime.emulated:EmulatedWorker", platform="emulated", num_gpus=1.0),
+    "emulated": WorkerKind(_emulated_worker, platform="emulated", num_gpus=1.0),
 }
 
 

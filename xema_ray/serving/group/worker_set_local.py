@@ -1,4 +1,4 @@
-"""The worker set in this process: ``Worker`` objects called on threads, no Ray. For tests of a
+"""The worker set in this process: workers (``WorkerBase``) called on threads, no Ray. For tests of a
 ``ModelGroup`` (dispatch, preemption, job lifecycle, a worker's death and the rebuild) in seconds.
 
 Each worker serves its calls on a thread pool of ``spec.concurrency`` threads, as its actor
@@ -19,23 +19,27 @@ import concurrent.futures as cf
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xema_ray.serving.group.worker_set import Generation, WorkerDied, WorkerSet, WorkerSetSpec, WorkerState
 
+if TYPE_CHECKING:
+    from xema_ray.runtime.worker_base import WorkerBase
+
 
 @dataclass(eq=False)
-class LocalWorker:
-    """One worker of the set, its call threads, and whether it was killed."""
+class LocalHandle:
+    """One in-process worker as the set holds it (a Ray actor handle's counterpart): the worker,
+    its call threads, and whether it was killed."""
 
-    worker: Any
+    worker: WorkerBase
     pool: cf.ThreadPoolExecutor
     dead: bool = False
     waiting: set[asyncio.Future] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class InProcessWorkerSet(WorkerSet[LocalWorker]):
+class InProcessWorkerSet(WorkerSet[LocalHandle]):
     """``WorkerSet`` of in-process workers (see the module docstring)."""
 
     def __init__(self, spec: WorkerSetSpec) -> None:
@@ -45,14 +49,14 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
                              f"the plans need SP layouts {sp}: use the ray backend for them")
         super().__init__(spec)
 
-    def _spawn(self) -> list[LocalWorker]:
+    def _spawn(self) -> list[LocalHandle]:
         kind = self.spec.kind()
         cls = kind.load_class()
-        return [LocalWorker(cls(platform=kind.platform, static_allocator=self.spec.static_allocator),
+        return [LocalHandle(cls(platform=kind.platform, static_allocator=self.spec.static_allocator),
                             cf.ThreadPoolExecutor(self.spec.concurrency, thread_name_prefix=f"worker{i}"))
                 for i in range(self.spec.size)]
 
-    def _call_blocking(self, workers: Sequence[LocalWorker], method: str,
+    def _call_blocking(self, workers: Sequence[LocalHandle], method: str,
                        per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
         futures = [w.pool.submit(getattr(w.worker, method), *a) for w, a in zip(workers, per_rank, strict=True)]
         return [f.result() for f in futures]
@@ -63,10 +67,10 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
         del rank, port  # every worker is a world of one (SP 1)
         return ParallelConfig(rank=0, world_size=1)
 
-    def _order(self, workers: list[LocalWorker]) -> list[LocalWorker]:
+    def _order(self, workers: list[LocalHandle]) -> list[LocalHandle]:
         return workers  # nothing is linked in one process
 
-    async def _invoke(self, gen: Generation[LocalWorker], method: str, ranks: Sequence[int], args: tuple[Any, ...],
+    async def _invoke(self, gen: Generation[LocalHandle], method: str, ranks: Sequence[int], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> list[Any]:
         loop = asyncio.get_running_loop()
 
@@ -84,25 +88,25 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
 
         return list(await asyncio.gather(*(call(r) for r in ranks)))
 
-    def _send(self, gen: Generation[LocalWorker], method: str, ranks: Sequence[int], args: tuple[Any, ...]) -> None:
+    def _send(self, gen: Generation[LocalHandle], method: str, ranks: Sequence[int], args: tuple[Any, ...]) -> None:
         for r in ranks:
             w = gen.workers[r]
             if not w.dead:
                 w.pool.submit(getattr(w.worker, method), *args)
 
-    def _discard(self, workers: Sequence[LocalWorker]) -> None:
+    def _discard(self, workers: Sequence[LocalHandle]) -> None:
         for i, w in enumerate(workers):
             self._die(w, i, "stopped")
             w.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _kill(self, gen: Generation[LocalWorker], rank: int) -> None:
+    def _kill(self, gen: Generation[LocalHandle], rank: int) -> None:
         self._die(gen.workers[rank], rank, "killed")
 
-    async def _probe(self, gen: Generation[LocalWorker], rank: int, timeout_s: float) -> WorkerState:
+    async def _probe(self, gen: Generation[LocalHandle], rank: int, timeout_s: float) -> WorkerState:
         del timeout_s  # a thread of this process is asked nothing: it is dead only when killed
         return "dead" if gen.workers[rank].dead else "ok"
 
-    def _die(self, w: LocalWorker, rank: int, how: str) -> None:
+    def _die(self, w: LocalHandle, rank: int, how: str) -> None:
         with w.lock:
             w.dead = True
             waiting, w.waiting = w.waiting, set()
@@ -110,7 +114,7 @@ class InProcessWorkerSet(WorkerSet[LocalWorker]):
             fut.get_loop().call_soon_threadsafe(_fail, fut, WorkerDied(rank, how))
 
 
-def _settle(w: LocalWorker, rank: int, out: asyncio.Future, done: cf.Future) -> None:
+def _settle(w: LocalHandle, rank: int, out: asyncio.Future, done: cf.Future) -> None:
     with w.lock:
         w.waiting.discard(out)
     if out.done():  # the worker was killed meanwhile: its answer is dropped
