@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
 # where it is used; ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import gb, parse_bytes
-from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanTable
+from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES, SearchSpace, run_baseline
@@ -216,7 +216,7 @@ def _run_all(templates: list[RequestTemplate], opts: dict[str, Any], use_ray: bo
 
 
 def finish_group(results: list[dict[str, Any]], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
-                 latency: LatencyModel, budget: int) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, str]]:
+                 latency: LatencyModel, budget: int) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
     """One model group's planned entries made final: the residency policy with more goodput
     (Xema) and each template's text-encoder placement (after it: the residency changes the
     plans). Returns the entries to serve with, the residency (None: a baseline or no entry) and
@@ -234,7 +234,7 @@ def finish_group(results: list[dict[str, Any]], entries: dict[str, PlanEntry], p
             if e.config.template.spec.text_encoder is not None:
                 entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name))
                 chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
-                encoders[k] = f"{chosen.placement} (+{chosen.seconds:.2f} s per batch)"
+                encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
     return entries, residency, encoders
 
 
@@ -300,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         wave = LayoutWave(args.out, latency_model.hardware.gpu_model, use_ray=not args.no_ray)
     final: dict[str, PlanEntry] = {}
     residency: dict[str, GroupResidency] = {}
-    encoders: dict[str, str] = {}
+    encoders: dict[str, TextEncoderChoice] = {}
 
     def finish(model: str, group: list[dict[str, Any]], entries: dict[str, PlanEntry] | None = None) -> None:
         """A model group is planned: its residency and text encoders, then its layouts start."""
@@ -341,24 +341,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         residency={m: residency[m] for m in sorted(residency)},
         entries={k: final[k] for k in in_order}, admission=loaded.admission if loaded else {},
         planned_load=loaded.planned_load if loaded else {},
-        provenance={"command": " ".join(sys.argv), "wall_s": f"{wall:.1f}",
-                    "profiled": str(sum(r["profiled"] for r in results)),
-                    "tasks_cpu_s": f"{sum(r['cpu_s'] for r in results):.1f}",
-                    "text_encoders": "; ".join(f"{k}: {encoders[k]}" for k in in_order if k in encoders),
-                    "measured": str(sum(r.get("measured", 0) for r in results)),
-                    "estimated": str(sum(r.get("estimated", 0) for r in results)),
-                    "infeasible": ",".join(r["template"] for r in results if r["entry"] is None),
-                    "planned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        provenance=PlanProvenance(
+            command=" ".join(sys.argv), wall_s=round(wall, 1), profiled=sum(r["profiled"] for r in results),
+            tasks_cpu_s=round(sum(r["cpu_s"] for r in results), 1),
+            text_encoders={k: encoders[k] for k in in_order if k in encoders},
+            measured=sum(r.get("measured", 0) for r in results), estimated=sum(r.get("estimated", 0) for r in results),
+            infeasible=tuple(r["template"] for r in results if r["entry"] is None),
+            planned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
     )
     if wave is not None:
         solved, ratios, layout_cpu = wave.collect(budget)
         table.entries = {k: solved[k] for k in table.entries}
         # the wall time the layouts add after the last template is planned (they start while others plan)
         layout_wall = time.perf_counter() - t0 - wall
-        table.provenance.update(layouts_wall_s=f"{layout_wall:.1f}", layouts_cpu_s=f"{layout_cpu:.1f}",
-                                layouts_gpu=latency_model.hardware.gpu_model,
-                                layouts_dynamic_bytes=json.dumps(wave.dynamic_bytes, sort_keys=True),
-                                layouts_not_armed="; ".join(f"{k}: {why}" for k, why in sorted(wave.not_armed.items())))
+        table.provenance = table.provenance.model_copy(update=dict(
+            layouts_wall_s=round(layout_wall, 1), layouts_cpu_s=round(layout_cpu, 1),
+            layouts_gpu=latency_model.hardware.gpu_model, layouts_dynamic_bytes=dict(sorted(wave.dynamic_bytes.items())),
+            layouts_not_armed=dict(sorted(wave.not_armed.items()))))
         for model, dyn in wave.dynamic_bytes.items():
             print(f"layouts {model}: one dynamic region of {gb(dyn)} per worker, the static region follows the template")
         for k, e in table.entries.items():
@@ -374,7 +373,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_summary(results)
     for k in table.entries:
         if k in encoders:
-            print(f"text encoder {k}: {encoders[k]}")
+            print(f"text encoder {k}: {encoders[k].describe()}")
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
@@ -384,9 +383,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"(goodput choice {pl.goodput_attainment:.1%}); changed {', '.join(pl.changed) or 'none'}; "
               f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
     total = time.perf_counter() - t0
-    table.provenance["total_s"] = f"{total:.1f}"
-    print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); candidates' latencies: {table.provenance['measured']} "
-          f"measured, {table.provenance['estimated']} estimated")
+    table.provenance.total_s = round(total, 1)
+    print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); candidates' latencies: {table.provenance.measured} "
+          f"measured, {table.provenance.estimated} estimated")
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out}")

@@ -22,7 +22,7 @@ def test_layouts_by_default_and_rebuilt_identically(tmp_path: Path, capsys) -> N
     table = PlanTable.load(str(out))
     entry = table.entries["tiny-flux2/64x64x1"]
     ref = entry.config.layout_ref
-    assert ref is not None and table.provenance["layouts_gpu"] == "NVIDIA RTX A6000"
+    assert ref is not None and table.provenance.layouts_gpu == "NVIDIA RTX A6000"
     folder = layouts_dir(out)
     art = load_artifact(folder, ref, gpu="NVIDIA RTX A6000")
     # the predicted peak is what the static allocator holds, from the solver's figure
