@@ -117,19 +117,19 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
     counting = CountingModel(model)
     xema = plan_template(counting, template, gpus, opts.budget, slo_scale=opts.slo_scale, max_batch=opts.max_batch,
                          latency_source="estimated")
-    counts: dict[str, int | bool | None]
+    traced = cache.traced  # the stages' traces (as counted before: not a baseline's, the pause state's, the encoder's)
+    pruned_memory = pruned_slo = None
     if opts.planner == "xema":
-        entry = xema.entry
-        counts = dict(profiled=len(xema.counter.profiled), analysed=len(xema.counter.analysed), finished=True,
-                      pruned_memory=len(xema.log.pruned_memory), pruned_slo=len(xema.log.pruned_slo))
+        entry, counter, finished = xema.entry, xema.counter, True
+        pruned_memory, pruned_slo = len(xema.log.pruned_memory), len(xema.log.pruned_slo)
     elif xema.slo_s is None:
-        entry = None
-        counts = dict(profiled=0, analysed=0, finished=True)
+        entry, counter, finished = None, None, True
     else:
         space = SearchSpace(gpus=gpus, budget=opts.budget, slo_s=xema.slo_s, max_batch=opts.max_batch)
         entry, counted, finished = run_baseline(opts.planner, model, template, space, "estimated",
                                                 time_limit_s=opts.time_limit_s)
-        counts = dict(profiled=len(counted.counter.profiled), analysed=len(counted.counter.analysed), finished=finished)
+        counter = counted.counter
+    profiled, analysed = (len(counter.profiled), len(counter.analysed)) if counter is not None else (0, 0)
     candidates: tuple[PlanEntry, ...] = ()
     if entry is not None and opts.planner == "xema" and template.model in opts.loaded_models:
         # a load is expected for this model's group: its other assembled configurations compete
@@ -153,10 +153,11 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         counted_keys = xema.counter.profiled if opts.planner == "xema" else set()
         sources = [latency.source_of(ExecutionConfig.model_validate_json(k)) for k in counted_keys]
         measured = sum(1 for x in sources if x == "measured")
-        estimated = int(counts["profiled"] or 0) - measured
+        estimated = profiled - measured
     return TemplateResult(
         template=template.shape_key, slo_s=xema.slo_s, entry=entry, candidates=candidates, encoder_facts=facts,
-        device=device or "none", traced=cache.traced, **counts, measured=measured, estimated=estimated,  # type: ignore[arg-type]
+        device=device or "none", traced=traced, profiled=profiled, analysed=analysed, finished=finished,
+        pruned_memory=pruned_memory, pruned_slo=pruned_slo, measured=measured, estimated=estimated,
         not_measured=not_measured, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0,
         started_unix=started, worker_pid=os.getpid())
 
