@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from bench.open_loop import Outcome, drive
+from bench.scenarios.open_loop import Outcome, drive
 from deployments.emulated_box import read_deployment, start_box, stop_box
 from xema_ray.net import free_port
 from xema_ray.plan import PlanTable

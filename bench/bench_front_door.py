@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # bench.report; bench_scale beside this file
 
 from bench_scale import FAST_HEALTH, FRONT_DOOR_ENV, Bench, app_args, cpu_by_role
-from scale_report import CurveLevel, FrontCurve, overhead, overhead_parts, percentile
+from bench.report.scale_report import CurveLevel, FrontCurve, overhead, overhead_parts, percentile
 
 
 async def curve(b: Bench, cluster, levels: list[int], warm_s: float, seconds: float,  # type: ignore[no-untyped-def]

@@ -116,7 +116,7 @@ def live_emulated(plan_table: Path, time_scale: float = EMULATED_SCALE) -> dict:
     (max_preemptions 2) and without (0); two apps on one box, the simulator on the same arrivals."""
     import asyncio
 
-    from bench.open_loop import drive
+    from bench.scenarios.open_loop import drive
     from deployments.emulated_box import serve_app, start_box, stop_box
     from xema_ray.net import free_port
     from xema_ray.runtime.emulated import DEFAULT_HOST_BANDWIDTH, scale_table

@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # bench.report, bench.scenarios: run as a script from anywhere
 
-from scale_report import (
+from bench.report.scale_report import (
     TEMPLATE,
     Autoscale,
     FrontDoor,

@@ -9,19 +9,18 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+from xema_ray.plan import PlanEntry
 from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate
+from bench.scenarios.factories import plan_entry
 
 T = TypeVar("T")
 
 
 def entry(t: RequestTemplate, batch: int = 1, dp: int = 1, latency_s: float = 0.5, slo_s: float = 30.0,
           layout_ref: str | None = None) -> PlanEntry:
-    cfg = ExecutionConfig(template=t, batch=batch, dp=dp, layout_ref=layout_ref)
-    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0,
-                                                            slo_s=slo_s, latency_source="measured"))
+    return plan_entry(t, batch=batch, dp=dp, latency_s=latency_s, slo_s=slo_s, layout_ref=layout_ref)
 
 
 class Harness:

@@ -20,10 +20,11 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from bench.scenarios.serve_app import running_app  # noqa: E402
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
+from bench.scenarios.factories import plan_entry
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +35,7 @@ COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, ste
 
 
 def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, dp: int = 1) -> PlanEntry:
-    cfg = ExecutionConfig(template=t, ulysses=ulysses, dp=dp, batch=batch)
-    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=30.0,
-                                                            latency_source="measured"))
+    return plan_entry(t, batch=batch, ulysses=ulysses, dp=dp)
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,11 @@ ray = pytest.importorskip("ray")
 from bench.scenarios.serve_app import running_app  # noqa: E402
 from ray import serve  # noqa: E402
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
+from bench.scenarios.factories import plan_entry
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +42,7 @@ OUTCOMES: dict[str, tuple[int, int]] = {}  # fault -> (200s, JSON 503s) of the r
 
 
 def _entry(t: RequestTemplate, batch: int = 1) -> PlanEntry:
-    return PlanEntry(config=ExecutionConfig(template=t, batch=batch),
-                     prediction=PlanPrediction(peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=30.0,
-                                               latency_source="measured"))
+    return plan_entry(t, batch=batch)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +28,10 @@ from bench.scenarios.serve_app import running_app  # noqa: E402
 
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.net import free_port  # noqa: E402
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
+from bench.scenarios.factories import plan_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -88,9 +88,7 @@ class Redis:
 
 
 def _entry(t: RequestTemplate, batch: int, latency_s: float) -> PlanEntry:
-    return PlanEntry(config=ExecutionConfig(template=t, batch=batch),
-                     prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0, slo_s=60.0,
-                                               latency_source="measured"))
+    return plan_entry(t, batch=batch, latency_s=latency_s, slo_s=60.0)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,13 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from xema_ray.net import free_port  # noqa: E402
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
 from xema_ray.serving.config import ServeConfig  # noqa: E402
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from xema_ray.serving.api.ready import wait_ready  # noqa: E402
+from bench.scenarios.factories import plan_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -43,9 +44,7 @@ FLUX = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 
 
 def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, latency_s: float = 4.0) -> PlanEntry:
-    cfg = ExecutionConfig(template=t, ulysses=ulysses, batch=batch)
-    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0,
-                                                            slo_s=60.0, latency_source="measured"))
+    return plan_entry(t, batch=batch, ulysses=ulysses, latency_s=latency_s, slo_s=60.0)
 
 
 def start_app(tmp: Path, jobs: dict[str, Any], router_replicas: int = 1) -> str:
