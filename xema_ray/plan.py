@@ -393,7 +393,7 @@ class PlanTable(BaseModel):
     planned_load: dict[str, PlannedLoad] = Field(
         default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
                                           "isolated goodput, no load)")
-    provenance: PlanProvenance = Field(default_factory=lambda: PlanProvenance(),
+    provenance: PlanProvenance = Field(default_factory=PlanProvenance,
                                        description="command line, time, what was measured (PlanProvenance)")
 
     @model_validator(mode="after")
