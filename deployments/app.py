@@ -19,8 +19,8 @@ from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
-from xema_ray.scheduling.dispatcher import PreemptionPolicy
-from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
+from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
@@ -73,7 +73,7 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
 
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-    from xema_ray.scheduling.dispatcher import DispatchPlan
+    from xema_ray.scheduling.batch import DispatchPlan
     from xema_ray.serving.scale.replica_router import SloRequestRouter
     from xema_ray.serving.scale.scaling import SloAutoscalingPolicy
 
@@ -129,16 +129,15 @@ def build_app(args: dict[str, Any]) -> Application:
             max_ongoing_requests=10_000,  # the dispatcher bounds its queues and answers 503 itself
             **HEALTH_CHECK,
         )
-        groups[g.model] = deployment.bind(
-            model=g.model, workers=g.workers, plans=plans, device=cfg.device,
-            weights_dir=str(g.weights_dir) if g.weights_dir else None, worker_cpus=cfg.worker_cpus,
-            wait_window_s=g.wait_window_s, max_queue=g.max_queue, jobs=cfg.jobs,
-            residency=g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template"),
-            layouts_dir=str(layouts_dir(cfg.plan_table)) if cfg.plan_table is not None else None,
+        residency = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
+        settings = GroupSettings(
+            device=cfg.device, worker_cpus=cfg.worker_cpus, jobs=cfg.jobs,
+            layouts_dir=layouts_dir(cfg.plan_table) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
             emulation=emulation, admission=table.admission.get(g.model),
             phases=phase_shares(table, plans), budget_bytes=table.budget_bytes,
         )
+        groups[g.model] = deployment.bind(g.model_copy(update={"residency": residency}), plans, settings)
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so

@@ -232,7 +232,7 @@ class GroupResidency(BaseModel):
 
 class AdmissionPolicy(BaseModel):
     """How a model group's dispatcher admits and orders requests under load (SLO-aware dispatch,
-    ``xema_ray.scheduling.dispatcher``); the load-aware planner chooses it per group. The default is
+    ``xema_ray.scheduling.admission``); the load-aware planner chooses it per group. The default is
     the dispatcher's plain behaviour (EDF, every request served)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -10,7 +10,10 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from xema_ray.plan import PlanEntry
-from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.serving.config import ModelGroupConfig, TemplateSpec
+from xema_ray.serving.group.messages import GroupRequest
+from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
+from xema_ray.serving.group.worker_set import WorkerSetFactory
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate
 from bench.scenarios.factories import plan_entry
@@ -21,6 +24,19 @@ T = TypeVar("T")
 def entry(t: RequestTemplate, batch: int = 1, dp: int = 1, latency_s: float = 0.5, slo_s: float = 30.0,
           layout_ref: str | None = None) -> PlanEntry:
     return plan_entry(t, batch=batch, dp=dp, latency_s=latency_s, slo_s=slo_s, layout_ref=layout_ref)
+
+
+def group_config(model: str, plans: dict[str, PlanEntry], workers: int = 1, **fields: Any) -> ModelGroupConfig:
+    """The ``ModelGroupConfig`` of a group serving ``plans``' templates (``fields``: its other fields)."""
+    templates = [TemplateSpec(width=t.width, height=t.height, frames=t.frames, steps=t.steps)
+                 for t in (e.config.template for e in plans.values())]
+    return ModelGroupConfig(model=model, workers=workers, templates=templates, **fields)
+
+
+def request(template: str, request_id: str, prompt: str, seed: int, guidance_scale: float | None = None) -> GroupRequest:
+    """What the Router sends a group's ``generate`` (or the job reconciler its ``submit_job``)."""
+    return GroupRequest(template=template, request_id=request_id, prompt=prompt, seed=seed,
+                        guidance_scale=guidance_scale)
 
 
 class Harness:
@@ -46,12 +62,19 @@ class Harness:
 
 
 @contextmanager
-def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1, **kwargs: Any) -> Iterator[Harness]:
-    """A started group of ``workers`` in-process workers serving ``plans`` (kwargs: ModelGroup's)."""
+def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1,
+                  worker_set: WorkerSetFactory = InProcessWorkerSet, **kwargs: Any) -> Iterator[Harness]:
+    """A started group of ``workers`` in-process workers serving ``plans`` (kwargs: the fields of
+    ``ModelGroupConfig`` and of ``GroupSettings``)."""
+    unknown = set(kwargs) - set(ModelGroupConfig.model_fields) - set(GroupSettings.model_fields)
+    if unknown:
+        raise TypeError(f"running_group: unknown arguments {sorted(unknown)}")
+    config = group_config(model, plans, workers, **{k: v for k, v in kwargs.items() if k in ModelGroupConfig.model_fields})
+    settings = GroupSettings(**{k: v for k, v in kwargs.items() if k in GroupSettings.model_fields})
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"group-{model}", daemon=True)
     thread.start()
-    group = ModelGroup(model, workers, plans, **{"worker_set": InProcessWorkerSet, **kwargs})
+    group = ModelGroup(config, plans, settings, worker_set=worker_set)
     try:
         yield Harness(group, loop)
     finally:

@@ -171,9 +171,9 @@ def _save_layouts(table: PlanTable, folder: Path) -> None:
 def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preemptions: int) -> LiveRun:
     """``trace`` on a ModelGroup with one in-process worker (no Ray): the job through
     ``submit_job`` and the job store, the others through ``generate``, each at its time."""
-    from bench.scenarios.group_harness import running_group
+    from bench.scenarios.group_harness import request, running_group
     from xema_ray.allocator.artifact import layouts_dir
-    from xema_ray.scheduling.dispatcher import PreemptionPolicy
+    from xema_ray.scheduling.preemption_policy import PreemptionPolicy
     from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig, new_job_id, open_store
 
     folder = layouts_dir(plans_dir / "table.json")
@@ -185,7 +185,7 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
     with running_group("tiny-cogvideox", dict(table.entries), wait_window_s=0.0, jobs=jobs, preemption=policy,
                        layouts_dir=folder) as h:
         for key in (SHORT.shape_key, LONG.shape_key):  # warm-up: each template once (worker threads, pipelines)
-            h.call(lambda g: g.generate(key, f"warm-{key}", "warm-up", 0), timeout=300)  # runs before the loop moves on
+            h.call(lambda g: g.generate(request(key, f"warm-{key}", "warm-up", 0)), timeout=300)  # runs before the loop moves on
         job: dict[str, str] = {}
         finished = threading.Event()
 
@@ -195,13 +195,13 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
             prompt, seed = f"request {a.request_id}", int(a.request_id)
             t0 = time.perf_counter()
             if a.request_id != JOB_REQUEST:
-                h.call(lambda g: g.generate(t.shape_key, a.request_id, prompt, seed), timeout=600)
+                h.call(lambda g: g.generate(request(t.shape_key, a.request_id, prompt, seed)), timeout=600)
                 return a.request_id, time.perf_counter() - t0
             rec = store.create(JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=prompt, seed=seed,
                                          size=f"{t.width}x{t.height}", seconds="2", frames=t.frames, predicted_s=10.0,
                                          created_at=time.time()))
             job["id"] = rec.id
-            assert h.call(lambda g: g.submit_job(rec.id, t.shape_key, prompt, seed))
+            assert h.call(lambda g: g.submit_job(request(t.shape_key, rec.id, prompt, seed)))
             while (got := store.get(rec.id)) is None or got.status not in ("completed", "failed"):
                 time.sleep(0.02)
             return a.request_id, time.perf_counter() - t0

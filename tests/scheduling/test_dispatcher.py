@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 
 
 def plans(**kw) -> dict[str, DispatchPlan]:  # type: ignore[no-untyped-def]

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 
@@ -74,6 +76,18 @@ def test_a_victim_that_would_then_miss_its_own_deadline_is_not_paused() -> None:
 def test_unknown_state_size_is_never_preempted() -> None:
     unknown = DispatchPlan(batch=1, sp=1, slo_s=1000, latency_s=100, steps=10, peak_bytes=40 * GB, pause_bytes=None)
     assert _long_then_short(_dispatcher(long=unknown)) == []
+
+
+def test_a_paused_state_measured_larger_raises_the_plan_figure_the_memory_check_uses() -> None:
+    d = _dispatcher(budget=43 * GB, host=GB)  # 40 + 2 GB fits on the device
+    d.observe_pause_bytes("long", GB)  # smaller than planned: the plan's figure stays
+    assert d.plans["long"].pause_bytes == 2 * GB
+    d.observe_pause_bytes("long", 4 * GB)  # what the workers measured: 40 + 4 GB no longer fits, nor the host
+    assert d.plans["long"].pause_bytes == 4 * GB
+    assert _long_then_short(d) == []
+    never = _dispatcher(long=DispatchPlan(batch=1, sp=1, slo_s=1000, latency_s=100, steps=10, peak_bytes=40 * GB))
+    never.observe_pause_bytes("long", GB)  # a plan that never pauses stays so
+    assert never.plans["long"].pause_bytes is None
 
 
 def test_a_worker_holding_a_paused_batch_takes_no_other_batch_meanwhile() -> None:

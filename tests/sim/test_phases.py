@@ -14,7 +14,9 @@ from bench.scenarios.group_harness import entry, running_group
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 

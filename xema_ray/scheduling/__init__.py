@@ -2,4 +2,9 @@
 
 Pure: no I/O and no clock. The live model group (``xema_ray.serving.group``) and the simulator
 (``xema_ray.sim``) both drive the same ``Dispatcher``, as vLLM's scheduler sits under its engine.
+
+- ``dispatcher.py``: ``Dispatcher``, the one entry point: queues, batches, EDF, SP-group placement.
+- ``batch.py``: what it works with: ``DispatchPlan``, ``Pending``, ``Assignment``.
+- ``preemption_policy.py``: step-level preemption (``PreemptionPolicy``, its decisions).
+- ``admission.py``: SLO-aware admission (late requests set aside or shed; ``Refused``).
 """

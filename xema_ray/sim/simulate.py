@@ -7,7 +7,7 @@ Requests arrive (Poisson, or a recorded trace), are queued and batched by the ve
 fails every request, as an OOM would.
 
 With ``preemption`` the dispatcher may pause running batches for waiting ones (step-level
-preemption, ``xema_ray.scheduling.dispatcher``): a paused batch runs on to its next step boundary
+preemption, ``xema_ray.scheduling.preemption_policy``): a paused batch runs on to its next step boundary
 (where its phase shares put it: after the text encoding, a step's share of the latency each; in
 its last step or decode tail it is not paused but finishes, as on a worker), the
 preempting batch starts then, and the paused one resumes when its workers are free, charged the
@@ -27,7 +27,10 @@ from pydantic import BaseModel, Field
 
 from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
-from xema_ray.scheduling.dispatcher import Assignment, Decision, Dispatcher, DispatchPlan, PreemptionPolicy, Refused
+from xema_ray.scheduling.admission import Refused
+from xema_ray.scheduling.batch import Assignment, DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import Decision, PreemptionPolicy
 
 #: a template whose phases are unknown: all of its latency is steps
 _NO_PHASES = PhaseShares(text=0.0, denoise=1.0, tail=0.0)

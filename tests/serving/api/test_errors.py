@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 
 import pytest
 from fastapi import FastAPI
@@ -16,7 +17,7 @@ from tests.serving.api.asgi_client import call, post_json
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, UnsupportedTemplate, VideoRequest, set_limits
 from xema_ray.serving.api.errors import exception_response, install_error_handlers
 from xema_ray.serving.api.middleware import ProxyErrorsAsJson, RequestGuard
-from xema_ray.serving.group.model_group import GroupUnavailable, InvalidRequest, QueueFull, _validated
+from xema_ray.serving.group.messages import GroupRequest, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.api.openapi import build_openapi
 from xema_ray.templates import RequestTemplate
 
@@ -140,14 +141,23 @@ def test_overload_gets_json_503_with_retry_after(app: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------------------- per-request checks
+def _request(seed: int, guidance_scale: float | None) -> GroupRequest:
+    return GroupRequest(template="tiny-flux2-64x64", request_id="r1", prompt="x", seed=seed, guidance_scale=guidance_scale)
+
+
 def test_error_raised_if_a_request_cannot_join_a_batch() -> None:
     with pytest.raises(InvalidRequest) as e:
-        _validated("r1", "x", 2**63, None)
+        _request(2**63, None).validated()
     assert e.value.param == "seed"
     with pytest.raises(InvalidRequest) as e:
-        _validated("r1", "x", 1, float("nan"))
+        _request(1, float("nan")).validated()
     assert e.value.param == "guidance_scale"
-    assert _validated("r1", "x", 2**63 - 1, 3.5).seed == 2**63 - 1
+    assert _request(2**63 - 1, 3.5).validated().seed == 2**63 - 1
+
+
+def test_the_group_request_crosses_the_replica_boundary() -> None:
+    req = _request(7, 3.5)
+    assert pickle.loads(pickle.dumps(req)) == req  # Serve pickles a handle call's arguments
 
 
 # ---------------------------------------------------------------------------- exceptions -> status

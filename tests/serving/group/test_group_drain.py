@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.scenarios.group_harness import Harness, entry, running_group
+from bench.scenarios.group_harness import Harness, entry, request, running_group
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
 from xema_ray.serving.scale.replica_summary import ReplicaSummary
 from xema_ray.serving.scale.scaling import summary_from_metrics, summary_metrics
@@ -40,8 +40,8 @@ def _job(store: JobStore, seed: int) -> JobRecord:
 def test_draining_hands_queued_jobs_back_and_finishes_the_running_batch(group: Harness, jobs_cfg: JobStoreConfig) -> None:
     store = open_store(jobs_cfg)
     first, second = _job(store, 1), _job(store, 2)
-    assert group.call(lambda g: g.submit_job(first.id, first.template, first.prompt, first.seed))
-    assert group.call(lambda g: g.submit_job(second.id, second.template, second.prompt, second.seed))
+    assert group.call(lambda g: g.submit_job(request(first.template, first.id, first.prompt, first.seed)))
+    assert group.call(lambda g: g.submit_job(request(second.template, second.id, second.prompt, second.seed)))
     deadline = time.time() + 60
     while (store.get(first.id).status != "in_progress") and time.time() < deadline:  # type: ignore[union-attr]
         time.sleep(0.02)

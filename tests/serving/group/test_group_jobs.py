@@ -14,7 +14,7 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 
-from bench.scenarios.group_harness import Harness, entry, running_group
+from bench.scenarios.group_harness import Harness, entry, request, running_group
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
 from xema_ray.serving.api.videos import result_name
@@ -65,7 +65,7 @@ def _job(store: JobStore, prompt: str = "waves", seed: int = 1) -> JobRecord:
 
 
 def _submit(h: Harness, rec: JobRecord) -> bool:
-    return h.call(lambda g: g.submit_job(rec.id, rec.template, rec.prompt, rec.seed))
+    return h.call(lambda g: g.submit_job(request(rec.template, rec.id, rec.prompt, rec.seed)))
 
 
 def _wait(store: JobStore, job_id: str, until: Callable[[JobRecord], bool], timeout: float = 120.0) -> JobRecord:

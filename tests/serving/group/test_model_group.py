@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from bench.scenarios.group_harness import Harness, entry, running_group
+from bench.scenarios.group_harness import Harness, entry, group_config, request, running_group
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
 from xema_ray.serving.group.messages import GenerateResult, GroupUnavailable, InvalidRequest, QueueFull
@@ -36,7 +36,7 @@ def flux() -> Iterator[Harness]:
 
 
 def _generate(h: Harness, seed: int, t: RequestTemplate = FLUX_S, rid: str | None = None) -> Any:
-    return h.submit(lambda g: g.generate(t.shape_key, rid or f"r{seed}", "a red fox", seed))
+    return h.submit(lambda g: g.generate(request(t.shape_key, rid or f"r{seed}", "a red fox", seed)))
 
 
 def test_a_request_gets_its_png_and_where_it_ran(flux: Harness) -> None:
@@ -77,7 +77,7 @@ def test_a_request_that_cannot_run_never_joins_a_batch(flux: Harness) -> None:
 def test_error_raised_if_template_unknown_or_guidance_not_finite(flux: Harness, template: str, guidance: float | None,
                                                                   param: str) -> None:
     with pytest.raises(InvalidRequest) as e:
-        flux.call(lambda g: g.generate(template, "x", "a fox", 1, guidance))
+        flux.call(lambda g: g.generate(request(template, "x", "a fox", 1, guidance)))
     assert e.value.param == param
 
 
@@ -164,7 +164,8 @@ def test_error_raised_if_in_process_workers_are_given_an_sp_plan() -> None:
     cog = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
     sp2: PlanEntry = entry(cog).model_copy(update={"config": entry(cog).config.model_copy(update={"ulysses": 2})})
     with pytest.raises(ValueError, match="SP 1 only.*ray backend"):
-        ModelGroup("tiny-cogvideox", 2, {cog.shape_key: sp2}, worker_set=InProcessWorkerSet)
+        ModelGroup(group_config("tiny-cogvideox", {cog.shape_key: sp2}, workers=2), {cog.shape_key: sp2},
+                   worker_set=InProcessWorkerSet)
 
 
 def test_spec_travels_and_names_unknown_devices() -> None:

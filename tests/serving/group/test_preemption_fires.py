@@ -6,7 +6,9 @@ has no boundary left and is not paused."""
 
 from __future__ import annotations
 
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, PreemptionPolicy
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 
 GB = 10**9
 SHORT = DispatchPlan(batch=1, sp=1, slo_s=20, latency_s=5, steps=5, peak_bytes=10 * GB, pause_bytes=1 * GB)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan, Refused
+from xema_ray.scheduling.admission import Refused
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
 
@@ -108,7 +110,7 @@ def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
 
 # ---------------------------------------------------------------- the live group (in-process workers)
 def test_the_live_group_refuses_and_sheds_with_503s_and_serves_the_rest() -> None:
-    from bench.scenarios.group_harness import entry, running_group
+    from bench.scenarios.group_harness import entry, request, running_group
     from xema_ray.serving.group.messages import QueueFull
 
     ok = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
@@ -119,10 +121,10 @@ def test_the_live_group_refuses_and_sheds_with_503s_and_serves_the_rest() -> Non
     policy = AdmissionPolicy(late="shed", refused=(refused.shape_key,))
     with running_group("tiny-flux2", plans, admission=policy) as h:
         with pytest.raises(QueueFull, match="not admitted") as e:
-            h.call(lambda g: g.generate(refused.shape_key, "x", "a fox", 1))
+            h.call(lambda g: g.generate(request(refused.shape_key, "x", "a fox", 1)))
         assert e.value.retry_after_s >= 1.0
         # t2 can no longer meet its 10 ms SLO once queued behind t1, while the 64² request can: shed
-        futs = [h.submit(lambda g, rid=rid, t=t: g.generate(t.shape_key, rid, "a fox", 2))
+        futs = [h.submit(lambda g, rid=rid, t=t: g.generate(request(t.shape_key, rid, "a fox", 2)))
                 for rid, t in (("t1", tight), ("t2", tight), ("a1", ok))]
         with pytest.raises(QueueFull, match="shed"):
             futs[1].result(120)

@@ -10,7 +10,9 @@ import time
 import uuid
 from typing import Any
 
-from xema_ray.scheduling.dispatcher import Assignment, Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import Assignment, DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.serving.group.messages import GroupRequest
 from xema_ray.serving.scale.replica_stats import PublishesSummary
 
 
@@ -21,14 +23,13 @@ class DispatchOnlyGroup(PublishesSummary):
         self.model = "dispatch-only"
         self.owner = f"group-{uuid.uuid4().hex[:8]}"
         self.node = ray.get_runtime_context().get_node_id()
-        self.jobs_cfg = None
-        self._job_ids: set[str] = set()
+        self.jobs = None  # no video jobs
         self.dispatcher: Dispatcher[asyncio.Future] = Dispatcher(
             {k: DispatchPlan(**v) for k, v in plans.items()}, workers, wait_window_s)
         self._wake: asyncio.Event | None = None
 
-    async def generate(self, template: str, request_id: str, prompt: str = "", seed: int = 0,
-                       guidance_scale: float | None = None) -> dict[str, Any]:
+    async def generate(self, req: GroupRequest) -> dict[str, Any]:
+        template, request_id = req.template, req.request_id
         self.note_arrival(template)
         loop = asyncio.get_running_loop()
         if self._wake is None:

@@ -21,6 +21,7 @@ from ray import serve  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig  # noqa: E402
 
 from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
+from xema_ray.serving.group.messages import GroupRequest  # noqa: E402
 from xema_ray.serving.scale.replica_router import SloRequestRouter  # noqa: E402
 from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy  # noqa: E402
 
@@ -82,7 +83,8 @@ def test_a_load_step_adds_a_replica_on_another_node_and_the_group_drains_back(cl
     async def send(rate: float, until) -> list:  # type: ignore[no-untyped-def, type-arg]
         calls, i = [], 0
         while not until():
-            calls.append(asyncio.ensure_future(handle.generate.remote("img", f"r{rate}-{i}")))
+            req = GroupRequest(template="img", request_id=f"r{rate}-{i}", prompt="", seed=0)
+            calls.append(asyncio.ensure_future(handle.generate.remote(req)))
             i += 1
             await asyncio.sleep(1 / rate)
         return await asyncio.gather(*calls, return_exceptions=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.scale.replica_summary import (
     ArrivalMeter,
     PlanBrief,

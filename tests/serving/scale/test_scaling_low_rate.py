@@ -25,7 +25,8 @@ import pytest
 
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulation import scale_table
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.scale.replica_summary import ArrivalMeter, PlanBrief, predict_attainment, summarize
 from xema_ray.serving.scale.scaling import AutoscalingSpec, decide_replicas, summary_from_metrics, summary_metrics
 

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xema_ray.serving.api.schemas import UnsupportedTemplate
-from xema_ray.serving.group.model_group import GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull
 
 logger = logging.getLogger("xema_ray.serving")
 

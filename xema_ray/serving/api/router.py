@@ -49,7 +49,7 @@ from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
-from xema_ray.serving.group.messages import GenerateResult, GroupUnavailable
+from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
 from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
@@ -199,7 +199,8 @@ class Router:
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
-        response = handle.generate.remote(t.shape_key, self._request_id(), prompt, seed, guidance)
+        response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
+                                                       seed=seed, guidance_scale=guidance))
 
         async def result() -> GenerateResult:
             return await response

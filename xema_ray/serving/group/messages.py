@@ -1,14 +1,15 @@
-"""What crosses between the Router and a ModelGroup: the typed results and status, and the
-errors a group answers with (each maps to an HTTP status in ``errors.py``). They cross the
+"""What crosses between the Router and a ModelGroup: the typed request, results and status, and
+the errors a group answers with (each maps to an HTTP status in ``errors.py``). They cross the
 replica boundary by pickle: an exception keeps its values in ``args``."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from xema_ray.runtime.engine import RequestOutput
+from xema_ray.runtime.engine import GenerationRequest, RequestOutput
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
 
 
@@ -37,6 +38,34 @@ class QueueFull(RuntimeError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class GroupRequest(BaseModel):
+    """One request for a model group: the Router's ``generate`` (a synchronous request) or the job
+    reconciler's ``submit_job`` (a video job: ``request_id`` is the job's id). Its values are
+    checked by the group (``validated``), so that a request that cannot run fails alone, naming
+    its field, instead of failing the batch it would join."""
+
+    model_config = ConfigDict(frozen=True)
+
+    template: str = Field(description="the template's shape key (the group's plan for it)")
+    request_id: str
+    prompt: str
+    seed: int
+    guidance_scale: float | None = None
+
+    def validated(self) -> GenerationRequest:
+        """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
+        (HTTP 422) naming the field."""
+        g = self.guidance_scale
+        if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
+            raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
+        try:
+            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err.get("loc") else None
+            raise InvalidRequest(f"{field}: {err['msg']}", field) from None
 
 
 class GenerateResult(RequestOutput):

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from xema_ray.scheduling.dispatcher import Assignment, Dispatcher, PreemptionPolicy
+from xema_ray.scheduling.batch import Assignment
+from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.worker_set import WorkerSet
 
 
@@ -196,10 +197,8 @@ class PreemptibleRunner:
         t0 = time.monotonic()
         self.state.parked(a.batch_id, a.template, state_bytes, offloaded)
         self.metrics.observe_pause(a.template, self.state.held_bytes(a.template))
-        # what the workers hold is the plan's figure from now on if it is larger (dispatcher checks)
-        plan = self.dispatcher.plans[a.template]
-        if plan.pause_bytes is not None and state_bytes > plan.pause_bytes:
-            self.dispatcher.plans[a.template] = dataclasses.replace(plan, pause_bytes=state_bytes)
+        # what the workers hold: the plan's figure from now on if it is larger (the dispatcher's memory checks)
+        self.dispatcher.observe_pause_bytes(a.template, state_bytes)
         await self.state.wait_resume(a.batch_id)
         paused_s = time.monotonic() - t0
         self.state.resumed(a.batch_id, a.template, paused_s)

@@ -36,7 +36,7 @@ from xema_ray.serving.jobs.store import (
 )
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
-from xema_ray.serving.group.model_group import InvalidRequest, QueueFull
+from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueFull
 from xema_ray.serving.api.validation import parse_request
 from xema_ray.serving.api.videos import (
     VideoCreate,
@@ -232,8 +232,9 @@ class VideoJobs:
         return value
 
     async def _dispatch(self, rec: JobRecord) -> bool:
-        return bool(await self.groups[rec.model].submit_job.remote(
-            rec.id, rec.template, rec.prompt, rec.seed, rec.guidance_scale))
+        return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
+            template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
+            guidance_scale=rec.guidance_scale)))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""

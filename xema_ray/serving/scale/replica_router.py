@@ -31,16 +31,12 @@ IN_FLIGHT_SLACK_S = 0.05
 
 
 def request_template(pending: PendingRequest | None) -> str | None:
-    """The template of a ModelGroup call: ``generate(template, ...)`` or ``submit_job(job_id, template, ...)``."""
-    if pending is None:
+    """The template of a ModelGroup call: ``generate(request)`` or ``submit_job(request)``, each
+    with one ``GroupRequest`` (``xema_ray.serving.group.messages``)."""
+    if pending is None or pending.metadata.call_method not in ("generate", "submit_job"):
         return None
-    method = pending.metadata.call_method
-    args, kwargs = pending.args, pending.kwargs
-    if method == "generate":
-        return args[0] if args else kwargs.get("template")
-    if method == "submit_job":
-        return args[1] if len(args) > 1 else kwargs.get("template")
-    return None
+    request = pending.args[0] if pending.args else pending.kwargs.get("req")
+    return getattr(request, "template", None)
 
 
 def published_summary(replica: RunningReplica) -> ReplicaSummary | None:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xema_ray.serving.scale.replica_router import SUMMARY_KEY
 from xema_ray.serving.scale.replica_summary import ArrivalMeter, ReplicaSummary, summarize
 from xema_ray.serving.scale.scaling import summary_metrics
+
+if TYPE_CHECKING:
+    from xema_ray.serving.jobs.lifecycle import JobLifecycle
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -31,14 +34,13 @@ ARRIVAL_WINDOW_S = 30.0
 
 
 class PublishesSummary:
-    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model`` and, for jobs, ``jobs_cfg``,
-    ``_job_ids`` and ``_store()``."""
+    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model`` and ``jobs``, the video
+    jobs' ``JobLifecycle`` (None: a group without jobs)."""
 
     dispatcher: Any
     owner: str
     model: str
-    jobs_cfg: Any
-    _job_ids: set[str]
+    jobs: JobLifecycle | None
 
     def _arrivals(self) -> ArrivalMeter:
         meter = getattr(self, "_arrival_meter", None)
@@ -71,29 +73,14 @@ class PublishesSummary:
         self._draining = True
         handed = 0
         deadline = time.monotonic() + budget_s
-        handed += await self._hand_back_queued_jobs()
+        if self.jobs is not None:
+            handed += await self.jobs.hand_back_queued(self.dispatcher)
         while (self.dispatcher.running or self.dispatcher.paused or self.dispatcher.queue_depth()) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         unfinished = len(self.dispatcher.running) + len(self.dispatcher.paused)
-        if self.jobs_cfg is not None:
-            store = self._store()  # type: ignore[attr-defined]
-            for job_id in list(self._job_ids):
-                if await asyncio.to_thread(store.requeue, job_id, self.owner) is not None:
-                    handed += 1
-                self._job_ids.discard(job_id)
+        if self.jobs is not None:
+            handed += await self.jobs.hand_back_all()
         logger.info("%s: drained replica %s (%d jobs handed back, %d batches unfinished)", self.model, self.owner,
                     handed, unfinished)
         return {"handed_back": handed, "unfinished_batches": unfinished}
-
-    async def _hand_back_queued_jobs(self) -> int:
-        if self.jobs_cfg is None:
-            return 0
-        store = self._store()  # type: ignore[attr-defined]
-        n = 0
-        for job_id in list(self._job_ids):
-            if self.dispatcher.cancel(job_id):  # queued, not running: another replica takes it
-                self._job_ids.discard(job_id)
-                if await asyncio.to_thread(store.requeue, job_id, self.owner) is not None:
-                    n += 1
-        return n

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.scheduling.dispatcher import Dispatcher, DispatchPlan
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.dispatcher import Dispatcher
 
 #: queued deadlines kept per template in a summary (beyond it, the rest are spread evenly)
 MAX_DEADLINES = 64

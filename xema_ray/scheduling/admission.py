@@ -1,0 +1,86 @@
+"""SLO-aware admission, the dispatcher's part of it (with an ``AdmissionPolicy``, chosen by the
+load-aware planner per group).
+
+A partial batch starts at once when waiting for it to fill would make its oldest request miss
+(``Dispatcher._ready``); a queued request that can no longer meet its SLO even if started now alone
+is, by the policy's ``late``, served in deadline order as before, deprioritised (run only when no
+request that still can is waiting), or shed when others wait (``take_shed``; the caller answers it
+503, attainment counts it as missed); templates the policy refuses at this load are refused at
+``submit`` (``Refused``). Without a policy the dispatcher behaves as it always has.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Generic
+
+from xema_ray.plan import AdmissionPolicy
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending
+
+
+class Refused(OverflowError):
+    """A template the group's admission policy does not admit at its planned load (HTTP 503)."""
+
+
+class SloAdmission(Generic[P]):
+    """The late queues and the shed requests of ``Dispatcher`` (a part of it, not used alone)."""
+
+    # the dispatcher's state this part reads (``Dispatcher.__init__``)
+    plans: dict[str, DispatchPlan]
+    _queues: dict[str, list[Pending[P]]]
+    _busy: dict[int, int]
+    _running: dict[int, Assignment[P]]
+    _progress: dict[int, BatchProgress]
+    _batch_ids: itertools.count[int]
+    _free_group: Callable[[int], tuple[int, ...] | None]
+
+    def _init_admission(self, admission: AdmissionPolicy | None) -> None:
+        self.admission = admission
+        self._late: dict[str, list[Pending[P]]] = {k: [] for k in self.plans}  # can no longer meet their SLO
+        self._shed: list[Pending[P]] = []  # dropped, for the caller to answer (take_shed)
+        self.shed_total = 0
+
+    def _set_aside_late(self, now: float) -> None:
+        """Move queued requests that can no longer meet their SLO (even started now, alone) to the
+        late queues; under ``shed``, drop them instead while requests that still can are waiting."""
+        for template, q in self._queues.items():
+            plan = self.plans[template]
+            fastest = plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
+            if not q or now + fastest <= q[0].deadline + 1e-9:
+                continue  # the head (earliest deadline) can still make it, so can the rest
+            keep = [r for r in q if now + fastest <= r.deadline + 1e-9]
+            for r in q:
+                if now + fastest > r.deadline + 1e-9:
+                    heapq.heappush(self._late[template], r)
+            heapq.heapify(keep)
+            self._queues[template] = keep
+        if self.admission is not None and self.admission.late == "shed" and any(self._queues.values()):
+            for template, late in self._late.items():
+                self._shed += late
+                self.shed_total += len(late)
+                self._late[template] = []
+
+    def _start_late(self, now: float) -> list[Assignment[P]]:
+        """Late requests on free groups, earliest deadline first (no waiting, no preemption)."""
+        out: list[Assignment[P]] = []
+        for _, template in sorted((q[0].deadline, t) for t, q in self._late.items() if q):
+            plan, q = self.plans[template], self._late[template]
+            while q:
+                group = self._free_group(plan.sp)
+                if group is None:
+                    break
+                reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
+                a = Assignment(next(self._batch_ids), template, group, reqs, plan)
+                for w in group:
+                    self._busy[w] = a.batch_id
+                self._running[a.batch_id] = a
+                self._progress[a.batch_id] = BatchProgress(since=now)
+                out.append(a)
+        return out
+
+    def take_shed(self) -> list[Pending[P]]:
+        """The requests shed since the last call (the caller answers them: 503, missed)."""
+        out, self._shed = self._shed, []
+        return out

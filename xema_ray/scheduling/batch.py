@@ -1,0 +1,79 @@
+"""What moves through the dispatcher: a template's ``DispatchPlan``, a queued request
+(``Pending``), a batch placed on its workers (``Assignment``) and how long it has run
+(``BatchProgress``). Data only; the decisions are ``Dispatcher``'s (``dispatcher.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from xema_ray.plan import PlanEntry
+    from xema_ray.profiling.phases import PhaseShares
+    from xema_ray.scheduling.preemption_policy import Preemption
+
+P = TypeVar("P")  # what a request carries (the HTTP payload live, nothing in simulation)
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """What the dispatcher needs from a template's plan."""
+
+    batch: int
+    sp: int
+    slo_s: float
+    latency_s: float  # predicted batch latency, for the simulator and for Retry-After hints
+    steps: int = 1  # denoising steps: a pause waits for the next step boundary
+    peak_bytes: int | None = None  # planned device peak per worker (weights included)
+    pause_bytes: int | None = None  # between-step state a paused batch holds; None: never preempted
+    static_layout: bool = False  # runs with a static layout: its paused state must leave the layout's arena
+    denoise_frac: float = 1.0  # share of latency_s in the denoising steps (1: no phases known)
+    tail_frac: float = 0.0  # share after the last step (VAE decode, encoding): no step boundary left there
+    min_latency_s: float | None = None  # a batch of one (None: latency_s): whether a late request can still make it
+
+    @classmethod
+    def of_entry(cls, entry: PlanEntry, slo_s: float | None = None, shares: PhaseShares | None = None) -> DispatchPlan:
+        """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's;
+        ``shares``: where its latency goes, ``xema_ray.profiling.phases``; None: no phases known)."""
+        c, p = entry.config, entry.prediction
+        phases = {} if shares is None else {"denoise_frac": shares.denoise, "tail_frac": shares.tail}
+        return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
+                   steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
+                   static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)
+
+
+@dataclass(order=True)
+class Pending(Generic[P]):
+    deadline: float
+    seq: int
+    template: str = field(compare=False)
+    arrival: float = field(compare=False)
+    request_id: str = field(compare=False)
+    payload: P | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Assignment(Generic[P]):
+    """A batch placed on a group of workers."""
+
+    batch_id: int
+    template: str
+    workers: tuple[int, ...]
+    requests: tuple[Pending[P], ...]
+    plan: DispatchPlan
+    preempts: tuple[Preemption, ...] = ()  # batches that pause so this one runs on their workers
+    resume: bool = False  # a paused batch continuing on its own workers
+    park_wait_s: float = 0.0  # predicted seconds until ``preempts`` have parked (step boundary, switch, move out)
+
+
+@dataclass
+class BatchProgress:
+    """How long a batch has run (for its remaining time) and where it holds paused state."""
+
+    ran_s: float = 0.0
+    since: float | None = None  # running since (None: paused)
+    offloaded: bool = False
+
+    def remaining(self, latency_s: float, now: float) -> float:
+        ran = self.ran_s + (now - self.since if self.since is not None else 0.0)
+        return max(0.0, latency_s - ran)

@@ -1,0 +1,236 @@
+"""Step-level preemption, the dispatcher's part of it (with a ``PreemptionPolicy``).
+
+A waiting batch whose head request would miss its deadline by waiting for a free group, but meets
+it if it starts now, may take the workers of running batches that are paused at their next
+denoising-step boundary — when each of them still meets its own deadline after the delay (or has
+lost it already), none of its requests has been preempted ``max_preemptions`` times, and memory
+allows it: on every worker the incoming batch's planned peak plus the paused state (kept on the
+device) is within the budget, else the paused state moves to host memory where the host has room,
+else there is no preemption (a batch that ran with a static layout always moves its state: it lies
+in the layout's arena, which the next armed batch reuses). A paused batch resumes first, as soon as
+its workers are free; its workers take no other batch meanwhile except through this same rule.
+Every decision is logged (``decisions``), so the live group and the simulator can be compared.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Generic, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending
+
+MAX_DECISIONS_KEPT = 10_000
+
+
+class PreemptionPolicy(BaseModel):
+    """When running batches may be paused for a waiting one (see the module docstring); it
+    travels from the app to each model group as JSON."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_bytes: int = Field(ge=1, description="device memory per worker")
+    host_bytes: int | None = Field(default=None, ge=0,
+                                   description="host memory per worker a paused state may move to (None: unbounded)")
+    max_preemptions: int = Field(default=2, ge=1, description="most times one request is paused")
+    switch_s: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="residency switch seconds, switch_s[from][to] (the plan table's)")
+    host_bandwidth: float = Field(default=20e9, gt=0, description="bytes/s of a paused state's move to the host and back")
+
+    def move_s(self, nbytes: int | None) -> float:
+        """Seconds of one move of a paused state of ``nbytes`` between the device and the host."""
+        return (nbytes or 0) / self.host_bandwidth
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A running batch to pause at its next step boundary, its state kept or moved to the host."""
+
+    batch_id: int
+    offload: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One preemption decision, for logs and the live-versus-simulated comparison."""
+
+    t: float
+    kind: Literal["preempt", "resume"]
+    batch_id: int
+    template: str
+    requests: tuple[str, ...]
+    by: tuple[str, ...] = ()  # the preempting batch's requests
+    offload: bool = False
+
+
+class StepPreemption(Generic[P]):
+    """The paused batches and the preemption decisions of ``Dispatcher`` (a part of it, not used alone)."""
+
+    # the dispatcher's state this part reads and writes (``Dispatcher.__init__``)
+    plans: dict[str, DispatchPlan]
+    workers: int
+    _queues: dict[str, list[Pending[P]]]
+    _busy: dict[int, int]  # worker -> batch id
+    _running: dict[int, Assignment[P]]
+    _progress: dict[int, BatchProgress]
+
+    def _init_preemption(self, preemption: PreemptionPolicy | None) -> None:
+        self.preemption = preemption
+        self._paused: dict[int, Assignment[P]] = {}
+        self._held: dict[int, int] = {}  # worker -> paused batch whose state it holds
+        self._times_preempted: dict[str, int] = {}  # request id -> pauses so far
+        #: the latest decisions (bounded: a server runs for months), and how many there were
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS_KEPT)
+        self.preemptions_total = 0
+
+    def _resumable(self, now: float) -> list[Assignment[P]]:
+        out = []
+        for bid, a in sorted(self._paused.items(), key=lambda kv: _deadline(kv[1])):
+            if any(w in self._busy for w in a.workers):
+                continue
+            del self._paused[bid]
+            for w in a.workers:
+                self._held.pop(w, None)
+                self._busy[w] = bid
+            self._running[bid] = a
+            self._progress[bid].since = now
+            self.decisions.append(Decision(now, "resume", bid, a.template, _ids(a)))
+            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True))
+        return out
+
+    def _pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
+        a = self._running.pop(p.batch_id)
+        prog = self._progress[p.batch_id]
+        prog.ran_s += now - (prog.since if prog.since is not None else now)
+        prog.since, prog.offloaded = None, p.offload
+        self._paused[p.batch_id] = a
+        for w in a.workers:
+            if self._busy.get(w) == p.batch_id:
+                del self._busy[w]
+            self._held[w] = p.batch_id
+        for r in a.requests:
+            self._times_preempted[r.request_id] = self._times_preempted.get(r.request_id, 0) + 1
+        self.decisions.append(Decision(now, "preempt", p.batch_id, a.template, _ids(a), _ids(by), p.offload))
+        self.preemptions_total += 1
+
+    def assignment(self, batch_id: int) -> Assignment[P]:
+        """A running or paused batch's assignment."""
+        a = self._running.get(batch_id)
+        return a if a is not None else self._paused[batch_id]
+
+    def remaining_s(self, batch_id: int, now: float) -> float:
+        """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
+        return self._progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
+
+    def _expected_end(self, bid: int, now: float) -> float:
+        a = self.assignment(bid)
+        prog = self._progress[bid]
+        return now + prog.remaining(a.plan.latency_s, now)
+
+    def _to_boundary(self, bid: int, now: float) -> float | None:
+        """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
+        done, it is in its decode tail). Counted back from its expected end, so the tail (often
+        most of a tiny video's time) is not spread over the steps."""
+        a = self._running[bid]
+        v = self.plans[a.template]
+        step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
+        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.tail_frac
+        # the boundary after the last step is none: a worker pauses only between steps (step < total)
+        if step <= 0 or denoise_left <= step * (1 + 1e-9):
+            return None
+        return min(step, (denoise_left - step) % step or step)
+
+    def _free_at(self, group: tuple[int, ...], now: float) -> float:
+        """When ``group`` would be free without preemption (running batches end, paused ones
+        resume after them and end)."""
+        t = now
+        for w in group:
+            if w in self._busy:
+                t = max(t, self._expected_end(self._busy[w], now))
+        for held in {self._held[w] for w in group if w in self._held}:
+            t += self._progress[held].remaining(self._paused[held].plan.latency_s, now)
+        return t
+
+    def _switch_s(self, a: str, b: str) -> float:
+        assert self.preemption is not None
+        return self.preemption.switch_s.get(a, {}).get(b, 0.0) if a != b else 0.0
+
+    def _preemptible_group(self, template: str, now: float
+                           ) -> tuple[tuple[int, ...], tuple[Preemption, ...], float] | None:
+        """A group for ``template``'s next batch by pausing running batches, the pauses, and the
+        seconds until they have parked; or None."""
+        pol = self.preemption
+        plan = self.plans[template]
+        if pol is None or plan.peak_bytes is None:
+            return None
+        head = self._queues[template][0]
+        groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.workers - plan.sp + 1, plan.sp)]
+        if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
+            return None  # waiting costs it nothing
+        best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...], float] | None = None
+        for g in groups:
+            if any(w in self._held for w in g):
+                continue  # a worker already holds a paused batch
+            victims = sorted({self._busy[w] for w in g if w in self._busy})
+            pauses = []
+            wait = 0.0
+            for bid in victims:
+                p = self._pause_for(bid, template, plan, head.deadline, now)
+                if p is None:
+                    break
+                pauses.append(p)
+                boundary = self._to_boundary(bid, now)
+                assert boundary is not None  # _pause_for refuses a batch with no boundary left
+                # the state leaves the device before the preempting batch may start (it is moved back on resume)
+                move = pol.move_s(self.plans[self._running[bid].template].pause_bytes) if p.offload else 0.0
+                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template) + move)
+            else:
+                if now + wait + plan.latency_s > head.deadline:
+                    continue  # preempting does not save it either
+                slack = min((_deadline(self._running[b]) for b in victims), default=float("inf"))
+                key = (len(victims), -slack)
+                if best is None or key < best[0]:
+                    best = (key, g, tuple(pauses), wait)
+        return None if best is None else (best[1], best[2], best[3])
+
+    def _pause_for(self, bid: int, template: str, plan: DispatchPlan, deadline: float, now: float) -> Preemption | None:
+        """How running batch ``bid`` would pause for a batch of ``template``, or None if it may not."""
+        pol = self.preemption
+        assert pol is not None and plan.peak_bytes is not None
+        a = self._running[bid]
+        v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
+        lost = self._expected_end(bid, now) > _deadline(a)  # it misses its deadline whatever happens now
+        if v.pause_bytes is None or a.template == template or (_deadline(a) <= deadline and not lost):
+            return None  # unknown state size; same template (EDF already orders it); more urgent and still on time
+        if self._to_boundary(bid, now) is None:
+            return None  # in its decode: it ends before it could pause
+        if any(self._times_preempted.get(r.request_id, 0) >= pol.max_preemptions for r in a.requests):
+            return None
+        if plan.peak_bytes + v.pause_bytes <= pol.budget_bytes and not v.static_layout:
+            offload, moves = False, 0.0
+        elif pol.host_bytes is None or v.pause_bytes <= pol.host_bytes:
+            offload, moves = True, 2 * pol.move_s(v.pause_bytes)
+        else:
+            return None  # neither the device nor the host has room for the paused state
+        delay = plan.latency_s + self._switch_s(a.template, template) + self._switch_s(template, a.template) + moves
+        end = self._expected_end(bid, now)
+        if end + delay > _deadline(a) and end <= _deadline(a):
+            return None  # it would meet its deadline, and the pause would make it miss
+        return Preemption(bid, offload)
+
+    def preempted_count(self, request_id: str) -> int:
+        return self._times_preempted.get(request_id, 0)
+
+    @property
+    def paused(self) -> list[Assignment[P]]:
+        return list(self._paused.values())
+
+
+def _deadline(a: Assignment[P]) -> float:
+    return min(r.deadline for r in a.requests)
+
+
+def _ids(a: Assignment[P]) -> tuple[str, ...]:
+    return tuple(r.request_id for r in a.requests)
