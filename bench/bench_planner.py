@@ -19,12 +19,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from planner.baselines import SearchSpace, run_baseline
-from planner.cli import _run_all
+from planner.driver import PlanOptions, TemplateResult, plan_all
 from planner.latency import LatencyModel
 from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
 from xema_ray.memory.analysis import parse_bytes
-from xema_ray.plan import PlanEntry
 from xema_ray.templates import RequestTemplate, paper_templates
 
 
@@ -36,19 +35,19 @@ def _grid_picks(templates: list[RequestTemplate], spec: str) -> list[RequestTemp
     return out
 
 
-def _grid_row(job: tuple[str, dict, str, int, int, float]) -> dict:
+def _grid_row(job: tuple[str, TemplateResult, str, int, int, float]) -> dict:
     template_json, xr, cache_dir, budget, gpus, time_limit = job
     t = RequestTemplate.model_validate_json(template_json)
-    if xr["slo_s"] is None:
+    if xr.slo_s is None:
         return {"template": t.shape_key, "finished": False, "note": "no feasible configuration (Xema)"}
     model = TracePlannerModel(t, LatencyModel("a6000").seconds, TraceCache(Path(cache_dir)))
-    space = SearchSpace(gpus=gpus, budget=budget, slo_s=xr["slo_s"], max_batch=8)
+    space = SearchSpace(gpus=gpus, budget=budget, slo_s=xr.slo_s, max_batch=8)
     g0 = time.perf_counter()
     entry, counted, finished = run_baseline("grid", model, t, space, time_limit_s=time_limit)
-    xe = PlanEntry.model_validate_json(xr["entry"]) if xr["entry"] else None
+    xe = xr.entry
     return {
         "template": t.shape_key, "finished": finished, "seconds": time.perf_counter() - g0,
-        "profiled": len(counted.counter.profiled), "xema_profiled": xr["profiled"],
+        "profiled": len(counted.counter.profiled), "xema_profiled": xr.profiled,
         "grid_goodput_rpm": entry.prediction.goodput_rps * 60 if entry else 0.0,
         "xema_goodput_rpm": xe.prediction.goodput_rps * 60 if xe else 0.0,
         "grid_plan": entry.config.describe() if entry else None, "xema_plan": xe.config.describe() if xe else None,
@@ -70,12 +69,12 @@ def main() -> None:
     templates = paper_templates()
     cache_dir = args.trace_cache or tempfile.mkdtemp(prefix="xema-traces-")
     budget = parse_bytes(args.budget)
-    opts = {"hardware": "a6000", "budget": budget, "gpus": args.gpus, "slo_scale": 1.0, "max_batch": 8,
-            "planner": "xema", "trace_cache": cache_dir, "time_limit_s": None, "profile_store": None}
+    opts = PlanOptions(hardware="a6000", budget=budget, gpus=args.gpus, slo_scale=1.0, max_batch=8, planner="xema",
+                       trace_cache=cache_dir, time_limit_s=None, profile_store=None)
     t0 = time.perf_counter()
-    results = _run_all(templates, opts, use_ray=True)
+    results = plan_all(templates, opts, use_ray=True)
     xema_wall = time.perf_counter() - t0
-    xema_profiled = sum(r["profiled"] for r in results)
+    xema_profiled = sum(r.profiled for r in results)
     import ray
 
     ray.shutdown()  # the grid runs in plain processes; free the planning workers
@@ -83,7 +82,7 @@ def main() -> None:
     # grid search over the same space, template by template in parallel processes (its wall time
     # is not the claim; its candidate count and best goodput are), with a time limit each
     picks = _grid_picks(templates, args.grid_templates)
-    jobs = [(t.model_dump_json(), next(r for r in results if r["template"] == t.shape_key), cache_dir, budget,
+    jobs = [(t.model_dump_json(), next(r for r in results if r.template == t.shape_key), cache_dir, budget,
              args.gpus, args.grid_time_limit) for t in picks]
     grid_rows = []
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=mp.get_context("spawn")) as pool:
@@ -99,7 +98,8 @@ def main() -> None:
     order = {t.shape_key: i for i, t in enumerate(templates)}
     grid_rows.sort(key=lambda r: order[r["template"]])
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs"
-    data = {"machine": machine, "xema_wall_s": xema_wall, "xema_profiled": xema_profiled, "xema": results, "grid": grid_rows}
+    data = {"machine": machine, "xema_wall_s": xema_wall, "xema_profiled": xema_profiled,
+            "xema": [r.model_dump(mode="json") for r in results], "grid": grid_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
 
@@ -108,12 +108,12 @@ def main() -> None:
     print("| template | Xema plan | latency s | goodput /min | peak GB | profiled |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        if r["entry"] is None:
-            print(f"| {r['template']} | infeasible | | | | {r['profiled']} |")
+        if r.entry is None:
+            print(f"| {r.template} | infeasible | | | | {r.profiled} |")
             continue
-        e = PlanEntry.model_validate_json(r["entry"])
-        print(f"| {r['template']} | {e.config.describe()} | {e.prediction.latency_s:.1f} | "
-              f"{e.prediction.goodput_rps * 60:.2f} | {e.prediction.peak_bytes / 1e9:.1f} | {r['profiled']} |")
+        e = r.entry
+        print(f"| {r.template} | {e.config.describe()} | {e.prediction.latency_s:.1f} | "
+              f"{e.prediction.goodput_rps * 60:.2f} | {e.prediction.peak_bytes / 1e9:.1f} | {r.profiled} |")
     print("\n| template | grid finished | grid s | grid profiled | Xema profiled | ratio | grid goodput | Xema goodput |")
     print("|---|---|---|---|---|---|---|---|")
     for g in grid_rows:

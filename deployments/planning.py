@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from xema_ray.memory.analysis import parse_bytes
-from xema_ray.plan import PlanTable
+from xema_ray.plan import PlanProvenance, PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.startup import check_runnable
 from xema_ray.templates import RequestTemplate
@@ -74,4 +74,4 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
         )
     gpus = max(gpus_of.values())
     return PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
-                     group_gpus=gpus_of, planner="xema", entries=entries, provenance={"planned": "at start-up"})
+                     group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))

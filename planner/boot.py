@@ -3,7 +3,7 @@
 Both take seconds on a small machine — importing the planner pulls in torch and diffusers (~5 s
 on the 2-core CI machine) and starting a local Ray instance waits on its processes (~6 s, mostly
 idle) — and neither needs the other, so the imports run on a thread while the main thread
-starts (or joins) the cluster. ``planner.cli`` then finds Ray initialised. Nothing here imports
+starts (or joins) the cluster. ``planner.driver`` then finds Ray initialised. Nothing here imports
 torch: this module is what ``python -m planner`` loads first.
 """
 

@@ -25,20 +25,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from xema_ray.plan import PlanEntry
 from xema_ray.allocator.margins import entry_peak_bytes, fits_with_layout, group_dynamic_bytes, reserved_with_layout
 from xema_ray.allocator.artifact import LayoutArtifact, layouts_dir, save_artifact
 from xema_ray.measure.layout_solve import solve_entry_layout
 
 
-def solve_one(entry_json: str, gpu: str, folder: str) -> tuple[str, float, float]:
-    """One entry's layout (runs inside a Ray task or in-process): the artifact as JSON, and the
-    task's wall and CPU seconds."""
+class SolvedLayout(BaseModel):
+    """What one layout task sends back (``solve_one``; Ray pickles it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifact: LayoutArtifact
+    seconds: float = Field(description="the task's wall time")
+    cpu_s: float = Field(description="the task's CPU time")
+
+
+def solve_one(entry: PlanEntry, gpu: str, folder: str) -> SolvedLayout:
+    """One entry's layout (runs inside a Ray task or in-process), with the task's wall and CPU seconds."""
     t0, cpu0 = time.perf_counter(), time.process_time()
-    entry = PlanEntry.model_validate_json(entry_json)
     # GPU-only allocations recorded on this GPU model (folder/device-allocs/<gpu>.json) go in first
     art = solve_entry_layout(entry.config, gpu, Path(folder))
-    return art.model_dump_json(), time.perf_counter() - t0, time.process_time() - cpu0
+    return SolvedLayout(artifact=art, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
 
 
 def with_layout(entry: PlanEntry, art: LayoutArtifact, dynamic_bytes: int | None = None) -> tuple[PlanEntry, float]:
@@ -56,7 +66,7 @@ def with_layout(entry: PlanEntry, art: LayoutArtifact, dynamic_bytes: int | None
 def attach_layout(entry: PlanEntry, table_path: str | Path, gpu: str) -> tuple[PlanEntry, float]:
     """``entry`` with its layout solved, saved and referenced; and the layout's reserved / lower bound."""
     folder = layouts_dir(table_path)
-    art = LayoutArtifact.model_validate_json(solve_one(entry.model_dump_json(), gpu, str(folder))[0])
+    art = solve_one(entry, gpu, str(folder)).artifact
     save_artifact(art, folder)
     return with_layout(entry, art)
 
@@ -78,7 +88,7 @@ class LayoutWave:
         """Start solving these entries' layouts (longest first: fewer idle cores at the end)."""
         for k in sorted(entries, key=lambda k: entries[k].config.template.latent_length, reverse=True):
             self._entries[k] = entries[k]
-            args = (entries[k].model_dump_json(), self.gpu, str(self.folder))
+            args = (entries[k], self.gpu, str(self.folder))
             if not self.use_ray:
                 self._pending[k] = solve_one(*args)
                 continue
@@ -106,11 +116,11 @@ class LayoutWave:
             done = dict(self._pending)
         out, ratios, cpu = {}, {}, 0.0
         self.folder.mkdir(parents=True, exist_ok=True)
-        arts = {}
-        for k, (art_json, _, cpu_s) in done.items():
-            arts[k] = LayoutArtifact.model_validate_json(art_json)
-            (self.folder / f"{arts[k].layout_id}.json").write_text(art_json)  # as save_artifact writes it, not dumped again
-            cpu += cpu_s
+        arts: dict[str, LayoutArtifact] = {}
+        for k, solved in done.items():
+            arts[k] = solved.artifact
+            save_artifact(arts[k], self.folder)
+            cpu += solved.cpu_s
         by_model: dict[str, list[str]] = {}
         for k in arts:
             by_model.setdefault(self._entries[k].config.template.model, []).append(k)

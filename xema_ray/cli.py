@@ -224,7 +224,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     except (OSError, ValidationError, ValueError) as e:
         print(f"xema layouts: {args.plan_table}: {e}", file=sys.stderr)
         return 2
-    gpu = args.gpu or table.provenance.get("layouts_gpu")
+    gpu = args.gpu or table.provenance.layouts_gpu
     if gpu is None:
         print(f"xema layouts: {args.plan_table} does not say which GPU model its layouts are for: give --gpu",
               file=sys.stderr)

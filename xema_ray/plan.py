@@ -9,10 +9,10 @@ tables, Ray task arguments), so it is pydantic and hashable by content.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
-
 import json
 import math
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -273,6 +273,105 @@ class PlannedLoad(BaseModel):
     changed: tuple[str, ...] = Field(default=(), description="templates whose plan differs from the goodput choice")
 
 
+class TextEncoderChoice(BaseModel):
+    """Where the planner placed a template's text encoder, and what it adds to a batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    placement: Literal["device", "streamed", "cpu"]
+    seconds_per_batch: float = Field(ge=0, description="the encoder's seconds in one batch (its latency includes them)")
+
+    def describe(self) -> str:
+        """E.g. 'streamed (+0.42 s per batch)'."""
+        return f"{self.placement} (+{self.seconds_per_batch:.2f} s per batch)"
+
+
+_LEGACY_ENCODER = re.compile(r"^(device|streamed|cpu) \(\+([0-9.]+) s per batch\)$")
+
+
+class PlanProvenance(BaseModel):
+    """How a plan table was made (``xema plan`` fills it; for display and benchmarks). The serving
+    runtime reads only ``emulated_time_scale``, and ``xema layouts`` only ``layouts_gpu``.
+
+    Tables written before these fields were typed hold a ``{key: string}`` dict (numbers as text,
+    lists joined by "," or "; ", dicts as JSON strings): it is read into these fields (``_legacy``),
+    its keys without a field kept in ``notes``; a table is always written in this form.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    command: str | None = Field(default=None, description="the command line that planned the table")
+    planned: str | None = Field(default=None, description="how it was planned where no command did, e.g. 'at start-up'")
+    planned_at: str | None = Field(default=None, description="when, UTC, ISO 8601")
+    wall_s: float | None = Field(default=None, ge=0, description="seconds until the last template was planned")
+    total_s: float | None = Field(default=None, ge=0, description="seconds with residencies, encoders and layouts")
+    tasks_cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds of the planning tasks together")
+    profiled: int | None = Field(default=None, ge=0, description="candidates profiled, all templates")
+    measured: int | None = Field(default=None, ge=0, description="of the candidates' latencies: measured")
+    estimated: int | None = Field(default=None, ge=0, description="of the candidates' latencies: estimated")
+    infeasible: tuple[str, ...] = Field(
+        default=(), description="templates no configuration serves within the budget and the SLO")
+    text_encoders: dict[str, TextEncoderChoice] = Field(
+        default_factory=dict, description="shape key -> its text encoder's placement")
+    layouts_wall_s: float | None = Field(
+        default=None, ge=0, description="seconds the layouts add after the last template is planned")
+    layouts_cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds of the layout solves together")
+    layouts_gpu: str | None = Field(default=None, description="the GPU model the layouts were solved for")
+    layouts_dynamic_bytes: dict[str, int] = Field(
+        default_factory=dict, description="model -> its workers' one dynamic region (allocator.margins.group_dynamic_bytes)")
+    layouts_not_armed: dict[str, str] = Field(
+        default_factory=dict, description="shape key -> why its entry keeps no layout")
+    emulated_time_scale: dict[str, float] = Field(
+        default_factory=dict, description="model -> what ``runtime.emulation.scale_table`` divided its latencies "
+                                          "by (empty: the hardware's own seconds)")
+    notes: dict[str, str] = Field(
+        default_factory=dict, description="keys of an earlier free-form provenance that have no field here")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        """The ``{key: string}`` form of tables written before these fields were typed."""
+        if not isinstance(data, dict):
+            return data
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            if k in _LEGACY_PARSERS and isinstance(v, str):
+                out[k] = _LEGACY_PARSERS[k](v)
+            elif k not in cls.model_fields and isinstance(v, str):
+                out.setdefault("notes", {})[k] = v
+            else:
+                out[k] = v
+        return out
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """'a: x; b: y' -> {'a': 'x', 'b': 'y'} (how earlier tables joined text encoders and reasons)."""
+    return dict(item.split(": ", 1) for item in text.split("; ") if item)
+
+
+def _legacy_encoder(text: str) -> dict[str, Any]:
+    m = _LEGACY_ENCODER.match(text)
+    if m is None:
+        raise ValueError(f"cannot read text-encoder provenance {text!r}")
+    return {"placement": m[1], "seconds_per_batch": float(m[2])}
+
+
+def _number(text: str) -> float | None:
+    return float(text) if text else None
+
+
+#: legacy provenance key -> how its string reads (keys not named here were plain strings already)
+_LEGACY_PARSERS: dict[str, Any] = {
+    **{k: _number for k in ("wall_s", "total_s", "tasks_cpu_s", "layouts_wall_s", "layouts_cpu_s")},
+    **{k: lambda s: int(s) if s else None for k in ("profiled", "measured", "estimated")},
+    "infeasible": lambda s: tuple(x for x in s.split(",") if x),
+    "text_encoders": lambda s: {k: _legacy_encoder(v) for k, v in _pairs(s).items()},
+    "layouts_not_armed": _pairs,
+    "layouts_dynamic_bytes": lambda s: json.loads(s) if s else {},
+    "emulated_time_scale": lambda s: json.loads(s) if s else {},
+}
+
+
 class PlanTable(BaseModel):
     """Plans for every supported template on one hardware configuration (JSON on disk).
 
@@ -301,7 +400,8 @@ class PlanTable(BaseModel):
     planned_load: dict[str, PlannedLoad] = Field(
         default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
                                           "isolated goodput, no load)")
-    provenance: dict[str, str] = Field(default_factory=dict, description="versions, time, command line")
+    provenance: PlanProvenance = Field(default_factory=PlanProvenance,
+                                       description="command line, time, what was measured (PlanProvenance)")
 
     @model_validator(mode="after")
     def _entries_match(self) -> PlanTable:

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from xema_ray.plan import PlanEntry
 from xema_ray.profiling import cost_model_estimate
 from xema_ray.templates import RequestTemplate
 
@@ -37,22 +36,22 @@ def _hardware() -> str:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_planning_measures_candidates_on_the_gpu(tmp_path: Path) -> None:
-    from planner.cli import plan_one
+    from planner.driver import PlanOptions, plan_one
     from planner.latency import LatencyModel
 
     hardware = _hardware()
     store = tmp_path / "profiles.json"
-    opts = {"hardware": hardware, "budget": 48 * 10**9, "gpus": 1, "group_gpus": {}, "slo_scale": 1.0,
-            "max_batch": 2, "planner": "xema", "trace_cache": str(tmp_path / "traces"), "time_limit_s": None,
-            "profile_store": str(store), "measure": "always"}
+    opts = PlanOptions(hardware=hardware, budget=48 * 10**9, gpus=1, group_gpus={}, slo_scale=1.0, max_batch=2,
+                       planner="xema", trace_cache=str(tmp_path / "traces"), time_limit_s=None,
+                       profile_store=str(store), measure="always")
     rows = []
     for t in TEMPLATES:
         t0 = time.perf_counter()
-        result = plan_one(t.model_dump_json(), opts)
+        result = plan_one(t, opts)
         wall = time.perf_counter() - t0
-        assert result["device"] == "cuda" and result["measured"] >= 1, result
-        assert result["entry"] is not None, f"{t.key}: no plan"
-        entry = PlanEntry.model_validate_json(result["entry"])
+        assert result.device == "cuda" and result.measured >= 1, result
+        assert result.entry is not None, f"{t.key}: no plan"
+        entry = result.entry
         assert entry.prediction.latency_source in ("measured", "measured+estimated")
         latency = LatencyModel(hardware, store_path=store)
         from xema_ray.platforms import get_platform
@@ -66,9 +65,9 @@ def test_planning_measures_candidates_on_the_gpu(tmp_path: Path) -> None:
             "VAE decode": (measured.per_phase.get("decode", 0.0), roofline.per_phase["decode"]),
         }
         rows.append({
-            "template": t.key, "plan": entry.config.describe(), "wall_s": wall, "measured": result["measured"],
-            "estimated": result["estimated"], "latency_source": entry.prediction.latency_source,
-            "latency_s": entry.prediction.latency_s, "not_measured": result.get("not_measured", []),
+            "template": t.key, "plan": entry.config.describe(), "wall_s": wall, "measured": result.measured,
+            "estimated": result.estimated, "latency_source": entry.prediction.latency_source,
+            "latency_s": entry.prediction.latency_s, "not_measured": list(result.not_measured),
             "segment_classes": {k: {"measured_s": m, "roofline_s": r, "roofline_over_measured": r / m if m else None}
                                 for k, (m, r) in classes.items()},
         })

@@ -22,7 +22,7 @@ def test_layouts_by_default_and_rebuilt_identically(tmp_path: Path, capsys) -> N
     table = PlanTable.load(str(out))
     entry = table.entries["tiny-flux2/64x64x1"]
     ref = entry.config.layout_ref
-    assert ref is not None and table.provenance["layouts_gpu"] == "NVIDIA RTX A6000"
+    assert ref is not None and table.provenance.layouts_gpu == "NVIDIA RTX A6000"
     folder = layouts_dir(out)
     art = load_artifact(folder, ref, gpu="NVIDIA RTX A6000")
     # the predicted peak is what the static allocator holds, from the solver's figure
@@ -48,18 +48,21 @@ def test_no_layouts(tmp_path: Path) -> None:
 
 def test_each_group_is_finished_as_soon_as_its_last_template_is_planned(monkeypatch) -> None:
     """``xema plan`` places a group's residency and text encoders, and starts its layouts, when the
-    group's last template is planned, while the others still plan (``_run_all``'s ``on_group``)."""
-    import planner.cli as cli
+    group's last template is planned, while the others still plan (``plan_all``'s ``on_group``)."""
+    from types import SimpleNamespace
+
+    import planner.driver as driver
     from xema_ray.templates import RequestTemplate
 
     templates = [RequestTemplate(model=m, width=w, height=64) for m, w in
                  (("tiny-flux2", 64), ("tiny-ltx2", 64), ("tiny-flux2", 128), ("tiny-ltx2", 128))]
     planned: list[str] = []
-    monkeypatch.setattr(cli, "plan_one", lambda t, _opts: planned.append(RequestTemplate.model_validate_json(t).shape_key)
-                        or {"template": planned[-1]})
+    monkeypatch.setattr(driver, "plan_one", lambda t, _opts: planned.append(t.shape_key)
+                        or SimpleNamespace(template=planned[-1]))
     calls: list[tuple[str, list[str], int]] = []
-    results = cli._run_all(templates, {}, use_ray=False,
-                           on_group=lambda model, group: calls.append((model, [r["template"] for r in group], len(planned))))
-    assert [r["template"] for r in results] == [t.shape_key for t in templates]
+    opts = driver.PlanOptions(hardware="a6000", budget=10**8, gpus=1)
+    results = driver.plan_all(templates, opts, use_ray=False,
+                              on_group=lambda model, group: calls.append((model, [r.template for r in group], len(planned))))
+    assert [r.template for r in results] == [t.shape_key for t in templates]
     assert calls == [("tiny-flux2", ["tiny-flux2/64x64x1", "tiny-flux2/128x64x1"], 3),
                      ("tiny-ltx2", ["tiny-ltx2/64x64x1", "tiny-ltx2/128x64x1"], 4)]

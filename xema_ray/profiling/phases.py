@@ -16,7 +16,6 @@ without a profile falls back to 5 % decode for images and 10 % for videos.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.vocabulary import Phase
 
-#: the provenance key of a time-scaled table's scales (``xema_ray.runtime.emulation.scale_table``)
-TIME_SCALE_KEY = "emulated_time_scale"
 #: the decode share when the table's hardware has no profile (images, videos)
 FALLBACK_DECODE_SHARE = (0.05, 0.10)
 
@@ -83,8 +80,7 @@ def table_profile(table: PlanTable) -> Any:
 
 def time_scales(table: PlanTable) -> dict[str, float]:
     """Model -> the time scale ``scale_table`` divided its latencies by (empty: the hardware's own seconds)."""
-    raw = table.provenance.get(TIME_SCALE_KEY)
-    return {str(k): float(v) for k, v in json.loads(raw).items()} if raw else {}
+    return dict(table.provenance.emulated_time_scale)
 
 
 def plan_phases(entry: PlanEntry, profile: Any, time_scale: float = 1.0) -> tuple[float, float, float]:

@@ -9,12 +9,10 @@ prior and the simulator's preemption model use.
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.plan import PlanTable
-from xema_ray.profiling.phases import TIME_SCALE_KEY, plan_phases, table_profile, time_scales
+from xema_ray.profiling.phases import plan_phases, table_profile, time_scales
 
 #: bytes/s of a paused state's move to the host and back (the dispatcher's PreemptionPolicy default)
 DEFAULT_HOST_BANDWIDTH = 20e9
@@ -133,5 +131,5 @@ def scale_table(table: PlanTable, time_scale: float | dict[str, float]) -> PlanT
     scales = time_scales(table)
     for m in {e.config.template.model for e in table.entries.values()}:
         scales[m] = scales.get(m, 1.0) * ts(m)
-    return table.model_copy(update={"entries": entries, "residency": residency,
-                                    "provenance": {**table.provenance, TIME_SCALE_KEY: json.dumps(scales, sort_keys=True)}})
+    provenance = table.provenance.model_copy(update={"emulated_time_scale": dict(sorted(scales.items()))})
+    return table.model_copy(update={"entries": entries, "residency": residency, "provenance": provenance})
