@@ -75,13 +75,11 @@ def serve_app(args: dict[str, Any], name: str, route_prefix: str) -> None:
 
 
 def stop_box() -> None:
-    import ray
-    from ray import serve
+    from xema_ray.serving.ray_env import shutdown_serve_and_ray
 
     try:
-        serve.shutdown()
+        shutdown_serve_and_ray()
     finally:
-        ray.shutdown()
         _restore_env()
 
 

@@ -14,7 +14,7 @@ from ray import serve
 
 from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
-from xema_ray.serving.ray_env import apply_ray_env
+from xema_ray.serving.ray_env import apply_ray_env, shutdown_serve_and_ray
 from xema_ray.serving.api.ready import wait_ready
 
 
@@ -36,7 +36,6 @@ def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)  # /healthz 200: every group answers
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shutdown_serve_and_ray()
         os.environ.clear()
         os.environ.update(saved_env)

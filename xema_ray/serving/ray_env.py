@@ -91,6 +91,30 @@ def exposed_ports_warning() -> str | None:
             "(docs/serving.md \"Ports\").")
 
 
+def shutdown_serve_and_ray(settle_s: float = 1.0) -> None:
+    """Stop Serve, then Ray, in a process that started both (tests, benchmarks, the emulated box).
+
+    Serve's handles run their routers on threads of this process; one still winding down when
+    ``ray.shutdown()`` destroys the core worker touches it, and Ray then ends the whole process
+    ("The core worker has already been shutdown ... The process will exit", exit status 1; seen
+    at a test module's teardown). So the app's handles and object refs are collected and Serve's
+    threads get ``settle_s`` seconds to end while the core worker can still answer them.
+    """
+    import gc
+    import time
+
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        gc.collect()
+        time.sleep(settle_s)
+        gc.collect()
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m xema_ray.serving.ray_env COMMAND...``: run COMMAND (``serve run ...``,
     ``ray start ...``) with the app's Ray settings in its environment."""

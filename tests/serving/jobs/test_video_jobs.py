@@ -34,6 +34,7 @@ from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from xema_ray.serving.api.ready import wait_ready  # noqa: E402
+from xema_ray.serving.ray_env import shutdown_serve_and_ray
 from bench.scenarios.factories import plan_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -87,8 +88,7 @@ def jobs_cfg(tmp_path_factory: pytest.TempPathFactory) -> JobStoreConfig:
 def server(tmp_path_factory: pytest.TempPathFactory, jobs_cfg: JobStoreConfig) -> Iterator[str]:
     url = start_app(tmp_path_factory.mktemp("plans"), {"path": str(jobs_cfg.path)})
     yield url
-    serve.shutdown()
-    ray.shutdown()
+    shutdown_serve_and_ray()
 
 
 @pytest.fixture(scope="module")

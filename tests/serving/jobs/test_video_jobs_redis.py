@@ -25,6 +25,7 @@ from tests.serving.jobs.test_video_jobs import (  # noqa: F401 - fixtures and ch
     test_list_pages,
 )
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store
+from xema_ray.serving.ray_env import shutdown_serve_and_ray
 
 ray = pytest.importorskip("ray")
 
@@ -42,8 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, jobs_cfg: JobStoreConfig) -
     url = start_app(tmp_path_factory.mktemp("plans"),
                     {"backend": "redis", "redis_url": jobs_cfg.redis_url, "prefix": jobs_cfg.prefix}, router_replicas=2)
     yield url
-    serve.shutdown()
-    ray.shutdown()
+    shutdown_serve_and_ray()
 
 
 @pytest.fixture(scope="module")
