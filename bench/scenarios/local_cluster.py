@@ -8,6 +8,7 @@ cluster on the machine (``ray stop`` would stop them all).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,14 @@ class NodeInfo:
     metrics_port: int | None = None  # None: not known (listed through the state API)
 
 
+def _token_available(env: dict[str, str]) -> bool:
+    """Whether Ray started with ``env`` finds an auth token (the variables, else ``~/.ray/auth_token``)."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return True
+    path = env.get("RAY_AUTH_TOKEN_PATH")
+    return Path(path).is_file() if path else (Path.home() / ".ray" / "auth_token").is_file()
+
+
 class LocalCluster:
     """A head and any number of worker nodes on this machine.
 
@@ -72,6 +81,13 @@ class LocalCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="xr-", dir="/tmp"))
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
                     **({"RAY_AUTH_MODE": auth_mode} if auth_mode else {}), **(env or {})}
+        if auth_mode == "token" and not _token_available(self.env):
+            # token mode needs a token: on a machine where no local Ray made ~/.ray/auth_token yet
+            # (a fresh CI machine), the cluster gets one of its own, in its temp dir, never in ~
+            token = self.temp_dir / "auth_token"
+            token.write_text(secrets.token_hex(32))
+            token.chmod(0o600)
+            self.env["RAY_AUTH_TOKEN_PATH"] = str(token)
         self.head: Node | None = None
         self.workers: list[Node] = []
 
