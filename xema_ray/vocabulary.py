@@ -157,6 +157,16 @@ def _phase_keys(value: Any) -> Any:
 PhaseKeyed = Annotated[dict[Phase, V], BeforeValidator(_phase_keys)]
 
 
+def refuse_renamed_fields(data: object, owner: str, renamed: Mapping[str, str], fields: str) -> object:
+    """A model validator's ``mode="before"`` body: ``data`` with a field under an old name is refused,
+    naming the new name and the fields (``owner: 'old' is now called 'new' (fields)``)."""
+    if isinstance(data, Mapping):
+        for old, new in renamed.items():
+            if old in data:
+                raise ValueError(f"{owner}: {old!r} is now called {new!r} ({fields})")
+    return data
+
+
 # ---------------------------------------------------------------------------- latency sources
 class LatencySource(StrEnum):
     """Where a latency came from (see the module docstring); its value is its one name (also its repr)."""

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.plan import PlanEntry, PlanTable
-from xema_ray.vocabulary import Phase
+from xema_ray.vocabulary import Phase, refuse_renamed_fields
 
 #: the decode share when the table's hardware has no profile (images, videos)
 FALLBACK_DECODE_SHARE = (0.05, 0.10)
@@ -48,9 +48,7 @@ class PhaseShares(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: object) -> object:
-        if isinstance(data, dict) and "tail" in data:
-            raise ValueError("phase shares: 'tail' is now called 'decode_encode' (shares: text, denoise, decode_encode)")
-        return data
+        return refuse_renamed_fields(data, "phase shares", {"tail": "decode_encode"}, "shares: text, denoise, decode_encode")
 
     @model_validator(mode="after")
     def _sums_to_one(self) -> PhaseShares:

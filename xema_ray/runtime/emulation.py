@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import plan_phases, table_profile, time_scales
+from xema_ray.vocabulary import refuse_renamed_fields
 
 #: bytes/s of a paused state's move to the host and back (the dispatcher's PreemptionPolicy default)
 DEFAULT_HOST_BANDWIDTH = 20e9
@@ -40,9 +41,8 @@ class EmulatedPhases(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: object) -> object:
-        if isinstance(data, dict) and "step_s" in data:
-            raise ValueError("emulated phases: 'step_s' is now called 'denoise_step_s' (text_s, denoise_step_s, decode_s)")
-        return data
+        return refuse_renamed_fields(data, "emulated phases", {"step_s": "denoise_step_s"},
+                                     "text_s, denoise_step_s, decode_s")
 
     @property
     def total_s(self) -> float:
