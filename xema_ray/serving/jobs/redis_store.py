@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, _active, new_epoch
 
@@ -32,7 +34,12 @@ class RedisJobStore(JobStore):
     def __init__(self, cfg: JobStoreConfig) -> None:
         super().__init__(cfg)
         assert cfg.redis_url is not None  # checked by JobStoreConfig
-        self.r = redis.Redis.from_url(cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s)
+        # one retry on a dead connection only: a pooled socket the server closed (it restarted) is
+        # reconnected instead of failing the request; a store that does not answer (a timeout) is
+        # not retried, so a paused store still costs at most timeout_s before the 503
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        self.r = redis.Redis.from_url(cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+                                      retry=retry)
         self.p = cfg.prefix
 
     def _k(self, *parts: str) -> str:
