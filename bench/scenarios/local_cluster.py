@@ -157,14 +157,15 @@ class LocalCluster:
         return self.head
 
     def add_node(self, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                 attempts: int = 2, timeout_s: float = 90) -> Node:
+                 attempts: int = 3, timeout_s: float = 90) -> Node:
         """Start a worker node; returns once the GCS lists *this* node alive (see ``add_nodes``)."""
         return self.add_nodes(1, num_cpus, num_gpus, resources, timeout_s=timeout_s, wave=1, attempts=attempts)[0]
 
     def add_nodes(self, count: int, num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                  timeout_s: float = 180, wave: int = 2, attempts: int = 2) -> list[Node]:
-        """Start ``count`` worker nodes, ``wave`` at a time (a wave starts in the time of one node;
-        more at once can overload the GCS of a busy machine); returns once the GCS lists each of
+                  timeout_s: float = 180, wave: int = 1, attempts: int = 3) -> list[Node]:
+        """Start ``count`` worker nodes, ``wave`` at a time (one by default: on a 2-core machine two
+        raylets starting together can each miss Ray's fixed 30 s registration window, and `ray start`
+        then exits with "The current node timed out during startup"); returns once the GCS lists each of
         them alive, or raises with each missing node's ``ray start`` output and raylet log.
 
         A node counts as joined only when the GCS lists a node alive that was not there before it
@@ -238,7 +239,10 @@ class LocalCluster:
                     raise RuntimeError(f"a worker node of the local cluster at {self.gcs_address} did not join "
                                        f"after {attempts} starts:\n" + "\n".join(failures))
                 tries[i] += 1
-                args, ports = self._fresh(node.args, node.ports)  # a port race is the usual cause
+                # the usual causes: a port race (fresh ports) or a machine too busy for the raylet to
+                # register in Ray's 30 s (a pause lets the start that failed finish dying first)
+                time.sleep(5.0 * (tries[i] - 1))
+                args, ports = self._fresh(node.args, node.ports)
                 with open(node.log, "a") as out:
                     out.write(f"\n--- attempt {tries[i]} on fresh ports ---\n")
                 started[i] = Node(self._spawn(args, node.log, "a"), args, node.log, ports)
