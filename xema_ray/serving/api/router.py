@@ -56,6 +56,7 @@ from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.videos import VideoCreate
+from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.templates import RequestTemplate
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
@@ -146,6 +147,7 @@ class Router:
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None) -> None:
+        bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
         self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
