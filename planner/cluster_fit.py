@@ -146,6 +146,7 @@ def fit_tasks(hardware: str, measure: str, wait_s: float = WAIT_S, poll_s: float
         shape = task_shape(total, free, hardware, measure)
         if shape is not None:
             return shape
-        if now() - start >= wait_s:
-            raise NoRoom(shortfall(total, free, hardware, measure, now() - start, holders()))
+        waited = now() - start
+        if waited >= wait_s:
+            raise NoRoom(shortfall(total, free, hardware, measure, waited, holders()))
         time.sleep(poll_s)

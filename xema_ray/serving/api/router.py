@@ -50,6 +50,7 @@ from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
+from xema_ray.serving.group.plan_reload import RouterPlans
 from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
@@ -174,6 +175,14 @@ class Router:
                 self.jobs.start_background()
             except RuntimeError:  # no running loop here: the first request starts it
                 pass
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place config update (``xema serve --reload-plans``, ``plan_reload``): the new
+        plan table this replica reports (``/v1/templates``, ``/v1/plans``) and predicts jobs with;
+        the groups swap their own plans."""
+        self.table = RouterPlans.model_validate(user_config).table
+        if self.jobs is not None:
+            self.jobs.table = self.table
 
     def _count_received(self) -> None:
         """One generation request arrived: counted here and, without waiting, in Stats (in one
