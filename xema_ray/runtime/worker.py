@@ -113,6 +113,11 @@ class Worker(WorkerBase):
         w.init_device(ParallelConfig(rank=0, world_size=1))
         w.load_model(ModelLoadConfig(model="tiny-flux2"))
         result = w.execute(batch)
+
+    ``static_allocator``: on CUDA, install libxema_alloc as torch's allocator (before anything
+    touches CUDA) and arm the plans' layouts; on a CPU, the same library's host arena stands in
+    for the device (each batch's tensors mirrored into it, its limit the budget less the weights),
+    so layouts arm and a batch that outgrows it fails as ``DeviceOutOfMemory`` as on a GPU.
     """
 
     def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
