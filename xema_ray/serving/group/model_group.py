@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
@@ -405,6 +406,9 @@ class ModelGroup(PublishesSummary):
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
+            if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
+                self.metrics.out_of_memory.inc(tags={"template": a.template})
+                self.layout_counters.out_of_memory(a.template, str(e))
             for r in a.requests:
                 t = _ticket(r)
                 if t.job_id is not None:
