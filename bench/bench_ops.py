@@ -183,35 +183,16 @@ def main() -> int:
         result["exhausted"] = fail
         print("exhausted:", fail["rc"], fail["seconds"], flush=True)
         unhog(env, cluster.gcs_address, "bench-exhaust")
-        # 4. the new table, under load
-        head_pids = sorted(tree(head.proc.pid) - {p for p in tree(head.proc.pid) if "ServeRepl" in _name(p)
-                                                    or "ray::" in _name(p)})
-        replicas_before = _replicas(cluster)
-        load = Load(url, args.rate)
-        loader = threading.Thread(target=load.run, daemon=True)
-        loader.start()
-        time.sleep(5)
-        t2 = time.monotonic()
-        reload = subprocess.run([str(BIN / "xema"), "serve", str(cfg_path), "--reload-plans", str(table),
-                                 "--dashboard", cluster.dashboard_url], env=cluster.env, capture_output=True,
-                                text=True, timeout=900)
-        reload_s = time.monotonic() - t2
-        time.sleep(5)
-        load.stop()
-        codes: dict[str, int] = {}
-        for _, c in load.answers:
-            codes[str(c)] = codes.get(str(c), 0) + 1
-        head_after = sorted(p for p in head_pids if psutil.pid_exists(p))
-        replicas_after = _replicas(cluster)
-        served = requests.get(f"{url}/v1/plans", timeout=30).json()
-        result["reload"] = {"rc": reload.returncode, "seconds": round(reload_s, 1), "output": reload.stdout[-1500:] +
-                            reload.stderr[-1500:], "requests": len(load.answers), "status_codes": codes,
-                            "lost": sum(n for c, n in codes.items() if c != "200"),
-                            "head_processes_kept": head_after == head_pids and bool(head_pids),
-                            "replicas_kept": replicas_before == replicas_after and bool(replicas_before),
-                            "serve_replica_actors": len(replicas_before),
-                            "served_table_provenance": (served.get("provenance") or {}).get("command", "")[-200:]}
-        print("reload:", json.dumps(result["reload"])[:800], flush=True)
+        # 4. the new table, under load; then a table where only tiny-flux2's plans differ (its SLOs x1.5)
+        result["reload"] = reload_under_load(cluster, cfg_path, url, table, args.rate)
+        from xema_ray.plan import PlanTable
+
+        t = PlanTable.load(str(table))
+        flux = {k: e.model_copy(update={"prediction": e.prediction.model_copy(update={"slo_s": e.prediction.slo_s * 1.5})})
+                for k, e in t.entries.items() if k.startswith("tiny-flux2/")}
+        one = work / "plans" / "tiny-flux-slo.json"
+        t.model_copy(update={"entries": {**t.entries, **flux}}).save(str(one))
+        result["reload_one_group"] = reload_under_load(cluster, cfg_path, url, one, args.rate)
     finally:
         if serve_proc is not None:
             _stop(serve_proc)
@@ -221,9 +202,51 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     ok = (result["listeners"]["on_all_interfaces"] == 0 and result["job"]["rc"] == 0 and result["job"]["table_written"]
-          and result["exhausted"]["rc"] != 0 and result["exhausted"]["seconds"] < 30 and result["reload"]["rc"] == 0
-          and result["reload"]["lost"] == 0)
+          and result["exhausted"]["rc"] != 0 and result["exhausted"]["seconds"] < 30
+          and all(result[k]["rc"] == 0 and result[k]["lost"] == 0 for k in ("reload", "reload_one_group")))
     return 0 if ok else 1
+
+
+def reload_under_load(cluster: LocalCluster, cfg_path: Path, url: str, table: Path, rate: float) -> dict:
+    """``xema serve CONFIG --reload-plans TABLE`` under open-loop load: its outcome, the requests'
+    status codes, and whether the cluster and the replicas are the same processes afterwards."""
+    head = cluster.head
+    assert head is not None
+    head_pids = sorted(p for p in tree(head.proc.pid) if "ray::" not in _name(p))
+    replicas_before = _replicas(cluster)
+    generations_before = _generations(url)
+    load = Load(url, rate)
+    loader = threading.Thread(target=load.run, daemon=True)
+    loader.start()
+    time.sleep(5)
+    t0 = time.monotonic()
+    reload = subprocess.run([str(BIN / "xema"), "serve", str(cfg_path), "--reload-plans", str(table),
+                             "--dashboard", cluster.dashboard_url], env=cluster.env, capture_output=True,
+                            text=True, timeout=900)
+    seconds = time.monotonic() - t0
+    time.sleep(5)
+    load.stop()
+    codes: dict[str, int] = {}
+    for _, c in load.answers:
+        codes[str(c)] = codes.get(str(c), 0) + 1
+    replicas_after = _replicas(cluster)
+    served = requests.get(f"{url}/v1/plans", timeout=30).json()
+    out = {"table": table.name, "rc": reload.returncode, "seconds": round(seconds, 1),
+           "output": reload.stdout[-1500:] + reload.stderr[-1500:], "requests": len(load.answers),
+           "status_codes": codes, "lost": sum(n for c, n in codes.items() if c != "200"),
+           "worker_generations_before": generations_before, "worker_generations_after": _generations(url),
+           "head_processes_kept": sorted(p for p in head_pids if psutil.pid_exists(p)) == head_pids and bool(head_pids),
+           "replicas_kept": replicas_before == replicas_after and bool(replicas_before),
+           "serve_replica_actors": len(replicas_before),
+           "served_table_provenance": (served.get("provenance") or {}).get("command", "")[-200:]}
+    print("reload:", json.dumps(out)[:900], flush=True)
+    return out
+
+
+def _generations(url: str) -> dict[str, int]:
+    """Each group's worker-set generation (+1 whenever its workers are replaced)."""
+    groups = requests.get(f"{url}/healthz", timeout=60).json().get("groups", {})
+    return {m: g.get("generation") for m, g in sorted(groups.items())}
 
 
 def _name(pid: int) -> str:
