@@ -198,9 +198,14 @@ class ModelGroup(PublishesSummary):
             settings = self._settings.model_copy(update={
                 "layouts_dir": Path(new.layouts_dir) if new.layouts_dir else None, "budget_bytes": new.budget_bytes,
                 "admission": new.admission})
-            await self.workers.replace(self._worker_spec(new.plans, settings))
+            # the new set reports its layouts' status to these on load
+            self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in new.plans.items()})
+            failed: RebuildFailed | None = None
+            try:
+                await self.workers.replace(self._worker_spec(new.plans, settings))
+            except RebuildFailed as e:  # the set keeps the new spec: the next batch's rebuild loads the new plans
+                failed = e
             self._settings, self.entries = settings, dict(new.plans)
-            self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
                 t = e.config.template
@@ -208,6 +213,8 @@ class ModelGroup(PublishesSummary):
                 self._tell_phases(k, self.estimates[k])
             self.plans_hash = new.hash
             self.reload.swapped(new)
+            if failed is not None:
+                raise failed
         finally:
             self.reload.holding = False
             if self._wake is not None:
