@@ -47,7 +47,7 @@ from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 ArenaBackend = Literal["cuda", "host"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_DEVICES = 64
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
@@ -90,6 +90,12 @@ class AllocatorStats(BaseModel):
     arena_base: int = Field(description="Address of the static region (0 if none).")
     dynamic_base: int = Field(description="Address of the dynamic region (0 if none).")
     static_resizes: int = Field(description="resize_static calls that changed the static region.")
+    pending_free_bytes: int = Field(description="Bytes freed by torch but held until the other streams that used "
+                                                "them pass an event recorded at the free (part of active_bytes).")
+    peak_pending_free_bytes: int = Field(description="Peak of pending_free_bytes since the last reset_peaks.")
+    pending_blocks: int = Field(description="Blocks held so now.")
+    deferred_frees: int = Field(description="Frees deferred so far (stream-ordered frees).")
+    marked_uses: int = Field(description="mark_used calls on live blocks.")
 
 
 class _CStats(ctypes.Structure):
@@ -155,6 +161,9 @@ class _Library:
         sig: dict[str, tuple[Any, list[Any]]] = {
             "xema_malloc": (vp, [ctypes.c_size_t, ctypes.c_int, vp]),
             "xema_free": (None, [vp, ctypes.c_size_t, ctypes.c_int, vp]),
+            "xema_mark_used": (ctypes.c_int, [ctypes.c_int, vp, vp]),
+            "xema_poll": (ctypes.c_int, [ctypes.c_int]),
+            "xema_host_stream_progress": (ctypes.c_int, [vp, u64, u64]),
             "xema_abi_version": (ctypes.c_int, []),
             "xema_last_error": (ctypes.c_char_p, []),
             "xema_init": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
@@ -402,6 +411,23 @@ class StaticAllocator:
         """Call ``xema_free`` directly."""
         _check_device(device)
         self._lib.c.xema_free(ptr, size, device, stream)
+
+    # ------------------------------------------------------------------ stream-ordered frees
+    def mark_used(self, ptr: int, stream: int, *, device: int = 0) -> bool:
+        """``stream`` uses the block at ``ptr`` (a storage's address): its free waits for that
+        stream (``xema_mark_used``; what ``Tensor.record_stream`` does for the caching allocator).
+        False when no live block of this allocator starts there (memory it does not own)."""
+        _check_device(device)
+        return self._lib.c.xema_mark_used(device, ptr, stream) == 0
+
+    def poll(self, *, device: int = 0) -> int:
+        """Return the freed blocks whose streams have moved on to the free lists; how many."""
+        _check_device(device)
+        return self._lib.check(self._lib.c.xema_poll(device), f"poll on device {device}")
+
+    def host_stream_progress(self, stream: int, issued: int, completed: int) -> None:
+        """Host backend: ``stream`` has ``issued`` units of work of which ``completed`` ran."""
+        self._lib.check(self._lib.c.xema_host_stream_progress(stream, issued, completed), "host_stream_progress")
 
     # ------------------------------------------------------------------ recording
     @contextmanager
