@@ -425,6 +425,16 @@ class StaticAllocator:
         _check_device(device)
         return self._lib.check(self._lib.c.xema_poll(device), f"poll on device {device}")
 
+    def locate(self, ptr: int, *, device: int = 0) -> str:
+        """Where ``ptr`` lies: "static+0x..." / "dynamic+0x..." (offset in that region) or a
+        driver block's address (for messages naming a block)."""
+        s = self.stats(device=device)
+        for name, base, size in (("static", s.arena_base, s.static_region_bytes),
+                                 ("dynamic", s.dynamic_base, s.dynamic_region_bytes)):
+            if base and base <= ptr < base + size:
+                return f"offset {ptr - base:#x} of the {name} region"
+        return f"driver block {ptr:#x}"
+
     def host_stream_progress(self, stream: int, issued: int, completed: int) -> None:
         """Host backend: ``stream`` has ``issued`` units of work of which ``completed`` ran."""
         self._lib.check(self._lib.c.xema_host_stream_progress(stream, issued, completed), "host_stream_progress")

@@ -139,6 +139,12 @@ class Worker(WorkerBase):
                 self.arm_layout = arm_layout or self._arm
             # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
             pin_kernels()
+        elif static_allocator and self.platform.allocator_backend == "host":
+            # the emulated asynchronous device (tests): the host arena is its device memory
+            from xema_ray.allocator.emulated import install_host_allocator
+
+            self.allocator = install_host_allocator(self.platform)
+            self.arm_layout = arm_layout or self._arm
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
