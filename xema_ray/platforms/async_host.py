@@ -121,9 +121,12 @@ class _DeviceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         stream = dev.current_stream()
         seen: set[int] = set()
+        # views and re-pointing read no bytes: only the operators that do are checked against
+        # copies still queued into their inputs
+        reads = not (getattr(func, "is_view", False) or func.__name__.startswith("set_"))
         for x in tree_leaves((args, kwargs)):
             if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-                seen.add(dev._use(x.untyped_storage().data_ptr(), stream, reading=True))
+                seen.add(dev._use(x.untyped_storage().data_ptr(), stream, reading=reads))
             elif isinstance(x, torch.UntypedStorage) and x.device.type == "cpu":
                 seen.add(x.data_ptr())
         out = func(*args, **kwargs)
