@@ -114,6 +114,8 @@ class HostCopy:
         self.pending: object | None = None
         if self.device.type == "meta":
             self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
+            if stream is not None and t.device.type == "meta":
+                stream.hold(t)  # the copy's source stays until compute is ordered after it
         elif _device.host_is_device(self.device):
             self.data = t if keep else t.clone()
         elif _device.on_host(t):

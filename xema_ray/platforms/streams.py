@@ -17,6 +17,7 @@ list until the stream has passed an event recorded at the free.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,8 @@ import torch
 
 #: the emulated asynchronous device, while one is installed (tests)
 _EMULATED: Any = None
+#: side streams of the meta device, whose held sources ``synchronize`` lets go of
+_META_STREAMS: weakref.WeakSet[TransferStream] = weakref.WeakSet()
 #: the static allocator's mark-used hook (``xema_mark_used`` through its binding), when installed
 _MARK_USED: Callable[[int, int, int], Any] | None = None
 
@@ -105,6 +108,13 @@ class TransferStream:
         self.device = device
         self.cuda = device.type == "cuda"
         self.emulated = _emulated(device)
+        #: meta (shape-only analysis): the sources of copies not yet ordered before compute. A
+        #: stream-ordered allocator holds their memory until the side stream passed them; the
+        #: analyzer must count it, so they stay alive until compute waits on this stream or the
+        #: device synchronises (the latest the allocator can learn the copies are done)
+        self._held: list[torch.Tensor] = []
+        if device.type == "meta":
+            _META_STREAMS.add(self)
         if self.emulated is not None:
             self.stream: Any = self.emulated.new_stream()
         else:
@@ -116,6 +126,11 @@ class TransferStream:
         if self.emulated is not None:
             return self.emulated.stream(self.stream)
         return torch.cuda.stream(self.stream)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Meta: a copy on this stream reads ``t`` (see ``_held``)."""
+        if self.device.type == "meta":
+            self._held.append(t)
 
     def record(self) -> Any:
         if self.stream is None:
@@ -140,6 +155,7 @@ class TransferStream:
         """Order the compute stream after ``event`` and mark ``tensors`` (allocated on the side
         stream) used by the compute stream, so their memory is not reused by the side stream
         while compute still reads it."""
+        self._held.clear()  # meta: compute is ordered after the copies, their sources may go
         if event is None or self.stream is None:
             return
         if self.emulated is not None:
@@ -228,5 +244,8 @@ def synchronize(device: torch.device) -> None:
     emu = _emulated(device)
     if emu is not None:
         emu.synchronize()
+    elif device.type == "meta":
+        for s in list(_META_STREAMS):
+            s._held.clear()
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
