@@ -313,6 +313,30 @@ int DeviceArena::poll() {
   return poll_locked();
 }
 
+int DeviceArena::stream_ordered(xema_stream_t waiter, xema_stream_t other) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uintptr_t w = reinterpret_cast<uintptr_t>(waiter);
+  const uintptr_t o = reinterpret_cast<uintptr_t>(other);
+  for (Pending& p : pending_) {
+    // Only blocks that go back to `waiter`'s own pool: another stream's next tenant would not be
+    // ordered after `other` (static blocks are the armed stream's, dynamic ones are tagged).
+    // Driver blocks go back to the driver, which may hand them to any stream: they wait for
+    // the events (the poll) as before.
+    if (p.block.stream != w || p.block.region == XEMA_REGION_DRIVER) continue;
+    Backend& backend = arena_backend_or(p.block);
+    for (auto it = p.events.begin(); it != p.events.end();) {
+      if (it->stream == o) {
+        backend.destroy_event(*it, device_);
+        it = p.events.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // blocks with no event left are released by the poll
+  return poll_locked();
+}
+
 int DeviceArena::mark_used(void* ptr, xema_stream_t stream, std::string& error) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));

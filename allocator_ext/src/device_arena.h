@@ -45,6 +45,10 @@ class DeviceArena {
   // recorded at the free; `poll` returns the blocks whose streams have (allocate polls too).
   int mark_used(void* ptr, xema_stream_t stream, std::string& error);
   int poll();
+  // `waiter` is now ordered after all work issued on `other` so far (it waited on a fresh event
+  // of it): pending blocks allocated on `waiter` no longer wait for `other` (only `waiter` reuses
+  // them, and its next work runs after `other`'s). Returns how many blocks that released.
+  int stream_ordered(xema_stream_t waiter, xema_stream_t other);
 
   int reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend& backend,
               std::string& error);

@@ -124,6 +124,11 @@ int xema_mark_used(int device, void* ptr, xema_stream_t stream) {
   });
 }
 
+int xema_stream_ordered(int device, xema_stream_t waiter, xema_stream_t other) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int { return registry().arenas[device].stream_ordered(waiter, other); });
+}
+
 int xema_poll(int device) {
   if (!valid_device(device)) return XEMA_E_INVALID;
   return guarded([&]() -> int { return registry().arenas[device].poll(); });

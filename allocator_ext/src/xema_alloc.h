@@ -97,6 +97,11 @@ XEMA_API void xema_free(void* ptr, size_t size, int device, xema_stream_t stream
  * whose streams have. Their bytes are pending_free_bytes (they count in active_bytes: the memory
  * is still taken). XEMA_E_INVALID when no live block starts at `ptr`. */
 XEMA_API int xema_mark_used(int device, void* ptr, xema_stream_t stream);
+/* `waiter` waited on an event recorded on `other` after all the work issued there so far: the
+ * pending blocks allocated on `waiter` stop waiting for `other` (their next tenant, on `waiter`,
+ * runs after that work). What lets a static plan reuse an offset as soon as compute is ordered
+ * after the copy that read it, not only once the copy is known to have finished. */
+XEMA_API int xema_stream_ordered(int device, xema_stream_t waiter, xema_stream_t other);
 /* Returns the pending blocks whose streams have moved on; the number returned, or a status. */
 XEMA_API int xema_poll(int device);
 /* Host backend only: the CPU emulation of streams reports how much work it issued on `stream`

@@ -91,3 +91,19 @@ def test_driver_block_frees_are_deferred_too(alloc: StaticAllocator, device: int
     alloc.host_stream_progress(SIDE, issued=1, completed=1)
     alloc.poll(device=device)
     assert alloc.stats(device=device).driver_active_bytes == 0
+
+
+def test_a_block_is_free_for_its_own_stream_once_that_stream_is_ordered_after_the_user(alloc: StaticAllocator, device: int) -> None:
+    # compute waited on a fresh side-stream event: its next kernels run after the copy, so its
+    # next allocation may take the block even though the copy is not known to have finished
+    alloc.reserve(0, 1 << 20, device=device)
+    alloc.host_stream_progress(SIDE, issued=1, completed=0)
+    a = alloc.malloc(4096, device=device, stream=COMPUTE)
+    alloc.mark_used(a, SIDE, device=device)
+    alloc.free(a, device=device, stream=COMPUTE)
+    assert alloc.stream_ordered(SIDE, COMPUTE, device=device) == 0  # the side stream's blocks only
+    assert alloc.stats(device=device).pending_blocks == 1
+    assert alloc.stream_ordered(COMPUTE, SIDE, device=device) == 1
+    b = alloc.malloc(4096, device=device, stream=COMPUTE)
+    assert b == a
+    alloc.free(b, device=device, stream=COMPUTE)

@@ -163,6 +163,7 @@ class _Library:
             "xema_free": (None, [vp, ctypes.c_size_t, ctypes.c_int, vp]),
             "xema_mark_used": (ctypes.c_int, [ctypes.c_int, vp, vp]),
             "xema_poll": (ctypes.c_int, [ctypes.c_int]),
+            "xema_stream_ordered": (ctypes.c_int, [ctypes.c_int, vp, vp]),
             "xema_host_stream_progress": (ctypes.c_int, [vp, u64, u64]),
             "xema_abi_version": (ctypes.c_int, []),
             "xema_last_error": (ctypes.c_char_p, []),
@@ -419,6 +420,12 @@ class StaticAllocator:
         False when no live block of this allocator starts there (memory it does not own)."""
         _check_device(device)
         return self._lib.c.xema_mark_used(device, ptr, stream) == 0
+
+    def stream_ordered(self, waiter: int, other: int, *, device: int = 0) -> int:
+        """``waiter`` waited on a fresh event of ``other``: blocks of ``waiter`` pending for ``other``
+        are free again (``xema_stream_ordered``); how many."""
+        _check_device(device)
+        return self._lib.check(self._lib.c.xema_stream_ordered(device, waiter, other), f"stream_ordered on device {device}")
 
     def poll(self, *, device: int = 0) -> int:
         """Return the freed blocks whose streams have moved on to the free lists; how many."""

@@ -171,6 +171,7 @@ class AsyncHostDevice:
                                     ("xema_free", None, [vp, ctypes.c_size_t, ctypes.c_int, vp]),
                                     ("xema_mark_used", ctypes.c_int, [ctypes.c_int, vp, vp]),
                                     ("xema_poll", ctypes.c_int, [ctypes.c_int]),
+                                    ("xema_stream_ordered", ctypes.c_int, [ctypes.c_int, vp, vp]),
                                     ("xema_host_stream_progress", ctypes.c_int, [vp, u64, u64]),
                                     ("xema_last_error", ctypes.c_char_p, [])):
             fn = getattr(lib, name)
@@ -262,6 +263,9 @@ class AsyncHostDevice:
             waiter.after[event.stream.handle] = max(waiter.after.get(event.stream.handle, 0), event.seq)
             for h, n in event.after.items():
                 waiter.after[h] = max(waiter.after.get(h, 0), n)
+        if event.seq == event.stream.issued:  # a fresh event: the arena may hand waiter's pending blocks back
+            self._report()
+            self._lib.xema_stream_ordered(self.device_index, waiter.handle, event.stream.handle)
         if waiter is self.compute or self.policy == "eager":
             self.run_until(event.stream, event.seq)
 
@@ -322,7 +326,11 @@ class AsyncHostDevice:
                 detail = (self._lib.xema_last_error() or b"").decode(errors="replace")
                 raise torch.OutOfMemoryError(f"emulated device {self.device_index}: {nbytes} bytes: {detail}")
             block = Block(next(self._ids), int(ptr), nbytes, s)
-            self._check_reuse(block, s)
+            try:
+                self._check_reuse(block, s)
+            except StreamHazard:
+                self._lib.xema_free(ptr, nbytes, self.device_index, s.handle)  # nobody will hold it
+                raise
             self.blocks[block.ptr] = block
         storage = torch._C._construct_storage_from_data_pointer(int(ptr), _CPU, nbytes)
         holder = torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -29,6 +29,8 @@ _EMULATED: Any = None
 _META_STREAMS: weakref.WeakSet[TransferStream] = weakref.WeakSet()
 #: the static allocator's mark-used hook (``xema_mark_used`` through its binding), when installed
 _MARK_USED: Callable[[int, int, int], Any] | None = None
+#: ... and its stream-ordered hook (``xema_stream_ordered``: waiter, other, device)
+_ORDERED: Callable[[int, int, int], Any] | None = None
 
 
 def set_emulated_device(device: Any) -> Any:
@@ -38,10 +40,18 @@ def set_emulated_device(device: Any) -> Any:
     return previous
 
 
-def set_mark_used_hook(hook: Callable[[int, int, int], Any] | None) -> None:
-    """``hook(ptr, stream, device)``: the static allocator's ``mark_used`` (installed with it)."""
-    global _MARK_USED
-    _MARK_USED = hook
+def set_mark_used_hook(hook: Callable[[int, int, int], Any] | None,
+                       ordered: Callable[[int, int, int], Any] | None = None) -> None:
+    """``hook(ptr, stream, device)``: the static allocator's ``mark_used``; ``ordered(waiter, other,
+    device)``: its ``stream_ordered`` (both installed with it)."""
+    global _MARK_USED, _ORDERED
+    _MARK_USED, _ORDERED = hook, ordered
+
+
+def _ordered(waiter: Any, other: Any, device: torch.device) -> None:
+    """Tell the static allocator ``waiter`` now runs after all of ``other``'s work issued so far."""
+    if _ORDERED is not None and device.type == "cuda":
+        _ORDERED(int(waiter.cuda_stream), int(other.cuda_stream), device.index or 0)
 
 
 def _emulated(device: torch.device) -> Any:
@@ -115,6 +125,7 @@ class TransferStream:
         self._held: list[torch.Tensor] = []
         if device.type == "meta":
             _META_STREAMS.add(self)
+        self._last: Any = None  # the latest event recorded: waiting on it orders after everything issued
         if self.emulated is not None:
             self.stream: Any = self.emulated.new_stream()
         else:
@@ -139,6 +150,7 @@ class TransferStream:
             return self.emulated.record(self.stream)
         event = torch.cuda.Event()
         event.record(self.stream)
+        self._last = event
         return event
 
     def after_compute(self) -> None:
@@ -149,7 +161,9 @@ class TransferStream:
         if self.emulated is not None:
             self.emulated.wait_stream(self.stream, self.emulated.compute)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(compute)
+            _ordered(self.stream, compute, self.device)
 
     def wait(self, event: Any, tensors: list[torch.Tensor]) -> None:
         """Order the compute stream after ``event`` and mark ``tensors`` (allocated on the side
@@ -164,6 +178,8 @@ class TransferStream:
         else:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
+            if event is self._last:  # after everything issued on the side stream so far
+                _ordered(current, self.stream, self.device)
         for t in tensors:
             mark_used(t, current)
 
