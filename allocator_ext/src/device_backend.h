@@ -81,6 +81,7 @@ class CudaBackend final : public Backend {
   using EventRecordFn = int (*)(void*, void*);
   using EventQueryFn = int (*)(void*);
   using EventDestroyFn = int (*)(void*);
+  using GetLastErrorFn = int (*)();
 
   bool ensure_loaded(std::string& error) noexcept;
   std::string describe(int code) const noexcept;
@@ -96,6 +97,7 @@ class CudaBackend final : public Backend {
   EventRecordFn event_record_ = nullptr;
   EventQueryFn event_query_ = nullptr;
   EventDestroyFn event_destroy_ = nullptr;
+  GetLastErrorFn get_last_error_ = nullptr;
 };
 
 }  // namespace xema::runtime
