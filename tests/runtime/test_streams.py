@@ -61,16 +61,16 @@ class Emulated:
         return self.platform.device_emulation.hazards
 
     def stats(self) -> Any:
-        return self.worker.allocator.stats()
+        return self.worker.allocator.stats(device=self.worker.alloc_device)
 
     def close(self) -> None:
         self.worker.shutdown()
         self.platform.uninstall()
         gc.collect()
-        alloc = self.worker.allocator
-        alloc.poll()
-        if alloc.stats().live_blocks == 0 and alloc.stats().pending_blocks == 0:
-            alloc.release()
+        alloc, d = self.worker.allocator, self.worker.alloc_device
+        alloc.poll(device=d)
+        if alloc.stats(device=d).live_blocks == 0 and alloc.stats(device=d).pending_blocks == 0:
+            alloc.release(device=d)
 
 
 @pytest.fixture
