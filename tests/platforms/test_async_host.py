@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.host_arena import alloc, device  # noqa: F401 - fixtures
+from xema_ray.allocator.emulated import locate
 from xema_ray.allocator.runtime import StaticAllocator
 from xema_ray.platforms import streams
 from xema_ray.platforms.async_host import AsyncHostDevice, StreamHazard
@@ -25,7 +26,7 @@ def make(alloc: StaticAllocator, device: int) -> Iterator:  # type: ignore[type-
     made: list = []
 
     def build(**kw: object) -> AsyncHostDevice:
-        dev = AsyncHostDevice(str(alloc.library_path), device, lambda p: alloc.locate(p, device=device), **kw)  # type: ignore[arg-type]
+        dev = AsyncHostDevice(str(alloc.library_path), device, lambda p: locate(alloc, p, device), **kw)  # type: ignore[arg-type]
         made.append(dev.installed())
         made[-1].__enter__()
         return dev

@@ -23,5 +23,16 @@ def install_host_allocator(platform: Any, device: int = 0) -> StaticAllocator:
     if getattr(platform, "allocator_backend", None) != "host":
         raise ValueError(f"the {getattr(platform, 'name', platform)} platform has no host-arena device")
     alloc = StaticAllocator("host")
-    platform.install_allocator(str(alloc.library_path), device, lambda ptr: alloc.locate(ptr, device=device))
+    platform.install_allocator(str(alloc.library_path), device, lambda ptr: locate(alloc, ptr, device))
     return alloc
+
+
+def locate(alloc: StaticAllocator, ptr: int, device: int = 0) -> str:
+    """Where ``ptr`` lies in ``device``'s arena: "offset 0x... of the static region" (or dynamic),
+    else a driver block's address (for messages naming a block)."""
+    s = alloc.stats(device=device)
+    for name, base, size in (("static", s.arena_base, s.static_region_bytes),
+                             ("dynamic", s.dynamic_base, s.dynamic_region_bytes)):
+        if base and base <= ptr < base + size:
+            return f"offset {ptr - base:#x} of the {name} region"
+    return f"driver block {ptr:#x}"

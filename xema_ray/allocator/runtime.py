@@ -444,15 +444,13 @@ class StaticAllocator:
 
     # ------------------------------------------------------------------ stream-ordered frees
     def mark_used(self, ptr: int, stream: int, *, device: int = 0) -> bool:
-        """``stream`` uses the block at ``ptr`` (a storage's address): its free waits for that
-        stream (``xema_mark_used``; what ``Tensor.record_stream`` does for the caching allocator).
-        False when no live block of this allocator starts there (memory it does not own)."""
+        """``stream`` uses the block at ``ptr`` (a storage's address): its free waits for that stream
+        (``xema_mark_used``, the arena's ``record_stream``). False: no live block of ours starts there."""
         _check_device(device)
         return self._lib.c.xema_mark_used(device, ptr, stream) == 0
 
     def stream_ordered(self, waiter: int, other: int, *, device: int = 0) -> int:
-        """``waiter`` waited on a fresh event of ``other``: blocks of ``waiter`` pending for ``other``
-        are free again (``xema_stream_ordered``); how many."""
+        """``waiter`` waited on a fresh event of ``other``: its blocks pending for ``other`` are free; how many."""
         _check_device(device)
         return self._lib.check(self._lib.c.xema_stream_ordered(device, waiter, other), f"stream_ordered on device {device}")
 
@@ -460,16 +458,6 @@ class StaticAllocator:
         """Return the freed blocks whose streams have moved on to the free lists; how many."""
         _check_device(device)
         return self._lib.check(self._lib.c.xema_poll(device), f"poll on device {device}")
-
-    def locate(self, ptr: int, *, device: int = 0) -> str:
-        """Where ``ptr`` lies: "static+0x..." / "dynamic+0x..." (offset in that region) or a
-        driver block's address (for messages naming a block)."""
-        s = self.stats(device=device)
-        for name, base, size in (("static", s.arena_base, s.static_region_bytes),
-                                 ("dynamic", s.dynamic_base, s.dynamic_region_bytes)):
-            if base and base <= ptr < base + size:
-                return f"offset {ptr - base:#x} of the {name} region"
-        return f"driver block {ptr:#x}"
 
     def host_stream_progress(self, stream: int, issued: int, completed: int) -> None:
         """Host backend: ``stream`` has ``issued`` units of work of which ``completed`` ran."""

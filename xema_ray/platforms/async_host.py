@@ -29,8 +29,8 @@ Example:
     >>> import torch
     >>> from xema_ray.allocator.runtime import StaticAllocator, default_library_path
     >>> alloc = StaticAllocator("host")
-    >>> alloc.reserve(0, 1 << 20, device=9)
-    >>> dev = AsyncHostDevice(str(default_library_path()), device_index=9, locate=lambda p: alloc.locate(p, device=9))
+    >>> alloc.reserve(0, 1 << 20, device=63)
+    >>> dev = AsyncHostDevice(str(default_library_path()), device_index=63)
     >>> with dev.installed(), dev.running():
     ...     x = torch.ones(4) * 2
     ...     dev.is_device_tensor(x)
