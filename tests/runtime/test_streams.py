@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from xema_ray.allocator.artifact import save_artifact
-from xema_ray.measure.layout_solve import solve_entry_layout
+from xema_ray.allocator.emulated import recorded_layout
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms.async_host import make_async_host_platform
@@ -82,8 +82,14 @@ def emulated() -> Iterator[list[Emulated]]:
 
 
 def _with_layout(config: ExecutionConfig, tmp_path: Path) -> ExecutionConfig:
-    """``config`` with its layout solved from the worker's own stream (as ``xema plan`` does)."""
-    art = solve_entry_layout(config, gpu="any")
+    """``config`` with its layout solved from the emulated device's own recorded compute stream (as
+    the GPU check records a GPU's), so the armed batch follows its plan to the end and the static
+    region's offsets are really reused while side-stream copies are in flight."""
+    e = Emulated((config,))
+    try:
+        art = recorded_layout(e.worker.allocator, e.worker.alloc_device, lambda: e.worker.execute(_batch(config)), config)
+    finally:
+        e.close()
     save_artifact(art, tmp_path)
     return config.model_copy(update={"layout_ref": art.layout_id})
 
@@ -93,7 +99,7 @@ def test_activation_offload_armed_with_a_layout(emulated: list[Emulated], tmp_pa
     e = Emulated((config,), tmp_path)
     emulated.append(e)
     result = e.worker.execute(_batch(config))
-    assert result.layout_armed and result.layout_hits > 0
+    assert result.layout_armed and result.layout_hits > 0 and result.layout_misses == 0
     assert e.hazards == []
     assert result.outputs[0].data == _plain(COG)
     s = e.stats()
@@ -116,7 +122,7 @@ def test_block_offload_armed(emulated: list[Emulated], tmp_path: Path) -> None:
     e = Emulated((config,), tmp_path)
     emulated.append(e)
     result = e.worker.execute(_batch(config))
-    assert result.layout_armed and e.hazards == []
+    assert result.layout_armed and result.layout_misses == 0 and e.hazards == []
     assert result.outputs[0].data == _plain(FLUX)
     # the onloaded weights the compute stream read were kept until it had passed them
     assert e.stats().deferred_frees > 0

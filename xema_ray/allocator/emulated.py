@@ -7,9 +7,16 @@ Explicit, never at import: a worker started with ``static_allocator=True`` on a 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from xema_ray.allocator.artifact import LayoutArtifact, content_id
 from xema_ray.allocator.runtime import StaticAllocator
+from xema_ray.allocator.solver import solve_arrays
+from xema_ray.platforms.async_host import COMPUTE_HANDLE
+
+if TYPE_CHECKING:
+    from xema_ray.plan import ExecutionConfig
 
 
 def install_host_allocator(platform: Any, device: int = 0) -> StaticAllocator:
@@ -36,3 +43,24 @@ def locate(alloc: StaticAllocator, ptr: int, device: int = 0) -> str:
         if base and base <= ptr < base + size:
             return f"offset {ptr - base:#x} of the {name} region"
     return f"driver block {ptr:#x}"
+
+
+def recorded_layout(alloc: StaticAllocator, device: int, run: Callable[[], object], config: ExecutionConfig) -> LayoutArtifact:
+    """The layout of ``config`` solved from the stream ``run`` makes on the emulated device's compute
+    stream (recorded by the arena itself, frees where the arena made them: deferred frees included),
+    as ``make gpu-check`` records a GPU's. A worker arming it on the emulated device hits its plan
+    allocation for allocation, so the static region's offsets are really reused there.
+
+    Args:
+        alloc: the host allocator the emulated device allocates from.
+        device: its device index.
+        run: one batch of ``config`` on a worker of that device, disarmed.
+        config: the entry (its hash and template go into the artifact).
+    """
+    with alloc.record(device=device) as rec:
+        run()
+    trace = rec.trace(stream=COMPUTE_HANDLE)
+    layout = solve_arrays(trace.size, trace.begin, trace.end, n_events=trace.n_events)
+    layout.verify()
+    return LayoutArtifact(layout_id=content_id(layout), gpu="any", template=config.template.shape_key,
+                          config_hash=config.config_hash(), steps=config.template.steps, layout=layout.to_file())
