@@ -19,7 +19,7 @@ from xema_ray.allocator.artifact import save_artifact
 from xema_ray.allocator.emulated import recorded_layout
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig, Mitigation
-from xema_ray.platforms.async_host import make_async_host_platform
+from xema_ray.platforms.async_host import OnHazard, make_async_host_platform
 from xema_ray.runtime import Batch, GenerationRequest
 from xema_ray.runtime.pause import PausedRun
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
@@ -50,8 +50,9 @@ def _plain(t: RequestTemplate, seed: int = 1) -> bytes:
 class Emulated:
     """A worker on the emulated asynchronous device, with the host arena as its memory."""
 
-    def __init__(self, plans: tuple[ExecutionConfig, ...], layouts_dir: Path | None = None) -> None:
-        self.platform = make_async_host_platform()
+    def __init__(self, plans: tuple[ExecutionConfig, ...], layouts_dir: Path | None = None,
+                 on_hazard: OnHazard = "raise") -> None:
+        self.platform = make_async_host_platform(on_hazard=on_hazard)
         self.worker = Worker(platform=self.platform, static_allocator=True)
         self.worker.init_device(ParallelConfig(rank=0, world_size=1))
         self.worker.load_model(ModelLoadConfig(model=plans[0].template.model, plans=plans, layouts_dir=layouts_dir))
@@ -85,7 +86,7 @@ def _with_layout(config: ExecutionConfig, tmp_path: Path) -> ExecutionConfig:
     """``config`` with its layout solved from the emulated device's own recorded compute stream (as
     the GPU check records a GPU's), so the armed batch follows its plan to the end and the static
     region's offsets are really reused while side-stream copies are in flight."""
-    e = Emulated((config,))
+    e = Emulated((config,), on_hazard="record")  # the stream is what it records; the armed run checks
     try:
         art = recorded_layout(e.worker.allocator, e.worker.alloc_device, lambda: e.worker.execute(_batch(config)), config)
     finally:

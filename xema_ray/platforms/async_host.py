@@ -59,6 +59,8 @@ OnHazard = Literal["raise", "record"]
 #: the compute stream's handle: the one the static allocator's plans are armed on (host backend: 0)
 COMPUTE_HANDLE = 0
 _CPU = torch.device("cpu")
+#: side-stream handles, unique in the process: the arena's host-stream progress table is the process's
+_HANDLES = itertools.count(0x51DE0001)
 
 
 class StreamHazard(RuntimeError):
@@ -183,7 +185,6 @@ class AsyncHostDevice:
         self.on_hazard: OnHazard = on_hazard
         self.compute = Stream(COMPUTE_HANDLE, "compute")
         self.streams: dict[int, Stream] = {COMPUTE_HANDLE: self.compute}
-        self._handles = itertools.count(0x51DE0001)
         self._ids = itertools.count(1)
         self.blocks: dict[int, Block] = {}  # live arena blocks by address
         self.freed: list[Block] = []  # freed blocks other streams' unfinished work still used
@@ -235,7 +236,7 @@ class AsyncHostDevice:
     # ------------------------------------------------------------------ streams and events
     def new_stream(self) -> Stream:
         with self._lock:
-            s = Stream(next(self._handles), f"side-{len(self.streams)}")
+            s = Stream(next(_HANDLES), f"side-{len(self.streams)}")
             self.streams[s.handle] = s
             return s
 
@@ -268,6 +269,11 @@ class AsyncHostDevice:
             self._lib.xema_stream_ordered(self.device_index, waiter.handle, event.stream.handle)
         if waiter is self.compute or self.policy == "eager":
             self.run_until(event.stream, event.seq)
+        elif event.stream is not self.compute:
+            # a side stream waits on another: its next work runs after that stream's, whenever it
+            # runs (a barrier in its queue keeps the order transitive at the latest legal point)
+            other, seq = event.stream, event.seq
+            self.enqueue(waiter, lambda: self.run_until(other, seq))
 
     def wait_stream(self, waiter: Stream, other: Stream) -> None:
         self.wait_event(waiter, self.record(other))
