@@ -257,7 +257,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             renamed[ref] = art.layout_id
             print(f"{key:<32} solved {art.layout_id}, the table named {ref}: written, the table updated")
         save_artifact(art, folder)
-        print(f"{key:<32} {ref} solved in {time.perf_counter() - t0:.1f} s")
+        print(f"{key:<32} {art.layout_id} solved in {time.perf_counter() - t0:.1f} s")
     if renamed:
         # the ids are content hashes, unique in the file: replace them where they stand (the rest
         # of the table, byte for byte as planned)
