@@ -149,6 +149,14 @@ class Worker(WorkerBase):
                 self.arm_layout = arm_layout or self._arm
             # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
             pin_kernels()
+        elif static_allocator and self.platform.allocator_backend == "host":
+            # the emulated asynchronous device (tests): the host arena is its device memory
+            from xema_ray.allocator.emulated import install_host_allocator
+            from xema_ray.allocator.host_tensors import claim_host_device
+
+            self.alloc_device = claim_host_device()
+            self.allocator = install_host_allocator(self.platform, self.alloc_device)
+            self.arm_layout = arm_layout or self._arm
         elif static_allocator and self.platform.name == "cpu":
             # the host arena stands in for the device: each batch's tensors are mirrored into it, so
             # its layouts arm, its limit (the budget) holds and out of memory fails the batch as on CUDA
