@@ -348,6 +348,21 @@ def test_the_record_is_written_before_pydantic_is_imported(tmp_path: Path) -> No
     assert proc.returncode == 1 and any("pydantic" in e["message"] for e in record["collection_errors"]), record
 
 
+def test_the_kit_is_checked_against_version_specifiers() -> None:
+    kit = _load("gpu_kit_check", ROOT / "gpu_check" / "gpu_kit.py")
+    device = kit.device_packages(ROOT / "gpu_check" / "gpu_device_packages.txt")
+    assert device["torch"] == "2.11.0" and device["transformers"] == "5.17.0" and device["huggingface-hub"] == "1.33.0"
+    pins = {"pydantic": "2.14.4", "typing-extensions": "4.16.0"}
+    assert kit.check_requirement("huggingface-hub>=0.34,<2.0", pins, device)[0] == "ok"
+    verdict, why = kit.check_requirement("huggingface-hub>=2.0", pins, device)
+    assert verdict == "unmet" and "the machine has huggingface-hub 1.33.0" in why  # the name alone would pass
+    assert kit.check_requirement("typing-extensions>=4.17", pins, device)[0] == "unmet"  # the kit's pin, too old
+    assert kit.check_requirement("torch>=2.11,<2.14", pins, device)[0] == "ok"  # the project's range vs 2.11.0+cu130
+    assert kit.check_requirement("pillow>=10", pins, device)[0] == "unverified"  # there, version never read here
+    assert kit.check_requirement("ray>=2.40", pins, device)[0] == "unmet"
+    assert kit.check_requirement('tomli>=1.1; python_version < "3.11"', pins, device)[0] == "not-needed"
+
+
 def test_the_residency_check_pins_within_its_stated_share() -> None:
     residency = _load("residency_gpu_check", ROOT / "tests" / "gpu" / "test_residency_gpu.py")
     from xema_ray.plan import PlanTable
