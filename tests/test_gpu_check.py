@@ -391,3 +391,56 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
+
+
+#: the device's versions this machine's venv does not have (gpu_check/gpu_device_packages.txt), and what
+#: huggingface_hub 1.33 needs that its 2.x here does not (httpx; the machine has it, version not read)
+DEVICE_PINNED = ("transformers", "huggingface-hub", "tokenizers")
+DEVICE_EXTRA = ("httpx<1", "httpcore<2")
+
+
+def _device_overlay() -> Path:
+    """A folder holding the GPU machine's transformers, huggingface_hub and tokenizers (installed once by
+    pip, --no-deps, into .venv/; put first on PYTHONPATH it shadows the venv's newer ones). Skips, with
+    pip's reason, where the registry cannot be reached."""
+    import fcntl
+    import hashlib
+
+    device = dict(line.split("==") for line in (ROOT / "gpu_check" / "gpu_device_packages.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    wanted = [f"{n}=={device[n]}" for n in DEVICE_PINNED] + list(DEVICE_EXTRA)
+    overlay = Path(sys.prefix) / "device-versions" / hashlib.sha256(" ".join(wanted).encode()).hexdigest()[:12]
+    overlay.parent.mkdir(exist_ok=True)
+    with open(overlay.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (overlay / ".complete").exists():
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                                   "--upgrade", "--target", str(overlay), *wanted], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                pytest.skip(f"pip could not install the device's versions here ({' '.join(wanted)}): "
+                            f"{proc.stderr.strip()[-400:]}")
+            (overlay / ".complete").write_text(" ".join(wanted))
+    return overlay
+
+
+def test_dry_run_with_the_devices_transformers_and_huggingface_hub(tmp_path: Path) -> None:
+    """The issue's rehearsal: `bench/gpu_check.py --dry-run` under the GPU machine's transformers 5.17 and
+    huggingface_hub 1.33 (tokenizers 0.23.2), everything it lacks blocked: 0 collection errors. Python
+    stays 3.11 (no 3.12 here) and torch 2.13+cpu (PyPI's torch 2.11 is the CUDA build, GBs with its
+    nvidia wheels; no CPU 2.11 wheel is reachable here)."""
+    overlay = _device_overlay()
+    env = _rehearsal_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"].split(os.pathsep)[0], str(overlay),
+                                         *env["PYTHONPATH"].split(os.pathsep)[1:]])
+    probe = subprocess.run([sys.executable, "-c", "import transformers, huggingface_hub; "
+                            "print(transformers.__version__, huggingface_hub.__version__)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["5.17.0", "1.33.0"], probe.stdout + probe.stderr
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ENTRY), "--dry-run", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    record = read_record(out)
+    assert record["versions"]["transformers"] == "5.17.0" and record["versions"]["huggingface-hub"] == "1.33.0"
+    assert record["collection_errors"] == [], record["collection_errors"]
+    assert proc.returncode == 0 and len(record["collected"]) >= 14, proc.stdout + proc.stderr
