@@ -371,9 +371,12 @@ def test_the_residency_check_pins_within_its_stated_share() -> None:
     share = int(gpu_plan.DEVICE_RAM_BYTES * gpu_plan.HOST_PIN_SHARE)
     host = residency.host_plan(planned, share)
     assert host.predicted_bytes <= share
-    # unbudgeted, the planned blocks and the streamed encoder pin the issue's ~104 GiB (power-of-two blocks)
-    assert 100 * 2**30 < host.planned_blocks_bytes + host.encoder_bytes < 108 * 2**30
-    assert not host.layerwise and host.text_encoder == "none" and len(host.held_back) == 2, host
+    # unbudgeted, the planned blocks and the streamed encoder pin the issue's ~104 GiB with power-of-two
+    # blocks (68.5 GiB packed exactly): the encoder cannot stream beside them within half the RAM
+    together = host.planned_blocks_bytes + host.encoder_bytes
+    assert (66 if host.packed else 100) * 2**30 < together < (70 if host.packed else 108) * 2**30, host
+    assert host.text_encoder == "none" and any("text encoder" in h for h in host.held_back), host
+    assert host.layerwise == (host.all_blocks_bytes <= share), host  # 58.5 GiB packed fits, 92.0 GiB does not
     assert residency.pinned_bytes([3 * 2**20, 2**20, 0]) == 5 * 2**20
 
 

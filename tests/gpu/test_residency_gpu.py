@@ -12,7 +12,8 @@ Host memory: the test pins at most ``$XEMA_GPU_HOST_BUDGET_BYTES`` (the GPU chec
 share of the machine's RAM: gpu_check/gpu_plan.py, 50 % of 128 GiB; run alone, 50 % of MemTotal).
 Pinned host blocks are rounded up to a power of two by torch's host allocator, per tensor, so
 before loading it predicts each variant's pinned bytes that way (the planned 18 blocks 35.0 GiB,
-all 56 blocks 92.0 GiB, the streamed Mistral-3 encoder 71.1 GiB) and runs only the variants that
+all 56 blocks 92.0 GiB, the streamed Mistral-3 encoder 69.1 GiB; exact sizes where the weights are
+packed into exact-size registered buffers: 23.8, 58.5, 44.7 GiB) and runs only the variants that
 fit: the encoder streamed only if it fits beside the planned blocks (else stand-in embeddings),
 layerwise only if all blocks fit. What it leaves out is recorded with the figures
 (``held_back``), and the measured pinned bytes (``torch.cuda.host_memory_stats``) are checked
@@ -53,10 +54,19 @@ def host_pin_budget() -> int:
     return kib * 1024 // 2
 
 
-def pinned_bytes(sizes: Iterable[int]) -> int:
+def pinned_bytes(sizes: Iterable[int], packed: bool = False) -> int:
     """What pinning tensors of ``sizes`` bytes holds: torch's host allocator rounds each block up to a
-    power of two (``torch.cuda.host_memory_stats``' own description)."""
-    return sum(1 << (n - 1).bit_length() for n in sizes if n > 0)
+    power of two (``torch.cuda.host_memory_stats``' own description); weights packed into one
+    exact-size registered buffer per component (``packed``) hold their bytes."""
+    return sum(sizes) if packed else sum(1 << (n - 1).bit_length() for n in sizes if n > 0)
+
+
+def weights_packed() -> bool:
+    """Whether host-homed weights are packed into exact-size page-locked buffers (xema_ray.platforms.host_memory)
+    rather than pinned tensor by tensor."""
+    import importlib.util
+
+    return importlib.util.find_spec("xema_ray.platforms.host_memory") is not None
 
 
 def _tensor_sizes(modules: Iterable[torch.nn.Module]) -> list[int]:
@@ -75,6 +85,7 @@ class HostPlan:
     """Which variants run within the host-pin budget, and what each would pin."""
 
     budget_bytes: int
+    packed: bool
     planned_blocks_bytes: int
     all_blocks_bytes: int
     encoder_bytes: int
@@ -91,21 +102,27 @@ class HostPlan:
 def host_plan(planned: ExecutionConfig, budget: int) -> HostPlan:
     """The pinned bytes of each variant (built on meta: no memory) and the variants that fit ``budget``."""
     from xema_ray.models import get_model_spec
-    from xema_ray.models.loading import build_on_meta
     from xema_ray.models.text_encoders import build_encoder_on_meta
+
+    try:  # where the meta builder lives moves with the host-packing work; either place builds the same tree
+        from xema_ray.models.meta_build import build_on_meta  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        from xema_ray.models.loading import build_on_meta  # type: ignore[no-redef,attr-defined,unused-ignore]
 
     spec = get_model_spec("flux2")
     transformer = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.bfloat16)
     blocks = [b for _, b in spec.dit_blocks(transformer)]
     host = Residency.of_config(planned).host_blocks
+    packed = weights_packed()
     encoder_bytes = 0
     if planned.text_encoder == "streamed" and spec.text_encoder is not None:
         encoder = build_encoder_on_meta(spec.text_encoder, torch.bfloat16)
         prefixes = spec.text_encoder.streamed_host_modules()
         encoder_bytes = pinned_bytes(_tensor_sizes(
-            m for n, m in encoder.named_modules() if any(n == p or n.startswith(p + ".") for p in prefixes)))
-    plan = HostPlan(budget_bytes=budget, planned_blocks_bytes=pinned_bytes(_tensor_sizes(blocks[i] for i in host)),
-                    all_blocks_bytes=pinned_bytes(_tensor_sizes(blocks)), encoder_bytes=encoder_bytes,
+            m for n, m in encoder.named_modules() if any(n == p or n.startswith(p + ".") for p in prefixes)), packed)
+    plan = HostPlan(budget_bytes=budget, packed=packed,
+                    planned_blocks_bytes=pinned_bytes(_tensor_sizes(blocks[i] for i in host), packed),
+                    all_blocks_bytes=pinned_bytes(_tensor_sizes(blocks), packed), encoder_bytes=encoder_bytes,
                     text_encoder="streamed" if encoder_bytes else "none")
     if plan.text_encoder == "streamed" and plan.planned_blocks_bytes + encoder_bytes > budget:
         plan.text_encoder = "none"
