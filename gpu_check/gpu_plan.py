@@ -88,7 +88,7 @@ PLAN: tuple[PlannedTest, ...] = (
                 expected_s=83, timeout_s=180, files=("device-allocs-flux2_1024x1024.json",), needs=_ALLOC,
                 what="Flux.2 1024², 1 step, 48 GB offload plan: caching run + recording, armed run (2 builds)"),
     # part 2: residency, offload latency, preemption, measured planning, then what other issues add
-    PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=75, timeout_s=220,
+    PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220,
                 what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
     PlannedTest(match="tests/mitigation/test_offload_gpu.py::", part=2, expected_s=36, timeout_s=120,
                 what="Flux.2 1024² step latency: no / selective / layerwise offload (Figure 4)"),

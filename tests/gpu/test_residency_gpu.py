@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,10 +105,7 @@ def host_plan(planned: ExecutionConfig, budget: int) -> HostPlan:
     from xema_ray.models import get_model_spec
     from xema_ray.models.text_encoders import build_encoder_on_meta
 
-    try:  # where the meta builder lives moves with the host-packing work; either place builds the same tree
-        from xema_ray.models.meta_build import build_on_meta  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        from xema_ray.models.loading import build_on_meta  # type: ignore[no-redef,attr-defined,unused-ignore]
+    build_on_meta = _meta_builder()
 
     spec = get_model_spec("flux2")
     transformer = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.bfloat16)
@@ -134,6 +132,18 @@ def host_plan(planned: ExecutionConfig, budget: int) -> HostPlan:
         plan.held_back.append(f"layerwise offload: all blocks pin {plan.all_blocks_bytes / GIB:.1f} GiB > the "
                               f"{budget / GIB:.1f} GiB budget (tests/mitigation/test_offload_gpu.py times it alone)")
     return plan
+
+
+def _meta_builder() -> Any:
+    """``build_on_meta``, from xema_ray.models.meta_build where the host-packing work moved it, else
+    from xema_ray.models.loading (the same tree either way)."""
+    import importlib
+    import importlib.util
+
+    for name in ("xema_ray.models.meta_build", "xema_ray.models.loading"):
+        if importlib.util.find_spec(name) is not None and hasattr(module := importlib.import_module(name), "build_on_meta"):
+            return module.build_on_meta
+    raise ImportError("no build_on_meta in xema_ray.models.meta_build or xema_ray.models.loading")
 
 
 def _pinned_now() -> dict[str, int]:
