@@ -74,7 +74,9 @@ PLAN: tuple[PlannedTest, ...] = (
     PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[cogvideox",
                 part=1, expected_s=40, timeout_s=120, what="analyzer vs max_memory_allocated, CogVideoX-5B 2 steps"),
     PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=1, expected_s=13, timeout_s=60,
-                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block)"),
+                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),
+    PlannedTest(match="tests/gpu/test_out_of_memory_cuda.py::", part=1, expected_s=25, timeout_s=150, needs=_ALLOC,
+                what="an over-budget request raises instead of faulting (static allocator); the next batch runs"),
     # the headline: the armed static allocator (needs allocator_ext built by the prep)
     PlannedTest(match=_A + "test_install_refuses_after_cuda_initialized", part=1, expected_s=13, timeout_s=60,
                 needs=_ALLOC, what="libxema_alloc refuses once CUDA is initialised"),
@@ -87,17 +89,22 @@ PLAN: tuple[PlannedTest, ...] = (
     PlannedTest(match=_A + "test_flux2_1024_offload_plan_under_48gb_with_the_layout_armed", part=1,
                 expected_s=83, timeout_s=180, files=("device-allocs-flux2_1024x1024.json",), needs=_ALLOC,
                 what="Flux.2 1024², 1 step, 48 GB offload plan: caching run + recording, armed run (2 builds)"),
-    # part 2: residency, offload latency, preemption, measured planning, then what other issues add
+    # part 2: stream safety (the armed allocator under activation offload), residency, offload latency,
+    # then the long ones (preemption, measured planning), which the 900 s leave the least likely to start
+    PlannedTest(match="tests/gpu/test_streams_gpu.py::", part=2, expected_s=110, timeout_s=330, needs=_ALLOC,
+                files=("device-allocs-cogvideox-5b_720x480x49_activation_offload.json",),
+                what="CogVideoX-5B 720x480x49 with the VAE's conv caches offloaded on a side stream, armed = "
+                     "caching allocator bitwise (deferred frees): the 102 s armed check plus the copies"),
     PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220,
                 what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
     PlannedTest(match="tests/mitigation/test_offload_gpu.py::", part=2, expected_s=36, timeout_s=120,
                 what="Flux.2 1024² step latency: no / selective / layerwise offload (Figure 4)"),
+    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=2, expected_s=6,
+                timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU)"),
     PlannedTest(match="tests/gpu/test_preemption_gpu.py::", part=2, expected_s=89, timeout_s=200,
                 what="CogVideoX-5B pause/resume bitwise, state on device and on the host"),
     PlannedTest(match="tests/gpu/test_planner_measured_gpu.py::", part=2, expected_s=113, timeout_s=240,
                 what="measured planning of Flux.2 1024² and CogVideoX-5B 720x480x49"),
-    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=2, expected_s=6,
-                timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU)"),
 )
 
 _MARKER_KEYS = ("part", "expected_s", "timeout_s", "needs", "files", "what")
