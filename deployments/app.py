@@ -24,7 +24,7 @@ from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
-from xema_ray.serving.startup import paused_host_bytes, served_templates
+from xema_ray.serving.startup import paused_host_bytes, preflight, served_templates
 from xema_ray.serving.api.stats import Stats
 from xema_ray.serving.group.worker_set import WORKER_KINDS
 
@@ -109,6 +109,7 @@ def build_app(args: dict[str, Any]) -> Application:
         logger.warning(exposed)
         print(f"WARNING: {exposed}", flush=True)
     templates = served_templates(cfg)
+    preflight(cfg)  # weights and Redis: a clear start-up error, never a failure at the first request
     table, spare_host = load_or_plan(cfg, templates)
     reference = table
     if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)

@@ -149,6 +149,7 @@ class ModelGroup(PublishesSummary):
             self._tell_phases(k, est)
         # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
         load = ModelLoadConfig(model=model, weights_dir=config.weights_dir, residency=config.residency or "per_template",
+                               dtype=config.dtype, component_dtypes=config.component_dtypes,
                                plans=tuple(e.config for _, e in sorted(self.entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
         device = s.device
