@@ -167,6 +167,17 @@ def test_error_raised_if_weights_dir_cannot_serve(published: Path, tmp_path: Pat
     shutil.rmtree(d / "vocoder")
     with pytest.raises(WeightsDirError, match=r"has no vocoder folder\(s\) \(incomplete download\?\)"):
         check_weights_dir("ltx2", "tiny-ltx2", d)
+    d2 = tmp_path / "tiny-cogvideox"
+    shutil.copytree(published / "tiny-cogvideox", d2)
+    next((d2 / "transformer").glob("*-00002-of-*.safetensors")).unlink()  # an interrupted download
+    with pytest.raises(WeightsDirError, match=r"transformer lacks 1 of the \d+ shards its index names, "
+                                              r"e.g. diffusion_pytorch_model-00002-of-\d+.safetensors"):
+        check_weights_dir("cogvideox", "tiny-cogvideox", d2)
+    (d2 / "vae" / "config.json").unlink()
+    shutil.rmtree(d2 / "transformer")
+    shutil.copytree(published / "tiny-cogvideox" / "transformer", d2 / "transformer")
+    with pytest.raises(WeightsDirError, match=r"vae/config.json is missing"):
+        check_weights_dir("cogvideox", "tiny-cogvideox", d2)
     with pytest.raises(WeightsDirError, match=r"is a 'CogVideoXPipeline' directory, tiny-flux2 needs a Flux2Pipeline one"):
         check_weights_dir("flux2", "tiny-flux2", published / "tiny-cogvideox")
     (d / "model_index.json").unlink()

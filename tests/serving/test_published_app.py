@@ -106,3 +106,15 @@ def test_error_raised_at_start_up_if_redis_does_not_answer(published: Path) -> N
                                          "timeout_s": 0.5}}
     with pytest.raises(StartupError, match=r"jobs.redis_url redis://127.0.0.1:\d+/0: no Redis answers .*start one"):
         preflight(ServeConfig.model_validate(args))
+
+
+def test_start_up_warns_if_the_cluster_lacks_the_gpus(published: Path) -> None:
+    from xema_ray.serving.startup import gpu_shortfall
+
+    args = {**_args(published), "device": "cuda"}
+    args["models"][0]["workers"] = 4
+    cfg = ServeConfig.model_validate(args)
+    assert gpu_shortfall(cfg, 0.0) is not None and gpu_shortfall(cfg, 0.0).startswith(  # type: ignore[union-attr]
+        "device: cuda: the groups' workers ask for 6 GPUs (tiny-flux2 4, tiny-cogvideox 1, tiny-ltx2 1), "
+        "the Ray cluster has 0 now")
+    assert gpu_shortfall(cfg, 8.0) is None

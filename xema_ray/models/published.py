@@ -137,3 +137,25 @@ def check_weights_dir(family: str, model: str, directory: Path, text_encoder: bo
     missing = [c for c in needed if not (directory / c).is_dir()]
     if missing:
         raise WeightsDirError(f"{model}: {directory} has no {', '.join(missing)} folder(s) (incomplete download?); {hint}")
+    for c in needed:
+        if c != "tokenizer":
+            _check_component(directory / c, model, hint)
+
+
+def _check_component(folder: Path, model: str, hint: str) -> None:
+    """A weights folder has its config.json and every shard its index names (an interrupted
+    download leaves them out: found here, not by a worker half-way through loading)."""
+    if not (folder / "config.json").is_file():
+        raise WeightsDirError(f"{model}: {folder}/config.json is missing (incomplete download?); {hint}")
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        try:
+            shards = set(json.loads(indexes[0].read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise WeightsDirError(f"{model}: {indexes[0]} is not a safetensors index ({e!r})") from None
+        lost = sorted(f for f in shards if not (folder / f).is_file())
+        if lost:
+            raise WeightsDirError(f"{model}: {folder} lacks {len(lost)} of the {len(shards)} shards its index names, "
+                                  f"e.g. {lost[0]} (incomplete download?); {hint}")
+    elif not any(folder.glob("*.safetensors")):
+        raise WeightsDirError(f"{model}: {folder} has no *.safetensors weights (incomplete download?); {hint}")

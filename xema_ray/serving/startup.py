@@ -135,3 +135,18 @@ def redis_problem(url: str, timeout_s: float) -> str | None:
         return (f"jobs.redis_url {url}: no Redis answers ({type(e).__name__}: {e}); start one (redis-server "
                 "--port 6379, or your distribution's redis service) or set jobs.backend: sqlite on a single node")
     return None
+
+
+def gpu_shortfall(cfg: ServeConfig, cluster_gpus: float) -> str | None:
+    """On ``device: cuda``, what is missing when the Ray cluster has fewer GPUs than the groups'
+    workers ask for (Serve would wait for them without saying why); None if they fit. A warning,
+    not an error: a cluster autoscaler (KubeRay) adds GPU nodes for the pending bundles."""
+    if cfg.device != "cuda":
+        return None
+    asked = {g.model: g.workers * g.replicas for g in cfg.models}
+    if sum(asked.values()) <= cluster_gpus:
+        return None
+    return (f"device: cuda: the groups' workers ask for {sum(asked.values())} GPUs ("
+            + ", ".join(f"{m} {n}" for m, n in asked.items()) + f"), the Ray cluster has {cluster_gpus:g} now: "
+            "the groups wait for them (nvidia-smi lists the machine's; CUDA_VISIBLE_DEVICES may hide some; without "
+            "an autoscaler adding GPU nodes, they never come: docs/install-gpu.md)")
