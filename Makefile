@@ -46,11 +46,12 @@ serve: install
 serve-emulated: install
 	PYTHONPATH=$(CURDIR) $(PY) -m deployments.emulated_box deployments/xema-a6000x8-emulated.yaml $(if $(PORT),--port $(PORT),)
 
-# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
+# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/;
+# LAYOUT=published lays them out as the real models' Hugging Face repositories are (dtypes, shards, tokenizers).
 checkpoints: install
-	$(PY) -m xema_ray.checkpoints --out checkpoints
+	$(PY) -m xema_ray.checkpoints --out checkpoints $(if $(LAYOUT),--layout $(LAYOUT),)
 
-# The tiny models served from those directories (their own tokenizers and text encoders).
+# The tiny models served from those directories (their own tokenizers and text encoders); LAYOUT=published too.
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 

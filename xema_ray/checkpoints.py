@@ -26,8 +26,18 @@ def write_checkpoint(model: str, out: Path, seed: int = 0, dtype: torch.dtype = 
     """Write ``model``'s pipeline (seeded weights, with its text encoder) to ``out/model``."""
     spec = get_model_spec(model)
     pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=dtype, seed=seed, text_encoder="device"))
-    target = out / model
+    target = _fresh(out / model)
     pipe.save_pretrained(str(target), safe_serialization=True)
+    return target
+
+
+def _fresh(target: Path) -> Path:
+    """``target``, emptied: files of the other layout left beside new ones (a single file next to a
+    shard index) would be read instead of them."""
+    import shutil
+
+    if target.exists():
+        shutil.rmtree(target)
     return target
 
 
@@ -49,8 +59,8 @@ def write_published(model: str, out: Path, seed: int = 0) -> Path:
     spec = get_model_spec(model)
     layout = PUBLISHED[spec.family]
     pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32, seed=seed, text_encoder="device"))
-    target = out / model
-    target.mkdir(parents=True, exist_ok=True)
+    target = _fresh(out / model)
+    target.mkdir(parents=True)
     index: dict[str, object] = {"_class_name": layout.pipeline, "_diffusers_version": diffusers.__version__}
     for name, comp in sorted(layout.components.items()):
         index[name] = [comp.library, comp.class_name]

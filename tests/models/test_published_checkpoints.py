@@ -156,6 +156,8 @@ def test_error_raised_if_component_dtypes_name_the_transformer_or_an_unknown_com
         GroupShape(model="cogvideox-5b", templates=[{"width": 720, "height": 480, "frames": 49}],
                    component_dtypes={"audio_vae": "float32"})
     assert model_dtypes(get_model_spec("ltx2"), None, {"audio_vae": "float32"})[1] == (("audio_vae", torch.float32),)
+    with pytest.raises(ValueError, match=r"dtype\n  Input should be 'float32', 'bfloat16' or 'float16'"):
+        GroupShape(model="cogvideox-5b", templates=[{"width": 720, "height": 480, "frames": 49}], dtype="fp8")
 
 
 def test_error_raised_if_weights_dir_cannot_serve(published: Path, tmp_path: Path) -> None:
@@ -183,3 +185,18 @@ def test_error_raised_if_weights_dir_cannot_serve(published: Path, tmp_path: Pat
     (d / "model_index.json").unlink()
     with pytest.raises(WeightsDirError, match=r"model_index.json is missing"):
         check_weights_dir("ltx2", "tiny-ltx2", d)
+
+
+@pytest.mark.parametrize("base,kept", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["bf16+fp32-vae", "fp32+bf16-vae"])
+def test_trace_of_mixed_dtypes_equals_a_real_cpu_run(base: torch.dtype, kept: torch.dtype) -> None:
+    """The meta trace of a pipeline whose VAE is in another dtype allocates what the same pipeline
+    computing on the CPU allocates, event for event (the cast of the latents included)."""
+    import numpy as np
+
+    t = RequestTemplate(model="tiny-cogvideox", width=32, height=32, frames=5, steps=2)
+    opts = {"dtype": base, "component_dtypes": (("vae", kept),)}
+    cpu = trace_template(t, TraceOptions(device="cpu", replicate=False, **opts))  # type: ignore[arg-type]
+    meta = trace_template(t, TraceOptions(device="meta", count_host=True, **opts))  # type: ignore[arg-type]
+    assert meta.signature() == cpu.signature() and meta.peak() == cpu.peak()
+    np.testing.assert_array_equal(meta.end, cpu.end)
