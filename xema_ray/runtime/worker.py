@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.base import DTypeName, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import SPBackend
@@ -43,9 +44,6 @@ from xema_ray.runtime.worker_base import WorkerBase
 
 ResidencyPolicy = Literal["per_template", "shared"]
 
-DTypeName = Literal["float32", "bfloat16", "float16"]
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ModelLoadConfig(BaseModel):
     """Which model a worker loads, and how."""
@@ -55,6 +53,9 @@ class ModelLoadConfig(BaseModel):
     model: str = Field(description="registry name, e.g. 'tiny-flux2' or 'cogvideox-5b'")
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     dtype: DTypeName | None = Field(default=None, description="None = bfloat16 for real models, float32 for tiny ones")
+    component_dtypes: dict[str, DTypeName] = Field(
+        default_factory=dict, description="components kept in a dtype of their own (e.g. {'vae': 'float32'}, as "
+                                          "CogVideoX-5b stores it); the others are cast to dtype on load")
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
     plans: tuple[ExecutionConfig, ...] = Field(
         default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
@@ -197,10 +198,11 @@ class Worker(WorkerBase):
         for c in load.plans:
             if c.template.model != spec.name:
                 raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
-        dtype = _DTYPES[load.dtype] if load.dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
+        dtype, kept = model_dtypes(spec, load.dtype, load.component_dtypes)
         residency = load.initial_residency()
         self.engine = self.residency = None  # drop the previous model before placing the next
         opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
+                            component_dtypes=kept,
                             host_modules=residency.host_modules(spec), place_on_meta=True,
                             text_encoder=load.encoder_placement())  # type: ignore[arg-type]
         pipe = spec.build_pipeline(opts)
