@@ -172,26 +172,30 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
   }
 
   Backend* owner = arena_backend_;
-  if (ptr == nullptr) {
+  std::string why;
+  // The dynamic region, then the driver; once more after waiting for the pending frees' streams
+  // (memory they hold is the device's, and the caching allocator too synchronises before failing).
+  for (int attempt = 0; ptr == nullptr && attempt < 2; ++attempt) {
+    if (attempt == 1 && (pending_.empty() || drain_pending_locked() == 0)) break;
     const uint64_t tag = reinterpret_cast<uintptr_t>(stream);
     ptr = dynamic_allocate(size, tag == kAnyStream ? 0 : tag);
     if (ptr != nullptr) {
       region = XEMA_REGION_DYNAMIC;
       offset = static_cast<uint64_t>(static_cast<char*>(ptr) - dynamic_base_);
       ++stats_.dynamic_allocs;
+      break;
+    }
+    if (within_limit(size, why)) ptr = backend.allocate(size, device_, why);
+    if (ptr != nullptr) {
+      region = XEMA_REGION_DRIVER;
+      owner = &backend;
+      ++stats_.driver_allocs;
+      stats_.reserved_bytes += size;
     }
   }
   if (ptr == nullptr) {
-    std::string why;
-    if (within_limit(size, why)) ptr = backend.allocate(size, device_, why);
-    if (ptr == nullptr) {
-      note_out_of_memory(requested, size, stream, why, error);
-      return nullptr;
-    }
-    region = XEMA_REGION_DRIVER;
-    owner = &backend;
-    ++stats_.driver_allocs;
-    stats_.reserved_bytes += size;
+    note_out_of_memory(requested, size, stream, why, error);
+    return nullptr;
   }
 
   live_.emplace(reinterpret_cast<uintptr_t>(ptr),
@@ -312,6 +316,34 @@ int DeviceArena::poll_locked() {
   return released;
 }
 
+int DeviceArena::drain_pending_locked() {
+  int released = 0;
+  for (std::size_t i = 0; i < pending_.size();) {
+    Pending& p = pending_[i];
+    Backend& backend = arena_backend_or(p.block);
+    bool passed = true;
+    for (const StreamEvent& e : p.events) {
+      if (backend.wait_event(e, device_) == 0) {  // < 0 (a failed wait) frees, as poll does
+        passed = false;
+        break;
+      }
+    }
+    if (!passed) {
+      ++i;
+      continue;
+    }
+    for (StreamEvent& e : p.events) backend.destroy_event(e, device_);
+    stats_.pending_free_bytes -= p.block.size;
+    --stats_.pending_blocks;
+    const uintptr_t ptr = p.ptr;
+    const Live block = std::move(p.block);
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+    finish_free(ptr, block);
+    ++released;
+  }
+  return released;
+}
+
 int DeviceArena::poll() {
   std::lock_guard<std::mutex> lock(mutex_);
   return poll_locked();
@@ -390,13 +422,18 @@ void DeviceArena::note_out_of_memory(uint64_t requested, uint64_t size, xema_str
   oom_.limit_bytes = limit_bytes_;
   oom_.armed = armed_plan_ != nullptr ? 1 : 0;
   oom_.plan_cursor = cursor_;
+  oom_.pending_free_bytes = stats_.pending_free_bytes;
   error = "device " + std::to_string(device_) + " out of memory: asked " +
           std::to_string(requested) + " bytes (" + std::to_string(size) +
           " rounded); static region " + std::to_string(static_free) + " of " +
           std::to_string(static_bytes_) + " bytes free, dynamic region " +
           std::to_string(dyn_free) + " of " + std::to_string(dynamic_bytes_) +
-          " bytes free (largest block " + std::to_string(dyn_largest) + "); driver refused: " +
-          (why.empty() ? std::string("no reason given") : why);
+          " bytes free (largest block " + std::to_string(dyn_largest) + ")" +
+          (stats_.pending_free_bytes != 0
+               ? ", " + std::to_string(stats_.pending_free_bytes) +
+                     " bytes freed but still in use by another stream"
+               : std::string()) +
+          "; driver refused: " + (why.empty() ? std::string("no reason given") : why);
 }
 
 int DeviceArena::static_state_error(const char* what, std::string& error) const {

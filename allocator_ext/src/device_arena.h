@@ -103,6 +103,9 @@ class DeviceArena {
   void dynamic_free(uint64_t offset);
   void finish_free(uintptr_t ptr, const Live& block);
   int poll_locked();
+  // The out-of-memory path: waits (where the backend can) for the streams of every pending free
+  // and frees what they passed; returns how many blocks it freed.
+  int drain_pending_locked();
   Backend& arena_backend_or(const Live& block);
   void record(uint64_t ptr, uint64_t size, uint64_t requested, xema_stream_t stream,
               uint64_t kind, int region);

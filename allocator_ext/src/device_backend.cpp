@@ -119,6 +119,7 @@ bool CudaBackend::load(const char* path, std::string& error) noexcept {
     event_create_ = reinterpret_cast<EventCreateFn>(dlsym(handle_, "cudaEventCreateWithFlags"));
     event_record_ = reinterpret_cast<EventRecordFn>(dlsym(handle_, "cudaEventRecord"));
     event_query_ = reinterpret_cast<EventQueryFn>(dlsym(handle_, "cudaEventQuery"));
+    event_synchronize_ = reinterpret_cast<EventSynchronizeFn>(dlsym(handle_, "cudaEventSynchronize"));
     event_destroy_ = reinterpret_cast<EventDestroyFn>(dlsym(handle_, "cudaEventDestroy"));
     get_last_error_ = reinterpret_cast<GetLastErrorFn>(dlsym(handle_, "cudaGetLastError"));
     if (!malloc_ || !free_ || !get_device_ || !set_device_) {
@@ -250,6 +251,12 @@ int CudaBackend::query_event(const StreamEvent& event, int device) noexcept {
   const int rc = event_query_(event.handle);
   if (rc == 0) return 1;
   return rc == kCudaNotReady ? 0 : -1;
+}
+
+int CudaBackend::wait_event(const StreamEvent& event, int device) noexcept {
+  if (event.handle == nullptr || event_synchronize_ == nullptr) return query_event(event, device);
+  DeviceGuard guard(get_device_, set_device_, device);
+  return event_synchronize_(event.handle) == 0 ? 1 : -1;
 }
 
 void CudaBackend::destroy_event(StreamEvent& event, int device) noexcept {

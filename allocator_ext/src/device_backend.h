@@ -32,6 +32,9 @@ class Backend {
   // 1: the stream has passed the event; 0: not yet; < 0: the query failed.
   virtual int query_event(const StreamEvent& event, int device) noexcept = 0;
   virtual void destroy_event(StreamEvent& event, int device) noexcept = 0;
+  // Blocks until the stream has passed the event where the backend can (the out-of-memory path,
+  // as the caching allocator synchronises its streams' events before giving up); as query_event.
+  virtual int wait_event(const StreamEvent& event, int device) noexcept { return query_event(event, device); }
 };
 
 class HostBackend final : public Backend {
@@ -69,6 +72,7 @@ class CudaBackend final : public Backend {
   bool record_event(uintptr_t stream, int device, StreamEvent& out, std::string& error) noexcept override;
   int query_event(const StreamEvent& event, int device) noexcept override;
   void destroy_event(StreamEvent& event, int device) noexcept override;
+  int wait_event(const StreamEvent& event, int device) noexcept override;
 
  private:
   // cudaError_t is an int-sized enum; 0 is cudaSuccess.
@@ -80,6 +84,7 @@ class CudaBackend final : public Backend {
   using EventCreateFn = int (*)(void**, unsigned int);
   using EventRecordFn = int (*)(void*, void*);
   using EventQueryFn = int (*)(void*);
+  using EventSynchronizeFn = int (*)(void*);
   using EventDestroyFn = int (*)(void*);
   using GetLastErrorFn = int (*)();
 
@@ -97,6 +102,7 @@ class CudaBackend final : public Backend {
   EventRecordFn event_record_ = nullptr;
   EventQueryFn event_query_ = nullptr;
   EventDestroyFn event_destroy_ = nullptr;
+  EventSynchronizeFn event_synchronize_ = nullptr;
   GetLastErrorFn get_last_error_ = nullptr;
 };
 

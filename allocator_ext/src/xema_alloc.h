@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define XEMA_API __attribute__((visibility("default")))
-#define XEMA_ABI_VERSION 4
+#define XEMA_ABI_VERSION 5
 #define XEMA_MAX_DEVICES 64
 
 typedef void* xema_stream_t;
@@ -90,6 +90,8 @@ typedef struct xema_oom {
   uint64_t limit_bytes;               /* the device's limit then (0: none, the driver decides) */
   uint64_t armed;                     /* 1 if a plan was armed */
   uint64_t plan_cursor;               /* planned-stream allocations seen since arming */
+  uint64_t pending_free_bytes;        /* freed blocks other streams still used then (after waiting
+                                         for them where the backend can) */
 } xema_oom;
 
 /* One recorded allocator event (xema_record_*), for turning a real run into a MemoryTrace. */

@@ -19,6 +19,9 @@ from xema_ray.allocator import solve_arrays
 from xema_ray.allocator.oom import ArenaOutOfMemory
 from xema_ray.allocator.runtime import AllocatorError, StaticAllocator, default_library_path
 
+#: issue #35: CUDA's out-of-memory semantics, modelled on the CPU (with the stream tests: ``-m streams``)
+pytestmark = pytest.mark.streams
+
 KIB = 1024
 HEADER_DIR = Path(__file__).resolve().parents[2] / "allocator_ext" / "src"
 
@@ -66,6 +69,28 @@ def test_error_raised_if_a_reserve_or_resize_exceeds_the_limit(alloc: StaticAllo
     alloc.set_limit(0, device=device)  # no cap: the driver alone decides
     alloc.resize_static(1 << 20, device=device)
     assert alloc.stats(device=device).static_region_bytes == 1 << 20
+
+
+def test_the_record_counts_frees_another_stream_still_uses(alloc: StaticAllocator, device: int) -> None:
+    # a block freed on the compute stream but used by a side stream is held until that stream
+    # passes (stream-ordered frees): out of memory first waits for it where the backend can (CUDA
+    # events); the host's emulated streams advance only from Python, so here it stays pending
+    side = 0x0E0E0E00 + device  # an emulated side stream of this test only
+    alloc.reserve(0, 64 * KIB, device=device)
+    alloc.set_limit(alloc.stats(device=device).reserved_bytes, device=device)  # no room beside the arena
+    alloc.host_stream_progress(side, 1, 0)  # one piece of work queued on it, not run
+    a = alloc.malloc(48 * KIB, device=device)
+    assert alloc.mark_used(a, side, device=device)
+    alloc.free(a, device=device)
+    assert alloc.stats(device=device).pending_free_bytes == 48 * KIB
+    with pytest.raises(ArenaOutOfMemory) as e:
+        alloc.malloc(48 * KIB, device=device)
+    assert e.value.record.pending_free_bytes == 48 * KIB
+    assert "49152 bytes freed but still in use by another stream" in str(e.value)
+    alloc.host_stream_progress(side, 1, 1)  # the side stream ran: the block is free again
+    b = alloc.malloc(48 * KIB, device=device)
+    assert alloc.stats(device=device).pending_free_bytes == 0
+    alloc.free(b, device=device)
 
 
 _HARNESS = r"""

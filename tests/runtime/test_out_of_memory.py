@@ -28,6 +28,9 @@ from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 
+#: issue #35: CUDA's out-of-memory semantics, modelled on the CPU (with the stream tests: ``-m streams``)
+pytestmark = pytest.mark.streams
+
 SMALL = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)
 LARGE = SMALL.with_(width=128, height=128)
 #: room beside the small entry's weights and static region: its dynamic region and what its plan

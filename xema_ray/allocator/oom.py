@@ -37,6 +37,8 @@ class OutOfMemoryRecord(BaseModel):
     limit_bytes: int = Field(description="the device's limit then (0: none, the driver decided)")
     armed: bool = Field(description="a plan was armed")
     plan_cursor: int = Field(description="planned-stream allocations seen since arming")
+    pending_free_bytes: int = Field(description="freed blocks another stream still used then (the allocator first "
+                                                "waits for those streams where the backend can: CUDA events)")
 
     @property
     def free_bytes(self) -> int:
@@ -57,7 +59,9 @@ class OutOfMemoryRecord(BaseModel):
                 + (f", {max(0, self.limit_bytes - self.reserved_bytes)} under the {self.limit_bytes}-byte limit"
                    if self.limit_bytes else ", the driver refused the rest")
                 + f"; static region {self.static_free_bytes} of {self.static_region_bytes} free, for planned "
-                  "allocations only)")
+                  "allocations only"
+                + (f"; {self.pending_free_bytes} freed but still in use by another stream" if self.pending_free_bytes
+                   else "") + ")")
 
 
 class ArenaOutOfMemory(MemoryError):

@@ -48,7 +48,7 @@ from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 ArenaBackend = Literal["cuda", "host"]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_DEVICES = 64
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}

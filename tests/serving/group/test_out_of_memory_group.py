@@ -23,6 +23,9 @@ from xema_ray.serving.group.worker_set import WorkerSetSpec
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate
 
+#: issue #35: CUDA's out-of-memory semantics, modelled on the CPU (with the stream tests: ``-m streams``)
+pytestmark = pytest.mark.streams
+
 SMALL = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 LARGE = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
 #: tiny-flux2's weights (644,608 bytes) and 1.4 MB beside them: a 64² batch mirrors ~0.7 MB, a 128² one ~2.6 MB
