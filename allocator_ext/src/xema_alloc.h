@@ -21,7 +21,7 @@ extern "C" {
 
 #define XEMA_API __attribute__((visibility("default")))
 #define XEMA_ABI_VERSION 4
-#define XEMA_MAX_DEVICES 64
+#define XEMA_MAX_DEVICES 256 /* CUDA devices, and host-arena slots of CPU tests and workers */
 
 typedef void* xema_stream_t;
 
