@@ -20,8 +20,8 @@ extern "C" {
 #endif
 
 #define XEMA_API __attribute__((visibility("default")))
-#define XEMA_ABI_VERSION 5
-#define XEMA_MAX_DEVICES 64
+#define XEMA_ABI_VERSION 6
+#define XEMA_MAX_DEVICES 256 /* CUDA devices, and host-arena slots of CPU tests and workers */
 
 typedef void* xema_stream_t;
 

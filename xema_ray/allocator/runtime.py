@@ -48,8 +48,8 @@ from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 ArenaBackend = Literal["cuda", "host"]
 
-ABI_VERSION = 5
-MAX_DEVICES = 64
+ABI_VERSION = 6
+MAX_DEVICES = 256  # xema_alloc.h: XEMA_MAX_DEVICES (host-arena slots: one per in-process CPU worker and test)
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
 _STATUS_NAMES = {-1: "invalid argument", -2: "wrong state", -3: "out of memory", -4: "backend error", -5: "internal"}

@@ -79,9 +79,6 @@ class Stream:
     after: dict[int, int] = field(default_factory=dict)
     queue: deque[tuple[int, Callable[[], None]]] = field(default_factory=deque)
 
-    def __hash__(self) -> int:
-        return self.handle
-
 
 @dataclass(eq=False)
 class Event:
@@ -214,7 +211,7 @@ class AsyncHostDevice:
         """Device work on this thread: new tensors land in the arena (re-entrant)."""
         if getattr(self._local, "depth", 0):
             yield
-            return
+            return  # already running on this thread
         self._local.depth = 1
         try:
             with _DeviceMode(self):
@@ -254,7 +251,6 @@ class AsyncHostDevice:
 
     def record(self, s: Stream) -> Event:
         return Event(s, s.issued, dict(s.after), self)
-
     def wait_event(self, waiter: Stream, event: Event) -> None:
         """``waiter`` runs nothing more before ``event``'s work: order it after that work (and what
         that work was ordered after). For the compute stream, which runs eagerly, the work runs now."""
@@ -277,7 +273,6 @@ class AsyncHostDevice:
 
     def wait_stream(self, waiter: Stream, other: Stream) -> None:
         self.wait_event(waiter, self.record(other))
-
     def run_until(self, s: Stream, seq: int) -> None:
         """Run ``s``'s queued work up to ``seq`` (the latest point it may run)."""
         if s is self.compute:
@@ -315,11 +310,11 @@ class AsyncHostDevice:
     # ------------------------------------------------------------------ memory
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.blocks
-
-    def _event(self, s: Stream) -> str:
+    def _event(self, s: Stream) -> str:  # noqa: D102 - "compute event 311"
         return f"{s.name} event {s.issued}"
 
     def hazard(self, message: str) -> None:
+        """Raise (or record) a hazard: what CUDA would get wrong here."""
         self.hazards.append(message)
         if self.on_hazard == "raise":
             raise StreamHazard(message)
