@@ -381,6 +381,16 @@ def test_the_residency_check_pins_within_its_stated_share() -> None:
     assert host.text_encoder == "none" and any("text encoder" in h for h in host.held_back), host
     assert host.layerwise == (host.all_blocks_bytes <= share), host  # 58.5 GiB packed fits, 92.0 GiB does not
     assert residency.pinned_bytes([3 * 2**20, 2**20, 0]) == 5 * 2**20
+    # the offload latency test: selective offload pinned within the share, layerwise (all 56 blocks) not
+    offload = _load("offload_gpu_check", ROOT / "tests" / "mitigation" / "test_offload_gpu.py")
+    from planner.estimates import evenly_spread
+    from xema_ray.models import get_model_spec
+
+    spec = get_model_spec("flux2")
+    blocks = spec.dit_blocks(residency._meta_builder()(spec.transformer_class(), spec.transformer_config, torch.bfloat16))
+    selective = offload._pinned_bytes(blocks, evenly_spread(offload.MIN_K, len(blocks)))
+    layerwise = offload._pinned_bytes(blocks, tuple(range(len(blocks))))
+    assert selective <= share < layerwise == host.all_blocks_bytes or host.packed, (selective, layerwise)
 
 
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
