@@ -54,9 +54,9 @@ def read_record(out: Path) -> dict[str, Any]:
     text = (out / "gpu-check.json").read_text()
     TypeAdapter(gpu_record.GpuCheckRecord).validate_json(text)
     return json.loads(text)
-#: the modules whose tests need allocator_ext built (the armed allocator; out of memory and stream-ordered
-#: frees under it, from the out-of-memory and stream-safety issues)
-ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_memory_cuda.py", "tests/gpu/test_streams_gpu.py")
+#: the modules whose tests need allocator_ext built (the armed allocator, stream-ordered frees in its CogVideoX
+#: check; out of memory under it)
+ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_memory_cuda.py")
 #: named by the issue; every other package the GPU machine lacks is blocked too
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
@@ -381,6 +381,16 @@ def test_the_residency_check_pins_within_its_stated_share() -> None:
     assert host.text_encoder == "none" and any("text encoder" in h for h in host.held_back), host
     assert host.layerwise == (host.all_blocks_bytes <= share), host  # 58.5 GiB packed fits, 92.0 GiB does not
     assert residency.pinned_bytes([3 * 2**20, 2**20, 0]) == 5 * 2**20
+    # the offload latency test: selective offload pinned within the share, layerwise (all 56 blocks) not
+    offload = _load("offload_gpu_check", ROOT / "tests" / "mitigation" / "test_offload_gpu.py")
+    from planner.estimates import evenly_spread
+    from xema_ray.models import get_model_spec
+
+    spec = get_model_spec("flux2")
+    blocks = spec.dit_blocks(residency._meta_builder()(spec.transformer_class(), spec.transformer_config, torch.bfloat16))
+    selective = offload._pinned_bytes(blocks, evenly_spread(offload.MIN_K, len(blocks)))
+    layerwise = offload._pinned_bytes(blocks, tuple(range(len(blocks))))
+    assert selective <= share < layerwise == host.all_blocks_bytes or host.packed, (selective, layerwise)
 
 
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
