@@ -136,14 +136,16 @@ bench-tenancy: install
 gpu-kit: install
 	$(PY) gpu_check/gpu_kit.py
 
-# On a GPU machine, after `bash gpu_check/gpu_prep.sh`: the GPU tests one process each, in priority order,
-# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
-# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
-# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+# On a GPU machine, after `bash gpu_check/gpu_prep.sh`: the GPU tests (found by their gpu marker) one process
+# each, in priority order, PYTHONHASHSEED=0, gpu-check.json rewritten after each; PART=1 or PART=2 for one
+# device call each, UNTIL=<unix time> to start no test that cannot finish by then (docs/gpu-check.md; LIST=1
+# prints both calls laid out in the device time). Without CUDA it writes a "no CUDA GPU" record and exits 0;
+# DRY_RUN=1 collects and plans only. It runs under .venv's python where there is one (here), else python3
+# (the GPU machine: no .venv travels). bench/gpu_check.py is the same check.
 PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) gpu_check/run.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) gpu_check/run.py --out $(OUT) --part $(PART) $(if $(UNTIL),--until $(UNTIL)) $(if $(DRY_RUN),--dry-run) $(if $(LIST),--list)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -17,6 +17,7 @@ worker that is busy in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import threading
 from collections.abc import Iterator
@@ -114,6 +115,11 @@ class Worker(WorkerBase):
         w.init_device(ParallelConfig(rank=0, world_size=1))
         w.load_model(ModelLoadConfig(model="tiny-flux2"))
         result = w.execute(batch)
+
+    ``static_allocator``: on CUDA, install libxema_alloc as torch's allocator (before anything
+    touches CUDA) and arm the plans' layouts; on a CPU, the same library's host arena stands in
+    for the device (each batch's tensors mirrored into it, its limit the budget less the weights),
+    so layouts arm and a batch that outgrows it fails as ``DeviceOutOfMemory`` as on a GPU.
     """
 
     def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
@@ -144,6 +150,14 @@ class Worker(WorkerBase):
                 self.arm_layout = arm_layout or self._arm
             # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
             pin_kernels()
+        elif static_allocator and self.platform.allocator_backend == "host":
+            # the emulated asynchronous device (tests): the host arena is its device memory
+            from xema_ray.allocator.emulated import install_host_allocator
+            from xema_ray.allocator.host_tensors import claim_host_device
+
+            self.alloc_device = claim_host_device()
+            self.allocator = install_host_allocator(self.platform, self.alloc_device)
+            self.arm_layout = arm_layout or self._arm
         elif static_allocator and self.platform.name == "cpu":
             # the host arena stands in for the device: each batch's tensors are mirrored into it, so
             # its layouts arm, its limit (the budget) holds and out of memory fails the batch as on CUDA
@@ -198,6 +212,7 @@ class Worker(WorkerBase):
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        self._scheduler_as_loaded = copy.deepcopy(pipe.scheduler)  # no call's state yet
         placed = PlacementReport()
         for comp in pipe.components.values():
             report = getattr(comp, PLACEMENT_ATTR, None)
@@ -371,6 +386,16 @@ class Worker(WorkerBase):
             failure = device_out_of_memory(e, entry, str(self.device), record)
             if failure is None:
                 raise
+        finally:
+            if self.arena is not None:
+                # what the engine and the pipeline keep of a batch after it: the prompt embeddings
+                # (``last_prompts``) and the scheduler's timesteps and sigmas (diffusers'
+                # set_timesteps puts them on the device), allocated under the batch's plan. Left
+                # there they hold static blocks past the batch, so the next switch cannot re-size
+                # the static region and the next batch runs disarmed (or its plan falls back at
+                # their offsets).
+                self.engine.last_prompts = None
+                self.engine.pipe.scheduler = copy.deepcopy(self._scheduler_as_loaded)
         # out of the except block: the batch's frames (and tensors) went with the dropped tracebacks
         gc.collect()
         self.platform.release_cached_memory()
