@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable, Iterator
@@ -308,24 +309,69 @@ def _modules_in_order(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from root.named_modules(remove_duplicate=True)
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
+class _ProcessPatch:
+    """A process-wide patch installed while any thread needs it, active only in those threads.
+
+    Patching a class attribute per call and restoring it after is not thread-safe: two loads that
+    overlap (in-process workers are threads) restore each other's patch, and one stays installed
+    for good (every later module, a transformers checkpoint's too, then got meta parameters).
+    Here the patch goes in at the first user and out at the last, under a lock; what it does is
+    gated per thread."""
+
+    def __init__(self, install: Callable[[], None], uninstall: Callable[[], None]) -> None:
+        self._install, self._uninstall = install, uninstall
+        self._lock = threading.Lock()
+        self._users = 0
+        self._local = threading.local()
+
+    @property
+    def active(self) -> bool:
+        """The calling thread is inside the patch's context."""
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._install()
+            self._users += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._uninstall()
+
+
+_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+def _register_parameter_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _REGISTER_PARAMETER(self, name, param)
+    if _META_PARAMETERS.active and param is not None and param.device.type != "meta":
+        self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+
+def _set_register_parameter(fn: Callable[..., None]) -> Callable[[], None]:
+    def set_it() -> None:
+        nn.Module.register_parameter = fn  # type: ignore[method-assign]
+    return set_it
+
+
+_META_PARAMETERS = _ProcessPatch(_set_register_parameter(_register_parameter_on_meta),
+                                 _set_register_parameter(_REGISTER_PARAMETER))
+
+
+def parameters_on_meta() -> contextlib.AbstractContextManager[None]:
     """Construct modules with every parameter on the meta device (moved there as it is
     registered, before any constructor initialises it) and every buffer real on the CPU: buffers
     are small values computed by constructors (rotary frequencies, normalisation statistics)
-    that no checkpoint or seed could supply. accelerate's ``init_empty_weights`` does the same."""
-    original = nn.Module.register_parameter
-
-    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+    that no checkpoint or seed could supply. accelerate's ``init_empty_weights`` does the same.
+    Only the calling thread's modules: another thread loading a checkpoint meanwhile is untouched."""
+    return _META_PARAMETERS()
 
 
 #: ``torch.nn.init`` functions constructors call on their parameters (Linear, Conv, Embedding,
@@ -333,27 +379,29 @@ def parameters_on_meta() -> Iterator[None]:
 #: layers: 0.3 s of its transformer's 0.47 s build)
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
                    "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
+_INIT_ORIGINALS: dict[str, Callable[..., Any]] = {n: getattr(nn.init, n) for n in _INIT_FUNCTIONS if hasattr(nn.init, n)}
 
 
-@contextlib.contextmanager
-def no_init_on_meta() -> Iterator[None]:
+def _skipping(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else fn(tensor, *args, **kwargs)
+    return call
+
+
+def _set_init(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    def set_them() -> None:
+        for name, fn in _INIT_ORIGINALS.items():
+            setattr(nn.init, name, wrap(fn))
+    return set_them
+
+
+_NO_INIT_ON_META = _ProcessPatch(_set_init(_skipping), _set_init(lambda fn: fn))
+
+
+def no_init_on_meta() -> contextlib.AbstractContextManager[None]:
     """``torch.nn.init``'s initialisers return a meta tensor as it is (it has no values to set);
     every other tensor (a buffer a constructor computes on the CPU) is initialised as usual."""
-    init = nn.init
-    original = {name: getattr(init, name) for name in _INIT_FUNCTIONS if hasattr(init, name)}
-
-    def skipping(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else fn(tensor, *args, **kwargs)
-        return call
-
-    for name, fn in original.items():
-        setattr(init, name, skipping(fn))
-    try:
-        yield
-    finally:
-        for name, fn in original.items():
-            setattr(init, name, fn)
+    return _NO_INIT_ON_META()
 
 
 def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:
