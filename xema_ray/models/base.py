@@ -79,6 +79,10 @@ class BuildOptions:
     #: the text encoder: None = with real weights (a ``text_encoder`` folder in ``weights_dir``) on
     #: the device, else none; or a placement (random weights at the real config without a checkpoint)
     text_encoder: TextEncoderPlacement | Literal["none"] | None = None
+    #: keep host-homed weights in the node's shared segment for them (one copy for every worker of
+    #: this model, weights and residency on the node: ``xema_ray.platforms.host_memory``); False:
+    #: this worker's own exact-size buffer
+    share_host: bool = False
 
     def encoder_placement(self) -> TextEncoderPlacement | None:
         """The encoder placement these options ask for (None: no encoder)."""
@@ -209,20 +213,28 @@ class ModelSpec(ABC):
             host = any(path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of)
+        share = f"{self.name}|{subfolder}" if opts.share_host else None
+        report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of, share=share)
         setattr(model, PLACEMENT_ATTR, report)
         return model
 
     def build_text_encoder(self, opts: BuildOptions) -> tuple[nn.Module | None, Any]:
         """(text encoder, tokenizer) placed as ``opts`` says, or (None, None) without one.
 
-        A checkpoint's encoder is read by transformers (its key conventions) onto the CPU and
-        then placed module by module: on the device, or on (pinned) host memory for layers that
-        stream (``host_modules`` under ``text_encoder.``), or left on the CPU to run there. A
+        A checkpoint's encoder is read tensor by tensor from its memory-mapped safetensors files
+        (its stored names mapped to the model's by transformers' renaming rules), never whole on
+        the CPU first, and placed module by module: on the device, or in an exact-size (pinned)
+        host buffer for the parts that stream, or in a host buffer to run on the CPU. A
         random-weight encoder is built at the real config with seeded values the same way."""
         from xema_ray.placement import PLACEMENT_ATTR, WeightHome
-        from xema_ray.models.loading import LoadedWeights, SeededWeights, WeightSource, materialize
-        from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, load_tokenizer
+        from xema_ray.models.loading import CheckpointWeights, SeededWeights, WeightSource, materialize
+        from xema_ray.models.text_encoders import (
+            build_encoder_on_meta,
+            build_tokenizer,
+            checkpoint_keys,
+            load_tokenizer,
+            tied_keys,
+        )
 
         placement = opts.encoder_placement()
         spec = self.text_encoder
@@ -232,14 +244,14 @@ class ModelSpec(ABC):
         tok_dir = Path(opts.weights_dir) / "tokenizer" if opts.weights_dir is not None else None
         tokenizer = load_tokenizer(tok_dir) if tok_dir is not None and tok_dir.is_dir() else build_tokenizer(spec)
         source: WeightSource
+        model = build_encoder_on_meta(spec, opts.dtype)
         if directory is not None and directory.is_dir():
             if opts.device == "meta":
                 raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
-            loaded = spec.model_class().from_pretrained(str(directory), dtype=opts.dtype)
-            source = LoadedWeights(loaded, str(directory))
+            source = CheckpointWeights(directory, tied=tied_keys(model))
+            source.keys = checkpoint_keys(model, source.files)
         else:
             source = SeededWeights(opts.seed, "text_encoder")
-        model = build_encoder_on_meta(spec, opts.dtype)
         device = torch.device("cpu") if placement == "cpu" and opts.device != "meta" else torch.device(opts.device)
         prefixes: tuple[str, ...] = spec.streamed_host_modules() if placement == "streamed" else ()
         if placement == "cpu":
@@ -249,7 +261,8 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        report = materialize(model, device, opts.dtype, source, home_of)
+        share = f"{self.name}|text_encoder|{placement}" if opts.share_host else None
+        report = materialize(model, device, opts.dtype, source, home_of, share=share, pinned=placement != "cpu")
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
             from xema_ray.placement import WEIGHT_HOME_ATTR
