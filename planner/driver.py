@@ -32,6 +32,7 @@ from typing import Literal, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.host_budget import NodeHost
 from xema_ray.memory.analysis import gb
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
@@ -65,6 +66,10 @@ class PlanOptions(BaseModel):
         default="none", description="plan: the task measures the text encoder's facts for its placement")
     loaded_models: tuple[str, ...] = Field(
         default=(), description="models with an expected load: their tasks send their other candidates too")
+    host_budget: int | None = Field(
+        default=None, ge=1, description="host memory per node, bytes (--host-budget, or the deployment's host_memory): "
+                                        "plans whose node fits it are preferred (planner.host_choice); tasks send "
+                                        "their other candidates too")
 
 
 class TemplateResult(BaseModel):
@@ -132,7 +137,8 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         counter = counted.counter
     profiled, analysed = (len(counter.profiled), len(counter.analysed)) if counter is not None else (0, 0)
     candidates: tuple[PlanEntry, ...] = ()
-    if entry is not None and opts.planner == "xema" and template.model in opts.loaded_models:
+    if entry is not None and opts.planner == "xema" and (template.model in opts.loaded_models
+                                                         or opts.host_budget is not None):
         # a load is expected for this model's group: its other assembled configurations compete
         # under that load in the driver (planner.load_aware)
         candidates = tuple(with_pause_bytes(with_latency_source(e, timer), cache)
@@ -240,12 +246,13 @@ def merged_encoder_facts(results: list[TemplateResult]) -> dict[str, EncoderFact
 
 
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
-                 latency: LatencyModel, budget: int
+                 latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
                  ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
     """One model group's planned entries made final: the residency policy with more goodput
     (Xema) and each template's text-encoder placement (after it: the residency changes the
-    plans). Returns the entries to serve with, the residency (None: a baseline or no entry) and
-    the placement chosen per entry, for the summary."""
+    plans; ``allowed``: the placements a template may take, for the host budget). Returns the
+    entries to serve with, the residency (None: a baseline or no entry) and the placement chosen
+    per entry, for the summary."""
     from planner.residency_choice import choose_group_residency
     from planner.text_encoder import place_text_encoder
 
@@ -257,7 +264,8 @@ def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], p
         facts = merged_encoder_facts(results)
         for k, e in list(entries.items()):
             if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name))
+                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name),
+                                                       allowed=(allowed or {}).get(k))
                 chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
                 encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
     return entries, residency, encoders
@@ -265,30 +273,59 @@ def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], p
 
 class GroupFinisher:
     """The model groups finished so far (``finish``, called once per group): their final entries,
-    residencies and text-encoder placements; each group's layouts start in ``wave`` at once."""
+    residencies and text-encoder placements; each group's layouts start in ``wave`` at once. With
+    a host budget (``defer``) groups are finished together, once every template is planned
+    (``fit_host``: the node's host memory is shared by all of them)."""
 
     def __init__(self, opts: PlanOptions, latency: LatencyModel, wave: LayoutWave | None,
-                 block_sizes: threading.Thread) -> None:
+                 block_sizes: threading.Thread, defer: bool = False) -> None:
         self.opts, self.latency, self.wave, self.block_sizes = opts, latency, wave, block_sizes
+        self.defer = defer
         self.entries: dict[str, PlanEntry] = {}
         self.residency: dict[str, GroupResidency] = {}
         self.encoders: dict[str, TextEncoderChoice] = {}
+        self.planned: dict[str, PlanEntry] = {}  # the tasks' (or the load's) choices, before finishing
+        self.results: dict[str, list[TemplateResult]] = {}
 
     def finish(self, model: str, group: list[TemplateResult], entries: dict[str, PlanEntry] | None = None) -> None:
         """A model group is planned (``entries``: its plans, default the tasks' choices): its
-        residency and text encoders, then its layouts start."""
+        residency and text encoders, then its layouts start (deferred: kept for ``fit_host``)."""
         if self.block_sizes.is_alive():
             self.block_sizes.join()
         if entries is None:
             entries = {r.template: r.entry for r in group if r.entry is not None}
-        served, chosen, placed = finish_group(group, entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                                              self.opts.budget)
+        self.planned.update(entries)
+        self.results[model] = group
+        if self.defer:
+            return
+        self._keep(model, *self._finish(model, entries))
+
+    def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
+                ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
+        return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
+                            self.opts.budget, allowed)
+
+    def _keep(self, model: str, served: dict[str, PlanEntry], chosen: GroupResidency | None,
+              placed: dict[str, TextEncoderChoice]) -> None:
         self.entries.update(served)
         self.encoders.update(placed)
         if chosen is not None:
             self.residency[model] = chosen
         if self.wave is not None:
             self.wave.submit(served)
+
+    def fit_host(self, results: list[TemplateResult]) -> NodeHost:
+        """Finish every deferred group with plans whose node fits the host budget
+        (``planner.host_choice``); raises ``HostBudgetError`` naming the bytes when none does."""
+        from planner.host_choice import fit_host_budget
+
+        assert self.opts.host_budget is not None
+        candidates = {r.template: list(r.candidates) for r in results}
+        finished, node = fit_host_budget(self.planned, candidates, self._finish, self.opts.group_gpus,
+                                         self.opts.gpus, self.opts.host_budget, share=self.opts.hardware != "cpu")
+        for model, (served, chosen, placed) in finished.items():
+            self._keep(model, served, chosen, placed)
+        return node
 
 
 def finish_under_load(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
@@ -412,22 +449,38 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
         print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
               "says so explicitly)", file=sys.stderr)
     wave = LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray) if layouts and out else None
-    groups = GroupFinisher(opts, latency_model, wave, sizes)
-    # with an expected load the groups' choices are made together, after every template is planned
-    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish)
+    defer = opts.host_budget is not None
+    groups = GroupFinisher(opts, latency_model, wave, sizes, defer=defer)
+    # with an expected load or a host budget the groups' choices are made together, after every
+    # template is planned
+    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads or defer else groups.finish)
     wall = time.perf_counter() - t0
     loaded = None
-    if loads:
-        try:
+    try:
+        if loads:
             loaded = finish_under_load(results, templates, opts, loads, groups)
-        except ValueError as e:
-            print(f"planner: {e}", file=sys.stderr)
-            return 2
-    table = plan_table(results, opts, groups, loaded, wall)
+        elif defer:
+            model_of = {t.shape_key: t.model for t in templates}
+            for model in sorted(set(model_of.values())):
+                groups.finish(model, [r for r in results if model_of[r.template] == model])
+        if defer:
+            groups.fit_host(results)
+    except ValueError as e:  # the load names what is not planned, or no plan fits the host budget
+        print(f"planner: {e}", file=sys.stderr)
+        return 2
+    from planner.host_choice import with_node_host
+
+    table = with_node_host(plan_table(results, opts, groups, loaded, wall), share=opts.hardware != "cpu",
+                           budget_bytes=opts.host_budget)
     if wave is not None:
         table = with_layouts(table, wave, latency_model.hardware.gpu_model, planned_at=t0 + wall)
     print_summary(results)
     print_groups(table, groups.encoders)
+    if table.host is not None:
+        n = table.host
+        budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
+        print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
+              f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
     total = time.perf_counter() - t0
     table.provenance.total_s = round(total, 1)
     print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "

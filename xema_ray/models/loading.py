@@ -376,9 +376,8 @@ def materialize(
     report.host_pow2_bytes = pack.pow2_bytes if pinned else 0
     key = None if share is None else pack.key(f"{share}|{source.identity()}|{dtype}")
     buf = open_host_buffer(pack, device, key)
-    if buf is not None and buf.shared:
-        report.host_shared_bytes = pack.nbytes
-        report.host_attached_bytes = pack.nbytes if buf.filled else 0
+    report.host_shared_bytes = pack.nbytes if key is not None else 0  # on meta too: it stands for a GPU worker
+    report.host_attached_bytes = pack.nbytes if buf is not None and buf.filled else 0
     slots = {(s.path, s.name): s for s in pack.slots}
     placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
     try:

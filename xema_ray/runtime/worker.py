@@ -74,12 +74,13 @@ class ModelLoadConfig(BaseModel):
     share_host_weights: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="host-homed weights in one shared segment per node for all workers of this model, weights "
-                    "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers; off = each worker "
+                    "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers (and on meta, which "
+                    "stands for them in xema verify); off = each worker "
                     "its own exact-size buffer")
 
     def shares_host(self, platform: str) -> bool:
         """Whether this load keeps its host-homed weights in the node's shared segment."""
-        return self.share_host_weights == "on" or (self.share_host_weights == "auto" and platform == "cuda")
+        return self.share_host_weights == "on" or (self.share_host_weights == "auto" and platform in ("cuda", "meta"))
 
     def encoder_placement(self) -> str | None:
         """The text encoder placement to load with (see ``text_encoder``)."""
