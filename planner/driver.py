@@ -32,17 +32,18 @@ from typing import Literal, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.host_budget import NodeHost
 from xema_ray.memory.analysis import gb
-from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
 
 from planner.baselines import SearchSpace, run_baseline
+from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
 from planner.latency import LatencyModel, combine
 from planner.layouts import LayoutWave
 from planner.load_aware import GroupLoad
 from planner.measure import DeviceLatency, task_device
+from planner.finishing import GroupFinisher, finish_group, finish_under_load, merged_encoder_facts  # noqa: F401
 from planner.text_encoder import EncoderFacts
 
 
@@ -191,9 +192,10 @@ GroupDone = Callable[[str, list[TemplateResult]], None]
 
 
 def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
-             on_group: GroupDone | None = None) -> list[TemplateResult]:
+             on_group: GroupDone | None = None, shape: TaskShape | None = None) -> list[TemplateResult]:
     """Every template's ``plan_one`` result, in ``templates``' order; ``on_group(model, results)``
-    is called as soon as a model group's last template is planned (the others still planning)."""
+    is called as soon as a model group's last template is planned (the others still planning).
+    ``shape``: what each Ray task asks for (default: ``planner.cluster_fit.fit_tasks``)."""
     from tqdm import tqdm
 
     model_of = {t.shape_key: t.model for t in templates}
@@ -217,12 +219,12 @@ def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
     from planner.boot import init_ray
 
     init_ray()  # already done by ``python -m planner`` while the planner imported
-    # a task holds a GPU only where the cluster has some: on a cluster without GPUs, asking for
-    # one would wait forever (tasks then plan on the cost model, one per CPU)
-    gpus_in_cluster = ray.cluster_resources().get("GPU", 0)
+    # sized to what the cluster can spare (a serving app holds most of it): a fraction of a CPU,
+    # a GPU only where one is free and measuring needs it (planner.cluster_fit)
+    shape = shape or fit_tasks(opts.hardware, opts.measure)
     # max_calls=0: Ray retires a GPU task's worker after one call by default (to free its CUDA
     # memory); a reused worker keeps its imports and meta pipelines
-    task = ray.remote(num_gpus=1 if gpus_in_cluster >= 1 else 0, max_calls=0)(plan_one)
+    task = ray.remote(num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, max_calls=0)(plan_one)
     pending = {task.remote(t, opts): t for t in sorted(templates, key=_planning_work, reverse=True)}
     with tqdm(total=len(pending), desc="planning", unit="template") as bar:
         while pending:
@@ -232,120 +234,6 @@ def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
                 arrived(ray.get(ref))
                 bar.update(1)
     return sorted(results, key=lambda r: order[r.template])
-
-
-# ---------------------------------------------------------------------------- finishing a group
-def merged_encoder_facts(results: list[TemplateResult]) -> dict[str, EncoderFacts]:
-    """Per model, the text-encoder facts the planning tasks sent back, merged."""
-    out: dict[str, EncoderFacts] = {}
-    for r in results:
-        if r.encoder_facts is not None:
-            f = r.encoder_facts
-            out[f.model] = out[f.model].merged(f) if f.model in out else f
-    return out
-
-
-def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
-                 latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
-                 ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
-    """One model group's planned entries made final: the residency policy with more goodput
-    (Xema) and each template's text-encoder placement (after it: the residency changes the
-    plans; ``allowed``: the placements a template may take, for the host budget). Returns the
-    entries to serve with, the residency (None: a baseline or no entry) and the placement chosen
-    per entry, for the summary."""
-    from planner.residency_choice import choose_group_residency
-    from planner.text_encoder import place_text_encoder
-
-    residency = None
-    if planner == "xema" and entries:
-        residency, entries = choose_group_residency(entries, latency.seconds, latency.hardware.h2d_gbps)
-    entries, encoders = dict(entries), {}
-    if text_encoder == "plan":
-        facts = merged_encoder_facts(results)
-        for k, e in list(entries.items()):
-            if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name),
-                                                       allowed=(allowed or {}).get(k))
-                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
-                encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
-    return entries, residency, encoders
-
-
-class GroupFinisher:
-    """The model groups finished so far (``finish``, called once per group): their final entries,
-    residencies and text-encoder placements; each group's layouts start in ``wave`` at once. With
-    a host budget (``defer``) groups are finished together, once every template is planned
-    (``fit_host``: the node's host memory is shared by all of them)."""
-
-    def __init__(self, opts: PlanOptions, latency: LatencyModel, wave: LayoutWave | None,
-                 block_sizes: threading.Thread, defer: bool = False) -> None:
-        self.opts, self.latency, self.wave, self.block_sizes = opts, latency, wave, block_sizes
-        self.defer = defer
-        self.entries: dict[str, PlanEntry] = {}
-        self.residency: dict[str, GroupResidency] = {}
-        self.encoders: dict[str, TextEncoderChoice] = {}
-        self.planned: dict[str, PlanEntry] = {}  # the tasks' (or the load's) choices, before finishing
-        self.results: dict[str, list[TemplateResult]] = {}
-
-    def finish(self, model: str, group: list[TemplateResult], entries: dict[str, PlanEntry] | None = None) -> None:
-        """A model group is planned (``entries``: its plans, default the tasks' choices): its
-        residency and text encoders, then its layouts start (deferred: kept for ``fit_host``)."""
-        if self.block_sizes.is_alive():
-            self.block_sizes.join()
-        if entries is None:
-            entries = {r.template: r.entry for r in group if r.entry is not None}
-        self.planned.update(entries)
-        self.results[model] = group
-        if self.defer:
-            return
-        self._keep(model, *self._finish(model, entries))
-
-    def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
-                ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
-        return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                            self.opts.budget, allowed)
-
-    def _keep(self, model: str, served: dict[str, PlanEntry], chosen: GroupResidency | None,
-              placed: dict[str, TextEncoderChoice]) -> None:
-        self.entries.update(served)
-        self.encoders.update(placed)
-        if chosen is not None:
-            self.residency[model] = chosen
-        if self.wave is not None:
-            self.wave.submit(served)
-
-    def fit_host(self, results: list[TemplateResult]) -> NodeHost:
-        """Finish every deferred group with plans whose node fits the host budget
-        (``planner.host_choice``); raises ``HostBudgetError`` naming the bytes when none does."""
-        from planner.host_choice import fit_host_budget
-
-        assert self.opts.host_budget is not None
-        candidates = {r.template: list(r.candidates) for r in results}
-        finished, node = fit_host_budget(self.planned, candidates, self._finish, self.opts.group_gpus,
-                                         self.opts.gpus, self.opts.host_budget, share=self.opts.hardware != "cpu")
-        for model, (served, chosen, placed) in finished.items():
-            self._keep(model, served, chosen, placed)
-        return node
-
-
-def finish_under_load(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
-                      loads: dict[str, GroupLoad], groups: GroupFinisher) -> PlanTable:
-    """Every group finished from the configurations chosen for its expected load (the goodput
-    choices compete with the other assembled configurations there). Returns the draft table with
-    the groups' admission policies and planned loads; raises ValueError where the load names what
-    is not planned."""
-    from planner.load_aware import plan_groups_for_load
-
-    planned = {r.template: r.entry for r in results if r.entry is not None}
-    draft = PlanTable(hardware="planning", gpus=opts.gpus, budget_bytes=opts.budget, group_gpus=opts.group_gpus,
-                      entries=planned)
-    alts = {r.template: [r.entry, *r.candidates] for r in results if r.entry is not None}
-    loaded = plan_groups_for_load(draft, alts, {r.template: r.slo_s for r in results if r.entry is not None}, loads)
-    model_of = {t.shape_key: t.model for t in templates}
-    for model in sorted(set(model_of.values())):
-        group = [r for r in results if model_of[r.template] == model]
-        groups.finish(model, group, {r.template: loaded.entries[r.template] for r in group if r.template in loaded.entries})
-    return loaded
 
 
 # ---------------------------------------------------------------------------- the table
@@ -436,11 +324,23 @@ def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
 
 
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
-         stats: str | None, layouts: bool, use_ray: bool) -> int:
+         stats: str | None, layouts: bool, use_ray: bool, wait_s: float = 10.0) -> int:
     """Plan ``templates`` (Ray tasks, or in this process), finish each model group, solve the
     static layouts next to ``out`` (``layouts``), write the table and the per-template statistics
-    (``stats``). Returns the exit status (2: the load names what is not planned)."""
+    (``stats``). Returns the exit status (2: the load names what is not planned; 3: the cluster
+    had no room for a planning task within ``wait_s`` seconds: the message says who holds it)."""
     t0 = time.perf_counter()
+    shape = None
+    if use_ray:
+        from planner.boot import init_ray
+
+        init_ray()
+        try:
+            shape = fit_tasks(opts.hardware, opts.measure, wait_s=wait_s)
+        except NoRoom as e:
+            print(f"planner: {e}", file=sys.stderr, flush=True)
+            return 3
+        print(f"planning tasks ask for {shape.note}", flush=True)
     sizes = _block_sizes(templates)
     if use_ray:
         sizes.start()
@@ -448,12 +348,13 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
     if layouts and not out:
         print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
               "says so explicitly)", file=sys.stderr)
-    wave = LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray) if layouts and out else None
+    wave = (LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray, num_cpus=shape.num_cpus if shape else 1.0)
+            if layouts and out else None)
     defer = opts.host_budget is not None
     groups = GroupFinisher(opts, latency_model, wave, sizes, defer=defer)
     # with an expected load or a host budget the groups' choices are made together, after every
     # template is planned
-    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads or defer else groups.finish)
+    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads or defer else groups.finish, shape=shape)
     wall = time.perf_counter() - t0
     loaded = None
     try:
@@ -487,7 +388,9 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
           f"candidates' latencies: {table.provenance.measured} measured, {table.provenance.estimated} estimated")
     if out:
         table.save(out)
-        print(f"wrote {out}")
+        # the path as this process sees it: under `ray job submit` the job's working directory is
+        # the cluster's, not the submitting shell's
+        print(f"wrote {out} ({Path(out).resolve()})")
     if stats:
         Path(stats).write_text(json.dumps({"wall_s": wall, "results": [r.model_dump(mode="json") for r in results]},
                                           indent=1))
