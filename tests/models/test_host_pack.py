@@ -147,3 +147,31 @@ def test_another_process_maps_the_same_segment(shm: Path) -> None:
     assert _segments(shm) == ["xema-cross"]  # this process still holds it
     buf.close()
     assert _segments(shm) == []
+
+
+def test_a_segment_larger_than_the_shm_folder_is_refused_before_writing(shm: Path) -> None:
+    import os
+
+    from xema_ray.platforms.host_memory import HostMemoryError
+
+    shm.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(shm)
+    with pytest.raises(HostMemoryError, match=r"bytes free, a shared weight segment needs"):
+        SharedSegments(shm).open("huge", st.f_blocks * st.f_frsize * 2)
+    assert _segments(shm) == [] and not list(shm.glob("*.partial"))
+
+
+def test_the_gpu_checks_block_pins_the_plans_bytes_rehearsed_on_meta() -> None:
+    """tests/gpu/test_seeded_weights_gpu.py builds Flux.2's block 0 host-homed on its own and
+    compares its buffer with the plan's figure for the whole model: the same slots (meta here)."""
+    from xema_ray.models.loading import SeededWeights, materialize
+    from xema_ray.runtime.host_bytes import worker_host_bytes
+
+    spec = get_model_spec("flux2")
+    sub = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.bfloat16).get_submodule(
+        "transformer_blocks.0")
+    report = materialize(sub, torch.device("meta"), torch.bfloat16, SeededWeights(0, "transformer"),
+                         lambda _p: WeightHome.HOST)
+    planned = worker_host_bytes(spec, Residency(host_blocks=(0,)), None, share=False)
+    assert report.host_pinned_bytes == planned.pinned_bytes == planned.resident_bytes > 1.9e9  # 1.96 GB
+    assert report.host_pow2_bytes > 1.2 * report.host_pinned_bytes  # what per-tensor pinning held

@@ -47,6 +47,10 @@ ALIGN = 256
 DEFAULT_SHM_DIR = Path("/dev/shm")
 
 
+class HostMemoryError(OSError):
+    """The host cannot hold a weight buffer where it was asked to (named with the bytes)."""
+
+
 def torch_pinned_bytes(nbytes: int) -> int:
     """What torch's pinned allocator holds for a request of ``nbytes`` (the next power of two)."""
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
@@ -174,6 +178,12 @@ class SharedSegments:
                 fcntl.flock(lock, fcntl.LOCK_UN)
                 os.close(lock)
                 return buf
+            st = os.statvfs(self.directory)
+            free = st.f_bavail * st.f_frsize
+            if free < nbytes:  # tmpfs pages are allocated as they are written: past its size, a SIGBUS
+                raise HostMemoryError(
+                    f"{self.directory}: {free:,} bytes free, a shared weight segment needs {nbytes:,} (enlarge it, "
+                    "e.g. docker --shm-size, or point XEMA_SHM_DIR at a larger tmpfs; or share_host_weights: off)")
             partial = path.with_name(path.name + ".partial")
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(fd, nbytes)
