@@ -69,8 +69,9 @@ class PlanOptions(BaseModel):
         default=(), description="models with an expected load: their tasks send their other candidates too")
     host_budget: int | None = Field(
         default=None, ge=1, description="host memory per node, bytes (--host-budget, or the deployment's host_memory): "
-                                        "plans whose node fits it are preferred (planner.host_choice); tasks send "
-                                        "their other candidates too")
+                                        "plans whose node fits it are preferred (planner.host_choice)")
+    send_candidates: bool = Field(
+        default=False, description="every task sends its other candidates (the host budget's second pass)")
 
 
 class TemplateResult(BaseModel):
@@ -138,8 +139,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         counter = counted.counter
     profiled, analysed = (len(counter.profiled), len(counter.analysed)) if counter is not None else (0, 0)
     candidates: tuple[PlanEntry, ...] = ()
-    if entry is not None and opts.planner == "xema" and (template.model in opts.loaded_models
-                                                         or opts.host_budget is not None):
+    if entry is not None and opts.planner == "xema" and (template.model in opts.loaded_models or opts.send_candidates):
         # a load is expected for this model's group: its other assembled configurations compete
         # under that load in the driver (planner.load_aware)
         candidates = tuple(with_pause_bytes(with_latency_source(e, timer), cache)
@@ -314,6 +314,32 @@ def print_groups(table: PlanTable, encoders: dict[str, TextEncoderChoice]) -> No
               f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
 
 
+def fit_host(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
+             groups: GroupFinisher, use_ray: bool, shape: TaskShape | None) -> list[TemplateResult]:
+    """The finished groups within ``--host-budget``: as planned where their node fits (the usual
+    case: nothing more to do), else planned again with every template's other candidates and
+    fitted (``planner.host_choice``; the layouts of changed entries are solved anew). Returns the
+    results the table is built from; raises ``HostBudgetError`` naming the bytes when none fits."""
+    from planner.host_choice import node_host
+
+    assert opts.host_budget is not None
+    if not groups.defer:
+        node = node_host(groups.entries, groups.residency, opts.group_gpus, opts.gpus, opts.host_budget,
+                         share=opts.hardware != "cpu")
+        if node.fits:
+            return results
+        print(f"host memory: {node.load_peak_bytes / 1e9:.1f} GB per node while loading, over --host-budget "
+              f"{opts.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
+        results = plan_all(templates, opts.model_copy(update={"send_candidates": True}), use_ray=use_ray,
+                           shape=shape)
+        groups.defer = True
+        model_of = {t.shape_key: t.model for t in templates}
+        for model in sorted(set(model_of.values())):
+            groups.finish(model, [r for r in results if model_of[r.template] == model])
+    groups.fit_host(results)
+    return results
+
+
 def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
     """What the residency choice needs from each model (its DiT blocks' weight bytes: a meta build
     of the transformer, seconds with its imports), prepared on a thread while the tasks run."""
@@ -350,22 +376,17 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
               "says so explicitly)", file=sys.stderr)
     wave = (LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray, num_cpus=shape.num_cpus if shape else 1.0)
             if layouts and out else None)
-    defer = opts.host_budget is not None
-    groups = GroupFinisher(opts, latency_model, wave, sizes, defer=defer)
-    # with an expected load or a host budget the groups' choices are made together, after every
-    # template is planned
-    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads or defer else groups.finish, shape=shape)
+    # with an expected load the groups' choices are made together, after every template is planned
+    # (with a host budget too, fitted then: planner.host_choice)
+    groups = GroupFinisher(opts, latency_model, wave, sizes, defer=bool(loads) and opts.host_budget is not None)
+    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish, shape=shape)
     wall = time.perf_counter() - t0
     loaded = None
     try:
         if loads:
             loaded = finish_under_load(results, templates, opts, loads, groups)
-        elif defer:
-            model_of = {t.shape_key: t.model for t in templates}
-            for model in sorted(set(model_of.values())):
-                groups.finish(model, [r for r in results if model_of[r.template] == model])
-        if defer:
-            groups.fit_host(results)
+        if opts.host_budget is not None:
+            results = fit_host(results, templates, opts, groups, use_ray, shape)
     except ValueError as e:  # the load names what is not planned, or no plan fits the host budget
         print(f"planner: {e}", file=sys.stderr)
         return 2

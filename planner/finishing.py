@@ -1,6 +1,6 @@
 """Finishing the planned model groups: each group's residency and text-encoder placements once its
 templates are planned, their layouts started (``GroupFinisher``), under an expected load
-(``finish_under_load``) or a host budget (``GroupFinisher.fit_host``) all groups together."""
+(``finish_under_load``) or a host budget's second pass (``GroupFinisher.fit_host``) all groups together."""
 
 from __future__ import annotations
 
