@@ -45,7 +45,7 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def worker(share: bool, shm: str, ready, go) -> None:  # type: ignore[no-untyped-def]
+def worker(share: bool, shm: str, ready, go, model: str = "flux2") -> None:  # type: ignore[no-untyped-def]
     os.environ["XEMA_SHM_DIR"] = shm
     import torch
 
@@ -54,7 +54,7 @@ def worker(share: bool, shm: str, ready, go) -> None:  # type: ignore[no-untyped
     from xema_ray.models import get_model_spec
     from xema_ray.placement import WeightHome
 
-    spec = get_model_spec("flux2")
+    spec = get_model_spec(model)
     before = _status()
     dit = build_on_meta(spec.transformer_class(), {**spec.transformer_config, **CFG}, torch.bfloat16)
     home = lambda p: WeightHome.HOST if p.startswith("transformer_blocks.0") else WeightHome.DEVICE  # noqa: E731
@@ -71,14 +71,14 @@ def worker(share: bool, shm: str, ready, go) -> None:  # type: ignore[no-untyped
     close_host_buffers([dit])
 
 
-def run(k: int, share: bool) -> dict[str, object]:
+def run(k: int, share: bool, model: str = "flux2") -> dict[str, object]:
     ctx = mp.get_context("spawn")
     shm = tempfile.mkdtemp(prefix="xema-bench-", dir="/dev/shm")
     ready, go = ctx.Queue(), ctx.Event()
     node0 = _meminfo()
     procs, rows = [], []
     for _ in range(k):  # one at a time: the first fills, the others map (or each fills its own)
-        p = ctx.Process(target=worker, args=(share, shm, ready, go))
+        p = ctx.Process(target=worker, args=(share, shm, ready, go, model))
         p.start()
         procs.append(p)
         rows.append(ready.get(timeout=600))
@@ -87,7 +87,10 @@ def run(k: int, share: bool) -> dict[str, object]:
     for p in procs:
         p.join(timeout=120)
     left = sorted(os.listdir(shm))
-    os.rmdir(shm) if not [f for f in left if not f.endswith(".lock")] else None
+    if not [f for f in left if not f.endswith(".lock")]:  # the last worker out removed its segment
+        for f in left:
+            os.unlink(os.path.join(shm, f))  # the zero-byte creation locks
+        os.rmdir(shm)
     return {"workers": k, "share": share, "per_worker": rows,
             "node_shmem_delta": node["Shmem"] - node0["Shmem"],
             "node_available_drop": node0["MemAvailable"] - node["MemAvailable"],
@@ -98,16 +101,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/results/host_memory.json"))
+    ap.add_argument("--model", default="flux2", help="flux2 (the measurement) or tiny-flux2 (a quick rehearsal)")
     args = ap.parse_args()
     from xema_ray.models import get_model_spec
     from xema_ray.runtime.host_bytes import worker_host_bytes
     from xema_ray.runtime.residency import Residency
 
-    planned = worker_host_bytes(get_model_spec("flux2"), Residency(host_blocks=(0,)), None, share=True)
+    planned = worker_host_bytes(get_model_spec(args.model), Residency(host_blocks=(0,)), None, share=True)
     result = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs, shared with other jobs)",
               "what": "Flux.2 cut to 1 double block (host-homed) + 1 single block, bf16, seeded; K worker processes",
               "planned_worker": planned.model_dump(),
-              "shared": run(args.workers, True), "private": run(args.workers, False)}
+              "shared": run(args.workers, True, args.model), "private": run(args.workers, False, args.model)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for mode in ("shared", "private"):
