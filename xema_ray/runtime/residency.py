@@ -34,6 +34,7 @@ from xema_ray.models import ModelSpec
 from xema_ray.models.host_pack import close_host_buffers
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
 from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.platforms import streams as _device
 
 
 class Residency(BaseModel):
@@ -181,7 +182,7 @@ class ResidencyManager:
     def __post_init__(self) -> None:
         self.blocks = self.spec.dit_blocks(self.transformer)
         self.device = getattr(self.transformer, COMPUTE_DEVICE_ATTR, None) or next(self.transformer.parameters()).device
-        self._pin = self.device.type == "cuda"
+        self._pin = not _device.host_is_device(self.device)
         #: the host tensors of the blocks homed on the host at load (views into the load's buffer,
         #: shared by the node's workers where it is a segment): a block sent back to the host
         #: points at them again instead of taking new host memory (weights never change)
@@ -207,11 +208,16 @@ class ResidencyManager:
                           else placeholder(t.shape, t.dtype, self.device))
         elif home is WeightHome.DEVICE:
             for t in tensors:
-                t.data = t.data.to(self.device)
+                # on the compute stream, allocated there (platforms.streams: the arena on the
+                # emulated device), ordered after the work issued so far
+                t.data = _device.to_device(t.data.detach(), self.device, None)
             close_host_buffers([block])  # a buffer a switch made for it (the load's stays with the component)
         elif index in self._load_host:
             for t, host in zip(tensors, self._load_host[index], strict=True):
                 t.data = host  # its load-time host copy: no new host memory, no copy back
+        elif _device.host_is_device(self.device):
+            for t in tensors:
+                t.data = t.data.detach().clone()  # on CPU the "host" is the same memory: the clone stands for the copy
         else:
             self._to_new_host_buffer(block, tensors)
         if home is WeightHome.HOST:
@@ -232,10 +238,15 @@ class ResidencyManager:
         for t in tensors:
             offsets.append(end)
             end = align(end + t.numel() * t.element_size())
+        if self.device.type == "cpu":  # not host memory on the CPU: the tests' emulated device, its own host copies
+            for t in tensors:
+                t.data = _device.to_host(t.data.detach(), pin=self._pin)[0]
+            return
         buf = HostBuffer.private(end)
         for t, off in zip(tensors, offsets, strict=True):
             view = buf.view(off, t.shape, t.dtype)
-            view.copy_(t.data)
+            # synchronous (the CPU waits for the copy), so the device block may go at once
+            view.copy_(t.data.detach())
             t.data = view
         if self._pin:
             buf.register(get_platform("cuda"))
