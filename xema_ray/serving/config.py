@@ -32,6 +32,9 @@ class ModelGroupConfig(GroupShape):
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
                     "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
                     "None = what the plan table chose for the group (per_template if it chose nothing)")
+    share_host_weights: Literal["auto", "on", "off"] = Field(
+        default="auto", description="the group's workers on a node share one copy of their host-homed weights "
+                                    "(a /dev/shm segment): auto = on GPUs; off = each worker its own exact buffer")
     max_preemptions: int = Field(
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "

@@ -89,9 +89,9 @@ def node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplat
     from xema_ray.runtime.host_bytes import worker_host_bytes
     from xema_ray.runtime.residency import Residency
 
-    share = cfg.device in ("cuda", "emulated")
     groups = []
     for g in cfg.models:
+        share = g.share_host_weights == "on" or (g.share_host_weights == "auto" and cfg.device in ("cuda", "emulated"))
         configs = [table.lookup(t).config for t in templates if t.model == g.model]
         if not configs:
             continue
