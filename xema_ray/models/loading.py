@@ -419,7 +419,7 @@ def materialize(
                         if v is None:
                             continue
                         if v.data_ptr() != t.data_ptr():
-                            t.copy_(v)  # a cast, if any, happens in this copy: no second host copy
+                            t.copy_(v)  # into its slot (a source casting a stored dtype made one copy first)
                 else:
                     v = values.get(name)
                     if v is None and not meta.is_meta:
