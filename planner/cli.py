@@ -43,12 +43,13 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
     return out
 
 
-def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]]:
-    """``model -> GPUs of its group`` and the served templates of a ``serve run`` YAML."""
+def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate], str | None]:
+    """``model -> GPUs of its group``, the served templates and the stated host memory of a
+    ``serve run`` YAML."""
     from xema_ray.deployment import DeploymentShape, served_templates
 
     shape = DeploymentShape.from_serve_yaml(path)
-    return {g.model: g.workers for g in shape.models}, served_templates(shape.models)
+    return {g.model: g.workers for g in shape.models}, served_templates(shape.models), shape.host_memory
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -57,9 +58,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.load_aware import read_loads
 
     group_gpus: dict[str, int] = {}
+    stated: str | None = None
     try:
         if args.deployment is not None:
-            group_gpus, served = deployment_groups(Path(args.deployment))
+            group_gpus, served, stated = deployment_groups(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
             if outside:
@@ -70,6 +72,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             templates = parse_templates(args.templates or "tiny", args.steps)
             gpus = args.gpus
         budget = parse_bytes(args.budget)
+        host_budget = parse_bytes(args.host_budget) if args.host_budget else (parse_bytes(stated) if stated else None)
         loads = read_loads(args.load) if args.load else {}
         if loads and args.planner != "xema":
             raise ValueError("--load plans Xema for a load; baselines plan for isolated goodput")
@@ -81,7 +84,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = PlanOptions(hardware=args.hardware, budget=budget, gpus=gpus, group_gpus=group_gpus,
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
-                       measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)))
+                       measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
+                       host_budget=host_budget)
     return plan(templates, opts, loads, out=args.out, stats=args.stats, layouts=args.layouts, use_ray=not args.no_ray,
                 wait_s=args.wait_for_resources)
 
@@ -95,6 +99,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deployment", default=None,
                    help="a serve YAML (deployments/X.yaml): each template is planned for its model group's own GPUs")
     p.add_argument("--budget", default="48GB", help="per-GPU memory budget, e.g. 48GB or 44.7GiB")
+    p.add_argument("--host-budget", default=None,
+                   help="host memory per node, e.g. 64GB: prefer plans whose workers' host-homed weights (one replica "
+                        "of each group on one node, while loading too) fit it; refuse, naming the bytes, when none "
+                        "does (default: the deployment's host_memory, else no host limit)")
     p.add_argument("--hardware", default="a6000", help=f"hardware profile for latency ({', '.join(hardware_names())})")
     p.add_argument("--slo-scale", type=float, default=1.0)
     p.add_argument("--max-batch", type=int, default=8)

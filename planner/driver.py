@@ -33,7 +33,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.memory.analysis import gb
-from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
 
@@ -43,6 +43,7 @@ from planner.latency import LatencyModel, combine
 from planner.layouts import LayoutWave
 from planner.load_aware import GroupLoad
 from planner.measure import DeviceLatency, task_device
+from planner.finishing import GroupFinisher, finish_group, finish_under_load, merged_encoder_facts  # noqa: F401
 from planner.text_encoder import EncoderFacts
 
 
@@ -66,6 +67,11 @@ class PlanOptions(BaseModel):
         default="none", description="plan: the task measures the text encoder's facts for its placement")
     loaded_models: tuple[str, ...] = Field(
         default=(), description="models with an expected load: their tasks send their other candidates too")
+    host_budget: int | None = Field(
+        default=None, ge=1, description="host memory per node, bytes (--host-budget, or the deployment's host_memory): "
+                                        "plans whose node fits it are preferred (planner.host_choice)")
+    send_candidates: bool = Field(
+        default=False, description="every task sends its other candidates (the host budget's second pass)")
 
 
 class TemplateResult(BaseModel):
@@ -133,7 +139,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         counter = counted.counter
     profiled, analysed = (len(counter.profiled), len(counter.analysed)) if counter is not None else (0, 0)
     candidates: tuple[PlanEntry, ...] = ()
-    if entry is not None and opts.planner == "xema" and template.model in opts.loaded_models:
+    if entry is not None and opts.planner == "xema" and (template.model in opts.loaded_models or opts.send_candidates):
         # a load is expected for this model's group: its other assembled configurations compete
         # under that load in the driver (planner.load_aware)
         candidates = tuple(with_pause_bytes(with_latency_source(e, timer), cache)
@@ -230,89 +236,6 @@ def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
     return sorted(results, key=lambda r: order[r.template])
 
 
-# ---------------------------------------------------------------------------- finishing a group
-def merged_encoder_facts(results: list[TemplateResult]) -> dict[str, EncoderFacts]:
-    """Per model, the text-encoder facts the planning tasks sent back, merged."""
-    out: dict[str, EncoderFacts] = {}
-    for r in results:
-        if r.encoder_facts is not None:
-            f = r.encoder_facts
-            out[f.model] = out[f.model].merged(f) if f.model in out else f
-    return out
-
-
-def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
-                 latency: LatencyModel, budget: int
-                 ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
-    """One model group's planned entries made final: the residency policy with more goodput
-    (Xema) and each template's text-encoder placement (after it: the residency changes the
-    plans). Returns the entries to serve with, the residency (None: a baseline or no entry) and
-    the placement chosen per entry, for the summary."""
-    from planner.residency_choice import choose_group_residency
-    from planner.text_encoder import place_text_encoder
-
-    residency = None
-    if planner == "xema" and entries:
-        residency, entries = choose_group_residency(entries, latency.seconds, latency.hardware.h2d_gbps)
-    entries, encoders = dict(entries), {}
-    if text_encoder == "plan":
-        facts = merged_encoder_facts(results)
-        for k, e in list(entries.items()):
-            if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name))
-                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
-                encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
-    return entries, residency, encoders
-
-
-class GroupFinisher:
-    """The model groups finished so far (``finish``, called once per group): their final entries,
-    residencies and text-encoder placements; each group's layouts start in ``wave`` at once."""
-
-    def __init__(self, opts: PlanOptions, latency: LatencyModel, wave: LayoutWave | None,
-                 block_sizes: threading.Thread) -> None:
-        self.opts, self.latency, self.wave, self.block_sizes = opts, latency, wave, block_sizes
-        self.entries: dict[str, PlanEntry] = {}
-        self.residency: dict[str, GroupResidency] = {}
-        self.encoders: dict[str, TextEncoderChoice] = {}
-
-    def finish(self, model: str, group: list[TemplateResult], entries: dict[str, PlanEntry] | None = None) -> None:
-        """A model group is planned (``entries``: its plans, default the tasks' choices): its
-        residency and text encoders, then its layouts start."""
-        if self.block_sizes.is_alive():
-            self.block_sizes.join()
-        if entries is None:
-            entries = {r.template: r.entry for r in group if r.entry is not None}
-        served, chosen, placed = finish_group(group, entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                                              self.opts.budget)
-        self.entries.update(served)
-        self.encoders.update(placed)
-        if chosen is not None:
-            self.residency[model] = chosen
-        if self.wave is not None:
-            self.wave.submit(served)
-
-
-def finish_under_load(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
-                      loads: dict[str, GroupLoad], groups: GroupFinisher) -> PlanTable:
-    """Every group finished from the configurations chosen for its expected load (the goodput
-    choices compete with the other assembled configurations there). Returns the draft table with
-    the groups' admission policies and planned loads; raises ValueError where the load names what
-    is not planned."""
-    from planner.load_aware import plan_groups_for_load
-
-    planned = {r.template: r.entry for r in results if r.entry is not None}
-    draft = PlanTable(hardware="planning", gpus=opts.gpus, budget_bytes=opts.budget, group_gpus=opts.group_gpus,
-                      entries=planned)
-    alts = {r.template: [r.entry, *r.candidates] for r in results if r.entry is not None}
-    loaded = plan_groups_for_load(draft, alts, {r.template: r.slo_s for r in results if r.entry is not None}, loads)
-    model_of = {t.shape_key: t.model for t in templates}
-    for model in sorted(set(model_of.values())):
-        group = [r for r in results if model_of[r.template] == model]
-        groups.finish(model, group, {r.template: loaded.entries[r.template] for r in group if r.template in loaded.entries})
-    return loaded
-
-
 # ---------------------------------------------------------------------------- the table
 def plan_table(results: list[TemplateResult], opts: PlanOptions, groups: GroupFinisher, loaded: PlanTable | None,
                wall_s: float) -> PlanTable:
@@ -391,6 +314,32 @@ def print_groups(table: PlanTable, encoders: dict[str, TextEncoderChoice]) -> No
               f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
 
 
+def fit_host(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
+             groups: GroupFinisher, use_ray: bool, shape: TaskShape | None) -> list[TemplateResult]:
+    """The finished groups within ``--host-budget``: as planned where their node fits (the usual
+    case: nothing more to do), else planned again with every template's other candidates and
+    fitted (``planner.host_choice``; the layouts of changed entries are solved anew). Returns the
+    results the table is built from; raises ``HostBudgetError`` naming the bytes when none fits."""
+    from planner.host_choice import node_host
+
+    assert opts.host_budget is not None
+    if not groups.defer:
+        node = node_host(groups.entries, groups.residency, opts.group_gpus, opts.gpus, opts.host_budget,
+                         share=opts.hardware != "cpu")
+        if node.fits:
+            return results
+        print(f"host memory: {node.load_peak_bytes / 1e9:.1f} GB per node while loading, over --host-budget "
+              f"{opts.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
+        results = plan_all(templates, opts.model_copy(update={"send_candidates": True}), use_ray=use_ray,
+                           shape=shape)
+        groups.defer = True
+        model_of = {t.shape_key: t.model for t in templates}
+        for model in sorted(set(model_of.values())):
+            groups.finish(model, [r for r in results if model_of[r.template] == model])
+    groups.fit_host(results)
+    return results
+
+
 def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
     """What the residency choice needs from each model (its DiT blocks' weight bytes: a meta build
     of the transformer, seconds with its imports), prepared on a thread while the tasks run."""
@@ -427,22 +376,33 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
               "says so explicitly)", file=sys.stderr)
     wave = (LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray, num_cpus=shape.num_cpus if shape else 1.0)
             if layouts and out else None)
-    groups = GroupFinisher(opts, latency_model, wave, sizes)
     # with an expected load the groups' choices are made together, after every template is planned
+    # (with a host budget too, fitted then: planner.host_choice)
+    groups = GroupFinisher(opts, latency_model, wave, sizes, defer=bool(loads) and opts.host_budget is not None)
     results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish, shape=shape)
     wall = time.perf_counter() - t0
     loaded = None
-    if loads:
-        try:
+    try:
+        if loads:
             loaded = finish_under_load(results, templates, opts, loads, groups)
-        except ValueError as e:
-            print(f"planner: {e}", file=sys.stderr)
-            return 2
-    table = plan_table(results, opts, groups, loaded, wall)
+        if opts.host_budget is not None:
+            results = fit_host(results, templates, opts, groups, use_ray, shape)
+    except ValueError as e:  # the load names what is not planned, or no plan fits the host budget
+        print(f"planner: {e}", file=sys.stderr)
+        return 2
+    from planner.host_choice import with_node_host
+
+    table = with_node_host(plan_table(results, opts, groups, loaded, wall), share=opts.hardware != "cpu",
+                           budget_bytes=opts.host_budget)
     if wave is not None:
         table = with_layouts(table, wave, latency_model.hardware.gpu_model, planned_at=t0 + wall)
     print_summary(results)
     print_groups(table, groups.encoders)
+    if table.host is not None:
+        n = table.host
+        budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
+        print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
+              f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
     total = time.perf_counter() - t0
     table.provenance.total_s = round(total, 1)
     print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "

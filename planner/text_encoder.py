@@ -164,11 +164,13 @@ def placement_costs(entry: PlanEntry, hw: HardwareProfile, facts: EncoderFacts |
     ]
 
 
-def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int,
-                       facts: EncoderFacts | None = None) -> tuple[PlanEntry, list[EncoderCosts]]:
-    """``entry`` with the fastest placement that fits ``budget`` (the CPU always fits)."""
+def place_text_encoder(entry: PlanEntry, hw: HardwareProfile, budget: int, facts: EncoderFacts | None = None,
+                       allowed: tuple[str, ...] | None = None) -> tuple[PlanEntry, list[EncoderCosts]]:
+    """``entry`` with the fastest placement that fits ``budget`` (the CPU always fits), among
+    ``allowed`` where given (the host budget asks for "device"; where it does not fit, as without)."""
     costs = placement_costs(entry, hw, facts)
-    fits = [k for k in costs if max(k.peak_bytes, k.text_peak_bytes) <= budget] or [costs[-1]]
+    fits = [k for k in costs if max(k.peak_bytes, k.text_peak_bytes) <= budget]
+    fits = [k for k in fits if allowed is None or k.placement in allowed] or fits or [costs[-1]]
     best = min(fits, key=lambda k: k.seconds)
     cfg = entry.config.model_copy(update={"text_encoder": best.placement})
     p = entry.prediction

@@ -154,6 +154,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan-table", type=Path, required=True, help="a plan table (xema plan --out)")
     p.add_argument("--templates", default=None, help="comma-separated shape keys to verify (default: all entries)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON (list `entries`)")
+    p.add_argument("--host-memory", default=None,
+                   help="the node's RAM, e.g. 512GB, for the per-node host check (default: the table's host budget, "
+                        "recorded from --host-budget or the deployment's host_memory)")
     p.set_defaults(func=cmd_verify)
 
 
@@ -176,8 +179,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return 2
     from xema_ray.allocator.artifact import LayoutMismatch
 
+
     try:
-        report = verify_table(table, keys, path=str(args.plan_table))
+        host_memory = parse_bytes(args.host_memory) if args.host_memory else None
+    except ValueError as e:
+        print(f"xema verify: --host-memory: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = verify_table(table, keys, path=str(args.plan_table), host_memory_bytes=host_memory)
     except LayoutMismatch as e:
         print(f"xema verify: {e}", file=sys.stderr)
         return 2
@@ -192,15 +201,41 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{gb(e.lower_bound_bytes or 0)}, {e.layout_misses} misses replaying the worker's stream\n")
         elif e.error is None:
             w("    static layout: none (the entry names no layout: planned with --no-layouts)\n")
+        if e.host is not None and e.host_before is not None:
+            h, b = e.host, e.host_before
+            w(f"    host: resident {gb(h.resident_bytes)}, pinned {gb(h.pinned_bytes)} ({gb(h.shared_bytes)} shared per "
+              f"node), transient at load {gb(h.transient_bytes)}; before: pinned {gb(b.pinned_bytes)}, transient "
+              f"{gb(b.transient_bytes)}\n")
         if e.error:
             w(f"    error: {e.error}\n")
     w(f"{sum(e.fits for e in report.entries)} of {len(report.entries)} entries fit "
       f"({sum(e.seconds for e in report.entries):.1f} s)\n")
+    _print_node(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(report.model_dump_json(indent=1))
         print(f"wrote {args.json}")
     return 0 if report.all_fit else 1
+
+
+def _print_node(report) -> None:  # type: ignore[no-untyped-def]
+    """The per-node host memory, after (exact, shared) and before (power-of-two, per worker)."""
+    node, before = report.node, report.node_before
+    if node is None or before is None:
+        return
+    w = sys.stdout.write
+    ram = gb(node.budget_bytes) if node.budget_bytes else "not stated"
+    w(f"host memory per node (one replica of each group; RAM {ram}):\n")
+    w(f"  {'group':<14}{'workers':>8}{'first worker':>14}{'each further':>14}{'pinned':>11}{'transient':>11}"
+      f"{'before/worker':>15}{'before pinned':>15}\n")
+    for g, b in zip(node.groups, before.groups, strict=True):
+        w(f"  {g.model:<14}{g.workers:>8}{gb(g.first_worker_bytes):>14}{gb(g.further_worker_bytes):>14}"
+          f"{gb(g.pinned_bytes):>11}{gb(g.worker.transient_bytes):>11}{gb(b.worker.resident_bytes):>15}"
+          f"{gb(b.pinned_bytes):>15}\n")
+    for label, n in (("before", before), ("after", node)):
+        fits = "" if n.budget_bytes is None else ("  fits" if n.fits else "  DOES NOT FIT")
+        w(f"  {label:<6} resident {gb(n.resident_bytes)}, pinned {gb(n.pinned_bytes)}, while loading "
+          f"{gb(n.load_peak_bytes)}{fits}\n")
 
 
 def _add_layouts(sub: argparse._SubParsersAction) -> None:

@@ -72,6 +72,8 @@ class DeploymentShape(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     models: list[GroupShape] = Field(min_length=1)
+    host_memory: str | None = Field(default=None, description="the node's RAM the deployment states, e.g. 512GB "
+                                                               "(the planner's host budget unless --host-budget)")
 
     @classmethod
     def from_serve_yaml(cls, path: Path) -> DeploymentShape:

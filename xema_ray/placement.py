@@ -40,18 +40,47 @@ COMPUTE_DEVICE_ATTR = "_xema_compute_device"
 PLACEMENT_ATTR = "_xema_placement"
 
 
+#: attribute on a component: the ``HostBuffer`` its host-homed tensors are views into (closed with the model)
+HOST_BUFFER_ATTR = "_xema_host_buffer"
+
+
 @dataclass
 class PlacementReport:
-    """Bytes placed per home while loading one component."""
+    """Bytes placed per home while loading one component (or, added up, one worker's model).
+
+    Host figures: ``host_bytes`` are the host-homed tensors' own bytes; ``host_buffer_bytes`` the
+    exact-size buffer they are views into, ``host_pinned_bytes`` the part of it page-locked
+    (all of it on CUDA, none for a component that computes on the host CPU); ``host_pow2_bytes`` what
+    torch's pinned allocator would hold had each tensor been pinned on its own (its power-of-two
+    rounding; the loader before exact buffers); ``host_shared_bytes`` the part of the buffers that
+    is one node-wide segment (paid once per node, by the first worker that fills it);
+    ``host_attached_bytes`` the part this worker found filled by another (it read nothing for it);
+    ``transient_bytes`` the most anonymous host memory the load held at once beyond those buffers
+    (values read or generated before they reached their home; memory-mapped checkpoint pages are
+    page cache, not counted).
+    """
 
     device_bytes: int = 0
     host_bytes: int = 0
     tensors: int = 0
+    host_buffer_bytes: int = 0
+    host_pinned_bytes: int = 0
+    host_pow2_bytes: int = 0
+    host_shared_bytes: int = 0
+    host_attached_bytes: int = 0
+    transient_bytes: int = 0
 
     def add(self, other: PlacementReport) -> None:
+        """Add a component loaded after this one (transients are not held together: the larger counts)."""
         self.device_bytes += other.device_bytes
         self.host_bytes += other.host_bytes
         self.tensors += other.tensors
+        self.host_buffer_bytes += other.host_buffer_bytes
+        self.host_pinned_bytes += other.host_pinned_bytes
+        self.host_pow2_bytes += other.host_pow2_bytes
+        self.host_shared_bytes += other.host_shared_bytes
+        self.host_attached_bytes += other.host_attached_bytes
+        self.transient_bytes = max(self.transient_bytes, other.transient_bytes)
 
 
 # ---------------------------------------------------------------------------- compute device

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from xema_ray.host_budget import HostBytes, NodeHost
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
@@ -189,6 +190,10 @@ class PlanPrediction(BaseModel):
         default=None, ge=0,
         description="device bytes a batch holds between denoising steps besides weights (latents, prompt "
                     "embeddings, scheduler state): what it keeps while paused; None: not known (never preempted)")
+    host: HostBytes | None = Field(
+        default=None, description="host memory one worker holds for this plan's weights (xema_ray.host_budget): "
+                                  "resident, pinned, shared with the node's other workers, transient at load; "
+                                  "None: not recorded (a table planned before these figures)")
 
     @field_validator("latency_source", mode="before")
     @classmethod
@@ -400,6 +405,10 @@ class PlanTable(BaseModel):
     planned_load: dict[str, PlannedLoad] = Field(
         default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
                                           "isolated goodput, no load)")
+    host: NodeHost | None = Field(
+        default=None, description="the node's host memory for the groups' weights (one replica of each group on one "
+                                  "node) against --host-budget or the deployment's stated host_memory; None: not "
+                                  "recorded")
     provenance: PlanProvenance = Field(default_factory=PlanProvenance,
                                        description="command line, time, what was measured (PlanProvenance)")
 

@@ -21,6 +21,7 @@ from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.runtime.residency import Residency, block_sizes
 from xema_ray.measure.verify import verify_config
+from xema_ray.runtime.host_bytes import worker_host_bytes
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.startup import PlanNotRunnable, check_runnable
@@ -139,8 +140,13 @@ def test_error_raised_if_host_memory_too_small() -> None:
                                                   "templates": [{"width": 64, "height": 64, "steps": 2}]}]})
     table = _table({t: ExecutionConfig(template=t, mitigations=(_offload((0, 1, 2)),))})
     check_runnable(table, cfg, [t])  # the node has far more than a tiny model's blocks
-    with pytest.raises(PlanNotRunnable, match="pinned host memory"):
+    with pytest.raises(PlanNotRunnable, match=r"host memory: the node's workers hold [0-9,]+ bytes of weights on the "
+                                              r"host, [0-9,]+ bytes while loading .*; the node has 1,000 bytes"):
         check_runnable(table, cfg, [t], host_memory_bytes=1000)
+    # the deployment's stated RAM is the node's (here: less than a tiny model's blocks, so refused)
+    small = cfg.model_copy(update={"host_memory": "1KB"})
+    with pytest.raises(PlanNotRunnable, match=r"the node \(host_memory\) has 1,000 bytes"):
+        check_runnable(table, small, [t])
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -197,6 +203,16 @@ def test_verify_cli_reports_entries(tmp_path, capsys) -> None:  # type: ignore[n
     assert entry["template"] == t.shape_key and entry["fits"] is True
     assert set(entry) >= {"template", "device_peak_bytes", "load_peak_bytes", "host_bytes", "budget_bytes", "fits"}
     assert entry["host_bytes"] == sum(block_sizes(t.spec))
+    # host memory per node: the loader's exact buffer, shared by the group's workers (meta stands
+    # for GPU workers), against the same tensors pinned one by one in power-of-two blocks per worker
+    host, before = entry["host"], entry["host_before"]
+    assert entry["host_bytes"] <= host["resident_bytes"] == host["pinned_bytes"] == host["shared_bytes"]
+    assert before["pinned_bytes"] > host["pinned_bytes"] and before["shared_bytes"] == 0
+    assert host["resident_bytes"] == worker_host_bytes(t.spec, Residency(host_blocks=tuple(range(n))), None).resident_bytes
+    node, node_before = report["node"], report["node_before"]
+    assert node["groups"][0]["workers"] == 2 and node["resident_bytes"] == host["resident_bytes"]  # once per node
+    assert node_before["resident_bytes"] == 2 * before["resident_bytes"]
+    assert "host memory per node" in capsys.readouterr().out
     small = table.model_copy(update={"budget_bytes": 1000})
     small.save(str(path))
     assert main(["verify", "--plan-table", str(path)]) == 1

@@ -5,7 +5,11 @@ worker actor runs; SP ranks join a fake process group, so one process stands for
 batch's SP group), loads the model with the entry's plans (each weight placed where the
 residency says, exactly as on a GPU) and executes one batch of the plan's size, all under the
 ``AllocationTracer``. Device bytes are counted from the first weight placed to the end of the
-request; host bytes (weights homed on pinned host memory) are reported separately. Nothing is
+request; host bytes (weights homed on pinned host memory) are reported separately, as the
+worker's loader counted them (exact buffers resident, pinned, shared with the node's other workers
+of the model, transient at load), beside the same tensors as the earlier loader held them (each
+pinned tensor in torch's power-of-two block, nothing shared, the text encoder read whole first);
+per node, one replica of each model group is added up against the node's stated RAM. Nothing is
 modelled here: what is counted is what the worker allocates.
 
 Denoising steps repeat the same allocations (the analyzer checks it), so ``VERIFY_STEPS``
@@ -35,7 +39,8 @@ from xema_ray.analyzer.steps import REPLICATE_FROM
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.analyzer.tracer import ALLOC, AllocationTracer, RawTrace, round_size
 from xema_ray.plan import ExecutionConfig, PlanTable
-from xema_ray.runtime.worker import ModelLoadConfig, ResidencyPolicy, Worker
+from xema_ray.host_budget import GroupHost, HostBytes, NodeHost
+from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, ResidencyPolicy, Worker
 
 if TYPE_CHECKING:
     from xema_ray.allocator.artifact import LayoutArtifact
@@ -54,6 +59,13 @@ class VerifyEntry(BaseModel):
     device_peak_bytes: int = Field(description="device peak from the first weight placed to the end of the request")
     load_peak_bytes: int = Field(description="device peak while loading (the weights the device holds after load)")
     host_bytes: int = Field(description="weight bytes homed on (pinned) host memory")
+    host: HostBytes | None = Field(
+        default=None, description="the worker's host memory as its loader placed it: exact buffers resident, pinned, "
+                                  "shared with the node's other workers of the model, transient at load")
+    host_before: HostBytes | None = Field(
+        default=None, description="the same tensors as the loader held them before exact buffers: pinned one by one "
+                                  "(torch's power-of-two blocks), nothing shared, a checkpoint's text encoder read "
+                                  "whole onto the CPU first")
     text_encoder: str | None = Field(default=None, description="where the text encoder ran (None: stand-in embeddings)")
     budget_bytes: int
     predicted_peak_bytes: int | None = Field(default=None, description="the planner's prediction, for comparison")
@@ -73,6 +85,11 @@ class VerifyReport(BaseModel):
 
     plan_table: str | None = None
     entries: list[VerifyEntry]
+    node: NodeHost | None = Field(
+        default=None, description="host memory of one node holding one replica of every model group of the table "
+                                  "(each group's worker: the largest of its entries), against the node's stated RAM")
+    node_before: NodeHost | None = Field(default=None, description="the same node as the loader before exact, "
+                                                                   "shared buffers held it")
 
     @property
     def all_fit(self) -> bool:
@@ -95,9 +112,9 @@ def device_peaks(raw: RawTrace) -> tuple[int, int]:
 
 def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
                 group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
-                layouts_dir: Path | None = None, replay_blocks: bool = False) -> tuple[int, str | None, str | None]:
+                layouts_dir: Path | None = None, replay_blocks: bool = False) -> tuple[LoadedModel | None, str | None]:
     """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
-    meta under ``tracer``; (host bytes, text encoder placement, error). ``replay_blocks``: the
+    meta under ``tracer``; (what the load placed, error). ``replay_blocks``: the
     analyzer's block replay (``xema_ray.analyzer.block_replay``, exact) beneath the batch's hooks,
     SP ranks included (the fake process group's collectives are allocations like any other)."""
     from xema_ray.placement import forget_placeholders
@@ -110,6 +127,7 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
     # and so the entry's predicted peak, do not depend on which planning worker ran it)
     forget_placeholders("meta")
     worker = Worker(platform="meta")
+    loaded = None
     try:
         from xema_ray.analyzer.assembly import assembled
         from xema_ray.parallel.groups import ParallelConfig, SPLayout
@@ -134,9 +152,9 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
             with assembled(engine.pipe, tracer, "meta", markers=markers, replay_blocks=replay_blocks,
                            beneath=lambda install: setattr(engine, "inner_env", install)):
                 worker.execute(batch)
-        return loaded.host_bytes, loaded.text_encoder, None
+        return loaded, None
     except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
-        return 0, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return loaded, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
         worker.shutdown()
 
@@ -171,8 +189,8 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     from xema_ray.analyzer.steps import expand_steps
 
     tracer = AllocationTracer("meta", {})
-    _, _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS), tracer, markers=True,
-                              layouts_dir=layouts_dir, replay_blocks=replay_blocks)
+    _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS), tracer, markers=True,
+                           layouts_dir=layouts_dir, replay_blocks=replay_blocks)
     if error is not None:
         raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
     raw = tracer.raw()
@@ -218,8 +236,8 @@ def verify_config(
     t0 = time.perf_counter()
     steps = min(config.template.steps, VERIFY_STEPS)
     tracer = AllocationTracer("meta", {})
-    host, encoder, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
-                                       residency=residency, layouts_dir=layouts_dir)
+    loaded, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
+                                residency=residency, layouts_dir=layouts_dir)
     peak, load_peak = device_peaks(tracer.raw())
     replayed = None
     if layout is not None and error is None:
@@ -234,7 +252,10 @@ def verify_config(
         replayed = replay(layout.solved(), stream)
     return VerifyEntry(
         template=config.template.shape_key, plan=config.describe(), device_peak_bytes=peak, load_peak_bytes=load_peak,
-        host_bytes=host, text_encoder=encoder, budget_bytes=budget_bytes, predicted_peak_bytes=predicted_peak_bytes,
+        host_bytes=loaded.host_bytes if loaded else 0, host=host_of(loaded) if loaded else None,
+        host_before=host_before_of(config, loaded) if loaded else None,
+        text_encoder=loaded.text_encoder if loaded else None, budget_bytes=budget_bytes,
+        predicted_peak_bytes=predicted_peak_bytes,
         fits=error is None and peak <= budget_bytes and (replayed is None or replayed.misses == 0),
         steps_traced=steps, seconds=time.perf_counter() - t0, error=error,
         static_reserved_bytes=replayed.static_reserved_bytes if replayed else None,
@@ -243,7 +264,51 @@ def verify_config(
     )
 
 
-def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path: str | None = None) -> VerifyReport:
+def host_of(loaded: LoadedModel) -> HostBytes:
+    """The worker's host figures as its loader counted them."""
+    return HostBytes(resident_bytes=loaded.host_buffer_bytes, pinned_bytes=loaded.host_pinned_bytes,
+                     shared_bytes=loaded.host_shared_bytes,
+                     shared_pinned_bytes=min(loaded.host_shared_bytes, loaded.host_pinned_bytes),
+                     transient_bytes=loaded.transient_bytes)
+
+
+def host_before_of(config: ExecutionConfig, loaded: LoadedModel) -> HostBytes:
+    """The same placed tensors as the earlier loader held them: its pinned ones in torch's
+    power-of-two blocks (counted from the same tensors), the CPU encoder's as they are, nothing
+    shared, and with the model's published checkpoint (the reference deployment loads one) its
+    text encoder read whole onto the CPU before being placed on the device or pinned."""
+    from xema_ray.models.text_encoders import encoder_weight_bytes
+
+    spec = config.template.spec
+    whole = 0
+    if loaded.text_encoder in ("device", "streamed") and spec.text_encoder is not None:
+        whole = encoder_weight_bytes(spec.text_encoder, torch.bfloat16 if spec.size == "real" else torch.float32)[0]
+    unpinned = loaded.host_buffer_bytes - loaded.host_pinned_bytes
+    return HostBytes(resident_bytes=loaded.host_pow2_bytes + unpinned, pinned_bytes=loaded.host_pow2_bytes,
+                     transient_bytes=whole + loaded.transient_bytes)
+
+
+def node_host(table: PlanTable, entries: list[VerifyEntry], before: bool = False,
+              budget_bytes: int | None = None) -> NodeHost | None:
+    """One node with one replica of each of the table's model groups (``group_gpus``; a table
+    planned without a deployment: one group of all its GPUs per model), each worker holding the
+    largest of its model's verified entries."""
+    per_model: dict[str, HostBytes] = {}
+    for e in entries:
+        h = e.host_before if before else e.host
+        if h is None:
+            continue
+        model = table.entries[e.template].config.template.model
+        per_model[model] = per_model[model].max(h) if model in per_model else h
+    if not per_model:
+        return None
+    groups = [GroupHost(model=m, workers=table.group_gpus.get(m, table.gpus), worker=h) for m, h in sorted(per_model.items())]
+    budget = budget_bytes if budget_bytes is not None else (table.host.budget_bytes if table.host is not None else None)
+    return NodeHost.of(groups, budget)
+
+
+def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path: str | None = None,
+                 host_memory_bytes: int | None = None) -> VerifyReport:
     """``verify_config`` for every entry of ``table`` (or the named shape keys). Each entry is
     loaded with its own plan first, as a per-template worker loads it for that template; a
     switch from another template's residency only moves blocks out before others come in, so
@@ -260,4 +325,5 @@ def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path:
             layout = load_artifact(folder, e.config.layout_ref)
         out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
                                  predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder))
-    return VerifyReport(plan_table=path, entries=out)
+    return VerifyReport(plan_table=path, entries=out, node=node_host(table, out, budget_bytes=host_memory_bytes),
+                        node_before=node_host(table, out, before=True, budget_bytes=host_memory_bytes))

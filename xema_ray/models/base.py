@@ -117,6 +117,10 @@ class BuildOptions:
     #: repository stores its VAE in fp32; kept so, it holds twice the bytes the trace must count.
     #: Every other component is built (and a checkpoint's tensors cast on load) in ``dtype``.
     component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    #: keep host-homed weights in the node's shared segment for them (one copy for every worker of
+    #: this model, weights and residency on the node: ``xema_ray.platforms.host_memory``); False:
+    #: this worker's own exact-size buffer
+    share_host: bool = False
 
     def dtype_for(self, component: str) -> torch.dtype:
         """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""
@@ -248,7 +252,8 @@ class ModelSpec(ABC):
                 host = any(path == p or path.startswith(p + ".") for p in prefixes)
                 return WeightHome.HOST if host else WeightHome.DEVICE
 
-            report = materialize(model, torch.device(opts.device), dtype, source, home_of)
+            share = f"{self.name}|{subfolder}" if opts.share_host else None
+            report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share)
             setattr(model, PLACEMENT_ATTR, report)
         if opts.component_dtypes and subfolder != "transformer":
             # components of two dtypes meet: each takes its inputs in its own (the transformer is
@@ -259,13 +264,20 @@ class ModelSpec(ABC):
     def build_text_encoder(self, opts: BuildOptions) -> tuple[nn.Module | None, Any]:
         """(text encoder, tokenizer) placed as ``opts`` says, or (None, None) without one.
 
-        A checkpoint's encoder is read by transformers (its key conventions) onto the CPU and
-        then placed module by module: on the device, or on (pinned) host memory for layers that
-        stream (``host_modules`` under ``text_encoder.``), or left on the CPU to run there. A
+        A checkpoint's encoder is read tensor by tensor from its memory-mapped safetensors files
+        (its stored names mapped to the model's by transformers' renaming rules), never whole on
+        the CPU first, and placed module by module: on the device, or in an exact-size (pinned)
+        host buffer for the parts that stream, or in a host buffer to run on the CPU. A
         random-weight encoder is built at the real config with seeded values the same way."""
         from xema_ray.placement import PLACEMENT_ATTR, WeightHome
-        from xema_ray.models.loading import LoadedWeights, SeededWeights, WeightSource, materialize
-        from xema_ray.models.text_encoders import build_encoder_on_meta, build_tokenizer, load_tokenizer
+        from xema_ray.models.loading import CheckpointWeights, SeededWeights, WeightSource, materialize
+        from xema_ray.models.text_encoders import (
+            build_encoder_on_meta,
+            build_tokenizer,
+            checkpoint_keys,
+            load_tokenizer,
+            tied_keys,
+        )
 
         placement = opts.encoder_placement()
         spec = self.text_encoder
@@ -276,17 +288,17 @@ class ModelSpec(ABC):
         tok_dir = Path(opts.weights_dir) / "tokenizer" if opts.weights_dir is not None else None
         tokenizer = load_tokenizer(tok_dir) if tok_dir is not None and tok_dir.is_dir() else build_tokenizer(spec)
         source: WeightSource
+        model = build_encoder_on_meta(spec, dtype)
         if directory is not None and directory.is_dir():
             if opts.device == "meta":
                 raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
             from xema_ray.models.loading import checkpoint_dtype
 
             _log_cast(self.name, "text_encoder", checkpoint_dtype(directory), dtype)
-            loaded = spec.model_class().from_pretrained(str(directory), dtype=dtype)
-            source = LoadedWeights(loaded, str(directory))
+            source = CheckpointWeights(directory, tied=tied_keys(model))
+            source.keys = checkpoint_keys(model, source.files)
         else:
             source = SeededWeights(opts.seed, "text_encoder")
-        model = build_encoder_on_meta(spec, dtype)
         device = torch.device("cpu") if placement == "cpu" and opts.device != "meta" else torch.device(opts.device)
         prefixes: tuple[str, ...] = spec.streamed_host_modules() if placement == "streamed" else ()
         if placement == "cpu":
@@ -296,7 +308,8 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        report = materialize(model, device, dtype, source, home_of)
+        share = f"{self.name}|text_encoder|{placement}" if opts.share_host else None
+        report = materialize(model, device, dtype, source, home_of, share=share, pinned=placement != "cpu")
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
             from xema_ray.placement import WEIGHT_HOME_ATTR

@@ -31,9 +31,7 @@ Values come from a ``WeightSource``:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
 from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable, Iterator
@@ -44,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xema_ray.models.base import default_dtype
+from xema_ray.models.meta_build import build_on_meta, no_init_on_meta, parameters_on_meta  # noqa: F401 (read from here too)
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, PlacementReport, WeightHome, placeholder
 
 
@@ -56,10 +54,22 @@ class CheckpointError(ValueError):
 class WeightSource(ABC):
     """Gives a module's own tensors their values (on the CPU)."""
 
+    #: anonymous host bytes the last ``values`` call allocated (values read from a memory-mapped
+    #: file are page cache, not counted); the loader keeps the largest as the load's transient
+    transient_bytes: int = 0
+
     @abstractmethod
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """``name -> CPU tensor`` for ``module``'s direct parameters and buffers (``path`` is
         the module's dotted path in its component)."""
+
+    def identity(self) -> str:
+        """What names these values (a shared host segment's key includes it)."""
+        return f"{type(self).__name__}:{id(self)}"  # unshareable unless a source says more
+
+    def mark_used(self, path: str, names: list[str]) -> None:
+        """``module``'s tensors were placed without reading them (a shared host segment another
+        worker filled already holds them)."""
 
     def finish(self) -> None:
         """Called once every module was placed (checks nothing was left unused)."""
@@ -121,12 +131,17 @@ class SeededWeights(WeightSource):
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return self.placed_values(path, module, dtype, torch.device("cpu"))
 
+    def identity(self) -> str:
+        return f"seeded:{self.seed}:{self.component}"
+
     def placed_values(self, path: str, module: nn.Module, dtype: torch.dtype, device: torch.device,
-                      pin: bool = False) -> dict[str, torch.Tensor]:
+                      pin: bool = False, dest: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """``values``, with the tiled (real-size) tensors allocated and filled at ``device``
-        (pinned host memory with ``pin``) instead of on the CPU: the same bytes (the pattern is
-        drawn on the CPU from the same generator), without writing 64 GB on the host and copying
-        it over. Smaller tensors come back on the CPU; the caller moves them."""
+        (pinned host memory with ``pin``), or filled in place in ``dest`` (their slots in a
+        host buffer), instead of on the CPU: the same bytes (the pattern is drawn on the CPU from
+        the same generator), without writing 64 GB on the host and copying it over. Smaller
+        tensors come back on the CPU; the caller moves them."""
+        self.transient_bytes = 0
         own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if not any(t.is_meta for t in own.values()):
             return {}  # buffers computed by the constructor keep their values
@@ -135,12 +150,18 @@ class SeededWeights(WeightSource):
             tiled: dict[str, torch.Tensor] = {}
             for n, t in own.items():
                 big = t.dim() > 1 and t.is_floating_point()
-                tiled[n] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
-                                       device=device if big else "cpu", pin_memory=pin and big)
+                if big and dest is not None and n in dest:
+                    tiled[n] = dest[n]
+                else:
+                    tiled[n] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                           device=device if big else "cpu", pin_memory=pin and big)
+                    if tiled[n].device.type == "cpu":
+                        self.transient_bytes += tiled[n].numel() * tiled[n].element_size()
                 _tiled_init(n, tiled[n], gen)
             return {n: t for n, t in tiled.items() if own[n].is_meta}
         # a CPU twin of the module's own tensors, initialised by its own reset_parameters where it has one
         out = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else dtype) for n, t in own.items()}
+        self.transient_bytes = sum(t.numel() * t.element_size() for t in out.values())
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             twin = _cpu_twin(module, out)
@@ -200,9 +221,22 @@ def _safetensors_files(directory: Path) -> dict[str, Path]:
 
 @dataclass
 class CheckpointWeights(WeightSource):
-    """Tensors read one by one from a local diffusers component directory."""
+    """Tensors read one by one from a local component directory (diffusers or transformers),
+    memory-mapped by safetensors: a tensor's pages are read as it is copied to its home, and no
+    whole model is ever held on the CPU.
+
+    Args:
+        directory: the component folder.
+        keys: the model's tensor name -> its name in the checkpoint, where they differ (a
+            transformers checkpoint in its saved layout: ``checkpoint_keys``); a name not in it
+            is its own.
+        tied: the model's tensor name -> the tensor it is tied to (read from there when the
+            checkpoint leaves it out, as transformers saves tied weights once).
+    """
 
     directory: Path
+    keys: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
     _used: set[str] = field(default_factory=set)
     _handles: dict[Path, Any] = field(default_factory=dict)
@@ -211,6 +245,23 @@ class CheckpointWeights(WeightSource):
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: missing component directory")
         self.files = _safetensors_files(self.directory)
+
+    def identity(self) -> str:
+        """The folder and its files' sizes and modification times (a rewritten checkpoint is another)."""
+        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(set(self.files.values()))]
+        return f"checkpoint:{self.directory.resolve()}:{stats}"
+
+    def _key(self, name: str) -> str:
+        key = self.keys.get(name, name)
+        if key not in self.files and name in self.tied:
+            return self.keys.get(self.tied[name], self.tied[name])
+        return key
+
+    def mark_used(self, path: str, names: list[str]) -> None:
+        for n in names:
+            key = self._key(f"{path}.{n}" if path else n)
+            if key in self.files:
+                self._used.add(key)
 
     def _open(self, f: Path) -> Any:
         h = self._handles.get(f)
@@ -223,8 +274,9 @@ class CheckpointWeights(WeightSource):
     def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         out = {}
+        self.transient_bytes = 0
         for n, meta in own.items():
-            key = f"{path}.{n}" if path else n
+            key = self._key(f"{path}.{n}" if path else n)
             f = self.files.get(key)
             if f is None:
                 if n in module._buffers and n in getattr(module, "_non_persistent_buffers_set", set()):
@@ -237,7 +289,10 @@ class CheckpointWeights(WeightSource):
                     f"{f}: tensor {key!r} has shape {tuple(t.shape)}, the model's config expects {tuple(meta.shape)}")
             if t.is_floating_point() != meta.is_floating_point():
                 raise CheckpointError(f"{f}: tensor {key!r} is {t.dtype}, expected a {'floating' if meta.is_floating_point() else 'integer'} tensor")
-            out[n] = t.to(dtype) if t.is_floating_point() else t
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)  # a copy (the mapped file's pages are not): the load's transient
+                self.transient_bytes += t.numel() * t.element_size()
+            out[n] = t
             self._used.add(key)
         return out
 
@@ -248,34 +303,6 @@ class CheckpointWeights(WeightSource):
             raise CheckpointError(
                 f"{self.directory}: {len(unused)} tensor(s) the model's config does not have, e.g. {unused[:3]} "
                 "(a checkpoint of another model or config?)")
-
-
-@dataclass
-class LoadedWeights(WeightSource):
-    """Values from a module already loaded on the CPU (a transformers checkpoint, read with its
-    own key conventions); each is handed out once and then dropped, so the CPU copy shrinks as
-    the placed model grows."""
-
-    module: nn.Module
-    origin: str
-
-    def values(self, path: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        try:
-            src = self.module.get_submodule(path) if path else self.module
-        except AttributeError:
-            raise CheckpointError(f"{self.origin}: the checkpoint has no module {path!r}") from None
-        out = {}
-        for n, meta in (dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))).items():
-            t = src._parameters.get(n) if n in src._parameters else src._buffers.get(n)
-            if t is None:
-                raise CheckpointError(f"{self.origin}: tensor {path + '.' + n if path else n!r} is missing")
-            if tuple(t.shape) != tuple(meta.shape):
-                raise CheckpointError(f"{self.origin}: tensor {path}.{n} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}")
-            out[n] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
-        return out
-
-    def finish(self) -> None:
-        self.module = nn.Module()
 
 
 def checkpoint_dtype(directory: Path) -> torch.dtype | None:
@@ -296,128 +323,18 @@ def checkpoint_dtype(directory: Path) -> torch.dtype | None:
 
 # ---------------------------------------------------------------------------- placement
 def _source_values(source: WeightSource, path: str, sub: nn.Module, dtype: torch.dtype, device: torch.device,
-                   home: WeightHome, pin: bool) -> dict[str, torch.Tensor]:
-    """The source's values for one module; seeded real-size tensors are filled at their home."""
+                   home: WeightHome, dest: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The source's values for one module; seeded real-size tensors are filled at their home
+    (on the device, or in place in ``dest``: their slots in the host buffer)."""
     if isinstance(source, SeededWeights):
         if home is WeightHome.DEVICE:
             return source.placed_values(path, sub, dtype, device)
-        return source.placed_values(path, sub, dtype, torch.device("cpu"), pin=pin)
+        return source.placed_values(path, sub, dtype, torch.device("cpu"), dest=dest)
     return source.values(path, sub, dtype)
 
 
 def _modules_in_order(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from root.named_modules(remove_duplicate=True)
-
-
-class _ProcessPatch:
-    """A process-wide patch installed while any thread needs it, active only in those threads.
-
-    Patching a class attribute per call and restoring it after is not thread-safe: two loads that
-    overlap (in-process workers are threads) restore each other's patch, and one stays installed
-    for good (every later module, a transformers checkpoint's too, then got meta parameters).
-    Here the patch goes in at the first user and out at the last, under a lock; what it does is
-    gated per thread."""
-
-    def __init__(self, install: Callable[[], None], uninstall: Callable[[], None]) -> None:
-        self._install, self._uninstall = install, uninstall
-        self._lock = threading.Lock()
-        self._users = 0
-        self._local = threading.local()
-
-    @property
-    def active(self) -> bool:
-        """The calling thread is inside the patch's context."""
-        return getattr(self._local, "depth", 0) > 0
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._users == 0:
-                self._install()
-            self._users += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.depth -= 1
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    self._uninstall()
-
-
-_REGISTER_PARAMETER = nn.Module.register_parameter
-
-
-def _register_parameter_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    _REGISTER_PARAMETER(self, name, param)
-    if _META_PARAMETERS.active and param is not None and param.device.type != "meta":
-        self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-
-def _set_register_parameter(fn: Callable[..., None]) -> Callable[[], None]:
-    def set_it() -> None:
-        nn.Module.register_parameter = fn  # type: ignore[method-assign]
-    return set_it
-
-
-_META_PARAMETERS = _ProcessPatch(_set_register_parameter(_register_parameter_on_meta),
-                                 _set_register_parameter(_REGISTER_PARAMETER))
-
-
-def parameters_on_meta() -> contextlib.AbstractContextManager[None]:
-    """Construct modules with every parameter on the meta device (moved there as it is
-    registered, before any constructor initialises it) and every buffer real on the CPU: buffers
-    are small values computed by constructors (rotary frequencies, normalisation statistics)
-    that no checkpoint or seed could supply. accelerate's ``init_empty_weights`` does the same.
-    Only the calling thread's modules: another thread loading a checkpoint meanwhile is untouched."""
-    return _META_PARAMETERS()
-
-
-#: ``torch.nn.init`` functions constructors call on their parameters (Linear, Conv, Embedding,
-#: norms): on a meta parameter they compute nothing, at ~0.1 ms a call (LTX-2's 3,267 linear
-#: layers: 0.3 s of its transformer's 0.47 s build)
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
-                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
-_INIT_ORIGINALS: dict[str, Callable[..., Any]] = {n: getattr(nn.init, n) for n in _INIT_FUNCTIONS if hasattr(nn.init, n)}
-
-
-def _skipping(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else fn(tensor, *args, **kwargs)
-    return call
-
-
-def _set_init(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-    def set_them() -> None:
-        for name, fn in _INIT_ORIGINALS.items():
-            setattr(nn.init, name, wrap(fn))
-    return set_them
-
-
-_NO_INIT_ON_META = _ProcessPatch(_set_init(_skipping), _set_init(lambda fn: fn))
-
-
-def no_init_on_meta() -> contextlib.AbstractContextManager[None]:
-    """``torch.nn.init``'s initialisers return a meta tensor as it is (it has no values to set);
-    every other tensor (a buffer a constructor computes on the CPU) is initialised as usual."""
-    return _NO_INIT_ON_META()
-
-
-def build_on_meta(cls: type[Any], config: dict[str, Any], dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:
-    """The component's module tree with its parameters on the meta device (no memory, seconds
-    for 32 B parameters) and its buffers computed on the CPU (``real_buffers``; else on meta too).
-
-    Built outside any active dispatch mode: the tree is only shapes, not an allocation of any
-    device, so an allocation tracer around a worker's load (``xema verify``) counts each weight
-    once, when ``materialize`` places it."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    where = parameters_on_meta() if real_buffers else torch.device("meta")
-    with _disable_current_modes(), default_dtype(dtype), where, no_init_on_meta():
-        model = cls.from_config(cfg)
-    return model.eval().requires_grad_(False)
 
 
 def materialize(
@@ -426,8 +343,13 @@ def materialize(
     dtype: torch.dtype,
     source: WeightSource,
     home_of: Callable[[str], WeightHome] = lambda _path: WeightHome.DEVICE,
+    share: str | None = None,
+    pinned: bool | None = None,
 ) -> PlacementReport:
     """Give every tensor of a meta-built ``module`` its value at its home, one module at a time.
+
+    Host-homed tensors are views into one exact-size buffer (``xema_ray.models.host_pack``),
+    page-locked on CUDA; with ``share`` it is the node's shared segment for these weights.
 
     Args:
         module: built on meta (``build_on_meta``).
@@ -435,49 +357,93 @@ def materialize(
         dtype: floating dtype of the weights.
         source: where values come from.
         home_of: module path -> home; a module's home covers its own tensors (children ask for theirs).
+        share: what names these weights (model, component, dtype; the source adds its own
+            identity) to share their host copy with the node's other workers; None: this
+            worker's own buffer.
+        pinned: whether the host buffer is page-locked (default: on CUDA, and on meta, which
+            stands for a GPU worker); False for a component that computes on the host CPU.
 
     Returns:
-        Bytes placed on the device and on the host.
+        Bytes placed on the device and on the host (``PlacementReport``).
     """
+    from xema_ray.models.host_pack import open_host_buffer, plan_pack, release_host_buffer
+
     report = PlacementReport()
-    pin = device.type == "cuda"
+    pack = plan_pack(module, dtype, home_of)
+    pinned = device.type in ("cuda", "meta") if pinned is None else pinned
+    report.host_buffer_bytes = pack.nbytes
+    report.host_pinned_bytes = pack.nbytes if pinned else 0
+    report.host_pow2_bytes = pack.pow2_bytes if pinned else 0
+    key = None if share is None else pack.key(f"{share}|{source.identity()}|{dtype}")
+    buf = open_host_buffer(pack, device, key)
+    report.host_shared_bytes = pack.nbytes if key is not None else 0  # on meta too: it stands for a GPU worker
+    report.host_attached_bytes = pack.nbytes if buf is not None and buf.filled else 0
+    slots = {(s.path, s.name): s for s in pack.slots}
     placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
-    for path, sub in _modules_in_order(module):
-        own = dict(sub.named_parameters(recurse=False)) | dict(sub.named_buffers(recurse=False))
-        if not own:
-            continue
-        home = home_of(path)
-        for name in [n for n, p in sub._parameters.items() if p is not None and id(p) in placed]:
-            sub._parameters[name] = placed[id(own.pop(name))]
-        if not own:
-            continue
-        values = {} if device.type == "meta" else _source_values(source, path, sub, dtype, device, home, pin)
-        for name, meta in own.items():
-            as_dtype = meta.is_floating_point() and name in sub._parameters
-            nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
+    try:
+        for path, sub in _modules_in_order(module):
+            own = dict(sub.named_parameters(recurse=False)) | dict(sub.named_buffers(recurse=False))
+            if not own:
+                continue
+            home = home_of(path)
+            for name in [n for n, p in sub._parameters.items() if p is not None and id(p) in placed]:
+                sub._parameters[name] = placed[id(own.pop(name))]
+            if not own:
+                continue
+            views = ({n: buf.view(s.offset, s.shape, s.dtype) for n in own if (s := slots.get((path, n))) is not None}
+                     if buf is not None and home is WeightHome.HOST else {})
             if device.type == "meta":
-                t_dtype = dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
-                t = (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
-                     else placeholder(meta.shape, t_dtype, torch.device("meta")))
+                values: dict[str, torch.Tensor] = {}
+                # at most one module's values are held outside their home at once (any source)
+                report.transient_bytes = max(report.transient_bytes, sum(
+                    t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in own.values()))
+            elif views and buf is not None and buf.filled:
+                values = {}
+                source.mark_used(path, list(own))  # another worker of this node filled the segment
             else:
-                v = values.get(name)
-                if v is None and not meta.is_meta:
-                    v = meta  # a buffer the constructor computed (not in a checkpoint, not seeded)
-                if v is None:
-                    continue
-                if home is WeightHome.DEVICE:
-                    t = v.to(device)
+                values = _source_values(source, path, sub, dtype, device, home, views or None)
+                report.transient_bytes = max(report.transient_bytes, source.transient_bytes)
+            for name, meta in own.items():
+                as_dtype = meta.is_floating_point() and name in sub._parameters
+                nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
+                if device.type == "meta":
+                    t_dtype = dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
+                    t = (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
+                         else placeholder(meta.shape, t_dtype, torch.device("meta")))
+                elif name in views:
+                    t = views[name]
+                    if not buf.filled:  # type: ignore[union-attr]
+                        v = values.get(name)
+                        if v is None and not meta.is_meta:
+                            v = meta  # a buffer the constructor computed (not in a checkpoint, not seeded)
+                        if v is None:
+                            continue
+                        if v.data_ptr() != t.data_ptr():
+                            t.copy_(v)  # into its slot (a source casting a stored dtype made one copy first)
                 else:
-                    t = v.pin_memory() if pin and not v.is_pinned() else v
-            if name in sub._parameters:
-                placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
-            else:
-                sub._buffers[name] = t
-            report.tensors += 1
-            if home is WeightHome.DEVICE:
-                report.device_bytes += nbytes
-            else:
-                report.host_bytes += nbytes
+                    v = values.get(name)
+                    if v is None and not meta.is_meta:
+                        v = meta
+                    if v is None:
+                        continue
+                    t = v.to(device) if home is WeightHome.DEVICE else v
+                if name in sub._parameters:
+                    placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
+                else:
+                    sub._buffers[name] = t
+                report.tensors += 1
+                if home is WeightHome.DEVICE:
+                    report.device_bytes += nbytes
+                else:
+                    report.host_bytes += nbytes
+    except BaseException:
+        if buf is not None:
+            release_host_buffer(buf, failed=True)
+        raise
+    if buf is not None:
+        from xema_ray.models.host_pack import finish_host_buffer
+
+        finish_host_buffer(module, buf, device, pinned)
     if device.type != "meta":
         source.finish()
     setattr(module, COMPUTE_DEVICE_ATTR, device)

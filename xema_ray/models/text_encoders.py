@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -213,6 +213,38 @@ def encoder_weight_bytes(spec: TextEncoderSpec, dtype: torch.dtype) -> tuple[int
     total = sum(t.numel() * t.element_size() for t in [*enc.parameters(), *enc.buffers()])
     per_layer = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in spec.layers(enc)]
     return total, per_layer
+
+
+def checkpoint_keys(model: nn.Module, stored: Iterable[str]) -> dict[str, str]:
+    """The model's tensor name -> its name in a transformers checkpoint, for the tensors whose
+    names differ (checkpoints keep the layout they were saved in, e.g. Mistral-3's and Gemma-3's
+    ``language_model.model.*`` for ``model.language_model.*``): transformers' own renaming rules
+    for the model's class, applied to each stored name. A stored tensor that transformers would
+    convert (split, merge) rather than rename cannot be read tensor by tensor: an error names it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from xema_ray.models.loading import CheckpointError
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    ours = model.state_dict()
+    out = {}
+    for key in stored:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, ours)
+        if converted is not None:
+            raise CheckpointError(f"checkpoint tensor {key!r} needs transformers' conversion {converted!r} "
+                                  "(not a renaming): this loader reads tensors as they are stored")
+        if name != key:
+            out[name] = key
+    return out
+
+
+def tied_keys(model: nn.Module) -> dict[str, str]:
+    """The model's tied tensors (name -> the tensor it repeats), which checkpoints store once."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    return dict(tied) if isinstance(tied, dict) else {}
 
 
 def build_encoder_on_meta(spec: TextEncoderSpec, dtype: torch.dtype, real_buffers: bool = True) -> nn.Module:

@@ -68,6 +68,15 @@ class Platform(ABC):
     def release_cached_memory(self) -> None:
         """Hand memory the allocator caches but no tensor holds back to the device (no-op but on CUDA)."""
 
+    def register_host(self, ptr: int, nbytes: int) -> bool:
+        """Page-lock ``nbytes`` of host memory at ``ptr`` for asynchronous copies to this
+        platform's device; False where nothing needs it (CPU, meta). The memory stays the
+        caller's (``xema_ray.platforms.host_memory``)."""
+        return False
+
+    def unregister_host(self, ptr: int) -> None:
+        """Undo ``register_host``."""
+
     @abstractmethod
     def memory_stats(self) -> MemoryStats:
         """Memory used since the last ``reset_peak_memory``."""

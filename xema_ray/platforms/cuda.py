@@ -119,6 +119,19 @@ class CudaPlatform(Platform):
     def release_cached_memory(self) -> None:
         torch.cuda.empty_cache()
 
+    def register_host(self, ptr: int, nbytes: int) -> bool:
+        """``cudaHostRegister`` (flags 0: the current device's context): the memory becomes
+        page-locked at its exact size, where torch's pinned allocator would round each block up
+        to a power of two. Several processes may register the same shared pages."""
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err} (host memory "
+                               "locked-page limits: ulimit -l, or not enough RAM)")
+        return True
+
+    def unregister_host(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
     def memory_stats(self) -> MemoryStats:
         try:
             return MemoryStats(

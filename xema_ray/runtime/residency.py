@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from xema_ray.models import ModelSpec
+from xema_ray.models.host_pack import close_host_buffers
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import streams as _device
@@ -139,6 +140,10 @@ def switch_bytes(sizes: list[int], current: Residency, target: Residency) -> int
     return sum(sizes[i] for i in (*up, *down))
 
 
+def _block_tensors(block: nn.Module) -> list[torch.Tensor]:
+    return [*block.parameters(), *block.buffers()]
+
+
 def block_weight_bytes(block: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
 
@@ -178,38 +183,74 @@ class ResidencyManager:
         self.blocks = self.spec.dit_blocks(self.transformer)
         self.device = getattr(self.transformer, COMPUTE_DEVICE_ATTR, None) or next(self.transformer.parameters()).device
         self._pin = not _device.host_is_device(self.device)
+        #: the host tensors of the blocks homed on the host at load (views into the load's buffer,
+        #: shared by the node's workers where it is a segment): a block sent back to the host
+        #: points at them again instead of taking new host memory (weights never change)
+        self._load_host: dict[int, list[torch.Tensor]] = {}
         for i in self.current.host_blocks:
             setattr(self.blocks[i][1], WEIGHT_HOME_ATTR, WeightHome.HOST.value)
+            if self.device.type != "meta":
+                self._load_host[i] = [t.data for t in _block_tensors(self.blocks[i][1])]
 
     def host_bytes(self) -> int:
         """Host memory the host-homed blocks hold (pinned on CUDA)."""
         return sum(block_weight_bytes(self.blocks[i][1]) for i in self.current.host_blocks)
 
-    def _move(self, block: nn.Module, home: WeightHome) -> int:
-        moved = 0
-        for t in [*block.parameters(), *block.buffers()]:
-            nbytes = t.numel() * t.element_size()
-            if self.device.type == "meta":
-                from xema_ray.placement import placeholder
+    def _move(self, index: int, home: WeightHome) -> int:
+        block = self.blocks[index][1]
+        tensors = _block_tensors(block)
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        if self.device.type == "meta":
+            from xema_ray.placement import placeholder
 
+            for t in tensors:
                 t.data = (torch.empty(t.shape, dtype=t.dtype, device="meta") if home is WeightHome.DEVICE
                           else placeholder(t.shape, t.dtype, self.device))
-            elif home is WeightHome.DEVICE:
+        elif home is WeightHome.DEVICE:
+            for t in tensors:
                 # on the compute stream, allocated there (platforms.streams: the arena on the
                 # emulated device), ordered after the work issued so far
                 t.data = _device.to_device(t.data.detach(), self.device, None)
-            elif _device.host_is_device(self.device):
+            close_host_buffers([block])  # a buffer a switch made for it (the load's stays with the component)
+        elif index in self._load_host:
+            for t, host in zip(tensors, self._load_host[index], strict=True):
+                t.data = host  # its load-time host copy: no new host memory, no copy back
+        elif _device.host_is_device(self.device):
+            for t in tensors:
                 t.data = t.data.detach().clone()  # on CPU the "host" is the same memory: the clone stands for the copy
-            else:
-                # synchronous (the CPU waits for the copy), so the device block may go at once;
-                # pinned so block offload's host->device copies are asynchronous
-                t.data = _device.to_host(t.data.detach(), pin=self._pin)[0]
-            moved += nbytes
+        else:
+            self._to_new_host_buffer(block, tensors)
         if home is WeightHome.HOST:
             setattr(block, WEIGHT_HOME_ATTR, WeightHome.HOST.value)
         elif hasattr(block, WEIGHT_HOME_ATTR):
             delattr(block, WEIGHT_HOME_ATTR)
         return moved
+
+    def _to_new_host_buffer(self, block: nn.Module, tensors: list[torch.Tensor]) -> None:
+        """The block's tensors copied into one exact-size host buffer of this worker, page-locked on
+        CUDA so block offload's host->device copies are asynchronous (on CPU the "host" is the
+        same memory, and the copy stands for the one a GPU makes)."""
+        from xema_ray.placement import HOST_BUFFER_ATTR
+        from xema_ray.platforms import get_platform
+        from xema_ray.platforms.host_memory import HostBuffer, align
+
+        offsets, end = [], 0
+        for t in tensors:
+            offsets.append(end)
+            end = align(end + t.numel() * t.element_size())
+        if self.device.type == "cpu":  # not host memory on the CPU: the tests' emulated device, its own host copies
+            for t in tensors:
+                t.data = _device.to_host(t.data.detach(), pin=self._pin)[0]
+            return
+        buf = HostBuffer.private(end)
+        for t, off in zip(tensors, offsets, strict=True):
+            view = buf.view(off, t.shape, t.dtype)
+            # synchronous (the CPU waits for the copy), so the device block may go at once
+            view.copy_(t.data.detach())
+            t.data = view
+        if self._pin:
+            buf.register(get_platform("cuda"))
+        setattr(block, HOST_BUFFER_ATTR, buf)
 
     def switch(self, target: Residency) -> SwitchReport:
         """Make ``target`` the residency, moving only the blocks whose home changes. Blocks
@@ -217,9 +258,9 @@ class ResidencyManager:
         up, down = self.current.difference(target)
         report = SwitchReport(to_device=up, to_host=down)
         for i in down:
-            report.bytes_moved += self._move(self.blocks[i][1], WeightHome.HOST)
+            report.bytes_moved += self._move(i, WeightHome.HOST)
         for i in up:
-            report.bytes_moved += self._move(self.blocks[i][1], WeightHome.DEVICE)
+            report.bytes_moved += self._move(i, WeightHome.DEVICE)
         if report.moved:
             self.switches += 1
             self.bytes_moved += report.bytes_moved

@@ -75,6 +75,16 @@ class ModelLoadConfig(BaseModel):
         default="per_template",
         description="per_template: each batch's plan decides, switching moves only the difference; "
                     "shared: one residency (every plan's offloaded blocks) for the whole group, no switches")
+    share_host_weights: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="host-homed weights in one shared segment per node for all workers of this model, weights "
+                    "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers (and on meta, which "
+                    "stands for them in xema verify); off = each worker "
+                    "its own exact-size buffer")
+
+    def shares_host(self, platform: str) -> bool:
+        """Whether this load keeps its host-homed weights in the node's shared segment."""
+        return self.share_host_weights == "on" or (self.share_host_weights == "auto" and platform in ("cuda", "meta"))
 
     def encoder_placement(self) -> str | None:
         """The text encoder placement to load with (see ``text_encoder``)."""
@@ -101,6 +111,14 @@ class LoadedModel(BaseModel):
     parameters: int
     device_bytes: int = Field(description="weight bytes placed on the device at load")
     host_bytes: int = Field(description="weight bytes placed on (pinned) host memory at load")
+    host_buffer_bytes: int = Field(default=0, description="the exact-size host buffers holding them")
+    host_pinned_bytes: int = Field(default=0, description="of those, page-locked (CUDA; meta stands for it)")
+    host_pow2_bytes: int = Field(default=0, description="what pinning the same tensors one by one with torch's "
+                                                        "pinned allocator holds (power-of-two blocks)")
+    host_shared_bytes: int = Field(default=0, description="of the buffers, the node's shared segments")
+    host_attached_bytes: int = Field(default=0, description="of the shared segments, those another worker filled")
+    transient_bytes: int = Field(default=0, description="most anonymous host memory the load held at once beyond "
+                                                        "the buffers")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
     text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
     layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
@@ -200,11 +218,12 @@ class Worker(WorkerBase):
                 raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
         dtype, kept = model_dtypes(spec, load.dtype, load.component_dtypes)
         residency = load.initial_residency()
-        self.engine = self.residency = None  # drop the previous model before placing the next
+        self._drop_model()  # drop the previous model before placing the next
         opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
                             component_dtypes=kept,
                             host_modules=residency.host_modules(spec), place_on_meta=True,
-                            text_encoder=load.encoder_placement())  # type: ignore[arg-type]
+                            text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
+                            share_host=load.shares_host(self.platform.name))
         pipe = spec.build_pipeline(opts)
         placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
@@ -234,6 +253,9 @@ class Worker(WorkerBase):
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
+                           host_buffer_bytes=placed.host_buffer_bytes, host_pinned_bytes=placed.host_pinned_bytes,
+                           host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,
+                           host_attached_bytes=placed.host_attached_bytes, transient_bytes=placed.transient_bytes,
                            host_blocks=residency.host_blocks, text_encoder=placement,
                            layout_status=self.layout_status)
 
@@ -401,10 +423,22 @@ class Worker(WorkerBase):
         self.platform.release_cached_memory()
         raise failure
 
-    def shutdown(self) -> None:
-        """Drop the model and leave the worker set."""
+    def _drop_model(self) -> None:
+        """Forget the loaded model and release its host buffers (the last worker of the node
+        holding a shared segment removes it)."""
+        from xema_ray.models.host_pack import close_host_buffers
+
+        if self.engine is not None:
+            comps = list(self.engine.pipe.components.values())
+            if self.residency is not None:
+                comps += [b for _, b in self.residency.blocks]
+            close_host_buffers(comps)
         self.engine = None
         self.residency = None
+
+    def shutdown(self) -> None:
+        """Drop the model and leave the worker set."""
+        self._drop_model()
         if self.groups is not None:
             self.groups.shutdown()
             self.groups = None

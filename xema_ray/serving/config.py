@@ -32,6 +32,9 @@ class ModelGroupConfig(GroupShape):
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
                     "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
                     "None = what the plan table chose for the group (per_template if it chose nothing)")
+    share_host_weights: Literal["auto", "on", "off"] = Field(
+        default="auto", description="the group's workers on a node share one copy of their host-homed weights "
+                                    "(a /dev/shm segment): auto = on GPUs; off = each worker its own exact buffer")
     max_preemptions: int = Field(
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "
@@ -71,6 +74,10 @@ class ServeConfig(BaseModel):
     emulated_host_memory: str = Field(
         default="1TB", description="emulated: the host memory of the emulated node (the residency and paused-state "
                                    "checks use it instead of this machine's)")
+    host_memory: str | None = Field(
+        default=None, description="the node's RAM, e.g. 512GB: start-up refuses a deployment whose workers' host-homed "
+                                  "weights (one replica of each group on one node, while loading too) exceed it, or "
+                                  "exceed this machine's RAM where that is less; None: this machine's RAM")
     models: list[ModelGroupConfig] = Field(min_length=1)
     plan_table: Path | None = Field(default=None, description="planner output; None = plan at start-up")
     force_plan_table: bool = Field(default=False, description="use a plan table made for other hardware")
@@ -96,6 +103,13 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _emulated(self) -> ServeConfig:
+        if self.host_memory is not None:
+            from xema_ray.memory.analysis import parse_bytes
+
+            try:
+                parse_bytes(self.host_memory)
+            except ValueError as e:
+                raise ValueError(f"host_memory: {e}") from None
         scaled = self.time_scale != 1.0 or any(g.time_scale is not None for g in self.models)
         if self.device != "emulated" and scaled:
             raise ValueError(f"time_scale applies to device: emulated only (device is {self.device!r})")

@@ -1,5 +1,5 @@
 """Start-up of the serving application: the served templates and the checks on their plan table
-(every plan runnable by its model group, residencies within the node's host memory).
+(every plan runnable by its model group, the weights' host memory within the node's).
 
 Loading or computing the plan table at start-up (``load_or_plan``) runs the planner, so it is
 composed where the app is built (``deployments.planning``): no library module of ``xema_ray``
@@ -9,6 +9,7 @@ imports ``planner``.
 from __future__ import annotations
 
 from xema_ray import deployment
+from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
 from xema_ray.plan import PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.templates import RequestTemplate
@@ -27,25 +28,19 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
                    host_memory_bytes: int | None = None) -> int:
     """Refuse, before anything starts, a plan a model group cannot run: its SP degree must divide
     the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
-    it; and the pinned host memory every worker's residency needs must fit the node.
+    it; and the host memory the node's workers hold for their weights (``node_host``) must fit
+    the node, while loading too.
 
     Returns:
-        the host memory the node has left beyond those residencies (for paused batches' state).
+        the host memory the node has left beyond those weights (for paused batches' state).
 
     Raises:
-        PlanNotRunnable: naming the template, the plan and the group size.
+        PlanNotRunnable: naming the template, the plan and the group size, or the host bytes.
     """
-    import torch
-
-    from xema_ray.runtime.residency import Residency, residency_host_bytes
-
     workers = {g.model: g.workers for g in cfg.models}
     problems = []
-    host_needed = 0
     for g in cfg.models:
-        mine = [t for t in templates if t.model == g.model]
-        per_worker = 0
-        for t in mine:
+        for t in (t for t in templates if t.model == g.model):
             c = table.lookup(t).config
             if g.workers % c.sp:
                 problems.append(f"{t.shape_key}: plan {c.describe()} needs SP groups of {c.sp} workers, but the "
@@ -53,25 +48,65 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
             elif c.gpus > g.workers:
                 problems.append(f"{t.shape_key}: plan {c.describe()} uses {c.gpus} GPUs (SP {c.sp} x DP {c.dp}), "
                                 f"the {g.model} group has {g.workers}")
-            host = residency_host_bytes(t.spec, Residency.of_config(c))
-            if c.text_encoder in ("streamed", "cpu") and t.spec.text_encoder is not None:
-                from xema_ray.models.text_encoders import encoder_weight_bytes
-
-                dtype = torch.bfloat16 if t.spec.size == "real" else torch.float32
-                host += encoder_weight_bytes(t.spec.text_encoder, dtype)[0]  # its weights live on the host
-            per_worker = max(per_worker, host)
         planned = table.group_gpus.get(g.model)
         if planned is not None and planned != workers[g.model]:
             problems.append(f"{g.model}: the table was planned for a group of {planned} GPUs, the deployment gives it "
                             f"{workers[g.model]} (re-plan with xema plan --deployment)")
-        host_needed += per_worker * g.workers
-    total = host_memory_bytes if host_memory_bytes is not None else node_memory_bytes()
-    if host_needed > total:
-        problems.append(f"the residencies keep {host_needed / 1e9:.1f} GB of weights in pinned host memory, "
-                        f"the node has {total / 1e9:.1f} GB")
+    total, where = node_host_memory(cfg, host_memory_bytes)
+    node = node_host(table, cfg, templates, total)
+    if not node.fits:
+        problems.append(f"host memory: the node's workers hold {fmt_bytes(node.resident_bytes)} of weights on the "
+                        f"host, {fmt_bytes(node.load_peak_bytes)} while loading ({node.describe()}); {where} has "
+                        f"{fmt_bytes(total)}")
     if problems:
         raise PlanNotRunnable("plan table cannot run on this deployment:\n  " + "\n  ".join(problems))
-    return total - host_needed
+    return total - node.resident_bytes
+
+
+def node_host_memory(cfg: ServeConfig, given: int | None = None) -> tuple[int, str]:
+    """(the node's RAM, what says so): ``given``, else the deployment's ``host_memory`` (and this
+    machine's where it has less, serving on it), else the emulated node's, else this machine's."""
+    from xema_ray.memory.analysis import parse_bytes
+
+    if given is not None:
+        return given, "the node"
+    machine = node_memory_bytes()
+    if cfg.host_memory is not None:
+        stated = parse_bytes(cfg.host_memory)
+        if cfg.device == "emulated" or stated <= machine:
+            return stated, "the node (host_memory)"
+        return machine, f"this machine (the deployment states host_memory {stated / 1e9:.1f} GB, but it)"
+    if cfg.device == "emulated":
+        return parse_bytes(cfg.emulated_host_memory), "the emulated node"
+    return machine, "this machine"
+
+
+def node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate],
+              budget_bytes: int | None = None) -> NodeHost:
+    """The host memory of one replica of every group on one node: each worker holds the largest of
+    its templates' plans (all of their blocks under a shared residency), one copy of its shared
+    segments per node where workers share them (CUDA and emulated GPUs)."""
+    from xema_ray.runtime.host_bytes import worker_host_bytes
+    from xema_ray.runtime.residency import Residency
+
+    groups = []
+    for g in cfg.models:
+        share = g.share_host_weights == "on" or (g.share_host_weights == "auto" and cfg.device in ("cuda", "emulated"))
+        configs = [table.lookup(t).config for t in templates if t.model == g.model]
+        if not configs:
+            continue
+        policy = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
+        residencies = [Residency.of_config(c) for c in configs]
+        if policy == "shared":
+            residencies = [Residency.union(residencies)]
+        per_worker = None
+        for r in residencies:
+            for c in configs:
+                h = worker_host_bytes(c.template.spec, r, c.text_encoder, share)
+                per_worker = h if per_worker is None else per_worker.max(h)
+        assert per_worker is not None
+        groups.append(GroupHost(model=g.model, workers=g.workers, worker=per_worker))
+    return NodeHost.of(groups, budget_bytes)
 
 
 def paused_host_bytes(spare_host_bytes: int, cfg: ServeConfig) -> int:

@@ -163,6 +163,7 @@ class ModelGroup(PublishesSummary):
         c = self.config
         load = ModelLoadConfig(model=self.model, weights_dir=c.weights_dir, residency=c.residency or "per_template",
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
+                               share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
         return WorkerSetSpec(

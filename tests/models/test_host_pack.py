@@ -1,0 +1,178 @@
+"""Host-homed weights: one exact-size buffer per component, one shared segment per node.
+
+On CPU nothing is page-locked (``Platform.register_host`` is CUDA's), but the buffers, the views,
+the shared segment and its lifetime are the same code a GPU worker runs; the GPU check measures
+the pinned bytes (tests/gpu/test_host_memory_gpu.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.host_pack import plan_pack
+from xema_ray.models.loading import build_on_meta
+from xema_ray.parallel.groups import ParallelConfig
+from xema_ray.placement import HOST_BUFFER_ATTR, PLACEMENT_ATTR, WeightHome
+from xema_ray.platforms.host_memory import HostBuffer, SharedSegments, torch_pinned_bytes
+from xema_ray.runtime.residency import Residency
+from xema_ray.runtime.worker import ModelLoadConfig, Worker
+
+HOST = ("transformer.transformer_blocks.0", "transformer.single_transformer_blocks.1")
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    d = tmp_path / "shm"
+    monkeypatch.setenv("XEMA_SHM_DIR", str(d))
+    return d
+
+
+def _transformer(host: tuple[str, ...] = HOST, share: bool = False):  # type: ignore[no-untyped-def]
+    spec = get_model_spec("tiny-flux2")
+    return spec.build_transformer(BuildOptions(device="cpu", seed=3, host_modules=host, share_host=share))
+
+
+def _segments(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("xema-*") if not p.name.endswith((".lock", ".partial"))) if d.exists() else []
+
+
+def test_power_of_two_rounding_is_torchs() -> None:
+    assert [torch_pinned_bytes(n) for n in (1, 1000, 1024, 1025, 3 * 2**30)] == [1, 1024, 1024, 2048, 4 * 2**30]
+
+
+def test_host_tensors_are_views_into_one_exact_buffer_with_the_same_values() -> None:
+    plain, homed = _transformer(()), _transformer()
+    buf = getattr(homed, HOST_BUFFER_ATTR)
+    report = getattr(homed, PLACEMENT_ATTR)
+    assert isinstance(buf, HostBuffer) and not buf.shared
+    host = [t for p in HOST for t in homed.get_submodule(p.removeprefix("transformer.")).parameters()]
+    base = buf.data.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in host)  # views into the one buffer
+    assert report.host_bytes == sum(t.numel() * t.element_size() for t in host)
+    # exact: the tensors plus at most one alignment gap each, never a power of two per tensor
+    assert report.host_bytes <= report.host_buffer_bytes < report.host_bytes + 256 * len(host)
+    assert report.host_buffer_bytes == buf.nbytes and report.host_pinned_bytes == 0  # CPU: nothing page-locked
+    for (name, a), b in zip(plain.state_dict().items(), homed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # the same bytes wherever they live
+
+
+def test_the_pack_matches_what_the_loader_places() -> None:
+    spec = get_model_spec("tiny-flux2")
+    meta = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.bfloat16)
+    prefixes = tuple(p.removeprefix("transformer.") for p in HOST)
+    pack = plan_pack(meta, torch.bfloat16, lambda p: WeightHome.HOST if p.startswith(prefixes) else WeightHome.DEVICE)
+    placed = spec.build_transformer(BuildOptions(device="meta", dtype=torch.bfloat16, host_modules=HOST))
+    report = getattr(placed, PLACEMENT_ATTR)
+    assert (report.host_bytes, report.host_buffer_bytes, report.host_pow2_bytes) == (
+        pack.tensor_bytes, pack.nbytes, pack.pow2_bytes)
+    assert report.host_pinned_bytes == pack.nbytes  # meta stands for a GPU worker: the buffer is pinned there
+    assert pack.pow2_bytes > pack.nbytes  # what per-tensor pinning wasted
+
+
+def test_workers_share_one_segment_and_the_last_one_removes_it(shm: Path) -> None:
+    load = ModelLoadConfig(model="tiny-flux2", plans=(), share_host_weights="on", seed=3)
+    workers, loaded = [], []
+    residency = Residency(host_blocks=(0, 2))
+    for _ in range(2):
+        w = Worker(platform="cpu")
+        w.init_device(ParallelConfig(rank=0, world_size=1))
+        loaded.append(w.load_model(_with_blocks(load, residency)))
+        workers.append(w)
+    first, second = loaded
+    assert first.host_shared_bytes == first.host_buffer_bytes > 0 and first.host_attached_bytes == 0
+    assert second.host_attached_bytes == second.host_shared_bytes == first.host_shared_bytes  # filled by the first
+    assert len(_segments(shm)) == 1
+    a, b = (w.residency.blocks[0][1].state_dict() for w in workers)  # type: ignore[union-attr]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the second worker's views read what the first wrote
+    workers[0].shutdown()
+    assert len(_segments(shm)) == 1  # the second still maps it
+    workers[1].shutdown()
+    assert _segments(shm) == []
+
+
+def _with_blocks(load: ModelLoadConfig, residency: Residency) -> ModelLoadConfig:
+    from xema_ray.plan import ExecutionConfig, Mitigation
+    from xema_ray.templates import RequestTemplate
+
+    t = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
+    plan = ExecutionConfig(template=t, mitigations=(Mitigation(kind="block_offload", blocks=residency.host_blocks,
+                                                               intensity=len(residency.host_blocks)),))
+    return load.model_copy(update={"plans": (plan,)})
+
+
+def test_a_switch_back_to_the_host_reuses_the_load_copy(shm: Path) -> None:
+    w = Worker(platform="cpu")
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    w.load_model(_with_blocks(ModelLoadConfig(model="tiny-flux2", share_host_weights="on"), Residency(host_blocks=(1,))))
+    manager = w.residency
+    assert manager is not None
+    ptrs = [t.data_ptr() for t in manager.blocks[1][1].parameters()]
+    # block 1 to the device, block 2 to the host (on CUDA into an exact buffer of its own; on the
+    # CPU, whose "host" is the same memory, a clone stands for that copy)
+    manager.switch(Residency(host_blocks=(2,)))
+    manager.switch(Residency(host_blocks=(1,)))
+    assert [t.data_ptr() for t in manager.blocks[1][1].parameters()] == ptrs  # the shared segment's views again
+    assert not hasattr(manager.blocks[2][1], HOST_BUFFER_ATTR)
+    w.shutdown()
+    assert _segments(shm) == []
+
+
+def test_an_unfinished_segment_is_never_mapped(shm: Path) -> None:
+    seg = SharedSegments(shm)
+    buf = seg.open("k", 4096)
+    assert not buf.filled
+    SharedSegments.abandon(buf)  # the writer failed
+    again = seg.open("k", 4096)
+    assert not again.filled  # filled anew, not taken half-written
+    SharedSegments.publish(again)
+    again.close()
+    assert _segments(shm) == []
+
+
+def test_another_process_maps_the_same_segment(shm: Path) -> None:
+    seg = SharedSegments(shm)
+    buf = seg.open("cross", 1024)
+    buf.view(0, (256,), torch.float32).copy_(torch.arange(256, dtype=torch.float32))
+    SharedSegments.publish(buf)
+    code = ("import sys, torch; from pathlib import Path; from xema_ray.platforms.host_memory import SharedSegments as S;"
+            "b = S(Path(sys.argv[1])).open('cross', 1024); assert b.filled;"
+            "print(int(b.view(0, (256,), torch.float32).sum())); b.close()")
+    out = subprocess.run([sys.executable, "-c", code, str(shm)], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(sum(range(256)))
+    assert _segments(shm) == ["xema-cross"]  # this process still holds it
+    buf.close()
+    assert _segments(shm) == []
+
+
+def test_a_segment_larger_than_the_shm_folder_is_refused_before_writing(shm: Path) -> None:
+    import os
+
+    from xema_ray.platforms.host_memory import HostMemoryError
+
+    shm.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(shm)
+    with pytest.raises(HostMemoryError, match=r"bytes free, a shared weight segment needs"):
+        SharedSegments(shm).open("huge", st.f_blocks * st.f_frsize * 2)
+    assert _segments(shm) == [] and not list(shm.glob("*.partial"))
+
+
+def test_the_gpu_checks_block_pins_the_plans_bytes_rehearsed_on_meta() -> None:
+    """tests/gpu/test_seeded_weights_gpu.py builds Flux.2's block 0 host-homed on its own and
+    compares its buffer with the plan's figure for the whole model: the same slots (meta here)."""
+    from xema_ray.models.loading import SeededWeights, materialize
+    from xema_ray.runtime.host_bytes import worker_host_bytes
+
+    spec = get_model_spec("flux2")
+    sub = build_on_meta(spec.transformer_class(), spec.transformer_config, torch.bfloat16).get_submodule(
+        "transformer_blocks.0")
+    report = materialize(sub, torch.device("meta"), torch.bfloat16, SeededWeights(0, "transformer"),
+                         lambda _p: WeightHome.HOST)
+    planned = worker_host_bytes(spec, Residency(host_blocks=(0,)), None, share=False)
+    assert report.host_pinned_bytes == planned.pinned_bytes == planned.resident_bytes > 1.9e9  # 1.96 GB
+    assert report.host_pow2_bytes > 1.2 * report.host_pinned_bytes  # what per-tensor pinning held

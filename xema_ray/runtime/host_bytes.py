@@ -1,0 +1,105 @@
+"""What one worker's weights hold on the host for a plan, from the loader's own packing.
+
+``worker_host_bytes`` lays out the host-homed tensors the way the loader will
+(``xema_ray.models.host_pack.plan_pack`` over the meta-built components: the same slots, the same
+exact buffer sizes), so the planner and serving's start-up check count what a worker then holds
+(the tests compare it with a load on meta). ``before_host_bytes`` is the same residency as the
+loader before exact buffers held it: every pinned tensor rounded up to a power of two by torch's
+pinned allocator, nothing shared, and a checkpoint's text encoder read whole onto the CPU first.
+
+Example:
+    >>> from xema_ray.models import get_model_spec
+    >>> spec = get_model_spec("tiny-flux2")
+    >>> h = worker_host_bytes(spec, Residency(host_blocks=(0,)), "device", share=True)
+    >>> h.resident_bytes == h.shared_bytes == h.pinned_bytes > 0
+    True
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import nn
+
+from xema_ray.host_budget import HostBytes
+from xema_ray.models import ModelSpec, get_model_spec
+from xema_ray.models.host_pack import HostPack, plan_pack
+from xema_ray.placement import WeightHome
+from xema_ray.plan import ExecutionConfig
+from xema_ray.runtime.residency import Residency, block_paths
+
+
+def _dtype(spec: ModelSpec) -> torch.dtype:
+    return torch.bfloat16 if spec.size == "real" else torch.float32
+
+
+@cache
+def _transformer(model: str) -> nn.Module:
+    from xema_ray.models.loading import build_on_meta
+
+    spec = get_model_spec(model)
+    return build_on_meta(spec.transformer_class(), spec.transformer_config, _dtype(spec), real_buffers=False)
+
+
+@cache
+def _encoder(model: str) -> nn.Module | None:
+    from xema_ray.models.text_encoders import build_encoder_on_meta
+
+    spec = get_model_spec(model)
+    return None if spec.text_encoder is None else build_encoder_on_meta(spec.text_encoder, _dtype(spec), real_buffers=False)
+
+
+def _under(prefixes: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def home_of(path: str) -> WeightHome:
+        host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+        return WeightHome.HOST if host else WeightHome.DEVICE
+    return home_of
+
+
+@cache
+def _packs(model: str, host_blocks: tuple[int, ...], encoder: str | None) -> tuple[HostPack, HostPack, int]:
+    """(the DiT's host pack, the encoder's, the largest module's own bytes: the load's transient bound)."""
+    spec = get_model_spec(model)
+    paths = block_paths(spec)
+    dit = plan_pack(_transformer(model), _dtype(spec), _under(tuple(paths[i] for i in host_blocks)))
+    enc_tree = _encoder(model)
+    enc = HostPack()
+    if enc_tree is not None and encoder in ("streamed", "cpu") and spec.text_encoder is not None:
+        prefixes = spec.text_encoder.streamed_host_modules() if encoder == "streamed" else ("",)
+        enc = plan_pack(enc_tree, _dtype(spec), _under(prefixes))
+    trees = [_transformer(model)] + ([enc_tree] if enc_tree is not None and encoder is not None else [])
+    largest = max(sum(t.numel() * t.element_size() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+                  for tree in trees for m in tree.modules())
+    return dit, enc, largest
+
+
+def worker_host_bytes(spec: ModelSpec, residency: Residency, encoder: str | None, share: bool = True) -> HostBytes:
+    """One worker's host memory with ``residency``'s DiT blocks and its text encoder placed at
+    ``encoder`` (device, streamed, cpu, or None for none); ``share``: in the node's segments."""
+    dit, enc, largest = _packs(spec.name, residency.host_blocks, encoder)
+    pinned_enc = enc.nbytes if encoder == "streamed" else 0
+    resident = dit.nbytes + enc.nbytes
+    return HostBytes(resident_bytes=resident, pinned_bytes=dit.nbytes + pinned_enc,
+                     shared_bytes=resident if share else 0, shared_pinned_bytes=dit.nbytes + pinned_enc if share else 0,
+                     transient_bytes=largest if resident or encoder else 0)
+
+
+def before_host_bytes(spec: ModelSpec, residency: Residency, encoder: str | None, from_checkpoint: bool = True) -> HostBytes:
+    """The same residency as the loader held it before exact buffers (for comparison): pinned
+    tensors one by one (power-of-two blocks), nothing shared, and with a checkpoint the whole
+    text encoder read onto the CPU by ``from_pretrained`` before it was placed on the device or
+    pinned (the CPU copy was dropped only once every tensor was placed)."""
+    dit, enc, largest = _packs(spec.name, residency.host_blocks, encoder)
+    enc_pinned = enc.pow2_bytes if encoder == "streamed" else 0
+    enc_resident = enc_pinned if encoder == "streamed" else enc.tensor_bytes
+    whole_encoder = 0  # a CPU-placed encoder computed on from_pretrained's own tensors: no second copy
+    if from_checkpoint and encoder in ("device", "streamed") and _encoder(spec.name) is not None:
+        whole_encoder = sum(t.numel() * t.element_size() for t in _encoder(spec.name).parameters())  # type: ignore[union-attr]
+    return HostBytes(resident_bytes=dit.pow2_bytes + enc_resident, pinned_bytes=dit.pow2_bytes + enc_pinned,
+                     transient_bytes=whole_encoder + largest)
+
+
+def config_host_bytes(config: ExecutionConfig, share: bool = True) -> HostBytes:
+    """``worker_host_bytes`` of a plan: its offloaded / HSDP blocks and its encoder placement."""
+    return worker_host_bytes(config.template.spec, Residency.of_config(config), config.text_encoder, share)
