@@ -7,7 +7,9 @@
 3. the same command with the cluster's CPUs deliberately exhausted (a placement group takes what the app
    left): seconds until it fails, and its message;
 4. `xema serve CONFIG --reload-plans plans/tiny.json` under open-loop image load: requests sent, answered
-   200, lost; the cluster's head processes (no restart) and the replicas kept.
+   200, lost; the cluster's head processes (no restart) and the replicas kept; each group's worker-set
+   generation before and after; then the same with a table where only tiny-flux2's plans differ (its
+   SLOs x1.5): only that group's workers are replaced.
 
 The cluster is `bench/scenarios/local_cluster.py`'s (`ray start --head` with `xema serve`'s settings,
 `ray_env`), the app `deployments/xema.yaml` on a free HTTP port, deployed with `xema serve CONFIG
