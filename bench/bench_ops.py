@@ -194,6 +194,11 @@ def main() -> int:
                 for k, e in t.entries.items() if k.startswith("tiny-flux2/")}
         one = work / "plans" / "tiny-flux-slo.json"
         t.model_copy(update={"entries": {**t.entries, **flux}}).save(str(one))
+        import shutil
+
+        from xema_ray.allocator.artifact import layouts_dir
+
+        shutil.copytree(layouts_dir(table), layouts_dir(one))  # the same layouts: an SLO does not change them
         result["reload_one_group"] = reload_under_load(cluster, cfg_path, url, one, args.rate)
     finally:
         if serve_proc is not None:
