@@ -162,6 +162,7 @@ class ModelGroup(PublishesSummary):
 
         c = self.config
         load = ModelLoadConfig(model=self.model, weights_dir=c.weights_dir, residency=c.residency or "per_template",
+                               dtype=c.dtype, component_dtypes=c.component_dtypes,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
         return WorkerSetSpec(
@@ -419,8 +420,9 @@ class ModelGroup(PublishesSummary):
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
+                cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()
                 self.metrics.out_of_memory.inc(tags={"template": a.template})
-                self.layout_counters.out_of_memory(a.template, str(e))
+                self.layout_counters.out_of_memory(a.template, str(cause))
             for r in a.requests:
                 t = _ticket(r)
                 if t.job_id is not None:
