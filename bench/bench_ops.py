@@ -7,7 +7,9 @@
 3. the same command with the cluster's CPUs deliberately exhausted (a placement group takes what the app
    left): seconds until it fails, and its message;
 4. `xema serve CONFIG --reload-plans plans/tiny.json` under open-loop image load: requests sent, answered
-   200, lost; the cluster's head processes (no restart) and the replicas kept.
+   200, lost; the cluster's head processes (no restart) and the replicas kept; each group's worker-set
+   generation before and after; then the same with a table where only tiny-flux2's plans differ (its
+   SLOs x1.5): only that group's workers are replaced.
 
 The cluster is `bench/scenarios/local_cluster.py`'s (`ray start --head` with `xema serve`'s settings,
 `ray_env`), the app `deployments/xema.yaml` on a free HTTP port, deployed with `xema serve CONFIG
@@ -192,6 +194,11 @@ def main() -> int:
                 for k, e in t.entries.items() if k.startswith("tiny-flux2/")}
         one = work / "plans" / "tiny-flux-slo.json"
         t.model_copy(update={"entries": {**t.entries, **flux}}).save(str(one))
+        import shutil
+
+        from xema_ray.allocator.artifact import layouts_dir
+
+        shutil.copytree(layouts_dir(table), layouts_dir(one))  # the same layouts: an SLO does not change them
         result["reload_one_group"] = reload_under_load(cluster, cfg_path, url, one, args.rate)
     finally:
         if serve_proc is not None:

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from xema_ray.plan import PlanTable
 from xema_ray.serving.group.plan_reload import GROUP_DEPLOYMENT, ROUTER_DEPLOYMENT, RouterPlans, group_plans
 
 APP_IMPORT = "deployments.app:build_app"
@@ -46,6 +47,16 @@ def _healthz(url: str) -> dict[str, Any]:
 
     r = requests.get(f"{url}/healthz", timeout=30)
     return dict(r.json())
+
+
+def missing_layout_files(table: PlanTable, table_path: Path, keys: list[str]) -> list[str]:
+    """The layout files the served entries name that are not next to the table (the workers would
+    fail to load them: ``xema_ray.allocator.artifact.load_artifact``)."""
+    from xema_ray.allocator.artifact import layouts_dir
+
+    folder = layouts_dir(table_path)
+    refs = sorted({ref for k in keys if (ref := table.entries[k].config.layout_ref) is not None})
+    return [str(folder / f"{ref}.json") for ref in refs if not (folder / f"{ref}.json").is_file()]
 
 
 def new_config(raw: dict[str, Any], app_name: str, deployed: dict[str, dict[str, Any]], table_path: Path
@@ -68,6 +79,10 @@ def new_config(raw: dict[str, Any], app_name: str, deployed: dict[str, dict[str,
         raise ValueError("an emulated box's groups run on scaled plans: restart it with the new plan_table")
     templates = served_templates(cfg)
     table, _ = load_or_plan(cfg, templates)  # the checks start-up makes: coverage, hardware, runnable
+    missing_layouts = missing_layout_files(table, table_path, [t.shape_key for t in templates])
+    if missing_layouts:
+        raise ValueError(f"the table's layout files are missing: {', '.join(missing_layouts[:5])} "
+                         f"(`xema layouts --plan-table {table_path}` writes them)")
     overrides, hashes = [], {}
     for g in cfg.models:
         gp = group_plans(table, g.model, [t.shape_key for t in templates if t.model == g.model], table_path)
@@ -85,7 +100,8 @@ def new_config(raw: dict[str, Any], app_name: str, deployed: dict[str, dict[str,
 def reload_plans(config_path: str, table_path: str, dashboard: str = DEFAULT_DASHBOARD, app_name: str | None = None,
                  timeout_s: float = 600.0, out: TextIO | None = None) -> int:
     """Serve ``table_path`` in the running app of ``config_path`` (module docstring). Returns the
-    exit status: 0 served, 1 not within ``timeout_s``, 2 refused (the message says why)."""
+    exit status: 0 served, 1 a group could not load it (it keeps its previous plans) or not within
+    ``timeout_s``, 2 refused before anything was deployed (the message says why)."""
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     w = (out or sys.stdout).write
@@ -110,6 +126,11 @@ def reload_plans(config_path: str, table_path: str, dashboard: str = DEFAULT_DAS
     client.deploy_applications(config)
     while time.monotonic() - t0 < timeout_s:
         groups = _healthz(url).get("groups", {})
+        failed = {m: g.get("plans_reload_error") for m, g in groups.items()
+                  if m in hashes and g.get("plans_reload_error") and hashes[m] in g["plans_reload_error"]}
+        if failed:
+            w(f"not served: {json.dumps(failed)[:2000]}; those groups keep serving their previous plans\n")
+            return 1
         if all(groups.get(m, {}).get("plans_hash") == h and not groups.get(m, {}).get("plans_swapping")
                for m, h in hashes.items()):
             w(f"serving {table_path} after {time.monotonic() - t0:.1f} s (no restart)\n")

@@ -65,3 +65,11 @@ def test_error_raised_if_the_table_lacks_a_served_template(tmp_path: Path) -> No
     table.save(str(tmp_path / "t.json"))
     with pytest.raises(ValueError, match="no plan for tiny-flux2/64x64x1"):
         new_config(RAW, "xema", {"xema": dict(APP)}, tmp_path / "t.json")
+
+
+def test_error_raised_if_the_tables_layout_files_are_missing(tmp_path: Path) -> None:
+    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(ARGS), 1), gpus=1, budget_bytes=96 * 10**6,
+                      entries={FLUX.shape_key: plan_entry(FLUX, layout_ref="7ac23b0e57b84838")})
+    table.save(str(tmp_path / "t.json"))
+    with pytest.raises(ValueError, match=r"t.layouts/7ac23b0e57b84838.json.*xema layouts --plan-table"):
+        new_config(RAW, "xema", {"xema": dict(APP)}, tmp_path / "t.json")

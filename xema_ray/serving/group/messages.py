@@ -99,3 +99,5 @@ class GroupStatus(BaseModel):
     plans_hash: str | None = Field(default=None, description="content hash of the plans it serves (plan_reload)")
     plans_swapping: bool = Field(default=False, description="a new plan table is being swapped in (new batches held)")
     plans_swapped: int = Field(default=0, description="plan tables swapped in since this replica started")
+    plans_reload_error: str | None = Field(default=None, description="why the last new plan table could not be "
+                                                                       "swapped in (the group serves its previous plans)")

@@ -201,12 +201,19 @@ class ModelGroup(PublishesSummary):
                 "layouts_dir": Path(new.layouts_dir) if new.layouts_dir else None, "budget_bytes": new.budget_bytes,
                 "admission": new.admission})
             # the new set reports its layouts' status to these on load
+            old_spec, old_counters = self.workers.spec, self.layout_counters
             self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in new.plans.items()})
-            failed: RebuildFailed | None = None
             try:
                 await self.workers.replace(self._worker_spec(new.plans, settings))
-            except RebuildFailed as e:  # the set keeps the new spec: the next batch's rebuild loads the new plans
-                failed = e
+            except RebuildFailed:
+                # the new plans cannot load (a layout file missing, ...): back to the plans it served,
+                # so that the queued requests run; the failure is reported (/healthz plans_reload_error)
+                self.layout_counters = old_counters
+                try:
+                    await self.workers.replace(old_spec)
+                except RebuildFailed:
+                    pass  # the next batch's rebuild tries the old plans again
+                raise
             self._settings, self.entries = settings, dict(new.plans)
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
@@ -215,8 +222,6 @@ class ModelGroup(PublishesSummary):
                 self._tell_phases(k, self.estimates[k])
             self.plans_hash = new.hash
             self.reload.swapped(new)
-            if failed is not None:
-                raise failed
         finally:
             self.reload.holding = False
             if self._wake is not None:
@@ -446,7 +451,7 @@ class ModelGroup(PublishesSummary):
             static_layouts=self.layout_counters.snapshot(), running=len(self.dispatcher.running),
             paused=len(self.dispatcher.paused), jobs=len(self.jobs.held), owner=self.owner,
             plans_hash=self.plans_hash, plans_swapping=self.reload.holding or self.reload.pending,
-            plans_swapped=self.reload.swaps,
+            plans_swapped=self.reload.swaps, plans_reload_error=self.reload.failed,
         ).model_dump()
 
     def check_health(self) -> None:

@@ -13,7 +13,9 @@ A group whose plans are unchanged does nothing. A group whose plans changed swap
 no new batch, lets its running batches finish, replaces its worker set with one loaded for the new
 plans (its placement group's bundles are freed first and reused), gives its dispatcher the new
 plans with every queued request kept, and dispatches again. Nothing accepted is lost; requests
-that arrive during the swap wait in the queue (its ``max_queue`` still applies).
+that arrive during the swap wait in the queue (its ``max_queue`` still applies). A new set that
+cannot load (a layout file missing, say) is replaced by one loaded with the previous plans again:
+the group keeps serving those and reports why (``plans_reload_error`` in ``/healthz``).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class PlanReload:
                 await swap(self._swapping)
                 self.failed = None
             except Exception as e:  # noqa: BLE001 - logged and reported in /healthz; the group keeps serving
-                self.failed = f"{type(e).__name__}: {e}"
+                self.failed = f"plans {self._swapping.hash}: {type(e).__name__}: {e}"[:2000]
                 logger.exception("plan swap to %s failed", self._swapping.hash)
             finally:
                 self._swapping = None
