@@ -173,7 +173,10 @@ def _markers(pipe: Any, tracer: Marking, device: str) -> Iterator[None]:
         tracer.mark(DIT_BEGIN)
         return _to_device(args, device), _to_device(kwargs, device)
 
-    handles.append(pipe.transformer.register_forward_pre_hook(dit_pre, with_kwargs=True))
+    for name in ("transformer", "transformer_2"):  # transformer_2: a two-expert model's low-noise expert
+        comp = getattr(pipe, name, None)
+        if isinstance(comp, nn.Module):
+            handles.append(comp.register_forward_pre_hook(dit_pre, with_kwargs=True))
     patched: list[tuple[nn.Module, str]] = []
     for name in ("vae", "audio_vae"):
         comp = getattr(pipe, name, None)

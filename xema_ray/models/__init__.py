@@ -57,6 +57,19 @@ def _ltx2(size: str) -> ModelSpec:
     return spec
 
 
+def _wan22(size: str) -> ModelSpec:
+    from xema_ray.models.text_encoders import TextEncoderSpec
+    from xema_ray.models.wan import A14B_SAMPLING, TINY_SAMPLING, WanSpec
+
+    if size == "real":
+        spec = WanSpec("wan2.2-t2v-a14b", "real", "wan22_a14b_transformer.json", "wan21_vae.json", A14B_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    else:
+        spec = WanSpec("tiny-wan2.2", "tiny", "tiny_wan22_transformer.json", "tiny_wan21_vae.json", TINY_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "tiny_wan22_umt5_text_encoder.json", spec.text_tokens)
+    return spec
+
+
 _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "flux2": lambda: _flux2("real"),
     "cogvideox-5b": lambda: _cogvideox("real"),
@@ -64,6 +77,8 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "tiny-flux2": lambda: _flux2("tiny"),
     "tiny-cogvideox": lambda: _cogvideox("tiny"),
     "tiny-ltx2": lambda: _ltx2("tiny"),
+    "wan2.2-t2v-a14b": lambda: _wan22("real"),
+    "tiny-wan2.2": lambda: _wan22("tiny"),
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_FACTORIES)

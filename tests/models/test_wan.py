@@ -1,0 +1,58 @@
+"""Wan2.2-T2V-A14B and its tiny twin: registry, shapes, the expert stages, the two-expert trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from xema_ray.analyzer.run import TraceOptions, trace_template
+from xema_ray.memory.analysis import expert_uses, summarize
+from xema_ray.models import get_model_spec
+from xema_ray.templates import RequestTemplate, named_templates
+
+GB = 10**9
+
+
+def test_registered_with_real_and_tiny_configs() -> None:
+    real, tiny = get_model_spec("wan2.2-t2v-a14b"), get_model_spec("tiny-wan2.2")
+    assert (real.family, real.kind, tiny.family) == ("wan", "video", "wan")
+    assert real.transformer_config["num_layers"] == 40 and real.transformer_config["ffn_dim"] == 13824
+    assert real.sampling.boundary_ratio == tiny.sampling.boundary_ratio == 0.875  # tiny keeps both experts
+    assert real.text_encoder.family == tiny.text_encoder.family == "umt5"
+    assert real.frame_rate == 16.0 and real.spatial_multiple == 16 and real.temporal_compression == 4
+    assert [t.shape_key for t in named_templates("wan2.2-t2v-a14b")] == [
+        "wan2.2-t2v-a14b/832x480x81", "wan2.2-t2v-a14b/1280x720x81"]
+
+
+def test_error_raised_if_frames_are_not_one_plus_a_multiple_of_four() -> None:
+    with pytest.raises(ValueError, match="1 \\+ a multiple of 4"):
+        RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=80)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        RequestTemplate(model="wan2.2-t2v-a14b", height=724, width=1280, frames=81)
+
+
+def test_expert_stages_follow_the_schedule_and_the_boundary() -> None:
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=81, steps=40)
+    high, low = t.spec.expert_stages(t)
+    # flow shift 12: sigma >= 0.875 for the first 25 of 40 steps
+    assert (high.component, high.first_step, high.last_step) == ("transformer", 0, 24)
+    assert (low.component, low.first_step, low.last_step) == ("transformer_2", 25, 39)
+
+
+def test_replicated_trace_names_each_step_after_its_expert_exactly_as_a_full_trace() -> None:
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    full = trace_template(t, TraceOptions(replicate=False))  # the pipeline switches experts itself
+    replicated = trace_template(t)  # one expert traced, the other's steps renamed
+    assert replicated.signature() == full.signature()
+    uses = expert_uses(replicated)
+    assert [(u.component, u.first_step, u.last_step) for u in uses] == [("transformer", 0, 3), ("transformer_2", 4, 5)]
+    assert uses[0].weight_bytes == uses[1].weight_bytes > 0
+    assert uses[0].last_event < uses[1].first_event
+
+
+def test_real_model_on_meta_shows_both_experts_and_the_switch() -> None:
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=480, width=832, frames=81, steps=40)
+    s = summarize(trace_template(t))
+    w = s.weight_bytes_by_component
+    assert w["transformer"] == w["transformer_2"] and 28 * GB < w["transformer"] < 29 * GB  # 14.3 B params in bf16
+    assert [(e.component, e.first_step) for e in s.experts] == [("transformer", 0), ("transformer_2", 25)]
+    assert s.peak_bytes > w["transformer"] + w["transformer_2"]
