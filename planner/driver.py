@@ -36,6 +36,7 @@ from xema_ray.memory.analysis import gb
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
+from xema_ray.profiling.hardware import HardwareProfile
 
 from planner.baselines import SearchSpace, run_baseline
 from planner.latency import LatencyModel, combine
@@ -398,6 +399,21 @@ def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
                             name="block-sizes", daemon=True)
 
 
+def _plan_expert_switches(templates: list[RequestTemplate], opts: PlanOptions, hw: HardwareProfile,
+                          out: str | None) -> None:
+    """Two-expert models (Wan2.2-A14B): what each template's plan does at the expert switch,
+    printed and written beside the table (``planner.expert_switch``)."""
+    from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans
+
+    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus)
+    for p in plans:
+        print(describe(p))
+    if plans and out:
+        path = Path(out).with_suffix(".experts.json")
+        ExpertSwitchFile(plans=plans).save(path)
+        print(f"wrote {path}")
+
+
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
          stats: str | None, layouts: bool, use_ray: bool) -> int:
     """Plan ``templates`` (Ray tasks, or in this process), finish each model group, solve the
@@ -428,6 +444,7 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
         table = with_layouts(table, wave, latency_model.hardware.gpu_model, planned_at=t0 + wall)
     print_summary(results)
     print_groups(table, groups.encoders)
+    _plan_expert_switches(templates, opts, latency_model.hardware, out)
     total = time.perf_counter() - t0
     table.provenance.total_s = round(total, 1)
     print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "

@@ -15,7 +15,7 @@ Example:
     >>> from xema_ray.memory.analysis import expert_uses
     >>> t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
     >>> [(u.component, u.first_step, u.last_step) for u in expert_uses(trace_template(t))]
-    [('transformer', 0, 2), ('transformer_2', 3, 5)]
+    [('transformer', 0, 3), ('transformer_2', 4, 5)]
 """
 
 from __future__ import annotations

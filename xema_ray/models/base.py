@@ -348,9 +348,15 @@ class ModelSpec(ABC):
         cost model's own formula for the paper's three families."""
         return None
 
-    def transformer_passes_per_step(self) -> int:
-        """Transformer calls per denoising step, per request, of ``dit_batch_multiplier`` rows each."""
-        return 1
+    def vae_decoder_levels(self) -> tuple[list[int], list[int]] | None:
+        """(channels, resnets) of each VAE decoder up level, lowest resolution first, for the cost
+        model; None: read from a diffusers ``block_out_channels`` config."""
+        return None
+
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        """Batch rows per request of each transformer call a denoising step makes (e.g. (2,): one
+        call of the CFG pair; (1, 1): CFG as two calls)."""
+        return (self.dit_batch_multiplier(),)
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         """Patches that let the pipeline run on the meta device where it reads tensor *values*

@@ -86,6 +86,8 @@ class WanSpec(ModelSpec):
     #: the latents are created in fp32 and the scheduler returns them in the transformer's dtype, so
     #: step 1 still casts fp32 latents (and the scheduler re-casts bf16 ones from step 2 on)
     settling_steps = 1
+    #: the transformer's block list (``transformer.blocks.<i>``; the paper's models say ``transformer_blocks``)
+    dit_block_attr = "blocks"
 
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str,
                  sampling: WanSampling = A14B_SAMPLING) -> None:
@@ -220,9 +222,9 @@ class WanSpec(ModelSpec):
         # batch (not one doubled batch): there is no CFG pair to serialize
         return 1
 
-    def transformer_passes_per_step(self) -> int:
-        """Transformer calls per denoising step: two with classifier-free guidance."""
-        return 2 if self.sampling.guidance_scale > 1.0 else 1
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        """Two calls of the request's batch per step with classifier-free guidance, else one."""
+        return (1, 1) if self.sampling.guidance_scale > 1.0 else (1,)
 
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -236,6 +238,14 @@ class WanSpec(ModelSpec):
         if self.two_experts:
             kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2
         return kwargs
+
+    def vae_decoder_levels(self) -> tuple[list[int], list[int]]:
+        """The Wan VAE decoder: ``base_dim x dim_mult`` channels from the lowest resolution up,
+        ``num_res_blocks + 1`` resnets per up level."""
+        cfg = self.vae_config
+        base = int(cfg.get("decoder_base_dim") or cfg["base_dim"])
+        chans = [base * int(m) for m in reversed(cfg["dim_mult"])]
+        return chans, [int(cfg["num_res_blocks"]) + 1] * len(chans)
 
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"blocks.{i}", b) for i, b in enumerate(transformer.blocks)]
