@@ -22,6 +22,7 @@ from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
+from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
 from xema_ray.serving.startup import paused_host_bytes, served_templates
@@ -57,6 +58,10 @@ class ServedModelGroup(ModelGroup):
     its ongoing requests (every synchronous request it accepted), then calls ``__del__``, which
     drains what is left (``PublishesSummary.drain``: queued jobs handed back, running batches
     finished within the budget)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
+        super().__init__(*args, **kwargs)
 
     async def __del__(self) -> None:
         await self.drain(DRAIN_S)

@@ -84,7 +84,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)))
-    return plan(templates, opts, loads, out=args.out, stats=args.stats, layouts=args.layouts, use_ray=not args.no_ray)
+    return plan(templates, opts, loads, out=args.out, stats=args.stats, layouts=args.layouts, use_ray=not args.no_ray,
+                wait_s=args.wait_for_resources)
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,6 +116,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")
+    p.add_argument("--wait-for-resources", type=float, default=10.0, metavar="S",
+                   help="seconds to wait for a Ray cluster to have room for one planning task (a fraction of a CPU; "
+                        "a GPU with --measure always) before stopping with what is free and who holds it (exit 3)")
     p.add_argument("--measure", choices=("auto", "always", "never"), default="auto",
                    help="auto: measure candidates on the planning task's GPU when it matches --hardware (this CPU "
                         "for --hardware cpu), else estimate; always: fail without a GPU; never: cost model only")

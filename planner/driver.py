@@ -39,6 +39,7 @@ from xema_ray.vocabulary import LatencySource
 from xema_ray.profiling.hardware import HardwareProfile
 
 from planner.baselines import SearchSpace, run_baseline
+from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
 from planner.latency import LatencyModel, combine
 from planner.layouts import LayoutWave
 from planner.load_aware import GroupLoad
@@ -186,9 +187,10 @@ GroupDone = Callable[[str, list[TemplateResult]], None]
 
 
 def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
-             on_group: GroupDone | None = None) -> list[TemplateResult]:
+             on_group: GroupDone | None = None, shape: TaskShape | None = None) -> list[TemplateResult]:
     """Every template's ``plan_one`` result, in ``templates``' order; ``on_group(model, results)``
-    is called as soon as a model group's last template is planned (the others still planning)."""
+    is called as soon as a model group's last template is planned (the others still planning).
+    ``shape``: what each Ray task asks for (default: ``planner.cluster_fit.fit_tasks``)."""
     from tqdm import tqdm
 
     model_of = {t.shape_key: t.model for t in templates}
@@ -212,12 +214,12 @@ def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
     from planner.boot import init_ray
 
     init_ray()  # already done by ``python -m planner`` while the planner imported
-    # a task holds a GPU only where the cluster has some: on a cluster without GPUs, asking for
-    # one would wait forever (tasks then plan on the cost model, one per CPU)
-    gpus_in_cluster = ray.cluster_resources().get("GPU", 0)
+    # sized to what the cluster can spare (a serving app holds most of it): a fraction of a CPU,
+    # a GPU only where one is free and measuring needs it (planner.cluster_fit)
+    shape = shape or fit_tasks(opts.hardware, opts.measure)
     # max_calls=0: Ray retires a GPU task's worker after one call by default (to free its CUDA
     # memory); a reused worker keeps its imports and meta pipelines
-    task = ray.remote(num_gpus=1 if gpus_in_cluster >= 1 else 0, max_calls=0)(plan_one)
+    task = ray.remote(num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, max_calls=0)(plan_one)
     pending = {task.remote(t, opts): t for t in sorted(templates, key=_planning_work, reverse=True)}
     with tqdm(total=len(pending), desc="planning", unit="template") as bar:
         while pending:
@@ -415,11 +417,23 @@ def _plan_expert_switches(templates: list[RequestTemplate], opts: PlanOptions, h
 
 
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
-         stats: str | None, layouts: bool, use_ray: bool) -> int:
+         stats: str | None, layouts: bool, use_ray: bool, wait_s: float = 10.0) -> int:
     """Plan ``templates`` (Ray tasks, or in this process), finish each model group, solve the
     static layouts next to ``out`` (``layouts``), write the table and the per-template statistics
-    (``stats``). Returns the exit status (2: the load names what is not planned)."""
+    (``stats``). Returns the exit status (2: the load names what is not planned; 3: the cluster
+    had no room for a planning task within ``wait_s`` seconds: the message says who holds it)."""
     t0 = time.perf_counter()
+    shape = None
+    if use_ray:
+        from planner.boot import init_ray
+
+        init_ray()
+        try:
+            shape = fit_tasks(opts.hardware, opts.measure, wait_s=wait_s)
+        except NoRoom as e:
+            print(f"planner: {e}", file=sys.stderr, flush=True)
+            return 3
+        print(f"planning tasks ask for {shape.note}", flush=True)
     sizes = _block_sizes(templates)
     if use_ray:
         sizes.start()
@@ -427,10 +441,11 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
     if layouts and not out:
         print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
               "says so explicitly)", file=sys.stderr)
-    wave = LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray) if layouts and out else None
+    wave = (LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray, num_cpus=shape.num_cpus if shape else 1.0)
+            if layouts and out else None)
     groups = GroupFinisher(opts, latency_model, wave, sizes)
     # with an expected load the groups' choices are made together, after every template is planned
-    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish)
+    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish, shape=shape)
     wall = time.perf_counter() - t0
     loaded = None
     if loads:
@@ -451,7 +466,9 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
           f"candidates' latencies: {table.provenance.measured} measured, {table.provenance.estimated} estimated")
     if out:
         table.save(out)
-        print(f"wrote {out}")
+        # the path as this process sees it: under `ray job submit` the job's working directory is
+        # the cluster's, not the submitting shell's
+        print(f"wrote {out} ({Path(out).resolve()})")
     if stats:
         Path(stats).write_text(json.dumps({"wall_s": wall, "results": [r.model_dump(mode="json") for r in results]},
                                           indent=1))

@@ -75,8 +75,9 @@ class LayoutWave:
     """Layout tasks submitted per group of final entries (``submit``, any number of times; Ray
     tasks, or solved at once in this process), gathered and saved by ``collect``."""
 
-    def __init__(self, table_path: str | Path, gpu: str, use_ray: bool) -> None:
+    def __init__(self, table_path: str | Path, gpu: str, use_ray: bool, num_cpus: float = 1.0) -> None:
         self.folder, self.gpu, self.use_ray = layouts_dir(table_path), gpu, use_ray
+        self.num_cpus = num_cpus  # per task: what the planning tasks ask for (planner.cluster_fit)
         self._entries: dict[str, PlanEntry] = {}
         self._pending: dict[str, Any] = {}  # shape key -> Ray ref, or the solve's result
         self._task: Any = None
@@ -95,7 +96,7 @@ class LayoutWave:
             if self._task is None:
                 import ray
 
-                self._task = ray.remote(num_gpus=0, max_calls=0)(solve_one)
+                self._task = ray.remote(num_cpus=self.num_cpus, num_gpus=0, max_calls=0)(solve_one)
             self._pending[k] = self._task.remote(*args)
 
     def collect(self, budget_bytes: int | None = None) -> tuple[dict[str, PlanEntry], dict[str, float], float]:

@@ -159,6 +159,7 @@ def test_modules_stay_small() -> None:
 
 
 def test_serving_keeps_only_glue_at_its_root() -> None:
-    glue = {"__init__.py", "config.py", "startup.py", "ray_env.py"}
+    # replica_bind.py: where each replica binds Serve's server, installed at replica start-up like ray_env's settings
+    glue = {"__init__.py", "config.py", "startup.py", "ray_env.py", "replica_bind.py"}
     root = {p.name for p in (ROOT / "xema_ray" / "serving").glob("*.py")}
     assert root <= glue, f"serving/ holds only config and start-up glue at its root; move {sorted(root - glue)} into a room"

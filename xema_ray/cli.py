@@ -267,8 +267,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="`serve run CONFIG` with the app's Ray settings: Ray's ports on 127.0.0.1 only "
                                      "(XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON")
     p.add_argument("config", help="a Serve config file, e.g. deployments/xema.yaml")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="further `serve run` arguments, e.g. --address local")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER,
+                   help="further `serve run` arguments, e.g. --address local; or --reload-plans TABLE "
+                        "[--dashboard URL] [--app NAME] [--timeout S]: serve TABLE in the app already running from "
+                        "CONFIG without restarting it (Serve's in-place config update; docs/serving.md "
+                        "\"A new plan table\")")
     p.set_defaults(func=_serve)
+
+
+def _reload_parser() -> argparse.ArgumentParser:
+    import os
+
+    p = argparse.ArgumentParser(prog="xema serve CONFIG --reload-plans", add_help=False)
+    p.add_argument("--reload-plans", dest="table", default=None)
+    p.add_argument("--dashboard", default=os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265"),
+                   help="the running cluster's dashboard (Serve's REST API), default RAY_DASHBOARD_ADDRESS or :8265")
+    p.add_argument("--app", default=None, help="the application's name (default: CONFIG's deployments.app one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every group to serve it")
+    return p
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -279,6 +295,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from xema_ray.serving.ray_env import ray_env
 
+    if "--reload-plans" in args.serve_args:
+        from deployments.reload import reload_plans
+
+        opts, rest = _reload_parser().parse_known_args(args.serve_args)
+        if rest:
+            print(f"xema serve --reload-plans: unexpected arguments {rest}", file=sys.stderr)
+            return 2
+        return reload_plans(args.config, opts.table, dashboard=opts.dashboard, app_name=opts.app, timeout_s=opts.timeout)
     serve = Path(sys.executable).parent / "serve"
     os.execve(str(serve), [str(serve), "run", args.config, *args.serve_args], ray_env())
     return 1  # not reached

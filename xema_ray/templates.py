@@ -178,7 +178,9 @@ def tiny_templates(steps: int = 4) -> list[RequestTemplate]:
         RequestTemplate(model="tiny-flux2", height=64, width=64, steps=steps),
         RequestTemplate(model="tiny-flux2", height=128, width=128, steps=steps),
         RequestTemplate(model="tiny-cogvideox", height=64, width=64, frames=9, steps=steps),
-        RequestTemplate(model="tiny-cogvideox", height=96, width=128, frames=13, steps=steps),
+        # 17 frames, as deployments/xema.yaml serves it (an odd latent frame count: tiny CogVideoX
+        # decodes even ones to the wrong length), so that `--templates tiny` plans what `make serve` serves
+        RequestTemplate(model="tiny-cogvideox", height=96, width=128, frames=17, steps=steps),
         RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=steps),
         RequestTemplate(model="tiny-ltx2", height=96, width=128, frames=17, steps=steps),
     ]

@@ -181,8 +181,12 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
     }
   }
   if (ptr == nullptr) {
-    ptr = backend.allocate(size, device_, error);
-    if (ptr == nullptr) return nullptr;
+    std::string why;
+    if (within_limit(size, why)) ptr = backend.allocate(size, device_, why);
+    if (ptr == nullptr) {
+      note_out_of_memory(requested, size, stream, why, error);
+      return nullptr;
+    }
     region = XEMA_REGION_DRIVER;
     owner = &backend;
     ++stats_.driver_allocs;
@@ -242,6 +246,45 @@ void DeviceArena::deallocate(void* ptr, xema_stream_t stream) {
   record(reinterpret_cast<uintptr_t>(ptr), block.size, block.size, stream, 1, block.region);
 }
 
+bool DeviceArena::within_limit(uint64_t extra, std::string& error) const {
+  if (limit_bytes_ == 0 || stats_.reserved_bytes + extra <= limit_bytes_) return true;
+  error = "the device's limit of " + std::to_string(limit_bytes_) + " bytes leaves " +
+          std::to_string(limit_bytes_ - std::min(limit_bytes_, stats_.reserved_bytes)) +
+          " bytes beside the " + std::to_string(stats_.reserved_bytes) + " held";
+  return false;
+}
+
+void DeviceArena::note_out_of_memory(uint64_t requested, uint64_t size, xema_stream_t stream,
+                                     const std::string& why, std::string& error) {
+  uint64_t dyn_free = 0;
+  uint64_t dyn_largest = 0;
+  for (const auto& key : dyn_free_) {
+    dyn_free += std::get<1>(key);
+    dyn_largest = std::max(dyn_largest, std::get<1>(key));
+  }
+  const uint64_t static_free = static_bytes_ - std::min(static_bytes_, stats_.static_active_bytes);
+  ++oom_.events;
+  oom_.requested_bytes = requested;
+  oom_.rounded_bytes = size;
+  oom_.stream = reinterpret_cast<uintptr_t>(stream);
+  oom_.static_free_bytes = static_free;
+  oom_.static_region_bytes = static_bytes_;
+  oom_.dynamic_free_bytes = dyn_free;
+  oom_.dynamic_largest_free_bytes = dyn_largest;
+  oom_.dynamic_region_bytes = dynamic_bytes_;
+  oom_.reserved_bytes = stats_.reserved_bytes;
+  oom_.limit_bytes = limit_bytes_;
+  oom_.armed = armed_plan_ != nullptr ? 1 : 0;
+  oom_.plan_cursor = cursor_;
+  error = "device " + std::to_string(device_) + " out of memory: asked " +
+          std::to_string(requested) + " bytes (" + std::to_string(size) +
+          " rounded); static region " + std::to_string(static_free) + " of " +
+          std::to_string(static_bytes_) + " bytes free, dynamic region " +
+          std::to_string(dyn_free) + " of " + std::to_string(dynamic_bytes_) +
+          " bytes free (largest block " + std::to_string(dyn_largest) + "); driver refused: " +
+          (why.empty() ? std::string("no reason given") : why);
+}
+
 int DeviceArena::static_state_error(const char* what, std::string& error) const {
   if (!static_live_.empty()) {
     error = "device " + std::to_string(device_) + " static region still holds " +
@@ -292,6 +335,7 @@ int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend&
     if (rc != XEMA_OK) return rc;
     free_regions();
   }
+  if (!within_limit(static_bytes + dynamic_bytes, error)) return XEMA_E_NOMEM;
   void* s = nullptr;
   if (static_bytes > 0) {
     s = backend.allocate(static_bytes, device_, error);
@@ -370,7 +414,7 @@ int DeviceArena::resize_static(uint64_t static_bytes, std::string& error) {
   uint64_t now = static_bytes;
   void* p = nullptr;
   if (now > 0) {
-    p = arena_backend_->allocate(now, device_, error);
+    p = within_limit(now, error) ? arena_backend_->allocate(now, device_, error) : nullptr;
     if (p == nullptr) {
       result = XEMA_E_NOMEM;
       const std::string why = error;
@@ -473,6 +517,16 @@ void DeviceArena::stats(xema_stats& out) {
   out.fell_back = fell_back_ ? 1 : 0;
   out.plan_cursor = cursor_;
   out.plan_length = armed_plan_ != nullptr ? armed_plan_->sizes.size() : 0;
+}
+
+void DeviceArena::out_of_memory(xema_oom& out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  out = oom_;
+}
+
+void DeviceArena::set_limit(uint64_t limit_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_bytes_ = limit_bytes;
 }
 
 void DeviceArena::reset_peaks() {

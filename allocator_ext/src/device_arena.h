@@ -56,6 +56,10 @@ class DeviceArena {
 
   void stats(xema_stats& out);
   void reset_peaks();
+  // The last allocation refused by every source (static, dynamic, driver within the limit).
+  void out_of_memory(xema_oom& out);
+  // Caps the backend memory held for this device (arena regions + driver blocks); 0: no cap.
+  void set_limit(uint64_t limit_bytes);
 
   int record_start();
   int record_stop();
@@ -85,6 +89,11 @@ class DeviceArena {
               uint64_t kind, int region);
   void update_peaks();
   int static_state_error(const char* what, std::string& error) const;
+  // False (with `error`) when `extra` more backend bytes would exceed the device's limit.
+  bool within_limit(uint64_t extra, std::string& error) const;
+  // Fills oom_ and `error` for an allocation nothing could serve; `why` is the driver's reason.
+  void note_out_of_memory(uint64_t requested, uint64_t size, xema_stream_t stream,
+                          const std::string& why, std::string& error);
   void free_regions();
 
   std::mutex mutex_;
@@ -116,6 +125,8 @@ class DeviceArena {
   std::vector<xema_event> events_;
 
   xema_stats stats_{};
+  uint64_t limit_bytes_ = 0;
+  xema_oom oom_{};
 };
 
 }  // namespace xema::runtime

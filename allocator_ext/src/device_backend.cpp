@@ -116,6 +116,7 @@ bool CudaBackend::load(const char* path, std::string& error) noexcept {
     get_device_ = reinterpret_cast<GetDeviceFn>(dlsym(handle_, "cudaGetDevice"));
     set_device_ = reinterpret_cast<SetDeviceFn>(dlsym(handle_, "cudaSetDevice"));
     error_string_ = reinterpret_cast<ErrorStringFn>(dlsym(handle_, "cudaGetErrorString"));
+    get_last_error_ = reinterpret_cast<GetLastErrorFn>(dlsym(handle_, "cudaGetLastError"));
     if (!malloc_ || !free_ || !get_device_ || !set_device_) {
       error = "libcudart lacks cudaMalloc/cudaFree/cudaGetDevice/cudaSetDevice";
       dlclose(handle_);
@@ -153,6 +154,11 @@ void* CudaBackend::allocate(std::size_t bytes, int device, std::string& error) n
   void* p = nullptr;
   const int rc = malloc_(&p, bytes);
   if (rc != 0) {
+    // A refused cudaMalloc leaves its error as the thread's last error, which the next kernel
+    // launch's check (C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError) would report as its own,
+    // so it is cleared here (as ggml's CUDA pool does, llama.cpp #7376). Out of memory is not a
+    // sticky error: the context stays usable.
+    if (get_last_error_ != nullptr) (void)get_last_error_();
     try {
       error = "cudaMalloc(" + std::to_string(bytes) + ") on device " + std::to_string(device) +
               " failed: " + describe(rc);

@@ -47,6 +47,7 @@ class CudaBackend final : public Backend {
   using GetDeviceFn = int (*)(int*);
   using SetDeviceFn = int (*)(int);
   using ErrorStringFn = const char* (*)(int);
+  using GetLastErrorFn = int (*)();
 
   bool ensure_loaded(std::string& error) noexcept;
   std::string describe(int code) const noexcept;
@@ -58,6 +59,7 @@ class CudaBackend final : public Backend {
   GetDeviceFn get_device_ = nullptr;
   SetDeviceFn set_device_ = nullptr;
   ErrorStringFn error_string_ = nullptr;
+  GetLastErrorFn get_last_error_ = nullptr;
 };
 
 }  // namespace xema::runtime

@@ -1,4 +1,5 @@
-// The C ABI of libxema_alloc: thin, exception-free wrappers over one DeviceArena per device.
+// The C ABI of libxema_alloc: thin, exception-free wrappers over one DeviceArena per device (all
+// but xema_torch_malloc, torch's alloc_fn, which throws on a refusal: see there).
 //
 // CUDAPluggableAllocator calls plain function pointers with no context argument, so the arenas
 // have to be reachable from a process-wide registry. It is created on first use and deliberately
@@ -9,6 +10,7 @@
 #include <exception>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "device_arena.h"
@@ -102,6 +104,18 @@ void* xema_malloc(size_t size, int device, xema_stream_t stream) {
     set_error("exception inside xema_malloc");
     return nullptr;
   }
+}
+
+// The only function here that throws (see xema_alloc.h): torch does not check alloc_fn's pointer
+// (torch/csrc/cuda/CUDAPluggableAllocator.cpp, CUDAPluggableAllocator::malloc and ::allocate wrap
+// it in a DataPtr as it is), so a refusal has to unwind. rmm's torch allocator does the same (its
+// allocate throws rmm::out_of_memory); torch's bindings turn any std::exception into RuntimeError.
+// Everything the arena keeps is already consistent when this throws: the refusal is recorded
+// (xema_get_oom) and nothing was handed out.
+void* xema_torch_malloc(size_t size, int device, xema_stream_t stream) {
+  void* p = xema_malloc(size, device, stream);
+  if (p != nullptr || size == 0) return p;
+  throw std::runtime_error(std::string("xema_alloc: ") + xema::runtime::t_last_error);
 }
 
 void xema_free(void* ptr, size_t /*size*/, int device, xema_stream_t stream) {
@@ -230,6 +244,27 @@ int xema_get_stats(int device, xema_stats* out, uint64_t out_size) {
   }
   return guarded([&]() -> int {
     registry().arenas[device].stats(*out);
+    return XEMA_OK;
+  });
+}
+
+int xema_get_oom(int device, xema_oom* out, uint64_t out_size) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  if (out == nullptr || out_size != sizeof(xema_oom)) {
+    set_error("xema_oom size mismatch: caller has " + std::to_string(out_size) +
+              " bytes, library has " + std::to_string(sizeof(xema_oom)));
+    return XEMA_E_INVALID;
+  }
+  return guarded([&]() -> int {
+    registry().arenas[device].out_of_memory(*out);
+    return XEMA_OK;
+  });
+}
+
+int xema_set_limit(int device, uint64_t limit_bytes) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int {
+    registry().arenas[device].set_limit(limit_bytes);
     return XEMA_OK;
   });
 }

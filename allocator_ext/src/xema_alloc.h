@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define XEMA_API __attribute__((visibility("default")))
-#define XEMA_ABI_VERSION 2
+#define XEMA_ABI_VERSION 3
 #define XEMA_MAX_DEVICES 64
 
 typedef void* xema_stream_t;
@@ -69,6 +69,24 @@ typedef struct xema_stats {
   uint64_t static_resizes;       /* xema_resize_static calls that changed the static region */
 } xema_stats;
 
+/* The device's last out-of-memory: an allocation that the static region, the dynamic region and
+ * the driver (cudaMalloc / host memory, within the device's limit) all refused. All uint64. */
+typedef struct xema_oom {
+  uint64_t events;                    /* allocations refused so far on this device */
+  uint64_t requested_bytes;           /* bytes the last refused allocation asked for */
+  uint64_t rounded_bytes;             /* the same, rounded up to 512 */
+  uint64_t stream;                    /* its stream */
+  uint64_t static_free_bytes;         /* static region bytes not held by a live block then */
+  uint64_t static_region_bytes;
+  uint64_t dynamic_free_bytes;        /* dynamic region bytes free then (any stream) */
+  uint64_t dynamic_largest_free_bytes;/* the largest free dynamic block then */
+  uint64_t dynamic_region_bytes;
+  uint64_t reserved_bytes;            /* arena + driver blocks held then */
+  uint64_t limit_bytes;               /* the device's limit then (0: none, the driver decides) */
+  uint64_t armed;                     /* 1 if a plan was armed */
+  uint64_t plan_cursor;               /* planned-stream allocations seen since arming */
+} xema_oom;
+
 /* One recorded allocator event (xema_record_*), for turning a real run into a MemoryTrace. */
 typedef struct xema_event {
   uint64_t ptr;
@@ -84,6 +102,15 @@ typedef struct xema_event {
  * consumes no plan index (the tracer records no allocation for it either). */
 XEMA_API void* xema_malloc(size_t size, int device, xema_stream_t stream);
 XEMA_API void xema_free(void* ptr, size_t size, int device, xema_stream_t stream);
+
+/* What torch's CUDAPluggableAllocator is given as its alloc_fn: xema_malloc, except that a refused
+ * allocation throws a std::runtime_error (the message of xema_last_error) instead of returning
+ * NULL. torch wraps alloc_fn's pointer unchecked (CUDAPluggableAllocator::malloc/allocate), so a
+ * NULL would reach the first kernel as an illegal address and lose the CUDA context; an exception
+ * thrown from alloc_fn unwinds through torch's C++ (which calls it through std::function) and
+ * its Python bindings raise it as a RuntimeError: one batch fails, the process lives. This is the
+ * one entry point that throws; it is only for a C++ caller that catches (never ctypes). */
+XEMA_API void* xema_torch_malloc(size_t size, int device, xema_stream_t stream);
 
 XEMA_API int xema_abi_version(void);
 XEMA_API const char* xema_last_error(void);
@@ -113,6 +140,13 @@ XEMA_API int xema_arm(int device, int64_t plan_id, xema_stream_t stream);
 XEMA_API int xema_disarm(int device);
 
 XEMA_API int xema_get_stats(int device, xema_stats* out, uint64_t out_size);
+/* The device's out-of-memory record (see xema_oom); events == 0: none so far. */
+XEMA_API int xema_get_oom(int device, xema_oom* out, uint64_t out_size);
+/* Caps what the backend may hold for the device (arena regions + driver blocks), as the device's
+ * memory would: a driver fallback, reserve or static resize beyond it is refused (0: no cap; the
+ * driver alone decides). The host backend's way to be a device of a given size; on CUDA, a
+ * smaller budget than the GPU has. */
+XEMA_API int xema_set_limit(int device, uint64_t limit_bytes);
 XEMA_API int xema_reset_peaks(int device);
 
 XEMA_API int xema_record_start(int device);

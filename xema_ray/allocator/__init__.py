@@ -8,6 +8,10 @@ Modules map onto the C++ library's targets and what surrounds them:
   ctypes: ``StaticAllocator`` (CUDA or host arena), its statistics.
 - ``cuda``: installing it as torch's ``CUDAPluggableAllocator``, warm-up and pinned kernels
   (GPU only; never at import).
+- ``oom``: an allocation every region and the driver refused: the library's record of it and
+  ``ArenaOutOfMemory``.
+- ``host_tensors``: a CPU worker's tensors mirrored into the host arena, so its batches meet the
+  arena's limits as a device's would (the out-of-memory path on a CPU).
 - ``recording``: a real run's allocation events as the runtime allocator saw them.
 - ``replay``: a trace through the host arena with a layout armed (CPU proof of a layout).
 - ``device_allocs``: allocations a GPU makes that the meta trace does not (per GPU model,

@@ -67,7 +67,9 @@ def install_cuda_allocator(*, library: Path | None = None, cudart: Path | None =
                 "first CUDA tensor, stream or device query that initializes it"
             )
         alloc = StaticAllocator("cuda", library=library, cudart=cudart)
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(alloc.library_path), "xema_malloc", "xema_free")
+        # xema_torch_malloc, not xema_malloc: torch does not check alloc_fn's pointer, so a refusal must
+        # throw (a RuntimeError in the op that asked) rather than hand torch a NULL (xema_alloc.h)
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(alloc.library_path), "xema_torch_malloc", "xema_free")
         torch.cuda.memory.change_current_allocator(pluggable)
         alloc._pluggable = pluggable
         _INSTALLED = alloc

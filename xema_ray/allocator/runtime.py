@@ -42,12 +42,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.allocator.margins import dynamic_region_bytes
+from xema_ray.allocator.oom import ArenaOutOfMemory, OutOfMemoryRecord
 from xema_ray.allocator.recording import RecordedEvent, Recording
 from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 ArenaBackend = Literal["cuda", "host"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_DEVICES = 64
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
@@ -94,6 +95,10 @@ class AllocatorStats(BaseModel):
 
 class _CStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in AllocatorStats.model_fields]
+
+
+class _COom(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in OutOfMemoryRecord.model_fields]
 
 
 class _CEvent(ctypes.Structure):
@@ -167,6 +172,8 @@ class _Library:
             "xema_disarm": (ctypes.c_int, [ctypes.c_int]),
             "xema_get_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(_CStats), u64]),
             "xema_reset_peaks": (ctypes.c_int, [ctypes.c_int]),
+            "xema_get_oom": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(_COom), u64]),
+            "xema_set_limit": (ctypes.c_int, [ctypes.c_int, u64]),
             "xema_record_start": (ctypes.c_int, [ctypes.c_int]),
             "xema_record_stop": (ctypes.c_int, [ctypes.c_int]),
             "xema_record_read": (i64, [ctypes.c_int, ctypes.POINTER(_CEvent), u64]),
@@ -356,6 +363,26 @@ class StaticAllocator:
         _check_device(device)
         self._lib.check(self._lib.c.xema_reset_peaks(device), f"reset_peaks on device {device}")
 
+    def out_of_memory(self, *, device: int = 0) -> OutOfMemoryRecord:
+        """The device's last refused allocation (``events == 0``: none so far); see ``allocator.oom``."""
+        _check_device(device)
+        raw = _COom()
+        self._lib.check(self._lib.c.xema_get_oom(device, ctypes.byref(raw), ctypes.sizeof(raw)), f"oom on device {device}")
+        return OutOfMemoryRecord(**{name: getattr(raw, name) for name in OutOfMemoryRecord.model_fields})
+
+    def set_limit(self, limit_bytes: int, *, device: int = 0) -> None:
+        """Cap the memory the backend holds for ``device`` (arena regions + driver blocks), as a
+        device of that size would: a driver fallback, reserve or static resize beyond it is refused.
+
+        Args:
+            limit_bytes: the cap; 0 removes it (the driver alone decides).
+            device: device index.
+        """
+        _check_device(device)
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
+        self._lib.check(self._lib.c.xema_set_limit(device, limit_bytes), f"set_limit on device {device}")
+
     # ------------------------------------------------------------------ warm-up
     def warm_up(self, fn: Callable[[], object] | None = None, *, device: int = 0) -> AllocatorStats:
         """Run one-off allocations (cuBLAS workspaces, attention scratch) while disarmed, so they land
@@ -385,7 +412,8 @@ class StaticAllocator:
     def malloc(self, size: int, *, device: int = 0, stream: int = 0) -> int:
         """Call ``xema_malloc`` directly (what torch does per tensor); returns the address.
 
-        Raises ``MemoryError`` when the allocator returns NULL for a non-zero size.
+        Raises ``ArenaOutOfMemory`` (a ``MemoryError``) when the allocator returns NULL for a
+        non-zero size: every region and the driver refused it (``out_of_memory`` has the record).
         """
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
@@ -395,7 +423,8 @@ class StaticAllocator:
             if size == 0:
                 return 0
             detail = (self._lib.c.xema_last_error() or b"").decode(errors="replace")
-            raise MemoryError(f"xema_malloc({size}) on device {device} failed: {detail}")
+            raise ArenaOutOfMemory(f"xema_malloc({size}) on device {device} failed: {detail}",
+                                   self.out_of_memory(device=device))
         return int(ptr)
 
     def free(self, ptr: int, size: int = 0, *, device: int = 0, stream: int = 0) -> None:

@@ -17,6 +17,7 @@ worker that is busy in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
+from xema_ray.runtime.out_of_memory import device_out_of_memory
 from xema_ray.runtime.pause import PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
@@ -125,6 +127,8 @@ class Worker(WorkerBase):
         self._plans: dict[str, Any] = {}
         self.layout_status: str | None = None
         self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
+        self.alloc_device = 0  # the allocator's device index (a host arena's own slot on a CPU worker)
+        self._mirror_host = False  # a CPU worker's batches mirrored into the host arena (allocator.host_tensors)
         self._local = threading.local()  # the layout report of the batch this thread runs
         self._run_residency: dict[str, Residency] = {}  # each preemptible run's residency
         self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
@@ -139,6 +143,16 @@ class Worker(WorkerBase):
                 self.arm_layout = arm_layout or self._arm
             # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
             pin_kernels()
+        elif static_allocator and self.platform.name == "cpu":
+            # the host arena stands in for the device: each batch's tensors are mirrored into it, so
+            # its layouts arm, its limit (the budget) holds and out of memory fails the batch as on CUDA
+            from xema_ray.allocator.host_tensors import claim_host_device
+            from xema_ray.allocator.runtime import StaticAllocator
+
+            self.allocator = StaticAllocator("host")
+            self.alloc_device = claim_host_device()
+            self.arm_layout = arm_layout or self._arm
+            self._mirror_host = True
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
@@ -182,14 +196,24 @@ class Worker(WorkerBase):
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
-        self._load_layouts(load)
-        self.load_config = load
-        self.load_count += 1
         placed = PlacementReport()
         for comp in pipe.components.values():
             report = getattr(comp, PLACEMENT_ATTR, None)
             if report is not None:
                 placed.add(report)
+        if self._mirror_host:
+            # the host arena is the device less its weights (placed at load, never mirrored): a
+            # batch that would not fit next to them on a budget-sized device does not fit here
+            limit = max(1, load.budget_bytes - placed.device_bytes) if load.budget_bytes is not None else 0
+            self.allocator.set_limit(limit, device=self.alloc_device)
+            # on a CPU host and device are one memory: the embedding cache (host-side on a GPU)
+            # would keep a batch's mirrored blocks, static ones included, alive past the batch
+            from xema_ray.runtime.text import EmbeddingCache
+
+            self.engine.prompts.cache = EmbeddingCache(0)
+        self._load_layouts(load)
+        self.load_config = load
+        self.load_count += 1
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
                            parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
@@ -227,21 +251,25 @@ class Worker(WorkerBase):
             self.layout_status = f"{len(refs)} layout(s) loaded and validated; not armed: {unseeded_reason()}"
             return
         self.arena = TemplateArena(self.allocator, {r: ArenaEntry(a.loaded_bytes, a.reserved_bytes)
-                                                    for r, a in self.layouts.items()}, load.budget_bytes)
+                                                    for r, a in self.layouts.items()}, load.budget_bytes,
+                                   device=self.alloc_device)
         self.arena.reserve()
         # cuBLAS workspaces (one per handle and stream, on the first matmul) and attention scratch
         # land in the dynamic region now, once, instead of derailing the first armed batch's plan
         # (the host backend, in CPU tests, has none)
-        self.allocator.warm_up(None if self.allocator.backend == "cuda" else (lambda: None))
+        self.allocator.warm_up(None if self.allocator.backend == "cuda" else (lambda: None), device=self.alloc_device)
         self.layout_status = self.arena.describe()
 
     @contextlib.contextmanager
     def _arm(self, layout_ref: str) -> Iterator[None]:
+        """Arm ``layout_ref``'s plan for the batch; a no-op where nothing was reserved for it (no
+        arena: an unseeded process, see ``_load_layouts``) or it was not loaded, as
+        ``layout_status`` / the batch's ``layout_note`` say."""
         plan = self._plans.get(layout_ref)
-        if plan is None or self.allocator is None:
+        if plan is None or self.allocator is None or self.arena is None:
             yield
             return
-        with self.allocator.armed(plan) as report:
+        with self.allocator.armed(plan, device=self.alloc_device) as report:
             yield
         self._local.layout_report = report
 
@@ -249,7 +277,11 @@ class Worker(WorkerBase):
         """The residency switch ``move`` for a batch of ``layout_ref`` (None: it runs disarmed),
         with the arena following it; returns its report and why the batch cannot arm its layout."""
         if self.arena is None:
-            return move(), None
+            # the allocator is installed but reserved no arena (an unseeded process): arming would
+            # fail, so the batch runs disarmed and says why, as the load did
+            why = (f"{layout_ref} not armed for this batch: {self.layout_status}"
+                   if layout_ref is not None and self.allocator is not None and self.layout_status is not None else None)
+            return move(), why
         out = self.arena.switch(layout_ref, move)
         if out.not_armed is None or layout_ref is None:
             return out.moved, None
@@ -257,7 +289,7 @@ class Worker(WorkerBase):
 
     def layout_reserved_bytes(self) -> int:
         """Device bytes the static allocator holds now (arena + driver blocks; 0 when not installed)."""
-        return self.allocator.stats().reserved_bytes if self.allocator is not None else 0
+        return self.allocator.stats(device=self.alloc_device).reserved_bytes if self.allocator is not None else 0
 
     def target_residency(self, config: ExecutionConfig) -> Residency:
         """The residency a batch of ``config`` runs under (the group's shared one, or its plan's)."""
@@ -296,6 +328,8 @@ class Worker(WorkerBase):
         assert self.engine is not None and self.residency is not None
         target = self.target_residency(batch.config)
         residency = self.residency
+        c = batch.config  # as planned (its layout_ref is dropped below if it cannot arm)
+        entry = c.template.key + (f" (layout {c.layout_ref})" if c.layout_ref is not None else "")
         switch, not_armed = self._switch(batch.config.layout_ref, lambda: residency.switch(target))
         if control is not None:
             self._run_residency[control.run_id] = target
@@ -305,7 +339,7 @@ class Worker(WorkerBase):
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
         self._local.layout_report = None
-        result = self.engine.execute(batch, observer, control)
+        result = self._execute_guarded(batch, observer, control, entry)
         rep = self._local.layout_report
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
                                          "host_weight_bytes": self.residency.host_bytes(),
@@ -314,6 +348,31 @@ class Worker(WorkerBase):
                                          "layout_hits": rep.hits if rep is not None else 0,
                                          "layout_misses": rep.misses if rep is not None else 0,
                                          "layout_reserved_bytes": self.layout_reserved_bytes()})
+
+    def _execute_guarded(self, batch: Batch, observer: StepObserver | None, control: Any, entry: str) -> BatchResult:
+        """``engine.execute``, a batch that ran out of device memory failing alone as
+        ``DeviceOutOfMemory`` (``xema_ray.runtime.out_of_memory``); on a CPU worker with the host
+        arena, its tensors mirrored into it."""
+        assert self.engine is not None
+        alloc, dev = self.allocator, self.alloc_device
+        before = alloc.out_of_memory(device=dev) if alloc is not None else None
+        mirror: Any = contextlib.nullcontext()
+        if self._mirror_host:
+            from xema_ray.allocator.host_tensors import HostArenaTensors
+
+            mirror = HostArenaTensors(alloc, device=dev)
+        try:
+            with mirror:
+                return self.engine.execute(batch, observer, control)
+        except (RuntimeError, MemoryError) as e:  # torch's, the host arena's, torch.OutOfMemoryError
+            record = alloc.out_of_memory(device=dev).since(before) if alloc is not None else None
+            failure = device_out_of_memory(e, entry, str(self.device), record)
+            if failure is None:
+                raise
+        # out of the except block: the batch's frames (and tensors) went with the dropped tracebacks
+        gc.collect()
+        self.platform.release_cached_memory()
+        raise failure
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""

@@ -146,10 +146,26 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         adm = self.admission
         return adm is not None and adm.partial_when_late and oldest + self.wait_window_s + plan.latency_s > q[0].deadline
 
-    def dispatch(self, now: float) -> list[Assignment[P]]:
+    def replace_plans(self, plans: dict[str, DispatchPlan], admission: AdmissionPolicy | None = None) -> None:
+        """Serve new plans for the same templates (a new plan table), every queued request kept
+        (its deadline as it was). Call with no batch running or paused."""
+        if set(plans) != set(self.plans):
+            raise ValueError(f"new plans must cover the same templates: {sorted(self.plans)}, got {sorted(plans)}")
+        if self._running or self._paused:
+            raise RuntimeError(f"{len(self._running)} batches running and {len(self._paused)} paused: finish them first")
+        for key, p in plans.items():
+            if p.batch < 1 or p.sp < 1 or p.sp > self.workers:
+                raise ValueError(f"{key}: batch and sp must be >= 1 and sp <= {self.workers}, got batch={p.batch} sp={p.sp}")
+        self.plans = dict(plans)
+        self.admission = admission  # requests it set aside as late stay where they are
+
+    def dispatch(self, now: float, start_new: bool = True) -> list[Assignment[P]]:
         """Batches to start now: paused ones whose workers are free first, then templates by
-        earliest head deadline, each on a free SP group, or by preempting (``preemption_policy.py``)."""
+        earliest head deadline, each on a free SP group, or by preempting (``preemption_policy.py``).
+        ``start_new`` False: only the paused ones (new batches are held)."""
         started: list[Assignment[P]] = self._resumable(now)
+        if not start_new:
+            return started
         if self.admission is not None and self.admission.late != "serve":
             self._set_aside_late(now)
         order = sorted((q[0].deadline, t) for t, q in self._queues.items() if q)

@@ -15,7 +15,9 @@ with ``open_ports=True`` (``make serve XEMA_RAY_OPEN_PORTS=1``) and firewall the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from xema_ray.hash_seed import HASH_SEED, HASH_SEED_ENV
 from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
@@ -24,6 +26,7 @@ from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 #: our setting: "1" leaves Ray's ports on all interfaces (a multi-node cluster)
 OPEN_PORTS_ENV = "XEMA_RAY_OPEN_PORTS"
+PATH_ENV = "PATH"
 
 
 def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -38,6 +41,9 @@ def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = Non
         '0'
     """
     env = dict(os.environ if base is None else base)
+    # jobs (`ray job submit -- python -m planner ...`) run their entry point with the cluster's
+    # PATH: this environment's interpreter first, so that `python` is the one with Ray and the app
+    env[PATH_ENV] = with_bin_first(env.get(PATH_ENV, ""), str(Path(sys.executable).parent))
     if open_ports is None:
         open_ports = env.get(OPEN_PORTS_ENV, "0") == "1"
     env.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
@@ -49,6 +55,17 @@ def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = Non
     else:
         env[LOCAL_ONLY_ENV] = "0"
     return env
+
+
+def with_bin_first(path: str, bin_dir: str) -> str:
+    """``path`` (a PATH value) with ``bin_dir`` first, once.
+
+    Example:
+        >>> with_bin_first("/usr/bin:/repo/.venv/bin", "/repo/.venv/bin")
+        '/repo/.venv/bin:/usr/bin'
+    """
+    rest = [p for p in path.split(os.pathsep) if p and p != bin_dir]
+    return os.pathsep.join([bin_dir, *rest])
 
 
 def apply_ray_env(open_ports: bool | None = None) -> None:

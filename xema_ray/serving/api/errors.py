@@ -10,7 +10,7 @@ this deployment does not serve, ``supported_templates``. Status codes:
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
 | 422 | invalid_request_error | a field is missing, malformed or out of range (``param`` names it) |
-| 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, or a worker / replica / node died; always with Retry-After |
+| 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, a worker / replica / node died, or the batch ran out of device memory (``entry``, ``requested_bytes``, ``free_bytes`` say what); always with Retry-After |
 | 500 | server_error | a bug (never for a client's input) |
 
 Messages quote at most ``QUOTE_CHARS`` characters of an offending value: a 1 MB prompt is not
@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 from ray.exceptions import RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.serving.api.schemas import UnsupportedTemplate
 from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull
 
@@ -39,6 +40,9 @@ logger = logging.getLogger("xema_ray.serving")
 QUOTE_CHARS = 64
 #: Retry-After for a replica, actor or node that died: Serve replaces a replica in ~10 s on 2 CPUs
 DEATH_RETRY_AFTER_S = 5
+#: Retry-After for a batch that ran out of device memory: the worker is fine, what filled the
+#: device (a neighbouring batch, its paused state) is gone within a batch or so
+OOM_RETRY_AFTER_S = 2
 
 
 class ErrorDetail(BaseModel):
@@ -50,6 +54,12 @@ class ErrorDetail(BaseModel):
                                                         "(limits.max_in_flight, models[].max_queue, "
                                                         "max_queued_requests)")
     supported_templates: list[str] | None = Field(default=None, description="400 only: the templates served")
+    entry: str | None = Field(default=None, description="503 out of device memory only: the plan entry whose batch "
+                                                        "failed (template, and its layout when it has one)")
+    requested_bytes: int | None = Field(default=None, description="503 out of device memory only: bytes the refused "
+                                                                  "allocation asked for")
+    free_bytes: int | None = Field(default=None, description="503 out of device memory only: bytes the device's "
+                                                             "allocator could still hand out then")
 
 
 class ErrorResponse(BaseModel):
@@ -77,15 +87,18 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, retry_after_s: float | None = None,
-                   supported_templates: list[str] | None = None, limit: str | None = None) -> JSONResponse:
+                   supported_templates: list[str] | None = None, limit: str | None = None,
+                   oom: DeviceOutOfMemory | None = None) -> JSONResponse:
     """The JSON error response; 503s always carry Retry-After (whole seconds, at least 1)."""
     headers = {}
     if status == 503 and retry_after_s is None:
         retry_after_s = DEATH_RETRY_AFTER_S
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    figures = ({"entry": oom.entry, "requested_bytes": oom.requested_bytes, "free_bytes": oom.free_bytes}
+               if oom is not None else {})
     body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code, limit=limit,
-                                           supported_templates=supported_templates))
+                                           supported_templates=supported_templates, **figures))
     return JSONResponse(status_code=status, content=body.model_dump(exclude_none=True), headers=headers)
 
 
@@ -118,6 +131,9 @@ def exception_response(e: BaseException) -> JSONResponse | None:
                               retry_after_s=cause.retry_after_s, limit="models[].max_queue")
     if isinstance(cause, GroupUnavailable):
         return error_response(503, str(cause), "service_unavailable", code="group_unavailable")
+    if isinstance(cause, DeviceOutOfMemory):  # one batch failed; the worker serves the next
+        return error_response(503, str(cause), "service_unavailable", code="device_out_of_memory",
+                              retry_after_s=OOM_RETRY_AFTER_S, oom=cause)
     if _is_death(cause) or _is_death(e):
         from ray.serve.exceptions import BackPressureError
 

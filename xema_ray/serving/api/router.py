@@ -50,12 +50,14 @@ from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
+from xema_ray.serving.group.plan_reload import RouterPlans
 from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.videos import VideoCreate
+from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.templates import RequestTemplate
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
@@ -146,6 +148,7 @@ class Router:
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None) -> None:
+        bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
         self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
@@ -172,6 +175,14 @@ class Router:
                 self.jobs.start_background()
             except RuntimeError:  # no running loop here: the first request starts it
                 pass
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place config update (``xema serve --reload-plans``, ``plan_reload``): the new
+        plan table this replica reports (``/v1/templates``, ``/v1/plans``) and predicts jobs with;
+        the groups swap their own plans."""
+        self.table = RouterPlans.model_validate(user_config).table
+        if self.jobs is not None:
+            self.jobs.table = self.table
 
     def _count_received(self) -> None:
         """One generation request arrived: counted here and, without waiting, in Stats (in one

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
+from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 
 
 class StatsResponse(BaseModel):
@@ -27,6 +28,7 @@ class Stats:
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``."""
 
     def __init__(self) -> None:
+        bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.counts: dict[str, int] = {}
 
     async def add(self, name: str, n: int = 1) -> None:

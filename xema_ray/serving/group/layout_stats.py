@@ -1,6 +1,6 @@
 """The static allocator's counters per template of a model group: batches run with the layout armed,
-allocations it placed (hits), allocations that fell back to the dynamic path, and the bytes the
-allocator holds. Shown in ``/v1/stats``, ``/healthz`` (group status) and the Prometheus metrics.
+allocations it placed (hits), allocations that fell back to the dynamic path, the bytes the
+allocator holds, and batches that failed out of device memory. Shown in ``/v1/stats``, ``/healthz`` (group status) and the Prometheus metrics.
 Where nothing is armed (a CPU worker, a plan without a layout) the counters stay 0 and ``status``
 says why."""
 
@@ -27,6 +27,10 @@ class TemplateLayoutStats(BaseModel):
     reserved_bytes: int = Field(default=0, ge=0, description="bytes the static allocator held after the last batch (0: not armed)")
     not_armed: str | None = Field(default=None, description="why the last batch ran without its layout (None: it was armed, "
                                                             "or the workers' status says why none is)")
+    out_of_memory: int = Field(default=0, ge=0, description="batches that failed out of device memory (each a JSON 503; "
+                                                            "the worker served on)")
+    last_out_of_memory: str | None = Field(default=None, description="the last such failure: the entry, bytes asked, "
+                                                                     "bytes free")
 
 
 class GroupLayoutStats(BaseModel):
@@ -61,6 +65,12 @@ class LayoutCounters:
         st.not_armed = result.layout_note
         if result.layout_status is not None:
             self.status = result.layout_status
+
+    def out_of_memory(self, template: str, message: str) -> None:
+        """A batch of ``template`` failed out of device memory (``DeviceOutOfMemory``)."""
+        st = self.templates.setdefault(template, TemplateLayoutStats())
+        st.out_of_memory += 1
+        st.last_out_of_memory = message
 
     def snapshot(self) -> GroupLayoutStats:
         return GroupLayoutStats(status=self.status, templates={k: v.model_copy() for k, v in self.templates.items()})

@@ -96,3 +96,6 @@ class GroupStatus(BaseModel):
     paused: int
     jobs: int = Field(description="video jobs queued or running here")
     owner: str = Field(description="this replica as the owner of its jobs")
+    plans_hash: str | None = Field(default=None, description="content hash of the plans it serves (plan_reload)")
+    plans_swapping: bool = Field(default=False, description="a new plan table is being swapped in (new batches held)")
+    plans_swapped: int = Field(default=0, description="plan tables swapped in since this replica started")

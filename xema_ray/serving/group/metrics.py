@@ -64,6 +64,9 @@ class ServingMetrics:
         self.layout_reserved = metrics.Gauge("xema_layout_reserved_bytes", "bytes the static allocator holds (0: not armed)",
                                              tag_keys=(*tags, "model"))
         self.layout_reserved.set_default_tags({"model": model})
+        self.out_of_memory = metrics.Counter("xema_out_of_memory", "batches that failed out of device memory",
+                                             tag_keys=(*tags, "model"))
+        self.out_of_memory.set_default_tags({"model": model})
 
         self.preemptions = metrics.Counter("xema_preemptions", "batches paused at a step boundary for another",
                                            tag_keys=(*tags, "model"))

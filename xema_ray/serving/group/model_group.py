@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.plan import AdmissionPolicy, PlanEntry
 from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
@@ -47,6 +48,7 @@ from xema_ray.serving.config import ModelGroupConfig
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
+from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 from xema_ray.serving.jobs.lifecycle import JobLifecycle
@@ -121,9 +123,8 @@ class ModelGroup(PublishesSummary):
 
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
                  worker_set: WorkerSetFactory = worker_set_for) -> None:
-        from xema_ray.runtime.worker import ModelLoadConfig
-
         s = settings if settings is not None else GroupSettings()
+        self._settings = s
         self.config = config
         self.model = model = config.model
         self.n_workers = workers = config.workers
@@ -147,21 +148,70 @@ class ModelGroup(PublishesSummary):
                           for k, e in self.entries.items()}
         for k, est in self.estimates.items():  # where each template's step boundaries fall (preemption)
             self._tell_phases(k, est)
-        # every weight is placed once, at load, where the group's plans keep it (never whole on the device)
-        load = ModelLoadConfig(model=model, weights_dir=config.weights_dir, residency=config.residency or "per_template",
-                               plans=tuple(e.config for _, e in sorted(self.entries.items())),
-                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
-        device = s.device
-        spec = WorkerSetSpec(
-            device=device, size=workers, load=load, worker_cpus=s.worker_cpus,
-            layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in self.entries.values() if e.config.sp > 1})),
-            concurrency=WORKER_CONCURRENCY if self.policy is not None else 1,
-            # a CUDA worker installs the static allocator when its plans carry layouts to arm
-            static_allocator=device == "cuda" and any(e.config.layout_ref for e in self.entries.values()))
-        self.workers = worker_set(spec)
+        self.plans_hash = plans_hash(self.entries)
+        self.reload = PlanReload()
+        self.workers = worker_set(self._worker_spec(self.entries, s))
         self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
+
+    def _worker_spec(self, entries: dict[str, PlanEntry], s: GroupSettings) -> WorkerSetSpec:
+        """The worker set that runs ``entries`` (every weight placed once, at load, where the plans
+        keep it; never whole on the device)."""
+        from xema_ray.runtime.worker import ModelLoadConfig
+
+        c = self.config
+        load = ModelLoadConfig(model=self.model, weights_dir=c.weights_dir, residency=c.residency or "per_template",
+                               plans=tuple(e.config for _, e in sorted(entries.items())),
+                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
+        return WorkerSetSpec(
+            device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
+            layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
+            concurrency=WORKER_CONCURRENCY if self.policy is not None else 1,
+            # a CUDA worker installs the static allocator when its plans carry layouts to arm
+            static_allocator=s.device == "cuda" and any(e.config.layout_ref for e in entries.values()))
+
+    # ------------------------------------------------------------------ a new plan table (plan_reload)
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place config update (``xema serve --reload-plans``): the group's ``GroupPlans``.
+        Returns at once (the replica stays RUNNING and keeps admitting); a change of plans is
+        swapped in on the replica's loop (``_swap_plans``), an unchanged one is nothing to do."""
+        new = GroupPlans.model_validate(user_config)
+        unknown = sorted(set(new.plans) ^ set(self.entries))
+        if unknown:  # ``xema serve --reload-plans`` checks this before it deploys
+            raise ValueError(f"{self.model}: a new plan table must plan exactly the served templates; differs in {unknown}")
+        if new.hash == self.reload.target_hash(self.plans_hash):
+            return
+        self.reload.target = new
+        self.reload.start(asyncio.get_running_loop(), self._swap_plans)
+
+    async def _swap_plans(self, new: GroupPlans) -> None:
+        """Serve ``new``'s plans: hold new batches, let the running ones finish, replace the worker
+        set with one loaded for the new plans, hand the dispatcher the new plans (queued requests
+        kept), dispatch again."""
+        self._ensure_loop()
+        self.reload.holding = True
+        try:
+            while self.dispatcher.running or self.dispatcher.paused:
+                await self.reload.batch_done.wait()
+                self.reload.batch_done.clear()
+            settings = self._settings.model_copy(update={
+                "layouts_dir": Path(new.layouts_dir) if new.layouts_dir else None, "budget_bytes": new.budget_bytes,
+                "admission": new.admission})
+            await self.workers.replace(self._worker_spec(new.plans, settings))
+            self._settings, self.entries = settings, dict(new.plans)
+            self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
+            self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
+            for k, e in self.entries.items():
+                t = e.config.template
+                self.estimates[k] = PhaseEstimate.from_plan(t.steps, e.prediction.latency_s, t.spec.kind == "video")
+                self._tell_phases(k, self.estimates[k])
+            self.plans_hash = new.hash
+            self.reload.swapped(new)
+        finally:
+            self.reload.holding = False
+            if self._wake is not None:
+                self._wake.set()
 
     async def _rebuild(self, failed_generation: int) -> None:
         """Replace the worker set once per failure (a dead rank breaks every SP group)."""
@@ -249,7 +299,9 @@ class ModelGroup(PublishesSummary):
         assert self._wake is not None
         while True:
             now = time.monotonic()
-            for a in self.dispatcher.dispatch(now):
+            # a plan swap holds new batches (requests still queue; paused ones resume) until the workers are replaced
+            held = self.reload.holding
+            for a in (self.dispatcher.dispatch(now, start_new=False) if held else self.dispatcher.dispatch(now)):
                 if a.resume:
                     self.runner.state.resume(a.batch_id)  # its own _run continues it
                     continue
@@ -354,6 +406,9 @@ class ModelGroup(PublishesSummary):
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
+            if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
+                self.metrics.out_of_memory.inc(tags={"template": a.template})
+                self.layout_counters.out_of_memory(a.template, str(e))
             for r in a.requests:
                 t = _ticket(r)
                 if t.job_id is not None:
@@ -366,6 +421,7 @@ class ModelGroup(PublishesSummary):
             self.jobs.finished(r.request_id for r in a.requests)
             self.dispatcher.complete(a.batch_id)
             self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
+            self.reload.batch_done.set()
             if self._wake is not None:
                 self._wake.set()
 
@@ -379,6 +435,8 @@ class ModelGroup(PublishesSummary):
             workers=self.n_workers, generation=health.generation, queued=self.dispatcher.queue_depth(),
             static_layouts=self.layout_counters.snapshot(), running=len(self.dispatcher.running),
             paused=len(self.dispatcher.paused), jobs=len(self.jobs.held), owner=self.owner,
+            plans_hash=self.plans_hash, plans_swapping=self.reload.holding or self.reload.pending,
+            plans_swapped=self.reload.swaps,
         ).model_dump()
 
     def check_health(self) -> None:

@@ -255,16 +255,33 @@ class WorkerSet(ABC, Generic[H]):
             if self.generation != failed_generation:
                 return False
             logger.warning("worker set generation %d failed; restarting its workers and reloading weights", failed_generation)
-            if self._current is not None:
-                self._discard(self._current.workers)
-            self._state, self._reason = "rebuilding", "rebuilding the worker set"
-            try:
-                gen = await asyncio.get_running_loop().run_in_executor(None, self._build, failed_generation + 1)
-            except Exception as e:
-                self._state, self._reason = "failed", f"rebuild failed: {type(e).__name__}"
-                raise RebuildFailed(f"the worker set's rebuild failed ({type(e).__name__}: {e})") from e
-            self._install(gen)  # on the loop: readers see the old set or the new one, never half of one
+            await self._rebuild_locked("rebuilding the worker set")
             return True
+
+    async def replace(self, spec: WorkerSetSpec) -> None:
+        """Replace the whole set by one made from ``spec`` (a new plan table's load config; the
+        caller lets running batches finish first). The old workers stop first: their placement
+        group bundles are what the new ones take. Raises ``RebuildFailed``; the set then keeps
+        ``spec``, so the next failure's rebuild tries it again."""
+        if spec.size != self.spec.size or spec.device != self.spec.device:
+            raise ValueError(f"a replacement set must keep size and device ({self.spec.size} x {self.spec.device}), "
+                             f"got {spec.size} x {spec.device}")
+        async with self._lock:
+            self.spec = spec
+            logger.warning("worker set generation %d: replacing its workers for new plans", self.generation)
+            await self._rebuild_locked("loading new plans")
+
+    async def _rebuild_locked(self, why: str) -> None:
+        number = self.generation + 1
+        if self._current is not None:
+            self._discard(self._current.workers)
+        self._state, self._reason = "rebuilding", why
+        try:
+            gen = await asyncio.get_running_loop().run_in_executor(None, self._build, number)
+        except Exception as e:
+            self._state, self._reason = "failed", f"rebuild failed: {type(e).__name__}"
+            raise RebuildFailed(f"the worker set's rebuild failed ({type(e).__name__}: {e})") from e
+        self._install(gen)  # on the loop: readers see the old set or the new one, never half of one
 
     def shutdown(self) -> None:
         """Stop every worker."""
