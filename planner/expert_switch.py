@@ -69,7 +69,8 @@ class ExpertSwitchPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     template: str
-    gpus: int = Field(ge=1, description="the SP group (Ulysses) the template runs on")
+    gpus: int = Field(ge=1, description="the SP group (Ulysses) one request runs on")
+    replicas: int = Field(default=1, ge=1, description="data-parallel replicas, each planned alike")
     budget_bytes: int = Field(ge=0)
     hardware: str
     experts: list[ExpertUse]
@@ -216,7 +217,8 @@ def describe(plan: ExpertSwitchPlan) -> str:
     """A few lines for ``xema plan``: the choice, what it does at the switch, the baseline."""
     hi, lo = plan.experts
     c, b = plan.cost(plan.chosen), plan.cost("offload_whole_expert")
-    lines = [f"expert switch {plan.template} on {plan.gpus} GPU(s), {plan.budget_bytes / 1e9:.0f} GB each: "
+    where = f"{plan.gpus} GPU(s)" + (f" x {plan.replicas} replicas" if plan.replicas > 1 else "")
+    lines = [f"expert switch {plan.template} on {where}, {plan.budget_bytes / 1e9:.0f} GB each: "
              f"{hi.component} ({hi.weight_bytes / 1e9:.1f} GB) steps {hi.first_step}-{hi.last_step}, "
              f"{lo.component} ({lo.weight_bytes / 1e9:.1f} GB) steps {lo.first_step}-{lo.last_step}"]
     for s in plan.strategies:
@@ -247,5 +249,8 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
     for t in templates:
         if len(t.spec.expert_stages(t)) != 2:
             continue
-        out.append(plan_expert_switch(t, trace_template(t), budget, hw, gpus=gpus_of.get(t.model, default_gpus)))
+        gpus = gpus_of.get(t.model, default_gpus)
+        sp = gpus if t.spec.sequence_parallel else 1  # without an SP split, more GPUs are replicas
+        p = plan_expert_switch(t, trace_template(t), budget, hw, gpus=sp)
+        out.append(p.model_copy(update={"replicas": gpus // sp}))
     return out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.expert_switch import plan_expert_switch
+from planner.expert_switch import expert_switch_plans, plan_expert_switch
+from xema_ray.plan import ExecutionConfig
 from xema_ray.profiling.hardware import get_hardware
 from xema_ray.analyzer.run import trace_template
 from xema_ray.templates import RequestTemplate
@@ -51,13 +52,18 @@ def test_error_raised_if_the_model_has_one_expert() -> None:
 
 def test_a14b_720p_on_one_48gb_a6000() -> None:
     t = RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=81, steps=40)
-    trace = trace_template(t)
-    for gpus in (1, 2, 4):
-        p = plan_expert_switch(t, trace, 48 * GB, A6000, gpus=gpus)
-        assert not p.cost("hold_both").fits  # 57 GB of experts
-        chosen = p.cost(p.chosen)
-        assert chosen.fits and chosen.peak_bytes <= 48 * GB
-        assert chosen.latency_s < p.cost("offload_whole_expert").latency_s
-        if gpus == 1:  # one expert and a part of the other fit: a partial prefetch, the rest streamed at the switch
-            assert p.chosen == "swap_prefetched"
-            assert 0 < chosen.prefetch_bytes < p.experts[1].weight_bytes
+    p = plan_expert_switch(t, trace_template(t), 48 * GB, A6000)
+    assert not p.cost("hold_both").fits  # 57 GB of experts
+    chosen = p.cost(p.chosen)
+    assert p.chosen == "swap_prefetched" and chosen.peak_bytes <= 48 * GB
+    # one expert and a part of the other fit: a partial prefetch, the rest streamed at the switch
+    assert 0 < chosen.prefetch_bytes < p.experts[1].weight_bytes
+    assert chosen.latency_s < p.cost("offload_whole_expert").latency_s
+
+
+def test_more_gpus_are_replicas_of_a_model_without_a_sequence_parallel_split() -> None:
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    (p,) = expert_switch_plans([t], 64 * 2**20, A6000, {"tiny-wan2.2": 4}, 1)
+    assert (p.gpus, p.replicas) == (1, 4)
+    with pytest.raises(ValueError, match="no sequence-parallel split"):
+        ExecutionConfig(template=t, ulysses=2)

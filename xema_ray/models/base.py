@@ -329,6 +329,10 @@ class ModelSpec(ABC):
     reference_sizes: tuple[tuple[int, int, int], ...] = ()
     reference_steps: int = 50
 
+    #: whether ``xema_ray.parallel.plans`` has a sequence-parallel split for this model's transformer
+    #: (a model without one runs on one GPU per request: more GPUs are data-parallel replicas)
+    sequence_parallel: bool = True
+
     #: denoising steps after the first that still allocate unlike the steady state (the analyzer
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0
