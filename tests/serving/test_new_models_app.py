@@ -1,6 +1,6 @@
 """The models added beyond the paper's three, served as ``make serve`` serves them: their groups of
 ``deployments/xema.yaml``, plans computed at start-up, requests through the official ``openai``
-client (a video job of the two-expert tiny-wan2.2)."""
+client (a video job of the two-expert tiny-wan2.2, an image of tiny-qwen-image)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from xema_ray.serving.ray_env import apply_ray_env, shutdown_serve_and_ray  # no
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[2]
-NEW_MODELS = ("tiny-wan2.2",)
+NEW_MODELS = ("tiny-wan2.2", "tiny-qwen-image")
 
 
 def serve_yaml_args(models: tuple[str, ...]) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def test_templates_list_the_new_models(server: str) -> None:
 
     listed = requests.get(f"{server}/v1/templates", timeout=30).json()
     shapes = {(t["model"], t["width"], t["height"], t["frames"]) for t in listed}
-    assert {("tiny-wan2.2", 64, 64, 9), ("tiny-wan2.2", 128, 96, 17)} <= shapes, listed
+    assert {("tiny-wan2.2", 64, 64, 9), ("tiny-wan2.2", 128, 96, 17), ("tiny-qwen-image", 128, 128, 1)} <= shapes, listed
 
 
 def test_wan_video_job_through_the_openai_client(client: Any) -> None:
@@ -78,3 +78,14 @@ def test_wan_video_job_through_the_openai_client(client: Any) -> None:
     data = client.videos.download_content(video.id).read()
     frames = iio.imread(io.BytesIO(data), extension=".mp4")
     assert frames.shape[0] == 17 and frames.shape[1:3] == (96, 128)
+
+
+def test_qwen_image_through_the_openai_client(client: Any) -> None:
+    import base64
+
+    from PIL import Image
+
+    resp = client.images.generate(model="tiny-qwen-image", prompt="a lighthouse at dawn", size="128x128",
+                                  extra_body={"seed": 7})
+    image = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
+    assert image.size == (128, 128)

@@ -70,6 +70,20 @@ def _wan22(size: str) -> ModelSpec:
     return spec
 
 
+def _qwen_image(size: str) -> ModelSpec:
+    from xema_ray.models.qwen_image import QwenImageSpec
+    from xema_ray.models.text_encoders import TextEncoderSpec
+
+    if size == "real":
+        spec = QwenImageSpec("qwen-image", "real", "qwen_image_transformer.json", "qwen_image_vae.json", text_tokens=512)
+        spec.text_encoder = TextEncoderSpec("qwen2_5_vl", "qwen_image_text_encoder.json", 512)
+    else:
+        spec = QwenImageSpec("tiny-qwen-image", "tiny", "tiny_qwen_image_transformer.json", "tiny_qwen_image_vae.json",
+                             text_tokens=8)
+        spec.text_encoder = TextEncoderSpec("qwen2_5_vl", "tiny_qwen_image_text_encoder.json", 8)
+    return spec
+
+
 _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "flux2": lambda: _flux2("real"),
     "cogvideox-5b": lambda: _cogvideox("real"),
@@ -79,6 +93,8 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "tiny-ltx2": lambda: _ltx2("tiny"),
     "wan2.2-t2v-a14b": lambda: _wan22("real"),
     "tiny-wan2.2": lambda: _wan22("tiny"),
+    "qwen-image": lambda: _qwen_image("real"),
+    "tiny-qwen-image": lambda: _qwen_image("tiny"),
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -1,10 +1,12 @@
-"""The three models' text encoders: configs, builders, tokenizers made locally, meta-device shims.
+"""The models' text encoders: configs, builders, tokenizers made locally, meta-device shims.
 
 | model   | encoder (transformers class)              | real size (bf16)  | prompt tokens |
 |---------|-------------------------------------------|-------------------|---------------|
 | Flux.2  | Mistral-Small-3.1 (Mistral3ForConditionalGeneration) | 23.3 B (46.7 GB) | 512 |
 | CogVideoX-5B | T5-v1.1-XXL encoder (T5EncoderModel)  | 4.76 B (9.5 GB)   | 226           |
 | LTX-2   | Gemma-3-12B (Gemma3ForConditionalGeneration) | 12.2 B (24.4 GB) | 1024          |
+| Wan2.2  | UMT5-XXL encoder (UMT5EncoderModel)       | 5.7 B (11.4 GB)   | 512           |
+| Qwen-Image | Qwen2.5-VL-7B (Qwen2_5_VLForConditionalGeneration) | 8.3 B (16.6 GB) | 512 (padded) |
 
 Configs are in ``xema_ray/configs/*_text_encoder.json`` with their sources; the tiny versions
 are sized to the tiny transformers' text widths. The encoder is built like every other
@@ -27,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-EncoderFamily = Literal["mistral3", "t5", "gemma3", "umt5"]
+EncoderFamily = Literal["mistral3", "t5", "gemma3", "umt5", "qwen2_5_vl"]
 #: encoder-only T5 architectures (T5, UMT5): one layer list under ``encoder.block``
 T5_LIKE = ("t5", "umt5")
 
@@ -66,7 +68,8 @@ class TextEncoderSpec:
 
         cfg = {k: v for k, v in self.config.items() if not k.startswith("_")}
         cls = {"mistral3": transformers.Mistral3Config, "t5": transformers.T5Config,
-               "gemma3": transformers.Gemma3Config, "umt5": transformers.UMT5Config}[self.family]
+               "gemma3": transformers.Gemma3Config, "umt5": transformers.UMT5Config,
+               "qwen2_5_vl": transformers.Qwen2_5_VLConfig}[self.family]
         return cls(**cfg) if self.family in T5_LIKE else cls.from_dict(cfg)
 
     def layers(self, encoder: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -94,6 +97,8 @@ class TextEncoderSpec:
         one) and the vision tower, which text encoding never runs."""
         if self.family in T5_LIKE:
             return self.unit_paths()
+        if self.family == "qwen2_5_vl":  # Qwen2.5-VL's vision tower and merger are one module
+            return (*self.unit_paths(), "model.visual")
         return (*self.unit_paths(), "model.vision_tower", "model.multi_modal_projector")
 
     @property
