@@ -13,13 +13,18 @@ PLAN_TABLE ?= plans/a6000x8.json
 
 .PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
+# torch for the machine (install/install.py, docs/install-gpu.md): where nvidia-smi lists a GPU, the CUDA
+# build of torch 2.13.0 (PyPI's: CUDA 13.0, NVIDIA driver >= 580; TORCH_INDEX=.../whl/cu128 for CUDA 12.8)
+# and the [sp] extra; elsewhere (CI) what it always was. DEVICE=cpu|cuda overrides the detection.
+DEVICE ?= auto
+TORCH_INDEX ?=
+
 # the C++ sources too: an edited allocator or solver is rebuilt by the next `make install` / `make test`
-$(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt $(wildcard allocator_ext/src/*)
+$(STAMP): pyproject.toml CMakeLists.txt allocator_ext/CMakeLists.txt $(wildcard allocator_ext/src/*) install/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: 2.13.0 (CPU) lies on this disk; letting pip resolve "torch" would fetch a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) install/install.py --python $(PY) --device $(DEVICE) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,11 +46,12 @@ serve: install
 serve-emulated: install
 	PYTHONPATH=$(CURDIR) $(PY) -m deployments.emulated_box deployments/xema-a6000x8-emulated.yaml $(if $(PORT),--port $(PORT),)
 
-# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/.
+# Tiny but complete diffusers directories (transformer, VAE, scheduler, text encoder, tokenizer) under checkpoints/;
+# LAYOUT=published lays them out as the real models' Hugging Face repositories are (dtypes, shards, tokenizers).
 checkpoints: install
-	$(PY) -m xema_ray.checkpoints --out checkpoints
+	$(PY) -m xema_ray.checkpoints --out checkpoints $(if $(LAYOUT),--layout $(LAYOUT),)
 
-# The tiny models served from those directories (their own tokenizers and text encoders).
+# The tiny models served from those directories (their own tokenizers and text encoders); LAYOUT=published too.
 serve-checkpoints: checkpoints
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema-checkpoints.yaml
 
@@ -130,14 +136,16 @@ bench-tenancy: install
 gpu-kit: install
 	$(PY) gpu_check/gpu_kit.py
 
-# On a GPU machine, after `bash gpu_check/gpu_prep.sh`: the GPU tests one process each, in priority order,
-# gpu-check.json rewritten after each; PART=1 or PART=2 for one device call each (docs/gpu-check.md).
-# Without CUDA it writes a "no CUDA GPU" record and exits 0; DRY_RUN=1 collects and plans only. It runs
-# under .venv's python where there is one (here), else python3 (the GPU machine: no .venv travels).
+# On a GPU machine, after `bash gpu_check/gpu_prep.sh`: the GPU tests (found by their gpu marker) one process
+# each, in priority order, PYTHONHASHSEED=0, gpu-check.json rewritten after each; PART=1 or PART=2 for one
+# device call each, UNTIL=<unix time> to start no test that cannot finish by then (docs/gpu-check.md; LIST=1
+# prints both calls laid out in the device time). Without CUDA it writes a "no CUDA GPU" record and exits 0;
+# DRY_RUN=1 collects and plans only. It runs under .venv's python where there is one (here), else python3
+# (the GPU machine: no .venv travels). bench/gpu_check.py is the same check.
 PART ?= all
 gpu-check:
 	mkdir -p $(OUT)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) gpu_check/run.py --out $(OUT) --part $(PART) $(if $(DRY_RUN),--dry-run)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) gpu_check/run.py --out $(OUT) --part $(PART) $(if $(UNTIL),--until $(UNTIL)) $(if $(DRY_RUN),--dry-run) $(if $(LIST),--list)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

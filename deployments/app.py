@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -25,7 +26,7 @@ from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
-from xema_ray.serving.startup import paused_host_bytes, served_templates
+from xema_ray.serving.startup import gpu_shortfall, paused_host_bytes, preflight, served_templates
 from xema_ray.serving.api.stats import Stats
 from xema_ray.serving.group.worker_set import WORKER_KINDS
 
@@ -114,6 +115,11 @@ def build_app(args: dict[str, Any]) -> Application:
         logger.warning(exposed)
         print(f"WARNING: {exposed}", flush=True)
     templates = served_templates(cfg)
+    preflight(cfg)  # weights and Redis: a clear start-up error, never a failure at the first request
+    short = gpu_shortfall(cfg, ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
+    if short is not None:  # an autoscaler may still add them: said loudly, not refused
+        logger.warning(short)
+        print(f"WARNING: {short}", flush=True)
     table, spare_host = load_or_plan(cfg, templates)
     reference = table
     if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)

@@ -8,6 +8,7 @@ Moved verbatim from ``xema_ray.serving.startup`` (which keeps the checks: ``serv
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from xema_ray.memory.analysis import parse_bytes
 from xema_ray.plan import PlanProvenance, PlanTable
@@ -30,6 +31,12 @@ def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[Pl
     """The plan table covering ``templates`` (loaded and checked, or planned now) and the host
     memory the node has beyond its residencies (``check_runnable``)."""
     if cfg.plan_table is not None:
+        other = [g.model for g in cfg.models if not g.default_dtypes]
+        if other:
+            # a table's plans were traced at the models' default dtypes (plan tables record no others)
+            raise ValueError(f"{', '.join(other)}: dtype / component_dtypes differ from the model's default, but "
+                             f"plan table {cfg.plan_table} was planned at the defaults: drop plan_table to plan at "
+                             "start-up with them, or drop the dtype settings")
         table = PlanTable.load(str(cfg.plan_table))
         if cfg.device != "emulated":  # an emulated box is, by definition, the table's hardware
             table.check_hardware(machine_fingerprint(cfg, table.gpus), force=cfg.force_plan_table)
@@ -40,6 +47,15 @@ def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[Pl
         table = plan_now(cfg, templates)
     host = parse_bytes(cfg.emulated_host_memory) if cfg.device == "emulated" else None
     return table, check_runnable(table, cfg, templates, host_memory_bytes=host)
+
+
+def group_dtypes(cfg: ServeConfig) -> dict[str, Any]:
+    """Per model whose group sets dtypes: (dtype, components kept in another) to trace it with."""
+    from xema_ray.models import get_model_spec
+    from xema_ray.models.base import model_dtypes
+
+    return {g.model: model_dtypes(get_model_spec(g.model), g.dtype, g.component_dtypes)
+            for g in cfg.models if not g.default_dtypes}
 
 
 def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
@@ -55,7 +71,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     latency = LatencyModel(hardware, store_path=cache_dir / "profiles.json" if cache_dir else None)
     if hardware == "cpu":
         latency.calibrate(templates)  # one measured request per template: seconds for the tiny models
-    cache = TraceCache(cache_dir / "traces" if cache_dir else None)
+    cache = TraceCache(cache_dir / "traces" if cache_dir else None, dtypes=group_dtypes(cfg))
     entries = {}
     infeasible = []
     gpus_of = {g.model: g.workers for g in cfg.models}

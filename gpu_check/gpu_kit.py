@@ -4,7 +4,12 @@ ignored ``.whl/`` that the device tool carries, with a manifest.
 Pins come from gpu_check/gpu-kit.txt (one version each; a stale wheel of another version is removed:
 two versions stop the machine's whole offline install). Each is fetched ``--no-deps`` as a cp312
 manylinux x86-64 wheel. Checks: every wheel's own requirements (``Requires-Dist`` without an
-extra) are on the machine (gpu_check/gpu_device_packages.txt) or in the kit; the kit is at most
+extra, markers evaluated for CPython 3.12 on Linux x86-64) are met by version specifier: by the
+kit's pinned version, or by the machine's version where gpu_check/gpu_device_packages.txt records
+one (torch, transformers, huggingface_hub, ...); a requirement on a machine package whose version
+was never read there is listed ``unverified`` (gpu_prep.sh's kit step checks every specifier
+there, against what is installed). The project's own requirements on those packages
+(pyproject.toml) are checked the same way. The kit is at most
 48 MiB and the tree that travels (tracked and untracked-not-ignored files) plus the kit at most
 the device tool's 64 MiB; the kit installs offline for cp312 (as gpu_prep.sh will). Writes ``.whl/manifest.json`` (``KitManifest``); exits 1 naming what
 failed.
@@ -22,9 +27,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +64,7 @@ class KitManifest(BaseModel):
     kit_limit_bytes: int = KIT_LIMIT
     travel_limit_bytes: int = TRAVEL_LIMIT
     unmet_requirements: list[str]
+    unverified_requirements: list[str] = []
     ok: bool
 
 
@@ -92,6 +101,54 @@ def wheel_meta(path: Path) -> tuple[str, str, list[str]]:
 
 def requirement_name(req: str) -> str:
     return norm(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
+
+
+#: the GPU machine's interpreter, for requirement markers (python3 3.12 on Linux x86-64)
+DEVICE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_system": "Linux",
+                  "sys_platform": "linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+                  "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+#: listed by a wheel but never imported on the machine's Python (diffusers: importlib_metadata on < 3.8)
+NOT_IMPORTED = frozenset({"importlib-metadata"})
+
+
+def device_packages(path: Path) -> dict[str, str | None]:
+    """gpu_check/gpu_device_packages.txt: name -> version read there (None: on the machine, version not read)."""
+    out: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            out[norm(name)] = version.strip() or None
+    return out
+
+
+def check_requirement(req: str, kit: dict[str, str], device: dict[str, str | None]) -> tuple[str, str | None]:
+    """("ok" | "unmet" | "unverified" | "not-needed", why) of one requirement against the kit's pinned
+    versions, then the machine's known ones, by specifier."""
+    try:
+        r = Requirement(req)
+    except InvalidRequirement as e:
+        return "unmet", f"{req}: not a requirement ({e})"
+    if r.marker is not None and not r.marker.evaluate(DEVICE_MARKERS):
+        return "not-needed", None
+    name = norm(r.name)
+    if name in NOT_IMPORTED:
+        return "not-needed", None
+    have = kit.get(name) or device.get(name)
+    if have is None:
+        return ("unverified", f"{req}: {name} is on the machine, its version not read") if name in device else (
+            "unmet", f"{req}: {name} is neither on the machine nor in the kit")
+    try:
+        ok = r.specifier.contains(Version(have.split("+")[0]), prereleases=True)
+    except InvalidVersion:
+        return "unverified", f"{req}: {name} {have} is not a version"
+    source = "kit" if name in kit else "machine"
+    return ("ok", None) if ok else ("unmet", f"{req}: the {source} has {name} {have}")
+
+
+def project_requirements() -> list[str]:
+    """pyproject.toml's [project] dependencies (what the GPU tests import of them is on the machine or in the kit)."""
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
 def offline_install_problems(kit: Path) -> list[str]:
@@ -132,12 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         name, version, requires = wheel_meta(whl)
         wheels.append(Wheel(name=norm(name), version=version, file=whl.name, bytes=whl.stat().st_size,
                             sha256=hashlib.sha256(whl.read_bytes()).hexdigest(), requires=requires))
-    device = {norm(line.strip()) for line in args.device_packages.read_text().splitlines()
-              if line.strip() and not line.startswith("#")}
-    kit = {w.name for w in wheels}
-    # importlib-metadata: diffusers lists it but imports it only on Python < 3.8
-    unmet = sorted({f"{w.name}: {r}" for w in wheels for r in w.requires
-                    if requirement_name(r) not in device | kit | {"importlib-metadata"}})
+    device = device_packages(args.device_packages)
+    kit_versions = {w.name: w.version for w in wheels}
+    kit = set(kit_versions)
+    unmet, unverified = set(), set()
+    checks = [(w.name, r) for w in wheels for r in w.requires]
+    # the project's requirements on what the machine has (the serving stack's, absent there, are not the GPU tests')
+    checks += [("xema-ray", r) for r in project_requirements() if requirement_name(r) in device or requirement_name(r) in kit]
+    for owner, r in checks:
+        verdict, why = check_requirement(r, kit_versions, device)
+        if verdict == "unmet":
+            unmet.add(f"{owner}: {why}")
+        elif verdict == "unverified":
+            unverified.add(f"{owner}: {why}")
     kit_b, tree_b = sum(w.bytes for w in wheels), tree_bytes()
     problems = []
     if kit != set(wanted):
@@ -146,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"kit is {kit_b / MIB:.1f} MiB > {KIT_LIMIT / MIB:.0f} MiB")
     if kit_b + tree_b > TRAVEL_LIMIT:
         problems.append(f"tree + kit is {(kit_b + tree_b) / MIB:.1f} MiB > {TRAVEL_LIMIT / MIB:.0f} MiB")
-    problems += [f"unmet requirement {u}" for u in unmet]
+    problems += [f"unmet requirement {u}" for u in sorted(unmet)]
     problems += offline_install_problems(args.dir)
     manifest = KitManifest(wheels=wheels, kit_bytes=kit_b, tree_bytes=tree_b, total_bytes=kit_b + tree_b,
-                           unmet_requirements=unmet, ok=not problems)
+                           unmet_requirements=sorted(unmet), unverified_requirements=sorted(unverified), ok=not problems)
     text = manifest.model_dump_json(indent=1)
     (args.dir / "manifest.json").write_text(text)
     if args.record is not None:
@@ -159,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {w.bytes / MIB:6.2f} MiB  {w.file}")
     print(f"kit {kit_b / MIB:.1f} MiB (<= {KIT_LIMIT / MIB:.0f}), tree {tree_b / MIB:.1f} MiB, "
           f"tree + kit {(kit_b + tree_b) / MIB:.1f} MiB (<= {TRAVEL_LIMIT / MIB:.0f}): {args.dir / 'manifest.json'}")
+    for u in sorted(unverified):
+        print(f"gpu-kit: unverified here (gpu_prep.sh checks it there): {u}")
     for problem in problems:
         print(f"gpu-kit: {problem}", file=sys.stderr)
     return 0 if not problems else 1

@@ -1,142 +1,181 @@
-"""The GPU check's plan (gpu_check/run.py): every GPU test in priority order, its part, its
-expected device seconds and its own timeout, and the result records a check writes.
+"""The GPU check's plan (gpu_check/run.py): the priority/time table of the GPU tests, what each
+needs of gpu_check/gpu_prep.sh, and the device session's timeline (two calls in 900 s).
 
-Expected seconds are estimates, not measurements (no GPU was lent when they were written):
-BENCHMARKS.md "GPU check" derives each from CPU-measured build costs and a stated speed-up.
-A collected GPU test that matches no entry runs after the planned ones, in part 2, with
-``UNPLANNED`` figures. JSON on disk is these pydantic models (docs/gpu-check.md, "Fields").
+Standard library only: run.py imports this before the kit (pydantic among it) is installed, so
+a machine without the kit still gets a plan and a record.
+
+Tests are discovered by their ``gpu`` marker (run.py), never by this table: a GPU test the table
+does not name runs after the named ones with ``UNPLANNED`` figures, or with the figures its marker
+gives (``@pytest.mark.gpu(expected_s=60, timeout_s=150, part=2, needs=("allocator",))``). The
+table orders them: the cheap, high-value checks first (analyzer, VAE chain, fingerprint), then the
+armed allocator (the headline), then the long ones. Expected seconds are estimates, not
+measurements (no GPU was lent when they were written): BENCHMARKS.md "GPU check".
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
-
-#: the GPU test modules: only these are ever imported by the check (never a CPU test module)
-GPU_MODULES_GLOB = "tests/**/test_*_gpu.py"
-#: files a check may leave in --out: what the device tool brings back (8 at most)
+#: what the device tool brings back from $OUT (8 files at most)
 MAX_OUT_FILES = 8
-#: seconds of tests per part: two parts (+ gpu_check/gpu_prep.sh, <= 90 s each) and a machine start fit the
-#: session's 15 minutes of device time, each call well inside its 10-minute command limit
-PART_BUDGET_S = 330.0
+#: the prep steps every test needs (gpu_check/gpu_prep.sh's step names); a test's ``needs`` adds to these
+BASE_NEEDS: tuple[str, ...] = ("machine_packages", "kit", "project")
+#: every prep step, in the order gpu_prep.sh runs them
+PREP_STEPS: tuple[str, ...] = ("machine_packages", "kit", "headers", "toolchain", "allocator", "project")
+
+# ---- the device session (/work/.library/device/README.md and KINDS.md, nvidia-h200)
+#: device time of a session, machine starts, idle waits and the give-back included
+DEVICE_S = 900
+#: one command's limit (the run tool's timeout_s at most)
+COMMAND_LIMIT_S = 600
+#: a machine's start plus the tree's transfer (README: "a minute or more"; budgeted at two)
+MACHINE_START_S = 120
+#: gpu_check/gpu_prep.sh on a fresh machine (kit install, allocator build on 16 cores) / on a warm one
+PREP_COLD_S = 90
+PREP_WARM_S = 10
+#: a call's return: collection's last process, $OUT's transfer back, the reply
+RETURN_S = 20
+#: between call 1's reply and call 2 (the machine stays warm 30 s after a call, and that time counts)
+TURNAROUND_S = 30
+#: kept back at the end: the give-back, a clock that drifts between this machine and the device's
+END_MARGIN_S = 30
+#: the device machine's RAM (KINDS.md: 128 GiB; MemTotal there starts lower and grows, so it is not read)
+DEVICE_RAM_BYTES = 128 * 2**30
+#: the share of it one GPU test may pin (page-locked memory cannot be swapped out: the rest is the OS's,
+#: the check's and pytest's); passed to every test as $XEMA_GPU_HOST_BUDGET_BYTES
+HOST_PIN_SHARE = 0.5
 
 
-class PlannedTest(BaseModel):
-    """One entry of the plan: the tests whose node id starts with ``match``."""
-
-    model_config = ConfigDict(frozen=True)
+@dataclass(frozen=True)
+class PlannedTest:
+    """One row of the table: the tests whose node id starts with ``match``."""
 
     match: str
-    part: Literal[1, 2]
-    expected_s: float = Field(description="estimated device seconds (BENCHMARKS.md, GPU check)")
-    timeout_s: float = Field(description="the test process is killed (its whole process group) after this")
-    files: tuple[str, ...] = Field(default=(), description="files the test leaves in --out (beside the two logs)")
+    part: int
+    expected_s: float  # estimated device seconds (BENCHMARKS.md, GPU check)
+    timeout_s: float  # the test's process group is killed after this
+    files: tuple[str, ...] = ()  # files the test leaves in --out (beside the two logs)
+    needs: tuple[str, ...] = ()  # prep steps it needs beyond BASE_NEEDS
     what: str = ""
 
 
-UNPLANNED = PlannedTest(match="", part=2, expected_s=120.0, timeout_s=300.0, what="a GPU test the plan does not name")
+UNPLANNED = PlannedTest(match="", part=2, expected_s=120.0, timeout_s=300.0, what="a GPU test the table does not name")
 
 _A = "tests/gpu/test_allocator_gpu.py::"
+_ALLOC = ("allocator",)
 PLAN: tuple[PlannedTest, ...] = (
+    # cheap and high-value first: a wrong analyzer, a lossy VAE chain or a bad fingerprint voids the rest
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[flux2",
+                part=1, expected_s=13, timeout_s=90, what="analyzer vs max_memory_allocated, Flux.2 1024² 2 steps"),
+    PlannedTest(match="tests/gpu/test_vae_chain_gpu.py::", part=1, expected_s=21, timeout_s=90,
+                what="CogVideoX VAE chain lossless on CUDA (the VAE alone)"),
+    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_cuda_fingerprint_names_the_gpu", part=1,
+                expected_s=7, timeout_s=60, what="the CUDA platform's NVML fingerprint"),
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[cogvideox",
+                part=1, expected_s=40, timeout_s=120, what="analyzer vs max_memory_allocated, CogVideoX-5B 2 steps"),
     PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=1, expected_s=13, timeout_s=60,
-                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block)"),
+                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),
+    PlannedTest(match="tests/gpu/test_out_of_memory_cuda.py::", part=1, expected_s=25, timeout_s=150, needs=_ALLOC,
+                what="an over-budget request raises instead of faulting (static allocator); the next batch runs"),
+    # the headline: the armed static allocator (needs allocator_ext built by the prep)
     PlannedTest(match=_A + "test_install_refuses_after_cuda_initialized", part=1, expected_s=13, timeout_s=60,
-                what="libxema_alloc refuses once CUDA is initialised"),
+                needs=_ALLOC, what="libxema_alloc refuses once CUDA is initialised"),
     PlannedTest(match=_A + "test_static_region_resizes_and_teardown_with_live_tensors", part=1, expected_s=13,
-                timeout_s=60, what="the static region re-sized around a live dynamic block (its seconds); teardown "
-                                   "with live tensors under the static allocator"),
+                timeout_s=60, needs=_ALLOC, what="the static region re-sized around a live dynamic block; teardown "
+                                                 "with live tensors under the static allocator"),
     PlannedTest(match=_A + "test_cogvideox_720x480_armed_layout_against_the_caching_allocator", part=1,
-                expected_s=102, timeout_s=200, files=("device-allocs-cogvideox-5b_720x480x49.json",),
+                expected_s=102, timeout_s=200, files=("device-allocs-cogvideox-5b_720x480x49.json",), needs=_ALLOC,
                 what="CogVideoX-5B 720x480x49, 3 steps: caching run + recording, layout, armed run (2 builds)"),
     PlannedTest(match=_A + "test_flux2_1024_offload_plan_under_48gb_with_the_layout_armed", part=1,
-                expected_s=83, timeout_s=180, files=("device-allocs-flux2_1024x1024.json",),
+                expected_s=83, timeout_s=180, files=("device-allocs-flux2_1024x1024.json",), needs=_ALLOC,
                 what="Flux.2 1024², 1 step, 48 GB offload plan: caching run + recording, armed run (2 builds)"),
-    PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=1, expected_s=105, timeout_s=220,
-                what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload, Mistral-3 streamed"),
-    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[cogvideox",
-                part=2, expected_s=40, timeout_s=120, what="analyzer vs max_memory_allocated, CogVideoX-5B 2 steps"),
-    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[flux2",
-                part=2, expected_s=13, timeout_s=90, what="analyzer vs max_memory_allocated, Flux.2 1024² 2 steps"),
-    PlannedTest(match="tests/gpu/test_vae_chain_gpu.py::", part=2, expected_s=21, timeout_s=90,
-                what="CogVideoX VAE chain lossless on CUDA (the VAE alone)"),
-    PlannedTest(match="tests/gpu/test_preemption_gpu.py::", part=2, expected_s=89, timeout_s=200,
-                what="CogVideoX-5B pause/resume bitwise, state on device and on the host"),
+    # part 2: stream safety (the armed allocator under activation offload), residency, offload latency,
+    # then the long ones (preemption, measured planning), which the 900 s leave the least likely to start
+    PlannedTest(match="tests/gpu/test_streams_gpu.py::", part=2, expected_s=110, timeout_s=330, needs=_ALLOC,
+                files=("device-allocs-cogvideox-5b_720x480x49_activation_offload.json",),
+                what="CogVideoX-5B 720x480x49 with the VAE's conv caches offloaded on a side stream, armed = "
+                     "caching allocator bitwise (deferred frees): the 102 s armed check plus the copies"),
+    PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220,
+                what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
     PlannedTest(match="tests/mitigation/test_offload_gpu.py::", part=2, expected_s=36, timeout_s=120,
                 what="Flux.2 1024² step latency: no / selective / layerwise offload (Figure 4)"),
-    PlannedTest(match="tests/gpu/test_planner_measured_gpu.py::", part=2, expected_s=113, timeout_s=240,
-                what="measured planning of Flux.2 1024² and CogVideoX-5B 720x480x49"),
-    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_cuda_fingerprint_names_the_gpu", part=2,
-                expected_s=7, timeout_s=60, what="the CUDA platform's NVML fingerprint"),
     PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=2, expected_s=6,
                 timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU)"),
+    PlannedTest(match="tests/gpu/test_preemption_gpu.py::", part=2, expected_s=89, timeout_s=200,
+                what="CogVideoX-5B pause/resume bitwise, state on device and on the host"),
+    PlannedTest(match="tests/gpu/test_planner_measured_gpu.py::", part=2, expected_s=113, timeout_s=240,
+                what="measured planning of Flux.2 1024² and CogVideoX-5B 720x480x49"),
 )
 
-Status = Literal["planned", "running", "passed", "failed", "skipped", "error", "timeout", "crashed", "not_run"]
+_MARKER_KEYS = ("part", "expected_s", "timeout_s", "needs", "files", "what")
 
 
-class ReportPhase(BaseModel):
-    """One pytest report of the test (setup, call, teardown) as its process wrote it."""
-
-    when: str
-    outcome: str
-    duration: float
-    message: str | None = None
-
-
-class CollectionError(BaseModel):
-    nodeid: str
-    message: str
-
-
-class TestRecord(BaseModel):
-    """One GPU test: what was planned and, once it ran, what happened."""
-
-    nodeid: str
-    order: int
-    part: int
-    expected_s: float
-    timeout_s: float
-    planned: bool = True
-    status: Status = "planned"
-    seconds: float | None = None
-    returncode: int | None = None
-    signal: str | None = None
-    message: str | None = None
-    stderr_tail: str | None = None
-    phases: list[ReportPhase] = Field(default_factory=list)
-    results: dict[str, JsonValue] = Field(default_factory=dict)
-    files: list[str] = Field(default_factory=list)
-
-
-class GpuCheckRecord(BaseModel):
-    """`gpu-check.json`: rewritten after every test (docs/gpu-check.md, "Fields")."""
-
-    mode: Literal["run", "dry-run", "no-gpu"]
-    started: str
-    finished: str | None = None
-    part: Literal["1", "2", "all"] = "all"
-    budget_s: float | None = None
-    python: str
-    torch: str | None = None
-    cuda: bool = False
-    device: str | None = None
-    skipped: str | None = None
-    prep: dict[str, JsonValue] | None = None
-    collected: list[str] = Field(default_factory=list)
-    collection_errors: list[CollectionError] = Field(default_factory=list)
-    planned_files: list[str] = Field(default_factory=list)
-    expected_s: float = 0.0
-    tests: list[TestRecord] = Field(default_factory=list)
-    counts: dict[str, int] = Field(default_factory=dict)
-    allocator: dict[str, JsonValue] = Field(default_factory=dict)
-    seconds: float | None = None
-    returncode: int | None = None
-
-
-def plan_for(nodeid: str) -> tuple[int, PlannedTest]:
-    """(priority, entry) of a collected test: the first entry whose ``match`` starts its id."""
+def plan_for(nodeid: str, marker: dict[str, object] | None = None) -> tuple[int, PlannedTest]:
+    """(priority, row) of a collected test: the first row whose ``match`` starts its id, else the
+    figures its ``gpu`` marker gives (keyword arguments), else ``UNPLANNED``."""
     for i, entry in enumerate(PLAN):
         if nodeid.startswith(entry.match):
             return i, entry
-    return len(PLAN), UNPLANNED
+    kw = {k: v for k, v in (marker or {}).items() if k in _MARKER_KEYS}
+    if not kw:
+        return len(PLAN), UNPLANNED
+    fields = {"part": UNPLANNED.part, "expected_s": UNPLANNED.expected_s, "timeout_s": UNPLANNED.timeout_s} | kw
+    return len(PLAN), PlannedTest(
+        match=nodeid, part=int(fields["part"]), expected_s=float(fields["expected_s"]),  # type: ignore[arg-type]
+        timeout_s=float(fields["timeout_s"]), needs=tuple(fields.get("needs", ())),  # type: ignore[arg-type]
+        files=tuple(fields.get("files", ())), what=str(fields.get("what", "from its gpu marker")))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The two device calls laid out in the session's device time, machine start counted."""
+
+    start: float  # unix time the first call is sent
+    part1_expected_s: float
+    part2_expected_s: float
+
+    @property
+    def part1_tests_from(self) -> float:
+        return self.start + MACHINE_START_S + PREP_COLD_S
+
+    @property
+    def until1(self) -> int:
+        """Part 1 starts no test that cannot finish by then: its tests' expected seconds after a
+        cold start and prep, and never past its command's limit."""
+        end = self.part1_tests_from + self.part1_expected_s
+        return int(min(end, self.start + MACHINE_START_S + COMMAND_LIMIT_S - RETURN_S))
+
+    @property
+    def until2(self) -> int:
+        """Part 2 starts no test that cannot finish by then: the session's device time, less the
+        last return and a margin for the give-back and clock drift."""
+        return int(self.start + DEVICE_S - RETURN_S - END_MARGIN_S)
+
+    @property
+    def part2_tests_from(self) -> float:
+        """If call 2 lands while the machine is warm (else a new start and a cold prep eat into part 2)."""
+        return self.until1 + RETURN_S + TURNAROUND_S + PREP_WARM_S
+
+    @property
+    def part2_window_s(self) -> float:
+        return self.until2 - self.part2_tests_from
+
+    @property
+    def part2_window_cold_s(self) -> float:
+        return self.until2 - (self.until1 + RETURN_S + TURNAROUND_S + MACHINE_START_S + PREP_COLD_S)
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(what, from, to) in seconds after the first call, for --list."""
+        t1 = self.part1_tests_from - self.start
+        u1 = self.until1 - self.start
+        t2 = self.part2_tests_from - self.start
+        u2 = self.until2 - self.start
+        return [("call 1: machine start + transfer", 0, MACHINE_START_S),
+                ("call 1: gpu_prep.sh (cold)", MACHINE_START_S, t1),
+                ("call 1: part 1 tests (--until)", t1, u1),
+                ("call 1: return", u1, u1 + RETURN_S),
+                ("between the calls (warm window)", u1 + RETURN_S, u1 + RETURN_S + TURNAROUND_S),
+                ("call 2: gpu_prep.sh (warm)", t2 - PREP_WARM_S, t2),
+                ("call 2: part 2 tests (--until)", t2, u2),
+                ("call 2: return", u2, u2 + RETURN_S),
+                ("give_back + clock margin", u2 + RETURN_S, DEVICE_S)]

@@ -2,7 +2,8 @@
 line per event to the file named by ``$XEMA_GPU_REPORT`` as it happens, so a test process that
 segfaults or hangs still leaves what it collected and which phases it finished.
 
-Lines: ``{"kind": "collected", "nodeid", "gpu"}`` per selected test, ``{"kind": "collect_error",
+Lines: ``{"kind": "collected", "nodeid", "gpu", "marker"}`` per selected test (``marker``: the ``gpu``
+marker's keyword arguments, the figures a test gives the check's plan: gpu_check/gpu_plan.py), ``{"kind": "collect_error",
 "nodeid", "message"}`` per module that failed to import, ``{"kind": "phase", "nodeid", "when",
 "outcome", "duration", "message"}`` per setup / call / teardown report.
 """
@@ -43,8 +44,20 @@ def _runnable_id(item: pytest.Item, rootdir: Path) -> str:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
+        mark = item.get_closest_marker("gpu")
         _write({"kind": "collected", "nodeid": _runnable_id(item, Path(session.config.rootpath)),
-                "gpu": item.get_closest_marker("gpu") is not None})
+                "gpu": mark is not None, "marker": _jsonable(dict(mark.kwargs)) if mark is not None else {}})
+
+
+def _jsonable(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in kwargs.items():
+        try:
+            json.dumps(v)
+            out[k] = v
+        except TypeError:
+            out[k] = repr(v)
+    return out
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

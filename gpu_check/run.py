@@ -1,29 +1,32 @@
-"""`make gpu-check`: the GPU tests, one process each, in priority order, results in --out.
+"""`make gpu-check` (also `python3 bench/gpu_check.py`): the GPU tests, one process each, in priority order.
 
-Only the GPU test modules (``tests/**/test_*_gpu.py``) are collected, never a CPU one (and every
-module they import inside their tests is imported too, as a collection check); each test
-runs in its own ``pytest`` process (its own session: a timeout kills its children too) with its own
-timeout, and ``gpu-check.json`` is rewritten after every test (status, seconds, return code or
-signal, stderr tail, the JSON results the test wrote), so a segfault or a hang costs one test,
-not the record. What tests write goes to a private folder ($XEMA_GPU_OUT); JSON results are
-folded into ``gpu-check.json``, only the files the plan names (device-allocs records) are copied
-to --out, and every test's output is appended to ``gpu-check.log``: at most 8 files come back.
+Standard library only until the tests run: ``gpu-check.json`` is written first, before anything
+else is imported, so a machine where the kit (pydantic among it) is missing still returns a
+record saying why. The GPU tests are found by their ``gpu`` marker (gpu_check/gpu_collect.py) and
+ordered by the table in gpu_check/gpu_plan.py. Each test runs in its own ``pytest`` process (its
+own session: a timeout kills its children too) with ``PYTHONHASHSEED=0``, its own timeout and
+``$XEMA_GPU_HOST_BUDGET_BYTES`` (the share of the machine's RAM it may pin); ``gpu-check.json`` is
+rewritten after every test, so a segfault or a hang costs one test, not the record. A test whose
+prep step failed (gpu_check/gpu_prep.sh: no Python.h, say, fails the allocator's build) is
+``skipped`` with that step's reason while the others run. ``--until`` (a unix time) stops starting
+tests that cannot finish by then; they are recorded ``not_run`` with the reason. JSON results the
+tests write are folded into ``gpu-check.json``; only the files the plan names are copied to --out,
+and every test's output is appended to ``gpu-check.log``: at most 8 files come back.
 
-On a machine without CUDA it writes a "no CUDA GPU" record and exits 0 (nothing faked, nothing
-run), unless ``--dry-run``: then it collects as the GPU machine would and writes ``collected``,
-``collection_errors`` and ``planned_files`` (exit 1 on a collection error). docs/gpu-check.md
-gives the device calls; gpu_check/gpu_plan.py the plan.
+On a machine without CUDA it writes a "no CUDA GPU" record and exits 0 (nothing run), unless
+``--dry-run``: then it collects as the GPU machine would (exit 1 on a collection error).
+``--list`` prints the plan laid out in the session's device time and both device calls, ready to
+send. docs/gpu-check.md.
 
 Examples:
     python3 gpu_check/run.py --list
     python3 gpu_check/run.py --dry-run --out out
-    python3 gpu_check/run.py --part 1 --out $OUT      # then --part 2 in a second call
+    python3 gpu_check/run.py --part 1 --until 1767000000 --out $OUT   # then --part 2 --until ... in call 2
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import platform
@@ -31,156 +34,65 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-KIT = REPO / "gpu_check"
+KIT_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(KIT_DIR))
+from gpu_collect import REPO, child_env, collect, events, modules, pytest_cmd  # noqa: E402  (not a package)
+from gpu_plan import (  # noqa: E402
+    BASE_NEEDS, DEVICE_RAM_BYTES, DEVICE_S, HOST_PIN_SHARE, MAX_OUT_FILES, PLAN, Timeline, plan_for)
+from gpu_record import (  # noqa: E402
+    CollectionError, GpuCheckRecord, ReportPhase, TestRecord, prep_steps, write_record)
+
 TAIL_CHARS = 3000
 PREP_RECORD = Path(os.environ.get("XEMA_GPU_PREP", "/tmp/xema-gpu-prep.json"))
-START_FRACTION = 0.6
-RESULT_MAX_BYTES = 2 * 2**20  # a result JSON larger than this is copied, not folded in (if the plan names it)
-
-
-def _prep_site() -> str | None:
-    """Where gpu_check/gpu_prep.sh installed the kit (None: no prep record)."""
-    try:
-        site = json.loads(PREP_RECORD.read_text()).get("site")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
-    return site if isinstance(site, str) else None
-
-
-PREP_SITE = _prep_site()
-if PREP_SITE is not None and PREP_SITE not in sys.path:  # the kit (pydantic among it) in a folder of its own
-    sys.path.append(PREP_SITE)
-sys.path.insert(0, str(KIT))
-from gpu_plan import (  # noqa: E402  (gpu_check/ is not a package)
-    GPU_MODULES_GLOB, MAX_OUT_FILES, PART_BUDGET_S, CollectionError, GpuCheckRecord, ReportPhase, TestRecord, plan_for)
+RESULT_MAX_BYTES = 2 * 2**20  # a result JSON larger than this is not folded in (copied if the plan names it)
+VERSIONS = ("torch", "transformers", "huggingface-hub", "tokenizers", "diffusers", "pydantic", "safetensors",
+            "numpy", "pytest")
+BAD = ("failed", "error", "timeout", "crashed")
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _child_env(extra: dict[str, str]) -> dict[str, str]:
-    """The test process's environment: gpu_check/ (the plugin) and the repo prepended to PYTHONPATH,
-    never replacing it (carried packages live there on the GPU machine)."""
-    env = dict(os.environ)
-    parts = [str(KIT), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if PREP_SITE is not None and PREP_SITE != sysconfig.get_paths()["purelib"]:
-        parts.append(PREP_SITE)  # the kit went to a folder of its own (gpu_prep.sh fell back to it)
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the allocator tests choose their own
-    # only the plugins named on the command line: the machine's own (cov, xdist, benchmark...) stay out
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return env | extra
+def _read_prep() -> dict | None:
+    if not PREP_RECORD.exists():
+        return None
+    try:
+        prep = json.loads(PREP_RECORD.read_text())
+        return prep if isinstance(prep, dict) else {"status": "failed", "reason": f"{PREP_RECORD} is not an object"}
+    except (OSError, json.JSONDecodeError) as e:
+        return {"status": "failed", "reason": f"{PREP_RECORD} unreadable: {e}"}
 
 
-def _pytest(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-p", "gpu_pytest_plugin", "-p", "no:cacheprovider",
-            "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), *args]
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in VERSIONS:
         try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:  # a process killed mid-write
-            continue
-    return lines
-
-
-def _modules(pattern: str) -> list[str]:
-    base = Path(pattern)
-    if base.is_absolute():
-        return sorted(str(p) for p in Path(base.anchor).glob(str(base.relative_to(base.anchor))))
-    return sorted(str(p.relative_to(REPO)) for p in REPO.glob(pattern))
-
-
-def collect(pattern: str, work: Path, timeout_s: float = 180) -> tuple[list[str], list[CollectionError]]:
-    """Collect the GPU modules in one pytest process, as a test process would import them."""
-    modules = _modules(pattern)
-    if not modules:
-        return [], [CollectionError(nodeid=pattern, message="no GPU test module matches")]
-    report = work / "collect.jsonl"
-    log = work / "collect.log"
-    with log.open("w") as f:
-        try:
-            proc = subprocess.run(_pytest(["--collect-only", "-q", "-m", "gpu", *modules]), cwd=REPO, stdout=f,
-                                  stderr=subprocess.STDOUT, env=_child_env({"XEMA_GPU_REPORT": str(report)}),
-                                  timeout=timeout_s)
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    events = _events(report)
-    collected = [e["nodeid"] for e in events if e["kind"] == "collected" and e.get("gpu")]
-    errors = list({e["nodeid"]: CollectionError(nodeid=e["nodeid"], message=e["message"])
-                   for e in events if e["kind"] == "collect_error"}.values())  # one per module
-    if rc is None or (rc not in (0, 5) and not errors):
-        tail = log.read_text(errors="replace")[-TAIL_CHARS:]
-        errors.append(CollectionError(nodeid="(collection)", message=f"pytest --collect-only rc={rc}: {tail}"))
-    return collected, errors + check_imports(modules)
-
-
-_IMPORT_CHECK = """
-import importlib, json, sys
-bad = {}
-for module, names in json.loads(sys.argv[1]).items():
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 -- reported, not raised
-            bad.setdefault(module, []).append(f"{name}: {type(e).__name__}: {e}")
-print(json.dumps(bad))
-"""
-
-
-def lazy_imports(modules: list[str]) -> dict[str, list[str]]:
-    """Every module a GPU test module imports anywhere (inside its test functions too), by file."""
-    out: dict[str, list[str]] = {}
-    for m in modules:
-        path = Path(m) if Path(m).is_absolute() else REPO / m
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module)
-        out[m] = sorted(names - {"__future__"})
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 
-def check_imports(modules: list[str], timeout_s: float = 180) -> list[CollectionError]:
-    """Import what the GPU tests import inside their functions (collection only sees module
-    level): a test that would fail on the GPU machine at its first line is a collection error."""
-    wanted = lazy_imports(modules)
-    test_dirs = sorted({str((Path(m) if Path(m).is_absolute() else REPO / m).parent) for m in modules})
-    env = _child_env({})
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *test_dirs])  # as pytest's rootdir-less import does
-    try:
-        proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, json.dumps(wanted)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return [CollectionError(nodeid="(imports)", message=f"importing the tests' modules took over {timeout_s:.0f} s")]
-    try:
-        bad = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return [CollectionError(nodeid="(imports)", message=f"rc={proc.returncode}: {proc.stderr[-TAIL_CHARS:]}")]
-    return [CollectionError(nodeid=f"{m} (imports inside its tests)", message="; ".join(errors))
-            for m, errors in bad.items()]
-
-
-def plan(collected: list[str]) -> list[TestRecord]:
-    ordered = sorted(((plan_for(n), n) for n in collected), key=lambda x: x[0][0])
+def plan(collected: list[str], markers: dict[str, dict]) -> list[TestRecord]:
+    ordered = sorted(((plan_for(n, markers.get(n)), n) for n in collected), key=lambda x: x[0][0])
     return [TestRecord(nodeid=n, order=i, part=e.part, expected_s=e.expected_s, timeout_s=e.timeout_s,
-                       planned=bool(e.match), files=list(e.files)) for i, ((_, e), n) in enumerate(ordered)]
+                       planned=priority < len(PLAN), needs=[*BASE_NEEDS, *e.needs], files=list(e.files))
+            for i, ((priority, e), n) in enumerate(ordered)]
+
+
+def _held_back(rec: TestRecord, steps: dict[str, tuple[str, str | None]]) -> str | None:
+    """Why a failed prep step keeps ``rec`` from running (None: everything it needs is ready)."""
+    for need in rec.needs:
+        status, reason = steps.get(need, ("ok", None))  # a step the prep record lacks: not known to fail
+        if status != "ok":
+            return f"prep step {need} {status}: {reason}"
+    return None
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -219,24 +131,25 @@ def _status(rec: TestRecord, timed_out: bool) -> None:
 
 
 def _tail(err: str) -> str | None:
-    """The end of a test's stderr; after a crash, faulthandler's report from its start (the
-    crashing frames come first, the pytest machinery after them)."""
+    """The end of a test's stderr; after a crash, faulthandler's report from its start."""
     fatal = err.rfind("Fatal Python error")
     if fatal >= 0 and len(err) - fatal > TAIL_CHARS:
         return err[fatal:fatal + TAIL_CHARS // 2] + "\n[...]\n" + err[-TAIL_CHARS // 2:]
     return err[-TAIL_CHARS:] or None
 
 
-def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float) -> None:
+def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float, env_extra: dict[str, str],
+            prep_site: str | None) -> None:
     slug = f"t{rec.order:02d}"
     results = work / slug
     results.mkdir()
     report, stdout, stderr = work / f"{slug}.jsonl", work / f"{slug}.out", work / f"{slug}.err"
-    env = _child_env({"XEMA_GPU_OUT": str(results), "XEMA_GPU_REPORT": str(report)})
+    env = child_env({"XEMA_GPU_OUT": str(results), "XEMA_GPU_REPORT": str(report), **env_extra}, prep_site)
+    rec.timeout_s = round(timeout_s, 1)
     t0 = time.perf_counter()
     timed_out = False
     with stdout.open("wb") as so, stderr.open("wb") as se:
-        proc = subprocess.Popen(_pytest(["-q", "-m", "gpu", rec.nodeid]), cwd=REPO, env=env, stdout=so, stderr=se,
+        proc = subprocess.Popen(pytest_cmd(["-q", "-m", "gpu", rec.nodeid]), cwd=REPO, env=env, stdout=so, stderr=se,
                                 start_new_session=True)
         try:
             proc.wait(timeout=timeout_s)
@@ -247,8 +160,9 @@ def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float)
     rec.returncode = None if timed_out else proc.returncode
     if rec.returncode is not None and rec.returncode < 0:
         rec.signal = signal.Signals(-rec.returncode).name
-    rec.phases = [ReportPhase.model_validate({k: v for k, v in e.items() if k != "kind" and k != "nodeid"})
-                  for e in _events(report) if e["kind"] == "phase"]
+    rec.phases = [ReportPhase(when=str(e.get("when")), outcome=str(e.get("outcome")),
+                              duration=float(e.get("duration") or 0), message=e.get("message"))
+                  for e in events(report) if e["kind"] == "phase"]
     _status(rec, timed_out)
     err = stderr.read_bytes().decode(errors="replace")
     rec.stderr_tail = _tail(err)
@@ -289,73 +203,107 @@ def _allocator_summary(tests: list[TestRecord]) -> dict:
 
 
 def write(record: GpuCheckRecord, out: Path) -> None:
-    record.counts = {}
-    for t in record.tests:
-        record.counts[t.status] = record.counts.get(t.status, 0) + 1
     record.allocator = _allocator_summary(record.tests)
-    tmp = out / ".gpu-check.json.tmp"
-    tmp.write_text(record.model_dump_json(indent=1))
-    tmp.replace(out / "gpu-check.json")
+    write_record(record, out)
 
 
 def _torch_facts(record: GpuCheckRecord) -> bool:
     try:
         import torch
-    except ImportError:
+    except Exception as e:  # noqa: BLE001 -- a broken torch is recorded, not raised
+        record.skipped = f"torch does not import: {type(e).__name__}: {e}"
         return False
     record.torch = torch.__version__
-    # is_available() reads NVML / the driver; it does not create a CUDA context in this process
-    record.cuda = torch.cuda.is_available()
+    record.cuda = torch.cuda.is_available()  # NVML / the driver; no CUDA context in this process
+    if record.cuda:
+        record.device = torch.cuda.get_device_name(0)
     return record.cuda
+
+
+def print_list(tests: list[TestRecord], errors: list[CollectionError], start: float) -> None:
+    """Both parts laid out in the session's device time (machine start counted) and the two calls."""
+    t1 = sum(t.expected_s for t in tests if t.part == 1)
+    t2 = sum(t.expected_s for t in tests if t.part == 2)
+    start = int(start)
+    line = Timeline(start=start, part1_expected_s=t1, part2_expected_s=t2)
+    print(f"device session of {DEVICE_S} s from the first call (unix {start}), machine start counted:")
+    for what, a, b in line.rows():
+        print(f"  {a:4.0f} - {b:4.0f} s  {what}")
+    windows = {1: (line.part1_tests_from, line.until1), 2: (line.part2_tests_from, line.until2)}
+    for part in (1, 2):
+        rows = [t for t in tests if t.part == part]
+        begin, until = windows[part]
+        print(f"part {part}: {sum(t.expected_s for t in rows):.0f} s expected, {until - begin:.0f} s until --until "
+              f"{until}" + (f" ({line.part2_window_cold_s:.0f} s if call 2 finds the machine gone)" if part == 2 else ""))
+        clock = begin
+        for t in rows:
+            fits = clock + t.expected_s <= until
+            clock += t.expected_s if fits else 0
+            print(f"  {t.order:2d}  {t.expected_s:5.0f} s  (timeout {t.timeout_s:3.0f} s)  {t.nodeid}"
+                  + ("" if t.planned else "  [unplanned]")
+                  + ("" if t.needs == list(BASE_NEEDS) else f"  needs {','.join(t.needs[len(BASE_NEEDS):])}")
+                  + ("" if fits else "  [expected not run: past --until]"))
+    for e in errors:
+        print(f"COLLECTION ERROR {e.nodeid}: {e.message.splitlines()[-1] if e.message else ''}")
+    print("the two device calls (send call 2 verbatim as soon as call 1 returns; then give_back):")
+    for part, until in ((1, line.until1), (2, line.until2)):
+        print(f'  run(carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; PYTHONUNBUFFERED=1 '
+              f'python3 gpu_check/run.py --part {part} --until {until} --out $OUT")')
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--part", choices=["1", "2", "all"], default="all", help="which part of the plan to run")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for the tests of this run (default {PART_BUDGET_S:.0f} per part, none for all): "
-                        f"a test starts only while {START_FRACTION * 100:.0f}%% of its expected seconds are left; "
-                        "its timeout is cut to what is left")
-    p.add_argument("--list", action="store_true", help="print the plan (collects; runs nothing)")
+    p.add_argument("--until", type=float, default=None,
+                   help="unix time: no test starts that is not expected to finish by then (those are recorded "
+                        "not_run); a running test's timeout is cut to it. --list prints both calls' values")
+    p.add_argument("--budget", type=float, default=None, help="seconds for this run's tests (as --until, relative)")
+    p.add_argument("--start", type=float, default=None, help="--list: unix time of the first device call (default now)")
+    p.add_argument("--list", action="store_true", help="print the plan in the device time and both calls (runs nothing)")
     p.add_argument("--dry-run", action="store_true", help="collect as the GPU machine would; write the plan; run nothing")
-    p.add_argument("--modules", default=GPU_MODULES_GLOB, help="the GPU test modules (a glob under the repo)")
+    p.add_argument("--modules", default=None, help="a glob of test modules (default: every module marking a test gpu)")
     p.add_argument("--run-without-cuda", action="store_true",
                    help="run the collected tests even without CUDA (rehearsals with planted tests only)")
     p.add_argument("--timeout", type=float, default=None, help="override every test's own timeout (seconds)")
+    p.add_argument("--host-ram-bytes", type=int, default=DEVICE_RAM_BYTES,
+                   help=f"the machine's RAM; each test may pin {HOST_PIN_SHARE:.0%} of it")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+    t_start, clock = time.perf_counter(), time.time()
     mode = "dry-run" if args.dry_run or args.list else "run"
-    record = GpuCheckRecord(mode=mode, started=_now(), part=args.part, python=platform.python_version())
-    if PREP_RECORD.exists():
-        try:
-            record.prep = json.loads(PREP_RECORD.read_text())
-        except json.JSONDecodeError:
-            record.prep = {"error": f"{PREP_RECORD} is not JSON"}
+    prep = _read_prep()
+    site = prep.get("site") if prep and isinstance(prep.get("site"), str) else None
+    if site is not None and site not in sys.path:
+        sys.path.append(site)  # the kit's folder, for the versions read below
+    host_budget = int(args.host_ram_bytes * HOST_PIN_SHARE)
+    record = GpuCheckRecord(mode=mode, started=_now(), part=args.part, python=platform.python_version(),
+                            until=args.until, clock_at_start=clock, prep=prep, prep_steps=prep_steps(prep),
+                            versions=_versions(), host_budget_bytes=host_budget,
+                            env={"PYTHONHASHSEED": "0", "XEMA_GPU_HOST_BUDGET_BYTES": str(host_budget)})
+    write(record, args.out)  # first: nothing beyond the standard library imported yet
     cuda = _torch_facts(record)
     if mode == "run" and not cuda and not args.run_without_cuda:
         record.mode = "no-gpu"
-        record.skipped = "no CUDA GPU on this machine: the -m gpu tests were not run"
-        record.finished = _now()
+        record.skipped = record.skipped or "no CUDA GPU on this machine: the -m gpu tests were not run"
+        record.finished, record.returncode = _now(), 0
         write(record, args.out)
         print(record.skipped)
         return 0
-    prep_failed = record.prep is not None and record.prep.get("status") != "ok"
-    if mode == "run" and prep_failed:
-        record.skipped = f"gpu_check/gpu_prep.sh failed: {record.prep.get('reason') if record.prep else None}"
+    steps = {s.name: (s.status, s.reason) for s in record.prep_steps}
+    base_failed = [f"prep step {n} {steps[n][0]}: {steps[n][1]}" for n in BASE_NEEDS if steps.get(n, ("ok",))[0] != "ok"]
+    if mode == "run" and prep is not None and prep.get("status") != "ok" and not record.prep_steps:
+        base_failed.append(f"gpu_check/gpu_prep.sh failed: {prep.get('reason')}")
+    if mode == "run" and base_failed:  # nothing can import the project: collecting would only say so again
+        record.skipped = "; ".join(base_failed) + " (no test can run)"
         record.finished, record.returncode = _now(), 1
         write(record, args.out)
         print(record.skipped, file=sys.stderr)
         return 1
-    if cuda:
-        import torch
-
-        record.device = torch.cuda.get_device_name(0)
     work = Path(tempfile.mkdtemp(prefix="xema-gpu-check-"))
     try:
-        record.collected, record.collection_errors = collect(args.modules, work)
-        tests = plan(record.collected)
+        record.collected, markers, record.collection_errors = collect(modules(args.modules), work, site)
+        tests = plan(record.collected, markers)
         if args.part != "all":
             tests = [t for t in tests if str(t.part) == args.part]
         if args.timeout is not None:
@@ -363,20 +311,13 @@ def main(argv: list[str] | None = None) -> int:
                 t.timeout_s = args.timeout
         record.tests = tests
         record.expected_s = sum(t.expected_s for t in tests)
-        record.budget_s = args.budget if args.budget is not None else (PART_BUDGET_S if args.part != "all" else None)
+        record.budget_s = args.budget
         record.planned_files = ["gpu-check.json", "gpu-check.log"] + [f for t in tests for f in t.files]
         if len(record.planned_files) > MAX_OUT_FILES:
             record.collection_errors.append(CollectionError(
                 nodeid="(plan)", message=f"{len(record.planned_files)} files planned, the device returns {MAX_OUT_FILES}"))
         if args.list:
-            for part in sorted({t.part for t in tests}):
-                rows = [t for t in tests if t.part == part]
-                print(f"part {part}: {sum(t.expected_s for t in rows):.0f} s expected")
-                for t in rows:
-                    print(f"  {t.order:2d}  {t.expected_s:5.0f} s  (timeout {t.timeout_s:3.0f} s)  {t.nodeid}"
-                          + ("" if t.planned else "  [unplanned]"))
-            for e in record.collection_errors:
-                print(f"COLLECTION ERROR {e.nodeid}: {e.message.splitlines()[-1] if e.message else ''}")
+            print_list(tests, record.collection_errors, args.start if args.start is not None else time.time())
         if mode == "dry-run":
             record.finished = _now()
             record.seconds = time.perf_counter() - t_start
@@ -388,24 +329,32 @@ def main(argv: list[str] | None = None) -> int:
             return record.returncode
         log = args.out / "gpu-check.log"
         log.write_text(f"gpu-check {record.started} part {args.part} on {record.device or 'no GPU'}\n")
-        (work / "collect.log").exists() and log.open("a").write((work / "collect.log").read_text())
+        if (work / "collect.log").exists():
+            with log.open("a") as f:
+                f.write((work / "collect.log").read_text())
         write(record, args.out)
-        t_tests = time.perf_counter()
+        deadlines = [d for d in (args.until, None if args.budget is None else time.time() + args.budget) if d is not None]
+        deadline = min(deadlines) if deadlines else None
         for rec in tests:
-            left = None if record.budget_s is None else record.budget_s - (time.perf_counter() - t_tests)
-            # started when 60 % of its estimate is left (estimates are rough; its timeout is cut to what is left)
-            if left is not None and left < START_FRACTION * min(rec.expected_s, rec.timeout_s):
-                rec.status, rec.message = "not_run", f"budget: {left:.0f} s left, {rec.expected_s:.0f} s expected"
+            held = _held_back(rec, steps)
+            if held is not None:
+                rec.status, rec.message = "skipped", held
+                continue
+            left = None if deadline is None else deadline - time.time()
+            if left is not None and left < rec.expected_s:
+                rec.status = "not_run"
+                rec.message = f"--until: {max(left, 0):.0f} s left, {rec.expected_s:.0f} s expected"
                 continue
             rec.status = "running"
             write(record, args.out)
-            run_one(rec, work, args.out, log, rec.timeout_s if left is None else min(rec.timeout_s, left))
+            run_one(rec, work, args.out, log, rec.timeout_s if left is None else min(rec.timeout_s, left),
+                    record.env, site)
             print(f"[{rec.order:2d}] {rec.status:8s} {rec.seconds:6.1f} s  {rec.nodeid}", flush=True)
             write(record, args.out)
         record.finished = _now()
         record.seconds = time.perf_counter() - t_start
-        bad = [t for t in tests if t.status in ("failed", "error", "timeout", "crashed")]
-        record.returncode = 1 if bad or record.collection_errors else 0
+        bad = [t for t in tests if t.status in BAD]
+        record.returncode = 1 if bad or record.collection_errors or (prep or {}).get("status") not in (None, "ok") else 0
         write(record, args.out)
         return record.returncode
     finally:

@@ -59,5 +59,29 @@ def start(argv: list[str], module: str = "planner.cli") -> None:
     loader.start()
     try:
         init_ray()
+        check_room(argv)  # before the imports finish: a cluster with no room is said within seconds
     finally:
         loader.join()
+
+
+def check_room(argv: list[str]) -> None:
+    """Stop now (exit 3, the message on stderr) when the cluster has no room for one planning task
+    within ``--wait-for-resources`` seconds (``planner.cluster_fit``); the driver sizes its tasks
+    again when it submits them."""
+    import argparse
+
+    from planner.cluster_fit import WAIT_S, NoRoom, fit_tasks
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--hardware", default="a6000")
+    p.add_argument("--measure", default="auto")
+    p.add_argument("--wait-for-resources", type=float, default=WAIT_S)
+    known, _ = p.parse_known_args(argv[1:])
+    try:
+        fit_tasks(known.hardware, known.measure, wait_s=known.wait_for_resources)
+    except NoRoom as e:
+        import sys
+
+        print(f"planner: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)  # the import thread may hold the import lock: no interpreter shutdown to wait for

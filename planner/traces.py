@@ -9,9 +9,11 @@ check reused and fresh pipelines give identical traces)."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, default_dtype_for, trace_template
 from xema_ray.models import BuildOptions
@@ -32,9 +34,12 @@ class TraceCache:
 
     Args:
         directory: where traces persist as JSON (None: memory only).
+        dtypes: per model, the dtype it computes in and the components it keeps in another one
+            (``xema_ray.models.base.model_dtypes``); a model not named: its default dtype.
     """
 
     directory: Path | str | None = None
+    dtypes: dict[str, tuple[torch.dtype, tuple[tuple[str, torch.dtype], ...]]] = field(default_factory=dict)
     _mem: dict[str, MemoryTrace] = field(default_factory=dict)
     traced: int = 0
 
@@ -45,22 +50,33 @@ class TraceCache:
     def _path(self, template: RequestTemplate) -> Path | None:
         if self.directory is None:
             return None
-        digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}{self._dtype_key(template.model)}".encode()).hexdigest()[:16]
         return Path(self.directory) / f"{template.model}-{digest}.json"
+
+    def _dtype_key(self, model: str) -> str:
+        """'' at the model's default dtypes (trace files keep their names), else what they are."""
+        if model not in self.dtypes:
+            return ""
+        base, kept = self.dtypes[model]
+        return f"|{base}|" + ",".join(f"{c}={d}" for c, d in kept)
 
     def pipeline(self, template: RequestTemplate) -> Any:
         """The model's meta-device pipeline, built on first use in this process."""
-        return meta_pipeline(template.model)
+        return meta_pipeline(template.model, *self.dtypes.get(template.model, (None, ())))
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
-        key = template.key
+        key = template.key + self._dtype_key(template.model)
         if key in self._mem:
             return self._mem[key]
         path = self._path(template)
         if path is not None and path.exists():
             trace = MemoryTrace.load(path)
         else:
-            trace = trace_template(template, PLANNER_TRACE, pipeline=self.pipeline(template))
+            options = PLANNER_TRACE
+            if template.model in self.dtypes:
+                base, kept = self.dtypes[template.model]
+                options = replace(PLANNER_TRACE, dtype=base, component_dtypes=kept)
+            trace = trace_template(template, options, pipeline=self.pipeline(template))
             self.traced += 1
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,14 +85,18 @@ class TraceCache:
         return trace
 
 
-def meta_pipeline(model: str) -> Any:
-    """``model``'s meta-device pipeline at its analysis dtype, built on first use in this process
-    and shared by every trace (and the text-encoder placement) of this process."""
-    pipe = _META_PIPELINES.get(model)
-    if pipe is None:
-        from xema_ray.models import get_model_spec
+def meta_pipeline(model: str, dtype: torch.dtype | None = None,
+                  component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()) -> Any:
+    """``model``'s meta-device pipeline at its analysis dtype (or ``dtype``, with components kept in
+    their own), built on first use in this process and shared by every trace (and the text-encoder
+    placement) of this process."""
+    from xema_ray.models import get_model_spec
 
-        spec = get_model_spec(model)
-        pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=default_dtype_for(spec)))
-        _META_PIPELINES[model] = pipe
+    spec = get_model_spec(model)
+    dtype = dtype or default_dtype_for(spec)
+    key = model if dtype == default_dtype_for(spec) and not component_dtypes else f"{model}|{dtype}|{component_dtypes}"
+    pipe = _META_PIPELINES.get(key)
+    if pipe is None:
+        pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=dtype, component_dtypes=component_dtypes))
+        _META_PIPELINES[key] = pipe
     return pipe

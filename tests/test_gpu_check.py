@@ -1,9 +1,13 @@
-"""`make gpu-check` without a GPU (issue #24): the "no CUDA GPU" record; and a rehearsal of the
-GPU machine's run on CPU. The dry run collects the GPU tests with every package the GPU machine
-lacks made unimportable (ray, fastapi, redis, xfuser, openai, locust, schemathesis and the rest:
-installed here, absent from gpu_check/gpu_device_packages.txt and not in the kit, gpu_check/gpu-kit.txt);
-planted tests that crash (SIGSEGV), hang (with a child process), fail and pass are each recorded
-as such, in their own process, while the others still report."""
+"""`make gpu-check` without a GPU (issues #24, #37): the "no CUDA GPU" record; and a rehearsal of the
+GPU machine's run on CPU. The dry run (`bench/gpu_check.py --dry-run --list`) collects the GPU tests
+with every package the GPU machine lacks made unimportable (ray, fastapi, redis, xfuser, openai,
+locust, schemathesis and the rest: installed here, absent from gpu_check/gpu_device_packages.txt and
+not in the kit, gpu_check/gpu-kit.txt) and lays both device calls out in 900 s; planted tests that
+crash (SIGSEGV), hang (with a child process), fail and pass are each recorded as such, in their own
+process, while the others still report; a planted prep failure skips only the tests that need the
+failed step; the record is written before pydantic is imported; children run with PYTHONHASHSEED=0.
+tests/test_gpu_check_device_versions.py repeats the dry run with the device's transformers and
+huggingface_hub."""
 
 from __future__ import annotations
 
@@ -18,22 +22,41 @@ import textwrap
 import time
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 import torch
+from pydantic import TypeAdapter
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "gpu_check" / "run.py"
+ENTRY = ROOT / "bench" / "gpu_check.py"  # the name issue #37 gives the check
 
 
-def _part_budget_s() -> float:
-    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "gpu_check" / "gpu_plan.py")
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return float(module.PART_BUDGET_S)
+    return module
 
 
-PART_BUDGET_S = _part_budget_s()
+sys.path.insert(0, str(ROOT / "gpu_check"))
+gpu_plan = _load("gpu_plan", ROOT / "gpu_check" / "gpu_plan.py")
+gpu_record = _load("gpu_record", ROOT / "gpu_check" / "gpu_record.py")
+gpu_collect = _load("gpu_collect", ROOT / "gpu_check" / "gpu_collect.py")
+sys.path.remove(str(ROOT / "gpu_check"))
+
+
+def read_record(out: Path) -> dict[str, Any]:
+    """gpu-check.json, validated against the check's schema (stdlib dataclasses, checked by pydantic)."""
+    text = (out / "gpu-check.json").read_text()
+    TypeAdapter(gpu_record.GpuCheckRecord).validate_json(text)
+    return json.loads(text)
+#: the modules whose tests need allocator_ext built (the armed allocator; out of memory and stream-ordered
+#: frees under it, from the out-of-memory and stream-safety issues)
+ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_memory_cuda.py", "tests/gpu/test_streams_gpu.py")
 #: named by the issue; every other package the GPU machine lacks is blocked too
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
@@ -116,24 +139,38 @@ def test_gpu_check_without_cuda_exits_0_with_a_no_gpu_record(tmp_path: Path) -> 
     assert summary["cuda"] is False and "no CUDA GPU" in summary["skipped"] and summary["mode"] == "no-gpu"
 
 
-def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_plans_at_most_8_files(tmp_path: Path) -> None:
+def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls(tmp_path: Path) -> None:
     env = _rehearsal_env(tmp_path)
     assert set(NAMED) <= set(env["XEMA_BLOCK_MODULES"].split(","))
     probe = subprocess.run([sys.executable, "-c", "import ray"], env=env, capture_output=True, text=True, timeout=60)
     assert probe.returncode != 0 and "not on the GPU machine" in probe.stderr  # the blocker is in force
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    record = json.loads((out / "gpu-check.json").read_text())
+    start = 1_800_000_000
+    proc = subprocess.run([sys.executable, str(ENTRY), "--dry-run", "--list", "--start", str(start), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    record = read_record(out)
     assert record["collection_errors"] == [], record["collection_errors"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert record["mode"] == "dry-run" and len(record["collected"]) >= 13
+    assert record["mode"] == "dry-run" and len(record["collected"]) >= 14
     assert all(t["planned"] for t in record["tests"]), [t["nodeid"] for t in record["tests"] if not t["planned"]]
     assert 2 <= len(record["planned_files"]) <= 8 and sorted(p.name for p in out.iterdir()) == ["gpu-check.json"]
-    # never a CPU test module: every collected test comes from a *_gpu.py module
-    assert all(re.search(r"test_\w+_gpu\.py::", n) for n in record["collected"])
-    for part in (1, 2):
-        assert sum(t["expected_s"] for t in record["tests"] if t["part"] == part) <= PART_BUDGET_S
+    # found by marker: every module collected marks a test gpu, and no CPU test module is imported
+    gpu_modules = set(gpu_collect.discover())
+    assert {n.split("::")[0] for n in record["collected"]} == gpu_modules
+    # the cheap, high-value checks first; only the allocator's tests need the allocator's build
+    first = [t["nodeid"] for t in record["tests"][:3]]
+    assert [("analyzer" in n, "vae_chain" in n, "fingerprint" in n) for n in first] == [
+        (True, False, False), (False, True, False), (False, False, True)], first
+    needs_allocator = {t["nodeid"].split("::")[0] for t in record["tests"] if "allocator" in t["needs"]}
+    assert needs_allocator <= set(ALLOCATOR_MODULES) and "tests/gpu/test_allocator_gpu.py" in needs_allocator
+    assert sum(n.startswith("tests/gpu/test_allocator_gpu.py::") for n in record["collected"]) == 4
+    # --list: both parts inside the session's 900 s, the machine's start counted, both calls ready to send
+    text = proc.stdout
+    assert "machine start" in text and "part 1:" in text and "part 2:" in text, text
+    untils = [int(u) for u in re.findall(r"--until (\d+) --out", text)]
+    assert len(untils) == 2 and start + gpu_plan.MACHINE_START_S < untils[0] < untils[1] <= start + gpu_plan.DEVICE_S
+    assert untils[0] - start <= gpu_plan.MACHINE_START_S + gpu_plan.COMMAND_LIMIT_S  # call 1 within its command limit
+    assert 'run(carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; ' in text
 
 
 PLANTED = '''
@@ -174,7 +211,7 @@ def test_planted_crash_and_hang_are_recorded_while_the_others_report(tmp_path: P
     proc = subprocess.run([sys.executable, str(CHECK), "--modules", str(planted / "test_*_gpu.py"), "--run-without-cuda",
                            "--timeout", "15", "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a crash, a hang and a failure: the check fails
-    record = json.loads((out / "gpu-check.json").read_text())
+    record = read_record(out)
     by_name = {t["nodeid"].rsplit("::", 1)[1]: t for t in record["tests"]}
     crash, hang, fail, ok = (by_name[n] for n in ("test_a_crashes", "test_b_hangs_with_a_child", "test_c_fails",
                                                   "test_d_passes_and_reports"))
@@ -201,9 +238,9 @@ def test_a_spent_budget_starts_no_test_and_says_so(tmp_path: Path) -> None:
                            "--part", "2", "--budget", "1", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    record = json.loads((out / "gpu-check.json").read_text())
+    record = read_record(out)
     assert record["budget_s"] == 1 and len(record["tests"]) == 4  # unplanned tests run in part 2
-    assert all(t["status"] == "not_run" and "budget" in t["message"] for t in record["tests"])
+    assert all(t["status"] == "not_run" and "left" in t["message"] for t in record["tests"])
 
 
 def test_a_module_a_test_imports_inside_itself_is_checked_by_the_dry_run(tmp_path: Path) -> None:
@@ -220,10 +257,130 @@ def test_a_module_a_test_imports_inside_itself_is_checked_by_the_dry_run(tmp_pat
     env = {**os.environ, "XEMA_GPU_PREP": str(tmp_path / "no-prep.json")}
     proc = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--modules", str(planted / "test_*_gpu.py"),
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
-    record = json.loads((out / "gpu-check.json").read_text())
+    record = read_record(out)
     assert proc.returncode == 1 and len(record["collected"]) == 1
     [error] = record["collection_errors"]
     assert "imports inside its tests" in error["nodeid"] and "not_on_the_gpu_machine_xyz" in error["message"]
+
+
+PLANTED_PREP = '''
+import os, sys
+
+import pytest
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60)
+def test_a_seeded_and_budgeted():
+    assert os.environ["PYTHONHASHSEED"] == "0" and sys.flags.hash_randomization == 0
+    assert int(os.environ["XEMA_GPU_HOST_BUDGET_BYTES"]) == 64 * 2**30
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60, needs=("allocator",))
+def test_b_needs_the_allocator():
+    raise AssertionError("must not run: the allocator's prep step did not succeed")
+
+
+@pytest.mark.gpu(expected_s=3600, timeout_s=60)
+def test_c_cannot_finish_by_until():
+    raise AssertionError("must not start: it cannot finish by --until")
+'''
+
+
+def _kit_pins_here(path: Path) -> Path:
+    """The kit's names at the versions installed here (the CPU venv stands in for an installed kit)."""
+    names = sorted(_names(ROOT / "gpu_check" / "gpu-kit.txt"))
+    path.write_text("".join(f"{n}=={importlib.metadata.version(n)}\n" for n in names))
+    return path
+
+
+def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_are_seeded(tmp_path: Path) -> None:
+    prep = tmp_path / "prep.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # the check must seed its children itself
+    env |= {"PYTHON": sys.executable, "XEMA_GPU_PREP": str(prep), "XEMA_GPU_PREP_PLANT": "headers",
+            "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt"))}
+    bash = subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_prep.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert bash.returncode == 1, bash.stdout + bash.stderr
+    steps = {s["name"]: s for s in json.loads(prep.read_text())["steps"]}
+    assert steps["headers"]["status"] == "failed" and "planted" in steps["headers"]["reason"]
+    assert steps["allocator"]["status"] == "skipped" and "headers" in steps["allocator"]["reason"]
+    assert all(steps[n]["status"] == "ok" for n in ("machine_packages", "kit", "project")), steps
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "test_prep_gpu.py").write_text(PLANTED_PREP)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(CHECK), "--modules", str(planted / "test_*_gpu.py"), "--run-without-cuda",
+                           "--until", str(time.time() + 600), "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the prep failed: the check says so
+    record = read_record(out)
+    assert {s["name"]: s["status"] for s in record["prep_steps"]}["headers"] == "failed"
+    by_name = {t["nodeid"].rsplit("::", 1)[1]: t for t in record["tests"]}
+    assert by_name["test_a_seeded_and_budgeted"]["status"] == "passed", by_name["test_a_seeded_and_budgeted"]
+    skipped = by_name["test_b_needs_the_allocator"]
+    assert skipped["status"] == "skipped" and "allocator" in skipped["message"] and "headers" in skipped["message"]
+    late = by_name["test_c_cannot_finish_by_until"]
+    assert late["status"] == "not_run" and "--until" in late["message"]
+    assert record["counts"] == {"passed": 1, "skipped": 1, "not_run": 1}
+
+
+def test_the_record_is_written_before_pydantic_is_imported(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "gpu-machine"), os.environ.get("PYTHONPATH", "")]),
+           "XEMA_BLOCK_MODULES": "pydantic,pydantic_core", "XEMA_GPU_PREP": str(tmp_path / "prep.json")}
+    (tmp_path / "gpu-machine").mkdir()
+    (tmp_path / "gpu-machine" / "sitecustomize.py").write_text(BLOCKER)
+    # the kit failed to install: no test can import the project, and the record says which step
+    (tmp_path / "prep.json").write_text(json.dumps({"status": "failed", "reason": "kit: offline install failed", "steps": [
+        {"name": "machine_packages", "status": "ok"}, {"name": "kit", "status": "failed", "reason": "offline install failed"},
+        {"name": "project", "status": "skipped", "reason": "needs kit (failed)"}]}))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(CHECK), "--run-without-cuda", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "pydantic" not in proc.stderr, proc.stderr
+    record = read_record(out)
+    assert "prep step kit failed: offline install failed" in record["skipped"] and record["versions"]["pydantic"]
+    # a dry run before any prep: collection fails on pydantic, and the record says that
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "test_needs_pydantic_gpu.py").write_text("import pydantic\nimport pytest\n\n\n"
+                                                        "@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    (tmp_path / "prep.json").unlink()
+    proc = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--modules", str(planted / "test_*_gpu.py"),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    record = read_record(out)
+    assert proc.returncode == 1 and any("pydantic" in e["message"] for e in record["collection_errors"]), record
+
+
+def test_the_kit_is_checked_against_version_specifiers() -> None:
+    kit = _load("gpu_kit_check", ROOT / "gpu_check" / "gpu_kit.py")
+    device = kit.device_packages(ROOT / "gpu_check" / "gpu_device_packages.txt")
+    assert device["torch"] == "2.11.0" and device["transformers"] == "5.17.0" and device["huggingface-hub"] == "1.33.0"
+    pins = {"pydantic": "2.14.4", "typing-extensions": "4.16.0"}
+    assert kit.check_requirement("huggingface-hub>=0.34,<2.0", pins, device)[0] == "ok"
+    verdict, why = kit.check_requirement("huggingface-hub>=2.0", pins, device)
+    assert verdict == "unmet" and "the machine has huggingface-hub 1.33.0" in why  # the name alone would pass
+    assert kit.check_requirement("typing-extensions>=4.17", pins, device)[0] == "unmet"  # the kit's pin, too old
+    assert kit.check_requirement("torch>=2.11,<2.14", pins, device)[0] == "ok"  # the project's range vs 2.11.0+cu130
+    assert kit.check_requirement("pillow>=10", pins, device)[0] == "unverified"  # there, version never read here
+    assert kit.check_requirement("ray>=2.40", pins, device)[0] == "unmet"
+    assert kit.check_requirement('tomli>=1.1; python_version < "3.11"', pins, device)[0] == "not-needed"
+
+
+def test_the_residency_check_pins_within_its_stated_share() -> None:
+    residency = _load("residency_gpu_check", ROOT / "tests" / "gpu" / "test_residency_gpu.py")
+    from xema_ray.plan import PlanTable
+
+    planned = PlanTable.load(str(residency.TABLE)).entries["flux2/1024x1024x1"].config
+    share = int(gpu_plan.DEVICE_RAM_BYTES * gpu_plan.HOST_PIN_SHARE)
+    host = residency.host_plan(planned, share)
+    assert host.predicted_bytes <= share
+    # unbudgeted, the planned blocks and the streamed encoder pin the issue's ~104 GiB with power-of-two
+    # blocks (68.5 GiB packed exactly): the encoder cannot stream beside them within half the RAM
+    together = host.planned_blocks_bytes + host.encoder_bytes
+    assert (66 if host.packed else 100) * 2**30 < together < (70 if host.packed else 108) * 2**30, host
+    assert host.text_encoder == "none" and any("text encoder" in h for h in host.held_back), host
+    assert host.layerwise == (host.all_blocks_bytes <= share), host  # 58.5 GiB packed fits, 92.0 GiB does not
+    assert residency.pinned_bytes([3 * 2**20, 2**20, 0]) == 5 * 2**20
 
 
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -240,3 +397,56 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
+
+
+#: the device's versions this machine's venv does not have (gpu_check/gpu_device_packages.txt), and what
+#: huggingface_hub 1.33 needs that its 2.x here does not (httpx; the machine has it, version not read)
+DEVICE_PINNED = ("transformers", "huggingface-hub", "tokenizers")
+DEVICE_EXTRA = ("httpx<1", "httpcore<2")
+
+
+def _device_overlay() -> Path:
+    """A folder holding the GPU machine's transformers, huggingface_hub and tokenizers (installed once by
+    pip, --no-deps, into .venv/; put first on PYTHONPATH it shadows the venv's newer ones). Skips, with
+    pip's reason, where the registry cannot be reached."""
+    import fcntl
+    import hashlib
+
+    device = dict(line.split("==") for line in (ROOT / "gpu_check" / "gpu_device_packages.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    wanted = [f"{n}=={device[n]}" for n in DEVICE_PINNED] + list(DEVICE_EXTRA)
+    overlay = Path(sys.prefix) / "device-versions" / hashlib.sha256(" ".join(wanted).encode()).hexdigest()[:12]
+    overlay.parent.mkdir(exist_ok=True)
+    with open(overlay.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (overlay / ".complete").exists():
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                                   "--upgrade", "--target", str(overlay), *wanted], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                pytest.skip(f"pip could not install the device's versions here ({' '.join(wanted)}): "
+                            f"{proc.stderr.strip()[-400:]}")
+            (overlay / ".complete").write_text(" ".join(wanted))
+    return overlay
+
+
+def test_dry_run_with_the_devices_transformers_and_huggingface_hub(tmp_path: Path) -> None:
+    """The issue's rehearsal: `bench/gpu_check.py --dry-run` under the GPU machine's transformers 5.17 and
+    huggingface_hub 1.33 (tokenizers 0.23.2), everything it lacks blocked: 0 collection errors. Python
+    stays 3.11 (no 3.12 here) and torch 2.13+cpu (PyPI's torch 2.11 is the CUDA build, GBs with its
+    nvidia wheels; no CPU 2.11 wheel is reachable here)."""
+    overlay = _device_overlay()
+    env = _rehearsal_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"].split(os.pathsep)[0], str(overlay),
+                                         *env["PYTHONPATH"].split(os.pathsep)[1:]])
+    probe = subprocess.run([sys.executable, "-c", "import transformers, huggingface_hub; "
+                            "print(transformers.__version__, huggingface_hub.__version__)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["5.17.0", "1.33.0"], probe.stdout + probe.stderr
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ENTRY), "--dry-run", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    record = read_record(out)
+    assert record["versions"]["transformers"] == "5.17.0" and record["versions"]["huggingface-hub"] == "1.33.0"
+    assert record["collection_errors"] == [], record["collection_errors"]
+    assert proc.returncode == 0 and len(record["collected"]) >= 14, proc.stdout + proc.stderr

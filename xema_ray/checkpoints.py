@@ -26,8 +26,58 @@ def write_checkpoint(model: str, out: Path, seed: int = 0, dtype: torch.dtype = 
     """Write ``model``'s pipeline (seeded weights, with its text encoder) to ``out/model``."""
     spec = get_model_spec(model)
     pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=dtype, seed=seed, text_encoder="device"))
-    target = out / model
+    target = _fresh(out / model)
     pipe.save_pretrained(str(target), safe_serialization=True)
+    return target
+
+
+def _fresh(target: Path) -> Path:
+    """``target``, emptied: files of the other layout left beside new ones (a single file next to a
+    shard index) would be read instead of them."""
+    import shutil
+
+    if target.exists():
+        shutil.rmtree(target)
+    return target
+
+
+def write_published(model: str, out: Path, seed: int = 0) -> Path:
+    """Write tiny ``model`` to ``out/model`` laid out exactly as its real model's published
+    repository is (``xema_ray.models.published``): its ``model_index.json`` classes, the folders,
+    each component in the dtype the repository stores it in, transformer and text encoder sharded
+    with their ``*.safetensors.index.json``, the tokenizer as the repository ships it and the
+    scheduler's config. The weights are the seeded ones ``write_checkpoint`` writes, rounded to
+    the stored dtypes."""
+    import json
+
+    import diffusers
+
+    from xema_ray.models.base import DTYPES
+    from xema_ray.models.published import PUBLISHED
+    from xema_ray.models.text_encoders import save_published_tokenizer
+
+    spec = get_model_spec(model)
+    layout = PUBLISHED[spec.family]
+    pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32, seed=seed, text_encoder="device"))
+    target = _fresh(out / model)
+    target.mkdir(parents=True)
+    index: dict[str, object] = {"_class_name": layout.pipeline, "_diffusers_version": diffusers.__version__}
+    for name, comp in sorted(layout.components.items()):
+        index[name] = [comp.library, comp.class_name]
+        module = getattr(pipe, name)
+        folder = target / name
+        if name == "scheduler":
+            module.save_pretrained(str(folder))
+        elif name == "tokenizer":
+            save_published_tokenizer(spec.text_encoder, module, comp.class_name, folder)
+        else:
+            assert comp.dtype is not None, name
+            module = module.to(DTYPES[comp.dtype])
+            nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+            # tiny shards: three or so per sharded component, as the real ones are several
+            shard = f"{max(1, nbytes // 3 // 1000)}KB" if comp.sharded else "10GB"
+            module.save_pretrained(str(folder), safe_serialization=True, max_shard_size=shard)
+    (target / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return target
 
 
@@ -36,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("checkpoints"))
     p.add_argument("--models", default=",".join(TINY_MODELS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=("save_pretrained", "published"), default="save_pretrained",
+                   help="published: laid out as the real model's Hugging Face repository (dtypes, shards, tokenizer)")
     args = p.parse_args(argv)
     for m in [x.strip() for x in args.models.split(",") if x.strip()]:
         if get_model_spec(m).size != "tiny":
             print(f"{m}: only tiny checkpoints are written here (real weights are never generated or downloaded)")
             return 2
-        print(f"wrote {write_checkpoint(m, args.out, args.seed)}")
+        write = write_published if args.layout == "published" else write_checkpoint
+        print(f"wrote {write(m, args.out, args.seed)}")
     return 0
 
 

@@ -215,6 +215,10 @@ def _add_layouts(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan-table", type=Path, required=True, help="a plan table (xema plan --out)")
     p.add_argument("--gpu", default=None, help="GPU model the layouts are for (default: the table's provenance "
                                                "layouts_gpu)")
+    p.add_argument("--update-refs", action="store_true",
+                   help="write a layout that solves to another id and put the new id in the table (its configs "
+                        "unchanged): for a change of the allocation stream that leaves the plans' choices valid; "
+                        "`xema verify` then checks every entry still fits")
     p.set_defaults(func=cmd_layouts)
 
 
@@ -237,6 +241,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         return 2
     folder = layouts_dir(args.plan_table)
     mismatched = []
+    renamed: dict[str, str] = {}
     for key, e in sorted(table.entries.items()):
         ref = e.config.layout_ref
         if ref is None:
@@ -250,12 +255,23 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             pass
         t0 = time.perf_counter()
         art = solve_entry_layout(e.config.model_copy(update={"layout_ref": None}), gpu, folder)
-        if art.layout_id != ref:
+        if art.layout_id != ref and not args.update_refs:
             mismatched.append(key)
             print(f"{key:<32} solved {art.layout_id}, the table names {ref}: NOT written")
             continue
+        if art.layout_id != ref:
+            renamed[ref] = art.layout_id
+            print(f"{key:<32} solved {art.layout_id}, the table named {ref}: written, the table updated")
         save_artifact(art, folder)
-        print(f"{key:<32} {ref} solved in {time.perf_counter() - t0:.1f} s")
+        print(f"{key:<32} {art.layout_id} solved in {time.perf_counter() - t0:.1f} s")
+    if renamed:
+        # the ids are content hashes, unique in the file: replace them where they stand (the rest
+        # of the table, byte for byte as planned)
+        text = Path(args.plan_table).read_text()
+        for before, after in renamed.items():
+            text = text.replace(f'"{before}"', f'"{after}"')
+        Path(args.plan_table).write_text(text)
+        PlanTable.load(str(args.plan_table))
     if mismatched:
         print(f"xema layouts: {len(mismatched)} layout(s) solve differently than when planned (the model code or "
               "the solver changed): plan the table again (make plan)", file=sys.stderr)

@@ -9,6 +9,7 @@ so planning never imports serving (docs/architecture.md, "The layers").
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,20 +28,42 @@ class TemplateSpec(BaseModel):
     steps: int = Field(default=50, ge=1)
 
 
+#: the dtypes a group may compute in or keep a component in (``xema_ray.models.base.DTYPES``)
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
 class GroupShape(BaseModel):
-    """One model group as planning sees it: the model, its GPUs and its templates."""
+    """One model group as planning sees it: the model, its GPUs, its templates and its dtypes
+    (they decide the weights' and activations' bytes the plans are traced with)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description=f"registry name: {', '.join(MODEL_NAMES)}")
     workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
     templates: list[TemplateSpec] = Field(min_length=1)
+    dtype: DTypeName | None = Field(
+        default=None, description="the dtype the group computes in; a checkpoint stored in another is cast on load "
+                                  "(a log line says so). None: bfloat16 for real models, float32 for tiny ones")
+    component_dtypes: dict[str, DTypeName] = Field(
+        default_factory=dict,
+        description="components kept in a dtype of their own, e.g. {vae: float32} (CogVideoX-5b's repository stores "
+                    "its VAE in fp32): their bytes are what the plans are traced with. Not the transformer")
 
     @model_validator(mode="after")
     def _known_model(self) -> GroupShape:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        if self.component_dtypes:
+            from xema_ray.models import get_model_spec
+            from xema_ray.models.base import model_dtypes
+
+            model_dtypes(get_model_spec(self.model), self.dtype, self.component_dtypes)  # names checked there
         return self
+
+    @property
+    def default_dtypes(self) -> bool:
+        """The group computes in its model's default dtype and keeps no component in another."""
+        return self.dtype is None and not self.component_dtypes
 
 
 class DeploymentShape(BaseModel):

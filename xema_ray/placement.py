@@ -114,11 +114,13 @@ class HostCopy:
         self.pending: object | None = None
         if self.device.type == "meta":
             self.data: torch.Tensor | None = None  # nothing to hold: meta has no values
-        elif t.device.type == "cpu" and self.device.type != "cpu":
-            # already on the host: keep it (pinned once, at load, for asynchronous copies)
-            self.data = t if (t.is_pinned() or not pin) else t.pin_memory()
-        elif t.device.type == "cpu":
+            if stream is not None and t.device.type == "meta":
+                stream.hold(t)  # the copy's source stays until compute is ordered after it
+        elif _device.host_is_device(self.device):
             self.data = t if keep else t.clone()
+        elif _device.on_host(t):
+            # already on the host: keep it (pinned once, at load, for asynchronous copies)
+            self.data = t if (_device.is_pinned(t) or not pin) else _device.pin(t)
         else:
             self.data, self.pending = _device.to_host(t, pin=pin, stream=stream)
 
@@ -126,7 +128,7 @@ class HostCopy:
         """A fresh device tensor with the host data (allocated now, on ``stream`` if given)."""
         if self.data is None:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
+        if _device.host_is_device(self.device):
             return self.data.clone()
         return _device.to_device(self.data, self.device, stream, self.pending)
 

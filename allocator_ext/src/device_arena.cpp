@@ -140,6 +140,7 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
   }
   const uint64_t size = round_block(requested);
   std::lock_guard<std::mutex> lock(mutex_);
+  poll_locked();  // blocks whose other streams have moved on are free again
 
   void* ptr = nullptr;
   int region = XEMA_REGION_STATIC;
@@ -193,7 +194,8 @@ void* DeviceArena::allocate(std::size_t requested, xema_stream_t stream, Backend
     stats_.reserved_bytes += size;
   }
 
-  live_.emplace(reinterpret_cast<uintptr_t>(ptr), Live{size, region, offset, owner});
+  live_.emplace(reinterpret_cast<uintptr_t>(ptr),
+                Live{size, region, offset, owner, reinterpret_cast<uintptr_t>(stream), {}});
   stats_.active_bytes += size;
   switch (region) {
     case XEMA_REGION_STATIC:
@@ -222,8 +224,43 @@ void DeviceArena::deallocate(void* ptr, xema_stream_t stream) {
     ++stats_.unknown_frees;
     return;
   }
-  const Live block = it->second;
+  Live block = std::move(it->second);
   live_.erase(it);
+  --stats_.live_blocks;
+  if (!block.users.empty()) {
+    // Another stream used it: its work may still read or write the block, which the next tenant
+    // (on any stream) must not see. Keep it until each such stream has passed an event recorded
+    // now, after that work (what the caching allocator does for record_stream).
+    Pending pending{reinterpret_cast<uintptr_t>(ptr), std::move(block), {}};
+    std::string error;
+    for (uintptr_t user : pending.block.users) {
+      StreamEvent event;
+      if (!arena_backend_or(pending.block).record_event(user, device_, event, error)) break;
+      pending.events.push_back(event);
+    }
+    if (pending.events.size() == pending.block.users.size()) {
+      stats_.pending_free_bytes += pending.block.size;
+      stats_.peak_pending_free_bytes =
+          std::max(stats_.peak_pending_free_bytes, stats_.pending_free_bytes);
+      ++stats_.deferred_frees;
+      ++stats_.pending_blocks;
+      pending_.push_back(std::move(pending));
+      return;
+    }
+    // No event could be recorded: nothing would ever say the stream moved on. Free at once (the
+    // behaviour without stream-ordered frees) rather than leak the block.
+    for (StreamEvent& e : pending.events) arena_backend_or(pending.block).destroy_event(e, device_);
+    block = std::move(pending.block);
+  }
+  (void)stream;
+  finish_free(reinterpret_cast<uintptr_t>(ptr), block);
+}
+
+Backend& DeviceArena::arena_backend_or(const Live& block) {
+  return block.backend != nullptr ? *block.backend : *arena_backend_;
+}
+
+void DeviceArena::finish_free(uintptr_t ptr, const Live& block) {
   switch (block.region) {
     case XEMA_REGION_STATIC:
       static_live_.erase(block.offset);
@@ -235,15 +272,92 @@ void DeviceArena::deallocate(void* ptr, xema_stream_t stream) {
       break;
     default: {
       std::string ignored;
-      block.backend->deallocate(ptr, device_, ignored);
+      block.backend->deallocate(reinterpret_cast<void*>(ptr), device_, ignored);
       stats_.driver_active_bytes -= block.size;
       stats_.reserved_bytes -= block.size;
       break;
     }
   }
   stats_.active_bytes -= block.size;
-  --stats_.live_blocks;
-  record(reinterpret_cast<uintptr_t>(ptr), block.size, block.size, stream, 1, block.region);
+  record(ptr, block.size, block.size, reinterpret_cast<xema_stream_t>(block.stream), 1,
+         block.region);
+}
+
+int DeviceArena::poll_locked() {
+  int released = 0;
+  for (std::size_t i = 0; i < pending_.size();) {
+    Pending& p = pending_[i];
+    Backend& backend = arena_backend_or(p.block);
+    bool passed = true;
+    for (const StreamEvent& e : p.events) {
+      // a failed query (a broken context) frees the block: holding it forever would leak it
+      if (backend.query_event(e, device_) == 0) {
+        passed = false;
+        break;
+      }
+    }
+    if (!passed) {
+      ++i;
+      continue;
+    }
+    for (StreamEvent& e : p.events) backend.destroy_event(e, device_);
+    stats_.pending_free_bytes -= p.block.size;
+    --stats_.pending_blocks;
+    const uintptr_t ptr = p.ptr;
+    const Live block = std::move(p.block);
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+    finish_free(ptr, block);
+    ++released;
+  }
+  return released;
+}
+
+int DeviceArena::poll() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return poll_locked();
+}
+
+int DeviceArena::stream_ordered(xema_stream_t waiter, xema_stream_t other) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uintptr_t w = reinterpret_cast<uintptr_t>(waiter);
+  const uintptr_t o = reinterpret_cast<uintptr_t>(other);
+  for (Pending& p : pending_) {
+    // Only blocks that go back to `waiter`'s own pool: another stream's next tenant would not be
+    // ordered after `other` (static blocks are the armed stream's, dynamic ones are tagged).
+    // Driver blocks go back to the driver, which may hand them to any stream: they wait for
+    // the events (the poll) as before.
+    if (p.block.stream != w || p.block.region == XEMA_REGION_DRIVER) continue;
+    Backend& backend = arena_backend_or(p.block);
+    for (auto it = p.events.begin(); it != p.events.end();) {
+      if (it->stream == o) {
+        backend.destroy_event(*it, device_);
+        it = p.events.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // blocks with no event left are released by the poll
+  return poll_locked();
+}
+
+int DeviceArena::mark_used(void* ptr, xema_stream_t stream, std::string& error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == live_.end()) {
+    // Not a block this allocator handed out (a view's interior pointer, or memory another
+    // allocator owns): say so, the caller keeps the ordering some other way.
+    error = "mark_used: no live block starts at this address on device " + std::to_string(device_);
+    return XEMA_E_INVALID;
+  }
+  const uintptr_t s = reinterpret_cast<uintptr_t>(stream);
+  Live& block = it->second;
+  if (s != block.stream &&
+      std::find(block.users.begin(), block.users.end(), s) == block.users.end()) {
+    block.users.push_back(s);
+  }
+  ++stats_.marked_uses;
+  return XEMA_OK;
 }
 
 bool DeviceArena::within_limit(uint64_t extra, std::string& error) const {
@@ -372,6 +486,13 @@ int DeviceArena::reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend&
 int DeviceArena::release(std::string& error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!reserved_) return XEMA_OK;
+  poll_locked();
+  if (!pending_.empty()) {
+    error = "device " + std::to_string(device_) + " has " + std::to_string(pending_.size()) +
+            " freed block(s) of " + std::to_string(stats_.pending_free_bytes) +
+            " bytes still in use by another stream; release refused until they pass";
+    return XEMA_E_STATE;
+  }
   if (stats_.dynamic_active_bytes != 0) {
     error = "device " + std::to_string(device_) + " dynamic region still holds " +
             std::to_string(stats_.dynamic_active_bytes) +
@@ -533,6 +654,7 @@ void DeviceArena::reset_peaks() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.peak_active_bytes = stats_.active_bytes;
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
+  stats_.peak_pending_free_bytes = stats_.pending_free_bytes;
 }
 
 int DeviceArena::record_start() {
@@ -557,7 +679,7 @@ int64_t DeviceArena::record_read(xema_event* out, uint64_t capacity) {
 
 bool DeviceArena::holds_memory() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return reserved_ || !live_.empty();
+  return reserved_ || !live_.empty() || !pending_.empty();
 }
 
 }  // namespace xema::runtime

@@ -40,6 +40,15 @@ class DeviceArena {
   void* allocate(std::size_t requested, xema_stream_t stream, Backend& backend,
                  std::string& error);
   void deallocate(void* ptr, xema_stream_t stream);
+  // Stream-ordered frees: `stream` uses the live block at `ptr` (besides the stream that
+  // allocated it). Its free is then deferred until every such stream has passed an event
+  // recorded at the free; `poll` returns the blocks whose streams have (allocate polls too).
+  int mark_used(void* ptr, xema_stream_t stream, std::string& error);
+  int poll();
+  // `waiter` is now ordered after all work issued on `other` so far (it waited on a fresh event
+  // of it): pending blocks allocated on `waiter` no longer wait for `other` (only `waiter` reuses
+  // them, and its next work runs after `other`'s). Returns how many blocks that released.
+  int stream_ordered(xema_stream_t waiter, xema_stream_t other);
 
   int reserve(uint64_t static_bytes, uint64_t dynamic_bytes, Backend& backend,
               std::string& error);
@@ -74,6 +83,13 @@ class DeviceArena {
     int region;
     uint64_t offset;   // within the arena (static and dynamic regions)
     Backend* backend;  // driver blocks return to the backend that made them
+    uintptr_t stream;  // the stream it was allocated on
+    std::vector<uintptr_t> users;  // other streams that used it (mark_used)
+  };
+  struct Pending {
+    uintptr_t ptr;
+    Live block;
+    std::vector<StreamEvent> events;  // one per user stream, recorded at the free
   };
   struct DynBlock {
     uint64_t size;
@@ -85,6 +101,9 @@ class DeviceArena {
   bool static_conflict(uint64_t offset, uint64_t size) const;
   void* dynamic_allocate(uint64_t size, uint64_t stream_tag);
   void dynamic_free(uint64_t offset);
+  void finish_free(uintptr_t ptr, const Live& block);
+  int poll_locked();
+  Backend& arena_backend_or(const Live& block);
   void record(uint64_t ptr, uint64_t size, uint64_t requested, xema_stream_t stream,
               uint64_t kind, int region);
   void update_peaks();
@@ -113,6 +132,7 @@ class DeviceArena {
   std::map<uint64_t, uint64_t> static_live_;  // offset -> end of live static blocks (disjoint)
   std::map<uint64_t, DynBlock> dyn_blocks_;   // tiles the dynamic region, keyed by offset
   std::set<FreeKey> dyn_free_;
+  std::vector<Pending> pending_;  // freed by torch, still in use by another stream
 
   std::unordered_map<int64_t, std::shared_ptr<const Plan>> plans_;
   int64_t next_plan_id_ = 0;

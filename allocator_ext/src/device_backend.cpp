@@ -116,6 +116,10 @@ bool CudaBackend::load(const char* path, std::string& error) noexcept {
     get_device_ = reinterpret_cast<GetDeviceFn>(dlsym(handle_, "cudaGetDevice"));
     set_device_ = reinterpret_cast<SetDeviceFn>(dlsym(handle_, "cudaSetDevice"));
     error_string_ = reinterpret_cast<ErrorStringFn>(dlsym(handle_, "cudaGetErrorString"));
+    event_create_ = reinterpret_cast<EventCreateFn>(dlsym(handle_, "cudaEventCreateWithFlags"));
+    event_record_ = reinterpret_cast<EventRecordFn>(dlsym(handle_, "cudaEventRecord"));
+    event_query_ = reinterpret_cast<EventQueryFn>(dlsym(handle_, "cudaEventQuery"));
+    event_destroy_ = reinterpret_cast<EventDestroyFn>(dlsym(handle_, "cudaEventDestroy"));
     get_last_error_ = reinterpret_cast<GetLastErrorFn>(dlsym(handle_, "cudaGetLastError"));
     if (!malloc_ || !free_ || !get_device_ || !set_device_) {
       error = "libcudart lacks cudaMalloc/cudaFree/cudaGetDevice/cudaSetDevice";
@@ -181,6 +185,78 @@ bool CudaBackend::deallocate(void* ptr, int device, std::string& error) noexcept
     return false;
   }
   return true;
+}
+
+bool HostBackend::record_event(uintptr_t stream, int /*device*/, StreamEvent& out,
+                               std::string& /*error*/) noexcept {
+  std::lock_guard<std::mutex> lock(streams_mutex_);
+  auto it = streams_.find(stream);
+  out.stream = stream;
+  out.seq = it == streams_.end() ? 0 : it->second.issued;
+  out.handle = nullptr;
+  return true;
+}
+
+int HostBackend::query_event(const StreamEvent& event, int /*device*/) noexcept {
+  std::lock_guard<std::mutex> lock(streams_mutex_);
+  auto it = streams_.find(event.stream);
+  const uint64_t completed = it == streams_.end() ? 0 : it->second.completed;
+  return completed >= event.seq ? 1 : 0;
+}
+
+void HostBackend::set_stream_progress(uintptr_t stream, uint64_t issued, uint64_t completed) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    streams_[stream] = Progress{issued, completed};
+  } catch (...) {
+  }
+}
+
+// cudaEventDisableTiming: the event only orders, it is never timed (cheaper to record).
+constexpr unsigned int kEventDisableTiming = 0x02;
+// cudaErrorNotReady: the work before the event is still running.
+constexpr int kCudaNotReady = 600;
+
+bool CudaBackend::record_event(uintptr_t stream, int device, StreamEvent& out,
+                               std::string& error) noexcept {
+  if (!ensure_loaded(error)) return false;
+  if (!event_create_ || !event_record_ || !event_query_ || !event_destroy_) {
+    error = "libcudart lacks the cudaEvent functions";
+    return false;
+  }
+  DeviceGuard guard(get_device_, set_device_, device);
+  void* ev = nullptr;
+  int rc = event_create_(&ev, kEventDisableTiming);
+  if (rc == 0) {
+    rc = event_record_(ev, reinterpret_cast<void*>(stream));
+    if (rc != 0) event_destroy_(ev);
+  }
+  if (rc != 0) {
+    try {
+      error = "cudaEventRecord on device " + std::to_string(device) + " failed: " + describe(rc);
+    } catch (...) {
+    }
+    return false;
+  }
+  out.stream = stream;
+  out.seq = 0;
+  out.handle = ev;
+  return true;
+}
+
+int CudaBackend::query_event(const StreamEvent& event, int device) noexcept {
+  if (event.handle == nullptr || event_query_ == nullptr) return -1;
+  DeviceGuard guard(get_device_, set_device_, device);
+  const int rc = event_query_(event.handle);
+  if (rc == 0) return 1;
+  return rc == kCudaNotReady ? 0 : -1;
+}
+
+void CudaBackend::destroy_event(StreamEvent& event, int device) noexcept {
+  if (event.handle == nullptr || event_destroy_ == nullptr) return;
+  DeviceGuard guard(get_device_, set_device_, device);
+  event_destroy_(event.handle);
+  event.handle = nullptr;
 }
 
 }  // namespace xema::runtime

@@ -128,6 +128,36 @@ void xema_free(void* ptr, size_t /*size*/, int device, xema_stream_t stream) {
   }
 }
 
+int xema_mark_used(int device, void* ptr, xema_stream_t stream) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int {
+    std::string error;
+    const int rc = registry().arenas[device].mark_used(ptr, stream, error);
+    if (rc != XEMA_OK) set_error(error);
+    return rc;
+  });
+}
+
+int xema_stream_ordered(int device, xema_stream_t waiter, xema_stream_t other) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int { return registry().arenas[device].stream_ordered(waiter, other); });
+}
+
+int xema_poll(int device) {
+  if (!valid_device(device)) return XEMA_E_INVALID;
+  return guarded([&]() -> int { return registry().arenas[device].poll(); });
+}
+
+int xema_host_stream_progress(xema_stream_t stream, uint64_t issued, uint64_t completed) {
+  if (completed > issued) {
+    set_error("host stream progress: completed " + std::to_string(completed) + " > issued " +
+              std::to_string(issued));
+    return XEMA_E_INVALID;
+  }
+  registry().host.set_stream_progress(reinterpret_cast<uintptr_t>(stream), issued, completed);
+  return XEMA_OK;
+}
+
 int xema_abi_version(void) { return XEMA_ABI_VERSION; }
 
 const char* xema_last_error(void) { return xema::runtime::t_last_error.c_str(); }

@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define XEMA_API __attribute__((visibility("default")))
-#define XEMA_ABI_VERSION 3
+#define XEMA_ABI_VERSION 4
 #define XEMA_MAX_DEVICES 64
 
 typedef void* xema_stream_t;
@@ -67,6 +67,11 @@ typedef struct xema_stats {
   uint64_t arena_base;           /* address of the static region (0 if none reserved) */
   uint64_t dynamic_base;         /* address of the dynamic region (0 if none reserved) */
   uint64_t static_resizes;       /* xema_resize_static calls that changed the static region */
+  uint64_t pending_free_bytes;   /* freed by torch, held until the streams that used them pass */
+  uint64_t peak_pending_free_bytes;
+  uint64_t pending_blocks;       /* blocks held so now */
+  uint64_t deferred_frees;       /* frees deferred so far (stream-ordered frees) */
+  uint64_t marked_uses;          /* xema_mark_used calls on live blocks */
 } xema_stats;
 
 /* The device's last out-of-memory: an allocation that the static region, the dynamic region and
@@ -103,6 +108,23 @@ typedef struct xema_event {
 XEMA_API void* xema_malloc(size_t size, int device, xema_stream_t stream);
 XEMA_API void xema_free(void* ptr, size_t size, int device, xema_stream_t stream);
 
+/* Stream-ordered frees (what Tensor.record_stream does for the caching allocator, which the
+ * pluggable-allocator API never forwards): `stream` uses the live block that starts at `ptr`
+ * (a tensor's storage). When torch frees that block, it stays out of reuse until every such
+ * stream has passed an event recorded at the free; allocations (and xema_poll) return the blocks
+ * whose streams have. Their bytes are pending_free_bytes (they count in active_bytes: the memory
+ * is still taken). XEMA_E_INVALID when no live block starts at `ptr`. */
+XEMA_API int xema_mark_used(int device, void* ptr, xema_stream_t stream);
+/* `waiter` waited on an event recorded on `other` after all the work issued there so far: the
+ * pending blocks allocated on `waiter` stop waiting for `other` (their next tenant, on `waiter`,
+ * runs after that work). What lets a static plan reuse an offset as soon as compute is ordered
+ * after the copy that read it, not only once the copy is known to have finished. */
+XEMA_API int xema_stream_ordered(int device, xema_stream_t waiter, xema_stream_t other);
+/* Returns the pending blocks whose streams have moved on; the number returned, or a status. */
+XEMA_API int xema_poll(int device);
+/* Host backend only: the CPU emulation of streams reports how much work it issued on `stream`
+ * and how much of it ran, which is what the host backend's events are measured against. */
+XEMA_API int xema_host_stream_progress(xema_stream_t stream, uint64_t issued, uint64_t completed);
 /* What torch's CUDAPluggableAllocator is given as its alloc_fn: xema_malloc, except that a refused
  * allocation throws a std::runtime_error (the message of xema_last_error) instead of returning
  * NULL. torch wraps alloc_fn's pointer unchecked (CUDAPluggableAllocator::malloc/allocate), so a

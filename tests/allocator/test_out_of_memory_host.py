@@ -11,14 +11,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator import solve_arrays
 from xema_ray.allocator.oom import ArenaOutOfMemory
 from xema_ray.allocator.runtime import AllocatorError, StaticAllocator, default_library_path
-
-import numpy as np
 
 KIB = 1024
 HEADER_DIR = Path(__file__).resolve().parents[2] / "allocator_ext" / "src"

@@ -1,6 +1,7 @@
 """GPU check of a worker with its static layout armed (issue #15, run by `make gpu-check`).
 
-CogVideoX-5B 720×480×49 (real config, random bf16 weights, ``STEPS`` steps) in the serving
+CogVideoX-5B 720×480×49 (real config, random bf16 weights, ``STEPS`` steps, activation offload of
+its VAE decoder as the reference table's CogVideoX entries: issue #35's stream-ordered frees) in the serving
 worker, under a 48 GB cap, first with PyTorch's caching allocator (the reference output and step
 time, and a recording of the real allocation stream), then with libxema_alloc installed by the
 worker's constructor and the entry's layout armed per batch. The layout is solved here from the
@@ -120,13 +121,24 @@ def _armed_check(name: str, config, tmp_path: Path, timeout: int = 150) -> dict:
     return report
 
 
+@pytest.mark.streams
 def test_cogvideox_720x480_armed_layout_against_the_caching_allocator(tmp_path: Path) -> None:
-    from xema_ray.plan import ExecutionConfig
+    """With activation offload of the VAE decoder's conv caches, as every CogVideoX entry of
+    plans/a6000x8.json arms its layout over it (issue #35): the caches leave on a side stream and
+    torch never forwards ``record_stream`` to the pluggable allocator, so the worker's
+    ``mark_used`` must keep each cache's block until its copy read it (the CPU model of the same
+    semantics: ``pytest -m streams``, tests/runtime/test_streams.py)."""
+    from xema_ray.plan import ExecutionConfig, Mitigation
     from xema_ray.templates import RequestTemplate
 
-    config = ExecutionConfig(template=RequestTemplate(model="cogvideox-5b", width=720, height=480, frames=49, steps=STEPS))
+    config = ExecutionConfig(template=RequestTemplate(model="cogvideox-5b", width=720, height=480, frames=49, steps=STEPS),
+                             mitigations=(Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=4096),))
     r = _armed_check("cogvideox-5b_720x480x49", config, tmp_path)
+    stats = json.loads((tmp_path / "static.json").read_text())["stats"]
+    streams = {k: stats[k] for k in ("marked_uses", "deferred_frees", "peak_pending_free_bytes")}
+    (OUT / "allocator_gpu_cogvideox-5b_720x480x49.json").write_text(json.dumps({**r, "streams": streams}, indent=1))
     assert r["static"]["layout_armed"], r["static"]["layout_status"]
+    assert streams["marked_uses"] > 0 and streams["deferred_frees"] > 0, streams  # the caches' blocks were held
     assert r["static"]["layout_misses"] == 0, r["device_allocs"]
     assert r["static_over_request_active"] <= 1.02
     assert r["outputs_equal"]

@@ -33,9 +33,31 @@ def test_start_imports_while_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None
     # the module is imported on a thread while init_ray runs; a module that fails to import is
     # left for the caller's own import to report
     monkeypatch.setattr(boot, "init_ray", lambda: None)
+    monkeypatch.setattr(boot, "check_room", lambda argv: None)
     sys.modules.pop("tests.planner.synthetic", None)
     boot.start(["plan"], module="tests.planner.synthetic")
     assert "tests.planner.synthetic" in sys.modules
     boot.start(["plan"], module="tests.planner.no_such_module")  # no exception here
     with pytest.raises(ModuleNotFoundError):
         __import__("tests.planner.no_such_module")
+
+
+def test_a_cluster_without_room_stops_the_command_with_exit_3(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from planner import cluster_fit
+
+    asked: list[tuple[str, str, float]] = []
+
+    def no_room(hardware: str, measure: str, wait_s: float) -> None:
+        asked.append((hardware, measure, wait_s))
+        raise cluster_fit.NoRoom("planning tasks need at least 0.1 CPU each; ... Held by: placement group X (2 CPU)")
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cluster_fit, "fit_tasks", no_room)
+    monkeypatch.setattr(boot.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as e:
+        boot.check_room(["plan", "--hardware", "cpu", "--wait-for-resources", "2", "--templates", "tiny"])
+    assert e.value.code == 3 and asked == [("cpu", "auto", 2.0)]
+    assert "Held by: placement group X" in capsys.readouterr().err

@@ -30,8 +30,9 @@ from xema_ray.templates import RequestTemplate
 
 SMALL = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)
 LARGE = SMALL.with_(width=128, height=128)
-#: room beside the small entry's weights and static region: its dynamic region and its stray
-#: allocations fit, the large entry's 2.6 MB static region does not
+#: room beside the small entry's weights and static region: its dynamic region and what its plan
+#: misses on a CPU (~0.7 MB: CPU attention is not the analyzer's CUDA-like one) fit, the large
+#: entry's 2.6 MB static region does not
 ROOM = 1_200_000
 
 
@@ -90,6 +91,26 @@ def test_error_raised_if_a_batch_outgrows_the_host_arena_and_the_next_batch_runs
     assert alloc.out_of_memory(device=dev).events == 1
     w.shutdown()
     gc.collect()
+
+
+def test_an_armed_batch_leaves_no_static_block_so_the_next_one_arms_too(
+        monkeypatch: pytest.MonkeyPatch, layouts: tuple[Path, ExecutionConfig, ExecutionConfig, int]) -> None:
+    # the prompt embeddings the engine keeps (last_prompts) and the scheduler's timesteps and
+    # sigmas are allocated under the plan; kept past the batch they held a static block, and the
+    # next batch of the same template ran disarmed ("static blocks are still live")
+    folder, small, _, _ = layouts
+    monkeypatch.setattr(hash_seed, "seeded", lambda: True)
+    w = Worker(platform="cpu", static_allocator=True)
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    w.load_model(ModelLoadConfig(model="tiny-flux2", plans=(small,), layouts_dir=folder))
+    results = []
+    for i in range(3):
+        results.append(w.execute(_batch(small, f"r{i}")))
+        assert w.allocator.stats(device=w.alloc_device).static_active_bytes == 0
+    assert all(r.layout_armed and r.layout_note is None for r in results), [r.layout_note for r in results]
+    assert len({r.layout_hits for r in results}) == 1 and results[0].layout_hits > 0
+    assert len({r.outputs[0].data for r in results}) == 1
+    w.shutdown()
 
 
 def test_caching_allocator_oom_becomes_device_out_of_memory() -> None:

@@ -9,6 +9,7 @@ a group cannot run is refused at start-up; weights load from a local diffusers d
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -159,13 +160,19 @@ def test_checkpoint_load_equals_seeded_build(model: str, tmp_path) -> None:  # t
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def test_error_raised_if_checkpoint_is_wrong(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_error_raised_if_checkpoint_is_wrong(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     spec = get_model_spec("tiny-flux2")
     with pytest.raises(CheckpointError, match=r"transformer/config.json: missing"):
         spec.build_transformer(BuildOptions(weights_dir=tmp_path))
-    _save_component(spec.build_transformer(BuildOptions()), tmp_path / "transformer", torch.bfloat16)
-    with pytest.raises(CheckpointError, match=r"stored as torch.bfloat16, this worker loads torch.float32"):
-        spec.build_transformer(BuildOptions(weights_dir=tmp_path))
+    # a checkpoint stored in another dtype is cast on load, with a log line (as from_pretrained(torch_dtype=...))
+    seeded = spec.build_transformer(BuildOptions())
+    _save_component(seeded, tmp_path / "transformer", torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="xema_ray.models.base"):
+        cast = spec.build_transformer(BuildOptions(weights_dir=tmp_path))
+    assert "tiny-flux2 transformer: stored as bfloat16, cast to float32 on load" in caplog.text
+    assert all(p.dtype == torch.float32 for p in cast.parameters())
+    ref = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in seeded.state_dict().items()}
+    assert all(torch.equal(ref[k], v) for k, v in cast.state_dict().items())
     # a checkpoint of another config: shapes differ, named with the file and what was expected
     cfg = json.loads((tmp_path / "transformer" / "config.json").read_text())
     _save_component(spec.build_transformer(BuildOptions()), tmp_path / "transformer", torch.float32)

@@ -72,6 +72,11 @@ def install_cuda_allocator(*, library: Path | None = None, cudart: Path | None =
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(alloc.library_path), "xema_torch_malloc", "xema_free")
         torch.cuda.memory.change_current_allocator(pluggable)
         alloc._pluggable = pluggable
+        # torch never forwards record_stream to a pluggable allocator: the transfers say it themselves
+        from xema_ray.platforms import streams
+
+        streams.set_mark_used_hook(lambda ptr, stream, device: alloc.mark_used(ptr, stream, device=device),
+                                   lambda waiter, other, device: alloc.stream_ordered(waiter, other, device=device))
         _INSTALLED = alloc
         return alloc
 

@@ -48,7 +48,7 @@ from xema_ray.allocator.solver import ReplayPlan, StaticLayout
 
 ArenaBackend = Literal["cuda", "host"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_DEVICES = 64
 
 _BACKEND_CODES: dict[str, int] = {"cuda": 0, "host": 1}
@@ -91,6 +91,12 @@ class AllocatorStats(BaseModel):
     arena_base: int = Field(description="Address of the static region (0 if none).")
     dynamic_base: int = Field(description="Address of the dynamic region (0 if none).")
     static_resizes: int = Field(description="resize_static calls that changed the static region.")
+    pending_free_bytes: int = Field(description="Bytes freed by torch but held until the other streams that used "
+                                                "them pass an event recorded at the free (part of active_bytes).")
+    peak_pending_free_bytes: int = Field(description="Peak of pending_free_bytes since the last reset_peaks.")
+    pending_blocks: int = Field(description="Blocks held so now.")
+    deferred_frees: int = Field(description="Frees deferred so far (stream-ordered frees).")
+    marked_uses: int = Field(description="mark_used calls on live blocks.")
 
 
 class _CStats(ctypes.Structure):
@@ -160,6 +166,10 @@ class _Library:
         sig: dict[str, tuple[Any, list[Any]]] = {
             "xema_malloc": (vp, [ctypes.c_size_t, ctypes.c_int, vp]),
             "xema_free": (None, [vp, ctypes.c_size_t, ctypes.c_int, vp]),
+            "xema_mark_used": (ctypes.c_int, [ctypes.c_int, vp, vp]),
+            "xema_poll": (ctypes.c_int, [ctypes.c_int]),
+            "xema_stream_ordered": (ctypes.c_int, [ctypes.c_int, vp, vp]),
+            "xema_host_stream_progress": (ctypes.c_int, [vp, u64, u64]),
             "xema_abi_version": (ctypes.c_int, []),
             "xema_last_error": (ctypes.c_char_p, []),
             "xema_init": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
@@ -431,6 +441,27 @@ class StaticAllocator:
         """Call ``xema_free`` directly."""
         _check_device(device)
         self._lib.c.xema_free(ptr, size, device, stream)
+
+    # ------------------------------------------------------------------ stream-ordered frees
+    def mark_used(self, ptr: int, stream: int, *, device: int = 0) -> bool:
+        """``stream`` uses the block at ``ptr`` (a storage's address): its free waits for that stream
+        (``xema_mark_used``, the arena's ``record_stream``). False: no live block of ours starts there."""
+        _check_device(device)
+        return self._lib.c.xema_mark_used(device, ptr, stream) == 0
+
+    def stream_ordered(self, waiter: int, other: int, *, device: int = 0) -> int:
+        """``waiter`` waited on a fresh event of ``other``: its blocks pending for ``other`` are free; how many."""
+        _check_device(device)
+        return self._lib.check(self._lib.c.xema_stream_ordered(device, waiter, other), f"stream_ordered on device {device}")
+
+    def poll(self, *, device: int = 0) -> int:
+        """Return the freed blocks whose streams have moved on to the free lists; how many."""
+        _check_device(device)
+        return self._lib.check(self._lib.c.xema_poll(device), f"poll on device {device}")
+
+    def host_stream_progress(self, stream: int, issued: int, completed: int) -> None:
+        """Host backend: ``stream`` has ``issued`` units of work of which ``completed`` ran."""
+        self._lib.check(self._lib.c.xema_host_stream_progress(stream, issued, completed), "host_stream_progress")
 
     # ------------------------------------------------------------------ recording
     @contextmanager

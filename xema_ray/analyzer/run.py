@@ -58,6 +58,9 @@ class TraceOptions:
     #: run each distinct DiT block call once and replay its allocations for the other blocks
     #: (``block_replay``; meta device only, exact: the tests compare event for event)
     replay_blocks: bool = False
+    #: components kept in a dtype of their own (``BuildOptions.component_dtypes``): an fp32 VAE
+    #: beside a bf16 transformer holds and decodes in twice the bytes, which the trace must count
+    component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
 
 
 def default_dtype_for(spec: ModelSpec) -> torch.dtype:
@@ -90,7 +93,8 @@ def trace_template(
     dtype = opts.dtype or default_dtype_for(spec)
     if opts.device == "meta" and spec.size == "real" and opts.count_host:
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
-    pipe = pipeline if pipeline is not None else spec.build_pipeline(BuildOptions(device=opts.device, dtype=dtype))
+    pipe = pipeline if pipeline is not None else spec.build_pipeline(
+        BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
     traced_steps = min(template.steps, REPLICATE_FROM + spec.settling_steps) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
@@ -137,6 +141,8 @@ def trace_template(
             "text_encoder": opts.text_encoder or "none",
         }
     )
+    if opts.component_dtypes:
+        raw.meta["component_dtypes"] = ",".join(f"{c}={str(d).removeprefix('torch.')}" for c, d in opts.component_dtypes)
     if replay is not None:
         raw.meta["block_replay"] = (f"{replay.replayed} replayed ({replay.replayed_hooked} beneath mitigation hooks)"
                                     f" / {replay.recorded} recorded")

@@ -84,6 +84,10 @@ class ConvCacheOffloadHook(ModelHook):
                 # its whole input as one anyway): drop it instead of copying it out and back
                 return out, None
             if cache.numel() * cache.element_size() >= self.min_bytes:
+                # at most one cache copy in flight: compute waits for the previous one (it had this
+                # convolution's kernels to finish), so the allocator holds at most one freed cache
+                # for the side stream instead of every cache of a frame batch
+                self.stream.wait(self.stream.record(), [])
                 return out, OffloadedTensor(cache, self.stream)
         return output
 

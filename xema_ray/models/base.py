@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,12 +27,45 @@ if TYPE_CHECKING:
 
     from xema_ray.templates import RequestTemplate
 
+logger = logging.getLogger(__name__)
+
 ModelSize = Literal["real", "tiny"]
 ModelKind = Literal["image", "video"]
 #: where the text encoder runs: on the device for the whole request, streamed layer by layer
 #: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
 #: (prompt embeddings are seeded stand-ins, ARCHITECTURE.md "Prompts")
 TextEncoderPlacement = Literal["device", "streamed", "cpu"]
+
+
+#: the dtypes a deployment may name (YAML ``dtype`` / ``component_dtypes``)
+DTypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtypes(spec: ModelSpec, dtype: str | None = None, components: dict[str, str] | None = None
+                 ) -> tuple[torch.dtype, tuple[tuple[str, torch.dtype], ...]]:
+    """The dtype a model group computes in and its components kept in another one, resolved from a
+    deployment's names: ``dtype`` None = bfloat16 for real models, float32 for tiny ones.
+
+    Raises:
+        ValueError: a component the model does not have, or the transformer (it is the group's
+            ``dtype``: its inputs are made in it).
+
+    Example:
+        >>> from xema_ray.models import get_model_spec
+        >>> model_dtypes(get_model_spec("cogvideox-5b"), None, {"vae": "float32"})
+        (torch.bfloat16, (('vae', torch.float32),))
+    """
+    base = DTYPES[dtype] if dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
+    kept = []
+    for name, d in sorted((components or {}).items()):
+        allowed = [c for c in spec.component_names() if c != "transformer"]
+        if name not in allowed:
+            raise ValueError(f"component_dtypes: {spec.name} has no component {name!r} to keep in another dtype "
+                             f"(allowed: {', '.join(allowed)}; the transformer runs in the group's dtype)")
+        if DTYPES[d] != base:
+            kept.append((name, DTYPES[d]))
+    return base, tuple(kept)
 
 
 def load_config(name: str) -> dict[str, Any]:
@@ -94,6 +128,14 @@ class BuildOptions:
     #: the text encoder: None = with real weights (a ``text_encoder`` folder in ``weights_dir``) on
     #: the device, else none; or a placement (random weights at the real config without a checkpoint)
     text_encoder: TextEncoderPlacement | Literal["none"] | None = None
+    #: components kept in a dtype of their own, e.g. ``(("vae", torch.float32),)``: CogVideoX-5b's
+    #: repository stores its VAE in fp32; kept so, it holds twice the bytes the trace must count.
+    #: Every other component is built (and a checkpoint's tensors cast on load) in ``dtype``.
+    component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+
+    def dtype_for(self, component: str) -> torch.dtype:
+        """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""
+        return dict(self.component_dtypes).get(component, self.dtype)
 
     def encoder_placement(self) -> TextEncoderPlacement | None:
         """The encoder placement these options ask for (None: no encoder)."""
@@ -194,6 +236,7 @@ class ModelSpec(ABC):
         )
         from xema_ray.placement import WeightHome, PLACEMENT_ATTR
 
+        dtype = opts.dtype_for(subfolder)
         source: WeightSource
         if opts.weights_dir is not None:
             if opts.device == "meta":
@@ -206,26 +249,26 @@ class ModelSpec(ABC):
                 raise CheckpointError(f"{config_file}: missing (expected the {subfolder} component's config.json, "
                                       f"as save_pretrained writes it)")
             config = json.loads(config_file.read_text())
-            stored = checkpoint_dtype(directory)
-            if stored is not None and stored != opts.dtype:
-                from xema_ray.models.loading import CheckpointError
-
-                raise CheckpointError(f"{directory}: weights are stored as {stored}, this worker loads "
-                                      f"{opts.dtype} (set the model's dtype to match the checkpoint)")
+            _log_cast(self.name, subfolder, checkpoint_dtype(directory), dtype)
             source = CheckpointWeights(directory)
         else:
             source = SeededWeights(opts.seed, subfolder)
         prefixes = tuple(p.removeprefix(subfolder + ".") for p in opts.host_modules if p.startswith(subfolder + "."))
         if opts.device == "meta" and not prefixes and not opts.place_on_meta:
-            return build_on_meta(cls, config, opts.dtype, real_buffers=False)  # analysis: the meta tree is the model
-        model = build_on_meta(cls, config, opts.dtype)
+            model = build_on_meta(cls, config, dtype, real_buffers=False)  # analysis: the meta tree is the model
+        else:
+            model = build_on_meta(cls, config, dtype)
 
-        def home_of(path: str) -> WeightHome:
-            host = any(path == p or path.startswith(p + ".") for p in prefixes)
-            return WeightHome.HOST if host else WeightHome.DEVICE
+            def home_of(path: str) -> WeightHome:
+                host = any(path == p or path.startswith(p + ".") for p in prefixes)
+                return WeightHome.HOST if host else WeightHome.DEVICE
 
-        report = materialize(model, torch.device(opts.device), opts.dtype, source, home_of)
-        setattr(model, PLACEMENT_ATTR, report)
+            report = materialize(model, torch.device(opts.device), dtype, source, home_of)
+            setattr(model, PLACEMENT_ATTR, report)
+        if opts.component_dtypes and subfolder != "transformer":
+            # components of two dtypes meet: each takes its inputs in its own (the transformer is
+            # in the pipeline's dtype, which its inputs are made in; its children keep theirs)
+            cast_inputs_to_own_dtype(model)
         return model
 
     def build_text_encoder(self, opts: BuildOptions) -> tuple[nn.Module | None, Any]:
@@ -243,6 +286,7 @@ class ModelSpec(ABC):
         spec = self.text_encoder
         if placement is None or spec is None:
             return None, None
+        dtype = opts.dtype_for("text_encoder")
         directory = Path(opts.weights_dir) / "text_encoder" if opts.weights_dir is not None else None
         tok_dir = Path(opts.weights_dir) / "tokenizer" if opts.weights_dir is not None else None
         tokenizer = load_tokenizer(tok_dir) if tok_dir is not None and tok_dir.is_dir() else build_tokenizer(spec)
@@ -250,11 +294,14 @@ class ModelSpec(ABC):
         if directory is not None and directory.is_dir():
             if opts.device == "meta":
                 raise ValueError("weights_dir is for real execution; analysis on meta needs no weights")
-            loaded = spec.model_class().from_pretrained(str(directory), dtype=opts.dtype)
+            from xema_ray.models.loading import checkpoint_dtype
+
+            _log_cast(self.name, "text_encoder", checkpoint_dtype(directory), dtype)
+            loaded = spec.model_class().from_pretrained(str(directory), dtype=dtype)
             source = LoadedWeights(loaded, str(directory))
         else:
             source = SeededWeights(opts.seed, "text_encoder")
-        model = build_encoder_on_meta(spec, opts.dtype)
+        model = build_encoder_on_meta(spec, dtype)
         device = torch.device("cpu") if placement == "cpu" and opts.device != "meta" else torch.device(opts.device)
         prefixes: tuple[str, ...] = spec.streamed_host_modules() if placement == "streamed" else ()
         if placement == "cpu":
@@ -264,7 +311,7 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        report = materialize(model, device, opts.dtype, source, home_of)
+        report = materialize(model, device, dtype, source, home_of)
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
             from xema_ray.placement import WEIGHT_HOME_ATTR
@@ -272,6 +319,32 @@ class ModelSpec(ABC):
             for _, unit in spec.units(model):
                 setattr(unit, WEIGHT_HOME_ATTR, WeightHome.HOST.value)  # streamed by block offload's hooks
         return model, tokenizer
+
+    def component_names(self) -> tuple[str, ...]:
+        """The pipeline's weight-holding components, as ``model_index.json`` and the repository's
+        folders name them (what ``BuildOptions.component_dtypes`` may address)."""
+        return ("transformer", "vae", "text_encoder")
+
+    def scheduler(self, cls: type[Any], default_config: dict[str, Any], opts: BuildOptions) -> Any:
+        """The pipeline's scheduler: the repository's ``scheduler/scheduler_config.json`` when
+        ``opts.weights_dir`` has one, else ``default_config`` (the published repository's values).
+
+        Raises:
+            CheckpointError: the repository names another scheduler class (the analyzer traced
+                this one: another may keep state across steps and allocate differently).
+        """
+        if opts.weights_dir is not None:
+            path = Path(opts.weights_dir) / "scheduler" / "scheduler_config.json"
+            if path.is_file():
+                config = json.loads(path.read_text())
+                named = config.get("_class_name", cls.__name__)
+                if named != cls.__name__:
+                    from xema_ray.models.loading import CheckpointError
+
+                    raise CheckpointError(f"{path}: _class_name is {named!r}; {self.name} runs {cls.__name__} (its "
+                                          "plans were traced with it)")
+                return cls.from_config(config)
+        return cls.from_config(default_config)
 
     def build_transformer(self, opts: BuildOptions) -> nn.Module:
         """The DiT denoiser (real weights, random weights or meta, per ``opts``)."""
@@ -384,3 +457,40 @@ class ModelSpec(ABC):
         gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
         return x.to(device=device, dtype=dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _log_cast(model: str, component: str, stored: torch.dtype | None, dtype: torch.dtype) -> None:
+    """One log line per component a checkpoint stores in another dtype than it is loaded in: cast on
+    load, as diffusers' ``from_pretrained(torch_dtype=...)`` does. Keeping it as stored is the
+    deployment's choice (``component_dtypes``), which the plans are then traced with."""
+    if stored is None or stored == dtype:
+        return
+    keep = ("set the group's dtype to compute in it" if component == "transformer"
+            else f"keep it with component_dtypes: {{{component}: {_dtype_name(stored)}}}")
+    logger.info("%s %s: stored as %s, cast to %s on load (%s)", model, component, _dtype_name(stored),
+                _dtype_name(dtype), keep)
+
+
+def cast_inputs_to_own_dtype(component: nn.Module) -> None:
+    """Let a component of a pipeline whose components differ in dtype (an fp32 VAE beside a bf16
+    transformer) take its inputs in another dtype: the component and its direct children cast
+    floating tensor arguments to the component's dtype as they are called (forward pre-hooks, so
+    ``vae.decode`` -> ``vae.decoder(z)`` is covered), as diffusers pipelines that call
+    ``latents.to(vae.dtype)`` do themselves (CogVideoX's does not). The cast copy is a real
+    allocation: the analyzer's trace counts it as the worker makes it."""
+    own = next((p.dtype for p in component.parameters() if p.is_floating_point()), None)
+    if own is None:
+        return
+
+    def cast(x: Any) -> Any:
+        return x.to(own) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != own else x
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    for module in (component, *component.children()):
+        module.register_forward_pre_hook(hook, with_kwargs=True)

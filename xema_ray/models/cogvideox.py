@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
     from xema_ray.templates import RequestTemplate
 
-# CogVideoXDDIMScheduler config published with CogVideoX-5b. DDIM keeps no state across steps,
-# so every denoising step allocates the same pattern (the analyzer replicates one step).
+# CogVideoXDDIMScheduler config published with CogVideoX-5b (used when a weights directory has no
+# scheduler/scheduler_config.json: random weights, tiny checkpoints). DDIM keeps no state across
+# steps, so every denoising step allocates the same pattern (the analyzer replicates one step).
 SCHEDULER_CONFIG: dict[str, Any] = {
     "beta_start": 0.00085,
     "beta_end": 0.012,
@@ -106,7 +107,7 @@ class CogVideoXSpec(ModelSpec):
             text_encoder=text_encoder,
             vae=vae,
             transformer=self.build_transformer(opts),
-            scheduler=CogVideoXDDIMScheduler.from_config(SCHEDULER_CONFIG),
+            scheduler=self.scheduler(CogVideoXDDIMScheduler, SCHEDULER_CONFIG, opts),
         )
         pipe.set_progress_bar_config(disable=True)
         return pipe

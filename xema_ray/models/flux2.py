@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
     from xema_ray.templates import RequestTemplate
 
-# FlowMatchEulerDiscreteScheduler config published with FLUX.2-dev.
+# FlowMatchEulerDiscreteScheduler config published with FLUX.2-dev (used when a weights directory has
+# no scheduler/scheduler_config.json).
 SCHEDULER_CONFIG: dict[str, Any] = {
     "base_image_seq_len": 256,
     "base_shift": 0.5,
@@ -75,7 +76,7 @@ class Flux2Spec(ModelSpec):
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = Flux2Pipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, SCHEDULER_CONFIG, opts),
             vae=self.build_vae(opts),
             text_encoder=text_encoder,
             tokenizer=tokenizer,

@@ -279,6 +279,9 @@ class LTX2Spec(ModelSpec):
 
         return AutoencoderKLLTX2Video
 
+    def component_names(self) -> tuple[str, ...]:
+        return ("transformer", "vae", "audio_vae", "connectors", "vocoder", "text_encoder")
+
     def build_audio_vae(self, opts: BuildOptions) -> nn.Module:
         """The audio VAE (its decoder turns audio latents into a stereo mel spectrogram)."""
         from diffusers import AutoencoderKLLTX2Audio
@@ -305,7 +308,7 @@ class LTX2Spec(ModelSpec):
             raise ValueError(f"{self.name}: weights_dir is for real execution; analysis on meta needs no weights")
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = LTX2Pipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(component_config("ltx2_scheduler.json")),
+            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, component_config("ltx2_scheduler.json"), opts),
             vae=self.build_vae(opts),
             audio_vae=self.build_audio_vae(opts),
             text_encoder=text_encoder,

@@ -108,7 +108,7 @@ class QwenImageSpec(ModelSpec):
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = QwenImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, SCHEDULER_CONFIG, opts),
             vae=self.build_vae(opts),
             text_encoder=text_encoder,
             tokenizer=tokenizer,

@@ -147,15 +147,54 @@ def build_tokenizer(spec: TextEncoderSpec) -> Any:
 
 
 def load_tokenizer(directory: Any) -> Any:
-    """A checkpoint's tokenizer: its processor where it has one (Flux.2's Mistral-3), else the tokenizer."""
+    """A checkpoint's tokenizer, as its repository ships it: ``tokenizer.json`` (Gemma), a
+    SentencePiece ``spiece.model`` (CogVideoX's T5; needs ``sentencepiece``) or the text half of a
+    processor folder (FLUX.2-dev's ``PixtralProcessor``: prompts are text only, and the processor's
+    image half would need torchvision). The folder's chat template comes with it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def save_published_tokenizer(spec: TextEncoderSpec, tokenizer: Any, class_name: str, directory: Any) -> None:
+    """Write ``tokenizer`` (``build_tokenizer``'s) into ``directory`` as a repository ships a
+    tokenizer of ``class_name``: ``T5Tokenizer`` as a SentencePiece model trained here on the same
+    corpus, ``GemmaTokenizerFast`` as its tokenizer.json, ``PixtralProcessor`` as the tokenizer and
+    chat template with the processor's two config files beside them."""
+    import json
     from pathlib import Path
 
-    from transformers import AutoProcessor, AutoTokenizer
-
     d = Path(directory)
-    if (d / "processor_config.json").exists() or (d / "preprocessor_config.json").exists():
-        return AutoProcessor.from_pretrained(str(d))
-    return AutoTokenizer.from_pretrained(str(d))
+    d.mkdir(parents=True, exist_ok=True)
+    if class_name == "T5Tokenizer":
+        import io
+
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(_CORPUS.split(". ") * 8), model_writer=model, vocab_size=min(96, spec.vocab_size),
+            model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+        (d / "spiece.model").write_bytes(model.getvalue())
+        config = {"tokenizer_class": "T5Tokenizer", "model_max_length": spec.max_tokens, "extra_ids": 0,
+                  "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    elif class_name == "GemmaTokenizerFast":
+        from transformers import GemmaTokenizer
+
+        GemmaTokenizer(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>", eos_token="</s>",
+                       unk_token="<unk>", bos_token="<s>", padding_side="left",
+                       model_max_length=spec.max_tokens).save_pretrained(str(d))
+    elif class_name == "PixtralProcessor":
+        tokenizer.save_pretrained(str(d))
+        (d / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "image_token": "[IMG]", "patch_size": 14, "spatial_merge_size": 2},
+            indent=2))
+        (d / "preprocessor_config.json").write_text(json.dumps(
+            {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+             "patch_size": {"height": 14, "width": 14}, "size": {"longest_edge": 1540}}, indent=2))
+    else:
+        raise ValueError(f"no published tokenizer layout for {class_name!r}")
 
 
 @contextlib.contextmanager

@@ -141,17 +141,19 @@ class WanSpec(ModelSpec):
         return {"video": self.latent_frames(t) * (t.height // m) * (t.width // m), "text": self.text_tokens}
 
     # ------------------------------------------------------------------ the two experts
-    def scheduler(self) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=self.sampling.flow_shift)
+    @property
+    def scheduler_config(self) -> dict[str, Any]:
+        """Flow-matching Euler at the Wan team's shift (the module docstring says why not UniPC)."""
+        return {"num_train_timesteps": 1000, "shift": self.sampling.flow_shift}
 
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer runs which denoising steps: the pipeline's own rule (``t >= boundary``
         runs ``transformer``), on the schedule the scheduler makes for ``t.steps``."""
         if not self.two_experts:
             return super().expert_stages(t)
-        sched = self.scheduler()
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
         sched.set_timesteps(t.steps, device="cpu")
         boundary = self.sampling.boundary_ratio * sched.config.num_train_timesteps  # type: ignore[operator]
         high = int(sum(1 for ts in sched.timesteps.tolist() if ts >= boundary))
@@ -178,19 +180,22 @@ class WanSpec(ModelSpec):
 
         return AutoencoderKLWan
 
+    def component_names(self) -> tuple[str, ...]:
+        return ("transformer", "transformer_2", "vae", "text_encoder") if self.two_experts else super().component_names()
+
     def build_transformer_2(self, opts: BuildOptions) -> nn.Module:
         """The low-noise expert: the same architecture, its own weights (``transformer_2/``)."""
         return self._build(self.transformer_class(), self.transformer_config, "transformer_2", opts)
 
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import WanPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = WanPipeline(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
             vae=self.build_vae(opts),
-            scheduler=self.scheduler(),
+            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, self.scheduler_config, opts),
             transformer=self.build_transformer(opts),
             transformer_2=self.build_transformer_2(opts) if self.two_experts else None,
             boundary_ratio=self.sampling.boundary_ratio,

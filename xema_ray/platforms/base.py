@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +35,9 @@ class Platform(ABC):
     name: PlatformName
     #: torch.distributed backend for SP groups on this platform
     dist_backend: str
+    #: the static allocator's backend that can serve this platform's device memory ("cuda": torch's
+    #: pluggable allocator; "host": the emulated asynchronous device), None: none can
+    allocator_backend: str | None = None
 
     @abstractmethod
     def device(self, local_index: int = 0) -> torch.device:
@@ -50,6 +54,16 @@ class Platform(ABC):
     @abstractmethod
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
+
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around a batch's device work, on the thread that runs it (the emulated
+        asynchronous device puts that work's memory in its arena; a no-op elsewhere)."""
+        return contextlib.nullcontext()
+
+    def install_allocator(self, library: str, device_index: int, locate: Any = None) -> None:
+        """Serve this platform's device memory from ``library``'s ``xema_malloc``/``xema_free``
+        (``allocator_backend`` "host" only; CUDA installs through torch)."""
+        raise ValueError(f"the {self.name} platform cannot take a pluggable allocator")
 
     def release_cached_memory(self) -> None:
         """Hand memory the allocator caches but no tensor holds back to the device (no-op but on CUDA)."""

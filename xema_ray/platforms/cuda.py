@@ -97,6 +97,7 @@ def _nvlink_peers(bus_id: str) -> set[str]:
 class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
+    allocator_backend = "cuda"
 
     def device(self, local_index: int = 0) -> torch.device:
         return torch.device("cuda", local_index)

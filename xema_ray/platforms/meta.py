@@ -24,7 +24,10 @@ class MetaPlatform(Platform):
         return None
 
     def synchronize(self) -> None:
-        return None
+        # copies' sources a stream-ordered allocator held until now are let go (platforms.streams)
+        from xema_ray.platforms import streams
+
+        streams.synchronize(torch.device("meta"))
 
     def reset_peak_memory(self) -> None:
         return None

@@ -336,6 +336,7 @@ class ExecutionEngine:
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
             env = [self._batch_env(config, group, arm=armed)]
             stack.callback(lambda: env[0].close())
 

@@ -33,6 +33,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from xema_ray.platforms import streams as _device
+
 #: container depth searched for tensors in the paused frame (lists of lists of tensors, dicts...)
 _MAX_DEPTH = 4
 
@@ -108,18 +110,25 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _flat(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """The whole storage as one byte tensor (what a move copies)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
 def move_to_host(tensors: list[torch.Tensor], pin: bool) -> list[_Moved]:
-    """Re-point every tensor at a host copy of its storage (one copy per storage)."""
+    """Re-point every tensor at a host copy of its storage (one copy per storage). The copies are
+    synchronous (``platforms.streams.to_host`` without a side stream: the CPU waits for the device),
+    so each device storage may be reused as soon as its tensors let go of it."""
     by_storage: dict[int, _Moved] = {}
     for t in tensors:
         s = t.untyped_storage()
         key = s.data_ptr()
         moved = by_storage.get(key)
         if moved is None:
-            host = s.cpu() if t.device.type != "cpu" else s.clone()  # on a CPU box: a separate buffer
-            if pin and t.device.type != "cpu":
-                host = host.pin_memory()
-            moved = by_storage[key] = _Moved(t.device, host, [])
+            flat = _flat(s, t.device)
+            # on a CPU box: a separate buffer (the clone stands for the copy)
+            host = flat.clone() if _device.host_is_device(t.device) else _device.to_host(flat, pin=pin)[0]
+            moved = by_storage[key] = _Moved(t.device, host.untyped_storage(), [])
         moved.views.append((t, t.storage_offset(), t.size(), t.stride()))
     for moved in by_storage.values():
         for t, offset, size, stride in moved.views:
@@ -128,11 +137,13 @@ def move_to_host(tensors: list[torch.Tensor], pin: bool) -> list[_Moved]:
 
 
 def move_back(moved: list[_Moved]) -> None:
-    """Undo ``move_to_host``: one device copy per storage, every view re-pointed at it."""
+    """Undo ``move_to_host``: one device copy per storage (on the compute stream, which reads it
+    next), every view re-pointed at it."""
     for m in moved:
-        dev = m.host.to(device=m.device) if m.device.type != "cpu" else m.host.clone()
+        flat = _flat(m.host, torch.device("cpu"))
+        dev = flat.clone() if _device.host_is_device(m.device) else _device.to_device(flat, m.device, None)
         for t, offset, size, stride in m.views:
-            t.set_(dev, offset, size, stride)
+            t.set_(dev.untyped_storage(), offset, size, stride)
 
 
 @dataclass

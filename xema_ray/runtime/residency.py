@@ -33,6 +33,7 @@ from torch import nn
 from xema_ray.models import ModelSpec
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, WEIGHT_HOME_ATTR, WeightHome
 from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.platforms import streams as _device
 
 
 class Residency(BaseModel):
@@ -176,7 +177,7 @@ class ResidencyManager:
     def __post_init__(self) -> None:
         self.blocks = self.spec.dit_blocks(self.transformer)
         self.device = getattr(self.transformer, COMPUTE_DEVICE_ATTR, None) or next(self.transformer.parameters()).device
-        self._pin = self.device.type == "cuda"
+        self._pin = not _device.host_is_device(self.device)
         for i in self.current.host_blocks:
             setattr(self.blocks[i][1], WEIGHT_HOME_ATTR, WeightHome.HOST.value)
 
@@ -194,12 +195,15 @@ class ResidencyManager:
                 t.data = (torch.empty(t.shape, dtype=t.dtype, device="meta") if home is WeightHome.DEVICE
                           else placeholder(t.shape, t.dtype, self.device))
             elif home is WeightHome.DEVICE:
-                t.data = t.data.to(self.device)
+                # on the compute stream, allocated there (platforms.streams: the arena on the
+                # emulated device), ordered after the work issued so far
+                t.data = _device.to_device(t.data.detach(), self.device, None)
+            elif _device.host_is_device(self.device):
+                t.data = t.data.detach().clone()  # on CPU the "host" is the same memory: the clone stands for the copy
             else:
-                host = t.data.detach().to("cpu")
-                # pinned so block offload's host->device copies are asynchronous; on CPU the
-                # "host" is the same memory, and the clone stands for the copy a GPU makes
-                t.data = host.pin_memory() if self._pin else host.clone()
+                # synchronous (the CPU waits for the copy), so the device block may go at once;
+                # pinned so block offload's host->device copies are asynchronous
+                t.data = _device.to_host(t.data.detach(), pin=self._pin)[0]
             moved += nbytes
         if home is WeightHome.HOST:
             setattr(block, WEIGHT_HOME_ATTR, WeightHome.HOST.value)

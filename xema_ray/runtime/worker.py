@@ -17,6 +17,7 @@ worker that is busy in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import threading
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.models.base import DTypeName, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import SPBackend
@@ -42,9 +44,6 @@ from xema_ray.runtime.worker_base import WorkerBase
 
 ResidencyPolicy = Literal["per_template", "shared"]
 
-DTypeName = Literal["float32", "bfloat16", "float16"]
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ModelLoadConfig(BaseModel):
     """Which model a worker loads, and how."""
@@ -54,6 +53,9 @@ class ModelLoadConfig(BaseModel):
     model: str = Field(description="registry name, e.g. 'tiny-flux2' or 'cogvideox-5b'")
     weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
     dtype: DTypeName | None = Field(default=None, description="None = bfloat16 for real models, float32 for tiny ones")
+    component_dtypes: dict[str, DTypeName] = Field(
+        default_factory=dict, description="components kept in a dtype of their own (e.g. {'vae': 'float32'}, as "
+                                          "CogVideoX-5b stores it); the others are cast to dtype on load")
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
     plans: tuple[ExecutionConfig, ...] = Field(
         default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
@@ -113,6 +115,11 @@ class Worker(WorkerBase):
         w.init_device(ParallelConfig(rank=0, world_size=1))
         w.load_model(ModelLoadConfig(model="tiny-flux2"))
         result = w.execute(batch)
+
+    ``static_allocator``: on CUDA, install libxema_alloc as torch's allocator (before anything
+    touches CUDA) and arm the plans' layouts; on a CPU, the same library's host arena stands in
+    for the device (each batch's tensors mirrored into it, its limit the budget less the weights),
+    so layouts arm and a batch that outgrows it fails as ``DeviceOutOfMemory`` as on a GPU.
     """
 
     def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
@@ -143,6 +150,14 @@ class Worker(WorkerBase):
                 self.arm_layout = arm_layout or self._arm
             # the kernels a layout (and the analyzer) assume: cudnn.benchmark off, SDPA pinned; flags only
             pin_kernels()
+        elif static_allocator and self.platform.allocator_backend == "host":
+            # the emulated asynchronous device (tests): the host arena is its device memory
+            from xema_ray.allocator.emulated import install_host_allocator
+            from xema_ray.allocator.host_tensors import claim_host_device
+
+            self.alloc_device = claim_host_device()
+            self.allocator = install_host_allocator(self.platform, self.alloc_device)
+            self.arm_layout = arm_layout or self._arm
         elif static_allocator and self.platform.name == "cpu":
             # the host arena stands in for the device: each batch's tensors are mirrored into it, so
             # its layouts arm, its limit (the budget) holds and out of memory fails the batch as on CUDA
@@ -183,10 +198,11 @@ class Worker(WorkerBase):
         for c in load.plans:
             if c.template.model != spec.name:
                 raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
-        dtype = _DTYPES[load.dtype] if load.dtype else (torch.bfloat16 if spec.size == "real" else torch.float32)
+        dtype, kept = model_dtypes(spec, load.dtype, load.component_dtypes)
         residency = load.initial_residency()
         self.engine = self.residency = None  # drop the previous model before placing the next
         opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
+                            component_dtypes=kept,
                             host_modules=residency.host_modules(spec), place_on_meta=True,
                             text_encoder=load.encoder_placement())  # type: ignore[arg-type]
         pipe = spec.build_pipeline(opts)
@@ -196,6 +212,7 @@ class Worker(WorkerBase):
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        self._scheduler_as_loaded = copy.deepcopy(pipe.scheduler)  # no call's state yet
         placed = PlacementReport()
         for comp in pipe.components.values():
             report = getattr(comp, PLACEMENT_ATTR, None)
@@ -369,6 +386,16 @@ class Worker(WorkerBase):
             failure = device_out_of_memory(e, entry, str(self.device), record)
             if failure is None:
                 raise
+        finally:
+            if self.arena is not None:
+                # what the engine and the pipeline keep of a batch after it: the prompt embeddings
+                # (``last_prompts``) and the scheduler's timesteps and sigmas (diffusers'
+                # set_timesteps puts them on the device), allocated under the batch's plan. Left
+                # there they hold static blocks past the batch, so the next switch cannot re-size
+                # the static region and the next batch runs disarmed (or its plan falls back at
+                # their offsets).
+                self.engine.last_prompts = None
+                self.engine.pipe.scheduler = copy.deepcopy(self._scheduler_as_loaded)
         # out of the except block: the batch's frames (and tensors) went with the dropped tracebacks
         gc.collect()
         self.platform.release_cached_memory()

@@ -84,3 +84,69 @@ def node_memory_bytes() -> int:
     import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+class StartupError(ValueError):
+    """Something the deployment needs is missing: named, with what to do, before anything starts."""
+
+
+def preflight(cfg: ServeConfig) -> None:
+    """The checks a user's first start-up needs, run where ``xema serve`` starts (before planning):
+    every group's ``weights_dir`` is its model's diffusers directory with the folders it loads
+    (``xema_ray.models.published.check_weights_dir``), and a Redis job store answers. Each missing
+    piece is a start-up error naming it, never a failure at the first request.
+
+    Weights are read on the workers' nodes: a multi-node deployment keeps them at the same path on
+    every node, this one included (docs/install-gpu.md).
+
+    Raises:
+        StartupError: listing every problem found.
+    """
+    from xema_ray.models import get_model_spec
+    from xema_ray.models.published import WeightsDirError, check_weights_dir
+
+    problems = []
+    if cfg.device != "emulated":  # an emulated box loads no weights
+        for g in cfg.models:
+            if g.weights_dir is not None:
+                try:
+                    check_weights_dir(get_model_spec(g.model).family, g.model, g.weights_dir)
+                except WeightsDirError as e:
+                    problems.append(str(e))
+    if cfg.jobs.backend == "redis":
+        problem = redis_problem(cfg.jobs.redis_url or "", cfg.jobs.timeout_s)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise StartupError("cannot start:\n  " + "\n  ".join(problems))
+
+
+def redis_problem(url: str, timeout_s: float) -> str | None:
+    """None if a Redis server answers PING at ``url``, else what is wrong and how to start one."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as e:
+        return (f"jobs.redis_url {url}: no Redis answers ({type(e).__name__}: {e}); start one (redis-server "
+                "--port 6379, or your distribution's redis service) or set jobs.backend: sqlite on a single node")
+    return None
+
+
+def gpu_shortfall(cfg: ServeConfig, cluster_gpus: float) -> str | None:
+    """On ``device: cuda``, what is missing when the Ray cluster has fewer GPUs than the groups'
+    workers ask for (Serve would wait for them without saying why); None if they fit. A warning,
+    not an error: a cluster autoscaler (KubeRay) adds GPU nodes for the pending bundles."""
+    if cfg.device != "cuda":
+        return None
+    asked = {g.model: g.workers * g.replicas for g in cfg.models}
+    if sum(asked.values()) <= cluster_gpus:
+        return None
+    return (f"device: cuda: the groups' workers ask for {sum(asked.values())} GPUs ("
+            + ", ".join(f"{m} {n}" for m, n in asked.items()) + f"), the Ray cluster has {cluster_gpus:g} now: "
+            "the groups wait for them (nvidia-smi lists the machine's; CUDA_VISIBLE_DEVICES may hide some; without "
+            "an autoscaler adding GPU nodes, they never come: docs/install-gpu.md)")

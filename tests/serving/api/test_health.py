@@ -234,3 +234,36 @@ def test_healthz_asks_serve_at_once_when_the_handle_holds_the_probe() -> None:
 
     status, seconds = _run(run())
     assert status == "degraded" and seconds < 0.5
+
+
+class _KilledAfterAnswering(_Group):
+    """A replica that answers each probe as it was when the probe reached it: a probe sent before
+    the kill answers ``ok`` (late: the Router's loop is busy), every probe sent after raises."""
+
+    def remote(self) -> Any:
+        self.calls += 1
+        dead = self.error
+
+        async def answer() -> dict[str, Any]:
+            await asyncio.sleep(self.delay_s)
+            if dead is not None:
+                raise dead
+            return dict(self.own)
+
+        return answer()
+
+
+def test_healthz_does_not_take_an_answer_sent_before_it_asked_for_news() -> None:
+    group = _KilledAfterAnswering(delay_s=0.3)
+    health = GroupHealth({"m": group}, interval_s=0.01, pending_check_s=5.0)
+
+    async def run() -> str:
+        health.ensure_started()
+        await asyncio.sleep(0.45)  # the first answer is in, the second probe is on its way
+        assert health.report("m").status == "ok"
+        group.error = ActorDiedError()  # the replica dies; the probe in flight still answers ok
+        await health.fresh(wait_s=1.5)
+        return health.report("m").status
+
+    # the late "ok" was asked for before fresh(): only the next probe's answer is news
+    assert _run(run()) == "degraded"

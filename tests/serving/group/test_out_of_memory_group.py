@@ -96,3 +96,22 @@ def test_a_batch_out_of_device_memory_is_a_json_503_and_the_group_serves_on(monk
         small = asyncio.run(call(app, "POST", "/generate", json.dumps({"template": SMALL.shape_key}).encode()))
         assert small.status == 200 and small.json() == {"media_type": "image/png"}
         assert h.call(lambda g: g.layout_stats()).templates[LARGE.shape_key].out_of_memory == 2
+
+
+def test_a_ray_actors_out_of_memory_keeps_its_figures_across_the_boundary() -> None:
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    oom = DeviceOutOfMemory("tiny-flux2/128x128x1/s2/b1: out of device memory on cuda:0: asked 10 bytes; 4 free",
+                            "tiny-flux2/128x128x1/s2/b1", 10, 4, "cuda:0")
+    back = pickle.loads(pickle.dumps(oom))  # a worker actor's error is pickled to the group
+    assert (back.entry, back.requested_bytes, back.free_bytes, back.device, str(back)) == (
+        oom.entry, 10, 4, "cuda:0", str(oom))
+    wrapped = RayTaskError("execute", "traceback", back).as_instanceof_cause()  # as worker_set_ray raises it
+    assert isinstance(wrapped, DeviceOutOfMemory)
+    r = exception_response(RayTaskError("generate", "traceback", wrapped))  # and the group's replica again
+    assert r is not None and r.status_code == 503 and int(r.headers["retry-after"]) == OOM_RETRY_AFTER_S
+    err = json.loads(r.body)["error"]
+    assert (err["entry"], err["requested_bytes"], err["free_bytes"]) == (oom.entry, 10, 4)
+    assert err["message"] == str(oom)

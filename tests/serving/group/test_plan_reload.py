@@ -4,12 +4,15 @@ replaced once, and an unchanged table changes nothing. In-process workers, no Ra
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from bench.scenarios.group_harness import entry, request, running_group
 from xema_ray.plan import PlanTable
+from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
+from xema_ray.serving.group.worker_set import WORKER_KINDS, WorkerKind, worker_set_for
 from xema_ray.serving.group.plan_reload import GroupPlans, group_plans, plans_hash
 from xema_ray.templates import RequestTemplate
 
@@ -63,3 +66,32 @@ def test_group_plans_come_from_a_table_and_name_what_it_lacks() -> None:
     assert got.budget_bytes == 10**9 and got.layouts_dir is not None and got.layouts_dir.endswith("plans/t.layouts")
     with pytest.raises(ValueError, match="no plan for tiny-flux2/96x96"):
         group_plans(table, "tiny-flux2", [FLUX_S.shape_key, "tiny-flux2/96x96x1"], None)
+
+
+class _FlakyWorker(Worker):
+    """Loads once; later loads (the swap's new set) fail while ``failing`` is set."""
+
+    failing = threading.Event()
+
+    def load_model(self, load: ModelLoadConfig) -> LoadedModel:
+        if type(self).failing.is_set():
+            raise RuntimeError("the new worker died while loading")
+        return super().load_model(load)
+
+
+def test_a_swap_whose_workers_fail_to_load_serves_the_new_plans_once_a_rebuild_succeeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(WORKER_KINDS, "flaky", WorkerKind(_FlakyWorker, platform="cpu", backend="inprocess"))
+    with running_group("tiny-flux2", _plans(batch=1), device="flaky", wait_window_s=0.05, worker_set=worker_set_for) as h:
+        _FlakyWorker.failing.set()
+        new = GroupPlans(plans=_plans(batch=2))
+        h.call(lambda g: g.reconfigure(new.model_dump(mode="json")))
+        deadline = time.time() + 60
+        while (s := h.call(lambda g: g.status()))["plans_swapping"] and time.time() < deadline:
+            time.sleep(0.05)
+        # the dispatcher and the worker set agree on the new plans even though the set failed to load
+        assert s["plans_hash"] == new.hash and s["status"] == "degraded", s
+        _FlakyWorker.failing.clear()
+        a, b = (f.result(120) for f in [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"d{i}", "x", i)))
+                                        for i in range(2)])
+        assert a.batch_size == 2 and h.call(lambda g: g.status())["status"] == "ok"

@@ -92,6 +92,7 @@ class _Group:
     def __init__(self) -> None:
         self.last: dict[str, Any] | None = None  # the group's last status answer
         self.answered_at: float | None = None
+        self.asked_at: float | None = None  # when the probe that gave ``last`` was sent
         self.gone: str | None = None  # a death fact since the last answer
         self.gone_at: float | None = None
         self.pending_since: float | None = None
@@ -123,9 +124,10 @@ class GroupHealth:
         self._counts_asked = 0.0  # when the current controller call was made
 
     # ------------------------------------------------------------------ facts
-    def answered(self, model: str, status: dict[str, Any]) -> None:
+    def answered(self, model: str, status: dict[str, Any], asked_at: float | None = None) -> None:
         g = self._known[model]
         g.last, g.answered_at, g.gone, g.gone_at = status, time.monotonic(), None, None
+        g.asked_at = g.answered_at if asked_at is None else asked_at
         g.gone_event.clear()
 
     def died(self, model: str, reason: str) -> None:
@@ -164,8 +166,10 @@ class GroupHealth:
         counts = asyncio.ensure_future(self._replica_counts(newer_than=start))
 
         def news(m: str) -> bool:
+            # an answer counts only if its probe was sent after this call: under load the Router's
+            # loop may read, after ``start``, an answer a replica gave just before it was killed
             g = self._known[m]
-            return any(t is not None and t >= start for t in (g.answered_at, g.gone_at)) or g.gone is not None
+            return any(t is not None and t >= start for t in (g.asked_at, g.gone_at)) or g.gone is not None
 
         while not all(news(m) for m in self.groups) and time.monotonic() - start < wait_s:
             got = counts.result() if counts.done() else None
@@ -197,7 +201,7 @@ class GroupHealth:
         """One status call, waited for as long as it takes; while it waits, Serve's controller is
         asked (every ``pending_check_s``) whether the group still has a running replica."""
         g = self._known[model]
-        g.pending_since = time.monotonic()
+        g.pending_since = asked_at = time.monotonic()
         call = asyncio.ensure_future(self._status(model))
         try:
             while True:
@@ -206,7 +210,7 @@ class GroupHealth:
                     break
                 await self._check_replicas(model)
             try:
-                self.answered(model, call.result())
+                self.answered(model, call.result(), asked_at)
             except Exception as e:
                 if is_death(e):
                     self.died(model, f"its replica died ({type(e).__name__}); Serve is replacing it")

@@ -162,6 +162,7 @@ class ModelGroup(PublishesSummary):
 
         c = self.config
         load = ModelLoadConfig(model=self.model, weights_dir=c.weights_dir, residency=c.residency or "per_template",
+                               dtype=c.dtype, component_dtypes=c.component_dtypes,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
         return WorkerSetSpec(
@@ -198,9 +199,14 @@ class ModelGroup(PublishesSummary):
             settings = self._settings.model_copy(update={
                 "layouts_dir": Path(new.layouts_dir) if new.layouts_dir else None, "budget_bytes": new.budget_bytes,
                 "admission": new.admission})
-            await self.workers.replace(self._worker_spec(new.plans, settings))
+            # the new set reports its layouts' status to these on load
+            self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in new.plans.items()})
+            failed: RebuildFailed | None = None
+            try:
+                await self.workers.replace(self._worker_spec(new.plans, settings))
+            except RebuildFailed as e:  # the set keeps the new spec: the next batch's rebuild loads the new plans
+                failed = e
             self._settings, self.entries = settings, dict(new.plans)
-            self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in self.entries.items()})
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
                 t = e.config.template
@@ -208,6 +214,8 @@ class ModelGroup(PublishesSummary):
                 self._tell_phases(k, self.estimates[k])
             self.plans_hash = new.hash
             self.reload.swapped(new)
+            if failed is not None:
+                raise failed
         finally:
             self.reload.holding = False
             if self._wake is not None:
@@ -407,8 +415,9 @@ class ModelGroup(PublishesSummary):
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
+                cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()
                 self.metrics.out_of_memory.inc(tags={"template": a.template})
-                self.layout_counters.out_of_memory(a.template, str(e))
+                self.layout_counters.out_of_memory(a.template, str(cause))
             for r in a.requests:
                 t = _ticket(r)
                 if t.job_id is not None:

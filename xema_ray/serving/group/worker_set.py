@@ -109,7 +109,8 @@ class WorkerSetSpec(BaseModel):
     layouts: tuple[tuple[int, int], ...] = Field(default=(), description="(ulysses, ring) of every SP > 1 layout the plans use")
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs one worker asks for")
     concurrency: int = Field(default=1, ge=1, description="calls a worker serves at once (>1: preemption reaches a busy worker)")
-    static_allocator: bool = Field(default=False, description="CUDA workers install the static allocator")
+    static_allocator: bool = Field(default=False, description="CUDA workers install the static allocator; CPU "
+                                   "workers mirror their batches into its host arena (xema_ray.allocator.host_tensors)")
     backend: WorkerSetBackend | None = Field(default=None, description="None: the kind's own (Ray actors for cpu and cuda)")
 
     def kind(self) -> WorkerKind:
