@@ -56,3 +56,20 @@ def test_real_model_on_meta_shows_both_experts_and_the_switch() -> None:
     assert w["transformer"] == w["transformer_2"] and 28 * GB < w["transformer"] < 29 * GB  # 14.3 B params in bf16
     assert [(e.component, e.first_step) for e in s.experts] == [("transformer", 0), ("transformer_2", 25)]
     assert s.peak_bytes > w["transformer"] + w["transformer_2"]
+
+
+def test_ti2v_5b_has_its_own_vae_with_16x_compression_at_24_fps() -> None:
+    spec = get_model_spec("wan2.2-ti2v-5b")
+    assert (spec.vae_scale_factor, spec.spatial_multiple, spec.frame_rate) == (16, 32, 24.0)
+    assert not spec.two_experts and spec.vae_config["z_dim"] == 48
+    assert [t.shape_key for t in named_templates("wan2.2-ti2v-5b")] == ["wan2.2-ti2v-5b/1280x704x121"]
+    with pytest.raises(ValueError, match="multiples of 32"):
+        RequestTemplate(model="wan2.2-ti2v-5b", height=720, width=1280, frames=121)
+
+
+def test_ti2v_5b_720p_on_meta_fits_the_published_24gb_with_the_encoder_on_the_host() -> None:
+    # the Wan team: TI2V-5B 1280x704 "can run on a GPU with at least 24GB VRAM" with --t5_cpu
+    t = RequestTemplate(model="wan2.2-ti2v-5b", height=704, width=1280, frames=121, steps=50)
+    s = summarize(trace_template(t))  # stand-in embeddings: the encoder is not on the device
+    assert 9.9 * GB < s.weight_bytes_by_component["transformer"] < 10.1 * GB  # 5.0 B parameters
+    assert s.experts == [] and s.peak_bytes < 24 * GB

@@ -84,6 +84,15 @@ def _qwen_image(size: str) -> ModelSpec:
     return spec
 
 
+def _wan22_ti2v_5b() -> ModelSpec:
+    from xema_ray.models.text_encoders import TextEncoderSpec
+    from xema_ray.models.wan import TI2V_5B_SAMPLING, WanSpec
+
+    spec = WanSpec("wan2.2-ti2v-5b", "real", "wan22_ti2v5b_transformer.json", "wan22_vae.json", TI2V_5B_SAMPLING)
+    spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    return spec
+
+
 _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "flux2": lambda: _flux2("real"),
     "cogvideox-5b": lambda: _cogvideox("real"),
@@ -93,6 +102,7 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "tiny-ltx2": lambda: _ltx2("tiny"),
     "wan2.2-t2v-a14b": lambda: _wan22("real"),
     "tiny-wan2.2": lambda: _wan22("tiny"),
+    "wan2.2-ti2v-5b": _wan22_ti2v_5b,
     "qwen-image": lambda: _qwen_image("real"),
     "tiny-qwen-image": lambda: _qwen_image("tiny"),
 }

@@ -1,5 +1,8 @@
 """Wan2.2: text-to-video DiTs; the A14B variant is two 14 B experts that take turns.
 
+Two models: Wan2.2-T2V-A14B (two experts, the Wan2.1 VAE, 16 fps) and Wan2.2-TI2V-5B (one 5 B
+transformer, the Wan2.2 VAE with 16x spatial compression, 24 fps, a timestep per latent token).
+
 Wan2.2-T2V-A14B denoises with two transformers of one architecture (40 blocks, width 5120): the
 *high-noise* expert (``transformer``) for timesteps at or above ``boundary_ratio`` x 1000, the
 *low-noise* expert (``transformer_2``) after that. Only one runs at a time, but diffusers'
@@ -57,6 +60,8 @@ class WanSampling:
     guidance_scale_2: float = 3.0
     frame_rate: float = 16.0
     text_tokens: int = 512
+    #: one timestep per latent token (TI2V-5B: ``WanPipeline(expand_timesteps=True)``)
+    expand_timesteps: bool = False
 
     def __post_init__(self) -> None:
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
@@ -69,6 +74,9 @@ class WanSampling:
 A14B_SAMPLING = WanSampling()
 #: the tiny model: the same schedule and switch, 8 prompt tokens
 TINY_SAMPLING = WanSampling(text_tokens=8)
+#: Wan2.2-TI2V-5B (``wan/configs/wan_ti2v_5B.py``): one transformer, shift 5, CFG 5.0, 24 fps
+TI2V_5B_SAMPLING = WanSampling(boundary_ratio=None, flow_shift=5.0, guidance_scale=5.0, frame_rate=24.0,
+                               expand_timesteps=True)
 
 
 class WanSpec(ModelSpec):
@@ -97,7 +105,10 @@ class WanSpec(ModelSpec):
         super().__init__(name, size, transformer_config, vae_config)
         self.sampling = sampling
         self.frame_rate = sampling.frame_rate
-        if size == "real":  # 480p and 720p at 81 frames (5 s at 16 fps), 40 steps: the Wan team's
+        if size == "real" and not self.two_experts:  # TI2V-5B: 720p is 1280x704 (multiples of 32), 121 frames at 24 fps
+            self.reference_sizes = ((1280, 704, 121),)
+            self.reference_steps = 50
+        elif size == "real":  # 480p and 720p at 81 frames (5 s at 16 fps), 40 steps: the Wan team's
             self.reference_sizes = ((832, 480, 81), (1280, 720, 81))
             self.reference_steps = 40
         else:
@@ -199,6 +210,7 @@ class WanSpec(ModelSpec):
             transformer=self.build_transformer(opts),
             transformer_2=self.build_transformer_2(opts) if self.two_experts else None,
             boundary_ratio=self.sampling.boundary_ratio,
+            expand_timesteps=self.sampling.expand_timesteps,
         )
         pipe.set_progress_bar_config(disable=True)
         return pipe
