@@ -73,3 +73,14 @@ def test_ti2v_5b_720p_on_meta_fits_the_published_24gb_with_the_encoder_on_the_ho
     s = summarize(trace_template(t))  # stand-in embeddings: the encoder is not on the device
     assert 9.9 * GB < s.weight_bytes_by_component["transformer"] < 10.1 * GB  # 5.0 B parameters
     assert s.experts == [] and s.peak_bytes < 24 * GB
+
+
+def test_the_serving_worker_on_meta_runs_both_experts() -> None:
+    """``xema verify``'s path: the worker's own load and call on meta cross the switch."""
+    from xema_ray.measure.verify import worker_trace
+    from xema_ray.plan import ExecutionConfig
+
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    trace = worker_trace(ExecutionConfig(template=t))  # raised before the low-noise expert's inputs went to meta
+    assert len(trace.step_bounds) == 6 and trace.peak() > 0
+    assert trace.loaded_bytes > 2 * 115_000  # both experts placed at load (115 kB each, fp32)

@@ -140,10 +140,12 @@ class QwenImageSpec(ModelSpec):
                 "negative_prompt_embeds": neg, "negative_prompt_embeds_mask": ones.clone()}
 
     def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Qwen2.5-VL embeddings of the prompts and of the one-space negative prompt, padded."""
-        pos, pos_mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=self.text_tokens)
-        neg, neg_mask = pipe.encode_prompt(prompt=[NEGATIVE_PROMPT] * len(prompts), device=device,
-                                           max_sequence_length=self.text_tokens)
+        """Qwen2.5-VL embeddings of the prompts and of the one-space negative prompt, padded (on meta
+        under the shims that read no values: the planner traces encoding on its own)."""
+        with _meta_masks_all_ones() if torch.device(device).type == "meta" else contextlib.nullcontext():
+            pos, pos_mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=self.text_tokens)
+            neg, neg_mask = pipe.encode_prompt(prompt=[NEGATIVE_PROMPT] * len(prompts), device=device,
+                                               max_sequence_length=self.text_tokens)
         pos, pos_mask = self._padded(pos.to(dtype), pos_mask)
         neg, neg_mask = self._padded(neg.to(dtype), neg_mask)
         return {"prompt_embeds": pos, "prompt_embeds_mask": pos_mask,
