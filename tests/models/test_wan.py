@@ -84,3 +84,15 @@ def test_the_serving_worker_on_meta_runs_both_experts() -> None:
     trace = worker_trace(ExecutionConfig(template=t))  # raised before the low-noise expert's inputs went to meta
     assert len(trace.step_bounds) == 6 and trace.peak() > 0
     assert trace.loaded_bytes > 2 * 115_000  # both experts placed at load (115 kB each, fp32)
+
+
+def test_the_video_api_maps_seconds_at_each_wan_models_frame_rate() -> None:
+    from xema_ray.serving.api.videos import UnsupportedTemplate, VideoCreate, map_video_request
+
+    served = {t.shape_key: t for t in [*named_templates("wan2.2-t2v-a14b"), *named_templates("wan2.2-ti2v-5b")]}
+    a14b = map_video_request(VideoCreate(model="wan2.2-t2v-a14b", prompt="p", size="1280x720", seconds="5"), served)
+    assert a14b.frames == 81  # 5 s at 16 fps: 1 + 80 frames
+    ti2v = map_video_request(VideoCreate(model="wan2.2-ti2v-5b", prompt="p", size="1280x704", seconds="5"), served)
+    assert ti2v.frames == 121  # 5 s at 24 fps: 1 + 120 frames
+    with pytest.raises(UnsupportedTemplate, match="does not serve 10 s"):
+        map_video_request(VideoCreate(model="wan2.2-t2v-a14b", prompt="p", size="1280x720", seconds="10"), served)
