@@ -29,7 +29,9 @@ HEAVY_MODULES = ("planner.driver", "planner.trace_model", "planner.traces", "pla
 
 def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
     """A named set ("paper", "tiny") or a comma list of MODEL:WxH[xF], e.g. "ltx2:1280x704x49"."""
-    if text in ("paper", "tiny"):
+    from xema_ray.models import MODEL_NAMES
+
+    if text in ("paper", "tiny") or text in MODEL_NAMES:  # a model: the templates its spec names
         return named_templates(text, steps)
     out = []
     for item in text.split(","):

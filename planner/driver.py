@@ -36,6 +36,7 @@ from xema_ray.memory.analysis import gb
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
+from xema_ray.profiling.hardware import HardwareProfile
 
 from planner.baselines import SearchSpace, run_baseline
 from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
@@ -349,6 +350,21 @@ def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
                             name="block-sizes", daemon=True)
 
 
+def _plan_expert_switches(templates: list[RequestTemplate], opts: PlanOptions, hw: HardwareProfile,
+                          out: str | None) -> None:
+    """Two-expert models (Wan2.2-A14B): what each template's plan does at the expert switch,
+    printed and written beside the table (``planner.expert_switch``)."""
+    from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans
+
+    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus)
+    for p in plans:
+        print(describe(p))
+    if plans and out:
+        path = Path(out).with_suffix(".experts.json")
+        ExpertSwitchFile(plans=plans).save(path)
+        print(f"wrote {path}")
+
+
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
          stats: str | None, layouts: bool, use_ray: bool, wait_s: float = 10.0) -> int:
     """Plan ``templates`` (Ray tasks, or in this process), finish each model group, solve the
@@ -403,6 +419,7 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
         budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
         print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
               f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
+    _plan_expert_switches(templates, opts, latency_model.hardware, out)
     total = time.perf_counter() - t0
     table.provenance.total_s = round(total, 1)
     print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "

@@ -47,7 +47,8 @@ def block_paths(template: RequestTemplate) -> list[str]:
         return [f"transformer.transformer_blocks.{i}" for i in range(cfg["num_layers"])] + [
             f"transformer.single_transformer_blocks.{i}" for i in range(cfg["num_single_layers"])
         ]
-    return [f"transformer.transformer_blocks.{i}" for i in range(cfg["num_layers"])]
+    attr = getattr(spec, "dit_block_attr", "transformer_blocks")  # Wan: "blocks"
+    return [f"transformer.{attr}.{i}" for i in range(cfg["num_layers"])]
 
 
 @dataclass

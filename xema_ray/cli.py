@@ -59,6 +59,12 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
         groups[g] = max(groups.get(g, 0), p.peak_bytes)
     for g, v in groups.items():
         w(f"  phase {g:<26}{gb(v)}\n")
+    for i, e in enumerate(s.experts):
+        w(f"{'experts' if i == 0 else '':<20}{e.component}: {gb(e.weight_bytes)}, steps {e.first_step}-{e.last_step} "
+          f"(events {e.first_event:,}-{e.last_event:,})\n")
+    if len(s.experts) > 1:
+        w(f"expert switch       {s.experts[0].component} -> {s.experts[1].component} at step {s.experts[1].first_step} "
+          f"(event {s.experts[1].first_event:,}); both experts' weights are on the device throughout\n")
     w(f"text peak           {gb(s.text_peak_bytes)} (before the first step; text encoding included when traced)\n")
     if s.dit_cdf:
         w("DiT events below   " + ", ".join(f"{k} of peak: {v:.0%}" for k, v in s.dit_cdf.items()) + "\n")

@@ -40,7 +40,7 @@ class RequestTemplate(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="Registry name: flux2, cogvideox-5b, ltx2 (or a tiny-* variant).")
+    model: str = Field(description="Registry name: flux2, cogvideox-5b, ltx2, wan2.2-t2v-a14b (or a tiny-* variant).")
     height: int = Field(gt=0, description="Output height in pixels.")
     width: int = Field(gt=0, description="Output width in pixels.")
     frames: int = Field(default=1, ge=1, description="Output frames; 1 for image models.")
@@ -186,13 +186,36 @@ def tiny_templates(steps: int = 4) -> list[RequestTemplate]:
     ]
 
 
+def model_templates(model: str, steps: int | None = None) -> list[RequestTemplate]:
+    """The templates a model's spec names (``ModelSpec.reference_sizes``, e.g. Wan2.2's 480p and
+    720p at 81 frames) at its reference step count; empty for a model that names none.
+
+    Example:
+        >>> [t.key for t in model_templates("wan2.2-t2v-a14b")]
+        ['wan2.2-t2v-a14b/832x480x81/s40/b1', 'wan2.2-t2v-a14b/1280x720x81/s40/b1']
+    """
+    from xema_ray.models import get_model_spec
+
+    spec = get_model_spec(model)
+    n = spec.reference_steps if steps is None else steps
+    return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n) for w, h, f in spec.reference_sizes]
+
+
 NAMED_TEMPLATE_SETS = {"paper": paper_templates, "tiny": tiny_templates}
 
 
 def named_templates(name: str, steps: int | None = None) -> list[RequestTemplate]:
-    """A named set ("paper" or "tiny"); ``steps`` overrides each set's default."""
+    """A named set ("paper" or "tiny") or a registered model's own templates (``model_templates``);
+    ``steps`` overrides each set's default."""
+    from xema_ray.models import MODEL_NAMES
+
+    if name in MODEL_NAMES:
+        found = model_templates(name, steps)
+        if found:
+            return found
     try:
         make = NAMED_TEMPLATE_SETS[name]
     except KeyError:
-        raise ValueError(f"unknown template set {name!r}; known: {sorted(NAMED_TEMPLATE_SETS)}") from None
+        raise ValueError(f"unknown template set {name!r}; known: {sorted(NAMED_TEMPLATE_SETS)} or a model "
+                         "that names its templates") from None
     return make() if steps is None else make(steps=steps)

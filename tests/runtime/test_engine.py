@@ -25,6 +25,8 @@ TEMPLATES = {
     "tiny-flux2": RequestTemplate(model="tiny-flux2", height=64, width=48, steps=2),
     "tiny-cogvideox": RequestTemplate(model="tiny-cogvideox", height=48, width=64, frames=9, steps=2),
     "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=2),
+    "tiny-wan2.2": RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=2),  # one step per expert
+    "tiny-qwen-image": RequestTemplate(model="tiny-qwen-image", height=64, width=64, steps=2),
 }
 
 

@@ -173,7 +173,8 @@ def _markers(pipe: Any, tracer: Marking, device: str) -> Iterator[None]:
         tracer.mark(DIT_BEGIN)
         return _to_device(args, device), _to_device(kwargs, device)
 
-    handles.append(pipe.transformer.register_forward_pre_hook(dit_pre, with_kwargs=True))
+    for comp in _denoisers(pipe):
+        handles.append(comp.register_forward_pre_hook(dit_pre, with_kwargs=True))
     patched: list[tuple[nn.Module, str]] = []
     for name in ("vae", "audio_vae"):
         comp = getattr(pipe, name, None)
@@ -222,9 +223,15 @@ def shape_only_execution(pipe: Any, spec: ModelSpec, template: RequestTemplate) 
 
     from xema_ray.models.text_encoders import meta_shims
 
-    handle = pipe.transformer.register_forward_pre_hook(to_meta, with_kwargs=True)
+    handles = [comp.register_forward_pre_hook(to_meta, with_kwargs=True) for comp in _denoisers(pipe)]
     try:
         with spec.tracing_shims(template), _scheduler_on_host(pipe), cuda_like_attention(None), meta_shims():
             yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+
+
+def _denoisers(pipe: Any) -> list[nn.Module]:
+    """The pipeline's DiTs: ``transformer`` and, for a two-expert model, ``transformer_2``."""
+    return [c for c in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if isinstance(c, nn.Module)]

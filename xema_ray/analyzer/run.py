@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from xema_ray.analyzer.assembly import assembled, components, module_names
+from xema_ray.analyzer.experts import label_experts
 from xema_ray.analyzer.steps import REPLICATE_FROM, expand_steps
 from xema_ray.analyzer.tracer import AllocationTracer
 from xema_ray.memory.trace import Category, MemoryTrace
@@ -94,7 +95,7 @@ def trace_template(
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
     pipe = pipeline if pipeline is not None else spec.build_pipeline(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
-    traced_steps = min(template.steps, REPLICATE_FROM) if opts.replicate else template.steps
+    traced_steps = min(template.steps, REPLICATE_FROM + spec.settling_steps) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
     prompts = [opts.prompt] * template.batch
@@ -109,11 +110,15 @@ def trace_template(
 
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     call = dict(spec.call_kwargs(run_template))
+    stages = spec.expert_stages(template)
+    # replicated steps must be alike: one expert runs them all, the others' steps are named after
+    one_expert = len(stages) > 1 and traced_steps < template.steps
     extra = prepare(pipe, tracer) if prepare is not None else contextlib.nullcontext()
     try:
         with (
             assembled(pipe, tracer, opts.device, call=(spec, run_template), hooks=extra, names=names,
                       replay_blocks=opts.replay_blocks and opts.device == "meta" and not opts.count_host) as replay,
+            spec.one_expert_call(pipe) if one_expert else contextlib.nullcontext(),
             tracer,
         ):
             if encoder is not None:  # text encoding is the first part of the text phase
@@ -143,7 +148,8 @@ def trace_template(
                                     f" / {replay.recorded} recorded")
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
-    return expand_steps(raw, template.steps)
+    trace = expand_steps(raw, template.steps)
+    return label_experts(trace, stages) if one_expert else trace
 
 
 @dataclass

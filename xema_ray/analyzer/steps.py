@@ -64,9 +64,9 @@ def _local_index(ids: np.ndarray, n: int) -> np.ndarray:
 def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
     """Turn a raw trace of ``k`` traced steps into a ``MemoryTrace`` of ``steps`` steps.
 
-    With ``k == steps`` nothing is replicated. Otherwise ``k`` must be ``REPLICATE_FROM`` (3):
-    regions 1 and 2 (the steady state; region 0 also holds the set-up) must be identical, and
-    region 2 is repeated for steps 3..steps-1. A free in a copy of an allocation born in the
+    With ``k == steps`` nothing is replicated. Otherwise ``k`` must be at least ``REPLICATE_FROM``
+    (3): the last two traced regions (the steady state, called 1 and 2 here; region 0 also holds the
+    set-up, and regions before the last two are kept as traced) must be identical, and region 2 is repeated for steps 3..steps-1. A free in a copy of an allocation born in the
     previous region is remapped to the previous copy; a free after the loop of an allocation
     of the last traced region goes to the last copy.
 
@@ -82,10 +82,12 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
     if traced == steps:
         return _memory_trace(raw, {k: v for k, v in arrays.items() if k not in ("begin", "end")},
                          arrays["begin"], arrays["end"], raw.n_events, bounds)
-    if traced != REPLICATE_FROM:
-        raise ValueError(f"replication needs {REPLICATE_FROM} traced steps, got {traced} for {steps} steps")
+    if traced < REPLICATE_FROM:
+        raise ValueError(f"replication needs {REPLICATE_FROM} traced steps or more, got {traced} for {steps} steps")
 
-    s1, s2, s3 = bounds  # region 1 = [s1, s2), region 2 = [s2, s3), tail = [s3, end)
+    # the last two traced steps are the steady state (a model whose early steps differ traces more:
+    # ``ModelSpec.settling_steps``); region 1 = [s1, s2), region 2 = [s2, s3), tail = [s3, end)
+    *head, s1, s2, s3 = bounds
     sig1 = _event_signature(kinds, allocs, s1, s2, arrays)
     sig2 = _event_signature(kinds, allocs, s2, s3, arrays)
     if not np.array_equal(sig1, sig2):
@@ -156,7 +158,7 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
     is_free = ~is_alloc
     end_n[allocs_n[is_free]] = np.flatnonzero(is_free)
     step_len = s3 - s2
-    new_bounds = [s1, s2, s3] + [s3 + i * step_len for i in range(1, extra + 1)]
+    new_bounds = [*head, s1, s2, s3] + [s3 + i * step_len for i in range(1, extra + 1)]
     return _memory_trace(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
 
 

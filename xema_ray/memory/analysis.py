@@ -72,6 +72,17 @@ class PhasePeak(BaseModel):
     event: int
 
 
+class ExpertUse(BaseModel):
+    """When one denoiser component runs, read off a trace (a two-expert model has two)."""
+
+    component: str = Field(description="pipeline component, e.g. transformer (high-noise) or transformer_2 (low-noise)")
+    weight_bytes: int = Field(ge=0, description="its weights in the trace")
+    first_step: int = Field(ge=0, description="first denoising step it runs")
+    last_step: int = Field(ge=0, description="last denoising step it runs")
+    first_event: int = Field(ge=0, description="its first allocation event")
+    last_event: int = Field(ge=0, description="its last allocation event")
+
+
 class MemorySummary(BaseModel):
     """What ``xema analyze`` prints and writes; everything in bytes."""
 
@@ -94,6 +105,7 @@ class MemorySummary(BaseModel):
     text_peak_bytes: int = Field(default=0, description="peak of the text phase, before the first denoising step (text encoding included)")
     dit_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of DiT events below x% of the DiT peak")
     vae_cdf: dict[str, float] = Field(default_factory=dict, description="fraction of VAE events below x% of the VAE peak")
+    experts: list[ExpertUse] = Field(default_factory=list, description="the denoisers and their steps, where more than one runs")
 
 
 # ---------------------------------------------------------------------------- per-event views
@@ -393,7 +405,29 @@ def summarize(trace: MemoryTrace, budget: int | None = None) -> MemorySummary:
         vae_cdf=event_cdf(trace, Phase.DECODE, curve=curve),
         weight_bytes_by_component=dict(sorted(by_component.items(), key=lambda kv: -kv[1])),
         text_peak_bytes=max(text, default=0),
+        experts=expert_uses(trace),
     )
+
+
+def expert_uses(trace: MemoryTrace) -> list[ExpertUse]:
+    """The denoiser components (``transformer``, ``transformer_2``, ...) that allocate during
+    the denoising steps, with their weights and the steps they run; empty when only one does
+    (``xema_ray.analyzer.experts`` has an example)."""
+    if not trace.step_bounds or not len(trace):
+        return []
+    comps = np.array([m.split(".", 1)[0] for m in trace.modules] + ["?"])
+    comp = comps[trace.module]  # module -1 -> "?"
+    bounds = np.asarray(trace.step_bounds, dtype=np.int64)
+    act = (trace.category == Category.ACTIVATION) & (trace.begin < bounds[-1])
+    is_w = trace.category == Category.WEIGHT
+    out: list[ExpertUse] = []
+    for name in sorted({c for c in comp[act] if c.startswith("transformer")}):
+        ev = trace.begin[act & (comp == name)]
+        steps = np.searchsorted(bounds, ev, side="right")
+        out.append(ExpertUse(component=name, weight_bytes=int(trace.size[is_w & (comp == name)].sum()),
+                             first_step=int(steps.min()), last_step=int(steps.max()),
+                             first_event=int(ev.min()), last_event=int(ev.max())))
+    return out if len(out) > 1 else []
 
 
 def between_step_bytes(trace: MemoryTrace) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xema_ray.memory.analysis import event_phases, pressure_intervals
+from xema_ray.memory.analysis import event_phases, expert_uses, pressure_intervals
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.vocabulary import Phase, phase_of_trace
 
@@ -53,6 +53,13 @@ def plot_trace(trace: MemoryTrace, path: str | Path, budget: int | None = None, 
         ax.axhline(budget / 1e9, color="#c00000", ls="--", lw=1.2, label=f"budget {budget / 1e9:.0f} GB")
         for i, iv in enumerate(pressure_intervals(trace, budget, curve)):
             ax.axvspan(iv.start, iv.stop, color="#c00000", alpha=0.35, lw=0, label="pressure interval" if i == 0 else None)
+    experts = expert_uses(trace)
+    for prev, nxt in zip(experts, experts[1:]):
+        ax.axvline(nxt.first_event, color="#7030a0", lw=1.4,
+                   label=f"expert switch at step {nxt.first_step}: {prev.component} -> {nxt.component}")
+    if experts:
+        ax.text(0.01, 0.02, "  ".join(f"{e.component} {e.weight_bytes / 1e9:.1f} GB (steps {e.first_step}-{e.last_step})"
+                                      for e in experts), transform=ax.transAxes, fontsize=7, color="#7030a0")
     ax.set_xlabel("allocation event")
     ax.set_ylabel("GB (10^9 bytes)")
     ax.set_xlim(0, max(1, trace.n_events))

@@ -57,6 +57,42 @@ def _ltx2(size: str) -> ModelSpec:
     return spec
 
 
+def _wan22(size: str) -> ModelSpec:
+    from xema_ray.models.text_encoders import TextEncoderSpec
+    from xema_ray.models.wan import A14B_SAMPLING, TINY_SAMPLING, WanSpec
+
+    if size == "real":
+        spec = WanSpec("wan2.2-t2v-a14b", "real", "wan22_a14b_transformer.json", "wan21_vae.json", A14B_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    else:
+        spec = WanSpec("tiny-wan2.2", "tiny", "tiny_wan22_transformer.json", "tiny_wan21_vae.json", TINY_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "tiny_wan22_umt5_text_encoder.json", spec.text_tokens)
+    return spec
+
+
+def _qwen_image(size: str) -> ModelSpec:
+    from xema_ray.models.qwen_image import QwenImageSpec
+    from xema_ray.models.text_encoders import TextEncoderSpec
+
+    if size == "real":
+        spec = QwenImageSpec("qwen-image", "real", "qwen_image_transformer.json", "qwen_image_vae.json", text_tokens=512)
+        spec.text_encoder = TextEncoderSpec("qwen2_5_vl", "qwen_image_text_encoder.json", 512)
+    else:
+        spec = QwenImageSpec("tiny-qwen-image", "tiny", "tiny_qwen_image_transformer.json", "tiny_qwen_image_vae.json",
+                             text_tokens=8)
+        spec.text_encoder = TextEncoderSpec("qwen2_5_vl", "tiny_qwen_image_text_encoder.json", 8)
+    return spec
+
+
+def _wan22_ti2v_5b() -> ModelSpec:
+    from xema_ray.models.text_encoders import TextEncoderSpec
+    from xema_ray.models.wan import TI2V_5B_SAMPLING, WanSpec
+
+    spec = WanSpec("wan2.2-ti2v-5b", "real", "wan22_ti2v5b_transformer.json", "wan22_vae.json", TI2V_5B_SAMPLING)
+    spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    return spec
+
+
 _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "flux2": lambda: _flux2("real"),
     "cogvideox-5b": lambda: _cogvideox("real"),
@@ -64,6 +100,11 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "tiny-flux2": lambda: _flux2("tiny"),
     "tiny-cogvideox": lambda: _cogvideox("tiny"),
     "tiny-ltx2": lambda: _ltx2("tiny"),
+    "wan2.2-t2v-a14b": lambda: _wan22("real"),
+    "tiny-wan2.2": lambda: _wan22("tiny"),
+    "wan2.2-ti2v-5b": _wan22_ti2v_5b,
+    "qwen-image": lambda: _qwen_image("real"),
+    "tiny-qwen-image": lambda: _qwen_image("tiny"),
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_FACTORIES)

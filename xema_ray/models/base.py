@@ -87,6 +87,21 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class ExpertStage:
+    """The denoising steps one transformer component runs (a two-expert model has two stages)."""
+
+    #: pipeline component, e.g. "transformer" (high-noise expert) or "transformer_2" (low-noise)
+    component: str
+    first_step: int
+    #: inclusive
+    last_step: int
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step + 1
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     """How to materialise a model.
 
@@ -394,6 +409,44 @@ class ModelSpec(ABC):
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         """The DiT blocks in execution order, as (path relative to the transformer, module):
         the units that block offload / HSDP / chunking address."""
+
+    #: the (width, height, frames) the model is published for, and its reference step count: the
+    #: templates a model outside the paper's set is planned and served with (``xema_ray.templates``)
+    reference_sizes: tuple[tuple[int, int, int], ...] = ()
+    reference_steps: int = 50
+
+    #: whether ``xema_ray.parallel.plans`` has a sequence-parallel split for this model's transformer
+    #: (a model without one runs on one GPU per request: more GPUs are data-parallel replicas)
+    sequence_parallel: bool = True
+
+    #: denoising steps after the first that still allocate unlike the steady state (the analyzer
+    #: and ``xema verify`` trace this many more before replicating)
+    settling_steps: int = 0
+
+    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
+        """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""
+        return (ExpertStage(component="transformer", first_step=0, last_step=t.steps - 1),)
+
+    def one_expert_call(self, pipe: Any) -> contextlib.AbstractContextManager[None]:
+        """The pipeline's call running only ``transformer`` (for a model of several experts: the
+        analyzer traces a few steps of one and labels the others' steps by ``expert_stages``)."""
+        return contextlib.nullcontext()
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[tuple[str, float, float, float, list[tuple[float, int]]]] | None:
+        """The cost model's per-block work of one transformer pass over ``rows`` rows: (name,
+        linear FLOPs, attention FLOPs, weight bytes, attended (tokens, width) pairs); None: the
+        cost model's own formula for the paper's three families."""
+        return None
+
+    def vae_decoder_levels(self) -> tuple[list[int], list[int]] | None:
+        """(channels, resnets) of each VAE decoder up level, lowest resolution first, for the cost
+        model; None: read from a diffusers ``block_out_channels`` config."""
+        return None
+
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        """Batch rows per request of each transformer call a denoising step makes (e.g. (2,): one
+        call of the CFG pair; (1, 1): CFG as two calls)."""
+        return (self.dit_batch_multiplier(),)
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         """Patches that let the pipeline run on the meta device where it reads tensor *values*

@@ -1,10 +1,12 @@
-"""The three models' text encoders: configs, builders, tokenizers made locally, meta-device shims.
+"""The models' text encoders: configs, builders, tokenizers made locally, meta-device shims.
 
 | model   | encoder (transformers class)              | real size (bf16)  | prompt tokens |
 |---------|-------------------------------------------|-------------------|---------------|
 | Flux.2  | Mistral-Small-3.1 (Mistral3ForConditionalGeneration) | 23.3 B (46.7 GB) | 512 |
 | CogVideoX-5B | T5-v1.1-XXL encoder (T5EncoderModel)  | 4.76 B (9.5 GB)   | 226           |
 | LTX-2   | Gemma-3-12B (Gemma3ForConditionalGeneration) | 12.2 B (24.4 GB) | 1024          |
+| Wan2.2  | UMT5-XXL encoder (UMT5EncoderModel)       | 5.7 B (11.4 GB)   | 512           |
+| Qwen-Image | Qwen2.5-VL-7B (Qwen2_5_VLForConditionalGeneration) | 8.3 B (16.6 GB) | 512 (padded) |
 
 Configs are in ``xema_ray/configs/*_text_encoder.json`` with their sources; the tiny versions
 are sized to the tiny transformers' text widths. The encoder is built like every other
@@ -27,7 +29,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-EncoderFamily = Literal["mistral3", "t5", "gemma3"]
+EncoderFamily = Literal["mistral3", "t5", "gemma3", "umt5", "qwen2_5_vl"]
+#: encoder-only T5 architectures (T5, UMT5): one layer list under ``encoder.block``
+T5_LIKE = ("t5", "umt5")
 
 _CORPUS = (
     "a photo of a cat sitting on a red sofa in warm evening light. waves crash on a rocky shore at sunset. "
@@ -64,12 +68,13 @@ class TextEncoderSpec:
 
         cfg = {k: v for k, v in self.config.items() if not k.startswith("_")}
         cls = {"mistral3": transformers.Mistral3Config, "t5": transformers.T5Config,
-               "gemma3": transformers.Gemma3Config}[self.family]
-        return cls(**cfg) if self.family == "t5" else cls.from_dict(cfg)
+               "gemma3": transformers.Gemma3Config, "umt5": transformers.UMT5Config,
+               "qwen2_5_vl": transformers.Qwen2_5_VLConfig}[self.family]
+        return cls(**cfg) if self.family in T5_LIKE else cls.from_dict(cfg)
 
     def layers(self, encoder: nn.Module) -> list[tuple[str, nn.Module]]:
         """The encoder's transformer layers in execution order (what streaming offloads)."""
-        if self.family == "t5":
+        if self.family in T5_LIKE:
             return [(f"encoder.block.{i}", b) for i, b in enumerate(encoder.encoder.block)]
         lm = encoder.model.language_model
         prefix = "model.language_model.layers"
@@ -79,7 +84,7 @@ class TextEncoderSpec:
         """The parts a text encoding runs, in order, each streamed through the device on its own:
         the embedding, every layer, the final norm (and the LM head the forward also applies)."""
         n = self.num_layers
-        if self.family == "t5":
+        if self.family in T5_LIKE:
             return ("shared", *(f"encoder.block.{i}" for i in range(n)), "encoder.final_layer_norm")
         lm = "model.language_model"
         return (f"{lm}.embed_tokens", *(f"{lm}.layers.{i}" for i in range(n)), f"{lm}.norm", "lm_head")
@@ -90,18 +95,20 @@ class TextEncoderSpec:
     def streamed_host_modules(self) -> tuple[str, ...]:
         """What lives on the host when the encoder streams: every unit it runs (brought in one by
         one) and the vision tower, which text encoding never runs."""
-        if self.family == "t5":
+        if self.family in T5_LIKE:
             return self.unit_paths()
+        if self.family == "qwen2_5_vl":  # Qwen2.5-VL's vision tower and merger are one module
+            return (*self.unit_paths(), "model.visual")
         return (*self.unit_paths(), "model.vision_tower", "model.multi_modal_projector")
 
     @property
     def num_layers(self) -> int:
-        cfg = self.config if self.family == "t5" else self.config["text_config"]
-        return int(cfg["num_layers"] if self.family == "t5" else cfg["num_hidden_layers"])
+        cfg = self.config if self.family in T5_LIKE else self.config["text_config"]
+        return int(cfg["num_layers"] if self.family in T5_LIKE else cfg["num_hidden_layers"])
 
     @property
     def vocab_size(self) -> int:
-        cfg = self.config if self.family == "t5" else self.config["text_config"]
+        cfg = self.config if self.family in T5_LIKE else self.config["text_config"]
         return int(cfg["vocab_size"])
 
 
@@ -120,7 +127,7 @@ def build_tokenizer(spec: TextEncoderSpec) -> Any:
                                   show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     eos, bos = tok.token_to_id("</s>"), tok.token_to_id("<s>")
-    if spec.family == "t5":  # T5 appends </s>
+    if spec.family in T5_LIKE:  # T5 appends </s>
         tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
     else:  # Mistral and Gemma start with <s> / <bos>
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])

@@ -82,6 +82,8 @@ def _rows_per_step(spec: ModelSpec, template: RequestTemplate, batch: int) -> in
     if spec.family == "ltx2":
         passes = spec.transformer_passes_per_step()  # type: ignore[attr-defined]
         return batch * sum(passes)
+    if spec.block_work(template, 1) is not None:  # a model that states its own work (Wan2.2: CFG as two calls)
+        return batch * sum(spec.transformer_passes_per_step())
     if spec.family == "cogvideox" and spec.default_guidance_scale > 1.0:
         return batch * 2
     return batch  # Flux.2-dev is guidance-distilled: one pass
@@ -93,6 +95,9 @@ def transformer_blocks(spec: ModelSpec, template: RequestTemplate, rows: int) ->
     cfg = spec.transformer_config
     tokens = template.token_counts()
     blocks: list[BlockCost] = []
+    own = spec.block_work(template, rows)
+    if own is not None:
+        return [BlockCost(name, linear, attention, weights, list(tokens_)) for name, linear, attention, weights, tokens_ in own]
     if spec.family == "flux2":
         d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
         m = cfg.get("mlp_ratio", 3.0)
@@ -228,6 +233,9 @@ def offload_step_s(compute: list[float], copy: list[float], offloaded: set[int],
 def _decoder_levels(spec: ModelSpec) -> tuple[list[int], list[int]]:
     """(channels, resnets) of each decoder up level, lowest resolution first."""
     cfg = spec.vae_config
+    own = spec.vae_decoder_levels()
+    if own is not None:  # a model that states its decoder (Wan's VAE has no block_out_channels)
+        return own
     if "decoder_block_out_channels" in cfg:
         chans = list(reversed(cfg["decoder_block_out_channels"]))
         layers = list(reversed(cfg.get("decoder_layers_per_block", [3] * (len(chans) + 1))))
@@ -260,16 +268,9 @@ def vae_level_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> t
     """Approximate decoder FLOPs per up level (lowest resolution first: index i = ``up_blocks.i``
     and its resnets), each level's resnets, and the mid block's FLOPs, for ``batch`` videos/images:
     every resnet convolution (2 per resnet, 3x3 or 3x3x3) at that level's resolution."""
-    cfg = spec.vae_config
     video = spec.kind == "video"
     k = 27 if video else 9
-    if "decoder_block_out_channels" in cfg:
-        chans = list(reversed(cfg["decoder_block_out_channels"]))
-        layers = list(reversed(cfg.get("decoder_layers_per_block", [3] * (len(chans) + 1))))
-    else:
-        chans = list(reversed(cfg["block_out_channels"]))
-        lpb = cfg.get("layers_per_block", 2)
-        layers = [lpb + 1] * len(chans)
+    chans, layers = _decoder_levels(spec)
     levels = len(chans)
     pixels = template.height * template.width
     out_frames = template.frames

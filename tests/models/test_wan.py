@@ -1,0 +1,98 @@
+"""Wan2.2-T2V-A14B and its tiny twin: registry, shapes, the expert stages, the two-expert trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from xema_ray.analyzer.run import TraceOptions, trace_template
+from xema_ray.memory.analysis import expert_uses, summarize
+from xema_ray.models import get_model_spec
+from xema_ray.templates import RequestTemplate, named_templates
+
+GB = 10**9
+
+
+def test_registered_with_real_and_tiny_configs() -> None:
+    real, tiny = get_model_spec("wan2.2-t2v-a14b"), get_model_spec("tiny-wan2.2")
+    assert (real.family, real.kind, tiny.family) == ("wan", "video", "wan")
+    assert real.transformer_config["num_layers"] == 40 and real.transformer_config["ffn_dim"] == 13824
+    assert real.sampling.boundary_ratio == tiny.sampling.boundary_ratio == 0.875  # tiny keeps both experts
+    assert real.text_encoder.family == tiny.text_encoder.family == "umt5"
+    assert real.frame_rate == 16.0 and real.spatial_multiple == 16 and real.temporal_compression == 4
+    assert [t.shape_key for t in named_templates("wan2.2-t2v-a14b")] == [
+        "wan2.2-t2v-a14b/832x480x81", "wan2.2-t2v-a14b/1280x720x81"]
+
+
+def test_error_raised_if_frames_are_not_one_plus_a_multiple_of_four() -> None:
+    with pytest.raises(ValueError, match="1 \\+ a multiple of 4"):
+        RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=80)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        RequestTemplate(model="wan2.2-t2v-a14b", height=724, width=1280, frames=81)
+
+
+def test_expert_stages_follow_the_schedule_and_the_boundary() -> None:
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=81, steps=40)
+    high, low = t.spec.expert_stages(t)
+    # flow shift 12: sigma >= 0.875 for the first 25 of 40 steps
+    assert (high.component, high.first_step, high.last_step) == ("transformer", 0, 24)
+    assert (low.component, low.first_step, low.last_step) == ("transformer_2", 25, 39)
+
+
+def test_replicated_trace_names_each_step_after_its_expert_exactly_as_a_full_trace() -> None:
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    full = trace_template(t, TraceOptions(replicate=False))  # the pipeline switches experts itself
+    replicated = trace_template(t)  # one expert traced, the other's steps renamed
+    assert replicated.signature() == full.signature()
+    uses = expert_uses(replicated)
+    assert [(u.component, u.first_step, u.last_step) for u in uses] == [("transformer", 0, 3), ("transformer_2", 4, 5)]
+    assert uses[0].weight_bytes == uses[1].weight_bytes > 0
+    assert uses[0].last_event < uses[1].first_event
+
+
+def test_real_model_on_meta_shows_both_experts_and_the_switch() -> None:
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=480, width=832, frames=81, steps=40)
+    s = summarize(trace_template(t))
+    w = s.weight_bytes_by_component
+    assert w["transformer"] == w["transformer_2"] and 28 * GB < w["transformer"] < 29 * GB  # 14.3 B params in bf16
+    assert [(e.component, e.first_step) for e in s.experts] == [("transformer", 0), ("transformer_2", 25)]
+    assert s.peak_bytes > w["transformer"] + w["transformer_2"]
+
+
+def test_ti2v_5b_has_its_own_vae_with_16x_compression_at_24_fps() -> None:
+    spec = get_model_spec("wan2.2-ti2v-5b")
+    assert (spec.vae_scale_factor, spec.spatial_multiple, spec.frame_rate) == (16, 32, 24.0)
+    assert not spec.two_experts and spec.vae_config["z_dim"] == 48
+    assert [t.shape_key for t in named_templates("wan2.2-ti2v-5b")] == ["wan2.2-ti2v-5b/1280x704x121"]
+    with pytest.raises(ValueError, match="multiples of 32"):
+        RequestTemplate(model="wan2.2-ti2v-5b", height=720, width=1280, frames=121)
+
+
+def test_ti2v_5b_720p_on_meta_fits_the_published_24gb_with_the_encoder_on_the_host() -> None:
+    # the Wan team: TI2V-5B 1280x704 "can run on a GPU with at least 24GB VRAM" with --t5_cpu
+    t = RequestTemplate(model="wan2.2-ti2v-5b", height=704, width=1280, frames=121, steps=50)
+    s = summarize(trace_template(t))  # stand-in embeddings: the encoder is not on the device
+    assert 9.9 * GB < s.weight_bytes_by_component["transformer"] < 10.1 * GB  # 5.0 B parameters
+    assert s.experts == [] and s.peak_bytes < 24 * GB
+
+
+def test_the_serving_worker_on_meta_runs_both_experts() -> None:
+    """``xema verify``'s path: the worker's own load and call on meta cross the switch."""
+    from xema_ray.measure.verify import worker_trace
+    from xema_ray.plan import ExecutionConfig
+
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    trace = worker_trace(ExecutionConfig(template=t))  # raised before the low-noise expert's inputs went to meta
+    assert len(trace.step_bounds) == 6 and trace.peak() > 0
+    assert trace.loaded_bytes > 2 * 115_000  # both experts placed at load (115 kB each, fp32)
+
+
+def test_the_video_api_maps_seconds_at_each_wan_models_frame_rate() -> None:
+    from xema_ray.serving.api.videos import UnsupportedTemplate, VideoCreate, map_video_request
+
+    served = {t.shape_key: t for t in [*named_templates("wan2.2-t2v-a14b"), *named_templates("wan2.2-ti2v-5b")]}
+    a14b = map_video_request(VideoCreate(model="wan2.2-t2v-a14b", prompt="p", size="1280x720", seconds="5"), served)
+    assert a14b.frames == 81  # 5 s at 16 fps: 1 + 80 frames
+    ti2v = map_video_request(VideoCreate(model="wan2.2-ti2v-5b", prompt="p", size="1280x704", seconds="5"), served)
+    assert ti2v.frames == 121  # 5 s at 24 fps: 1 + 120 frames
+    with pytest.raises(UnsupportedTemplate, match="does not serve 10 s"):
+        map_video_request(VideoCreate(model="wan2.2-t2v-a14b", prompt="p", size="1280x720", seconds="10"), served)

@@ -1,0 +1,69 @@
+"""The expert switch as a planned event: every way of holding two experts priced, one chosen."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.expert_switch import expert_switch_plans, plan_expert_switch
+from xema_ray.plan import ExecutionConfig
+from xema_ray.profiling.hardware import get_hardware
+from xema_ray.analyzer.run import trace_template
+from xema_ray.templates import RequestTemplate
+
+GB = 10**9
+A6000 = get_hardware("a6000x8")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[RequestTemplate, object]:
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    return t, trace_template(t)
+
+
+def test_both_experts_held_when_they_fit(tiny) -> None:  # type: ignore[no-untyped-def]
+    t, trace = tiny
+    p = plan_expert_switch(t, trace, 64 * 2**20, A6000)
+    assert p.chosen == "hold_both" and p.cost("hold_both").stall_s == 0
+
+
+def test_one_expert_swapped_in_with_prefetch_when_both_do_not_fit(tiny) -> None:  # type: ignore[no-untyped-def]
+    t, trace = tiny
+    both = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes
+    hi = plan_expert_switch(t, trace, 64 * 2**20, A6000).experts[0].weight_bytes
+    p = plan_expert_switch(t, trace, both - hi // 2, A6000)  # room for half an expert more than one
+    assert not p.cost("hold_both").fits
+    swap = p.cost("swap_prefetched")
+    assert swap.fits and swap.peak_bytes <= both - hi // 2
+    assert 0 < swap.prefetch_bytes <= hi  # the low-noise expert (here all of it: the decode sets the peak) comes in before the switch
+    assert swap.stall_s < p.cost("offload_whole_expert").stall_s
+
+
+def test_error_raised_if_no_way_of_holding_the_experts_fits(tiny) -> None:  # type: ignore[no-untyped-def]
+    t, trace = tiny
+    with pytest.raises(ValueError, match="no way of holding the experts fits"):
+        plan_expert_switch(t, trace, 2**20, A6000)
+
+
+def test_error_raised_if_the_model_has_one_expert() -> None:
+    t = RequestTemplate(model="tiny-cogvideox", height=64, width=64, frames=9, steps=4)
+    with pytest.raises(ValueError, match="shows 0 experts"):
+        plan_expert_switch(t, trace_template(t), GB, A6000)
+
+
+def test_a14b_720p_on_one_48gb_a6000() -> None:
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=81, steps=40)
+    p = plan_expert_switch(t, trace_template(t), 48 * GB, A6000)
+    assert not p.cost("hold_both").fits  # 57 GB of experts
+    chosen = p.cost(p.chosen)
+    assert p.chosen == "swap_prefetched" and chosen.peak_bytes <= 48 * GB
+    # one expert and a part of the other fit: a partial prefetch, the rest streamed at the switch
+    assert 0 < chosen.prefetch_bytes < p.experts[1].weight_bytes
+    assert chosen.latency_s < p.cost("offload_whole_expert").latency_s
+
+
+def test_more_gpus_are_replicas_of_a_model_without_a_sequence_parallel_split() -> None:
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    (p,) = expert_switch_plans([t], 64 * 2**20, A6000, {"tiny-wan2.2": 4}, 1)
+    assert (p.gpus, p.replicas) == (1, 4)
+    with pytest.raises(ValueError, match="no sequence-parallel split"):
+        ExecutionConfig(template=t, ulysses=2)

@@ -1,0 +1,301 @@
+"""Wan2.2: text-to-video DiTs; the A14B variant is two 14 B experts that take turns.
+
+Two models: Wan2.2-T2V-A14B (two experts, the Wan2.1 VAE, 16 fps) and Wan2.2-TI2V-5B (one 5 B
+transformer, the Wan2.2 VAE with 16x spatial compression, 24 fps, a timestep per latent token).
+
+Wan2.2-T2V-A14B denoises with two transformers of one architecture (40 blocks, width 5120): the
+*high-noise* expert (``transformer``) for timesteps at or above ``boundary_ratio`` x 1000, the
+*low-noise* expert (``transformer_2``) after that. Only one runs at a time, but diffusers'
+``WanPipeline`` holds both: ~57 GB of bf16 weights for a model that uses ~28.6 GB per step. The
+switch is a memory event a plan can meet only there (``expert_stages``): the analyzer labels
+each step with the expert it runs (``xema_ray.analyzer.experts``) and the planner decides what
+is on the device at the switch (``planner.expert_switch``).
+
+Everything model-specific lives here and in the JSON configs (``wan22_a14b_transformer.json``,
+``wan21_vae.json``, ``wan22_umt5_text_encoder.json`` and their ``tiny_`` versions); the registry
+entry in ``xema_ray.models`` names them.
+
+Scheduler: the Wan team samples A14B with UniPC (flow shift 12, 40 steps). UniPC is a multistep
+solver that keeps the last model outputs across steps, which the analyzer's step replication
+refuses (an allocation of step 1 alive after step 2); we serve the flow-matching Euler scheduler
+at the same shift and boundary instead (``FlowMatchEulerDiscreteScheduler(shift=12)``): the same
+network calls per step and the same expert per step up to the schedule's rounding, minus UniPC's
+two held latents (2 x 21x90x160x16 fp32 = 39 MB at 720p, 81 frames).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from xema_ray.models.base import BuildOptions, ExpertStage, ModelSize, ModelSpec
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from xema_ray.templates import RequestTemplate
+
+
+@dataclass(frozen=True)
+class WanSampling:
+    """How a Wan2.2 request is sampled (the Wan team's ``wan/configs/wan_t2v_A14B.py``).
+
+    Attributes:
+        boundary_ratio: the low-noise expert takes over below ``boundary_ratio x 1000``; None: one expert.
+        flow_shift: the flow-matching schedule's shift.
+        guidance_scale: CFG scale of the high-noise expert (the first stage).
+        guidance_scale_2: CFG scale of the low-noise expert.
+        frame_rate: frames per second of the generated video.
+        text_tokens: UMT5 prompt length the pipeline pads to.
+    """
+
+    boundary_ratio: float | None = 0.875
+    flow_shift: float = 12.0
+    guidance_scale: float = 4.0
+    guidance_scale_2: float = 3.0
+    frame_rate: float = 16.0
+    text_tokens: int = 512
+    #: one timestep per latent token (TI2V-5B: ``WanPipeline(expand_timesteps=True)``)
+    expand_timesteps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise ValueError(f"boundary_ratio must be in (0, 1) or None, got {self.boundary_ratio}")
+        if self.flow_shift <= 0 or self.frame_rate <= 0 or self.text_tokens < 1:
+            raise ValueError(f"flow_shift, frame_rate and text_tokens must be positive: {self}")
+
+
+#: Wan2.2-T2V-A14B as the Wan team samples it (boundary 0.875, shift 12, CFG 4.0 then 3.0, 16 fps)
+A14B_SAMPLING = WanSampling()
+#: the tiny model: the same schedule and switch, 8 prompt tokens
+TINY_SAMPLING = WanSampling(text_tokens=8)
+#: Wan2.2-TI2V-5B (``wan/configs/wan_ti2v_5B.py``): one transformer, shift 5, CFG 5.0, 24 fps
+TI2V_5B_SAMPLING = WanSampling(boundary_ratio=None, flow_shift=5.0, guidance_scale=5.0, frame_rate=24.0,
+                               expand_timesteps=True)
+
+
+class WanSpec(ModelSpec):
+    """Wan2.2 text-to-video (``WanPipeline``); two experts when ``sampling.boundary_ratio`` is set.
+
+    Example:
+        >>> from xema_ray.models import get_model_spec
+        >>> spec = get_model_spec("wan2.2-t2v-a14b")
+        >>> spec.spatial_multiple, spec.temporal_compression, spec.frame_rate
+        (16, 4, 16.0)
+    """
+
+    family = "wan"
+    kind = "video"
+    #: the latents are created in fp32 and the scheduler returns them in the transformer's dtype, so
+    #: step 1 still casts fp32 latents (and the scheduler re-casts bf16 ones from step 2 on)
+    settling_steps = 1
+    #: no split of Wan's transformer yet (its rotary table is computed inside forward from the whole
+    #: latent): one GPU per request, more GPUs are replicas
+    sequence_parallel = False
+    #: the transformer's block list (``transformer.blocks.<i>``; the paper's models say ``transformer_blocks``)
+    dit_block_attr = "blocks"
+
+    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str,
+                 sampling: WanSampling = A14B_SAMPLING) -> None:
+        super().__init__(name, size, transformer_config, vae_config)
+        self.sampling = sampling
+        self.frame_rate = sampling.frame_rate
+        if size == "real" and not self.two_experts:  # TI2V-5B: 720p is 1280x704 (multiples of 32), 121 frames at 24 fps
+            self.reference_sizes = ((1280, 704, 121),)
+            self.reference_steps = 50
+        elif size == "real":  # 480p and 720p at 81 frames (5 s at 16 fps), 40 steps: the Wan team's
+            self.reference_sizes = ((832, 480, 81), (1280, 720, 81))
+            self.reference_steps = 40
+        else:
+            self.reference_sizes = ((64, 64, 9), (128, 96, 17))
+            self.reference_steps = 4
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def two_experts(self) -> bool:
+        return self.sampling.boundary_ratio is not None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.vae_config.get("scale_factor_spatial", 2 ** (len(self.vae_config["dim_mult"]) - 1)))
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self.vae_scale_factor * int(self.transformer_config["patch_size"][1])
+
+    @property
+    def temporal_compression(self) -> int:
+        return int(self.vae_config.get("scale_factor_temporal", 2 ** sum(self.vae_config["temperal_downsample"])))
+
+    @property
+    def text_tokens(self) -> int:
+        return self.sampling.text_tokens
+
+    @property
+    def num_dit_blocks(self) -> int:
+        return int(self.transformer_config["num_layers"])
+
+    def latent_frames(self, t: RequestTemplate) -> int:
+        return (t.frames - 1) // self.temporal_compression + 1
+
+    def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
+        f = self.vae_scale_factor
+        return (t.batch, int(self.transformer_config["in_channels"]), self.latent_frames(t), t.height // f, t.width // f)
+
+    def token_counts(self, t: RequestTemplate) -> dict[str, int]:
+        m = self.spatial_multiple
+        return {"video": self.latent_frames(t) * (t.height // m) * (t.width // m), "text": self.text_tokens}
+
+    # ------------------------------------------------------------------ the two experts
+    @property
+    def scheduler_config(self) -> dict[str, Any]:
+        """Flow-matching Euler at the Wan team's shift (the module docstring says why not UniPC)."""
+        return {"num_train_timesteps": 1000, "shift": self.sampling.flow_shift}
+
+    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
+        """Which transformer runs which denoising steps: the pipeline's own rule (``t >= boundary``
+        runs ``transformer``), on the schedule the scheduler makes for ``t.steps``."""
+        if not self.two_experts:
+            return super().expert_stages(t)
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        sched.set_timesteps(t.steps, device="cpu")
+        boundary = self.sampling.boundary_ratio * sched.config.num_train_timesteps  # type: ignore[operator]
+        high = int(sum(1 for ts in sched.timesteps.tolist() if ts >= boundary))
+        stages = []
+        if high:
+            stages.append(ExpertStage(component="transformer", first_step=0, last_step=high - 1))
+        if high < t.steps:
+            stages.append(ExpertStage(component="transformer_2", first_step=high, last_step=t.steps - 1))
+        return tuple(stages)
+
+    def one_expert_call(self, pipe: Any) -> contextlib.AbstractContextManager[None]:
+        """The pipeline running only ``transformer`` (the analyzer traces three steps of one
+        expert and labels the rest by ``expert_stages``: both experts allocate alike)."""
+        return _without_boundary(pipe) if self.two_experts else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ builders
+    def transformer_class(self) -> type[nn.Module]:
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel
+
+    def vae_class(self) -> type[nn.Module]:
+        from diffusers import AutoencoderKLWan
+
+        return AutoencoderKLWan
+
+    def component_names(self) -> tuple[str, ...]:
+        return ("transformer", "transformer_2", "vae", "text_encoder") if self.two_experts else super().component_names()
+
+    def build_transformer_2(self, opts: BuildOptions) -> nn.Module:
+        """The low-noise expert: the same architecture, its own weights (``transformer_2/``)."""
+        return self._build(self.transformer_class(), self.transformer_config, "transformer_2", opts)
+
+    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+        text_encoder, tokenizer = self.build_text_encoder(opts)
+        pipe = WanPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=self.build_vae(opts),
+            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, self.scheduler_config, opts),
+            transformer=self.build_transformer(opts),
+            transformer_2=self.build_transformer_2(opts) if self.two_experts else None,
+            boundary_ratio=self.sampling.boundary_ratio,
+            expand_timesteps=self.sampling.expand_timesteps,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    # ------------------------------------------------------------------ calling the pipeline
+    def prompt_embeddings(
+        self, prompts: list[str], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        shape = (1, self.text_tokens, int(self.transformer_config["text_dim"]))
+        pos = torch.cat([self.seeded_embedding(p, shape, device, dtype) for p in prompts])
+        neg = torch.cat([self.seeded_embedding("", shape, device, dtype, salt="negative")] * len(prompts))
+        return {"prompt_embeds": pos, "negative_prompt_embeds": neg}
+
+    def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """UMT5 embeddings of the prompts and of the empty negative prompt (the pipeline's default)."""
+        pos, neg = pipe.encode_prompt(prompt=prompts, negative_prompt=None, do_classifier_free_guidance=True,
+                                      max_sequence_length=self.text_tokens, device=device, dtype=dtype)
+        return {"prompt_embeds": pos, "negative_prompt_embeds": neg}
+
+    def prompt_token_count(self, tokenizer: Any, prompt: str) -> int:
+        return len(tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    @property
+    def default_guidance_scale(self) -> float:
+        return self.sampling.guidance_scale
+
+    def dit_batch_multiplier(self) -> int:
+        # WanPipeline runs the conditional and the unconditional pass as two calls of the request's
+        # batch (not one doubled batch): there is no CFG pair to serialize
+        return 1
+
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        """Two calls of the request's batch per step with classifier-free guidance, else one."""
+        return (1, 1) if self.sampling.guidance_scale > 1.0 else (1,)
+
+    def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "height": t.height,
+            "width": t.width,
+            "num_frames": t.frames,
+            "num_inference_steps": t.steps,
+            "guidance_scale": self.default_guidance_scale if guidance_scale is None else guidance_scale,
+            "max_sequence_length": self.text_tokens,
+        }
+        if self.two_experts:
+            kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2
+        return kwargs
+
+    def vae_decoder_levels(self) -> tuple[list[int], list[int]]:
+        """The Wan VAE decoder: ``base_dim x dim_mult`` channels from the lowest resolution up,
+        ``num_res_blocks + 1`` resnets per up level."""
+        cfg = self.vae_config
+        base = int(cfg.get("decoder_base_dim") or cfg["base_dim"])
+        chans = [base * int(m) for m in reversed(cfg["dim_mult"])]
+        return chans, [int(cfg["num_res_blocks"]) + 1] * len(chans)
+
+    def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(f"blocks.{i}", b) for i, b in enumerate(transformer.blocks)]
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[tuple[str, float, float, float, list[tuple[float, int]]]]:
+        """Per block of one transformer pass over ``rows`` batch rows: (name, linear FLOPs,
+        attention FLOPs, weight bytes at bf16, attended (tokens, width)): self-attention over the
+        video tokens, cross-attention to the text, a GELU MLP of ``ffn_dim``."""
+        cfg = self.transformer_config
+        d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+        ffn = int(cfg["ffn_dim"])
+        tokens = self.token_counts(t)
+        sv, st = tokens["video"], tokens["text"]
+        params = 4 * d * d + 4 * d * d + 2 * d * ffn  # self-attn q k v o, cross-attn q k v o, MLP in/out
+        linear = 2 * ((4 * d * d + 2 * d * ffn + 2 * d * d) * sv + 2 * d * d * st) * rows
+        attention = 4 * (sv * sv * d + sv * st * d) * rows
+        return [(f"block.{i}", float(linear), float(attention), float(params * 2), [(sv, d)])
+                for i in range(self.num_dit_blocks)]
+
+
+#: a boundary below every timestep the pipeline makes (the last is >= 1): ``transformer`` runs every
+#: step and ``guidance_scale_2`` stays a valid argument (the pipeline refuses it without a boundary)
+_BELOW_EVERY_TIMESTEP = 1e-6
+
+
+@contextlib.contextmanager
+def _without_boundary(pipe: Any) -> Iterator[None]:
+    saved = pipe.config.boundary_ratio
+    pipe.register_to_config(boundary_ratio=_BELOW_EVERY_TIMESTEP)
+    try:
+        yield
+    finally:
+        pipe.register_to_config(boundary_ratio=saved)
