@@ -11,7 +11,7 @@ from planner.cluster_fit import MIN_TASK_CPU, NoRoom, task_shape
 
 
 def test_tasks_take_a_fraction_of_a_cpu_beside_a_serving_app() -> None:
-    # make serve: three groups x 2 workers x 0.25 CPU hold 1.5 of the machine's 2 CPUs
+    # make serve: five groups x 2 workers x 0.15 CPU hold 1.5 of the machine's 2 CPUs
     shape = task_shape({"CPU": 2.0}, {"CPU": 0.5}, hardware="cpu", measure="auto")
     assert shape is not None and (shape.num_cpus, shape.num_gpus) == (0.5, 0.0)
     assert shape.request() == {"CPU": 0.5}

@@ -55,7 +55,7 @@ def test_ray_job_submit_writes_a_plan_table(tmp_path: Path, cluster_gpus: int, h
     try:
         cluster.start_head(num_cpus=2, num_gpus=cluster_gpus)
         if cluster_gpus:
-            # a serving app's placement groups hold 1.5 of the 2 CPUs (make serve: 3 groups x 2 x 0.25)
+            # a serving app's placement groups hold 1.5 of the 2 CPUs (make serve: 5 groups x 2 x 0.15)
             _hold(cluster, 1.5, "SERVE_REPLICA::xema#ModelGroup:tiny-flux2#test")
         job = _submit(cluster, plan)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
