@@ -287,15 +287,16 @@ void DeviceArena::finish_free(uintptr_t ptr, const Live& block) {
          block.region);
 }
 
-int DeviceArena::poll_locked() {
+int DeviceArena::release_pending_locked(bool wait) {
   int released = 0;
   for (std::size_t i = 0; i < pending_.size();) {
     Pending& p = pending_[i];
     Backend& backend = arena_backend_or(p.block);
     bool passed = true;
     for (const StreamEvent& e : p.events) {
-      // a failed query (a broken context) frees the block: holding it forever would leak it
-      if (backend.query_event(e, device_) == 0) {
+      // a failed query or wait (< 0: a broken context) frees the block: holding it forever would leak it
+      const int done = wait ? backend.wait_event(e, device_) : backend.query_event(e, device_);
+      if (done == 0) {
         passed = false;
         break;
       }
@@ -316,33 +317,9 @@ int DeviceArena::poll_locked() {
   return released;
 }
 
-int DeviceArena::drain_pending_locked() {
-  int released = 0;
-  for (std::size_t i = 0; i < pending_.size();) {
-    Pending& p = pending_[i];
-    Backend& backend = arena_backend_or(p.block);
-    bool passed = true;
-    for (const StreamEvent& e : p.events) {
-      if (backend.wait_event(e, device_) == 0) {  // < 0 (a failed wait) frees, as poll does
-        passed = false;
-        break;
-      }
-    }
-    if (!passed) {
-      ++i;
-      continue;
-    }
-    for (StreamEvent& e : p.events) backend.destroy_event(e, device_);
-    stats_.pending_free_bytes -= p.block.size;
-    --stats_.pending_blocks;
-    const uintptr_t ptr = p.ptr;
-    const Live block = std::move(p.block);
-    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
-    finish_free(ptr, block);
-    ++released;
-  }
-  return released;
-}
+int DeviceArena::poll_locked() { return release_pending_locked(false); }
+
+int DeviceArena::drain_pending_locked() { return release_pending_locked(true); }
 
 int DeviceArena::poll() {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -106,6 +106,8 @@ class DeviceArena {
   // The out-of-memory path: waits (where the backend can) for the streams of every pending free
   // and frees what they passed; returns how many blocks it freed.
   int drain_pending_locked();
+  // Frees every pending block whose events have passed (queried, or waited for when ``wait``).
+  int release_pending_locked(bool wait);
   Backend& arena_backend_or(const Live& block);
   void record(uint64_t ptr, uint64_t size, uint64_t requested, xema_stream_t stream,
               uint64_t kind, int region);
