@@ -19,8 +19,11 @@ from xema_ray.serving.api.ready import wait_ready
 
 
 @contextlib.contextmanager
-def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4) -> Iterator[str]:
-    """Serve the app of ``args`` with ``table`` (saved under ``plans_dir``); yields its base URL."""
+def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4,
+                metrics_report_ms: int | None = None) -> Iterator[str]:
+    """Serve the app of ``args`` with ``table`` (saved under ``plans_dir``); yields its base URL.
+    ``metrics_report_ms``: how often Ray's processes send their metrics to the node's Prometheus
+    endpoint (None: Ray's default, 10 s; a test that watches a figure move wants it short)."""
     from deployments.app import build_app
 
     path = plans_dir / "table.json"
@@ -29,7 +32,8 @@ def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4
     port = free_port()
     saved_env = dict(os.environ)
     apply_ray_env(open_ports=False)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    system = {} if metrics_report_ms is None else {"metrics_report_interval_ms": metrics_report_ms}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=system or None)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="xema", route_prefix="/")

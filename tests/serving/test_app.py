@@ -8,6 +8,7 @@ across two workers. Plans are given as a table so each behaviour is pinned.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import time
 
@@ -25,6 +26,7 @@ from xema_ray.serving.config import ServeConfig  # noqa: E402
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from bench.scenarios.factories import plan_entry
+from loadtests.prometheus import ALWAYS_AFTER_TRAFFIC, documented_metrics, metrics_urls, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +57,7 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
         entries={FLUX_S.shape_key: _entry(FLUX_S, batch=2), FLUX_L.shape_key: _entry(FLUX_L),
                  COG.shape_key: _entry(COG, ulysses=2)},
     )
-    with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
+    with running_app(args, table, tmp_path_factory.mktemp("plans"), metrics_report_ms=500) as url:
         yield url
 
 
@@ -143,3 +145,56 @@ def test_killed_worker_of_an_sp2_set_is_replaced_and_the_request_retried(server:
     assert group.status.remote().result()["generation"] == before + 1
     r2 = requests.post(f"{server}/v1/videos/sync", json={**body, "seed": 4}, timeout=300)
     assert r2.status_code == 200, r2.text  # the group recovered
+
+
+def _wait_of(got: dict, template: str) -> float:
+    return max((x.value for x in got.get("xema_predicted_queue_wait_s", []) if x.labels.get("template") == template),
+               default=-1.0)
+
+
+def test_prometheus_endpoint_has_the_documented_metrics_and_the_queue_wait_rises_under_a_burst(server: str) -> None:
+    urls = metrics_urls()  # Ray's Prometheus endpoint of this node (reported every 0.5 s here)
+    deadline = time.time() + 30
+    while (idle := _wait_of(scrape(urls), FLUX_L.shape_key)) < 0 and time.time() < deadline:
+        time.sleep(0.5)  # a group's figures from start-up on
+    assert idle >= 0
+
+    # a burst at the 128² template (batches of 1, 0.5 s planned, a queue of 3) from 8 clients for 4 s:
+    # the queue stays full, the rest are refused (queue_full); the endpoint is read meanwhile
+    stop = time.time() + 4.0
+    statuses: list[int] = []
+
+    def client(i: int) -> None:
+        while time.time() < stop:
+            statuses.append(_image(server, size="128x128", seed=i).status_code)
+
+    waits = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(client, i) for i in range(8)]
+        while time.time() < stop + 1.0:
+            waits.append(_wait_of(scrape(urls), FLUX_L.shape_key))
+            time.sleep(0.25)
+        for f in futures:
+            f.result()
+    assert 200 in statuses and 503 in statuses
+    assert max(waits) >= idle + 1.0, waits  # at least two planned batches ahead at some point
+
+    video = {"model": "tiny-cogvideox", "prompt": "waves", "size": "64x64", "num_frames": 9, "seed": 5}
+    assert requests.post(f"{server}/v1/videos/sync", json=video, timeout=120).status_code == 200
+    assert _image(server, size="96x96").status_code == 400  # unknown_template
+    assert _image(server, seed=-1).status_code == 422  # bad_request_field
+    expected = {n for n, d in documented_metrics().items() if d.exported_from in ALWAYS_AFTER_TRAFFIC}
+    deadline = time.time() + 30
+    while True:
+        got = scrape(urls)
+        reasons = {x.labels["reason"] for x in got.get("xema_requests_refused", [])}
+        if (expected <= set(got) and {"queue_full", "unknown_template", "bad_request_field"} <= reasons) \
+                or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert expected - set(got) == set()
+    assert {"queue_full", "unknown_template", "bad_request_field"} <= reasons
+    assert set(got) <= set(documented_metrics())  # nothing exported that the table does not document
+    assert _wait_of(got, FLUX_L.shape_key) < max(waits)  # drained: it falls back
+    realtime = [x.value for x in got["xema_video_realtime_factor"] if x.labels["template"] == COG.shape_key]
+    assert realtime and realtime[0] > 0

@@ -16,6 +16,7 @@ from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.api.videos import video_fps
 from xema_ray.serving.group.load_metrics import LoadMetrics, SloWindow, realtime_factor
+from xema_ray.serving.group.metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import summarize
 from xema_ray.templates import RequestTemplate
 
@@ -43,7 +44,7 @@ def load() -> Iterator[LoadMetrics]:
                VID.shape_key: plan_entry(VID, ulysses=2, latency_s=4.0, peak_bytes=80 * 10**6)}
     m = LoadMetrics("tiny-flux2", entries, BUDGET, window_s=10.0, window_requests=4)
     for name, value in vars(m).items():
-        if hasattr(value, "set") and hasattr(value, "set_default_tags"):
+        if isinstance(value, KeptGauge):
             setattr(m, name, _Recorded())
     m.set_plans(entries, BUDGET)
     yield m
@@ -115,3 +116,14 @@ def test_error_raised_if_window_or_batch_seconds_are_not_positive() -> None:
         SloWindow(window_s=0)
     with pytest.raises(ValueError, match="batch_seconds"):
         realtime_factor(1.0, 1, 0.0)
+
+
+def test_a_kept_gauge_sends_its_last_values_again() -> None:
+    g = KeptGauge("xema_test_kept", "a test gauge", ("template", "model"), {"model": "m"})
+    sent = _Recorded()
+    g._gauge = sent  # type: ignore[assignment]  # what reaches Ray's gauge
+    g.set(1.0, tags={"template": "a"})
+    g.set(2.0, tags={"template": "b"})
+    g.set(3.0, tags={"template": "a"})
+    g.republish()
+    assert sent.values == {(("template", "a"),): [1.0, 3.0, 3.0], (("template", "b"),): [2.0, 2.0]}

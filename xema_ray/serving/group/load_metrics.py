@@ -12,7 +12,8 @@ table: names, types, tags, how each is meant to be used).
 * device memory per worker against the plan: the last batch's peak and in-use bytes, the budget
   each worker's plans were made for, and the headroom between them.
 
-Tags stay low-cardinality: ``model`` and ``template`` (the configured templates' shape keys) and
+Every gauge of the group is sent again each ``REFRESH_S`` (``KeptGauge``: Ray drops a gauge
+series not set for ~20 s). Tags stay low-cardinality: ``model`` and ``template`` (the configured templates' shape keys) and
 ``worker`` (the worker's index in its group, 0 .. workers-1); Serve adds its deployment, replica
 and application tags. Values are recomputed at most every ``MIN_REFRESH_S`` after a change
 (``changed``: a request queued or a batch ended) and every ``REFRESH_S`` regardless, so that the
@@ -28,11 +29,10 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ray.serve import metrics
-
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.engine import BatchResult
 from xema_ray.serving.api.videos import video_fps
+from xema_ray.serving.group.metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, predict_completion, predict_wait
 
 logger = logging.getLogger("xema_ray.serving")
@@ -101,17 +101,19 @@ class LoadMetrics:
         budget_bytes: device memory per worker the plans were made for (None: not known; no
             headroom is exported then).
         window_s / window_requests: the attainment window.
+        keep: other gauges of the group to republish with these (``ServingMetrics.gauges``).
     """
 
     def __init__(self, model: str, entries: Mapping[str, PlanEntry], budget_bytes: int | None,
-                 window_s: float = 60.0, window_requests: int = 1000) -> None:
+                 window_s: float = 60.0, window_requests: int = 1000, keep: Sequence[KeptGauge] = ()) -> None:
         self.model = model
         self.window = SloWindow(window_s, window_requests)
         tags = ("template", "model")
+        self._kept: list[KeptGauge] = list(keep)
 
-        def gauge(name: str, doc: str, keys: tuple[str, ...] = tags) -> metrics.Gauge:
-            g = metrics.Gauge(name, doc, tag_keys=keys)
-            g.set_default_tags({"model": model})
+        def gauge(name: str, doc: str, keys: tuple[str, ...] = tags) -> KeptGauge:
+            g = KeptGauge(name, doc, keys, {"model": model})
+            self._kept.append(g)
             return g
 
         self.queue_wait = gauge("xema_predicted_queue_wait_s", "predicted seconds one more request would wait to start")
@@ -224,6 +226,8 @@ class LoadMetrics:
             if self.due(time.monotonic()):
                 try:
                     self.refresh(summary())
+                    for g in self._kept:  # figures that did not change stay on the endpoint (``KeptGauge``)
+                        g.republish()
                 except Exception:  # a bug here must not stop the figures for good, nor go unseen
                     logger.exception("%s: refreshing the load metrics failed", self.model)
                     self._last = time.monotonic()

@@ -12,6 +12,38 @@ if TYPE_CHECKING:
 _LATENCY_BOUNDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
 
 
+class KeptGauge:
+    """A Serve gauge that keeps its last value per tag set and sends it again on ``republish``.
+
+    Seen on Ray 2.60 (Serve replicas, ``metrics_report_interval_ms`` 500): a gauge series that is
+    not set again leaves the Prometheus endpoint about 20 s after its last value — a plan's peak
+    set once at start-up, the last batch's size on an idle group — while counters stay. The group
+    republishes its gauges every second (``LoadMetrics``), so a figure stays until it changes.
+
+    Example:
+        >>> g = KeptGauge("xema_doc_example", "an example", ("template", "model"), {"model": "m"})
+        >>> g.set(3.0, tags={"template": "t"}); g.last()
+        {(('template', 't'),): 3.0}
+    """
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...], default_tags: dict[str, str]) -> None:
+        self._gauge = metrics.Gauge(name, description, tag_keys=tag_keys)
+        self._gauge.set_default_tags(dict(default_tags))  # Serve adds keys to the dict it gets
+        self._last: dict[tuple[tuple[str, str], ...], tuple[float, dict[str, str] | None]] = {}
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self._last[tuple(sorted((tags or {}).items()))] = (value, tags)
+        self._gauge.set(value, tags=tags)
+
+    def republish(self) -> None:
+        for value, tags in list(self._last.values()):
+            self._gauge.set(value, tags=tags)
+
+    def last(self) -> dict[tuple[tuple[str, str], ...], float]:
+        """The last value of each tag set."""
+        return {k: v for k, (v, _) in self._last.items()}
+
+
 class ServingMetrics:
     """Per model group: requests, latency, queue depth, batch size, SLO met/missed, memory peak per
     batch and the static allocator's fallback allocations, tagged by template."""
@@ -38,21 +70,18 @@ class ServingMetrics:
         self.batch_seconds = metrics.Histogram("xema_batch_seconds", "batch execution time", boundaries=_LATENCY_BOUNDS,
                                                tag_keys=(*tags, "model"))
         self.batch_seconds.set_default_tags({"model": model})
-        self.queue_depth = metrics.Gauge("xema_queue_depth", "requests waiting", tag_keys=(*tags, "model"))
-        self.queue_depth.set_default_tags({"model": model})
-        self.batch_size = metrics.Gauge("xema_batch_size", "requests in the last batch", tag_keys=(*tags, "model"))
-        self.batch_size.set_default_tags({"model": model})
-        self.peak_bytes = metrics.Gauge("xema_batch_peak_bytes", "device memory peak of the last batch", tag_keys=(*tags, "model"))
-        self.peak_bytes.set_default_tags({"model": model})
+        own = {"model": model}
+        self.queue_depth = KeptGauge("xema_queue_depth", "requests waiting", (*tags, "model"), own)
+        self.batch_size = KeptGauge("xema_batch_size", "requests in the last batch", (*tags, "model"), own)
+        self.peak_bytes = KeptGauge("xema_batch_peak_bytes", "device memory peak of the last batch", (*tags, "model"), own)
         self.residency_switches = metrics.Counter(
             "xema_residency_switches", "batches that first moved weights between host and device", tag_keys=(*tags, "model"))
         self.residency_switches.set_default_tags({"model": model})
         self.residency_bytes = metrics.Counter(
             "xema_residency_bytes_moved", "weight bytes moved by residency switches", tag_keys=(*tags, "model"))
         self.residency_bytes.set_default_tags({"model": model})
-        self.host_weight_bytes = metrics.Gauge(
-            "xema_host_weight_bytes", "weight bytes homed on pinned host memory per worker", tag_keys=(*tags, "model"))
-        self.host_weight_bytes.set_default_tags({"model": model})
+        self.host_weight_bytes = KeptGauge(
+            "xema_host_weight_bytes", "weight bytes homed on pinned host memory per worker", (*tags, "model"), own)
         self.fallback_allocs = metrics.Counter("xema_allocator_fallbacks", "static-layout misses served dynamically",
                                                tag_keys=(*tags, "model"))
         self.fallback_allocs.set_default_tags({"model": model})
@@ -61,9 +90,8 @@ class ServingMetrics:
         self.layout_armed.set_default_tags({"model": model})
         self.layout_hits = metrics.Counter("xema_layout_hits", "allocations the armed layout placed", tag_keys=(*tags, "model"))
         self.layout_hits.set_default_tags({"model": model})
-        self.layout_reserved = metrics.Gauge("xema_layout_reserved_bytes", "bytes the static allocator holds (0: not armed)",
-                                             tag_keys=(*tags, "model"))
-        self.layout_reserved.set_default_tags({"model": model})
+        self.layout_reserved = KeptGauge("xema_layout_reserved_bytes", "bytes the static allocator holds (0: not armed)",
+                                         (*tags, "model"), own)
         self.out_of_memory = metrics.Counter("xema_out_of_memory", "batches that failed out of device memory",
                                              tag_keys=(*tags, "model"))
         self.out_of_memory.set_default_tags({"model": model})
@@ -71,9 +99,11 @@ class ServingMetrics:
         self.preemptions = metrics.Counter("xema_preemptions", "batches paused at a step boundary for another",
                                            tag_keys=(*tags, "model"))
         self.preemptions.set_default_tags({"model": model})
-        self.paused_bytes = metrics.Gauge("xema_paused_bytes", "between-step state paused batches hold now",
-                                          tag_keys=(*tags, "model"))
-        self.paused_bytes.set_default_tags({"model": model})
+        self.paused_bytes = KeptGauge("xema_paused_bytes", "between-step state paused batches hold now",
+                                      (*tags, "model"), own)
+        #: what ``LoadMetrics`` republishes every second (``KeptGauge``)
+        self.gauges = (self.queue_depth, self.batch_size, self.peak_bytes, self.host_weight_bytes, self.layout_reserved,
+                       self.paused_bytes)
         self.paused_seconds = metrics.Counter("xema_paused_seconds", "seconds batches spent paused",
                                               tag_keys=(*tags, "model"))
         self.paused_seconds.set_default_tags({"model": model})

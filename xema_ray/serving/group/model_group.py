@@ -137,7 +137,7 @@ class ModelGroup(PublishesSummary):
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, config.wait_window_s,
                                                           config.max_queue, self.policy, admission=s.admission)
         self.metrics = ServingMetrics(model)
-        self.load_metrics = LoadMetrics(model, self.entries, s.budget_bytes)  # for routers and autoscalers outside
+        self.load_metrics = LoadMetrics(model, self.entries, s.budget_bytes, keep=self.metrics.gauges)  # routers, autoscalers
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self.jobs = JobLifecycle(model, self.owner, s.jobs)  # video jobs: accepted, started, stored, failed
         self._wake: asyncio.Event | None = None
