@@ -15,7 +15,7 @@ from xema_ray.runtime.engine import BatchResult, PhaseTimings
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.api.videos import video_fps
-from xema_ray.serving.group.load_metrics import LoadMetrics, SloWindow, realtime_factor
+from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics, SloWindow, realtime_factor
 from xema_ray.serving.group.metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import summarize
 from xema_ray.templates import RequestTemplate
@@ -109,6 +109,21 @@ def test_memory_headroom_per_worker_step_seconds_and_realtime_factor(load: LoadM
     assert IMG.shape_key not in {dict(k).get("template") for k in load.realtime.values}  # images have none
     load.set_plans(load._entries, 200 * 10**6)  # a new plan table with a larger budget: headroom follows
     assert load.headroom.last(worker="3") == 100 * 10**6
+
+
+def test_the_snapshot_carries_the_gauges_figures(load: LoadMetrics) -> None:
+    kept = LoadMetrics("tiny-cogvideox", load._entries, BUDGET)  # real gauges: the snapshot reads what they hold
+    kept.observe_batch(VID.shape_key, (0, 1), [_result(0, 70 * 10**6, 10**6, 2.0, 3.0),
+                                               _result(1, 80 * 10**6, 10**6, 2.0, 3.0)], requests=1, batch_seconds=4.0)
+    d = _dispatcher(kept)
+    d.submit(VID.shape_key, "v1", now=0.0)
+    kept.refresh(summarize(d, "r", now=0.0, wall=0.0), now=0.0)
+    snap = GroupLoad.model_validate_json(kept.snapshot().model_dump_json())  # crosses to the Router as JSON
+    assert snap.budget_bytes == BUDGET and snap.workers[1].headroom_bytes == BUDGET - 80 * 10**6
+    v = snap.templates[VID.shape_key]
+    assert v.predicted_queue_wait_s == 4.0  # one video ahead, 4 s planned, both workers
+    assert v.step_seconds == pytest.approx(0.5) and v.plan_peak_bytes == 80 * 10**6 and v.video_realtime_factor
+    assert snap.templates[IMG.shape_key].video_realtime_factor is None and 0 <= (snap.predicted_attainment or 0) <= 1
 
 
 def test_error_raised_if_window_or_batch_seconds_are_not_positive() -> None:

@@ -4,7 +4,7 @@ table: names, types, tags, how each is meant to be used).
 
 * what the dispatcher predicts: the queue wait and completion of one more request per template,
   and the attainment of the next window's requests — the replay of the dispatcher's own policy on
-  the replica's summary (``replica_summary.predict_wait`` / ``predict_attainment``), the same
+  the replica's summary (``replica_summary.probe`` / ``predict_attainment``), the same
   numbers the app's own request router and autoscaler decide on, not a second estimate;
 * what happened: SLO attainment over the last ``window_s`` seconds (at most ``window_requests``
   requests) per template, measured seconds per denoising step, the realtime factor of video
@@ -29,11 +29,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from pydantic import BaseModel, Field
+
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.engine import BatchResult
 from xema_ray.serving.api.videos import video_fps
 from xema_ray.serving.group.metrics import KeptGauge
-from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, predict_completion, predict_wait
+from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, probe
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -90,6 +92,39 @@ def realtime_factor(video_s: float, requests: int, batch_seconds: float) -> floa
     if batch_seconds <= 0:
         raise ValueError(f"batch_seconds must be positive, got {batch_seconds}")
     return video_s * requests / batch_seconds
+
+
+class TemplateLoad(BaseModel):
+    """One template's load figures (as on the Prometheus endpoint; None: not recorded yet)."""
+
+    predicted_queue_wait_s: float | None = None
+    predicted_completion_s: float | None = None
+    slo_attainment: float | None = None
+    slo_window_requests: int | None = None
+    step_seconds: float | None = None
+    video_realtime_factor: float | None = None
+    plan_peak_bytes: int | None = None
+
+
+class WorkerMemory(BaseModel):
+    """One worker's memory after its last batch, against the plans' budget."""
+
+    peak_bytes: int
+    in_use_bytes: int | None = None
+    headroom_bytes: int | None = Field(default=None, description="budget - peak (None: no budget known)")
+
+
+class GroupLoad(BaseModel):
+    """A replica's load figures in one typed answer (``ModelGroup.load_stats``: the same numbers
+    its gauges carry, for JSON readers such as the operator view)."""
+
+    model: str
+    predicted_attainment: float | None = None
+    budget_bytes: int | None = None
+    running_batches: int = 0
+    paused_batches: int = 0
+    templates: dict[str, TemplateLoad] = Field(default_factory=dict)
+    workers: dict[int, WorkerMemory] = Field(default_factory=dict)
 
 
 class LoadMetrics:
@@ -182,6 +217,30 @@ class LoadMetrics:
             self.realtime.set(realtime_factor((tpl.frames - 1) / video_fps(tpl), requests, batch_seconds), tags=t)
         self._changed = True
 
+    def snapshot(self) -> GroupLoad:
+        """The figures last set, as one typed answer."""
+        def by(g: KeptGauge, key: str) -> dict[str, float]:
+            return {dict(k)[key]: v for k, v in g.last().items() if key in dict(k)}
+
+        def one(g: KeptGauge) -> float | None:
+            return next(iter(g.last().values()), None)
+
+        per = {name: by(g, "template") for name, g in (
+            ("predicted_queue_wait_s", self.queue_wait), ("predicted_completion_s", self.completion),
+            ("slo_attainment", self.attainment), ("slo_window_requests", self.window_requests),
+            ("step_seconds", self.step_seconds), ("video_realtime_factor", self.realtime),
+            ("plan_peak_bytes", self.plan_peak))}
+        keys = sorted({k for values in per.values() for k in values})
+        peaks, in_use, headroom = by(self.peak, "worker"), by(self.in_use, "worker"), by(self.headroom, "worker")
+        running, paused = one(self.running), one(self.paused)
+        return GroupLoad(
+            model=self.model, predicted_attainment=one(self.predicted_attainment), budget_bytes=self._budget,
+            running_batches=int(running or 0), paused_batches=int(paused or 0),
+            templates={k: TemplateLoad(**{name: values[k] for name, values in per.items() if k in values}) for k in keys},
+            workers={int(w): WorkerMemory(peak_bytes=int(p), in_use_bytes=int(in_use[w]) if w in in_use else None,
+                                          headroom_bytes=int(headroom[w]) if w in headroom else None)
+                     for w, p in peaks.items()})
+
     # ------------------------------------------------------------------ predictions
     def changed(self) -> None:
         """A request was queued or a batch ended: refresh within ``MIN_REFRESH_S``."""
@@ -194,10 +253,10 @@ class LoadMetrics:
         wall = summary.t
         for key in summary.plans:
             t = {"template": key}
-            wait = predict_wait(summary, key, wall)
-            if math.isfinite(wait):  # a draining replica takes nothing: its last figures stand
-                self.queue_wait.set(wait, tags=t)
-                self.completion.set(predict_completion(summary, key, wall), tags=t)
+            o = probe(summary, key, wall)  # ``predict_wait`` and ``predict_completion`` in one replay
+            if o.start is not None:  # a draining replica takes nothing: its last figures stand
+                self.queue_wait.set(max(0.0, o.start), tags=t)
+                self.completion.set(o.completion, tags=t)
         for key in {*summary.plans, *self.window.templates()}:
             met, total = self.window.attainment(key, now)
             self.attainment.set(met / total if total else 1.0, tags={"template": key})

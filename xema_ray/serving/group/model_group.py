@@ -46,7 +46,7 @@ from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
-from xema_ray.serving.group.load_metrics import LoadMetrics
+from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
@@ -478,6 +478,10 @@ class ModelGroup(PublishesSummary):
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
         return self.runner.state.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
+
+    async def load_stats(self) -> GroupLoad:
+        """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``)."""
+        return self.load_metrics.snapshot()
 
     async def layout_stats(self) -> GroupLayoutStats:
         """The static allocator's counters per template, for ``/v1/stats``."""

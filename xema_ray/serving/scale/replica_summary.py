@@ -280,7 +280,7 @@ def predict_completion(s: ReplicaSummary, template: str, now: float,
                        sent_since: Mapping[str, int] | None = None) -> float:
     """Seconds from ``now`` until one more request of ``template`` would complete on this replica
     (``sent_since``: requests already sent to it that the summary does not show yet)."""
-    return _probe(s, template, now, sent_since).completion
+    return probe(s, template, now, sent_since).completion
 
 
 def predict_wait(s: ReplicaSummary, template: str, now: float,
@@ -296,12 +296,14 @@ def predict_wait(s: ReplicaSummary, template: str, now: float,
         >>> predict_wait(s, "t", now=0.0)
         4.0
     """
-    o = _probe(s, template, now, sent_since)
+    o = probe(s, template, now, sent_since)
     return float("inf") if o.start is None else max(0.0, o.start)
 
 
-def _probe(s: ReplicaSummary, template: str, now: float, sent_since: Mapping[str, int] | None) -> Outcome:
-    """The replay's outcome of one more request of ``template`` arriving at ``now``."""
+def probe(s: ReplicaSummary, template: str, now: float, sent_since: Mapping[str, int] | None = None) -> Outcome:
+    """The replay's outcome of one more request of ``template`` arriving at ``now``: when its
+    batch would start and end (seconds from ``now``; never, inf / None, on a draining replica or
+    for a template it does not plan)."""
     if template not in s.plans or s.draining:
         return Outcome(template, 0.0, float("inf"), float("inf"), 0, None)
     outs = schedule(s, now, arrivals=[(template, 0.0, 0)], extra_queued=sent_since)
