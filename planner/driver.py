@@ -357,14 +357,23 @@ def _plan_expert_switches(table: PlanTable, templates: list[RequestTemplate], op
     (``ExecutionConfig.experts``: the worker executes it)."""
     from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans, with_switch_entries
 
-    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus)
+    slos = {k: e.prediction.slo_s for k, e in table.entries.items()}
+    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus, slo_of=slos)
     for p in plans:
         print(describe(p))
     if plans and out:
         path = Path(out).with_suffix(".experts.json")
         ExpertSwitchFile(plans=plans).save(path)
         print(f"wrote {path}")
-    return with_switch_entries(table, plans, templates) if plans else table
+    if not plans:
+        return table
+    switched = with_switch_entries(table, plans, templates)
+    for p in plans:
+        key = next(t.shape_key for t in templates if t.key == p.template)
+        e = switched.entries[key]
+        print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
+              f"latency {e.prediction.latency_s:.1f} s (the search on both experts held: {e.runner_up})")
+    return switched
 
 
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,

@@ -78,6 +78,8 @@ class ExpertSwitchPlan(BaseModel):
     template: str
     gpus: int = Field(ge=1, description="the SP group (Ulysses) one request runs on")
     replicas: int = Field(default=1, ge=1, description="data-parallel replicas, each planned alike")
+    alternatives: list[str] = Field(default_factory=list, description="every split of the group priced (SP x "
+                                                                      "replicas), best goodput first")
     budget_bytes: int = Field(ge=0)
     hardware: str
     experts: list[ExpertUse]
@@ -243,6 +245,8 @@ def describe(plan: ExpertSwitchPlan) -> str:
         lines.append(f"  {mark} {s.strategy:<21} {'fits' if s.fits else 'over':<5} peak {s.peak_bytes / 1e9:6.1f} GB  "
                      f"latency {s.latency_s:9.1f} s  stalls {s.stall_s:6.2f} s  h2d {s.h2d_bytes / 1e9:7.1f} GB"
                      + (f"  ({s.note})" if s.note and s.strategy == plan.chosen else ""))
+    if len(plan.alternatives) > 1:
+        lines.append("  splits of the group: " + "; ".join(plan.alternatives))
     lines.append(f"  chosen {plan.chosen}: {b.latency_s - c.latency_s:.2f} s faster than offloading the whole inactive "
                  f"expert every request ({b.latency_s / c.latency_s:.4f}x)")
     return "\n".join(lines)
@@ -301,8 +305,17 @@ class ExpertSwitchFile(BaseModel):
 
 
 def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: HardwareProfile,
-                        gpus_of: dict[str, int], default_gpus: int) -> list[ExpertSwitchPlan]:
-    """The switch plan of every template whose model has two expert stages (others: none)."""
+                        gpus_of: dict[str, int], default_gpus: int,
+                        slo_of: dict[str, float] | None = None,
+                        traces: dict[str, MemoryTrace] | None = None) -> list[ExpertSwitchPlan]:
+    """The switch plan of every template whose model has two expert stages (others: none).
+
+    A group of several GPUs runs each request sequence-parallel over ``sp`` of them, in
+    ``gpus / sp`` replicas: every split the model allows (``sp`` divides the group and the
+    attention heads) is planned, and the one with the best goodput kept (replicas / latency, 0
+    past the template's SLO from ``slo_of``, by shape key); ties go to the lower latency. The
+    others are listed in ``alternatives`` with their figures. ``traces``: templates' unmitigated
+    traces already made (by ``RequestTemplate.key``), else traced here."""
     from xema_ray.analyzer.run import trace_template
 
     out = []
@@ -310,7 +323,24 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
         if len(t.spec.expert_stages(t)) != 2:
             continue
         gpus = gpus_of.get(t.model, default_gpus)
-        sp = gpus if t.spec.sequence_parallel else 1  # without an SP split, more GPUs are replicas
-        p = plan_expert_switch(t, trace_template(t), budget, hw, gpus=sp)
-        out.append(p.model_copy(update={"replicas": gpus // sp}))
+        trace = (traces or {}).get(t.key) or trace_template(t)
+        slo = (slo_of or {}).get(t.shape_key, math.inf)
+        splits = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and t.spec.attention_heads % sp == 0
+                  and (sp == 1 or t.spec.sequence_parallel)]
+        priced: list[tuple[float, float, ExpertSwitchPlan]] = []
+        for sp in splits:
+            try:
+                p = plan_expert_switch(t, trace, budget, hw, gpus=sp).model_copy(update={"replicas": gpus // sp})
+            except ValueError:
+                continue  # nothing fits at this split
+            lat = p.cost(p.chosen).latency_s
+            priced.append((p.replicas / lat if lat <= slo else 0.0, -lat, p))
+        if not priced:
+            raise ValueError(f"{t.key}: no way of holding the experts fits {budget / 1e9:.1f} GB per GPU at any split "
+                             f"of {gpus} GPU(s)")
+        priced.sort(key=lambda x: (x[0], x[1]), reverse=True)
+        best = priced[0][2]
+        alternatives = [f"SP{p.gpus} x {p.replicas}: {p.chosen}, latency {-neg:.1f} s, goodput {g * 3600:.3f} requests/h"
+                        for g, neg, p in priced]
+        out.append(best.model_copy(update={"alternatives": alternatives}))
     return out

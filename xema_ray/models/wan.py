@@ -94,9 +94,9 @@ class WanSpec(ModelSpec):
     #: the latents are created in fp32 and the scheduler returns them in the transformer's dtype, so
     #: step 1 still casts fp32 latents (and the scheduler re-casts bf16 ones from step 2 on)
     settling_steps = 1
-    #: no split of Wan's transformer yet (its rotary table is computed inside forward from the whole
-    #: latent): one GPU per request, more GPUs are replicas
-    sequence_parallel = False
+    #: split along the latent's height (``xema_ray.parallel.plans.WanPlan``: the rotary table Wan
+    #: computes inside forward is computed whole and cut to each rank's rows)
+    sequence_parallel = True
     #: the transformer's block list (``transformer.blocks.<i>``; the paper's models say ``transformer_blocks``)
     dit_block_attr = "blocks"
 

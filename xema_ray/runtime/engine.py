@@ -390,7 +390,10 @@ class ExecutionEngine:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
-                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+                for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
+                    if getattr(self.pipe, name, None) is not None:
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
+                                                                  self.sp_backend))
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
