@@ -89,9 +89,11 @@ def _denoise_and_whole_peaks(config: ExecutionConfig) -> tuple[int, int]:
     """The serving worker's device bytes on meta (``xema verify``'s run): the most live in the last
     high-noise step, and over the whole request (the VAE decode included). Four steps, as
     verify runs them (the swap makes steps differ, so none are replicated)."""
-    from xema_ray.measure.verify import VERIFY_STEPS, trace_here
+    from xema_ray.analyzer.steps import steps_to_trace
+    from xema_ray.measure.verify import trace_here
 
-    steps = VERIFY_STEPS + config.template.spec.settling_steps
+    spec = config.template.spec
+    steps = steps_to_trace(spec.settling_steps, spec.step_lifetime)
     config = config.model_copy(update={"template": config.template.with_(steps=steps)})
     (tr,) = trace_here(config, (steps,), replay_blocks=False)
     curve = tr.active_curve()
