@@ -58,9 +58,9 @@ def main() -> None:
                     "sha256": hashlib.sha256(png).hexdigest()[:16]}
 
     t0 = time.monotonic()
-    v = client.videos.create_and_poll(model="tiny-wan2.2", prompt="waves on a beach at dusk", size="64x64", seconds="1")
+    v = client.videos.create_and_poll(model="tiny-wan2.2", prompt="waves on a beach at dusk", size="128x96", seconds="1")
     mp4 = client.videos.download_content(v.id).read() if v.status == "completed" else b""
-    out["video"] = {"model": "tiny-wan2.2", "size": "64x64", "seconds_requested": "1", "id": v.id, "status": v.status,
+    out["video"] = {"model": "tiny-wan2.2", "size": "128x96", "seconds_requested": "1", "id": v.id, "status": v.status,
                     "progress": v.progress, "seconds": round(time.monotonic() - t0, 2), "mp4_bytes": len(mp4),
                     "mp4_ftyp_ok": mp4[4:8] == b"ftyp", "sha256": hashlib.sha256(mp4).hexdigest()[:16]}
     text = json.dumps(out, indent=1)

@@ -134,3 +134,27 @@ def test_a_published_unipc_scheduler_config_is_accepted_and_used(tmp_path) -> No
                                                                             **euler}))
     with pytest.raises(CheckpointError, match="UniPCMultistepScheduler"):
         spec.scheduler(UniPCMultistepScheduler, spec.scheduler_config, BuildOptions(weights_dir=tmp_path))
+
+
+def test_a_tiny_checkpoint_keeps_and_loads_the_published_scheduler(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``write_checkpoint`` saves tiny-wan2.2 with its UniPC scheduler; the worker loads the folder
+    (the scheduler from its scheduler_config.json) and serves a video from it."""
+    import json
+
+    from xema_ray.checkpoints import write_checkpoint
+    from xema_ray.parallel.groups import ParallelConfig
+    from xema_ray.plan import ExecutionConfig
+    from xema_ray.runtime import Batch, GenerationRequest
+    from xema_ray.runtime.worker import ModelLoadConfig, Worker
+
+    path = write_checkpoint("tiny-wan2.2", tmp_path)
+    assert json.loads((path / "scheduler" / "scheduler_config.json").read_text())["_class_name"] == "UniPCMultistepScheduler"
+    w = Worker(platform="cpu")
+    w.init_device(ParallelConfig(rank=0, world_size=1))
+    w.load_model(ModelLoadConfig(model="tiny-wan2.2", weights_dir=path))
+    assert w.engine is not None and type(w.engine.pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=4)
+    out = w.execute(Batch(config=ExecutionConfig(template=t),
+                          requests=(GenerationRequest(request_id="a", prompt="waves", seed=1),))).outputs[0]
+    w.shutdown()
+    assert out.media_type == "video/mp4" and len(out.data) > 0
