@@ -369,7 +369,15 @@ class Worker(WorkerBase):
         residency = self.residency
         c = batch.config  # as planned (its layout_ref is dropped below if it cannot arm)
         entry = c.template.key + (f" (layout {c.layout_ref})" if c.layout_ref is not None else "")
-        switch, not_armed = self._switch(batch.config.layout_ref, lambda: residency.switch(target))
+        layout_ref, steps_note = c.layout_ref, None
+        if batch.steps is not None and batch.steps != c.template.steps and layout_ref is not None:
+            # the layout's allocation stream is the template's step count's: another count runs
+            # on the dynamic region (same residency, same mitigations: the same plan)
+            steps_note = (f"{layout_ref} not armed for this batch: solved for {c.template.steps} denoising steps, "
+                          f"the batch runs {batch.steps}")
+            layout_ref = None
+        switch, not_armed = self._switch(layout_ref, lambda: residency.switch(target))
+        not_armed = not_armed or steps_note
         if control is not None:
             self._run_residency[control.run_id] = target
         config = with_residency(batch.config, self.residency.current)
