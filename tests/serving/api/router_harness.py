@@ -19,6 +19,7 @@ from typing import Any
 from bench.scenarios.group_harness import group_config
 from tests.serving.api.asgi_client import AsgiResponse, call
 from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate
@@ -63,11 +64,27 @@ class RouterHarness:
     def get(self, path: str) -> AsgiResponse:
         return self.run(call(self.app, "GET", path))
 
+    def serve_http(self) -> str:
+        """Serve the app over HTTP on 127.0.0.1 (uvicorn on the harness's loop, stopped with it);
+        returns the base URL (for clients that need a socket, e.g. schemathesis)."""
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(server.serve()))
+        deadline = time.monotonic() + 30
+        while not (server.started and server.servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
 
 @contextmanager
-def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, **router_kwargs: Any
-                   ) -> Iterator[RouterHarness]:
-    """The Router serving ``plans`` (one group of one in-process worker per model)."""
+def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs: JobStoreConfig | None = None,
+                   **router_kwargs: Any) -> Iterator[RouterHarness]:
+    """The Router serving ``plans`` (one group of one in-process worker per model; ``jobs``: the
+    job store of the video job API)."""
     from ray.serve import context as serve_context
 
     from xema_ray.serving.api import router as router_module
@@ -78,7 +95,7 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, **ro
     by_model: dict[str, dict[str, PlanEntry]] = {}
     for key, e in plans.items():
         by_model.setdefault(e.config.template.model, {})[key] = e
-    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s), ps, GroupSettings(),
+    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s), ps, GroupSettings(jobs=jobs),
                             worker_set=InProcessWorkerSet) for m, ps in by_model.items()}
     templates: list[RequestTemplate] = [e.config.template for e in plans.values()]
     table = PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=dict(plans))
@@ -86,7 +103,7 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, **ro
     router = object.__new__(router_module.Router)
 
     async def build() -> None:
-        cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, **router_kwargs)
+        cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs, **router_kwargs)
     saved = serve_context._INTERNAL_REPLICA_CONTEXT
     try:
         asyncio.run_coroutine_threadsafe(build(), loop).result(60)  # outside a replica: no Serve controller asked

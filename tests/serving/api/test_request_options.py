@@ -15,6 +15,7 @@ from bench.scenarios.factories import plan_entry
 from tests.serving.api.router_harness import RouterHarness, running_router
 from xema_ray.models import get_model_spec
 from xema_ray.models.options import OptionRefused
+from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.templates import RequestTemplate
 
 pytestmark = pytest.mark.slow
@@ -30,13 +31,13 @@ POISON = "POISON: this prompt cannot be encoded"
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RouterHarness]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterHarness]:
     """tiny-ltx2 planned at batch 6, tiny-flux2 at batch 4, tiny-qwen-image at 2: concurrent
     requests share one batch (wait window 0.5 s)."""
     plans = {LTX.shape_key: plan_entry(LTX, batch=6, latency_s=2.0, slo_s=60.0),
              FLUX.shape_key: plan_entry(FLUX, batch=4, latency_s=0.5, slo_s=60.0),
              QWEN.shape_key: plan_entry(QWEN, batch=2, latency_s=0.5, slo_s=60.0)}
-    with running_router(plans, wait_window_s=0.5) as h:
+    with running_router(plans, wait_window_s=0.5, jobs=JobStoreConfig(path=str(tmp_path_factory.mktemp("jobs")))) as h:
         yield h
 
 
@@ -133,3 +134,49 @@ def test_templates_and_openapi_document_each_models_options(served: RouterHarnes
     assert "tiny-ltx2" in video["properties"]["guidance_scale"]["description"]
     image = doc["components"]["schemas"]["ImageRequest"]
     assert image["x-model-options"]["tiny-flux2"]["negative_prompt"] is False
+
+
+#: the fuzz's step counts are capped here (not in the document) so that the valid cases it builds
+#: run in seconds on 2 CPUs; the live run (BENCHMARKS.md) fuzzes the document's full range
+FUZZ_MAX_STEPS = 4
+
+
+def test_fuzz_every_operation_finds_no_server_error(served: RouterHarness) -> None:
+    """schemathesis over the whole OpenAPI document, every operation, positive and negative cases,
+    a real job id supplied for the job operations' ``video_id`` in every other case."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import status_code_conformance
+
+    base = served.serve_http()
+    job = served.post("/v1/videos", {"model": "tiny-ltx2", "prompt": "a fox", "size": "64x64"})
+    assert job.status == 200, job.body[:300]
+    job_id = job.json()["id"]
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    counts = {"cases": 0, "server_errors": 0}
+    called: set[str] = set()
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert len(ops) >= 12
+    for op in ops:
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            if mode is schemathesis.GenerationMode.NEGATIVE and op.method.lower() != "post":
+                continue  # a GET's only inputs (ids, enums, a bounded limit) have no invalid form left to generate
+
+            @settings(max_examples=5, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def fuzz(case) -> None:  # type: ignore[no-untyped-def]
+                if case.path_parameters and "video_id" in case.path_parameters and counts["cases"] % 2 == 0:
+                    case.path_parameters["video_id"] = job_id
+                if isinstance(case.body, dict) and isinstance(case.body.get("num_inference_steps"), int):
+                    case.body["num_inference_steps"] = min(case.body["num_inference_steps"], FUZZ_MAX_STEPS)
+                response = case.call(base_url=base, timeout=120)
+                counts["cases"] += 1
+                called.add(op.label)
+                counts["server_errors"] += response.status_code >= 500 and response.status_code != 503
+                case.validate_response(response, checks=[not_a_server_error, status_code_conformance])
+
+            fuzz()
+    print(f"\nschemathesis in-process: {len(ops)} operations, {counts}")
+    assert counts["server_errors"] == 0 and called == {op.label for op in ops}
