@@ -334,8 +334,8 @@ class ExecutionEngine:
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
         thread of its own, which the pause parks). ``negative_prompts``: per request, None for
-        the model's default. ``steps``: denoising steps other than the template's (the static
-        layout, solved for the template's, is then not armed). ``request_ids``: to name the
+        the model's default. ``steps``: denoising steps other than the template's (the worker
+        arms the static layout repeated to them, or none). ``request_ids``: to name the
         requests at fault in a ``RequestFailed``."""
         self._check(config)
         if len(prompts) != len(seeds):
@@ -345,7 +345,8 @@ class ExecutionEngine:
         template = config.template
         if steps is not None and steps != template.steps:
             template = template.model_copy(update={"steps": steps})
-        armed = config.layout_ref is not None and self.arm_layout is not None and template.steps == config.template.steps
+        # at another step count the worker arms the layout repeated to it, or drops layout_ref
+        armed = config.layout_ref is not None and self.arm_layout is not None
         with attributed(ids, "guidance_scale"):  # the pipeline's own range check: the sub-batch's guidance
             call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
