@@ -180,3 +180,17 @@ def test_fuzz_every_operation_finds_no_server_error(served: RouterHarness) -> No
             fuzz()
     print(f"\nschemathesis in-process: {len(ops)} operations, {counts}")
     assert counts["server_errors"] == 0 and called == {op.label for op in ops}
+
+
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-ltx2", "tiny-wan2.2", "tiny-qwen-image"])
+def test_cfg_models_are_traced_with_their_negative_prompt_rows(model: str) -> None:
+    """What the analyzer traces and the plan reserves already holds a negative prompt's rows for
+    every model that takes one: a client's negative prompt changes values, never shapes."""
+    import torch
+
+    spec = get_model_spec(model)
+    inputs = spec.prompt_embeddings(["a fox", "a cat"], "meta", torch.bfloat16)
+    negatives = {k: v for k, v in inputs.items() if k.startswith("negative_")}
+    assert negatives and all(v.shape == inputs[k.removeprefix("negative_")].shape for k, v in negatives.items())
+    passes = spec.transformer_passes_per_step()
+    assert passes[0] >= 2 or len(passes) >= 2  # CFG traced: a doubled batch, or a second call per step
