@@ -16,7 +16,7 @@ from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.api.videos import video_fps
 from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics, SloWindow, realtime_factor
-from xema_ray.serving.group.metrics import KeptGauge
+from xema_ray.serving.group.load_metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import summarize
 from xema_ray.templates import RequestTemplate
 
@@ -42,7 +42,7 @@ class _Recorded:
 def load() -> Iterator[LoadMetrics]:
     entries = {IMG.shape_key: plan_entry(IMG, batch=2, latency_s=2.0, peak_bytes=60 * 10**6),
                VID.shape_key: plan_entry(VID, ulysses=2, latency_s=4.0, peak_bytes=80 * 10**6)}
-    m = LoadMetrics("tiny-flux2", entries, BUDGET, window_s=10.0, window_requests=4)
+    m = LoadMetrics("tiny-flux2", lambda: (entries, BUDGET), window_s=10.0, window_requests=4)
     for name, value in vars(m).items():
         if isinstance(value, KeptGauge):
             setattr(m, name, _Recorded())
@@ -112,7 +112,8 @@ def test_memory_headroom_per_worker_step_seconds_and_realtime_factor(load: LoadM
 
 
 def test_the_snapshot_carries_the_gauges_figures(load: LoadMetrics) -> None:
-    kept = LoadMetrics("tiny-cogvideox", load._entries, BUDGET)  # real gauges: the snapshot reads what they hold
+    entries = load._entries
+    kept = LoadMetrics("tiny-cogvideox", lambda: (entries, BUDGET))  # real gauges: the snapshot reads what they hold
     kept.observe_batch(VID.shape_key, (0, 1), [_result(0, 70 * 10**6, 10**6, 2.0, 3.0),
                                                _result(1, 80 * 10**6, 10**6, 2.0, 3.0)], requests=1, batch_seconds=4.0)
     d = _dispatcher(kept)

@@ -67,14 +67,14 @@ def test_queue_overflow_raises_queue_full_with_retry_after(flux: Harness) -> Non
 def test_the_predicted_queue_wait_rises_under_a_burst_and_falls_after(flux: Harness,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[float] = []
-    gauge = flux.group.load_metrics.queue_wait
+    gauge = flux.group.metrics.load.queue_wait
     monkeypatch.setattr(gauge, "set", lambda v, tags=None: seen.append(v) if tags == {"template": FLUX_L.shape_key} else None)
 
     async def start(g: ModelGroup) -> bool:
-        return g.load_metrics.start(g.summary)  # as from start-up on Serve's loop (idempotent)
+        return g.metrics.load.start()  # as from start-up on Serve's loop (idempotent)
 
     assert flux.call(start)
-    flux.group.load_metrics.changed()
+    flux.group.metrics.load.changed()
     time.sleep(0.3)  # the group's refresh (every 0.1 s after a change)
     idle = seen[-1]
     futs = [_generate(flux, 300 + i, FLUX_L) for i in range(6)]  # queue of 3, batches of 1 of 0.5 s planned

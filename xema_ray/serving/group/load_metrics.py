@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from pydantic import BaseModel, Field
+from ray.serve import metrics
 
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.engine import BatchResult
 from xema_ray.serving.api.videos import video_fps
-from xema_ray.serving.group.metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, probe
 
 logger = logging.getLogger("xema_ray.serving")
@@ -45,6 +45,38 @@ REFRESH_S = 1.0
 MIN_REFRESH_S = 0.1
 #: the predicted attainment's look-ahead, as the autoscaler's default (``AutoscalingSpec.window_s``)
 PREDICTION_WINDOW_S = 60.0
+
+
+class KeptGauge:
+    """A Serve gauge that keeps its last value per tag set and sends it again on ``republish``.
+
+    Seen on Ray 2.60 (Serve replicas, ``metrics_report_interval_ms`` 500): a gauge series that is
+    not set again leaves the Prometheus endpoint about 20 s after its last value — a plan's peak
+    set once at start-up, the last batch's size on an idle group — while counters stay. The group
+    republishes its gauges every second (``LoadMetrics``), so a figure stays until it changes.
+
+    Example:
+        >>> g = KeptGauge("xema_doc_example", "an example", ("template", "model"), {"model": "m"})
+        >>> g.set(3.0, tags={"template": "t"}); g.last()
+        {(('template', 't'),): 3.0}
+    """
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...], default_tags: dict[str, str]) -> None:
+        self._gauge = metrics.Gauge(name, description, tag_keys=tag_keys)
+        self._gauge.set_default_tags(dict(default_tags))  # Serve adds keys to the dict it gets
+        self._last: dict[tuple[tuple[str, str], ...], tuple[float, dict[str, str] | None]] = {}
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self._last[tuple(sorted((tags or {}).items()))] = (value, tags)
+        self._gauge.set(value, tags=tags)
+
+    def republish(self) -> None:
+        for value, tags in list(self._last.values()):
+            self._gauge.set(value, tags=tags)
+
+    def last(self) -> dict[tuple[tuple[str, str], ...], float]:
+        """The last value of each tag set."""
+        return {k: v for k, (v, _) in self._last.items()}
 
 
 class SloWindow:
@@ -132,15 +164,18 @@ class LoadMetrics:
 
     Args:
         model: the group's model.
-        entries: template shape key -> its plan entry (predicted peak, steps, frames).
-        budget_bytes: device memory per worker the plans were made for (None: not known; no
-            headroom is exported then).
+        plans: the plans served now: template shape key -> its plan entry (predicted peak, steps,
+            frames), and the device memory per worker they were made for (None: not known; no
+            headroom is exported then); read at every refresh (a new plan table is taken up).
         window_s / window_requests: the attainment window.
         keep: other gauges of the group to republish with these (``ServingMetrics.gauges``).
+        summary: the replica's summary now (``PublishesSummary.summary``), refreshed from on the
+            running loop (``start``; None: ``refresh`` is called by hand, as in tests).
     """
 
-    def __init__(self, model: str, entries: Mapping[str, PlanEntry], budget_bytes: int | None,
-                 window_s: float = 60.0, window_requests: int = 1000, keep: Sequence[KeptGauge] = ()) -> None:
+    def __init__(self, model: str, plans: Callable[[], tuple[Mapping[str, PlanEntry], int | None]],
+                 window_s: float = 60.0, window_requests: int = 1000, keep: Sequence[KeptGauge] = (),
+                 summary: Callable[[], ReplicaSummary] | None = None) -> None:
         self.model = model
         self.window = SloWindow(window_s, window_requests)
         tags = ("template", "model")
@@ -171,10 +206,21 @@ class LoadMetrics:
         self._entries: dict[str, PlanEntry] = {}
         self._budget: int | None = None
         self._peaks: dict[int, int] = {}
-        self.set_plans(entries, budget_bytes)
+        self._plans = plans
+        self._plans_seen: tuple[int, int | None] = (0, None)
+        self._take_plans()
         self._changed = True
         self._last = -math.inf
         self._task: asyncio.Task[None] | None = None
+        self._summary = summary
+        if summary is not None:
+            self.start()
+
+    def _take_plans(self) -> None:
+        entries, budget = self._plans()
+        if (id(entries), budget) != self._plans_seen:
+            self._plans_seen = (id(entries), budget)
+            self.set_plans(entries, budget)
 
     def set_plans(self, entries: Mapping[str, PlanEntry], budget_bytes: int | None) -> None:
         """The plans served (at start and after a plan swap): their predicted peaks and budget."""
@@ -192,10 +238,18 @@ class LoadMetrics:
         self.window.add(template, time.monotonic() if now is None else now, met)
         self._changed = True
 
+    def observe_missed(self, template: str, n: int = 1) -> None:
+        """``n`` requests of ``template`` failed or were shed: missed, as the planner counts them."""
+        now = time.monotonic()
+        for _ in range(n):
+            self.window.add(template, now, False)
+        self._changed = True
+
     def observe_batch(self, template: str, workers: Sequence[int], results: Sequence[BatchResult],
-                      requests: int, batch_seconds: float) -> None:
-        """A (sub-)batch of ``requests`` ran on ``workers`` (ranks in SP order) in ``batch_seconds``;
-        ``results`` has one per rank (its memory and timings)."""
+                      requests: int, batch_seconds: float, steps: int | None = None) -> None:
+        """A (sub-)batch of ``requests`` ran on ``workers`` (ranks in SP order) in ``batch_seconds``
+        with ``steps`` denoising steps (None: the template's); ``results`` has one per rank (its
+        memory and timings)."""
         t = {"template": template}
         entry = self._entries.get(template)
         for r in results:
@@ -212,7 +266,7 @@ class LoadMetrics:
         if entry is None or lead is None:
             return
         tpl = entry.config.template
-        self.step_seconds.set(lead.timings.denoise_s / tpl.steps, tags=t)
+        self.step_seconds.set(lead.timings.denoise_s / (steps or tpl.steps), tags=t)
         if tpl.spec.kind == "video" and batch_seconds > 0:
             self.realtime.set(realtime_factor((tpl.frames - 1) / video_fps(tpl), requests, batch_seconds), tags=t)
         self._changed = True
@@ -250,6 +304,7 @@ class LoadMetrics:
         """Recompute the predictions and the window's attainment from ``summary`` (taken at the
         monotonic time ``now``)."""
         now = time.monotonic() if now is None else now
+        self._take_plans()
         wall = summary.t
         for key in summary.plans:
             t = {"template": key}
@@ -270,12 +325,14 @@ class LoadMetrics:
     def due(self, now: float) -> bool:
         return now - self._last >= (MIN_REFRESH_S if self._changed else REFRESH_S)
 
-    def start(self, summary: Callable[[], ReplicaSummary]) -> bool:
-        """Refresh from ``summary()`` on the running event loop from now on (once). False: no loop
+    def start(self) -> bool:
+        """Refresh from the summary on the running event loop from now on (once). False: no loop
         runs in this thread (a group built outside one, as in tests): call again from the loop."""
+        if self._summary is None:
+            raise ValueError(f"{self.model}: LoadMetrics was made without a summary to refresh from")
         if self._task is None:
             try:
-                self._task = asyncio.get_running_loop().create_task(self._loop(summary))
+                self._task = asyncio.get_running_loop().create_task(self._loop(self._summary))
             except RuntimeError:
                 return False
         return True

@@ -2,53 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ray.serve import metrics
 
+from xema_ray.serving.group.load_metrics import KeptGauge, LoadMetrics
+
 if TYPE_CHECKING:
+    from xema_ray.plan import PlanEntry
     from xema_ray.runtime.engine import BatchResult
+    from xema_ray.serving.scale.replica_summary import ReplicaSummary
 
 _LATENCY_BOUNDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
 
 
-class KeptGauge:
-    """A Serve gauge that keeps its last value per tag set and sends it again on ``republish``.
-
-    Seen on Ray 2.60 (Serve replicas, ``metrics_report_interval_ms`` 500): a gauge series that is
-    not set again leaves the Prometheus endpoint about 20 s after its last value — a plan's peak
-    set once at start-up, the last batch's size on an idle group — while counters stay. The group
-    republishes its gauges every second (``LoadMetrics``), so a figure stays until it changes.
-
-    Example:
-        >>> g = KeptGauge("xema_doc_example", "an example", ("template", "model"), {"model": "m"})
-        >>> g.set(3.0, tags={"template": "t"}); g.last()
-        {(('template', 't'),): 3.0}
-    """
-
-    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...], default_tags: dict[str, str]) -> None:
-        self._gauge = metrics.Gauge(name, description, tag_keys=tag_keys)
-        self._gauge.set_default_tags(dict(default_tags))  # Serve adds keys to the dict it gets
-        self._last: dict[tuple[tuple[str, str], ...], tuple[float, dict[str, str] | None]] = {}
-
-    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self._last[tuple(sorted((tags or {}).items()))] = (value, tags)
-        self._gauge.set(value, tags=tags)
-
-    def republish(self) -> None:
-        for value, tags in list(self._last.values()):
-            self._gauge.set(value, tags=tags)
-
-    def last(self) -> dict[tuple[tuple[str, str], ...], float]:
-        """The last value of each tag set."""
-        return {k: v for k, (v, _) in self._last.items()}
-
-
 class ServingMetrics:
     """Per model group: requests, latency, queue depth, batch size, SLO met/missed, memory peak per
-    batch and the static allocator's fallback allocations, tagged by template."""
+    batch and the static allocator's fallback allocations, tagged by template; and ``load``, the
+    figures for routers and autoscalers (``LoadMetrics``: ``plans`` and ``summary`` are its own).
+    """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, plans: Callable[[], tuple[Mapping[str, PlanEntry], int | None]] = lambda: ({}, None),
+                 summary: Callable[[], ReplicaSummary] | None = None) -> None:
         tags = ("template",)
         self.requests = metrics.Counter("xema_requests", "requests completed", tag_keys=(*tags, "model"))
         self.requests.set_default_tags({"model": model})  # Serve adds keys to the dict it gets
@@ -102,8 +78,21 @@ class ServingMetrics:
         self.paused_bytes = KeptGauge("xema_paused_bytes", "between-step state paused batches hold now",
                                       (*tags, "model"), own)
         #: what ``LoadMetrics`` republishes every second (``KeptGauge``)
-        self.gauges = (self.queue_depth, self.batch_size, self.peak_bytes, self.host_weight_bytes, self.layout_reserved,
-                       self.paused_bytes)
+        gauges = (self.queue_depth, self.batch_size, self.peak_bytes, self.host_weight_bytes, self.layout_reserved,
+                  self.paused_bytes)
+        self.load = LoadMetrics(model, plans, keep=gauges, summary=summary)
+
+    def observe_queued(self, template: str, depth: int) -> None:
+        self.queue_depth.set(depth, tags={"template": template})
+        self.load.changed()
+
+    def observe_shed(self, template: str) -> None:
+        self.rejected.inc(tags={"template": template})
+        self.load.observe_missed(template)  # missed, as the planner counts a shed request
+
+    def observe_failed(self, template: str, n: int) -> None:
+        self.failed.inc(n, tags={"template": template})
+        self.load.observe_missed(template, n)  # a failed request did not meet its SLO either
         self.paused_seconds = metrics.Counter("xema_paused_seconds", "seconds batches spent paused",
                                               tag_keys=(*tags, "model"))
         self.paused_seconds.set_default_tags({"model": model})
@@ -123,9 +112,15 @@ class ServingMetrics:
         self.requests.inc(tags=t)
         self.latency.observe(latency_s, tags=t)
         (self.slo_met if met else self.slo_missed).inc(tags=t)
+        self.load.observe_request(template, met)
 
-    def observe_batch(self, template: str, size: int, result: BatchResult) -> None:
+    def observe_batch(self, template: str, size: int, result: BatchResult, workers: Sequence[int] = (),
+                      results: Sequence[BatchResult] = (), seconds: float = 0.0, steps: int | None = None) -> None:
+        """A (sub-)batch of ``size`` ran: ``result`` its SP rank 0's; ``workers``, ``results`` (every
+        rank's), ``seconds``, ``steps`` for the load figures (``LoadMetrics.observe_batch``)."""
         t = {"template": template}
+        if results:
+            self.load.observe_batch(template, workers, results, size, seconds, steps)
         self.batch_size.set(size, tags=t)
         self.peak_bytes.set(float(result.memory.peak_bytes), tags=t)
         self.host_weight_bytes.set(float(result.host_weight_bytes), tags=t)

@@ -28,9 +28,10 @@ reaches a busy worker. A paused video job stays ``in_progress``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,8 @@ from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
+from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
-from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
@@ -136,8 +137,7 @@ class ModelGroup(PublishesSummary):
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, config.wait_window_s,
                                                           config.max_queue, self.policy, admission=s.admission)
-        self.metrics = ServingMetrics(model)
-        self.load_metrics = LoadMetrics(model, self.entries, s.budget_bytes, keep=self.metrics.gauges)  # routers, autoscalers
+        self.metrics = ServingMetrics(model, lambda: (self.entries, self._settings.budget_bytes), self.summary)
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self.jobs = JobLifecycle(model, self.owner, s.jobs)  # video jobs: accepted, started, stored, failed
         self._wake: asyncio.Event | None = None
@@ -156,7 +156,6 @@ class ModelGroup(PublishesSummary):
         self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
-        self.load_metrics.start(self.summary)  # from start-up (Serve builds a replica on its loop), else at the first request
 
     def _worker_spec(self, entries: dict[str, PlanEntry], s: GroupSettings) -> WorkerSetSpec:
         """The worker set that runs ``entries`` (every weight placed once, at load, where the plans
@@ -218,7 +217,6 @@ class ModelGroup(PublishesSummary):
                     pass  # the next batch's rebuild tries the old plans again
                 raise
             self._settings, self.entries = settings, dict(new.plans)
-            self.load_metrics.set_plans(self.entries, new.budget_bytes)
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
                 t = e.config.template
@@ -247,7 +245,6 @@ class ModelGroup(PublishesSummary):
         if self._loop_task is None:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
-            self.load_metrics.start(self.summary)
         self.jobs.start_heartbeat()
 
     def _admit(self, req: GroupRequest) -> GenerationRequest:
@@ -263,8 +260,7 @@ class ModelGroup(PublishesSummary):
         return QueueFull(str(e), retry_after_s=max(1.0, self.dispatcher.plans[template].latency_s))
 
     def _queued(self, template: str) -> None:
-        self.metrics.queue_depth.set(self.dispatcher.queue_depth(template), tags={"template": template})
-        self.load_metrics.changed()
+        self.metrics.observe_queued(template, self.dispatcher.queue_depth(template))
         assert self._wake is not None
         self._wake.set()
 
@@ -275,7 +271,7 @@ class ModelGroup(PublishesSummary):
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut))
+                                   _Ticket(request, req.guidance_scale, fut), steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -292,7 +288,7 @@ class ModelGroup(PublishesSummary):
         ticket = _Ticket(request, req.guidance_scale, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
-                                                                                 ticket)):
+                                                                                 ticket, steps=req.steps)):
                 return False
         except OverflowError as e:  # the job went back to the store
             raise self._queue_full(req.template, e) from None
@@ -343,8 +339,7 @@ class ModelGroup(PublishesSummary):
         plan = self.dispatcher.plans[r.template]
         e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
                       f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
-        self.metrics.rejected.inc(tags={"template": r.template})
-        self.load_metrics.observe_request(r.template, met=False)  # shed: missed, as the planner counts it
+        self.metrics.observe_shed(r.template)
         t = r.payload
         assert t is not None
         if t.job_id is not None:
@@ -353,49 +348,63 @@ class ModelGroup(PublishesSummary):
             t.future.set_exception(e)
 
     # ------------------------------------------------------------------ execute
-    async def _execute(self, a: Assignment[_Ticket]) -> dict[str, GenerateResult]:
-        """Run an assignment on its workers; requests with different guidance run as sub-batches."""
-        from xema_ray.runtime.engine import Batch
-
-        entry = self.entries[a.template]
+    async def _execute(self, a: Assignment[_Ticket]) -> tuple[dict[str, GenerateResult], dict[str, InvalidRequest]]:
+        """Run an assignment on its workers (requests with different guidance as sub-batches): the
+        outputs, and the requests failed for their own input (``isolation``: the others re-ran)."""
+        entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
         by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
-        arrived = {r.request_id: r.arrival for r in a.requests}
+        failed: dict[str, InvalidRequest] = {}
         for guidance, reqs in by_guidance.items():
-            jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
-            if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
-                started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
-                reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
-                jobs = [j for j in jobs if j in started]
-                if not reqs:
-                    continue
-            observer = self.jobs.observer(jobs, len(reqs) - len(jobs), self.estimates[a.template])
-            batch = Batch(
-                config=entry.config.for_batch(len(reqs)),
-                requests=tuple(_ticket(r).request for r in reqs),
-                guidance_scale=guidance,
-            )
-            t0 = time.monotonic()
-            try:
-                results = await self.runner.run_sub_batch(a, batch, observer, f"{a.batch_id}.{len(outputs)}")
-            except BatchCancelled:
-                continue  # every member was deleted: the workers stopped at a step boundary
-            seconds = time.monotonic() - t0
-            lead = next(r for r in results if r.sp_rank == 0)
-            self.metrics.observe_batch(a.template, len(reqs), lead)
-            self.load_metrics.observe_batch(a.template, a.workers, results, len(reqs), seconds)
-            self.layout_counters.observe(a.template, lead)
-            self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
-            self._tell_phases(a.template, self.estimates[a.template])
-            for out in lead.outputs:
-                # where it ran travels with the result: the router exposes it as response headers
-                outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds,
-                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                         replica=self.owner)
-        return outputs
+            failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
+                a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun)))
+        return outputs, failed
+
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
+                                 Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> None:
+        """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started before."""
+        from xema_ray.runtime.engine import Batch
+
+        arrived = {r.request_id: r.arrival for r in reqs}
+        steps = a.plan.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
+        estimate = replace(self.estimates[a.template], steps=steps)
+        jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
+        if jobs and not rerun:  # a job deleted while queued is dropped here; the rest are in_progress from now
+            started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
+            reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
+            jobs = [j for j in jobs if j in started]
+            if not reqs:
+                return
+        observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate)
+        batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
+                      guidance_scale=guidance, steps=None if steps == entry.config.template.steps else steps)
+        t0 = time.monotonic()
+        try:
+            results = await self.runner.run_sub_batch(a, batch, observer, label)
+        except BatchCancelled:
+            return  # every member was deleted: the workers stopped at a step boundary
+        seconds = time.monotonic() - t0
+        lead = next(r for r in results if r.sp_rank == 0)
+        self.metrics.observe_batch(a.template, len(reqs), lead, a.workers, results, seconds, steps)
+        self.layout_counters.observe(a.template, lead)
+        # measured at the batch's step count, kept at the template's (the time per step is the same)
+        self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
+                                             steps=entry.config.template.steps)
+        self._tell_phases(a.template, self.estimates[a.template])
+        for out in lead.outputs:
+            # where it ran travels with the result: the router exposes it as response headers
+            outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
+                                                     workers=a.workers, batch_seconds=seconds,
+                                                     queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                     replica=self.owner)
+
+    async def _fail(self, t: _Ticket, e: Exception) -> None:
+        if t.job_id is not None:
+            await self.jobs.failed(t.job_id, e)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _run(self, a: Assignment[_Ticket], decided: float | None = None) -> None:
         started = time.monotonic()
@@ -407,7 +416,7 @@ class ModelGroup(PublishesSummary):
             for attempt in (1, 2):
                 generation = self.workers.generation
                 try:
-                    outputs = await self._execute(a)
+                    outputs, failed = await self._execute(a)
                     break
                 except WorkerDied as e:
                     if attempt == 2:
@@ -419,6 +428,10 @@ class ModelGroup(PublishesSummary):
             # complete: each result to its caller (or the job store); the dispatcher is told below
             for r in a.requests:
                 t = _ticket(r)
+                if r.request_id in failed:  # its own input failed it (422); its neighbours were served
+                    self.metrics.failed.inc(tags={"template": a.template})
+                    await self._fail(t, failed[r.request_id])
+                    continue
                 if t.job_id is not None:
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self.jobs.store_result(t.job_id, outputs[r.request_id])
@@ -427,21 +440,14 @@ class ModelGroup(PublishesSummary):
                     t.future.set_result(outputs[r.request_id].model_copy(update={"group_seconds": time.monotonic() - r.arrival}))
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
-                self.load_metrics.observe_request(a.template, now <= r.deadline, now)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
                 cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()
                 self.metrics.out_of_memory.inc(tags={"template": a.template})
                 self.layout_counters.out_of_memory(a.template, str(cause))
             for r in a.requests:
-                t = _ticket(r)
-                if t.job_id is not None:
-                    await self.jobs.failed(t.job_id, e)
-                elif t.future is not None and not t.future.done():
-                    t.future.set_exception(e)
-            self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
-            for r in a.requests:  # a failed request did not meet its SLO either
-                self.load_metrics.observe_request(a.template, met=False)
+                await self._fail(_ticket(r), e)
+            self.metrics.observe_failed(a.template, len(a.requests))
         finally:
             self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             self.jobs.finished(r.request_id for r in a.requests)
@@ -478,10 +484,6 @@ class ModelGroup(PublishesSummary):
         """Step-level preemption so far (``/v1/stats``): per template, batches paused, the bytes
         the paused ones hold now, seconds spent paused; and the dispatcher's decisions."""
         return self.runner.state.report(self.policy is not None, self.dispatcher.decisions, self.dispatcher.preemptions_total)
-
-    async def load_stats(self) -> GroupLoad:
-        """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``)."""
-        return self.load_metrics.snapshot()
 
     async def layout_stats(self) -> GroupLayoutStats:
         """The static allocator's counters per template, for ``/v1/stats``."""

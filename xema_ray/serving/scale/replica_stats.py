@@ -25,6 +25,8 @@ from xema_ray.serving.scale.replica_summary import ArrivalMeter, ReplicaSummary,
 from xema_ray.serving.scale.scaling import summary_metrics
 
 if TYPE_CHECKING:
+    from xema_ray.serving.group.load_metrics import GroupLoad
+    from xema_ray.serving.group.metrics import ServingMetrics
     from xema_ray.serving.jobs.lifecycle import JobLifecycle
 
 logger = logging.getLogger("xema_ray.serving")
@@ -34,13 +36,14 @@ ARRIVAL_WINDOW_S = 30.0
 
 
 class PublishesSummary:
-    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model`` and ``jobs``, the video
-    jobs' ``JobLifecycle`` (None: a group without jobs)."""
+    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model``, ``jobs``, the video
+    jobs' ``JobLifecycle`` (None: a group without jobs), and ``metrics``."""
 
     dispatcher: Any
     owner: str
     model: str
     jobs: JobLifecycle | None
+    metrics: ServingMetrics
 
     def _arrivals(self) -> ArrivalMeter:
         meter = getattr(self, "_arrival_meter", None)
@@ -62,6 +65,11 @@ class PublishesSummary:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return summary_metrics(self.summary())
+
+    async def load_stats(self) -> GroupLoad:
+        """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``:
+        predicted waits, attainment, memory per worker), for JSON readers such as the operator view."""
+        return self.metrics.load.snapshot()
 
     async def replica_summary(self) -> dict[str, Any]:
         """The summary as JSON (for ``/v1/stats``, tests and the bench)."""
