@@ -27,6 +27,8 @@ CODE_REASONS: dict[str, str] = {
     "unsupported_media_type": "bad_request",
     "invalid_value": "bad_request_field",
     "unknown_option": "bad_request_field",
+    "unsupported_option": "bad_request_field",  # an option the model does not take (400, param named)
+    "out_of_range": "bad_request_field",
     "unsupported_template": "unknown_template",
     "queue_full": "queue_full",
     "busy": "busy",
