@@ -49,6 +49,7 @@ from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
+from xema_ray.serving.api.refusals import RefusalMeter
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
 from xema_ray.serving.group.plan_reload import RouterPlans
 from xema_ray.serving.api.openapi import install_openapi
@@ -65,7 +66,8 @@ from xema_ray.templates import RequestTemplate
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
-app.add_middleware(TenantGuard)  # added last, so it runs first: no key, no body read
+app.add_middleware(TenantGuard)  # runs before RequestGuard: no key, no body read
+app.add_middleware(RefusalMeter)  # added last, so it runs first: it sees every refusal, the 401s too
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
