@@ -378,7 +378,7 @@ class ModelGroup(PublishesSummary):
             seconds = time.monotonic() - t0
             lead = next(r for r in results if r.sp_rank == 0)
             self.metrics.observe_batch(a.template, len(reqs), lead)
-            self.layout_counters.observe(a.template, lead)
+            self.layout_counters.observe(a.template, lead, dict(zip(a.workers, results, strict=False)))
             self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
             self._tell_phases(a.template, self.estimates[a.template])
             for out in lead.outputs:
