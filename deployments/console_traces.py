@@ -54,7 +54,7 @@ def _mitigation_spans(model, cfg0: ExecutionConfig, base: np.ndarray, mitigation
         if m.events is not None:
             out.append(Span(start=m.events[0], stop=m.events[1], label=mitigation_label(m)))
             continue
-        alone, _ = model._memory.reserved_curve(cfg0.model_copy(update={"mitigations": (m,)}))
+        alone, _ = model.reserved_curve(cfg0.model_copy(update={"mitigations": (m,)}))
         changed = np.abs(alone - base) > tol
         # one span per mitigation: from where it first changes the curve to where it last does
         runs = _runs(changed)
@@ -82,10 +82,10 @@ def _compute(template_key: str, entry: PlanEntry, budget: int) -> TraceView:
     t = cfg.template
     model = TracePlannerModel(t, lambda c: 0.0, TraceCache())
     cfg0 = cfg.model_copy(update={"mitigations": ()})
-    base, prof = model._memory.reserved_curve(cfg0)
-    mitigated, _ = model._memory.reserved_curve(cfg)
+    base, prof = model.reserved_curve(cfg0)
+    mitigated, _ = model.reserved_curve(cfg)
     starts = _buckets(len(base))
-    _, intervals = model._memory.view(cfg0, budget)
+    intervals = model.memory(cfg0, budget).intervals
     pressure = [Span(start=iv.start, stop=iv.stop, peak_bytes=iv.peak_bytes,
                      label=f"+{(iv.peak_bytes - budget) / 1e6:.1f} MB over the budget"
                            + (f" in {', '.join(iv.phases)}" if iv.phases else ""))

@@ -172,3 +172,32 @@ def test_operator_view_plans_traces_and_live_queues(server: str, chrome: Any) ->
     assert page.query_selector(f"section.group[data-model='{FLUX.model}'] table.memory")
     p.only_own_host()
     p.close()
+
+
+def test_playground_shows_references_and_adapters_where_the_api_offers_them(server: str, chrome: Any) -> None:
+    """Feature detection from the OpenAPI document: this app has neither image edits nor adapters, so
+    the test answers the page's calls for them as an app that has both would (``page.route``)."""
+    p = Page(chrome, server)
+    page = p.page
+    page.goto(f"{server}/ui")
+    p.set_key(USER_KEY)
+    until(page, "document.querySelectorAll('#template option').length >= 1")
+    assert page.is_hidden("#refs-box") and page.is_hidden("#adapters-box")  # this app offers neither
+
+    doc = requests.get(f"{server}/openapi.json", timeout=30).json()
+    doc["paths"]["/v1/images/edits"] = {"post": {"responses": {}}}
+    doc["paths"]["/v1/adapters"] = {"get": {"responses": {}}}
+    page.route("**/openapi.json", lambda route: route.fulfill(json=doc))
+    page.route("**/v1/adapters", lambda route: route.fulfill(json={"data": [{"name": "style-a", "model": FLUX.model}]}))
+    page.reload()
+    until(page, "document.querySelectorAll('#template option').length >= 1")
+    page.select_option("#model", FLUX.model)
+    assert page.is_visible("#refs-box") and page.is_visible("#adapters-box")
+    page.check("#adapters input[data-name='style-a']")
+    with page.expect_request("**/v1/images/generations") as sent:
+        page.click("#submit")
+    assert sent.value.post_data_json["lora"] == [{"name": "style-a", "scale": 1.0}]
+    page.select_option("#model", COG.model)  # the adapter is Flux.2's; this app's videos take no reference
+    assert page.is_hidden("#refs-box") and page.is_hidden("#adapters-box")
+    p.only_own_host()
+    p.close()
