@@ -37,6 +37,9 @@ from xema_ray.serving.api.schemas import (
     set_limits,
 )
 from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth, tenant_of
+from xema_ray.serving.console.operator import RecentOutcomes, operator_view
+from xema_ray.serving.console.schemas import OperatorView, TraceView
+from xema_ray.serving.console.static import install_ui
 from xema_ray.serving.api.errors import ErrorResponse, error_response, exception_response, install_error_handlers
 from xema_ray.serving.api.health import (
     HEALTHZ_FRESH_S,
@@ -68,6 +71,7 @@ install_error_handlers(app)
 app.add_middleware(RequestGuard)
 app.add_middleware(TenantGuard)  # runs before RequestGuard: no key, no body read
 app.add_middleware(RefusalMeter)  # added last, so it runs first: it sees every refusal, the 401s too
+install_ui(app)  # /ui: the console's static pages (docs/console.md)
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -76,7 +80,8 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return error_response(status, message, **extra)
 
 
-_STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
+_STATUS_TEXT = {403: "behind API keys: the key is not an admin key (auth.api_keys ... admin: true)",
+                400: "a request this deployment cannot serve (the message says what it can)",
                 404: "no such video or file: it never existed, was deleted or has expired",
                 429: "this API key's tenant has auth.max_jobs_in_flight video jobs queued or running (with Retry-After)"}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
@@ -151,7 +156,8 @@ class Router:
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
-                 auth: AuthConfig | None = None) -> None:
+                 auth: AuthConfig | None = None,
+                 console_traces: Callable[[str, Any, int], TraceView] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
@@ -169,6 +175,8 @@ class Router:
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
+        self.console_outcomes = RecentOutcomes()  # observed SLO attainment for the operator view
+        self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = jobs
@@ -216,11 +224,13 @@ class Router:
         async def result() -> GenerateResult:
             return await response
 
+        called = time.monotonic()
         call = asyncio.ensure_future(result())
         gone = asyncio.ensure_future(self.health.wait_gone(t.model))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
+                self.console_outcomes.answered(t.shape_key, time.monotonic() - called, self.table)
                 return call.result()
             response.cancel()
             call.cancel()
@@ -406,6 +416,9 @@ class Router:
         counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
         reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
+        return await self.stats_now()
+
+    async def stats_now(self) -> StatsResponse:  # ``self.stats`` is the Stats deployment's handle
         received = self.received
         if self.stats is not None:
             if self._counts is not None:
@@ -450,6 +463,21 @@ class Router:
 
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
+
+    # ------------------------------------------------------------------ the console's data (docs/console.md)
+    @app.get("/v1/console/operator", responses=_documented(403))
+    async def console_operator(self) -> OperatorView:
+        """The operator view's data: per model group its plans, queues per replica, attainment,
+        preemption, each worker's memory, replicas and Serve's target. Behind API keys: an admin key."""
+        return await operator_view(self, await self.stats_now())
+
+    @app.get("/v1/console/traces/{template:path}", response_model=None, responses=_documented(403, 404))
+    async def console_trace(self, template: str) -> TraceView | JSONResponse:
+        """A served template's memory trace at its planned configuration against the budget, its
+        pressure intervals and where the plan's mitigations act. Behind API keys: an admin key."""
+        if template not in self.served or template not in self.table.entries or self.console_traces is None:
+            return _error(404, f"no trace of {template!r} here", type_="not_found_error", param="template")
+        return await asyncio.to_thread(self.console_traces, template, self.table.entries[template], self.table.budget_bytes)
 
     @app.get("/healthz", response_model=None,
              responses={200: {"model": HealthResponse, "description": "ready: every group can take a request"},

@@ -396,7 +396,7 @@ class ModelGroup(PublishesSummary):
         lead = next(r for r in results if r.sp_rank == 0)
         self.metrics.observe_batch(a.template, len(reqs), lead)
         self.load_metrics.observe_batch(a.template, a.workers, results, len(reqs), seconds, steps)
-        self.layout_counters.observe(a.template, lead)
+        self.layout_counters.observe(a.template, lead, dict(zip(a.workers, results, strict=False)))
         # measured at the batch's step count, kept at the template's (the time per step is the same)
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
