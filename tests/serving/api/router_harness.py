@@ -107,7 +107,8 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     saved = serve_context._INTERNAL_REPLICA_CONTEXT
     try:
         asyncio.run_coroutine_threadsafe(build(), loop).result(60)  # outside a replica: no Serve controller asked
-        serve_context._INTERNAL_REPLICA_CONTEXT = SimpleNamespace(servable_object=router, app_name="harness")
+        serve_context._INTERNAL_REPLICA_CONTEXT = SimpleNamespace(  # what Serve's metrics read too
+            servable_object=router, app_name="harness", deployment="Router", replica_tag="harness")
         # the FastAPI app the class's methods see (and ``install_openapi`` changed): Serve's
         # ingress copied the module's app when it wrapped the class
         h = RouterHarness(cls.__init__.__globals__["app"], loop, router, groups)
