@@ -158,6 +158,7 @@ class Worker(WorkerBase):
         self.allocator: Any = None
         #: layout_ref -> its artifact, validated at load (hash, version, GPU model), and the plan armed per batch
         self.layouts: dict[str, Any] = {}
+        self._step_plans: dict[tuple[str, int], Any] = {}  # (layout, requested steps) -> its repeated plan
         self._plans: dict[str, Any] = {}
         self.layout_status: str | None = None
         self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
@@ -293,6 +294,7 @@ class Worker(WorkerBase):
 
         refs = sorted({c.layout_ref for c in load.plans if c.layout_ref is not None})
         self.layouts = {}
+        self._step_plans: dict[tuple[str, int], Any] = {}
         self.arena = None
         if not refs:
             self.layout_status = None
@@ -329,13 +331,22 @@ class Worker(WorkerBase):
         """Arm ``layout_ref``'s plan for the batch; a no-op where nothing was reserved for it (no
         arena: an unseeded process, see ``_load_layouts``) or it was not loaded, as
         ``layout_status`` / the batch's ``layout_note`` say."""
-        plan = self._plans.get(layout_ref)
+        steps = getattr(self._local, "arm_steps", None)
+        plan = self._plans.get(layout_ref) if steps is None else self._step_plan(layout_ref, steps)
         if plan is None or self.allocator is None or self.arena is None:
             yield
             return
         with self.allocator.armed(plan, device=self.alloc_device) as report:
             yield
         self._local.layout_report = report
+
+    def _step_plan(self, layout_ref: str, steps: int) -> Any:
+        """``layout_ref``'s replay plan at ``steps`` steps (cached), or None where it does not repeat to them."""
+        key = (layout_ref, steps)
+        if key not in self._step_plans:
+            art = self.layouts.get(layout_ref)
+            self._step_plans[key] = art.plan_for_steps(steps) if art is not None else None
+        return self._step_plans[key]
 
     def _switch(self, layout_ref: str | None, move: Any) -> tuple[Any, str | None]:
         """The residency switch ``move`` for a batch of ``layout_ref`` (None: it runs disarmed),
@@ -394,7 +405,16 @@ class Worker(WorkerBase):
         residency = self.residency
         c = batch.config  # as planned (its layout_ref is dropped below if it cannot arm)
         entry = c.template.key + (f" (layout {c.layout_ref})" if c.layout_ref is not None else "")
-        switch, not_armed = self._switch(batch.config.layout_ref, lambda: residency.switch(target))
+        layout_ref, steps_note = c.layout_ref, None
+        self._local.arm_steps = batch.steps if batch.steps != c.template.steps else None
+        if self._local.arm_steps is not None and layout_ref in self.layouts and self._step_plan(layout_ref, batch.steps) is None:
+            # a layout repeats its step window only to counts of its parity, from its solved steps
+            # on: another count runs on the dynamic region (same residency, same mitigations)
+            steps_note = (f"{layout_ref} not armed for this batch: solved for {c.template.steps} denoising steps, "
+                          f"it does not repeat to {batch.steps}")
+            layout_ref = None
+        switch, not_armed = self._switch(layout_ref, lambda: residency.switch(target))
+        not_armed = not_armed or steps_note
         if control is not None:
             self._run_residency[control.run_id] = target
         config = with_residency(batch.config, self.residency.current)
