@@ -211,3 +211,21 @@ def test_video_jobs_take_the_options_and_refuse_out_of_range_ones_storing_nothin
         assert time.monotonic() < deadline, v
         time.sleep(0.2)
     assert v["status"] == "completed", v
+
+
+def test_qwen_guidance_and_true_cfg_are_one_scale() -> None:
+    from types import SimpleNamespace
+
+    from xema_ray.serving.api.options import resolve_options
+
+    served = {t.shape_key: t for t in (QWEN, FLUX)}
+
+    def req(**kw):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(**{"guidance_scale": None, "negative_prompt": None, "true_cfg_scale": None,
+                                  "num_inference_steps": None, **kw})
+    assert resolve_options(QWEN, served, req(true_cfg_scale=4.0)).guidance_scale == 4.0
+    assert resolve_options(QWEN, served, req(guidance_scale=4.0, true_cfg_scale=4.0)).guidance_scale == 4.0
+    with pytest.raises(OptionRefused, match="same scale") as e:
+        resolve_options(QWEN, served, req(guidance_scale=3.0, true_cfg_scale=4.0))
+    assert e.value.param == "true_cfg_scale"
+    assert resolve_options(QWEN, served, req(num_inference_steps=QWEN.steps)).steps is None  # the template's own
