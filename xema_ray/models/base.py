@@ -394,6 +394,10 @@ class ModelSpec(ABC):
     #: denoising steps after the first that still allocate unlike the steady state (the analyzer
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0
+    #: denoising steps an allocation of a step may stay alive for (1: freed by the next step's end;
+    #: a multistep scheduler of order 2, UniPC, keeps each model output for 2); the analyzer traces
+    #: ``step_lifetime - 1`` more steps and replicates with it (``analyzer.steps.expand_steps``)
+    step_lifetime: int = 1
 
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""

@@ -302,6 +302,9 @@ class ExecutionEngine:
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
+        #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
+        #: made by the worker's load when its plans swap the experts
+        self.experts: Any = None
 
     @property
     def last_prompts(self) -> EncodedPrompts | None:
@@ -398,11 +401,18 @@ class ExecutionEngine:
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
+            if config.experts is not None:
+                from xema_ray.mitigation.expert_swap import apply_expert_swap
+
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
-                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+                for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
+                    if getattr(self.pipe, name, None) is not None:
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
+                                                                  self.sp_backend))
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:

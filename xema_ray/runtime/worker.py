@@ -32,7 +32,7 @@ from xema_ray.models.base import DTypeName, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import SPBackend
-from xema_ray.plan import ExecutionConfig
+from xema_ray.plan import ExecutionConfig, ExpertSwap
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
@@ -93,6 +93,15 @@ class ModelLoadConfig(BaseModel):
         order = {"device": 0, "streamed": 1, "cpu": 2}
         chosen = [c.text_encoder for c in self.plans if c.text_encoder is not None]
         return max(chosen, key=order.__getitem__) if chosen else None
+
+    def expert_swap(self) -> ExpertSwap | None:
+        """How the plans hold a two-expert model's experts (one way per group: the load places
+        the experts' blocks for it); None: as the pipeline holds them."""
+        ways = {(c.experts.strategy, c.experts.host_blocks) for c in self.plans if c.experts is not None}
+        if len(ways) > 1 or (ways and any(c.experts is None for c in self.plans)):
+            raise ValueError(f"the plans of one worker hold the experts in different ways ({sorted(ways)}); "
+                             "a group's templates share one")
+        return next((c.experts for c in self.plans if c.experts is not None), None)
 
     def initial_residency(self) -> Residency:
         """Where weights are placed at load: every plan's host blocks (shared), else the first plan's."""
@@ -219,10 +228,18 @@ class Worker(WorkerBase):
                 raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
         dtype, kept = model_dtypes(spec, load.dtype, load.component_dtypes)
         residency = load.initial_residency()
+        experts = load.expert_swap()
         self._drop_model()  # drop the previous model before placing the next
+        expert_homes: tuple[str, ...] = ()
+        if experts is not None:
+            from xema_ray.mitigation.expert_swap import expert_host_modules
+            from xema_ray.runtime.residency import block_paths
+
+            expert_homes = expert_host_modules(experts, block_paths(spec))
+        host_modules = tuple(dict.fromkeys((*residency.host_modules(spec), *expert_homes)))
         opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
                             component_dtypes=kept,
-                            host_modules=residency.host_modules(spec), place_on_meta=True,
+                            host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
                             share_host=load.shares_host(self.platform.name))
         pipe = spec.build_pipeline(opts)
@@ -232,6 +249,13 @@ class Worker(WorkerBase):
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        swapped = 0
+        if experts is not None and experts.strategy == "swap_prefetched":
+            # both experts homed on the host; the high-noise one comes to the device now
+            from xema_ray.mitigation.expert_swap import ExpertSwapper
+
+            self.engine.experts = ExpertSwapper(pipe, spec)
+            swapped = self.engine.experts.block_bytes
         self._scheduler_as_loaded = copy.deepcopy(pipe.scheduler)  # no call's state yet
         placed = PlacementReport()
         for comp in pipe.components.values():
@@ -241,7 +265,7 @@ class Worker(WorkerBase):
         if self._mirror_host:
             # the host arena is the device less its weights (placed at load, never mirrored): a
             # batch that would not fit next to them on a budget-sized device does not fit here
-            limit = max(1, load.budget_bytes - placed.device_bytes) if load.budget_bytes is not None else 0
+            limit = max(1, load.budget_bytes - placed.device_bytes - swapped) if load.budget_bytes is not None else 0
             self.allocator.set_limit(limit, device=self.alloc_device)
             # on a CPU host and device are one memory: the embedding cache (host-side on a GPU)
             # would keep a batch's mirrored blocks, static ones included, alive past the batch
@@ -253,7 +277,8 @@ class Worker(WorkerBase):
         self.load_count += 1
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
-                           parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
+                           parameters=params, device_bytes=placed.device_bytes + swapped,
+                           host_bytes=placed.host_bytes,
                            host_buffer_bytes=placed.host_buffer_bytes, host_pinned_bytes=placed.host_pinned_bytes,
                            host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,
                            host_attached_bytes=placed.host_attached_bytes, transient_bytes=placed.transient_bytes,
