@@ -100,7 +100,7 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     templates: list[RequestTemplate] = [e.config.template for e in plans.values()]
     table = PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=dict(plans))
     cls = router_module.Router.__mro__[1]  # the class under serve.ingress's wrapper
-    router = object.__new__(router_module.Router)
+    router = object.__new__(cls)  # the class itself: its wrapper's (async) __init__ and __del__ are Serve's
 
     async def build() -> None:
         cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs, **router_kwargs)
