@@ -35,16 +35,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import AdmissionPolicy, PlanEntry
-from xema_ray.profiling.phases import PhaseShares
-from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.plan import PlanEntry
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
@@ -52,46 +48,20 @@ from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupS
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
+from xema_ray.serving.group.settings import GroupSettings
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 from xema_ray.serving.jobs.lifecycle import JobLifecycle
 from xema_ray.serving.jobs.progress import PhaseEstimate
-from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.scale.replica_stats import PublishesSummary
 
 if TYPE_CHECKING:
     from xema_ray.runtime.engine import GenerationRequest
 
-__all__ = ["GroupSettings", "ModelGroup"]
+__all__ = ["GroupSettings", "ModelGroup"]  # GroupSettings: group/settings.py
 
 #: concurrent calls a worker serves with preemption on (a running batch, a pause, a
 #: preempting batch, a resume)
 WORKER_CONCURRENCY = 4
-
-
-class GroupSettings(BaseModel):
-    """What a model group is given beside its own ``ModelGroupConfig``: the app's settings and
-    what the plan table chose for the group (``deployments/app.py`` composes it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    device: str = Field(default="cpu", description='the kind of worker (``worker_set.WORKER_KINDS``: "cpu", '
-                                                   '"cuda", "emulated")')
-    worker_cpus: float = Field(default=0.25, description="CPUs per worker")
-    jobs: JobStoreConfig | None = Field(default=None, description="the job store's config; None: no video jobs")
-    layouts_dir: Path | None = Field(default=None, description="the plan table's layouts folder (plans with a "
-                                                               "layout_ref arm theirs)")
-    budget_bytes: int | None = Field(default=None, description="device memory per worker (the plan table's budget): "
-                                     "the static allocator's arena is sized for it (``xema_ray.runtime.arena``); "
-                                     "None: not known")
-    preemption: PreemptionPolicy | None = Field(default=None, description="the step-level preemption policy; None: off")
-    admission: AdmissionPolicy | None = Field(default=None, description="the SLO-aware admission policy the plan "
-                                              "table chose for this group's load; None: plain EDF, every request served")
-    phases: dict[str, PhaseShares] | None = Field(
-        default=None, description="each template's phase shares on the plan table's hardware (``phase_shares``, as "
-                                  "the simulator's): where its step boundaries fall until its first batch is "
-                                  "measured; None: the fallback split (``PhaseEstimate.from_plan``)")
-    emulation: EmulationConfig | None = Field(default=None, description='device "emulated": the templates\' phases '
-                                              "from the plan table (docs/emulated.md)")
 
 
 @dataclass
@@ -388,7 +358,7 @@ class ModelGroup(PublishesSummary):
         seconds = time.monotonic() - t0
         lead = next(r for r in results if r.sp_rank == 0)
         self.metrics.observe_batch(a.template, len(reqs), lead, a.workers, results, seconds, steps)
-        self.layout_counters.observe(a.template, lead)
+        self.layout_counters.observe(a.template, lead, dict(zip(a.workers, results, strict=False)))
         # measured at the batch's step count, kept at the template's (the time per step is the same)
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
