@@ -81,6 +81,7 @@ function showImage(b64, meta) {
 
 async function generateImage(t) {
   const started = performance.now();
+  $("#job").classList.add("hidden");  // a previous video job's bar is not this image's
   const files = $("#refs").files;
   let r;
   if (state.features.edits && files && files.length) {
