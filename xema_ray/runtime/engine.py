@@ -42,6 +42,7 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
+from xema_ray.runtime.request_errors import attributed, encode_attributed
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -64,6 +65,8 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
+    negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
+                                        "(only models that run classifier-free guidance are sent one)")
 
 
 class Batch(BaseModel):
@@ -74,6 +77,8 @@ class Batch(BaseModel):
     config: ExecutionConfig
     requests: tuple[GenerationRequest, ...] = Field(min_length=1)
     guidance_scale: float | None = Field(default=None, description="None = the model's default")
+    steps: int | None = Field(default=None, ge=1, description="denoising steps; None = the template's (the same "
+                              "plan serves any: memory does not depend on the step count)")
 
     @model_validator(mode="after")
     def _check(self) -> Batch:
@@ -297,6 +302,9 @@ class ExecutionEngine:
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
+        #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
+        #: made by the worker's load when its plans swap the experts
+        self.experts: Any = None
 
     @property
     def last_prompts(self) -> EncodedPrompts | None:
@@ -321,18 +329,29 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
+        negative_prompts: list[str | None] | None = None, steps: int | None = None,
+        request_ids: list[str] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
-        thread of its own, which the pause parks)."""
+        thread of its own, which the pause parks). ``negative_prompts``: per request, None for
+        the model's default. ``steps``: denoising steps other than the template's (the worker
+        arms the static layout repeated to them, or none). ``request_ids``: to name the
+        requests at fault in a ``RequestFailed``."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        ids = request_ids if request_ids is not None else [str(i) for i in range(len(prompts))]
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
+        if steps is not None and steps != template.steps:
+            template = template.model_copy(update={"steps": steps})
+        # at another step count the worker arms the layout repeated to it, or drops layout_ref
         armed = config.layout_ref is not None and self.arm_layout is not None
+        with attributed(ids, "guidance_scale"):  # the pipeline's own range check: the sub-batch's guidance
+            call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
@@ -351,7 +370,7 @@ class ExecutionEngine:
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = self.prompts.encode(list(prompts))
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
@@ -359,7 +378,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.pipe(
-                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type,
+                    **call_kwargs, **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
                 )
@@ -379,11 +398,18 @@ class ExecutionEngine:
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
+            if config.experts is not None:
+                from xema_ray.mitigation.expert_swap import apply_expert_swap
+
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
-                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+                for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
+                    if getattr(self.pipe, name, None) is not None:
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
+                                                                  self.sp_backend))
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
@@ -403,7 +429,8 @@ class ExecutionEngine:
         seeds = [r.seed for r in batch.requests]
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control,
+            control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
+            request_ids=[r.request_id for r in batch.requests],
         )
         if observer is not None and output_rank:
             observer.on_decoded()

@@ -58,6 +58,8 @@ from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
+from xema_ray.models.options import OptionRefused
+from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
@@ -202,16 +204,11 @@ class Router:
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
-    def _template(self, model: str, size: str, frames: int, steps: int | None, kind: str) -> RequestTemplate:
+    def _template(self, model: str, size: str, frames: int, kind: str) -> RequestTemplate:
         width, height = parse_size(size)
-        t = match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
-        if steps is not None and steps != t.steps:
-            raise UnsupportedTemplate(
-                f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={steps}",
-                sorted(self.served), "num_inference_steps")
-        return t
+        return match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, opts: RequestOptions) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -219,7 +216,8 @@ class Router:
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
-                                                       seed=seed, guidance_scale=guidance))
+                                                       seed=seed, guidance_scale=opts.guidance_scale,
+                                                       negative_prompt=opts.negative_prompt, steps=opts.steps))
 
         async def result() -> GenerateResult:
             return await response
@@ -230,8 +228,9 @@ class Router:
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
+                out = call.result()  # a failed request raises here: only answers count as met or missed
                 self.console_outcomes.answered(t.shape_key, time.monotonic() - called, self.table)
-                return call.result()
+                return out
             response.cancel()
             call.cancel()
             raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")
@@ -256,9 +255,12 @@ class Router:
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
                           param="response_format")
         try:
-            t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
+            t = self._template(req.model, req.size, 1, "image")
+            opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        except OptionRefused as e:
+            return error_response(**option_error(e))
         batch = self.table.entries[t.shape_key].config.batch
         if req.n > batch:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
@@ -277,7 +279,7 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts) for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
@@ -365,12 +367,15 @@ class Router:
         self._count_received()
         req = await parse_request(request, VideoRequest)
         try:
-            t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")
+            t = self._template(req.model, req.size, req.num_frames, "video")
+            opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        except OptionRefused as e:
+            return error_response(**option_error(e))
 
         async def run() -> Response:
-            out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
+            out = await self._generate(t, req.prompt, req.seed, opts)
             return Response(content=out.data, media_type="video/mp4",
                             headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
@@ -390,8 +395,10 @@ class Router:
         out = []
         for key, t in sorted(self.served.items()):
             e = self.table.entries[key]
+            rules = t.spec.option_rules()
             out.append(TemplateInfo(template=key, model=t.model, width=t.width, height=t.height, frames=t.frames,
-                                    steps=t.steps, latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
+                                    steps=t.steps, steps_range=(rules.steps_min, rules.steps_max),
+                                    options=rules.describe(), latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
         return out
 
@@ -408,9 +415,6 @@ class Router:
         counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
         reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
-        return await self.stats_now()
-
-    async def stats_now(self) -> StatsResponse:  # ``self.stats`` is the Stats deployment's handle
         received = self.received
         if self.stats is not None:
             if self._counts is not None:
@@ -456,17 +460,14 @@ class Router:
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
 
-    # ------------------------------------------------------------------ the console's data (docs/console.md)
     @app.get("/v1/console/operator", responses=_documented(403))
     async def console_operator(self) -> OperatorView:
-        """The operator view's data: per model group its plans, queues per replica, attainment,
-        preemption, each worker's memory, replicas and Serve's target. Behind API keys: an admin key."""
-        return await operator_view(self, await self.stats_now())
+        """The operator view's data (docs/console.md). Behind API keys: an admin key."""
+        return await operator_view(self, await type(self).stats(self))  # self.stats: the Stats deployment
 
     @app.get("/v1/console/traces/{template:path}", response_model=None, responses=_documented(403, 404))
     async def console_trace(self, template: str) -> TraceView | JSONResponse:
-        """A served template's memory trace at its planned configuration against the budget, its
-        pressure intervals and where the plan's mitigations act. Behind API keys: an admin key."""
+        """A template's memory trace against the budget (docs/console.md). Behind API keys: an admin key."""
         if template not in self.served or template not in self.table.entries or self.console_traces is None:
             return _error(404, f"no trace of {template!r} here", type_="not_found_error", param="template")
         return await asyncio.to_thread(self.console_traces, template, self.table.entries[template], self.table.budget_bytes)
