@@ -42,7 +42,7 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
-from xema_ray.runtime.request_errors import attributed, encode_attributed
+from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -354,6 +354,8 @@ class ExecutionEngine:
             call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
+        with self.platform.running():  # before the layout is armed: the solved stream has only the default's
+            own_negatives = encode_negatives(self.prompts, negative_prompts, ids)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
             env = [self._batch_env(config, group, arm=armed)]
@@ -370,7 +372,8 @@ class ExecutionEngine:
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), ids, own_negatives)
+            own_negatives = None  # copied into the default rows: freed, the batch holds what was planned
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))

@@ -114,9 +114,12 @@ async def replica_summaries(handle: Any, replicas: int) -> list[ReplicaSummary]:
 def serve_targets(app_name: str, models: list[str]) -> dict[str, tuple[int, int, str | None]]:
     """Per model: Serve's running replicas, its target replicas and the autoscaling bounds
     (``ServeInstanceDetails``, what ``serve.status()`` reads; blocking: call it in a thread)."""
+    import ray
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeInstanceDetails
 
+    if not ray.is_initialized():  # a Router outside Ray (in-process tests): asking would start a cluster
+        return {}
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return {}
