@@ -182,8 +182,9 @@ class Router:
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
+                out = call.result()  # a failed request raises here: only answers count as met or missed
                 self.console_outcomes.answered(t.shape_key, time.monotonic() - called, self.table)
-                return call.result()
+                return out
             response.cancel()
             call.cancel()
             raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")
@@ -368,9 +369,6 @@ class Router:
         counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
         reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
-        return await self.stats_now()
-
-    async def stats_now(self) -> StatsResponse:  # ``self.stats`` is the Stats deployment's handle
         received = self.received
         if self.stats is not None:
             if self._counts is not None:
@@ -416,17 +414,14 @@ class Router:
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
 
-    # ------------------------------------------------------------------ the console's data (docs/console.md)
     @app.get("/v1/console/operator", responses=_documented(403))
     async def console_operator(self) -> OperatorView:
-        """The operator view's data: per model group its plans, queues per replica, attainment,
-        preemption, each worker's memory, replicas and Serve's target. Behind API keys: an admin key."""
-        return await operator_view(self, await self.stats_now())
+        """The operator view's data (docs/console.md). Behind API keys: an admin key."""
+        return await operator_view(self, await type(self).stats(self))  # self.stats: the Stats deployment
 
     @app.get("/v1/console/traces/{template:path}", response_model=None, responses=_documented(403, 404))
     async def console_trace(self, template: str) -> TraceView | JSONResponse:
-        """A served template's memory trace at its planned configuration against the budget, its
-        pressure intervals and where the plan's mitigations act. Behind API keys: an admin key."""
+        """A template's memory trace against the budget (docs/console.md). Behind API keys: an admin key."""
         if template not in self.served or template not in self.table.entries or self.console_traces is None:
             return _error(404, f"no trace of {template!r} here", type_="not_found_error", param="template")
         return await asyncio.to_thread(self.console_traces, template, self.table.entries[template], self.table.budget_bytes)

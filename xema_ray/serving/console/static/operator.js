@@ -5,10 +5,10 @@
 const REFRESH_MS = Math.round(1000 * Math.min(60, Math.max(0.5, parseFloat(new URLSearchParams(location.search).get("refresh")) || 2)));
 const traces = {};  // template -> {config, view} (a trace is fetched once per planned configuration)
 const SVGNS = "http://www.w3.org/2000/svg";
-const svg = (tag, attrs = {}, text) => {
+const svg = (tag, attrs = {}, content) => {
   const e = document.createElementNS(SVGNS, tag);
   for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = text;
+  if (typeof content === "string") e.textContent = content; else if (content) e.append(content);
   return e;
 };
 const pill = (cls, text) => el("span", { class: "pill " + cls, text });
@@ -63,8 +63,9 @@ function preemptionLine(g) {
   return `preemption ${p.enabled === false ? "off" : "on"} · ${n} pauses · ${now} paused now holding ${gb(held)} · ${ps.toFixed(1)} s paused in all`;
 }
 
-function plotTrace(v) {
-  const W = 600, H = 210, L = 46, R = 8, T = 16, B = 40;
+// W: the plot's width in CSS pixels (its viewBox is as wide as it is drawn: text is never stretched)
+function plotTrace(v, W) {
+  const H = 210, L = 46, R = 8, T = 16, B = 40;
   const n = Math.max(1, v.events), top = Math.max(v.budget_bytes, ...v.unmitigated, ...v.mitigated, v.predicted_peak_bytes) * 1.08;
   const X = (e) => L + ((W - L - R) * e) / n, Y = (b) => T + (H - T - B) * (1 - Math.max(0, b) / top);
   const s = svg("svg", { class: "trace", viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img", "aria-label": `memory trace of ${v.template}` });
@@ -72,7 +73,7 @@ function plotTrace(v) {
     s.append(svg("rect", { x: X(ph.start), y: T, width: Math.max(0.5, X(ph.stop) - X(ph.start)), height: H - T - B, fill: ph.label === "denoise" ? "#f2f5fa" : "#fafafa" }));
     if (X(ph.stop) - X(ph.start) > 30) s.append(svg("text", { x: X(ph.start) + 2, y: T - 4 }, ph.label));
   }
-  for (const p of v.pressure) s.append(svg("rect", { class: "pressure", x: X(p.start), y: T, width: Math.max(1, X(p.stop) - X(p.start)), height: H - T - B, fill: "#c43b3b", "fill-opacity": "0.16" }, undefined));
+  for (const p of v.pressure) s.append(svg("rect", { class: "pressure", x: X(p.start), y: T, width: Math.max(2, X(p.stop) - X(p.start)), height: H - T - B, fill: "#c43b3b", "fill-opacity": "0.25" }, svg("title", {}, p.label)));
   const path = (ys) => v.x.map((x, i) => `${i ? "L" : "M"}${X(x).toFixed(1)},${Y(ys[i]).toFixed(1)}`).join("") + `L${X(n).toFixed(1)},${Y(ys[ys.length - 1]).toFixed(1)}`;
   s.append(svg("path", { class: "unmitigated", d: path(v.unmitigated), fill: "none", stroke: "#9aa3ad", "stroke-width": 1.2 }));
   s.append(svg("path", { class: "mitigated", d: path(v.mitigated), fill: "none", stroke: "#2f6fdf", "stroke-width": 1.6 }));
@@ -86,19 +87,20 @@ function plotTrace(v) {
   for (const m of v.mitigations) {
     const y = H - B + 6 + (row % 3) * 10; row++;
     if (m.stop > m.start) s.append(svg("rect", { class: "mitigation", x: X(m.start), y, width: Math.max(1, X(m.stop) - X(m.start)), height: 6, fill: "#2f6fdf", "fill-opacity": "0.55" }));
-    s.append(svg("text", { x: Math.min(X(m.start), W - 160), y: y + 6, dx: 2 }, m.label));
+    const right = X(m.start) > (W + L) / 2;  // a span on the right half is labelled to its left
+    s.append(svg("text", { x: right ? X(m.start) - 3 : X(m.stop) + 3, y: y + 6, "text-anchor": right ? "end" : "start" }, m.label));
   }
   if (!v.mitigations.length) s.append(svg("text", { x: L, y: H - B + 14 }, "no mitigation: the plan fits the budget as it is"));
   return s;
 }
 
-function traceCard(template, entry) {
+function traceCard(template, entry, width) {
   const box = el("div", { class: "trace-card", "data-template": template });
   const v = entry && entry.view;
   box.append(el("h3", { text: `${template}` }));
   if (!v) { box.append(el("div", { class: "mute", text: entry && entry.error ? entry.error : "tracing on the meta device…" })); return box; }
   box.append(el("div", { class: "mute", text: `${v.config} · ${v.events.toLocaleString()} events (${v.steps_traced} steps traced) · ${v.pressure.length} pressure interval(s)` }));
-  box.append(plotTrace(v));
+  box.append(plotTrace(v, width));
   box.append(el("div", { class: "legend" }, el("i", { style: "background:#9aa3ad" }), "without mitigations", el("i", { style: "background:#2f6fdf" }), "as planned",
     el("i", { style: "background:#c43b3b" }), "budget / pressure", el("i", { style: "background:#1f9254" }), "planned peak"));
   return box;
@@ -111,6 +113,13 @@ function fetchTrace(p) {
   api(`/v1/console/traces/${p.template.split("/").map(encodeURIComponent).join("/")}`)
     .then((v) => { traces[p.template] = { config: p.config, view: v }; render(); })
     .catch((e) => { traces[p.template] = { config: p.config, view: null, error: e.message }; render(); });
+}
+
+// the width of one plot: the .traces grid (auto-fit, columns of at least 520 px, 13 px apart) in the page's main column
+function traceWidth(n) {
+  const avail = Math.min(document.documentElement.clientWidth, 1400) - 2 * 19 - 2 * 17;
+  const cols = Math.max(1, Math.min(n, Math.floor((avail + 13) / (520 + 13))));
+  return Math.max(320, Math.floor((avail - (cols - 1) * 13) / cols));
 }
 
 let last = null;
@@ -132,7 +141,7 @@ function render() {
       el("h3", { text: "Plans" }), plansTable(g),
       el("h3", { text: "Replicas" }), replicasTable(g),
       el("h3", { text: "Device memory per worker against its plan" }), memoryTable(g),
-      el("h3", { text: "Memory traces (analyzer, per GPU)" }), el("div", { class: "traces" }, ...g.plans.map((p) => traceCard(p.template, traces[p.template]))));
+      el("h3", { text: "Memory traces (analyzer, per GPU)" }), el("div", { class: "traces" }, ...g.plans.map((p) => traceCard(p.template, traces[p.template], traceWidth(g.plans.length)))));
     return card;
   });
   $("#groups").replaceChildren(...cards);
@@ -158,4 +167,5 @@ setupHeader();
 $("#every").textContent = String(REFRESH_MS / 1000);
 $("#auto").addEventListener("change", refresh);
 document.addEventListener("xema-key", refresh);
+window.addEventListener("resize", render);
 refresh();

@@ -44,8 +44,11 @@ function fillTemplates() {
 function showTemplate() {
   const t = current();
   if (!t) return;
-  $("#plan-line").textContent = `plan ${t.plan} · SLO ${secs(t.slo_s)}`;
-  $("#steps").value = t.steps;
+  $("#plan-line").textContent = `plan ${t.plan} · SLO ${secs(t.slo_s)}` + (t.options ? ` · options: ${t.options}` : "");
+  const steps = $("#steps");
+  steps.value = t.steps;
+  steps.disabled = !t.steps_range;  // a template served at its own steps only, unless the API gives a range
+  if (t.steps_range) { steps.min = t.steps_range[0]; steps.max = t.steps_range[1]; }
   const video = kindOf(t.model) === "video";
   $("#submit").textContent = video ? "Start video job" : "Generate image";
   const refs = video ? state.features.videoRefs : state.features.edits;
@@ -67,6 +70,12 @@ function lora() {
     name: c.dataset.name, scale: parseFloat($(`#adapters input[data-scale="${c.dataset.name}"]`).value) || 1.0 }));
 }
 
+// num_inference_steps when the template takes a range and another count was chosen
+function stepsOf(t) {
+  const n = parseInt($("#steps").value, 10);
+  return t.steps_range && n && n !== t.steps ? n : undefined;
+}
+
 function seed() { const v = $("#seed").value; return v === "" ? undefined : parseInt(v, 10); }
 
 function showImage(b64, meta) {
@@ -81,6 +90,7 @@ function showImage(b64, meta) {
 
 async function generateImage(t) {
   const started = performance.now();
+  $("#job").classList.add("hidden");  // a previous video job's bar is not this image's
   const files = $("#refs").files;
   let r;
   if (state.features.edits && files && files.length) {
@@ -89,10 +99,12 @@ async function generateImage(t) {
     fd.append("prompt", $("#prompt").value); fd.append("model", t.model);
     fd.append("size", `${t.width}x${t.height}`); fd.append("response_format", "b64_json");
     if (seed() !== undefined) fd.append("seed", String(seed()));
+    if (stepsOf(t) !== undefined) fd.append("num_inference_steps", String(stepsOf(t)));
     r = await api("/v1/images/edits", { method: "POST", body: fd });
   } else {
     const body = { model: t.model, prompt: $("#prompt").value, size: `${t.width}x${t.height}`, n: 1, response_format: "b64_json" };
     if (seed() !== undefined) body.seed = seed();
+    if (stepsOf(t) !== undefined) body.num_inference_steps = stepsOf(t);
     if (lora().length) body.lora = lora();
     r = await api("/v1/images/generations", { method: "POST", body });
   }
@@ -115,14 +127,17 @@ async function startVideo(t) {
     fd.append("model", t.model); fd.append("prompt", $("#prompt").value); fd.append("size", `${t.width}x${t.height}`);
     fd.append("num_frames", String(t.frames)); fd.append("input_reference", files[0]);
     if (seed() !== undefined) fd.append("seed", String(seed()));
+    if (stepsOf(t) !== undefined) fd.append("num_inference_steps", String(stepsOf(t)));
     job = await api("/v1/videos", { method: "POST", body: fd });
   } else {
     const body = { model: t.model, prompt: $("#prompt").value, size: `${t.width}x${t.height}`, num_frames: t.frames };
     if (seed() !== undefined) body.seed = seed();
+    if (stepsOf(t) !== undefined) body.num_inference_steps = stepsOf(t);
     if (lora().length) body.lora = lora();
     job = await api("/v1/videos", { method: "POST", body });
   }
-  state.job = { id: job.id, steps: t.steps, cancelled: false };
+  const total = stepsOf(t) || t.steps;
+  state.job = { id: job.id, steps: total, cancelled: false };
   $("#job").classList.remove("hidden");
   $("#cancel").classList.remove("hidden");
   $("#output").replaceChildren(); $("#output").classList.add("mute");
@@ -131,8 +146,8 @@ async function startVideo(t) {
   while (state.job && !state.job.cancelled) {
     let v;
     try { v = await api(`/v1/videos/${job.id}`); } catch (e) { if (state.job && state.job.cancelled) break; throw e; }
-    const step = Math.min(t.steps, Math.round((v.progress / 100) * t.steps));
-    setProgress(v.progress, `${job.id} · ${v.status} · step ${step} of ${t.steps} · ${v.progress}%`);
+    const step = Math.min(total, Math.round((v.progress / 100) * total));
+    setProgress(v.progress, `${job.id} · ${v.status} · step ${step} of ${total} · ${v.progress}%`);
     if (v.status === "completed") { await showVideo(job.id, t); break; }
     if (v.status === "failed") throw new Error((v.error && v.error.message) || "the job failed");
     await new Promise((res) => setTimeout(res, 250));
