@@ -109,7 +109,9 @@ def trace_template(
         tracer.register_resident(dict(inputs), Category.INPUT)
 
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
-    call = dict(spec.call_kwargs(run_template))
+    # reference images (placeholders of the template's size): their preprocessing, VAE encode and
+    # the longer sequence are part of the trace
+    call = {**spec.call_kwargs(run_template), **spec.reference_kwargs(run_template)}
     stages = spec.expert_stages(template)
     # replicated steps must be alike: one expert runs them all, the others' steps are named after
     one_expert = len(stages) > 1 and traced_steps < template.steps

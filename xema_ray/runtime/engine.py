@@ -42,6 +42,7 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
+from xema_ray.runtime.references import decode_references
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -64,6 +65,8 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
+    references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's own reference images "
+                                          "(PNG, already at its template's reference size; xema_ray.runtime.references)")
 
 
 class Batch(BaseModel):
@@ -321,12 +324,14 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
+        references: list[list[Any]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
-        thread of its own, which the pause parks)."""
+        thread of its own, which the pause parks). ``references``: each request's reference
+        images (PIL, at the template's reference size); None: placeholders of that size."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -359,7 +364,8 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.pipe(
-                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type,
+                    **self.spec.call_kwargs(template, guidance_scale), **self.spec.reference_kwargs(template, references),
+                    **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
                 )
@@ -401,9 +407,11 @@ class ExecutionEngine:
         output_rank = group_rank == 0
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
+        references = ([decode_references(r.references) for r in batch.requests] if config.template.references
+                      else None)
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control,
+            control=control, references=references,
         )
         if observer is not None and output_rank:
             observer.on_decoded()

@@ -56,6 +56,8 @@ from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, st
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
 from xema_ray.serving.api.validation import parse_request, request_body_doc
+from xema_ray.serving.api.edits import ImageEditRequest, edit_body_doc, edit_inputs
+from xema_ray.serving.api.uploads import ImageRefused, Upload
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.templates import RequestTemplate
@@ -203,7 +205,8 @@ class Router:
                 sorted(self.served), "num_inference_steps")
         return t
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None,
+                        references: tuple[bytes, ...] = ()) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -211,7 +214,7 @@ class Router:
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
-                                                       seed=seed, guidance_scale=guidance))
+                                                       seed=seed, guidance_scale=guidance, references=references))
 
         async def result() -> GenerateResult:
             return await response
@@ -239,16 +242,32 @@ class Router:
 
     @app.post("/v1/images/generations", response_model=None, openapi_extra=request_body_doc(ImageRequest))
     async def images(self, request: Request) -> ImageResponse | JSONResponse:
+        return await self._images(request, ImageRequest)
+
+    @app.post("/v1/images/edits", response_model=None, openapi_extra=edit_body_doc())
+    async def image_edits(self, request: Request) -> ImageResponse | JSONResponse:
+        """Images conditioned on reference images (``openai.images.edit``: multipart, ``image`` once
+        or ``image[]`` per file); the template is chosen as ``edits.py`` says."""
+        return await self._images(request, ImageEditRequest)
+
+    async def _images(self, request: Request, schema: type[ImageRequest]) -> ImageResponse | JSONResponse:
         entered = time.perf_counter()
         self._count_received()
-        req = await parse_request(request, ImageRequest)
+        uploads: list[Upload] = []
+        req = await parse_request(request, schema, uploads)
         if req.response_format == "url" and self.jobs_cfg is None:
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
                           param="response_format")
+        references: tuple[bytes, ...] = ()
         try:
-            t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
+            if schema is ImageEditRequest:
+                t, references = await edit_inputs(req, uploads, self.served)
+            else:
+                t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        except ImageRefused as e:
+            return _error(e.status, str(e), param=e.param, code="invalid_image")
         batch = self.table.entries[t.shape_key].config.batch
         if req.n > batch:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
@@ -267,10 +286,11 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale, references)
+                                          for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
-            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=f"{t.width}x{t.height}",
                                  emulated=True if any(o.emulated for o in outs) else None)
             response = JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
             response.headers.update(_front_timing(entered, called, answered))

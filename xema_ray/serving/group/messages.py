@@ -53,6 +53,8 @@ class GroupRequest(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's reference images (PNG "
+                                          "at its template's reference size, checked by the API)")
 
     def validated(self) -> GenerationRequest:
         """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
@@ -61,7 +63,8 @@ class GroupRequest(BaseModel):
         if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
             raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
         try:
-            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed)
+            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed,
+                                     references=self.references)
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err.get("loc") else None

@@ -250,6 +250,10 @@ class ModelGroup(PublishesSummary):
         request = req.validated()
         if req.template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {req.template!r}", "size")
+        wants = self.entries[req.template].config.template.references
+        if len(req.references) != wants:  # a batch's rows each need the template's count
+            raise InvalidRequest(f"template {req.template} takes {wants} reference image(s), the request has "
+                                 f"{len(req.references)}", "image")
         self.note_arrival(req.template)
         return request
 

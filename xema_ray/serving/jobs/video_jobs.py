@@ -32,12 +32,15 @@ from xema_ray.serving.jobs.store import (
     epoch_of,
     new_job_id,
     open_store,
+    reference_name,
     store_call,
 )
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
 from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueFull
 from xema_ray.serving.api.validation import parse_request
+from xema_ray.serving.api.edits import data_url_upload, reference_images
+from xema_ray.serving.api.uploads import ImageRefused, Upload
 from xema_ray.serving.api.videos import (
     VideoCreate,
     VideoDeleted,
@@ -124,25 +127,35 @@ class VideoJobs:
 
     # ------------------------------------------------------------------ endpoints
     async def create(self, request: Request, tenant: str | None = None) -> Response:
-        req = await parse_request(request, VideoCreate)
-        if req.input_reference is not None:
-            raise ApiError(400, "input_reference (image-to-video) is not served; send a text prompt only",
-                           param="input_reference")
+        uploads: list[Upload] = []
+        req = await parse_request(request, VideoCreate, uploads)
         try:
-            t = map_video_request(req, self.served)
+            if req.input_reference is not None:  # JSON: a data URL
+                uploads.append(data_url_upload("input_reference", req.input_reference))
+            if len(uploads) > 1:
+                raise ImageRefused(f"input_reference: one image is taken, got {len(uploads)}", "input_reference", 400)
+            t = map_video_request(req, self.served, len(uploads))
+            references = await asyncio.to_thread(reference_images, uploads, t) if uploads else ()
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
                            supported_templates=e.supported) from None
+        except ImageRefused as e:
+            raise ApiError(e.status, str(e), param=e.param, code="invalid_image") from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         predicted = await self._predicted_s(t)
         store = self.store()
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
                         guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
-                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant)
+                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
+                        references=len(references))
+        for i, png in enumerate(references):  # before the record: whoever dispatches it finds them
+            await self._call(store.put_file, reference_name(rec.id, i), png, "image/png", time.time() + self.cfg.ttl_s)
         try:
             rec = await self._call(store.create, rec, self.max_jobs_in_flight if tenant is not None else None)
         except TenantBusy as e:
+            if references:
+                await self._call(store.delete_files_of, rec.id)  # a refused create leaves nothing behind
             raise ApiError(429, f"this API key's tenant has {e.active} video jobs queued or running "
                                 f"(auth.max_jobs_in_flight {self.max_jobs_in_flight}); wait for one to finish",
                            type="rate_limit_error", code="too_many_jobs", retry_after_s=max(1.0, rec.predicted_s)) from None
@@ -232,9 +245,15 @@ class VideoJobs:
         return value
 
     async def _dispatch(self, rec: JobRecord) -> bool:
+        references = []
+        for i in range(rec.references):
+            got = await self._call(self.store().get_file, reference_name(rec.id, i))
+            if got is None:
+                raise RuntimeError(f"{rec.id}: its reference image {i} is missing from the job store")
+            references.append(got[0])
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale)))
+            guidance_scale=rec.guidance_scale, references=tuple(references))))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""
