@@ -233,7 +233,8 @@ def model_templates(model: str, steps: int | None = None) -> list[RequestTemplat
 
     spec = get_model_spec(model)
     n = spec.reference_steps if steps is None else steps
-    return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n) for w, h, f in spec.reference_sizes]
+    refs = {"references": spec.required_references} if spec.required_references else {}
+    return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n, **refs) for w, h, f in spec.reference_sizes]
 
 
 NAMED_TEMPLATE_SETS = {"paper": paper_templates, "tiny": tiny_templates}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from xema_ray.analyzer.run import trace_template
+from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
@@ -18,6 +18,9 @@ from xema_ray.templates import RequestTemplate
 
 TEMPLATES = {
     "tiny-flux2": RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2, references=2),
+    "tiny-cogvideox-i2v": RequestTemplate(model="tiny-cogvideox-i2v", height=64, width=64, frames=9, steps=1,
+                                          references=1),
+    "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=2, references=1),
 }
 
 
@@ -45,13 +48,13 @@ def test_same_image_same_bytes_other_image_other_result(engine: ExecutionEngine)
     t = TEMPLATES[engine.spec.name]
     n = t.references
     first = engine.execute(_batch(t, [(7, tuple(range(n)))])).outputs[0].data
-    again = engine.execute(_batch(t, [(7, tuple(range(n)))])).outputs[0].data
     other = engine.execute(_batch(t, [(7, tuple(range(10, 10 + n)))])).outputs[0].data
-    assert first == again
-    assert first != other
-    # in a batch, each request keeps its own images: the same bytes as alone
+    assert first != other  # same seed and prompt, another image: another result
+    # the same image and seed give the same bytes, alone or in a batch beside another request's
+    # images (each request keeps its own)
     both = engine.execute(_batch(t, [(7, tuple(range(10, 10 + n))), (7, tuple(range(n)))]))
     assert [o.data for o in both.outputs] == [other, first]
+    assert all((o.width, o.height, o.frames) == (t.width, t.height, t.frames) for o in both.outputs)
 
 
 def test_the_trace_sees_the_references() -> None:
@@ -61,6 +64,11 @@ def test_the_trace_sees_the_references() -> None:
     plain = trace_template(base)
     # the longer sequence and the VAE encode of each reference allocate more
     assert plain.peak() < one.peak() < two.peak()
+
+
+def test_the_replicated_image_to_video_trace_equals_a_full_one() -> None:
+    t = TEMPLATES["tiny-cogvideox-i2v"].with_(steps=4)
+    assert trace_template(t).signature() == trace_template(t, TraceOptions(replicate=False)).signature()
 
 
 def test_error_raised_if_a_request_brings_another_count() -> None:

@@ -127,7 +127,7 @@ def trace_template(
                 tracer.mark("begin:text_encoder")
                 inputs = spec.encode_prompts(pipe, prompts, torch.device(opts.device), dtype)
                 tracer.mark("end:text_encoder")
-            pipe(**call, **inputs, generator=generator, output_type="pt")
+            spec.pipeline_for(pipe, template)(**call, **inputs, generator=generator, output_type="pt")
             del inputs
     finally:
         if encoder is not None:

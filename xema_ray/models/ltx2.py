@@ -18,6 +18,7 @@ it comes from. The tiny variants (``tiny_ltx2_*.json``) scale them down consiste
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -419,6 +420,25 @@ class LTX2Spec(ModelSpec):
 
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
+
+    #: image-to-video: the first frame, encoded by the video VAE at the output size and kept clean
+    #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
+    max_references = 1
+
+    def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
+        from xema_ray.models.ltx2_i2v import image_to_video_pipeline
+
+        return image_to_video_pipeline(pipe) if t.references else pipe
+
+    def reference_kwargs(self, t: RequestTemplate, images: Any = None) -> dict[str, Any]:
+        from xema_ray.models.ltx2_i2v import first_frames
+
+        return first_frames(super().reference_kwargs(t, images), images is not None)
+
+    def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
+        from xema_ray.models.ltx2_i2v import host_operands_on_meta
+
+        return host_operands_on_meta() if t.references else contextlib.nullcontext()
 
 
 def audio_samples(spec: LTX2Spec, t: RequestTemplate) -> int:

@@ -363,7 +363,7 @@ class ExecutionEngine:
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
             with torch.no_grad():
-                out = self.pipe(
+                out = self.spec.pipeline_for(self.pipe, template)(
                     **self.spec.call_kwargs(template, guidance_scale), **self.spec.reference_kwargs(template, references),
                     **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from xema_ray.serving.api.errors import BodyError
+
 #: the most pixels an uploaded image may have (its header's width x height): 36 MP covers a
 #: 6000 x 6000 photo; anything larger is refused before it is decoded (a decompression bomb's
 #: file is small, its pixels are not)
@@ -43,16 +45,15 @@ class Upload:
     data: bytes
 
 
-class ImageRefused(ValueError):
-    """An upload the API refuses (``status``, naming ``param`` and the rule in the message)."""
+class ImageRefused(BodyError):
+    """An upload the API refuses (``status``, naming ``param`` and the rule in the message; the
+    app's error handlers render it as any refused body)."""
 
     def __init__(self, message: str, param: str, status: int = 422) -> None:
-        super().__init__(message, param, status)
-        self.param = param
-        self.status = status
+        super().__init__(status, message, param, code="invalid_image")
 
     def __str__(self) -> str:
-        return str(self.args[0])
+        return self.message
 
 
 def open_image(upload: Upload, index: int | None = None) -> Image.Image:
