@@ -80,8 +80,12 @@ def open_image(upload: Upload, index: int | None = None) -> Image.Image:
     except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning, OSError,
             SyntaxError, ValueError) as e:
         if isinstance(e, Image.DecompressionBombError | Image.DecompressionBombWarning):
-            raise ImageRefused(f"{where}{name}: has more than {MAX_IMAGE_PIXELS} pixels (the limit for an uploaded "
-                               "image)", upload.field) from None
+            raise ImageRefused(f"{where}{name}: {e}; an uploaded image may have at most {MAX_IMAGE_PIXELS} pixels "
+                               "(a decompression bomb is refused before it is decoded)", upload.field) from None
+        known = _magic_format(upload.data)
+        if known is not None:  # it starts like one of ours: the rest is missing or broken
+            raise ImageRefused(f"{where}{name}: the {known} file is truncated or corrupt ({e}); send the whole file",
+                               upload.field) from None
         raise ImageRefused(f"{where}{name}: not an image (a PNG, JPEG or WebP file is expected)", upload.field) from None
     if im.format not in FORMATS:
         raise ImageRefused(f"{where}{name}: {im.format} images are not accepted; send PNG, JPEG or WebP", upload.field)
@@ -100,6 +104,17 @@ def open_image(upload: Upload, index: int | None = None) -> Image.Image:
         raise ImageRefused(f"{where}{name}: the {im.format} file is truncated or corrupt ({e}); send the whole file",
                            upload.field) from None
     return rgb
+
+
+def _magic_format(data: bytes) -> str | None:
+    """The accepted format ``data`` starts like (its signature), or None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
 
 
 def fit_reference(image: Image.Image, width: int, height: int) -> Image.Image:
