@@ -102,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan SP x DP x batch x mitigation per template (paper §7)")
     p.add_argument("--templates", default=None,
-                   help="paper | tiny | MODEL:WxH[xF],... (default: the deployment's templates, else tiny)")
+                   help="paper | tiny | MODEL:WxH[xF][+rN[@WxH]],... (default: the deployment's templates, else tiny)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the set's own)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs every template may use (ignored with --deployment)")
     p.add_argument("--deployment", default=None,

@@ -95,7 +95,7 @@ def trace_template(
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
     pipe = pipeline if pipeline is not None else spec.build_pipeline(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
-    traced_steps = min(template.steps, REPLICATE_FROM + spec.settling_steps) if opts.replicate else template.steps
+    traced_steps = min(template.steps, REPLICATE_FROM + spec.settling_steps_for(template)) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
     prompts = [opts.prompt] * template.batch

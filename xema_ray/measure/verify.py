@@ -189,7 +189,7 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     from xema_ray.analyzer.steps import expand_steps
 
     tracer = AllocationTracer("meta", {})
-    _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps),
+    _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps_for(config.template)),
                            tracer, markers=True, layouts_dir=layouts_dir, replay_blocks=replay_blocks)
     if error is not None:
         raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
@@ -234,7 +234,7 @@ def verify_config(
         layouts_dir: the plan table's layouts folder (the worker validates the layouts it names).
     """
     t0 = time.perf_counter()
-    steps = min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps)
+    steps = min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps_for(config.template))
     tracer = AllocationTracer("meta", {})
     loaded, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
                                 residency=residency, layouts_dir=layouts_dir)

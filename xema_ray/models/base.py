@@ -395,6 +395,10 @@ class ModelSpec(ReferenceInputs, ABC):
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0
 
+    def settling_steps_for(self, t: RequestTemplate) -> int:
+        """``settling_steps`` for ``t`` (a model whose image path settles later says so per template)."""
+        return self.settling_steps
+
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""
         return (ExpertStage(component="transformer", first_step=0, last_step=t.steps - 1),)

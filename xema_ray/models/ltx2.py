@@ -425,15 +425,20 @@ class LTX2Spec(ModelSpec):
     #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
     max_references = 1
 
+    def settling_steps_for(self, t: RequestTemplate) -> int:
+        # image-to-video: a step-1 buffer of the conditioning path lives one step longer than in
+        # the steady state (the third step is the first that repeats)
+        return 1 if t.references else self.settling_steps
+
     def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
         from xema_ray.models.ltx2_i2v import image_to_video_pipeline
 
         return image_to_video_pipeline(pipe) if t.references else pipe
 
-    def reference_kwargs(self, t: RequestTemplate, images: Any = None) -> dict[str, Any]:
+    def reference_kwargs(self, t: RequestTemplate, images: Any = None, rows: int | None = None) -> dict[str, Any]:
         from xema_ray.models.ltx2_i2v import first_frames
 
-        return first_frames(super().reference_kwargs(t, images), images is not None)
+        return first_frames(super().reference_kwargs(t, images, rows), images is not None)
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         from xema_ray.models.ltx2_i2v import host_operands_on_meta

@@ -62,10 +62,12 @@ class ReferenceInputs:
         per ``pipe``, sharing every module: no weight is loaded twice)."""
         return pipe
 
-    def reference_kwargs(self, t: RequestTemplate, images: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
+    def reference_kwargs(self, t: RequestTemplate, images: Sequence[Sequence[Any]] | None = None,
+                         rows: int | None = None) -> dict[str, Any]:
         """Pipeline kwargs carrying each request's reference images: ``images[b]`` are request
         b's PIL images, already at the template's reference size; None: mid-grey placeholders
-        of that size (the analyzer: only shapes count). Empty for a template without references.
+        of that size for ``rows`` requests (default ``t.batch``; the analyzer and ``xema verify``:
+        only shapes count). Empty for a template without references.
 
         Raises:
             ValueError: a request brings another number of references, or another size."""
@@ -75,7 +77,7 @@ class ReferenceInputs:
 
         size = (t.reference_width, t.reference_height)
         if images is None:
-            images = [[Image.new("RGB", size, (128, 128, 128)) for _ in range(t.references)] for _ in range(t.batch)]
+            images = [[Image.new("RGB", size, (128, 128, 128)) for _ in range(t.references)] for _ in range(rows or t.batch)]
         for refs in images:
             if len(refs) != t.references or any(im.size != size for im in refs):
                 raise ValueError(f"template {t.shape_key} takes {t.references} reference(s) of {size[0]}x{size[1]}, "

@@ -364,7 +364,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.spec.pipeline_for(self.pipe, template)(
-                    **self.spec.call_kwargs(template, guidance_scale), **self.spec.reference_kwargs(template, references),
+                    **self.spec.call_kwargs(template, guidance_scale), **self.spec.reference_kwargs(template, references, len(prompts)),
                     **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
@@ -407,8 +407,11 @@ class ExecutionEngine:
         output_rank = group_rank == 0
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
-        references = ([decode_references(r.references) for r in batch.requests] if config.template.references
-                      else None)
+        # each request's own images; a shape-only run (xema verify, layout solving) may bring none:
+        # placeholders of the template's size then, which allocate what real images do
+        shape_only_without = self.shape_only and not any(r.references for r in batch.requests)
+        references = ([decode_references(r.references) for r in batch.requests]
+                      if config.template.references and not shape_only_without else None)
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
             control=control, references=references,
