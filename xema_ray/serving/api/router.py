@@ -401,7 +401,9 @@ class Router:
         for key, t in sorted(self.served.items()):
             e = self.table.entries[key]
             out.append(TemplateInfo(template=key, model=t.model, width=t.width, height=t.height, frames=t.frames,
-                                    steps=t.steps, latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
+                                    steps=t.steps, references=t.references,
+                                    reference_size=f"{t.reference_width}x{t.reference_height}" if t.references else None,
+                                    latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
         return out
 

@@ -159,6 +159,8 @@ class TemplateInfo(BaseModel):
     height: int
     frames: int
     steps: int
+    references: int = Field(default=0, description="reference images a request brings (edits, image-to-video)")
+    reference_size: str | None = Field(default=None, description="WIDTHxHEIGHT the references are encoded at")
     latent_length: int
     plan: str
     predicted_latency_s: float
