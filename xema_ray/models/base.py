@@ -136,6 +136,11 @@ class ModelSpec(ReferenceInputs, ABC):
     #: the model's text encoder (configs and builder); None: the model has none
     text_encoder: Any = None
 
+    @property
+    def published_layout(self) -> str:
+        """The key of its published repository's layout in ``models.published.PUBLISHED`` (its family's)."""
+        return self.family
+
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
         self.name = name
         self.size = size

@@ -35,6 +35,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     sequence_parallel = False
 
     @property
+    def published_layout(self) -> str:
+        return "cogvideox-i2v"  # its own repository: model_index.json names the image-to-video pipeline
+
+    @property
     def reference_sizes(self) -> tuple[tuple[int, int, int], ...]:  # type: ignore[override]
         w, h = self.published_size
         return ((w, h, int(self.transformer_config["sample_frames"])),)
