@@ -20,6 +20,7 @@ is the overflow of one dimension), as diffusers' ``resize_mode="crop"`` does.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -80,7 +81,9 @@ def open_image(upload: Upload, index: int | None = None) -> Image.Image:
     except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning, OSError,
             SyntaxError, ValueError) as e:
         if isinstance(e, Image.DecompressionBombError | Image.DecompressionBombWarning):
-            raise ImageRefused(f"{where}{name}: {e}; an uploaded image may have at most {MAX_IMAGE_PIXELS} pixels "
+            found = re.search(r"\((\d+) pixels\)", str(e))
+            size = f"{int(found.group(1))} pixels" if found else "more pixels than the decoder's own limit"
+            raise ImageRefused(f"{where}{name}: {size}; an uploaded image may have at most {MAX_IMAGE_PIXELS} "
                                "(a decompression bomb is refused before it is decoded)", upload.field) from None
         known = _magic_format(upload.data)
         if known is not None:  # it starts like one of ours: the rest is missing or broken
