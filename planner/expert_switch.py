@@ -250,7 +250,7 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
         if len(t.spec.expert_stages(t)) != 2:
             continue
         gpus = gpus_of.get(t.model, default_gpus)
-        sp = gpus if t.spec.sequence_parallel else 1  # without an SP split, more GPUs are replicas
+        sp = gpus if t.spec.sequence_parallel_for(t) else 1  # without an SP split, more GPUs are replicas
         p = plan_expert_switch(t, trace_template(t), budget, hw, gpus=sp)
         out.append(p.model_copy(update={"replicas": gpus // sp}))
     return out

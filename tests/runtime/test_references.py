@@ -79,3 +79,10 @@ def test_error_raised_if_a_request_brings_another_count() -> None:
     img = Image.new("RGB", (t.reference_width, t.reference_height))
     with pytest.raises(ValueError, match="takes 2 reference"):
         spec.reference_kwargs(t, [[img]])
+
+
+def test_error_raised_if_ltx2_image_to_video_asks_for_sequence_parallelism() -> None:
+    # its per-token timestep (the conditioning mask) is not sharded by the split: one GPU per request
+    with pytest.raises(ValueError, match="has no sequence-parallel split"):
+        ExecutionConfig(template=TEMPLATES["tiny-ltx2"], ulysses=2)
+    ExecutionConfig(template=TEMPLATES["tiny-flux2"], ulysses=2)  # Flux.2's references are split with the rest

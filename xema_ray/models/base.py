@@ -396,6 +396,10 @@ class ModelSpec(ReferenceInputs, ABC):
     #: (a model without one runs on one GPU per request: more GPUs are data-parallel replicas)
     sequence_parallel: bool = True
 
+    def sequence_parallel_for(self, t: RequestTemplate) -> bool:
+        """``sequence_parallel`` for ``t`` (a template whose conditioning the split does not cover says no)."""
+        return self.sequence_parallel
+
     #: denoising steps after the first that still allocate unlike the steady state (the analyzer
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0

@@ -425,6 +425,11 @@ class LTX2Spec(ModelSpec):
     #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
     max_references = 1
 
+    def sequence_parallel_for(self, t: RequestTemplate) -> bool:
+        # image-to-video hands the transformer a timestep per video token (the conditioning mask):
+        # the SP split does not shard it yet, so these templates run one GPU per request
+        return self.sequence_parallel and not t.references
+
     def settling_steps_for(self, t: RequestTemplate) -> int:
         # image-to-video: a step-1 buffer of the conditioning path lives one step longer than in
         # the steady state (the third step is the first that repeats)
