@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: ExecutionConfig.experts
 from xema_ray.host_budget import HostBytes, NodeHost
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource, PlanLatencySource
@@ -94,6 +95,9 @@ class ExecutionConfig(BaseModel):
         description="where the text encoder runs: resident on the device, streamed layer by layer through it "
                     "during set-up only, or on the host CPU; None = no encoder planned (stand-in embeddings, or "
                     "the deployment's default)")
+    experts: ExpertSwap | None = Field(
+        default=None, description="a two-expert model's expert switch as planned; None: both experts as the "
+                                  "pipeline holds them (on the device)")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
@@ -110,6 +114,11 @@ class ExecutionConfig(BaseModel):
         if self.sp > tokens:
             raise ValueError(f"sp={self.sp} exceeds the {tokens} tokens of {self.template.key}")
         n_blocks = spec.num_dit_blocks
+        if self.experts is not None:
+            if "transformer_2" not in spec.component_names():
+                raise ValueError(f"experts: {spec.name} does not have two experts")
+            if max(self.experts.prefetch_blocks, self.experts.decode_blocks, self.experts.host_blocks) > n_blocks:
+                raise ValueError(f"experts: more blocks than {spec.name}'s {n_blocks}")
         for m in self.mitigations:
             if m.blocks is not None and max(m.blocks) >= n_blocks:
                 raise ValueError(f"{m.kind}: block {max(m.blocks)} out of range ({spec.name} has {n_blocks} DiT blocks)")
@@ -156,7 +165,8 @@ class ExecutionConfig(BaseModel):
 
     def config_hash(self) -> str:
         """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
-        payload = self.model_dump_json(exclude={"layout_ref", "dp"})
+        # a config without an expert switch hashes as before the field existed (stored profiles, layouts)
+        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | ({"experts"} if self.experts is None else set()))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -164,6 +174,8 @@ class ExecutionConfig(BaseModel):
         sp = f"SP{self.sp}" + (f"(u{self.ulysses}r{self.ring})" if self.ring > 1 else "")
         parts = [f"{sp} DP{self.dp} BS{self.batch}"]
         parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
+        if self.experts is not None:
+            parts.append(self.experts.describe())
         return " + ".join(parts)
 
 

@@ -42,7 +42,8 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
-from xema_ray.runtime.references import decode_references
+from xema_ray.runtime.references import batch_references
+from xema_ray.runtime.request_errors import attributed, encode_attributed
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -67,6 +68,8 @@ class GenerationRequest(BaseModel):
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
     references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's own reference images "
                                           "(PNG, already at its template's reference size; xema_ray.runtime.references)")
+    negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
+                                        "(only models that run classifier-free guidance are sent one)")
 
 
 class Batch(BaseModel):
@@ -77,6 +80,8 @@ class Batch(BaseModel):
     config: ExecutionConfig
     requests: tuple[GenerationRequest, ...] = Field(min_length=1)
     guidance_scale: float | None = Field(default=None, description="None = the model's default")
+    steps: int | None = Field(default=None, ge=1, description="denoising steps; None = the template's (the same "
+                              "plan serves any: memory does not depend on the step count)")
 
     @model_validator(mode="after")
     def _check(self) -> Batch:
@@ -300,6 +305,9 @@ class ExecutionEngine:
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
+        #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
+        #: made by the worker's load when its plans swap the experts
+        self.experts: Any = None
 
     @property
     def last_prompts(self) -> EncodedPrompts | None:
@@ -324,20 +332,31 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
+        negative_prompts: list[str | None] | None = None, steps: int | None = None,
+        request_ids: list[str] | None = None,
         references: list[list[Any]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
-        thread of its own, which the pause parks). ``references``: each request's reference
+        thread of its own, which the pause parks). ``negative_prompts``: per request, None for
+        the model's default. ``steps``: denoising steps other than the template's (the worker
+        arms the static layout repeated to them, or none). ``request_ids``: to name the
+        requests at fault in a ``RequestFailed``. ``references``: each request's reference
         images (PIL, at the template's reference size); None: placeholders of that size."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        ids = request_ids if request_ids is not None else [str(i) for i in range(len(prompts))]
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
+        if steps is not None and steps != template.steps:
+            template = template.model_copy(update={"steps": steps})
+        # at another step count the worker arms the layout repeated to it, or drops layout_ref
         armed = config.layout_ref is not None and self.arm_layout is not None
+        with attributed(ids, "guidance_scale"):  # the pipeline's own range check: the sub-batch's guidance
+            call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
@@ -356,7 +375,7 @@ class ExecutionEngine:
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = self.prompts.encode(list(prompts))
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
@@ -364,7 +383,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.spec.pipeline_for(self.pipe, template)(
-                    **self.spec.call_kwargs(template, guidance_scale), **self.spec.reference_kwargs(template, references, len(prompts)),
+                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)),
                     **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
@@ -385,11 +404,18 @@ class ExecutionEngine:
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
+            if config.experts is not None:
+                from xema_ray.mitigation.expert_swap import apply_expert_swap
+
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
-                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+                for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
+                    if getattr(self.pipe, name, None) is not None:
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
+                                                                  self.sp_backend))
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
@@ -407,14 +433,11 @@ class ExecutionEngine:
         output_rank = group_rank == 0
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
-        # each request's own images; a shape-only run (xema verify, layout solving) may bring none:
-        # placeholders of the template's size then, which allocate what real images do
-        shape_only_without = self.shape_only and not any(r.references for r in batch.requests)
-        references = ([decode_references(r.references) for r in batch.requests]
-                      if config.template.references and not shape_only_without else None)
+        references = batch_references(config.template.references, batch.requests, self.shape_only)
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control, references=references,
+            control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
+            request_ids=[r.request_id for r in batch.requests], references=references,
         )
         if observer is not None and output_rank:
             observer.on_decoded()

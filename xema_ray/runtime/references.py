@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from typing import Any
 
 from PIL import Image
 
@@ -24,3 +25,13 @@ def decode_references(blobs: Sequence[bytes]) -> list[Image.Image]:
         with Image.open(io.BytesIO(blob)) as im:
             out.append(im.convert("RGB"))
     return out
+
+
+def batch_references(count: int, requests: Sequence[Any], shape_only: bool) -> list[list[Image.Image]] | None:
+    """Each request's own images (``GenerationRequest.references``) for a template taking ``count``;
+    None without references, or for a shape-only run (``xema verify``, layout solving) whose
+    requests bring none: the pipeline then gets placeholders of the template's size, which
+    allocate what real images do."""
+    if not count or (shape_only and not any(r.references for r in requests)):
+        return None
+    return [decode_references(r.references) for r in requests]

@@ -126,16 +126,14 @@ def data_url_upload(field: str, value: object) -> Upload:
 async def edit_inputs(req: ImageRequest, uploads: list[Upload], served: dict[str, RequestTemplate]
                       ) -> tuple[RequestTemplate, tuple[bytes, ...]]:
     """The template an edit maps to and its checked reference images (decoding and resizing run
-    off the event loop). Raises ImageRefused or UnsupportedTemplate naming the field."""
+    off the event loop; the request's options are checked by the caller, as for any request).
+    Raises ImageRefused or UnsupportedTemplate naming the field."""
     if not uploads:
         raise ImageRefused("image: required; send one image file as 'image' or several as 'image[]' "
                            "(multipart/form-data)", "image")
     # the first image is opened once here (its size picks the template for size='auto'), all in a thread
     first = await asyncio.to_thread(open_image, uploads[0], 0 if len(uploads) > 1 else None)
     t = edit_template(req.model, req.size, len(uploads), first.size, served)
-    if req.num_inference_steps is not None and req.num_inference_steps != t.steps:
-        raise UnsupportedTemplate(f"{t.shape_key} is served with {t.steps} denoising steps, got "
-                                  f"num_inference_steps={req.num_inference_steps}", sorted(served), "num_inference_steps")
     return t, await asyncio.to_thread(reference_images, uploads, t)
 
 

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest
 from xema_ray.serving.api.auth import key_required
 from xema_ray.serving.api.errors import ErrorResponse
+from xema_ray.serving.api.options import document_options
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.api.edits import ImageEditRequest
 from xema_ray.templates import RequestTemplate
@@ -110,6 +111,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
             if text in props:
                 props[text] = {"anyOf": [{"type": "string", "maxLength": limits.max_text_chars}, {"type": "null"}],
                                **{k: v for k, v in props[text].items() if k not in ("anyOf", "type")}}
+    document_options(components, served, _REQUEST_KINDS)
     schema["info"]["x-limits"] = limits.model_dump()
     return schema
 

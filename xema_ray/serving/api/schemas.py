@@ -75,6 +75,16 @@ class _Common(BaseModel):
     prompt: str = Field(min_length=1)
     size: str = Field(max_length=11, description="WIDTHxHEIGHT")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    negative_prompt: str | None = Field(default=None, description="what to steer away from: models that run "
+                                        "classifier-free guidance take it (see each model's options in /v1/templates)")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                         description="Qwen-Image's true classifier-free guidance scale (the same "
+                                                     "value as its guidance_scale); other models refuse it")
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _check_text(v, info, _limits.max_prompt_chars)
 
     @field_validator("size")
     @classmethod
@@ -159,6 +169,9 @@ class TemplateInfo(BaseModel):
     height: int
     frames: int
     steps: int
+    steps_range: tuple[int, int] | None = Field(default=None, description="num_inference_steps a request may ask for "
+                                                "(the same plan and layout serve them; latency and SLO scale)")
+    options: str | None = Field(default=None, description="the model's request options and their ranges")
     references: int = Field(default=0, description="reference images a request brings (edits, image-to-video)")
     reference_size: str | None = Field(default=None, description="WIDTHxHEIGHT the references are encoded at")
     latent_length: int

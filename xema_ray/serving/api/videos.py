@@ -40,6 +40,9 @@ class VideoCreate(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
+    negative_prompt: str | None = Field(default=None, description="models that run classifier-free guidance take it")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                         description="Qwen-Image only (no video model takes it)")
     input_reference: Any = Field(default=None, description="image-to-video: the first frame, as a file "
                                  "(multipart/form-data) or a 'data:image/png;base64,...' URL (JSON); PNG, JPEG or "
                                  "WebP, scaled to cover the served size and centre-cropped (docs/api.md 'Image inputs')")
@@ -67,6 +70,14 @@ class VideoCreate(BaseModel):
     def _size(cls, v: str | None) -> str | None:
         if v is not None:
             parse_size(v)
+        return v
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative(cls, v: str | None) -> str | None:
+        limit = current_limits().max_prompt_chars
+        if v is not None and len(v) > limit:
+            raise ValueError(f"negative_prompt is {len(v)} characters; at most {limit} are accepted")
         return v
 
     @field_validator("prompt")
@@ -193,11 +204,7 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate], refe
             raise UnsupportedTemplate(
                 f"{req.model} does not serve {req.seconds} s ({1 + round(want * fps)} frames at {fps:g} fps) at "
                 f"{t.width}x{t.height}; served: {_describe(ours)}", keys, "seconds")
-    if req.num_inference_steps is not None and req.num_inference_steps != t.steps:
-        raise UnsupportedTemplate(
-            f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={req.num_inference_steps}", keys,
-            "num_inference_steps")
-    return t
+    return t  # the options (steps included) are the model's to check: ``xema_ray.serving.api.options``
 
 
 def video_view(rec: JobRecord, emulated: bool = False) -> Video:

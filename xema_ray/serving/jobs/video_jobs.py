@@ -38,6 +38,8 @@ from xema_ray.serving.jobs.store import (
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
 from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueFull
+from xema_ray.models.options import OptionRefused
+from xema_ray.serving.api.options import option_error, resolve_options, scaled_to_steps
 from xema_ray.serving.api.validation import parse_request
 from xema_ray.serving.api.edits import data_url_upload, reference_images
 from xema_ray.serving.api.uploads import ImageRefused, Upload
@@ -135,18 +137,23 @@ class VideoJobs:
             if len(uploads) > 1:
                 raise ImageRefused(f"input_reference: one image is taken, got {len(uploads)}", "input_reference", 400)
             t = map_video_request(req, self.served, len(uploads))
+            opts = resolve_options(t, self.served, req)
             references = await asyncio.to_thread(reference_images, uploads, t) if uploads else ()
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
                            supported_templates=e.supported) from None
+        except OptionRefused as e:
+            err = option_error(e)
+            raise ApiError(err["status"], err["message"], param=err["param"], code=err["code"]) from None
         except ImageRefused as e:
             raise ApiError(e.status, str(e), param=e.param, code="invalid_image") from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        predicted = await self._predicted_s(t)
+        predicted = scaled_to_steps(await self._predicted_s(t), t, opts.steps)
         store = self.store()
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
-                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
+                        guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
+                        size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
                         references=len(references))
         for i, png in enumerate(references):  # before the record: whoever dispatches it finds them
@@ -253,7 +260,8 @@ class VideoJobs:
             references.append(got[0])
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale, references=tuple(references))))
+            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps,
+            references=tuple(references))))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""
