@@ -43,7 +43,7 @@ from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.references import batch_references
-from xema_ray.runtime.request_errors import attributed, encode_attributed
+from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -66,8 +66,7 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
-    references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's own reference images "
-                                          "(PNG, already at its template's reference size; xema_ray.runtime.references)")
+    references: tuple[bytes, ...] = Field(default=(), repr=False, description="its own reference images (PNG)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
                                         "(only models that run classifier-free guidance are sent one)")
 
@@ -343,8 +342,7 @@ class ExecutionEngine:
         thread of its own, which the pause parks). ``negative_prompts``: per request, None for
         the model's default. ``steps``: denoising steps other than the template's (the worker
         arms the static layout repeated to them, or none). ``request_ids``: to name the
-        requests at fault in a ``RequestFailed``. ``references``: each request's reference
-        images (PIL, at the template's reference size); None: placeholders of that size."""
+        requests at fault in a ``RequestFailed``. ``references``: each request's images; None: placeholders."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -359,6 +357,8 @@ class ExecutionEngine:
             call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
+        with self.platform.running():  # before the layout is armed: the solved stream has only the default's
+            own_negatives = encode_negatives(self.prompts, negative_prompts, ids)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
             env = [self._batch_env(config, group, arm=armed)]
@@ -375,16 +375,17 @@ class ExecutionEngine:
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), ids, own_negatives)
+            own_negatives = None  # copied into the default rows: freed, the batch holds what was planned
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
             with torch.no_grad():
-                out = self.spec.pipeline_for(self.pipe, template)(
-                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)),
-                    **inputs, generator=generators, output_type=output_type,
+                out = self.spec.pipeline_for(self.pipe, template)(  # references: xema_ray.models.references
+                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)), **inputs,
+                    generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
                 )
@@ -433,11 +434,11 @@ class ExecutionEngine:
         output_rank = group_rank == 0
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
-        references = batch_references(config.template.references, batch.requests, self.shape_only)
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
             control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
-            request_ids=[r.request_id for r in batch.requests], references=references,
+            request_ids=[r.request_id for r in batch.requests],
+            references=batch_references(config.template.references, batch.requests, self.shape_only),
         )
         if observer is not None and output_rank:
             observer.on_decoded()
