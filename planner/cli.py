@@ -28,7 +28,8 @@ HEAVY_MODULES = ("planner.driver", "planner.trace_model", "planner.traces", "pla
 
 
 def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
-    """A named set ("paper", "tiny") or a comma list of MODEL:WxH[xF], e.g. "ltx2:1280x704x49"."""
+    """A named set ("paper", "tiny") or a comma list of MODEL:WxH[xF][+rN[@WxH]], e.g.
+    "ltx2:1280x704x49" or "flux2:1024x1024+r2@1024x1024" (two references encoded at 1024²)."""
     from xema_ray.models import MODEL_NAMES
 
     if text in ("paper", "tiny") or text in MODEL_NAMES:  # a model: the templates its spec names
@@ -37,11 +38,17 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
     for item in text.split(","):
         try:
             model, dims = item.split(":")
-            parts = [int(x) for x in dims.lower().split("x")]
+            dims, _, refs = dims.lower().partition("+r")
+            parts = [int(x) for x in dims.split("x")]
+            count, _, size = refs.partition("@")
+            rw, rh = (int(x) for x in size.split("x")) if size else (0, 0)
+            references = {"references": int(count), "reference_width": rw, "reference_height": rh} if refs else {}
         except ValueError:
-            raise ValueError(f"cannot read template {item!r}; use a set name (paper, tiny) or MODEL:WxH[xFRAMES]") from None
+            raise ValueError(f"cannot read template {item!r}; use a set name (paper, tiny) or "
+                             "MODEL:WxH[xFRAMES][+rN[@WxH]]") from None
         w, h, f = (parts + [1])[:3]
-        out.append(RequestTemplate(model=model, width=w, height=h, frames=f, **({"steps": steps} if steps else {})))
+        out.append(RequestTemplate(model=model, width=w, height=h, frames=f, **references,
+                                   **({"steps": steps} if steps else {})))
     return out
 
 
@@ -95,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan SP x DP x batch x mitigation per template (paper §7)")
     p.add_argument("--templates", default=None,
-                   help="paper | tiny | MODEL:WxH[xF],... (default: the deployment's templates, else tiny)")
+                   help="paper | tiny | MODEL:WxH[xF][+rN[@WxH]],... (default: the deployment's templates, else tiny)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the set's own)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs every template may use (ignored with --deployment)")
     p.add_argument("--deployment", default=None,

@@ -326,7 +326,7 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
         trace = (traces or {}).get(t.key) or trace_template(t)
         slo = (slo_of or {}).get(t.shape_key, math.inf)
         splits = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and t.spec.attention_heads % sp == 0
-                  and (sp == 1 or t.spec.sequence_parallel)]
+                  and (sp == 1 or t.spec.sequence_parallel_for(t))]
         priced: list[tuple[float, float, ExpertSwitchPlan]] = []
         for sp in splits:
             try:

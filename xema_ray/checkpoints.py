@@ -57,7 +57,7 @@ def write_published(model: str, out: Path, seed: int = 0) -> Path:
     from xema_ray.models.text_encoders import save_published_tokenizer
 
     spec = get_model_spec(model)
-    layout = PUBLISHED[spec.family]
+    layout = PUBLISHED[spec.published_layout]
     pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32, seed=seed, text_encoder="device"))
     target = _fresh(out / model)
     target.mkdir(parents=True)

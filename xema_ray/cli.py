@@ -32,6 +32,11 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--references", type=int, default=0,
+                   help="reference images per request (Flux.2 edits; image-to-video: 1), traced through their "
+                        "preprocessing, VAE encode and the longer sequence")
+    p.add_argument("--reference-size", default=None, metavar="WxH",
+                   help="size the references are encoded at (default: the output size)")
     p.add_argument("--budget", default=None, help="per-GPU budget, e.g. 48GB (10^9) or 44.7GiB")
     p.add_argument("--json", type=Path, default=None, help="write the trace and the summary as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
@@ -82,8 +87,10 @@ def print_summary(s: MemorySummary, out: TextIO | None = None) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     try:
+        rw, rh = (int(x) for x in args.reference_size.lower().split("x")) if args.reference_size else (0, 0)
         template = RequestTemplate(model=args.model, height=args.height, width=args.width, frames=args.frames,
-                                   steps=args.steps, batch=args.batch)
+                                   steps=args.steps, batch=args.batch, references=args.references,
+                                   reference_width=rw, reference_height=rh)
         budget = parse_bytes(args.budget) if args.budget is not None else None
     except (ValidationError, ValueError) as e:
         print(f"xema analyze: {e}", file=sys.stderr)

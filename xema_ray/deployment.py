@@ -26,6 +26,10 @@ class TemplateSpec(BaseModel):
     height: int = Field(gt=0)
     frames: int = Field(default=1, ge=1)
     steps: int = Field(default=50, ge=1)
+    references: int = Field(default=0, ge=0, description="reference images per request (edits, image-to-video)")
+    reference_width: int = Field(default=0, ge=0, description="width the references are encoded at (0: output width)")
+    reference_height: int = Field(default=0, ge=0, description="height the references are encoded at (0: output "
+                                                               "height)")
 
 
 #: the dtypes a group may compute in or keep a component in (``xema_ray.models.base.DTYPES``)
@@ -93,5 +97,7 @@ class DeploymentShape(BaseModel):
 
 def served_templates(groups: list[GroupShape]) -> list[RequestTemplate]:
     """Every configured template, validated (a bad one fails with its reason)."""
-    return [RequestTemplate(model=g.model, width=t.width, height=t.height, frames=t.frames, steps=t.steps)
+    return [RequestTemplate(model=g.model, width=t.width, height=t.height, frames=t.frames, steps=t.steps,
+                            references=t.references, reference_width=t.reference_width,
+                            reference_height=t.reference_height)
             for g in groups for t in g.templates]

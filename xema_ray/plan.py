@@ -107,8 +107,9 @@ class ExecutionConfig(BaseModel):
         heads = spec.attention_heads
         if heads % self.ulysses:
             raise ValueError(f"ulysses={self.ulysses} must divide {spec.name}'s {heads} attention heads")
-        if self.sp > 1 and not spec.sequence_parallel:
-            raise ValueError(f"{spec.name} has no sequence-parallel split (sp={self.sp}); it runs one GPU per request")
+        if self.sp > 1 and not spec.sequence_parallel_for(self.template):
+            raise ValueError(f"{self.template.shape_key} has no sequence-parallel split (sp={self.sp}); it runs one GPU "
+                             "per request")
         tokens = sum(self.template.token_counts().values())
         if self.sp > tokens:
             raise ValueError(f"sp={self.sp} exceeds the {tokens} tokens of {self.template.key}")

@@ -21,9 +21,9 @@ LTX-2 1080p 1920x1080   1920x1088       1088 is the nearest multiple of 32
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 if TYPE_CHECKING:
     from xema_ray.models.base import ModelSpec
@@ -46,11 +46,41 @@ class RequestTemplate(BaseModel):
     frames: int = Field(default=1, ge=1, description="Output frames; 1 for image models.")
     steps: int = Field(default=50, ge=1, le=1000, description="Denoising steps.")
     batch: int = Field(default=1, ge=1, le=256, description="Requests executed together.")
+    references: int = Field(default=0, ge=0, le=16, description="Reference images each request conditions on "
+                            "(Flux.2 edits: appended to the sequence; image-to-video: the first frame); 0 = none.")
+    reference_width: int = Field(default=0, ge=0, description="Width each reference is encoded at (0 without "
+                                 "references; defaults to the output width).")
+    reference_height: int = Field(default=0, ge=0, description="Height each reference is encoded at (0 without "
+                                  "references; defaults to the output height).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_reference_size(cls, data: object) -> object:
+        # a template with references encodes them at its output size unless it names another
+        if isinstance(data, dict) and data.get("references"):
+            data = dict(data)
+            data["reference_width"] = data.get("reference_width") or data.get("width", 0)
+            data["reference_height"] = data.get("reference_height") or data.get("height", 0)
+        return data
+
+    @model_serializer(mode="wrap")
+    def _drop_unused_reference_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a template without references dumps as it always did: plan tables, config hashes and
+        # profile-store keys written before templates had references stay valid
+        out: dict[str, Any] = handler(self)
+        if not self.references:
+            for name in ("references", "reference_width", "reference_height"):
+                out.pop(name, None)
+        return out
 
     @model_validator(mode="after")
     def _check_against_model(self) -> RequestTemplate:
         spec = self.spec
         spec.validate_shape(self.height, self.width, self.frames)
+        if self.references == 0 and (self.reference_width or self.reference_height):
+            raise ValueError(f"reference_width/reference_height ({self.reference_width}x{self.reference_height}) "
+                             "need references >= 1")
+        spec.validate_references(self)
         return self
 
     @property
@@ -62,12 +92,17 @@ class RequestTemplate(BaseModel):
     @property
     def key(self) -> str:
         """Stable string key used by plan tables, profile stores and file names."""
-        return f"{self.model}/{self.width}x{self.height}x{self.frames}/s{self.steps}/b{self.batch}"
+        return f"{self.shape_key}/s{self.steps}/b{self.batch}"
 
     @property
     def shape_key(self) -> str:
-        """Key without steps and batch: what a client request maps onto."""
-        return f"{self.model}/{self.width}x{self.height}x{self.frames}"
+        """Key without steps and batch: what a client request maps onto. A template with reference
+        images says how many and at what size (``tiny-flux2/64x64x1/ref2@64x64``): requests with
+        another count are another template, so batches never mix them."""
+        base = f"{self.model}/{self.width}x{self.height}x{self.frames}"
+        if self.references:
+            base += f"/ref{self.references}@{self.reference_width}x{self.reference_height}"
+        return base
 
     def latent_shape(self) -> tuple[int, ...]:
         """Shape of the latent the denoiser works on (batch included), as the pipeline builds it."""
@@ -198,7 +233,8 @@ def model_templates(model: str, steps: int | None = None) -> list[RequestTemplat
 
     spec = get_model_spec(model)
     n = spec.reference_steps if steps is None else steps
-    return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n) for w, h, f in spec.reference_sizes]
+    refs = {"references": spec.required_references} if spec.required_references else {}
+    return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n, **refs) for w, h, f in spec.reference_sizes]
 
 
 NAMED_TEMPLATE_SETS = {"paper": paper_templates, "tiny": tiny_templates}

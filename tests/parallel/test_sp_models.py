@@ -19,6 +19,8 @@ CASES: dict[str, dict[str, int]] = {
     "tiny-ltx2": {"height": 64, "width": 64, "frames": 9},
     "tiny-wan2.2": {"height": 48, "width": 64, "frames": 9},  # 3 patch rows; both experts run (2 steps)
 }
+#: the same model with reference images (their tokens join the sequence the split shards)
+REF_CASES: dict[str, dict[str, int]] = {"tiny-flux2": {"references": 1, "reference_width": 64, "reference_height": 64}}
 
 
 def _output_array(out: Any) -> np.ndarray:
@@ -55,7 +57,14 @@ def sp_models_scenario(rank: int, world: int, url: str, models: list[str]) -> di
             outs[name] = _output_array(out)
             seen[name] = tokens[0]
         hook.remove()
+        refs: dict[str, np.ndarray] = {}
+        if model in REF_CASES:
+            with_refs = template.with_(**REF_CASES[model])
+            for name, ulysses, ring in [("sp1", 1, 1), ("ulysses2", 2, 1), ("ring2", 1, 2)]:
+                cfg = ExecutionConfig(template=with_refs, ulysses=ulysses, ring=ring)
+                refs[name] = _output_array(engine.run_pipeline(cfg, ["a red fox"], [7], output_type="np")[0])
         report[model] = {
+            "references": refs,
             "outputs": outs,
             "tokens": seen,
             "same_transformer": engine.pipe.transformer is transformer,
@@ -96,3 +105,12 @@ def test_switching_sp_degree_does_not_reload(reports: list[dict[str, Any]]) -> N
         assert report["load_count"] == len(CASES)  # one build per model, none per SP switch
         for model in CASES:
             assert report[model]["same_transformer"] and report[model]["forward_restored"]
+
+
+@pytest.mark.parametrize("model", list(REF_CASES))
+def test_sp2_matches_sp1_with_reference_images(reports: list[dict[str, Any]], model: str) -> None:
+    for rank, report in enumerate(reports):
+        refs = report[model]["references"]
+        assert not np.allclose(refs["sp1"], report[model]["outputs"]["sp1"])  # the reference changed the picture
+        for name in ("ulysses2", "ring2"):
+            np.testing.assert_allclose(refs[name], refs["sp1"], atol=2e-5, rtol=0, err_msg=f"{model} {name} rank {rank}")

@@ -95,7 +95,7 @@ def trace_template(
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
     pipe = pipeline if pipeline is not None else spec.build_pipeline(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
-    traced = steps_to_trace(spec.settling_steps, spec.step_lifetime)
+    traced = steps_to_trace(spec.settling_steps_for(template), spec.step_lifetime)
     traced_steps = min(template.steps, traced) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
@@ -110,7 +110,9 @@ def trace_template(
         tracer.register_resident(dict(inputs), Category.INPUT)
 
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
-    call = dict(spec.call_kwargs(run_template))
+    # reference images (placeholders of the template's size): their preprocessing, VAE encode and
+    # the longer sequence are part of the trace
+    call = {**spec.call_kwargs(run_template), **spec.reference_kwargs(run_template)}
     stages = spec.expert_stages(template)
     # replicated steps must be alike: one expert runs them all, the others' steps are named after
     one_expert = len(stages) > 1 and traced_steps < template.steps
@@ -126,7 +128,7 @@ def trace_template(
                 tracer.mark("begin:text_encoder")
                 inputs = spec.encode_prompts(pipe, prompts, torch.device(opts.device), dtype)
                 tracer.mark("end:text_encoder")
-            pipe(**call, **inputs, generator=generator, output_type="pt")
+            spec.pipeline_for(pipe, template)(**call, **inputs, generator=generator, output_type="pt")
             del inputs
     finally:
         if encoder is not None:

@@ -196,7 +196,7 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
 
     tracer = AllocationTracer("meta", {})
     spec = config.template.spec
-    traced = min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime))
+    traced = min(config.template.steps, steps_to_trace(spec.settling_steps_for(config.template), spec.step_lifetime))
     if config.experts is not None and config.experts.strategy == "swap_prefetched":
         # the swap's steps differ by design (the prefetch, the switch): every step is traced
         traced = max(config.template.steps, *(steps or ()))
@@ -247,7 +247,7 @@ def verify_config(
     """
     t0 = time.perf_counter()
     spec = config.template.spec
-    steps = min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime))
+    steps = min(config.template.steps, steps_to_trace(spec.settling_steps_for(config.template), spec.step_lifetime))
     tracer = AllocationTracer("meta", {})
     loaded, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
                                 residency=residency, layouts_dir=layouts_dir)

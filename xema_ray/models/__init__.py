@@ -44,6 +44,20 @@ def _cogvideox(size: str) -> ModelSpec:
     return spec
 
 
+def _cogvideox_i2v(size: str) -> ModelSpec:
+    from xema_ray.models.cogvideox_i2v import CogVideoXI2VSpec
+    from xema_ray.models.text_encoders import TextEncoderSpec
+
+    if size == "real":
+        spec = CogVideoXI2VSpec("cogvideox-5b-i2v", "real", "cogvideox5b_i2v_transformer.json", "cogvideox5b_vae.json")
+        spec.text_encoder = TextEncoderSpec("t5", "cogvideox5b_text_encoder.json", spec.text_tokens)
+    else:
+        spec = CogVideoXI2VSpec("tiny-cogvideox-i2v", "tiny", "tiny_cogvideox_i2v_transformer.json",
+                                "tiny_cogvideox_vae.json")
+        spec.text_encoder = TextEncoderSpec("t5", "tiny_cogvideox_text_encoder.json", spec.text_tokens)
+    return spec
+
+
 def _ltx2(size: str) -> ModelSpec:
     from xema_ray.models.ltx2 import LTX2Spec
     from xema_ray.models.text_encoders import TextEncoderSpec
@@ -103,6 +117,8 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "wan2.2-t2v-a14b": lambda: _wan22("real"),
     "tiny-wan2.2": lambda: _wan22("tiny"),
     "wan2.2-ti2v-5b": _wan22_ti2v_5b,
+    "cogvideox-5b-i2v": lambda: _cogvideox_i2v("real"),
+    "tiny-cogvideox-i2v": lambda: _cogvideox_i2v("tiny"),
     "qwen-image": lambda: _qwen_image("real"),
     "tiny-qwen-image": lambda: _qwen_image("tiny"),
 }

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.options import OptionRules
 from xema_ray.models.dtypes import DTYPES, DTypeName, cast_inputs_to_own_dtype, log_cast, model_dtypes  # noqa: F401
 
@@ -123,7 +124,7 @@ class BuildOptions:
         return "device" if has else None
 
 
-class ModelSpec(ABC):
+class ModelSpec(ReferenceInputs, ABC):
     """One servable model (real size or tiny), as the registry hands it out."""
 
     #: registry name, e.g. "cogvideox-5b" or "tiny-cogvideox"
@@ -135,6 +136,11 @@ class ModelSpec(ABC):
 
     #: the model's text encoder (configs and builder); None: the model has none
     text_encoder: Any = None
+
+    @property
+    def published_layout(self) -> str:
+        """The key of its published repository's layout in ``models.published.PUBLISHED`` (its family's)."""
+        return self.family
 
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
         self.name = name
@@ -391,6 +397,10 @@ class ModelSpec(ABC):
     #: (a model without one runs on one GPU per request: more GPUs are data-parallel replicas)
     sequence_parallel: bool = True
 
+    def sequence_parallel_for(self, t: RequestTemplate) -> bool:
+        """``sequence_parallel`` for ``t`` (a template whose conditioning the split does not cover says no)."""
+        return self.sequence_parallel
+
     #: denoising steps after the first that still allocate unlike the steady state (the analyzer
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0
@@ -398,6 +408,10 @@ class ModelSpec(ABC):
     #: a multistep scheduler of order 2, UniPC, keeps each model output for 2); the analyzer traces
     #: ``step_lifetime - 1`` more steps and replicates with it (``analyzer.steps.expand_steps``)
     step_lifetime: int = 1
+
+    def settling_steps_for(self, t: RequestTemplate) -> int:
+        """``settling_steps`` for ``t`` (a model whose image path settles later says so per template)."""
+        return self.settling_steps
 
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""

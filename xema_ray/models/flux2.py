@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +32,40 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
+@functools.cache
+def edit_pipeline_class() -> type[Any]:
+    """``Flux2Pipeline`` whose reference images are each request's own.
+
+    diffusers' pipeline encodes one list of references and repeats it over the batch; a batch
+    here holds requests of one template (the same number of references, the same size), each
+    with its own images. ``image`` is then one flat list, request by request, and each batch
+    row's reference tokens are encoded from its request's images, with the same position ids
+    (the ids depend only on the count and the size, which the template fixes)."""
+    from diffusers import Flux2Pipeline
+
+    class Flux2EditPipeline(Flux2Pipeline):  # type: ignore[misc]
+        def prepare_image_latents(self, images: list[torch.Tensor], batch_size: int, generator: Any, device: Any,
+                                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            per, rest = divmod(len(images), batch_size)
+            if rest or not per:
+                raise ValueError(f"{len(images)} reference images do not split evenly over a batch of {batch_size}")
+            rows, ids = [], None
+            for b in range(batch_size):
+                latents, ids = super().prepare_image_latents(images[b * per:(b + 1) * per], 1, generator, device, dtype)
+                rows.append(latents)
+            assert ids is not None
+            return torch.cat(rows), ids.repeat(batch_size, 1, 1)
+
+    return Flux2EditPipeline
+
+
 class Flux2Spec(ModelSpec):
     family = "flux2"
     kind = "image"
+    #: FLUX.2 [dev] conditions on up to 10 reference images (Black Forest Labs' model card); each
+    #: adds its latent tokens to the sequence the DiT attends over
+    max_references = 10
+    references_at_output_size = False
 
     def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int) -> None:
         super().__init__(name, size, transformer_config, vae_config)  # type: ignore[arg-type]
@@ -57,10 +89,14 @@ class Flux2Spec(ModelSpec):
         return (t.batch, tokens, self.transformer_config["in_channels"])
 
     def token_counts(self, t: RequestTemplate) -> dict[str, int]:
-        return {
+        counts = {
             "image": (t.height // self.spatial_multiple) * (t.width // self.spatial_multiple),
             "text": self.text_tokens,
         }
+        if t.references:  # each reference's latent tokens join the sequence (not denoised, attended)
+            m = self.spatial_multiple
+            counts["reference"] = t.references * (t.reference_height // m) * (t.reference_width // m)
+        return counts
 
     def transformer_class(self) -> type[nn.Module]:
         from diffusers import Flux2Transformer2DModel
@@ -73,10 +109,10 @@ class Flux2Spec(ModelSpec):
         return AutoencoderKLFlux2
 
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
-        pipe = Flux2Pipeline(
+        pipe = edit_pipeline_class()(
             scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, SCHEDULER_CONFIG, opts),
             vae=self.build_vae(opts),
             text_encoder=text_encoder,

@@ -18,6 +18,7 @@ it comes from. The tiny variants (``tiny_ltx2_*.json``) scale them down consiste
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -425,6 +426,35 @@ class LTX2Spec(ModelSpec):
 
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
+
+    #: image-to-video: the first frame, encoded by the video VAE at the output size and kept clean
+    #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
+    max_references = 1
+
+    def sequence_parallel_for(self, t: RequestTemplate) -> bool:
+        # image-to-video hands the transformer a timestep per video token (the conditioning mask):
+        # the SP split does not shard it yet, so these templates run one GPU per request
+        return self.sequence_parallel and not t.references
+
+    def settling_steps_for(self, t: RequestTemplate) -> int:
+        # image-to-video: a step-1 buffer of the conditioning path lives one step longer than in
+        # the steady state (the third step is the first that repeats)
+        return 1 if t.references else self.settling_steps
+
+    def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
+        from xema_ray.models.ltx2_i2v import image_to_video_pipeline
+
+        return image_to_video_pipeline(pipe) if t.references else pipe
+
+    def reference_kwargs(self, t: RequestTemplate, images: Any = None, rows: int | None = None) -> dict[str, Any]:
+        from xema_ray.models.ltx2_i2v import first_frames
+
+        return first_frames(super().reference_kwargs(t, images, rows), images is not None)
+
+    def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
+        from xema_ray.models.ltx2_i2v import host_operands_on_meta
+
+        return host_operands_on_meta() if t.references else contextlib.nullcontext()
 
 
 def audio_samples(spec: LTX2Spec, t: RequestTemplate) -> int:

@@ -83,6 +83,17 @@ PUBLISHED: dict[str, PublishedLayout] = {
             "transformer": _c("diffusers", "CogVideoXTransformer3DModel", "bfloat16", sharded=True),
             "vae": _c("diffusers", "AutoencoderKLCogVideoX", "float32"),
         }),
+    # CogVideoX-5B-I2V: the same components as CogVideoX-5b, its own transformer and pipeline
+    # (stored dtypes as CogVideoX-5b's are assumed, not read from this repository's files)
+    "cogvideox-i2v": PublishedLayout(
+        repo="zai-org/CogVideoX-5b-I2V", pipeline="CogVideoXImageToVideoPipeline", gated=False, disk_gb=21.5,
+        components={
+            "scheduler": _c("diffusers", "CogVideoXDDIMScheduler"),
+            "text_encoder": _c("transformers", "T5EncoderModel", "bfloat16", sharded=True),
+            "tokenizer": _c("transformers", "T5Tokenizer"),
+            "transformer": _c("diffusers", "CogVideoXTransformer3DModel", "bfloat16", sharded=True),
+            "vae": _c("diffusers", "AutoencoderKLCogVideoX", "float32"),
+        }),
     "ltx2": PublishedLayout(
         repo="Lightricks/LTX-2", pipeline="LTX2Pipeline", gated=True, disk_gb=64.0,
         components={

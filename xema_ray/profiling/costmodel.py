@@ -101,7 +101,7 @@ def transformer_blocks(spec: ModelSpec, template: RequestTemplate, rows: int) ->
     if spec.family == "flux2":
         d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
         m = cfg.get("mlp_ratio", 3.0)
-        s_img, s_txt = tokens["image"], tokens["text"]
+        s_img, s_txt = tokens["image"] + tokens.get("reference", 0), tokens["text"]  # references join the sequence
         s = s_img + s_txt
         stream = (4 + 3 * m) * d * d  # q, k, v, out + SwiGLU (2 x m d in, m d out)
         single = (3 + 2 * m + 1 + m) * d * d  # fused qkv + mlp-in, fused out over [attn, mlp]

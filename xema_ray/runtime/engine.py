@@ -42,6 +42,7 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
+from xema_ray.runtime.references import batch_references
 from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
@@ -65,6 +66,7 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
+    references: tuple[bytes, ...] = Field(default=(), repr=False, description="its own reference images (PNG)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
                                         "(only models that run classifier-free guidance are sent one)")
 
@@ -331,6 +333,7 @@ class ExecutionEngine:
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
         negative_prompts: list[str | None] | None = None, steps: int | None = None,
         request_ids: list[str] | None = None,
+        references: list[list[Any]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
         layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
@@ -339,7 +342,7 @@ class ExecutionEngine:
         thread of its own, which the pause parks). ``negative_prompts``: per request, None for
         the model's default. ``steps``: denoising steps other than the template's (the worker
         arms the static layout repeated to them, or none). ``request_ids``: to name the
-        requests at fault in a ``RequestFailed``."""
+        requests at fault in a ``RequestFailed``. ``references``: each request's images; None: placeholders."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -380,8 +383,9 @@ class ExecutionEngine:
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
             with torch.no_grad():
-                out = self.pipe(
-                    **call_kwargs, **inputs, generator=generators, output_type=output_type,
+                out = self.spec.pipeline_for(self.pipe, template)(  # references: xema_ray.models.references
+                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)), **inputs,
+                    generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
                 )
@@ -434,6 +438,7 @@ class ExecutionEngine:
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
             control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
             request_ids=[r.request_id for r in batch.requests],
+            references=batch_references(config.template.references, batch.requests, self.shape_only),
         )
         if observer is not None and output_rank:
             observer.on_decoded()

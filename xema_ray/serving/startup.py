@@ -145,7 +145,7 @@ def preflight(cfg: ServeConfig) -> None:
         for g in cfg.models:
             if g.weights_dir is not None:
                 try:
-                    check_weights_dir(get_model_spec(g.model).family, g.model, g.weights_dir)
+                    check_weights_dir(get_model_spec(g.model).published_layout, g.model, g.weights_dir)
                 except WeightsDirError as e:
                     problems.append(str(e))
     if cfg.jobs.backend == "redis":

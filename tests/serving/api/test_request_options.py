@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 LTX = RequestTemplate(model="tiny-ltx2", width=64, height=64, frames=9, steps=2)
 FLUX = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 QWEN = RequestTemplate(model="tiny-qwen-image", width=64, height=64, steps=2)
+FLUX_EDIT = FLUX.with_(references=1, reference_width=64, reference_height=64)  # /v1/images/edits, fuzzed too
 SYNC = "/v1/videos/sync"
 IMAGES = "/v1/images/generations"
 LTX_BODY = {"model": "tiny-ltx2", "prompt": "a red fox", "size": "64x64", "num_frames": 9}
@@ -36,7 +37,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterHarness]:
     requests share one batch (wait window 0.5 s)."""
     plans = {LTX.shape_key: plan_entry(LTX, batch=6, latency_s=2.0, slo_s=60.0),
              FLUX.shape_key: plan_entry(FLUX, batch=4, latency_s=0.5, slo_s=60.0),
-             QWEN.shape_key: plan_entry(QWEN, batch=2, latency_s=0.5, slo_s=60.0)}
+             QWEN.shape_key: plan_entry(QWEN, batch=2, latency_s=0.5, slo_s=60.0),
+             FLUX_EDIT.shape_key: plan_entry(FLUX_EDIT, batch=2, latency_s=0.5, slo_s=60.0)}
     with running_router(plans, wait_window_s=0.5, jobs=JobStoreConfig(path=str(tmp_path_factory.mktemp("jobs")))) as h:
         yield h
 
@@ -229,3 +231,36 @@ def test_qwen_guidance_and_true_cfg_are_one_scale() -> None:
         resolve_options(QWEN, served, req(guidance_scale=3.0, true_cfg_scale=4.0))
     assert e.value.param == "true_cfg_scale"
     assert resolve_options(QWEN, served, req(num_inference_steps=QWEN.steps)).steps is None  # the template's own
+
+
+def test_an_edit_through_the_real_router_takes_the_options_and_a_bad_image_fails_alone(served: RouterHarness) -> None:
+    """``/v1/images/edits`` on the Router itself: two edits and a truncated image at once; the
+    good ones are served (with a negative-prompt-free model's steps option), the bad one is a 422."""
+    import io
+
+    from PIL import Image
+
+    from tests.serving.api.asgi_client import call
+
+    def form(image: bytes, **fields: str) -> tuple[bytes, dict[str, str]]:
+        parts = [f'--b\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+                 for k, v in {"model": "tiny-flux2", "prompt": "the fox", "seed": "3", **fields}.items()]
+        parts.append(b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
+                     b"Content-Type: image/png\r\n\r\n" + image + b"\r\n--b--\r\n")
+        return b"".join(parts), {"content-type": "multipart/form-data; boundary=b"}
+
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 60), (200, 30, 30)).save(buf, format="PNG")
+    good = buf.getvalue()
+
+    async def three() -> list:
+        import asyncio
+
+        bodies = [form(good), form(good, num_inference_steps="3"), form(good[:60])]
+        return list(await asyncio.gather(*(call(served.app, "POST", "/v1/images/edits", b, headers=h)
+                                           for b, h in bodies)))
+    ok, ok_steps, bad = served.run(three())
+    assert ok.status == 200 and ok_steps.status == 200, (ok.body[:300], ok_steps.body[:300])
+    assert ok.headers["x-xema-template"] == FLUX_EDIT.shape_key and ok.json()["size"] == "64x64"
+    assert ok.json()["data"][0]["b64_json"] != ok_steps.json()["data"][0]["b64_json"]  # 3 steps, not 2
+    assert _error(bad, 422, "image").startswith("image ('a.png'): the PNG file is truncated")

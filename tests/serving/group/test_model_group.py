@@ -106,6 +106,14 @@ def test_error_raised_if_template_unknown_or_guidance_not_finite(flux: Harness, 
     assert e.value.param == param
 
 
+def test_error_raised_if_a_request_brings_images_its_template_does_not_take(flux: Harness) -> None:
+    """Refused on arrival, naming ``image``: a batch's rows all carry the template's count."""
+    req = request(FLUX_S.shape_key, "imgs", "a fox", 1).model_copy(update={"references": (b"png",)})
+    with pytest.raises(InvalidRequest, match="takes 0 reference image") as e:
+        flux.call(lambda g: g.generate(req))
+    assert e.value.param == "image"
+
+
 def test_killed_worker_is_replaced_and_the_batch_retried(flux: Harness) -> None:
     before = flux.call(lambda g: g.status())["generation"]
     fut = _generate(flux, 7, FLUX_L)

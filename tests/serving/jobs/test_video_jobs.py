@@ -42,6 +42,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 COG = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=6)
 COG_SP = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=17, steps=6)
 FLUX = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
+FLUX_R1 = FLUX.with_(references=1, reference_width=64, reference_height=64)  # /v1/images/edits, one image
+FLUX_R2 = FLUX.with_(references=2, reference_width=64, reference_height=64)  # ... two images
+COG_I2V = RequestTemplate(model="tiny-cogvideox-i2v", width=64, height=64, frames=9, steps=2, references=1)
 
 
 def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, latency_s: float = 4.0) -> PlanEntry:
@@ -55,7 +58,11 @@ def start_app(tmp: Path, jobs: dict[str, Any], router_replicas: int = 1) -> str:
         "jobs": {"ttl_s": 600, "lease_s": 2.0, "poll_min_ms": 20, **jobs},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.3,
-             "templates": [{"width": 64, "height": 64, "steps": 2}]},
+             "templates": [{"width": 64, "height": 64, "steps": 2},
+                           {"width": 64, "height": 64, "steps": 2, "references": 1},
+                           {"width": 64, "height": 64, "steps": 2, "references": 2}]},
+            {"model": "tiny-cogvideox-i2v", "workers": 1, "wait_window_s": 0.3,
+             "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2, "references": 1}]},
             {"model": "tiny-cogvideox", "workers": 2, "wait_window_s": 1.0,
              "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 6},
                            {"width": 64, "height": 64, "frames": 17, "steps": 6}]},
@@ -64,7 +71,10 @@ def start_app(tmp: Path, jobs: dict[str, Any], router_replicas: int = 1) -> str:
     table = PlanTable(
         hardware=machine_fingerprint(ServeConfig.model_validate(args), 2), gpus=2, budget_bytes=10**9,
         entries={COG.shape_key: _entry(COG, batch=2), COG_SP.shape_key: _entry(COG_SP, ulysses=2),
-                 FLUX.shape_key: _entry(FLUX, batch=2, latency_s=0.5)},
+                 FLUX.shape_key: _entry(FLUX, batch=2, latency_s=0.5),
+                 FLUX_R1.shape_key: _entry(FLUX_R1, batch=2, latency_s=0.5),
+                 FLUX_R2.shape_key: _entry(FLUX_R2, batch=2, latency_s=0.5),
+                 COG_I2V.shape_key: _entry(COG_I2V, batch=2)},
     )
     table.save(str(tmp / "table.json"))
     args["plan_table"] = str(tmp / "table.json")
@@ -339,3 +349,49 @@ def test_jobs_of_a_dead_model_group_replica_are_dispatched_again(client: Any, st
     after = store.get(video.id)
     assert after is not None and after.owner != before.owner and after.attempts == before.attempts + 1
     assert iio.imread(client.videos.download_content(video.id).read(), extension=".mp4").shape[0] == COG_SP.frames
+
+
+def _picture(seed: int, size: tuple[int, int] = (96, 64)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_edit_with_one_and_two_references_through_the_openai_client(client: Any) -> None:
+    def edit(*images: bytes, seed: int = 5) -> bytes:
+        files = [(f"ref{i}.png", im, "image/png") for i, im in enumerate(images)]
+        resp = client.images.edit(model="tiny-flux2", prompt="the fox, in winter", image=files[0] if len(files) == 1
+                                  else files, size="64x64", response_format="b64_json", extra_body={"seed": seed})
+        assert resp.size == "64x64"
+        return base64.b64decode(resp.data[0].b64_json)
+
+    one, two = edit(_picture(1)), edit(_picture(1), _picture(2))
+    assert Image.open(io.BytesIO(one)).size == Image.open(io.BytesIO(two)).size == (64, 64)
+    assert edit(_picture(1)) == one  # the same image and seed: the same bytes
+    assert edit(_picture(3)) != one  # another image: another result
+
+
+def test_a_bad_image_fails_alone_beside_good_edits(server: str) -> None:
+    """Four edits at once (a batch of two is planned): the truncated one is refused at the door
+    naming its field, the three others are served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(image: bytes) -> requests.Response:
+        return requests.post(f"{server}/v1/images/edits", data={"model": "tiny-flux2", "prompt": "p", "size": "64x64"},
+                             files={"image": ("a.png", image, "image/png")}, timeout=120)
+
+    images = [_picture(1), _picture(2)[:200], _picture(3), _picture(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(post, images))
+    assert [r.status_code for r in answers] == [200, 422, 200, 200], [r.text[:200] for r in answers]
+    assert answers[1].json()["error"]["param"] == "image" and "truncated" in answers[1].json()["error"]["message"]
+
+
+def test_image_to_video_job_through_the_openai_client(client: Any) -> None:
+    video = client.videos.create_and_poll(model="tiny-cogvideox-i2v", prompt="the sea moves", size="64x64",
+                                          seconds="1", input_reference=("first.png", _picture(7, (128, 100)),
+                                                                        "image/png"))
+    assert video.status == "completed" and video.size == "64x64", video
+    frames = iio.imread(io.BytesIO(client.videos.download_content(video.id).read()), extension=".mp4")
+    assert frames.shape == (9, 64, 64, 3)

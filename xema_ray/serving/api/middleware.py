@@ -57,6 +57,15 @@ async def _send_json(send: Send, status: int, body: bytes, retry_after_s: int | 
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+#: the file field of each endpoint that takes uploads (named by a 413 for a multipart body)
+_UPLOAD_FIELDS = {"/v1/images/edits": "image", "/v1/videos": "input_reference"}
+
+
+def _is_form(scope: Scope) -> bool:
+    ctype = dict(scope.get("headers") or []).get(b"content-type", b"")
+    return ctype.split(b";")[0].strip().lower() == b"multipart/form-data"
+
+
 class RequestGuard:
     """Body-size and in-flight limits of one Router replica (``api.RequestLimits``)."""
 
@@ -69,8 +78,12 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         limits = current_limits()
-        too_big = _error_body(f"the request body exceeds {limits.max_body_bytes} bytes (limits.max_body_bytes)",
-                              "invalid_request_error", "body_too_large")
+        upload = _UPLOAD_FIELDS.get(scope.get("path", "")) if _is_form(scope) else None
+        message = f"the request body exceeds {limits.max_body_bytes} bytes (limits.max_body_bytes)"
+        if upload is not None:  # a form with files: the files are what makes it large
+            message += f"; the {upload} file(s) count towards it"
+        too_big = _error_body(message, "invalid_request_error", "body_too_large", param=upload,
+                              limit="limits.max_body_bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             await _send_json(send, 413, too_big)

@@ -19,6 +19,7 @@ from xema_ray.serving.api.auth import key_required
 from xema_ray.serving.api.errors import ErrorResponse
 from xema_ray.serving.api.options import document_options
 from xema_ray.serving.api.videos import VideoCreate
+from xema_ray.serving.api.edits import ImageEditRequest
 from xema_ray.templates import RequestTemplate
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -41,7 +42,7 @@ _BODY_STATUS = {
     "422": "a field is missing, malformed or out of range (error.param names it)",
 }
 #: request schema -> the model kind it is for
-_REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video", "VideoCreate": "video"}
+_REQUEST_KINDS = {"ImageRequest": "image", "VideoRequest": "video", "VideoCreate": "video", "ImageEditRequest": "image"}
 #: operations whose 200 may carry a media type FastAPI cannot see (the endpoint builds the
 #: Response itself); added next to what FastAPI documents, never replacing it
 _EXTRA_200_MEDIA = {("post", "/v1/videos/sync"): {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}
@@ -73,7 +74,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
         ref_template="#/components/schemas/{model}").items() if k != "$defs"}
     # the generation endpoints read their bodies themselves (``validation``: JSON or a form) and
     # refer to these by name
-    for model in (ImageRequest, VideoRequest, VideoCreate):
+    for model in (ImageRequest, VideoRequest, VideoCreate, ImageEditRequest):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(js.pop("$defs", {}))
         components.setdefault(model.__name__, js)
@@ -95,8 +96,13 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
         if props is None:
             continue
         ours = [t for t in served.values() if t.spec.kind == kind]
+        if name in ("ImageRequest", "VideoRequest"):  # no input images there: the templates without
+            ours = [t for t in ours if not t.references]
+        elif name == "ImageEditRequest":  # the templates with reference images (and size 'auto')
+            ours = [t for t in ours if t.references]
         _enum(props, "model", sorted({t.model for t in ours}))
-        _enum(props, "size", sorted({f"{t.width}x{t.height}" for t in ours}))
+        _enum(props, "size", sorted({f"{t.width}x{t.height}" for t in ours}) + (["auto"] if name == "ImageEditRequest"
+                                                                                   and ours else []))
         if kind == "video":
             _enum(props, "num_frames", sorted({t.frames for t in ours}))
         if "prompt" in props:

@@ -63,6 +63,8 @@ from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
 from xema_ray.serving.api.validation import parse_request, request_body_doc
+from xema_ray.serving.api.edits import ImageEditRequest, edit_body_doc, edit_inputs
+from xema_ray.serving.api.uploads import ImageRefused, Upload
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.templates import RequestTemplate
@@ -162,7 +164,8 @@ class Router:
         width, height = parse_size(size)
         return match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, opts: RequestOptions) -> GenerateResult:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, opts: RequestOptions,
+                        references: tuple[bytes, ...] = ()) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -171,7 +174,8 @@ class Router:
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
                                                        seed=seed, guidance_scale=opts.guidance_scale,
-                                                       negative_prompt=opts.negative_prompt, steps=opts.steps))
+                                                       negative_prompt=opts.negative_prompt, steps=opts.steps,
+                                                       references=references))
 
         async def result() -> GenerateResult:
             return await response
@@ -202,19 +206,35 @@ class Router:
 
     @app.post("/v1/images/generations", response_model=None, openapi_extra=request_body_doc(ImageRequest))
     async def images(self, request: Request) -> ImageResponse | JSONResponse:
+        return await self._images(request, ImageRequest)
+
+    @app.post("/v1/images/edits", response_model=None, openapi_extra=edit_body_doc())
+    async def image_edits(self, request: Request) -> ImageResponse | JSONResponse:
+        """Images conditioned on reference images (``openai.images.edit``: multipart, ``image`` once
+        or ``image[]`` per file); the template is chosen as ``edits.py`` says."""
+        return await self._images(request, ImageEditRequest)
+
+    async def _images(self, request: Request, schema: type[ImageRequest]) -> ImageResponse | JSONResponse:
         entered = time.perf_counter()
         self._count_received()
-        req = await parse_request(request, ImageRequest)
+        uploads: list[Upload] = []
+        req = await parse_request(request, schema, uploads)
         if req.response_format == "url" and self.jobs_cfg is None:
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
                           param="response_format")
+        references: tuple[bytes, ...] = ()
         try:
-            t = self._template(req.model, req.size, 1, "image")
+            if schema is ImageEditRequest:
+                t, references = await edit_inputs(req, uploads, self.served)
+            else:
+                t = self._template(req.model, req.size, 1, "image")
             opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
         except OptionRefused as e:
             return error_response(**option_error(e))
+        except ImageRefused as e:
+            return _error(e.status, str(e), param=e.param, code="invalid_image")
         batch = self.table.entries[t.shape_key].config.batch
         if req.n > batch:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
@@ -233,10 +253,10 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts, references) for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
-            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
+            body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=f"{t.width}x{t.height}",
                                  emulated=True if any(o.emulated for o in outs) else None)
             response = JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
             response.headers.update(_front_timing(entered, called, answered))
@@ -352,7 +372,9 @@ class Router:
             rules = t.spec.option_rules()
             out.append(TemplateInfo(template=key, model=t.model, width=t.width, height=t.height, frames=t.frames,
                                     steps=t.steps, steps_range=(rules.steps_min, rules.steps_max),
-                                    options=rules.describe(), latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
+                                    options=rules.describe(), references=t.references,
+                                    reference_size=f"{t.reference_width}x{t.reference_height}" if t.references else None,
+                                    latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
         return out
 

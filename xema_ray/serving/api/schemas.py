@@ -172,6 +172,8 @@ class TemplateInfo(BaseModel):
     steps_range: tuple[int, int] | None = Field(default=None, description="num_inference_steps a request may ask for "
                                                 "(the same plan and layout serve them; latency and SLO scale)")
     options: str | None = Field(default=None, description="the model's request options and their ranges")
+    references: int = Field(default=0, description="reference images a request brings (edits, image-to-video)")
+    reference_size: str | None = Field(default=None, description="WIDTHxHEIGHT the references are encoded at")
     latent_length: int
     plan: str
     predicted_latency_s: float

@@ -26,6 +26,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from xema_ray.serving.api.errors import BodyError, validation_message
+from xema_ray.serving.api.uploads import Upload
 
 M = TypeVar("M", bound=BaseModel)
 _FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
@@ -55,8 +56,10 @@ def _from_form(value: str, kinds: tuple[type, ...]) -> Any:
     return value
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> dict[str, Any]:
-    """The body as a dict (JSON object or form), or BodyError (415 / 422)."""
+async def read_body(request: Request, model: type[BaseModel], uploads: list[Upload] | None = None) -> dict[str, Any]:
+    """The body as a dict (JSON object or form), or BodyError (415 / 422). A form's files in the
+    fields ``model.file_fields`` names (``image`` or ``image[]`` for ``image``) go to ``uploads``
+    in order, when the caller gives that list."""
     ctype = content_type(request)
     if ctype in _FORMS:
         try:
@@ -64,7 +67,11 @@ async def read_body(request: Request, model: type[BaseModel]) -> dict[str, Any]:
         except Exception as e:  # a malformed form is the client's error, never a 500
             raise BodyError(422, f"the form body could not be parsed ({type(e).__name__}: {e})") from None
         out: dict[str, Any] = {}
+        takes_files: tuple[str, ...] = getattr(model, "file_fields", ())
         for k, v in form.multi_items():
+            if not isinstance(v, str) and uploads is not None and k.removesuffix("[]") in takes_files:
+                uploads.append(Upload(k.removesuffix("[]"), getattr(v, "filename", None) or "", await v.read()))
+                continue
             if not isinstance(v, str):
                 raise BodyError(422, f"{k}: a file was sent where text is expected "
                                      f"(file {getattr(v, 'filename', '')!r}); no field of this endpoint takes a file",
@@ -105,13 +112,19 @@ def parse_body(model: type[M], body: dict[str, Any]) -> M:
         raise BodyError(422, "a field nests arrays or objects too deeply") from None
 
 
-async def parse_request(request: Request, model: type[M]) -> M:
-    """``read_body`` then ``parse_body``: what every generation endpoint calls first."""
-    return parse_body(model, await read_body(request, model))
+async def parse_request(request: Request, model: type[M], uploads: list[Upload] | None = None) -> M:
+    """``read_body`` then ``parse_body``: what every generation endpoint calls first (``uploads``:
+    see ``read_body``)."""
+    return parse_body(model, await read_body(request, model, uploads))
 
 
 def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
     """The ``openapi_extra`` of an endpoint that takes ``model`` as JSON or a form."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    form: dict[str, Any] = ref
+    files: tuple[str, ...] = getattr(model, "file_fields", ())
+    if files:  # in a form, those fields are files
+        form = {"allOf": [ref, {"type": "object", "properties": {f: {"type": "string", "format": "binary"}
+                                                                  for f in files}}]}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref},
-                                                          "multipart/form-data": {"schema": ref}}}}
+                                                          "multipart/form-data": {"schema": form}}}}

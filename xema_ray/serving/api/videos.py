@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -43,7 +43,12 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = Field(default=None, description="models that run classifier-free guidance take it")
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
                                          description="Qwen-Image only (no video model takes it)")
-    input_reference: Any = Field(default=None, description="not supported: image-to-video is not served")
+    input_reference: Any = Field(default=None, description="image-to-video: the first frame, as a file "
+                                 "(multipart/form-data) or a 'data:image/png;base64,...' URL (JSON); PNG, JPEG or "
+                                 "WebP, scaled to cover the served size and centre-cropped (docs/api.md 'Image inputs')")
+
+    #: form fields that carry files (``validation.read_body``)
+    file_fields: ClassVar[tuple[str, ...]] = ("input_reference",)
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -150,13 +155,23 @@ def _describe(ts: list[RequestTemplate]) -> str:
     return ", ".join(f"{t.width}x{t.height} for {served_seconds(t)} s ({t.frames} frames)" for t in ts)
 
 
-def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> RequestTemplate:
-    """The served template for a job request, or UnsupportedTemplate listing what is served."""
-    ours = sorted((t for t in served.values() if t.model == req.model), key=lambda t: (t.width * t.height, t.frames))
-    if not ours:
+def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate], references: int = 0) -> RequestTemplate:
+    """The served template for a job request with ``references`` input images (0 or 1), or
+    UnsupportedTemplate listing what is served."""
+    every = [t for t in served.values() if t.model == req.model]
+    ours = sorted((t for t in every if t.references == references), key=lambda t: (t.width * t.height, t.frames))
+    if not every:
         models = sorted({t.model for t in served.values() if t.spec.kind == "video"})
         raise UnsupportedTemplate(f"model {req.model!r} is not served for video; video models: {', '.join(models)}",
                                   sorted(served), "model")
+    if not ours and every[0].spec.kind == "video":
+        keys = sorted(t.shape_key for t in every)
+        if references:
+            models = sorted({t.model for t in served.values() if t.spec.kind == "video" and t.references})
+            raise UnsupportedTemplate(f"{req.model} is not served with an input_reference (image-to-video); models "
+                                      f"that are: {', '.join(models) or 'none'}", keys, "input_reference")
+        raise UnsupportedTemplate(f"{req.model} is an image-to-video model: send an input_reference", keys,
+                                  "input_reference")
     keys = [t.shape_key for t in ours]
     if ours[0].spec.kind != "video":
         raise UnsupportedTemplate(f"{req.model} is an image model; use /v1/images/generations", keys, "model")

@@ -54,9 +54,18 @@ class GroupRequest(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's reference images (PNG "
+                                          "at its template's reference size, checked by the API)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt")
     steps: int | None = Field(default=None, description="denoising steps; None: the template's (the Router checked "
                                                         "the model's range: ``xema_ray.models.options``)")
+
+    def check_references(self, wants: int) -> None:
+        """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's
+        ``wants`` reference images: a batch's rows each need that count."""
+        if len(self.references) != wants:
+            raise InvalidRequest(f"template {self.template} takes {wants} reference image(s), the request has "
+                                 f"{len(self.references)}", "image")
 
     def validated(self) -> GenerationRequest:
         """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
@@ -69,7 +78,7 @@ class GroupRequest(BaseModel):
                                  "num_inference_steps")
         try:
             return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed,
-                                     negative_prompt=self.negative_prompt)
+                                     negative_prompt=self.negative_prompt, references=self.references)
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err.get("loc") else None

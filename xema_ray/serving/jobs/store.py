@@ -84,6 +84,8 @@ class JobRecord(BaseModel):
     guidance_scale: float | None = None
     negative_prompt: str | None = Field(default=None, description="None: the model's default")
     steps: int | None = Field(default=None, description="denoising steps; None: the template's")
+    references: int = Field(default=0, ge=0, description="input images, stored as files (``reference_name``) "
+                            "beside the record")
     size: str = Field(description="served WIDTHxHEIGHT")
     seconds: str = Field(description="served duration")
     frames: int
@@ -114,6 +116,11 @@ class TenantBusy(RuntimeError):
     def __init__(self, tenant: str | None, active: int) -> None:
         super().__init__(tenant, active)
         self.tenant, self.active = tenant, active
+
+
+def reference_name(job_id: str, index: int) -> str:
+    """The stored file of a job's ``index``-th input image (a ``<job_id>.*`` file: it goes with the job)."""
+    return f"{job_id}.reference.{index}.png"
 
 
 def new_job_id(epoch: str | None = None) -> str:

@@ -32,6 +32,7 @@ from xema_ray.serving.jobs.store import (
     epoch_of,
     new_job_id,
     open_store,
+    reference_name,
     store_call,
 )
 from xema_ray.serving.api.media import first_frame_png
@@ -40,6 +41,8 @@ from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueF
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import option_error, resolve_options, scaled_to_steps
 from xema_ray.serving.api.validation import parse_request
+from xema_ray.serving.api.edits import data_url_upload, reference_images
+from xema_ray.serving.api.uploads import ImageRefused, Upload
 from xema_ray.serving.api.videos import (
     VideoCreate,
     VideoDeleted,
@@ -126,19 +129,24 @@ class VideoJobs:
 
     # ------------------------------------------------------------------ endpoints
     async def create(self, request: Request, tenant: str | None = None) -> Response:
-        req = await parse_request(request, VideoCreate)
-        if req.input_reference is not None:
-            raise ApiError(400, "input_reference (image-to-video) is not served; send a text prompt only",
-                           param="input_reference")
+        uploads: list[Upload] = []
+        req = await parse_request(request, VideoCreate, uploads)
         try:
-            t = map_video_request(req, self.served)
+            if req.input_reference is not None:  # JSON: a data URL
+                uploads.append(data_url_upload("input_reference", req.input_reference))
+            if len(uploads) > 1:
+                raise ImageRefused(f"input_reference: one image is taken, got {len(uploads)}", "input_reference", 400)
+            t = map_video_request(req, self.served, len(uploads))
             opts = resolve_options(t, self.served, req)
+            references = await asyncio.to_thread(reference_images, uploads, t) if uploads else ()
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
                            supported_templates=e.supported) from None
         except OptionRefused as e:
             err = option_error(e)
             raise ApiError(err["status"], err["message"], param=err["param"], code=err["code"]) from None
+        except ImageRefused as e:
+            raise ApiError(e.status, str(e), param=e.param, code="invalid_image") from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         predicted = scaled_to_steps(await self._predicted_s(t), t, opts.steps)
         store = self.store()
@@ -146,10 +154,15 @@ class VideoJobs:
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
                         guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
                         size=f"{t.width}x{t.height}", seconds=served_seconds(t),
-                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant)
+                        frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
+                        references=len(references))
+        for i, png in enumerate(references):  # before the record: whoever dispatches it finds them
+            await self._call(store.put_file, reference_name(rec.id, i), png, "image/png", time.time() + self.cfg.ttl_s)
         try:
             rec = await self._call(store.create, rec, self.max_jobs_in_flight if tenant is not None else None)
         except TenantBusy as e:
+            if references:
+                await self._call(store.delete_files_of, rec.id)  # a refused create leaves nothing behind
             raise ApiError(429, f"this API key's tenant has {e.active} video jobs queued or running "
                                 f"(auth.max_jobs_in_flight {self.max_jobs_in_flight}); wait for one to finish",
                            type="rate_limit_error", code="too_many_jobs", retry_after_s=max(1.0, rec.predicted_s)) from None
@@ -239,9 +252,16 @@ class VideoJobs:
         return value
 
     async def _dispatch(self, rec: JobRecord) -> bool:
+        references = []
+        for i in range(rec.references):
+            got = await self._call(self.store().get_file, reference_name(rec.id, i))
+            if got is None:
+                raise RuntimeError(f"{rec.id}: its reference image {i} is missing from the job store")
+            references.append(got[0])
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps)))
+            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps,
+            references=tuple(references))))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""

@@ -1,0 +1,80 @@
+"""CogVideoX-5B-I2V: CogVideoX-5B's image-to-video checkpoint (its own transformer, the same VAE and T5).
+
+What differs from the text-to-video model (``THUDM/CogVideoX-5b-I2V``'s transformer config):
+
+- the input image is encoded by the VAE (one latent frame, zero-padded over the clip) and
+  concatenated with the noise on channels: ``in_channels`` 32 = 16 + 16, the output stays 16;
+- learned positional embeddings, sized for its published shape (``sample_width`` 90 x
+  ``sample_height`` 60 latents = 720x480, ``sample_frames`` 49): diffusers refuses any other
+  resolution (``CogVideoXPatchEmbed``: "not possible to generate videos at a different
+  resolution"), so this model serves 720x480 at up to 49 frames only, and says so for anything else.
+
+Every template takes one reference (the first frame), encoded at the output size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xema_ray.models.base import BuildOptions
+from xema_ray.models.cogvideox import SCHEDULER_CONFIG, CogVideoXSpec, unsplit_safe_convs
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from xema_ray.templates import RequestTemplate
+
+
+class CogVideoXI2VSpec(CogVideoXSpec):
+    """CogVideoX with the image-to-video transformer and pipeline."""
+
+    max_references = 1
+    #: the pipeline conditions every request on its first frame: a template without one is not servable
+    required_references = 1
+    #: untried: the SP split has not been checked with learned positional embeddings
+    sequence_parallel = False
+
+    @property
+    def published_layout(self) -> str:
+        return "cogvideox-i2v"  # its own repository: model_index.json names the image-to-video pipeline
+
+    @property
+    def reference_sizes(self) -> tuple[tuple[int, int, int], ...]:  # type: ignore[override]
+        w, h = self.published_size
+        return ((w, h, int(self.transformer_config["sample_frames"])),)
+
+    @property
+    def published_size(self) -> tuple[int, int]:
+        """(width, height) its learned positional embeddings are sized for."""
+        cfg = self.transformer_config
+        return cfg["sample_width"] * self.vae_scale_factor, cfg["sample_height"] * self.vae_scale_factor
+
+    def validate_shape(self, height: int, width: int, frames: int) -> None:
+        super().validate_shape(height, width, frames)
+        w, h = self.published_size
+        if (width, height) != (w, h):
+            raise ValueError(f"{self.name} generates {w}x{h} only (its learned positional embeddings are sized for it), "
+                             f"got {width}x{height}")
+        most = int(self.transformer_config["sample_frames"])
+        if frames > most:
+            raise ValueError(f"{self.name} generates at most {most} frames (its positional embeddings), got {frames}")
+
+    def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
+        f = self.vae_scale_factor  # the noise latent: the image latents join it on channels inside the pipeline
+        return (t.batch, self.latent_frames(t), self.transformer_config["out_channels"], t.height // f, t.width // f)
+
+    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
+        from diffusers import CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline
+
+        text_encoder, tokenizer = self.build_text_encoder(opts)
+        vae = self.build_vae(opts)
+        unsplit_safe_convs(vae)
+        pipe = CogVideoXImageToVideoPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=vae,
+            transformer=self.build_transformer(opts),
+            scheduler=self.scheduler(CogVideoXDDIMScheduler, SCHEDULER_CONFIG, opts),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
