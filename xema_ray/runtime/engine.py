@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from xema_ray.lora import AdapterPool, LoraUse
 from xema_ray.models import ModelSpec
 from xema_ray.models.base import TextEncoderPlacement
 from xema_ray.parallel.groups import ProcessGroups
@@ -64,6 +65,8 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
+    lora: tuple[LoraUse, ...] = Field(default=(), description="adapters stacked on this sample, each with its scale "
+                                                              "(xema_ray.lora); batch size, seed and these fix the output")
 
 
 class Batch(BaseModel):
@@ -138,6 +141,9 @@ class BatchResult(BaseModel):
     layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")
     pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
+    adapter_wait_s: float = Field(default=0.0, ge=0, description="seconds the batch waited for adapters to be copied "
+                                                                 "into the device pool (part of its latency)")
+    adapters_copied: int = Field(default=0, ge=0, description="adapters copied into the pool for this batch")
 
 
 @contextlib.contextmanager
@@ -294,6 +300,8 @@ class ExecutionEngine:
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
         # per thread: a paused batch's thread and the batch that preempted it each keep their own
         self._local = threading.local()
+        #: LoRA adapters served per sample (``xema_ray.lora``; the worker sets it when the group serves adapters)
+        self.adapters: AdapterPool | None = None
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
@@ -321,15 +329,24 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
+        adapters: list[tuple[LoraUse, ...]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
-        layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
+        layout armed). ``adapters``: each sample's LoRA adapters (``xema_ray.lora``; None or empty
+        tuples: none). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
         thread of its own, which the pause parks)."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        per_sample = list(adapters) if adapters is not None and any(adapters) else None
+        if per_sample is not None:
+            if len(per_sample) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but adapters for {len(per_sample)} samples")
+            if self.adapters is None:
+                raise ValueError(f"{self.spec.name} serves no LoRA adapters here (no adapter pool was loaded)")
+        self._local.adapter_wait = (0.0, 0)
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
         armed = config.layout_ref is not None and self.arm_layout is not None
@@ -337,14 +354,14 @@ class ExecutionEngine:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
-            env = [self._batch_env(config, group, arm=armed)]
+            env = [self._batch_env(config, group, arm=armed, adapters=per_sample)]
             stack.callback(lambda: env[0].close())
 
             def detach() -> None:  # a pause takes the batch's hooks off the shared pipeline ...
                 env[0].close()
 
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
-                env[0] = self._batch_env(config, group, arm=False)  # its allocation order restarted)
+                env[0] = self._batch_env(config, group, arm=False, adapters=per_sample)  # its allocation order restarted)
             if self.shape_only:
                 from xema_ray.analyzer.assembly import shape_only_execution
 
@@ -373,9 +390,11 @@ class ExecutionEngine:
         }
         return out, phases, group.rank if group is not None else 0, armed
 
-    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool) -> contextlib.ExitStack:
-        """The batch's mitigations, static layout and SP, entered on the pipeline (closing the
-        stack takes them off)."""
+    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool,
+                   adapters: list[tuple[LoraUse, ...]] | None = None) -> contextlib.ExitStack:
+        """The batch's mitigations, static layout, SP and adapters, entered on the pipeline
+        (closing the stack takes them off; a resume enters them again, copying back any adapter
+        the preempting batch moved out of the pool)."""
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
@@ -384,6 +403,11 @@ class ExecutionEngine:
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
                 env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
+            if adapters is not None and self.adapters is not None:
+                act = env.enter_context(self.adapters.activate(adapters))
+                if act is not None:
+                    waited, copied = self._local.adapter_wait
+                    self._local.adapter_wait = (waited + act.wait_s, copied + act.copied)
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
@@ -403,8 +427,9 @@ class ExecutionEngine:
         seeds = [r.seed for r in batch.requests]
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control,
+            control=control, adapters=[r.lora for r in batch.requests],
         )
+        adapter_wait_s, adapters_copied = self._local.adapter_wait
         if observer is not None and output_rank:
             observer.on_decoded()
         t_enc = time.perf_counter()
@@ -422,6 +447,8 @@ class ExecutionEngine:
             memory=self.platform.memory_stats(),
             mitigations=len(config.mitigations),
             layout_armed=armed,
+            adapter_wait_s=adapter_wait_s,
+            adapters_copied=adapters_copied,
         )
 
     # ------------------------------------------------------------------ outputs
