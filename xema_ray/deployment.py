@@ -32,6 +32,21 @@ class TemplateSpec(BaseModel):
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
+class LoraPoolConfig(BaseModel):
+    """A model group's LoRA adapters (``adapters:`` of its YAML): the folder loaded at start-up and
+    the device pool's size, which the planner counts in the group's memory (``xema_ray.lora``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dir: Path | None = Field(default=None, description="folder of .safetensors adapters loaded at start-up (each "
+                                                      "named by its file's stem); more arrive through POST /v1/adapters")
+    slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
+    max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
+    max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
+    max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
+                                                               "carry (skipped); one more refuses the file")
+
+
 class GroupShape(BaseModel):
     """One model group as planning sees it: the model, its GPUs, its templates and its dtypes
     (they decide the weights' and activations' bytes the plans are traced with)."""
@@ -48,6 +63,9 @@ class GroupShape(BaseModel):
         default_factory=dict,
         description="components kept in a dtype of their own, e.g. {vae: float32} (CogVideoX-5b's repository stores "
                     "its VAE in fp32): their bytes are what the plans are traced with. Not the transformer")
+    adapters: LoraPoolConfig | None = Field(
+        default=None, description="serve LoRA adapters per request: the folder loaded at start-up and the device "
+                                  "pool (slots x max_rank) the plans count; None: no adapters")
 
     @model_validator(mode="after")
     def _known_model(self) -> GroupShape:

@@ -3,10 +3,11 @@
 Each target linear layer computes ``y = base(x)`` with its weights untouched and then adds each
 sample's own delta in place, batched over the samples (never a loop over requests)::
 
-    A_g = A[slots]            # [N, k*R, in]   gathered per row: the row's sample's k adapters
-    B_g = B[slots]            # [N, out, k*R]
-    h   = (x @ A_g^T) * s     # [N, L, k*R]    s: each adapter's request scale, repeated R times
-    y  += h @ B_g^T           # baddbmm_ into the base output
+    for j in range(k):        # k: the most adapters a sample of the batch stacks
+        A_j = A[slots[:, j]]  # [N, R, in]    gathered per row: the row's sample's j-th adapter
+        B_j = B[slots[:, j]]  # [N, out, R]
+        h   = (x @ A_j^T) * s_j   # [N, L, R]  s_j: that adapter's request scale per row
+        y  += h @ B_j^T       # baddbmm_ into the base output
 
 ``R`` is the pool's padded rank, ``k`` the most adapters a sample of the batch stacks (a sample
 with fewer is padded with scale 0; one with none adds exactly zero). Rows map to samples as
@@ -64,14 +65,16 @@ def lora_delta_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Te
     if n != samples:  # classifier-free guidance: [uncond; cond], each the whole batch in order
         rows = torch.arange(n, device=slots.device) % samples
         slots, scales = slots[rows], scales[rows]
-    k, r = slots.shape[1], a.shape[1]
-    a_g = a[slots].reshape(n, k * r, a.shape[2])  # [N, kR, in]
-    b_g = b[slots].permute(0, 2, 1, 3).reshape(n, b.shape[1], k * r)  # [N, out, kR]
     x3 = x.reshape(n, -1, x.shape[-1])
-    h = torch.bmm(x3, a_g.transpose(1, 2))
-    h.mul_(scales.repeat_interleave(r, dim=1).unsqueeze(1))
     out3 = out.view(n, -1, out.shape[-1])
-    out3.baddbmm_(h, b_g.transpose(1, 2))
+    # one stacked adapter at a time (k is the stacking depth, a handful; never the requests): each
+    # adds (x A_j^T s_j) B_j^T to the output in the same order whatever else the batch holds, and
+    # a padded entry (scale 0) adds exact zeros, so a sample's bytes do not depend on its batch
+    for j in range(slots.shape[1]):
+        idx = slots[:, j]
+        h = torch.bmm(x3, a[idx].transpose(1, 2))  # [N, L, R]
+        h.mul_(scales[:, j].view(n, 1, 1))
+        out3.baddbmm_(h, b[idx].transpose(1, 2))  # += h B_j^T, into the base output
     return out
 
 

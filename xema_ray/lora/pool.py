@@ -24,19 +24,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from xema_ray.deployment import LoraPoolConfig
 from xema_ray.lora.adapter import ADAPTED_COMPONENTS, AdapterRejected, LoraAdapter, LoraUse
-
-
-class LoraPoolConfig(BaseModel):
-    """An adapter pool's size, as the plan states it per model group."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
-    max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
-    max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
-    max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
-                                                               "carry (skipped); one more refuses the file")
 
 
 class AdapterInfo(BaseModel):

@@ -33,6 +33,8 @@ from xema_ray.serving.api.middleware import ASGIApp, Receive, Scope, Send, _erro
 
 #: where the guard leaves the tenant in the ASGI scope
 SCOPE_KEY = "xema.tenant"
+#: where it leaves whether the key is an admin key (the adapter admin API)
+SCOPE_ADMIN = "xema.admin"
 _OPEN_PATHS = ("/healthz", "/openapi.json", "/docs", "/redoc", "/v1/images/files/")
 
 
@@ -44,6 +46,7 @@ class ApiKey(BaseModel):
     key: str = Field(min_length=16, max_length=256, description="the bearer token; at least 16 characters")
     tenant: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                description="tenant name; None: derived from the key (its SHA-256, 16 hex digits)")
+    admin: bool = Field(default=False, description="may manage LoRA adapters (POST and DELETE /v1/adapters)")
 
     @property
     def tenant_id(self) -> str:
@@ -93,7 +96,9 @@ class Tenants:
 
     def __init__(self, cfg: AuthConfig) -> None:
         self.cfg = cfg
-        self._by_digest = {hashlib.sha256(k.key.encode()).digest(): k.tenant_id for k in cfg.keys()}
+        keys = cfg.keys()
+        self._by_digest = {hashlib.sha256(k.key.encode()).digest(): k.tenant_id for k in keys}
+        self._admins = {hashlib.sha256(k.key.encode()).digest() for k in keys if k.admin}
         self.enabled = bool(self._by_digest) or cfg.enabled
 
     def tenant(self, authorization: str | None) -> str | None:
@@ -117,6 +122,24 @@ def set_auth(cfg: AuthConfig | None) -> None:
     """Install the deployment's keys in this process (the Router does, at start-up)."""
     global _tenants
     _tenants = Tenants(cfg) if cfg is not None and cfg.enabled else None
+
+
+def is_admin_key(authorization: str | None) -> bool:
+    """Whether the ``Authorization`` header value carries an admin key (True when the API is open)."""
+    tenants = _tenants
+    if tenants is None:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return False
+    digest = hashlib.sha256(token.strip().encode()).digest()
+    return any(hmac.compare_digest(known, digest) for known in tenants._admins)
+
+
+def admin_of(request: Request) -> bool:
+    """Whether the request may use the admin API: any request while the API is open, else one with
+    an admin key (``auth.api_keys[].admin``)."""
+    return _tenants is None or bool(request.scope.get(SCOPE_ADMIN))
 
 
 def auth_enabled() -> bool:
@@ -161,4 +184,5 @@ class TenantGuard:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         scope[SCOPE_KEY] = tenant
+        scope[SCOPE_ADMIN] = is_admin_key(header.decode("latin-1") if header is not None else None)
         await self.app(scope, receive, send)

@@ -23,7 +23,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from xema_ray.lora import LoraUse
 from xema_ray.plan import PlanTable
+from xema_ray.serving.api.adapters import AdapterEndpoints, adapters_api
 from xema_ray.serving.api.schemas import (
     ImageData,
     ImageRequest,
@@ -64,6 +66,7 @@ app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
 app.add_middleware(TenantGuard)  # added last, so it runs first: no key, no body read
+app.include_router(adapters_api)  # POST / GET / DELETE /v1/adapters (AdapterEndpoints, mixed into the Router)
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -142,7 +145,7 @@ STATS_TIMEOUT_S = 5.0
 
 
 @serve.ingress(app)
-class Router:
+class Router(AdapterEndpoints):
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
@@ -203,7 +206,8 @@ class Router:
                 sorted(self.served), "num_inference_steps")
         return t
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None) -> GenerateResult:
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None,
+                        lora: list[LoraUse] | None = None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -211,7 +215,7 @@ class Router:
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
-                                                       seed=seed, guidance_scale=guidance))
+                                                       seed=seed, guidance_scale=guidance, lora=tuple(lora or ())))
 
         async def result() -> GenerateResult:
             return await response
@@ -267,7 +271,7 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale, req.lora) for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
@@ -360,7 +364,7 @@ class Router:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
 
         async def run() -> Response:
-            out = await self._generate(t, req.prompt, req.seed, req.guidance_scale)
+            out = await self._generate(t, req.prompt, req.seed, req.guidance_scale, req.lora)
             return Response(content=out.data, media_type="video/mp4",
                             headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 

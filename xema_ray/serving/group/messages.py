@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xema_ray.lora import LoraUse
 from xema_ray.runtime.engine import GenerationRequest, RequestOutput
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
 
@@ -53,6 +54,7 @@ class GroupRequest(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
 
     def validated(self) -> GenerationRequest:
         """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
@@ -61,7 +63,7 @@ class GroupRequest(BaseModel):
         if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
             raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
         try:
-            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed)
+            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed, lora=self.lora)
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err.get("loc") else None

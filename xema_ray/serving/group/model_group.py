@@ -45,6 +45,7 @@ from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
+from xema_ray.serving.group.adapters import GroupAdapters, folder_sources, split_for_pool
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
@@ -105,7 +106,7 @@ def _ticket(r: Pending[_Ticket]) -> _Ticket:
     return r.payload
 
 
-class ModelGroup(PublishesSummary):
+class ModelGroup(GroupAdapters, PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -152,6 +153,7 @@ class ModelGroup(PublishesSummary):
         self.reload = PlanReload()
         self.workers = worker_set(self._worker_spec(self.entries, s))
         self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
+        self._init_adapters()
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
 
@@ -165,7 +167,8 @@ class ModelGroup(PublishesSummary):
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
-                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
+                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
+                               adapters=c.adapters, adapter_sources=folder_sources(self.model, c.adapters))
         return WorkerSetSpec(
             device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
@@ -248,6 +251,7 @@ class ModelGroup(PublishesSummary):
     def _admit(self, req: GroupRequest) -> GenerationRequest:
         """``req`` checked (``InvalidRequest``, HTTP 422, if it cannot run here) and counted as an arrival."""
         request = req.validated()
+        self.check_lora(request.lora)
         if req.template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {req.template!r}", "size")
         self.note_arrival(req.template)
@@ -356,7 +360,11 @@ class ModelGroup(PublishesSummary):
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         arrived = {r.request_id: r.arrival for r in a.requests}
-        for guidance, reqs in by_guidance.items():
+        slots = self.config.adapters.slots if self.config.adapters is not None else 1
+        # requests with different adapters share a batch; one needing more adapters than the pool's slots is cut
+        sub_batches = [(g, run) for g, reqs in by_guidance.items()
+                       for run in split_for_pool(reqs, lambda r: _ticket(r).request.lora, slots)]
+        for guidance, reqs in sub_batches:
             jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
             if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
                 started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
