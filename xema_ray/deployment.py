@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
+from xema_ray.plan import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 
@@ -30,21 +31,6 @@ class TemplateSpec(BaseModel):
 
 #: the dtypes a group may compute in or keep a component in (``xema_ray.models.base.DTYPES``)
 DTypeName = Literal["float32", "bfloat16", "float16"]
-
-
-class LoraPoolConfig(BaseModel):
-    """A model group's LoRA adapters (``adapters:`` of its YAML): the folder loaded at start-up and
-    the device pool's size, which the planner counts in the group's memory (``xema_ray.lora``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    dir: Path | None = Field(default=None, description="folder of .safetensors adapters loaded at start-up (each "
-                                                      "named by its file's stem); more arrive through POST /v1/adapters")
-    slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
-    max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
-    max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
-    max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
-                                                               "carry (skipped); one more refuses the file")
 
 
 class GroupShape(BaseModel):

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -379,6 +380,22 @@ _LEGACY_PARSERS: dict[str, Any] = {
 }
 
 
+class LoraPoolConfig(BaseModel):
+    """A model group's LoRA adapters (``adapters:`` of its YAML): the folder loaded at start-up and
+    the device pool's size, which the planner counts in the group's memory (``xema_ray.lora``; the plan
+    table states it per group: ``PlanTable.adapter_pools``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dir: Path | None = Field(default=None, description="folder of .safetensors adapters loaded at start-up (each "
+                                                      "named by its file's stem); more arrive through POST /v1/adapters")
+    slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
+    max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
+    max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
+    max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
+                                                               "carry (skipped); one more refuses the file")
+
+
 class PlanTable(BaseModel):
     """Plans for every supported template on one hardware configuration (JSON on disk).
 
@@ -407,6 +424,9 @@ class PlanTable(BaseModel):
     planned_load: dict[str, PlannedLoad] = Field(
         default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
                                           "isolated goodput, no load)")
+    adapter_pools: dict[str, LoraPoolConfig] = Field(
+        default_factory=dict, description="model -> its group's LoRA adapter pool, counted in its plans' memory "
+                                          "(absent: the group serves no adapters)")
     host: NodeHost | None = Field(
         default=None, description="the node's host memory for the groups' weights (one replica of each group on one "
                                   "node) against --host-budget or the deployment's stated host_memory; None: not "

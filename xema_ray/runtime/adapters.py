@@ -17,7 +17,7 @@ from xema_ray.lora.layers import MultiLoraConfig, apply_multi_lora
 from xema_ray.lora.pool import adapted_components
 
 if TYPE_CHECKING:
-    from xema_ray.deployment import LoraPoolConfig
+    from xema_ray.plan import LoraPoolConfig
     from xema_ray.runtime.engine import ExecutionEngine
 
 

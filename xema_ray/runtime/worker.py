@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.deployment import LoraPoolConfig
+from xema_ray.plan import LoraPoolConfig
 from xema_ray.lora import AdapterSource
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.base import DTypeName, model_dtypes
