@@ -50,6 +50,22 @@ class AdapterEndpoints:
 
     groups: dict[str, Any]
 
+    async def adapter_pool_stats(self, timeout_s: float) -> dict[str, list[PoolStats]]:
+        """Per model serving adapters, each worker's pool (``/v1/stats``; a group that does not
+        answer within ``timeout_s`` is left out)."""
+        async def ask(model: str) -> list[PoolStats]:
+            try:
+                return list(await asyncio.wait_for(self._pool_stats(model), timeout=timeout_s))
+            except Exception:  # noqa: BLE001 — stats never fail the answer
+                return []
+
+        models = sorted(self.groups)
+        answers = await asyncio.gather(*(ask(m) for m in models))
+        return {m: a for m, a in zip(models, answers, strict=True) if a}
+
+    async def _pool_stats(self, model: str) -> list[PoolStats]:
+        return await self.groups[model].adapter_stats.remote()
+
     def _forbidden(self, request: Request) -> JSONResponse | None:
         if admin_of(request):
             return None

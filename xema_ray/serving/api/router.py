@@ -411,8 +411,9 @@ class Router(AdapterEndpoints):
                 received = counts.get("received", 0)
             except Exception:
                 pass
-        layouts, preemption = await asyncio.gather(self._layout_stats(), self._preemption_stats())
-        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption)
+        layouts, preemption, adapters = await asyncio.gather(self._layout_stats(), self._preemption_stats(),
+                                                             self.adapter_pool_stats(STATS_TIMEOUT_S))
+        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption, adapters=adapters)
 
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
         async def ask(model: str) -> GroupLayoutStats:
