@@ -354,19 +354,30 @@ def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
                             name="block-sizes", daemon=True)
 
 
-def _plan_expert_switches(templates: list[RequestTemplate], opts: PlanOptions, hw: HardwareProfile,
-                          out: str | None) -> None:
+def _plan_expert_switches(table: PlanTable, templates: list[RequestTemplate], opts: PlanOptions, hw: HardwareProfile,
+                          out: str | None) -> PlanTable:
     """Two-expert models (Wan2.2-A14B): what each template's plan does at the expert switch,
-    printed and written beside the table (``planner.expert_switch``)."""
-    from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans
+    printed, written beside the table (``planner.expert_switch``) and made the template's entry
+    (``ExecutionConfig.experts``: the worker executes it)."""
+    from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans, with_switch_entries
 
-    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus)
+    slos = {k: e.prediction.slo_s for k, e in table.entries.items()}
+    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus, slo_of=slos)
     for p in plans:
         print(describe(p))
     if plans and out:
         path = Path(out).with_suffix(".experts.json")
         ExpertSwitchFile(plans=plans).save(path)
         print(f"wrote {path}")
+    if not plans:
+        return table
+    switched = with_switch_entries(table, plans, templates)
+    for p in plans:
+        key = next(t.shape_key for t in templates if t.key == p.template)
+        e = switched.entries[key]
+        print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
+              f"latency {e.prediction.latency_s:.1f} s (the search on both experts held: {e.runner_up})")
+    return switched
 
 
 def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
@@ -423,7 +434,7 @@ def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, G
         budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
         print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
               f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
-    _plan_expert_switches(templates, opts, latency_model.hardware, out)
+    table = _plan_expert_switches(table, templates, opts, latency_model.hardware, out)
     total = time.perf_counter() - t0
     table.provenance.total_s = round(total, 1)
     print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "

@@ -6,12 +6,14 @@ module prices the ways to hold the experts and keeps the one with the lowest pre
 (the highest goodput of one group), the way ``planner.residency_choice`` prices residencies:
 
 - ``hold_both``: both experts stay on the device; nothing moves (only when they fit).
-- ``swap_prefetched``: one expert on the device at a time, the other on pinned host memory. During
+- ``swap_prefetched``: one expert on the device at a time, both on pinned host memory. During
   the last high-noise steps the side stream copies as many of the low-noise expert's blocks as the
   free memory holds (the prefetch); at the switch the high-noise expert is released (its pinned
   host copy stays, so nothing is copied back) and the rest of the low-noise expert is streamed in
-  block by block, ahead of the first low-noise forward. The high-noise expert returns the same way
-  during the last low-noise steps and the VAE decode, ready for the next request.
+  block by block, ahead of the first low-noise forward. When the decode starts the low-noise
+  expert is released and as many high-noise blocks as the decode leaves room for return under it,
+  the rest under the next request's first forward. This is what the worker executes
+  (``xema_ray.mitigation.expert_swap``), so ``xema verify`` counts it.
 - ``split_blocks``: K blocks of each expert live on the host and stream through the device in
   every forward (block offload); the smallest K that fits, so no switch event at all.
 
@@ -37,9 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
 from xema_ray.memory.analysis import ExpertUse, expert_uses
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.profiling.costmodel import cost_model_estimate
 from xema_ray.profiling.hardware import HardwareProfile
+from xema_ray.runtime.residency import block_sizes
 from xema_ray.templates import RequestTemplate
 
 Strategy = Literal["hold_both", "swap_prefetched", "split_blocks", "offload_whole_expert"]
@@ -60,6 +63,10 @@ class StrategyCost(BaseModel):
     prefetch_bytes: int = Field(default=0, ge=0, description="low-noise expert bytes copied before the switch")
     prefetch_steps: int = Field(default=0, ge=0, description="last high-noise steps the prefetch runs under")
     host_blocks_per_expert: int = Field(default=0, ge=0, description="split_blocks: blocks of each expert on the host")
+    prefetch_blocks: int = Field(default=0, ge=0, description="swap: low-noise blocks copied before the switch")
+    decode_blocks: int = Field(default=0, ge=0, description="swap: high-noise blocks that return under the VAE decode")
+    live_peak_bytes: int | None = Field(default=None, ge=0, description="swap: the most bytes live at once before "
+                                                                        "the layout's margins (what xema verify counts)")
     note: str = ""
 
 
@@ -71,6 +78,8 @@ class ExpertSwitchPlan(BaseModel):
     template: str
     gpus: int = Field(ge=1, description="the SP group (Ulysses) one request runs on")
     replicas: int = Field(default=1, ge=1, description="data-parallel replicas, each planned alike")
+    alternatives: list[str] = Field(default_factory=list, description="every split of the group priced (SP x "
+                                                                      "replicas), best goodput first")
     budget_bytes: int = Field(ge=0)
     hardware: str
     experts: list[ExpertUse]
@@ -154,29 +163,39 @@ def plan_expert_switch(template: RequestTemplate, trace: MemoryTrace, budget: in
     out.append(StrategyCost(strategy="hold_both", fits=both <= budget, peak_bytes=both, switch_peak_bytes=both,
                             latency_s=est.total_s, stall_s=0.0, h2d_bytes=0))
 
-    # swap with prefetch: one expert resident, the other's blocks prefetched into the free memory
-    stage_hi = _reserved(others + hi.weight_bytes, act_hi)
-    stage_lo = _reserved(others + lo.weight_bytes, act_lo)
-    free_hi = max(0, budget - stage_hi)
-    pre_blocks = min(n_blocks, int(free_hi // block_bytes[1]))
-    pre_bytes = int(pre_blocks * block_bytes[1])
+    # swap with prefetch: one expert on the device at a time, as xema_ray.mitigation.expert_swap runs it
+    # (both experts' DiT blocks homed on pinned host memory; their other layers stay on the device)
+    expert_blocks = sum(block_sizes(spec))
+    blk = expert_blocks / n_blocks
+    kept = weights - 2 * expert_blocks  # encoder, VAE, both experts' embeddings and heads
+    act_text = _stage_activation_peak(trace, 0, hi.first_event, curve)
+    stage_hi = _reserved(kept + expert_blocks, max(act_hi, act_text))
+    stage_lo = _reserved(kept + expert_blocks, act_lo)
+    pre_blocks = min(n_blocks, int(max(0, budget - stage_hi) // blk))
+    pre_bytes = int(pre_blocks * blk)
     pre_steps = min(high_steps, max(1, math.ceil(pre_bytes / bw / step_s))) if pre_bytes else 0
-    stall_switch = _streamed_stall(pre_blocks, n_blocks, block_bytes[1] / bw, block_compute_s)
-    free_lo = max(0, budget - stage_lo)
-    back_blocks = min(n_blocks, int(free_lo // block_bytes[0]))
-    rest_back = hi.weight_bytes - back_blocks * block_bytes[0]
-    stall_back = max(0.0, rest_back / bw - decode_s)  # the rest returns under the VAE decode
-    decode_room = _reserved(others + back_blocks * block_bytes[0], act_decode)
-    swap_peak = max(_reserved(others + hi.weight_bytes + pre_bytes, act_hi), stage_lo,
-                    _reserved(others + lo.weight_bytes + back_blocks * block_bytes[0], act_lo), decode_room)
+    stall_switch = _streamed_stall(pre_blocks, n_blocks, blk / bw, block_compute_s)
+    # the low-noise expert leaves when the decode starts; as many high-noise blocks as the decode
+    # leaves room for return under it, the rest after the request (the next one's first forward
+    # waits for each just before it runs it)
+    dec_blocks = min(n_blocks, int(max(0, budget - _reserved(kept, act_decode)) // blk))
+    stall_back = (max(0.0, dec_blocks * blk / bw - decode_s)
+                  + _streamed_stall(dec_blocks, n_blocks, blk / bw, block_compute_s))
+    live = {"prefetch": kept + expert_blocks + pre_bytes + max(act_hi, act_text), "switch": kept + expert_blocks + act_lo,
+            "decode": kept + dec_blocks * blk + act_decode}
+    swap_peak = max(_reserved(kept + expert_blocks + pre_bytes, max(act_hi, act_text)), stage_lo,
+                    _reserved(kept + dec_blocks * blk, act_decode))
     out.append(StrategyCost(
-        strategy="swap_prefetched", fits=swap_peak <= budget and stage_hi <= budget, peak_bytes=swap_peak,
-        switch_peak_bytes=_reserved(others + hi.weight_bytes + pre_bytes, act_hi),
+        strategy="swap_prefetched", fits=swap_peak <= budget, peak_bytes=swap_peak,
+        live_peak_bytes=int(max(live.values())),
+        switch_peak_bytes=_reserved(kept + expert_blocks + pre_bytes, act_hi),
         latency_s=est.total_s + stall_switch + stall_back, stall_s=stall_switch + stall_back,
-        h2d_bytes=hi.weight_bytes + lo.weight_bytes, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
+        h2d_bytes=2 * expert_blocks, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
+        prefetch_blocks=pre_blocks, decode_blocks=dec_blocks,
         note=f"{pre_blocks} of {n_blocks} low-noise blocks prefetched during the last {pre_steps} high-noise step(s); "
              f"the other {n_blocks - pre_blocks} stream in under the first low-noise forward; "
-             f"{back_blocks} high-noise blocks return during the last low-noise steps, the rest under the decode"))
+             f"{dec_blocks} high-noise blocks return under the VAE decode, the rest under the next request's "
+             f"first forward"))
 
     # split: K blocks of each expert on the host, streamed every forward
     def split_peak_of(k: int) -> int:  # two blocks in flight while K of each expert stream
@@ -226,9 +245,54 @@ def describe(plan: ExpertSwitchPlan) -> str:
         lines.append(f"  {mark} {s.strategy:<21} {'fits' if s.fits else 'over':<5} peak {s.peak_bytes / 1e9:6.1f} GB  "
                      f"latency {s.latency_s:9.1f} s  stalls {s.stall_s:6.2f} s  h2d {s.h2d_bytes / 1e9:7.1f} GB"
                      + (f"  ({s.note})" if s.note and s.strategy == plan.chosen else ""))
+    if len(plan.alternatives) > 1:
+        lines.append("  splits of the group: " + "; ".join(plan.alternatives))
     lines.append(f"  chosen {plan.chosen}: {b.latency_s - c.latency_s:.2f} s faster than offloading the whole inactive "
                  f"expert every request ({b.latency_s / c.latency_s:.4f}x)")
     return "\n".join(lines)
+
+
+def switch_config(template: RequestTemplate, plan: ExpertSwitchPlan, text_encoder: str | None = "streamed") -> ExecutionConfig:
+    """The execution config that runs ``plan``'s choice (``ExecutionConfig.experts``): what the
+    table's entry for a two-expert template holds, so the worker executes the priced switch.
+    The switch is priced on the analyzer's trace of the denoiser and the VAE, without the text
+    encoder's weights, so the encoder must not stay on the device: ``streamed`` (through the
+    device during set-up only) or ``cpu``."""
+    if text_encoder == "device":
+        raise ValueError("the expert switch is priced without the text encoder on the device: streamed or cpu")
+    c = plan.cost(plan.chosen)
+    if c.strategy == "swap_prefetched":
+        swap = ExpertSwap(strategy="swap_prefetched", prefetch_blocks=c.prefetch_blocks,
+                          prefetch_steps=c.prefetch_steps if c.prefetch_blocks else 0, decode_blocks=c.decode_blocks)
+    elif c.strategy == "split_blocks":
+        swap = ExpertSwap(strategy="split_blocks", host_blocks=c.host_blocks_per_expert)
+    else:
+        swap = ExpertSwap(strategy="hold_both")
+    return ExecutionConfig(template=template, ulysses=plan.gpus, dp=plan.replicas, experts=swap,
+                           text_encoder=text_encoder)  # type: ignore[arg-type]
+
+
+def with_switch_entries(table: PlanTable, plans: list[ExpertSwitchPlan], templates: list[RequestTemplate]) -> PlanTable:
+    """``table`` with each two-expert template's entry replaced by its switch plan's config and
+    prediction; the search's entry (on a trace that holds both experts) is kept as the runner-up."""
+    by_key = {t.key: t for t in templates}
+    entries = dict(table.entries)
+    for p in plans:
+        t = by_key[p.template]
+        c = p.cost(p.chosen)
+        old = entries.get(t.shape_key)
+        if old is None:  # not planned (the search found nothing): nothing to replace
+            continue
+        slo = old.prediction.slo_s
+        runner = (f"{old.config.describe()} on a trace holding both experts: {old.prediction.latency_s:.1f} s per "
+                  f"batch of {old.config.batch}, {old.prediction.peak_bytes / 1e9:.2f} GB")
+        entries[t.shape_key] = PlanEntry(
+            config=switch_config(t, p, old.config.text_encoder if old.config.text_encoder != "device" else "streamed"),
+            prediction=PlanPrediction(peak_bytes=c.peak_bytes, latency_s=c.latency_s,
+                                      goodput_rps=p.replicas / c.latency_s if c.latency_s <= slo else 0.0,
+                                      slo_s=slo, latency_source="estimated"),
+            runner_up=runner)
+    return table.model_copy(update={"entries": entries})
 
 
 class ExpertSwitchFile(BaseModel):
@@ -241,8 +305,17 @@ class ExpertSwitchFile(BaseModel):
 
 
 def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: HardwareProfile,
-                        gpus_of: dict[str, int], default_gpus: int) -> list[ExpertSwitchPlan]:
-    """The switch plan of every template whose model has two expert stages (others: none)."""
+                        gpus_of: dict[str, int], default_gpus: int,
+                        slo_of: dict[str, float] | None = None,
+                        traces: dict[str, MemoryTrace] | None = None) -> list[ExpertSwitchPlan]:
+    """The switch plan of every template whose model has two expert stages (others: none).
+
+    A group of several GPUs runs each request sequence-parallel over ``sp`` of them, in
+    ``gpus / sp`` replicas: every split the model allows (``sp`` divides the group and the
+    attention heads) is planned, and the one with the best goodput kept (replicas / latency, 0
+    past the template's SLO from ``slo_of``, by shape key); ties go to the lower latency. The
+    others are listed in ``alternatives`` with their figures. ``traces``: templates' unmitigated
+    traces already made (by ``RequestTemplate.key``), else traced here."""
     from xema_ray.analyzer.run import trace_template
 
     out = []
@@ -250,7 +323,24 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
         if len(t.spec.expert_stages(t)) != 2:
             continue
         gpus = gpus_of.get(t.model, default_gpus)
-        sp = gpus if t.spec.sequence_parallel else 1  # without an SP split, more GPUs are replicas
-        p = plan_expert_switch(t, trace_template(t), budget, hw, gpus=sp)
-        out.append(p.model_copy(update={"replicas": gpus // sp}))
+        trace = (traces or {}).get(t.key) or trace_template(t)
+        slo = (slo_of or {}).get(t.shape_key, math.inf)
+        splits = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and t.spec.attention_heads % sp == 0
+                  and (sp == 1 or t.spec.sequence_parallel)]
+        priced: list[tuple[float, float, ExpertSwitchPlan]] = []
+        for sp in splits:
+            try:
+                p = plan_expert_switch(t, trace, budget, hw, gpus=sp).model_copy(update={"replicas": gpus // sp})
+            except ValueError:
+                continue  # nothing fits at this split
+            lat = p.cost(p.chosen).latency_s
+            priced.append((p.replicas / lat if lat <= slo else 0.0, -lat, p))
+        if not priced:
+            raise ValueError(f"{t.key}: no way of holding the experts fits {budget / 1e9:.1f} GB per GPU at any split "
+                             f"of {gpus} GPU(s)")
+        priced.sort(key=lambda x: (x[0], x[1]), reverse=True)
+        best = priced[0][2]
+        alternatives = [f"SP{p.gpus} x {p.replicas}: {p.chosen}, latency {-neg:.1f} s, goodput {g * 3600:.3f} requests/h"
+                        for g, neg, p in priced]
+        out.append(best.model_copy(update={"alternatives": alternatives}))
     return out

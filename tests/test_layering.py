@@ -19,7 +19,7 @@ SCANNED = ("xema_ray", "planner", "deployments", "bench", "gpu_check", "loadtest
 #: rank per room, lowest first: a room may import its own rank and every rank below it
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("templates", "plan", "vocabulary", "deployment", "platforms", "placement", "hash_seed", "net", "configs",
-     "host_budget"),
+     "host_budget", "expert_plan", "lora_pool"),
     ("models", "memory", "parallel"),
     ("deployment",),
     ("mitigation", "analyzer", "lora"),

@@ -12,12 +12,13 @@ import hashlib
 import json
 import math
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: ExecutionConfig.experts
 from xema_ray.host_budget import HostBytes, NodeHost
+from xema_ray.lora_pool import LoraPoolConfig  # noqa: F401  (PlanTable.adapter_pools; read from here too)
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
@@ -95,6 +96,9 @@ class ExecutionConfig(BaseModel):
         description="where the text encoder runs: resident on the device, streamed layer by layer through it "
                     "during set-up only, or on the host CPU; None = no encoder planned (stand-in embeddings, or "
                     "the deployment's default)")
+    experts: ExpertSwap | None = Field(
+        default=None, description="a two-expert model's expert switch as planned; None: both experts as the "
+                                  "pipeline holds them (on the device)")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
@@ -110,6 +114,11 @@ class ExecutionConfig(BaseModel):
         if self.sp > tokens:
             raise ValueError(f"sp={self.sp} exceeds the {tokens} tokens of {self.template.key}")
         n_blocks = spec.num_dit_blocks
+        if self.experts is not None:
+            if "transformer_2" not in spec.component_names():
+                raise ValueError(f"experts: {spec.name} does not have two experts")
+            if max(self.experts.prefetch_blocks, self.experts.decode_blocks, self.experts.host_blocks) > n_blocks:
+                raise ValueError(f"experts: more blocks than {spec.name}'s {n_blocks}")
         for m in self.mitigations:
             if m.blocks is not None and max(m.blocks) >= n_blocks:
                 raise ValueError(f"{m.kind}: block {max(m.blocks)} out of range ({spec.name} has {n_blocks} DiT blocks)")
@@ -156,7 +165,8 @@ class ExecutionConfig(BaseModel):
 
     def config_hash(self) -> str:
         """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
-        payload = self.model_dump_json(exclude={"layout_ref", "dp"})
+        # a config without an expert switch hashes as before the field existed (stored profiles, layouts)
+        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | ({"experts"} if self.experts is None else set()))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -164,6 +174,8 @@ class ExecutionConfig(BaseModel):
         sp = f"SP{self.sp}" + (f"(u{self.ulysses}r{self.ring})" if self.ring > 1 else "")
         parts = [f"{sp} DP{self.dp} BS{self.batch}"]
         parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
+        if self.experts is not None:
+            parts.append(self.experts.describe())
         return " + ".join(parts)
 
 
@@ -378,22 +390,6 @@ _LEGACY_PARSERS: dict[str, Any] = {
     "layouts_dynamic_bytes": lambda s: json.loads(s) if s else {},
     "emulated_time_scale": lambda s: json.loads(s) if s else {},
 }
-
-
-class LoraPoolConfig(BaseModel):
-    """A model group's LoRA adapters (``adapters:`` of its YAML): the folder loaded at start-up and
-    the device pool's size, which the planner counts in the group's memory (``xema_ray.lora``; the plan
-    table states it per group: ``PlanTable.adapter_pools``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    dir: Path | None = Field(default=None, description="folder of .safetensors adapters loaded at start-up (each "
-                                                      "named by its file's stem); more arrive through POST /v1/adapters")
-    slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
-    max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
-    max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
-    max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
-                                                               "carry (skipped); one more refuses the file")
 
 
 class PlanTable(BaseModel):

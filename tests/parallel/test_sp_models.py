@@ -17,6 +17,7 @@ CASES: dict[str, dict[str, int]] = {
     "tiny-flux2": {"height": 48, "width": 48},
     "tiny-cogvideox": {"height": 48, "width": 64, "frames": 9},
     "tiny-ltx2": {"height": 64, "width": 64, "frames": 9},
+    "tiny-wan2.2": {"height": 48, "width": 64, "frames": 9},  # 3 patch rows; both experts run (2 steps)
 }
 
 

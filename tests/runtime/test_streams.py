@@ -18,7 +18,7 @@ import pytest
 from xema_ray.allocator.artifact import save_artifact
 from xema_ray.allocator.emulated import recorded_layout
 from xema_ray.parallel.groups import ParallelConfig
-from xema_ray.plan import ExecutionConfig, Mitigation
+from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation
 from xema_ray.platforms.async_host import OnHazard, make_async_host_platform
 from xema_ray.runtime import Batch, GenerationRequest
 from xema_ray.runtime.pause import PausedRun
@@ -173,3 +173,38 @@ def test_pause_resume_of_an_offloaded_state(emulated: list[Emulated]) -> None:
     assert e.hazards == []
     assert done.outputs[0].data == _plain(COG)  # type: ignore[union-attr]
     assert between.outputs[0].data == _plain(short.template, seed=2)
+
+
+WAN = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=4)
+WAN_SWAP = ExecutionConfig(template=WAN, experts=ExpertSwap(strategy="swap_prefetched", prefetch_blocks=1, prefetch_steps=1,
+                                                            decode_blocks=1))
+
+
+def test_expert_swap(emulated: list[Emulated]) -> None:
+    """Wan2.2's planned expert switch on the emulated device: the low-noise expert's first block
+    prefetched on the side stream during the last high-noise step, the high-noise expert released
+    at the switch while its last reads may still be queued, one block back under the decode and
+    the rest after the batch. Two requests (the second starts on what the first sent back) give
+    the plain run's bytes, with no hazard."""
+    e = Emulated((WAN_SWAP,))
+    emulated.append(e)
+    swapper = e.worker.engine.experts  # type: ignore[union-attr]
+    first = e.worker.execute(_batch(WAN_SWAP))
+    second = e.worker.execute(_batch(WAN_SWAP))
+    assert e.hazards == []
+    assert first.outputs[0].data == second.outputs[0].data == _plain(WAN)
+    blocks = swapper.block_bytes
+    assert swapper.switches == 4 and swapper.copied == {"transformer": 3 * blocks, "transformer_2": 2 * blocks}
+    assert e.stats().deferred_frees > 0
+
+
+def test_expert_swap_without_the_wait_is_a_race(emulated: list[Emulated], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same swap with the compute stream not ordered after the copies (a block run before its
+    side-stream copy has landed) is caught by the emulated device."""
+    from xema_ray.mitigation import expert_swap
+
+    monkeypatch.setattr(expert_swap._WaitHook, "pre_forward", lambda self, module, *a, **k: (a, k))
+    e = Emulated((WAN_SWAP,), on_hazard="record")
+    emulated.append(e)
+    e.worker.execute(_batch(WAN_SWAP))
+    assert e.hazards

@@ -91,3 +91,18 @@ def test_cancel_removes_only_a_queued_request() -> None:
     assert d.cancel("r2") and not d.cancel("r2")
     d.complete(running.batch_id)
     assert [a.requests[0].request_id for a in d.dispatch(now=0.0)] == ["r3"]
+
+
+def test_requests_of_different_step_counts_batch_apart_with_scaled_latency_and_deadline() -> None:
+    """Steps are a request option: one batch runs one step count (the dispatcher's rule, live and
+    in the simulator), its predicted latency and SLO scaled by the steps (memory is not)."""
+    plan = DispatchPlan(batch=4, sp=1, slo_s=20.0, latency_s=10.0, steps=10, denoise_frac=0.8, decode_encode_frac=0.2)
+    d: Dispatcher[None] = Dispatcher({"t": plan}, workers=2, wait_window_s=0.0)
+    for i, steps in enumerate([None, 50, None, 50, 10]):
+        d.submit("t", f"r{i}", now=0.0, steps=steps)
+    a, b = d.dispatch(now=0.0)
+    assert [r.request_id for r in a.requests] == ["r0", "r2", "r4"]  # 10 steps = the template's (None)
+    assert [r.request_id for r in b.requests] == ["r1", "r3"] and b.plan.steps == 50
+    assert b.plan.latency_s == pytest.approx(10.0 * (0.2 + 0.8 * 5)) and b.plan.slo_s == pytest.approx(20.0 * 4.2)
+    assert b.requests[0].deadline == pytest.approx(20.0 * 4.2) and a.plan is plan
+    assert b.plan.peak_bytes == plan.peak_bytes

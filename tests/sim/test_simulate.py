@@ -84,3 +84,15 @@ def test_front_end_time_per_template_and_per_request() -> None:
     # 1 s batches, SLO 2.5 s: a 1 s front end for the template meets it, a 2 s one for request "1" misses
     r = simulate(table(), arrivals, wait_window_s=0, overhead_s={A.shape_key: 1.0}, request_overhead_s={"1": 2.0})
     assert r.per_template[A.shape_key].latencies_s == pytest.approx([2.0, 3.0, 2.0]) and r.met == 2
+
+
+def test_a_requests_own_step_count_scales_its_batch_and_batches_apart() -> None:
+    """The dispatcher's step rule in virtual time, as live: two 4x-step requests batch together,
+    apart from the template-step one, and take the scaled time (denoise share x4, the rest not)."""
+    arrivals = [Arrival(t=0.0, template=A.shape_key, request_id="base"),
+                Arrival(t=0.0, template=A.shape_key, request_id="long1", steps=4 * A.steps),
+                Arrival(t=0.0, template=A.shape_key, request_id="long2", steps=4 * A.steps)]
+    r = simulate(table(batch=3, gpus=2, slo=100.0), arrivals, wait_window_s=0.5)
+    lat = r.latency_by_request
+    # one batch of the two long ones (the same latency), four times the work (no phases known: all denoising)
+    assert lat["long1"] == pytest.approx(lat["long2"]) and lat["long1"] - 0.5 == pytest.approx(4 * (lat["base"] - 0.5))

@@ -81,6 +81,20 @@ class LayoutArtifact(BaseModel):
         else:
             step_repeat.verify(short, self.step_repeat)
 
+    def plan_for_steps(self, steps: int) -> ReplayPlan | None:
+        """The replay plan for a batch of ``steps`` denoising steps (a request's own count): the
+        solved one at the template's count; a repeated layout's window repeated to ``steps`` when
+        it can be (at least the solved steps, the same parity; its validity is the repeated
+        layout's, ``step_repeat.verify``), in the same reserved bytes; None otherwise (the batch
+        runs on the dynamic region)."""
+        if steps == self.steps:
+            return self.replay_plan()
+        rep = self.step_repeat
+        if (rep is None or self.unplanned_rows or steps < rep.solved_steps
+                or (steps - rep.solved_steps) % step_repeat.PERIOD):
+            return None
+        return self.replay_plan(step_repeat.expand(StaticLayout.from_file(self.layout), rep, steps))
+
     def replay_plan(self, layout: StaticLayout | None = None) -> ReplayPlan:
         """The plan the worker arms per batch: every row made on the armed stream."""
         layout = layout or self.solved()

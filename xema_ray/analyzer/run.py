@@ -21,7 +21,7 @@ import torch
 
 from xema_ray.analyzer.assembly import assembled, components, module_names
 from xema_ray.analyzer.experts import label_experts
-from xema_ray.analyzer.steps import REPLICATE_FROM, expand_steps
+from xema_ray.analyzer.steps import expand_steps, steps_to_trace
 from xema_ray.analyzer.tracer import AllocationTracer
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.models import BuildOptions, ModelSpec
@@ -95,7 +95,8 @@ def trace_template(
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
     pipe = pipeline if pipeline is not None else spec.build_pipeline(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
-    traced_steps = min(template.steps, REPLICATE_FROM + spec.settling_steps) if opts.replicate else template.steps
+    traced = steps_to_trace(spec.settling_steps, spec.step_lifetime)
+    traced_steps = min(template.steps, traced) if opts.replicate else template.steps
     run_template = template.with_(steps=traced_steps)
 
     prompts = [opts.prompt] * template.batch
@@ -148,7 +149,7 @@ def trace_template(
                                     f" / {replay.recorded} recorded")
     if tracer.memo is not None:
         raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
-    trace = expand_steps(raw, template.steps)
+    trace = expand_steps(raw, template.steps, spec.step_lifetime)
     return label_experts(trace, stages) if one_expert else trace
 
 

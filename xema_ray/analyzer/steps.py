@@ -22,6 +22,12 @@ REPLICATE_FROM = 3  # traced steps when replicating: step 0 carries set-up, step
 DIT_BEGIN = "dit_begin"
 
 
+def steps_to_trace(settling_steps: int, step_lifetime: int) -> int:
+    """Steps a model's call is traced for before its steady state is replicated
+    (``ModelSpec.settling_steps`` and ``ModelSpec.step_lifetime``)."""
+    return REPLICATE_FROM + settling_steps + step_lifetime - 1
+
+
 class StepPatternError(RuntimeError):
     """Two traced denoising steps differ, so one step cannot stand for all of them."""
 
@@ -61,17 +67,21 @@ def _local_index(ids: np.ndarray, n: int) -> np.ndarray:
     return index
 
 
-def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
+def expand_steps(raw: RawTrace, steps: int, lifetime: int = 1) -> MemoryTrace:
     """Turn a raw trace of ``k`` traced steps into a ``MemoryTrace`` of ``steps`` steps.
 
-    With ``k == steps`` nothing is replicated. Otherwise ``k`` must be at least ``REPLICATE_FROM``
-    (3): the last two traced regions (the steady state, called 1 and 2 here; region 0 also holds the
-    set-up, and regions before the last two are kept as traced) must be identical, and region 2 is repeated for steps 3..steps-1. A free in a copy of an allocation born in the
-    previous region is remapped to the previous copy; a free after the loop of an allocation
-    of the last traced region goes to the last copy.
+    With ``k == steps`` nothing is replicated. Otherwise ``k`` must be at least ``REPLICATE_FROM
+    + lifetime - 1``: the last ``lifetime + 1`` traced regions (the steady state; the last is
+    called region 2, the one before it region 1; region 0 also holds the set-up, and earlier
+    regions are kept as traced) must be identical, and region 2 is repeated for the remaining
+    steps. A free in a copy of an allocation born ``d <= lifetime`` regions earlier is remapped to
+    the copy ``d`` before it; a free after the loop of an allocation of the last ``lifetime``
+    traced regions goes to the matching last copies. ``lifetime`` is the model's
+    ``ModelSpec.step_lifetime``: 1 for a scheduler whose step keeps nothing past the next one, 2
+    for a multistep solver of order 2 (UniPC keeps each step's model output for two steps).
 
     Raises:
-        StepPatternError: the two steady-state steps differ, or an allocation outlives two
+        StepPatternError: the steady-state steps differ, or an allocation outlives ``lifetime + 1``
             regions (state that accumulates across steps), so replication would be wrong.
     """
     arrays = raw_to_arrays(raw)
@@ -82,15 +92,21 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
     if traced == steps:
         return _memory_trace(raw, {k: v for k, v in arrays.items() if k not in ("begin", "end")},
                          arrays["begin"], arrays["end"], raw.n_events, bounds)
-    if traced < REPLICATE_FROM:
-        raise ValueError(f"replication needs {REPLICATE_FROM} traced steps or more, got {traced} for {steps} steps")
+    if lifetime < 1:
+        raise ValueError(f"lifetime must be >= 1, got {lifetime}")
+    if traced < REPLICATE_FROM + lifetime - 1:
+        raise ValueError(f"replication needs {REPLICATE_FROM + lifetime - 1} traced steps or more, got {traced} "
+                         f"for {steps} steps")
 
-    # the last two traced steps are the steady state (a model whose early steps differ traces more:
-    # ``ModelSpec.settling_steps``); region 1 = [s1, s2), region 2 = [s2, s3), tail = [s3, end)
-    *head, s1, s2, s3 = bounds
-    sig1 = _event_signature(kinds, allocs, s1, s2, arrays)
-    sig2 = _event_signature(kinds, allocs, s2, s3, arrays)
-    if not np.array_equal(sig1, sig2):
+    # the last ``lifetime + 1`` traced regions are the steady state (a model whose early steps
+    # differ traces more: ``ModelSpec.settling_steps``); region j = [starts[j], starts[j + 1]) for
+    # j = 0 .. lifetime, the last (j = lifetime) is the pattern, the tail = [bounds[-1], end)
+    starts = bounds[-lifetime - 2:]
+    sigs = [_event_signature(kinds, allocs, starts[j], starts[j + 1], arrays) for j in range(lifetime + 1)]
+    for j in range(lifetime):
+        sig1, sig2 = sigs[j], sigs[j + 1]
+        if np.array_equal(sig1, sig2):
+            continue
         m = min(len(sig1), len(sig2))
         differ = np.flatnonzero(np.any(sig1[:m] != sig2[:m], axis=1))
         where = int(differ[0]) if len(differ) else m
@@ -99,49 +115,65 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
             return tuple(int(v) for v in sig[where]) if where < len(sig) else None
 
         raise StepPatternError(
+            f"denoising steps {traced - lifetime - 1 + j} and {traced - lifetime + j} differ ({len(sig1)} vs "
+            f"{len(sig2)} events; first difference at event {where} of the step: {row(sig1)} vs {row(sig2)})"
+            if lifetime > 1 else
             f"denoising steps 1 and 2 differ ({len(sig1)} vs {len(sig2)} events; first difference at event "
             f"{where} of the step: {row(sig1)} vs {row(sig2)})"
         )
     begin = arrays["begin"]
-    freed_in_2 = allocs[s2:s3][kinds[s2:s3] == FREE]
-    if np.any(begin[freed_in_2] < s1):
-        raise StepPatternError("step 2 frees an allocation made before step 1; steps are not self-contained")
-    tail_kinds, tail_allocs = kinds[s3:], allocs[s3:]
+    s_first, s_pat, s_end = starts[0], starts[-2], starts[-1]
+    freed_in_pat = allocs[s_pat:s_end][kinds[s_pat:s_end] == FREE]
+    if np.any(begin[freed_in_pat] < s_first):
+        raise StepPatternError(f"step 2 frees an allocation made before step {2 - lifetime}; steps are not "
+                               "self-contained" if lifetime == 1 else
+                               f"a steady step frees an allocation made more than {lifetime} steps before it; it "
+                               "accumulates across steps")
+    tail_kinds, tail_allocs = kinds[s_end:], allocs[s_end:]
     tail_freed = tail_allocs[tail_kinds == FREE]
-    if np.any((begin[tail_freed] >= s1) & (begin[tail_freed] < s2)):
-        raise StepPatternError("an allocation of step 1 is still alive after step 2; it accumulates across steps")
+    if np.any((begin[tail_freed] >= s_first) & (begin[tail_freed] < starts[1])):
+        raise StepPatternError("an allocation of step 1 is still alive after step 2; it accumulates across steps"
+                               if lifetime == 1 else
+                               f"an allocation of a steady step is still alive {lifetime + 1} steps later; it "
+                               "accumulates across steps")
 
-    prev_allocs = allocs[s1:s2][kinds[s1:s2] == ALLOC]  # region 1's allocations, in order
-    pat_allocs = allocs[s2:s3][kinds[s2:s3] == ALLOC]  # region 2's allocations, in order
-    per_step = len(pat_allocs)
     n_orig = len(raw.records)
+    region_allocs = [allocs[starts[j]:starts[j + 1]][kinds[starts[j]:starts[j + 1]] == ALLOC]
+                     for j in range(lifetime + 1)]
+    pat_allocs = region_allocs[-1]
+    per_step = len(pat_allocs)
     extra = steps - traced  # copies of region 2 beyond the traced one
 
     def ids_of_copy(c: int) -> np.ndarray:
-        """Allocation ids of copy c of region 2: c = -1 is region 1, c = 0 the traced region 2."""
-        if c < 0:
-            return prev_allocs
-        if c == 0:
-            return pat_allocs
+        """Allocation ids of copy c of region 2: c = 0 the traced region 2, c < 0 the traced
+        regions before it, c > 0 the new copies."""
+        if c <= 0:
+            return region_allocs[lifetime + c]
         return n_orig + (c - 1) * per_step + np.arange(per_step, dtype=np.int64)
 
-    local_in_pat = _local_index(pat_allocs, n_orig)
-    pat_kind, pat_alloc = kinds[s2:s3], allocs[s2:s3]
-    self_idx = local_in_pat[pat_alloc]
-    prev_idx = _local_index(prev_allocs, n_orig)[pat_alloc]
-    is_self = self_idx >= 0
+    # where each allocation of the steady regions was born: d regions before the pattern, at idx
+    born_d = np.full(n_orig, -1, dtype=np.int64)
+    born_idx = np.full(n_orig, -1, dtype=np.int64)
+    for j in range(lifetime + 1):
+        born_d[region_allocs[j]] = lifetime - j
+        born_idx[region_allocs[j]] = np.arange(len(region_allocs[j]), dtype=np.int64)
 
-    out_kind, out_alloc = [kinds[:s3]], [allocs[:s3]]
+    def remapped(events: np.ndarray, c: int) -> np.ndarray:
+        """``events``' allocation ids as copy ``c`` sees them (steady-region ones d copies back)."""
+        out = events.copy()
+        d, idx = born_d[events], born_idx[events]
+        for dist in np.unique(d[d >= 0]):
+            sel = d == dist
+            out[sel] = ids_of_copy(c - int(dist))[idx[sel]]
+        return out
+
+    pat_kind, pat_alloc = kinds[s_pat:s_end], allocs[s_pat:s_end]
+    out_kind, out_alloc = [kinds[:s_end]], [allocs[:s_end]]
     for c in range(1, extra + 1):
-        cur, prev = ids_of_copy(c), ids_of_copy(c - 1)
         out_kind.append(pat_kind)
-        out_alloc.append(np.where(is_self, cur[np.maximum(self_idx, 0)], prev[np.maximum(prev_idx, 0)]))
-    last = ids_of_copy(extra)
-    tail_local = local_in_pat[tail_allocs]
-    tail_mapped = tail_allocs.copy()
-    tail_mapped[tail_local >= 0] = last[tail_local[tail_local >= 0]]
+        out_alloc.append(remapped(pat_alloc, c))
     out_kind.append(tail_kinds)
-    out_alloc.append(tail_mapped)
+    out_alloc.append(remapped(tail_allocs, extra))
     kinds_n = np.concatenate(out_kind)
     allocs_n = np.concatenate(out_alloc)
 
@@ -157,8 +189,8 @@ def expand_steps(raw: RawTrace, steps: int) -> MemoryTrace:
     begin_n[allocs_n[is_alloc]] = np.flatnonzero(is_alloc)
     is_free = ~is_alloc
     end_n[allocs_n[is_free]] = np.flatnonzero(is_free)
-    step_len = s3 - s2
-    new_bounds = [*head, s1, s2, s3] + [s3 + i * step_len for i in range(1, extra + 1)]
+    step_len = s_end - s_pat
+    new_bounds = [*bounds] + [s_end + i * step_len for i in range(1, extra + 1)]
     return _memory_trace(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
 
 

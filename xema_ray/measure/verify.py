@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.analyzer.steps import REPLICATE_FROM
+from xema_ray.analyzer.steps import REPLICATE_FROM, steps_to_trace
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.analyzer.tracer import ALLOC, AllocationTracer, RawTrace, round_size
 from xema_ray.plan import ExecutionConfig, LoraPoolConfig, PlanTable
@@ -198,7 +198,8 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     from xema_ray.analyzer.steps import expand_steps
 
     tracer = AllocationTracer("meta", {})
-    _, error = _run_worker(config, min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps),
+    spec = config.template.spec
+    _, error = _run_worker(config, min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime)),
                            tracer, markers=True, layouts_dir=layouts_dir, replay_blocks=replay_blocks)
     if error is not None:
         raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
@@ -207,7 +208,7 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     loaded = device_peaks(raw)[1]
     out = []
     for n in steps or (config.template.steps,):
-        trace = expand_steps(raw, n)
+        trace = expand_steps(raw, n, spec.step_lifetime)
         request = trace.subset(trace.begin >= load_end)
         # events numbered from the request's start: what the load made before it (a first load in a
         # process makes one lazily built buffer more) does not shift the stream, so the layout solved
@@ -246,7 +247,8 @@ def verify_config(
             ``max_per_request`` worst-case adapters (max rank, every linear layer) in the batch.
     """
     t0 = time.perf_counter()
-    steps = min(config.template.steps, VERIFY_STEPS + config.template.spec.settling_steps)
+    spec = config.template.spec
+    steps = min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime))
     tracer = AllocationTracer("meta", {})
     loaded, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
                                 residency=residency, layouts_dir=layouts_dir, adapters=adapters)

@@ -99,6 +99,10 @@ class _OffloadedBlock:
         self.wait()
 
 
+#: the public name (the expert swap keeps a whole expert's blocks this way, across batches)
+OffloadedBlock = _OffloadedBlock
+
+
 class BlockOffloadHook(ModelHook):
     """On an offloaded block: make sure its weights have arrived, start the next one's copy,
     run, release."""

@@ -34,6 +34,8 @@ HOOK_NAMES = {
     "vae_chunk_norm": "xema_vae_chunk_norm",
     "vae_chain": "xema_vae_chain",
     "serialize": "xema_serialize",
+    "expert_swap": "xema_expert_swap",
+    "expert_swap_block": "xema_expert_swap_block",
 }
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from xema_ray.models.options import OptionRules
 from xema_ray.models.dtypes import DTYPES, DTypeName, cast_inputs_to_own_dtype, log_cast, model_dtypes  # noqa: F401
 
 if TYPE_CHECKING:
@@ -393,6 +394,10 @@ class ModelSpec(ABC):
     #: denoising steps after the first that still allocate unlike the steady state (the analyzer
     #: and ``xema verify`` trace this many more before replicating)
     settling_steps: int = 0
+    #: denoising steps an allocation of a step may stay alive for (1: freed by the next step's end;
+    #: a multistep scheduler of order 2, UniPC, keeps each model output for 2); the analyzer traces
+    #: ``step_lifetime - 1`` more steps and replicates with it (``analyzer.steps.expand_steps``)
+    step_lifetime: int = 1
 
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""
@@ -418,6 +423,14 @@ class ModelSpec(ABC):
         """Batch rows per request of each transformer call a denoising step makes (e.g. (2,): one
         call of the CFG pair; (1, 1): CFG as two calls)."""
         return (self.dit_batch_multiplier(),)
+
+    def option_rules(self) -> OptionRules:
+        """The per-request options the pipeline takes and their ranges (``xema_ray.models.options``):
+        by default guidance in [0, 50], and a negative prompt wherever a step runs more than one
+        transformer row per request (classifier-free guidance)."""
+        return OptionRules(negative_prompt=sum(self.transformer_passes_per_step()) > 1,
+                           guidance_note="classifier-free guidance runs when > 1"
+                           if sum(self.transformer_passes_per_step()) > 1 else "")
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         """Patches that let the pipeline run on the meta device where it reads tensor *values*

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSpec
 
 if TYPE_CHECKING:
@@ -117,6 +118,9 @@ class Flux2Spec(ModelSpec):
 
     def dit_batch_multiplier(self) -> int:
         return 1  # guidance-distilled: guidance is an embedding input, not a second pass
+
+    def option_rules(self) -> OptionRules:
+        return OptionRules(guidance_note="guidance-distilled: an embedding input, no classifier-free guidance pass")
 
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
         # Flux.2-dev is guidance-distilled: guidance is an embedding input, not a second CFG pass.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec, load_config
 
 if TYPE_CHECKING:
@@ -388,6 +389,11 @@ class LTX2Spec(ModelSpec):
         """Batch multiplier of each transformer forward a denoising step runs, per request
         (production: (2, 1, 1) = CFG, STG, modality isolation)."""
         return self.guidance.pass_batch_multipliers()
+
+    def option_rules(self) -> OptionRules:
+        # ``call_kwargs`` refuses a video CFG scale below 1: checked before admission instead
+        return OptionRules(guidance_min=1.0, negative_prompt=self.guidance.uses_cfg,
+                           guidance_note="1 disables video classifier-free guidance")
 
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
         """Kwargs for ``LTX2Pipeline.__call__``; ``guidance_scale`` overrides the video CFG scale only

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec
 
 if TYPE_CHECKING:
@@ -164,6 +165,12 @@ class QwenImageSpec(ModelSpec):
 
     def transformer_passes_per_step(self) -> tuple[int, ...]:
         return (1, 1)
+
+    def option_rules(self) -> OptionRules:
+        # QwenImagePipeline's true_cfg_scale: guidance_scale is the same value here (the base model
+        # is not guidance-distilled; the pipeline ignores its own guidance_scale)
+        return OptionRules(negative_prompt=True, true_cfg_scale=True,
+                           guidance_note="the true classifier-free guidance scale; true CFG runs when > 1")
 
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
         return {

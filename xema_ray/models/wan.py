@@ -15,12 +15,12 @@ Everything model-specific lives here and in the JSON configs (``wan22_a14b_trans
 ``wan21_vae.json``, ``wan22_umt5_text_encoder.json`` and their ``tiny_`` versions); the registry
 entry in ``xema_ray.models`` names them.
 
-Scheduler: the Wan team samples A14B with UniPC (flow shift 12, 40 steps). UniPC is a multistep
-solver that keeps the last model outputs across steps, which the analyzer's step replication
-refuses (an allocation of step 1 alive after step 2); we serve the flow-matching Euler scheduler
-at the same shift and boundary instead (``FlowMatchEulerDiscreteScheduler(shift=12)``): the same
-network calls per step and the same expert per step up to the schedule's rounding, minus UniPC's
-two held latents (2 x 21x90x160x16 fp32 = 39 MB at 720p, 81 frames).
+Scheduler: UniPC on flow sigmas (``UniPCMultistepScheduler``), as the published Diffusers
+repositories configure it (``scheduler/scheduler_config.json``), at the Wan team's shift (12 for
+A14B, 5 for TI2V-5B; a checkpoint's own ``scheduler_config.json`` wins). UniPC is a multistep
+solver: it keeps each step's model output for the next two steps and its first two steps are of
+lower order, so the analyzer traces two settling steps and replicates with a step lifetime of two
+(``settling_steps``, ``step_lifetime``; ``xema_ray.analyzer.steps.expand_steps``).
 """
 
 from __future__ import annotations
@@ -91,12 +91,14 @@ class WanSpec(ModelSpec):
 
     family = "wan"
     kind = "video"
-    #: the latents are created in fp32 and the scheduler returns them in the transformer's dtype, so
-    #: step 1 still casts fp32 latents (and the scheduler re-casts bf16 ones from step 2 on)
-    settling_steps = 1
-    #: no split of Wan's transformer yet (its rotary table is computed inside forward from the whole
-    #: latent): one GPU per request, more GPUs are replicas
-    sequence_parallel = False
+    #: UniPC's first step is first order and its second corrects with order 1 (and the latents,
+    #: created in fp32, come back from the scheduler in the transformer's dtype): steady from step 2
+    settling_steps = 2
+    #: UniPC (solver order 2) keeps each step's model output for the next two steps
+    step_lifetime = 2
+    #: split along the latent's height (``xema_ray.parallel.plans.WanPlan``: the rotary table Wan
+    #: computes inside forward is computed whole and cut to each rank's rows)
+    sequence_parallel = True
     #: the transformer's block list (``transformer.blocks.<i>``; the paper's models say ``transformer_blocks``)
     dit_block_attr = "blocks"
 
@@ -154,17 +156,25 @@ class WanSpec(ModelSpec):
     # ------------------------------------------------------------------ the two experts
     @property
     def scheduler_config(self) -> dict[str, Any]:
-        """Flow-matching Euler at the Wan team's shift (the module docstring says why not UniPC)."""
-        return {"num_train_timesteps": 1000, "shift": self.sampling.flow_shift}
+        """UniPC on flow sigmas, as the published Diffusers repositories configure it
+        (``scheduler/scheduler_config.json``: flow prediction, solver order 2, bh2, x0 prediction,
+        final sigma zero), at the Wan team's shift."""
+        return {"_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 1000,
+                "prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": self.sampling.flow_shift,
+                "solver_order": 2, "solver_type": "bh2", "predict_x0": True, "lower_order_final": True,
+                "final_sigmas_type": "zero", "timestep_spacing": "linspace", "beta_schedule": "linear",
+                "beta_start": 0.0001, "beta_end": 0.02}
 
     def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
         """Which transformer runs which denoising steps: the pipeline's own rule (``t >= boundary``
-        runs ``transformer``), on the schedule the scheduler makes for ``t.steps``."""
+        runs ``transformer``), on the schedule the scheduler makes for ``t.steps`` (UniPC at
+        the spec's shift; a checkpoint with another shift moves the switch, which the worker's
+        swap follows: it switches at the low-noise expert's first call)."""
         if not self.two_experts:
             return super().expert_stages(t)
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import UniPCMultistepScheduler
 
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        sched = UniPCMultistepScheduler.from_config(self.scheduler_config)
         sched.set_timesteps(t.steps, device="cpu")
         boundary = self.sampling.boundary_ratio * sched.config.num_train_timesteps  # type: ignore[operator]
         high = int(sum(1 for ts in sched.timesteps.tolist() if ts >= boundary))
@@ -199,14 +209,14 @@ class WanSpec(ModelSpec):
         return self._build(self.transformer_class(), self.transformer_config, "transformer_2", opts)
 
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+        from diffusers import UniPCMultistepScheduler, WanPipeline
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
         pipe = WanPipeline(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
             vae=self.build_vae(opts),
-            scheduler=self.scheduler(FlowMatchEulerDiscreteScheduler, self.scheduler_config, opts),
+            scheduler=self.scheduler(UniPCMultistepScheduler, self.scheduler_config, opts),
             transformer=self.build_transformer(opts),
             transformer_2=self.build_transformer_2(opts) if self.two_experts else None,
             boundary_ratio=self.sampling.boundary_ratio,

@@ -191,7 +191,63 @@ class LTX2Plan(SPPlan):
         return output
 
 
-_PLANS: dict[str, type[SPPlan]] = {"flux2": Flux2Plan, "cogvideox": CogVideoXPlan, "ltx2": LTX2Plan}
+class WanPlan(SPPlan):
+    """Wan2.x: the latent video split along its height in whole patches (as CogVideoX's), so each
+    rank's tokens are (frame, local rows, column) in the model's order and its unpatchify works on
+    the local latent. The rotary table, which Wan computes inside forward from the latent's shape,
+    is computed for the whole grid and cut to the same rows (``_RowRope``); per-token timesteps
+    (TI2V-5B) are cut alike. The prompt stays whole, so the cross-attention (``attn2``) runs
+    locally. Each expert of Wan2.2-A14B gets the plan on its own (the engine installs SP on both)."""
+
+    local_attention = frozenset({"attn2"})
+
+    def check(self, transformer: nn.Module) -> None:
+        if getattr(transformer.config, "image_dim", None):
+            raise ValueError("Wan SP covers text-to-video; image conditioning (image_dim) is not split")
+        self.rope = transformer.rope
+
+    def split(self, args: dict[str, Any], ctx: ShardContext) -> dict[str, Any]:
+        hs = _require(args, "hidden_states", "Wan")  # [B, C, F, H, W]
+        p_t, p_h, p_w = (int(v) for v in self.config.patch_size)
+        _, _, frames, height, width = hs.shape
+        rows = ctx.plan("rows", height, unit=p_h)
+        grid = (frames // p_t, height // p_h, width // p_w)
+        patch_rows = [n // p_h for n in rows]
+        out = dict(args)
+        out["hidden_states"] = shard(hs, 3, rows, ctx.group.rank)
+        ts = args.get("timestep")
+        if isinstance(ts, torch.Tensor) and ts.ndim == 2:  # one timestep per token, (f, h, w) order
+            out["timestep"] = shard(ts.reshape(ts.shape[0], *grid), 2, patch_rows, ctx.group.rank).reshape(ts.shape[0], -1)
+        _RowRope(self.rope, hs, out["hidden_states"].shape, patch_rows, ctx.group.rank)
+        return out
+
+    def gather(self, output: Any, ctx: ShardContext) -> Any:
+        vars(self.rope).pop("forward", None)
+        return _gather_first(output, lambda x: ctx.gather(x, "rows", 3))
+
+
+class _RowRope:
+    """Installed as ``rope.forward`` for one split call: called with the local latent, it returns
+    the whole grid's table cut to this rank's rows (any other shape: the rope's own answer)."""
+
+    def __init__(self, rope: nn.Module, whole: torch.Tensor, local: torch.Size, patch_rows: list[int], rank: int) -> None:
+        self.own = type(rope).forward.__get__(rope)
+        self.whole = whole.new_empty(()).expand(whole.shape)  # its shape only: no memory
+        self.local, self.patch_rows, self.rank = tuple(local), patch_rows, rank
+        rope.forward = self
+
+    def __call__(self, hidden_states: torch.Tensor) -> Any:
+        if tuple(hidden_states.shape) != self.local:
+            return self.own(hidden_states)
+        full = self.own(self.whole)
+        b, c, f, h, w = self.whole.shape
+        p_t, p_h, p_w = self.own.__self__.patch_size
+        grid = (f // p_t, h // p_h, w // p_w)
+        return tuple(shard(t.reshape(*grid, t.shape[-1]), 1, self.patch_rows, self.rank).reshape(1, -1, 1, t.shape[-1])
+                     for t in full)
+
+
+_PLANS: dict[str, type[SPPlan]] = {"flux2": Flux2Plan, "cogvideox": CogVideoXPlan, "ltx2": LTX2Plan, "wan": WanPlan}
 
 
 def plan_for(family: str, transformer: nn.Module) -> SPPlan:

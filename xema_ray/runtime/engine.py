@@ -33,16 +33,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from xema_ray.lora import AdapterPool, LoraUse
 from xema_ray.models import ModelSpec
 from xema_ray.models.base import TextEncoderPlacement
 from xema_ray.parallel.groups import ProcessGroups
 from xema_ray.parallel.sp import SPBackend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
+from xema_ray.runtime.adapters import AdapterPool, LoraUse, batch_adapters, enter_adapters  # LoRA (xema_ray.lora)
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
+from xema_ray.runtime.request_errors import attributed, encode_attributed
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -65,8 +66,9 @@ class GenerationRequest(BaseModel):
     request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
-    lora: tuple[LoraUse, ...] = Field(default=(), description="adapters stacked on this sample, each with its scale "
-                                                              "(xema_ray.lora); batch size, seed and these fix the output")
+    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters stacked on it, with scales (xema_ray.lora)")
+    negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
+                                        "(only models that run classifier-free guidance are sent one)")
 
 
 class Batch(BaseModel):
@@ -77,6 +79,8 @@ class Batch(BaseModel):
     config: ExecutionConfig
     requests: tuple[GenerationRequest, ...] = Field(min_length=1)
     guidance_scale: float | None = Field(default=None, description="None = the model's default")
+    steps: int | None = Field(default=None, ge=1, description="denoising steps; None = the template's (the same "
+                              "plan serves any: memory does not depend on the step count)")
 
     @model_validator(mode="after")
     def _check(self) -> Batch:
@@ -141,9 +145,7 @@ class BatchResult(BaseModel):
     layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")
     pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
-    adapter_wait_s: float = Field(default=0.0, ge=0, description="seconds the batch waited for adapters to be copied "
-                                                                 "into the device pool (part of its latency)")
-    adapters_copied: int = Field(default=0, ge=0, description="adapters copied into the pool for this batch")
+    adapter_wait_s: float = Field(default=0.0, ge=0, description="seconds waited for LoRA adapters' copies into the pool")
 
 
 @contextlib.contextmanager
@@ -300,11 +302,13 @@ class ExecutionEngine:
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
         # per thread: a paused batch's thread and the batch that preempted it each keep their own
         self._local = threading.local()
-        #: LoRA adapters served per sample (``xema_ray.lora``; the worker sets it when the group serves adapters)
-        self.adapters: AdapterPool | None = None
+        self.adapters: AdapterPool | None = None  # LoRA adapters per sample (xema_ray.lora), set by the worker
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
+        #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
+        #: made by the worker's load when its plans swap the experts
+        self.experts: Any = None
 
     @property
     def last_prompts(self) -> EncodedPrompts | None:
@@ -329,27 +333,31 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
+        negative_prompts: list[str | None] | None = None, steps: int | None = None,
+        request_ids: list[str] | None = None,
         adapters: list[tuple[LoraUse, ...]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
-        layout armed). ``adapters``: each sample's LoRA adapters (``xema_ray.lora``; None or empty
-        tuples: none). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
+        layout armed; ``adapters``: per sample). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
-        thread of its own, which the pause parks)."""
+        thread of its own, which the pause parks). ``negative_prompts``: per request, None for
+        the model's default. ``steps``: denoising steps other than the template's (the worker
+        arms the static layout repeated to them, or none). ``request_ids``: to name the
+        requests at fault in a ``RequestFailed``."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        per_sample = list(adapters) if adapters is not None and any(adapters) else None
-        if per_sample is not None:
-            if len(per_sample) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but adapters for {len(per_sample)} samples")
-            if self.adapters is None:
-                raise ValueError(f"{self.spec.name} serves no LoRA adapters here (no adapter pool was loaded)")
-        self._local.adapter_wait = (0.0, 0)
+        ids = request_ids if request_ids is not None else [str(i) for i in range(len(prompts))]
+        per_sample = batch_adapters(self, adapters, len(prompts))  # also resets this thread's wait count
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
+        if steps is not None and steps != template.steps:
+            template = template.model_copy(update={"steps": steps})
+        # at another step count the worker arms the layout repeated to it, or drops layout_ref
         armed = config.layout_ref is not None and self.arm_layout is not None
+        with attributed(ids, "guidance_scale"):  # the pipeline's own range check: the sub-batch's guidance
+            call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with contextlib.ExitStack() as stack:
@@ -368,7 +376,7 @@ class ExecutionEngine:
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = self.prompts.encode(list(prompts))
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
@@ -376,7 +384,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.pipe(
-                    **self.spec.call_kwargs(template, guidance_scale), **inputs, generator=generators, output_type=output_type,
+                    **call_kwargs, **inputs, generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
                 )
@@ -390,24 +398,25 @@ class ExecutionEngine:
         }
         return out, phases, group.rank if group is not None else 0, armed
 
-    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool,
-                   adapters: list[tuple[LoraUse, ...]] | None = None) -> contextlib.ExitStack:
-        """The batch's mitigations, static layout, SP and adapters, entered on the pipeline
-        (closing the stack takes them off; a resume enters them again, copying back any adapter
-        the preempting batch moved out of the pool)."""
+    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool, adapters: Any = None) -> contextlib.ExitStack:
+        """The batch's mitigations, static layout, SP and adapters, entered on the pipeline (closing the
+        stack takes them off; a resume enters them again, copying back adapters moved out meanwhile)."""
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
+            if config.experts is not None:
+                from xema_ray.mitigation.expert_swap import apply_expert_swap
+
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 env.enter_context(self.arm_layout(config.layout_ref))
             if group is not None:
-                env.enter_context(apply_sequence_parallel(self.pipe.transformer, self.spec.family, group, self.sp_backend))
-            if adapters is not None and self.adapters is not None:
-                act = env.enter_context(self.adapters.activate(adapters))
-                if act is not None:
-                    waited, copied = self._local.adapter_wait
-                    self._local.adapter_wait = (waited + act.wait_s, copied + act.copied)
+                for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
+                    if getattr(self.pipe, name, None) is not None:
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
+                                                                  self.sp_backend))
+            enter_adapters(env, self, adapters)
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
@@ -427,9 +436,9 @@ class ExecutionEngine:
         seeds = [r.seed for r in batch.requests]
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control, adapters=[r.lora for r in batch.requests],
+            control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
+            request_ids=[r.request_id for r in batch.requests], adapters=[r.lora for r in batch.requests],
         )
-        adapter_wait_s, adapters_copied = self._local.adapter_wait
         if observer is not None and output_rank:
             observer.on_decoded()
         t_enc = time.perf_counter()
@@ -447,8 +456,7 @@ class ExecutionEngine:
             memory=self.platform.memory_stats(),
             mitigations=len(config.mitigations),
             layout_armed=armed,
-            adapter_wait_s=adapter_wait_s,
-            adapters_copied=adapters_copied,
+            adapter_wait_s=self._local.adapter_wait[0],
         )
 
     # ------------------------------------------------------------------ outputs

@@ -27,17 +27,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import LoraPoolConfig
-from xema_ray.lora import AdapterSource
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.base import DTypeName, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import SPBackend
-from xema_ray.plan import ExecutionConfig
+from xema_ray.plan import ExecutionConfig, ExpertSwap
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
-from xema_ray.runtime.adapters import WorkerAdapters
+from xema_ray.runtime.adapters import AdapterSource, LoraPoolConfig, WorkerAdapters
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
 from xema_ray.runtime.out_of_memory import device_out_of_memory
 from xema_ray.runtime.pause import PreemptibleRun
@@ -102,6 +100,15 @@ class ModelLoadConfig(BaseModel):
         chosen = [c.text_encoder for c in self.plans if c.text_encoder is not None]
         return max(chosen, key=order.__getitem__) if chosen else None
 
+    def expert_swap(self) -> ExpertSwap | None:
+        """How the plans hold a two-expert model's experts (one way per group: the load places
+        the experts' blocks for it); None: as the pipeline holds them."""
+        ways = {(c.experts.strategy, c.experts.host_blocks) for c in self.plans if c.experts is not None}
+        if len(ways) > 1 or (ways and any(c.experts is None for c in self.plans)):
+            raise ValueError(f"the plans of one worker hold the experts in different ways ({sorted(ways)}); "
+                             "a group's templates share one")
+        return next((c.experts for c in self.plans if c.experts is not None), None)
+
     def initial_residency(self) -> Residency:
         """Where weights are placed at load: every plan's host blocks (shared), else the first plan's."""
         per_plan = [Residency.of_config(c) for c in self.plans]
@@ -159,6 +166,7 @@ class Worker(WorkerAdapters, WorkerBase):
         self.allocator: Any = None
         #: layout_ref -> its artifact, validated at load (hash, version, GPU model), and the plan armed per batch
         self.layouts: dict[str, Any] = {}
+        self._step_plans: dict[tuple[str, int], Any] = {}  # (layout, requested steps) -> its repeated plan
         self._plans: dict[str, Any] = {}
         self.layout_status: str | None = None
         self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
@@ -228,10 +236,18 @@ class Worker(WorkerAdapters, WorkerBase):
                 raise ValueError(f"a plan for {c.template.key} was given to a worker loading {spec.name}")
         dtype, kept = model_dtypes(spec, load.dtype, load.component_dtypes)
         residency = load.initial_residency()
+        experts = load.expert_swap()
         self._drop_model()  # drop the previous model before placing the next
+        expert_homes: tuple[str, ...] = ()
+        if experts is not None:
+            from xema_ray.mitigation.expert_swap import expert_host_modules
+            from xema_ray.runtime.residency import block_paths
+
+            expert_homes = expert_host_modules(experts, block_paths(spec))
+        host_modules = tuple(dict.fromkeys((*residency.host_modules(spec), *expert_homes)))
         opts = BuildOptions(device=str(self.device), dtype=dtype, weights_dir=load.weights_dir, seed=load.seed,
                             component_dtypes=kept,
-                            host_modules=residency.host_modules(spec), place_on_meta=True,
+                            host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
                             share_host=load.shares_host(self.platform.name))
         pipe = spec.build_pipeline(opts)
@@ -241,6 +257,13 @@ class Worker(WorkerAdapters, WorkerBase):
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
+        swapped = 0
+        if experts is not None and experts.strategy == "swap_prefetched":
+            # both experts homed on the host; the high-noise one comes to the device now
+            from xema_ray.mitigation.expert_swap import ExpertSwapper
+
+            self.engine.experts = ExpertSwapper(pipe, spec)
+            swapped = self.engine.experts.block_bytes
         self._scheduler_as_loaded = copy.deepcopy(pipe.scheduler)  # no call's state yet
         placed = PlacementReport()
         for comp in pipe.components.values():
@@ -250,7 +273,7 @@ class Worker(WorkerAdapters, WorkerBase):
         if self._mirror_host:
             # the host arena is the device less its weights (placed at load, never mirrored): a
             # batch that would not fit next to them on a budget-sized device does not fit here
-            limit = max(1, load.budget_bytes - placed.device_bytes) if load.budget_bytes is not None else 0
+            limit = max(1, load.budget_bytes - placed.device_bytes - swapped) if load.budget_bytes is not None else 0
             self.allocator.set_limit(limit, device=self.alloc_device)
             # on a CPU host and device are one memory: the embedding cache (host-side on a GPU)
             # would keep a batch's mirrored blocks, static ones included, alive past the batch
@@ -263,7 +286,8 @@ class Worker(WorkerAdapters, WorkerBase):
         self.load_count += 1
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
-                           parameters=params, device_bytes=placed.device_bytes, host_bytes=placed.host_bytes,
+                           parameters=params, device_bytes=placed.device_bytes + swapped,
+                           host_bytes=placed.host_bytes,
                            host_buffer_bytes=placed.host_buffer_bytes, host_pinned_bytes=placed.host_pinned_bytes,
                            host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,
                            host_attached_bytes=placed.host_attached_bytes, transient_bytes=placed.transient_bytes,
@@ -280,6 +304,7 @@ class Worker(WorkerAdapters, WorkerBase):
 
         refs = sorted({c.layout_ref for c in load.plans if c.layout_ref is not None})
         self.layouts = {}
+        self._step_plans: dict[tuple[str, int], Any] = {}
         self.arena = None
         if not refs:
             self.layout_status = None
@@ -316,13 +341,22 @@ class Worker(WorkerAdapters, WorkerBase):
         """Arm ``layout_ref``'s plan for the batch; a no-op where nothing was reserved for it (no
         arena: an unseeded process, see ``_load_layouts``) or it was not loaded, as
         ``layout_status`` / the batch's ``layout_note`` say."""
-        plan = self._plans.get(layout_ref)
+        steps = getattr(self._local, "arm_steps", None)
+        plan = self._plans.get(layout_ref) if steps is None else self._step_plan(layout_ref, steps)
         if plan is None or self.allocator is None or self.arena is None:
             yield
             return
         with self.allocator.armed(plan, device=self.alloc_device) as report:
             yield
         self._local.layout_report = report
+
+    def _step_plan(self, layout_ref: str, steps: int) -> Any:
+        """``layout_ref``'s replay plan at ``steps`` steps (cached), or None where it does not repeat to them."""
+        key = (layout_ref, steps)
+        if key not in self._step_plans:
+            art = self.layouts.get(layout_ref)
+            self._step_plans[key] = art.plan_for_steps(steps) if art is not None else None
+        return self._step_plans[key]
 
     def _switch(self, layout_ref: str | None, move: Any) -> tuple[Any, str | None]:
         """The residency switch ``move`` for a batch of ``layout_ref`` (None: it runs disarmed),
@@ -381,7 +415,16 @@ class Worker(WorkerAdapters, WorkerBase):
         residency = self.residency
         c = batch.config  # as planned (its layout_ref is dropped below if it cannot arm)
         entry = c.template.key + (f" (layout {c.layout_ref})" if c.layout_ref is not None else "")
-        switch, not_armed = self._switch(batch.config.layout_ref, lambda: residency.switch(target))
+        layout_ref, steps_note = c.layout_ref, None
+        self._local.arm_steps = batch.steps if batch.steps != c.template.steps else None
+        if self._local.arm_steps is not None and layout_ref in self.layouts and self._step_plan(layout_ref, batch.steps) is None:
+            # a layout repeats its step window only to counts of its parity, from its solved steps
+            # on: another count runs on the dynamic region (same residency, same mitigations)
+            steps_note = (f"{layout_ref} not armed for this batch: solved for {c.template.steps} denoising steps, "
+                          f"it does not repeat to {batch.steps}")
+            layout_ref = None
+        switch, not_armed = self._switch(layout_ref, lambda: residency.switch(target))
+        not_armed = not_armed or steps_note
         if control is not None:
             self._run_residency[control.run_id] = target
         config = with_residency(batch.config, self.residency.current)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -42,6 +42,28 @@ class DispatchPlan:
                    static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)
 
 
+    def for_steps(self, steps: int | None) -> DispatchPlan:
+        """This plan for a batch of ``steps`` denoising steps (None or the plan's own: itself). Memory
+        does not depend on the step count; the time in the steps scales with it, the rest does not
+        (text, decode, encode), and the SLO scales as the latency does.
+
+        Example:
+            >>> p = DispatchPlan(batch=1, sp=1, slo_s=20, latency_s=10, steps=10, denoise_frac=0.8, decode_encode_frac=0.2)
+            >>> q = p.for_steps(20)
+            >>> (q.latency_s, q.slo_s, q.steps)
+            (18.0, 36.0, 20)
+        """
+        if steps is None or steps == self.steps:
+            return self
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        d, k = self.denoise_frac, steps / self.steps
+        factor = (1.0 - d) + d * k
+        return replace(self, steps=steps, latency_s=self.latency_s * factor, slo_s=self.slo_s * factor,
+                       min_latency_s=None if self.min_latency_s is None else self.min_latency_s * factor,
+                       denoise_frac=d * k / factor, decode_encode_frac=self.decode_encode_frac / factor)
+
+
 @dataclass(order=True)
 class Pending(Generic[P]):
     deadline: float
@@ -50,6 +72,7 @@ class Pending(Generic[P]):
     arrival: float = field(compare=False)
     request_id: str = field(compare=False)
     payload: P | None = field(default=None, compare=False)
+    steps: int | None = field(default=None, compare=False)  # its own step count (None: the template's)
 
 
 @dataclass(frozen=True)

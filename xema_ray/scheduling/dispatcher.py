@@ -72,8 +72,11 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         self._init_admission(admission)
 
     # ------------------------------------------------------------------ queue
-    def submit(self, template: str, request_id: str, now: float, payload: P | None = None) -> None:
-        """Queue a request. Raises KeyError for an unplanned template, OverflowError when full."""
+    def submit(self, template: str, request_id: str, now: float, payload: P | None = None,
+               steps: int | None = None) -> None:
+        """Queue a request (``steps``: its own denoising steps, None: the template's; its deadline is
+        the SLO scaled to them, ``DispatchPlan.for_steps``). Raises KeyError for an unplanned
+        template, OverflowError when full."""
         if template not in self.plans:
             raise KeyError(template)
         if self.admission is not None and template in self.admission.refused:
@@ -81,8 +84,9 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         q = self._queues[template]
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
-        plan = self.plans[template]
-        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, payload))
+        plan = self.plans[template].for_steps(steps)
+        steps = None if steps == self.plans[template].steps else steps
+        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, payload, steps))
 
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""
@@ -136,11 +140,11 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         q = self._queues[template]
         if not q:
             return False
-        plan = self.plans[template]
+        plan = self.plans[template].for_steps(q[0].steps)
         oldest = min(r.arrival for r in q)
         # ``now >= oldest + window``, the very sum ``next_wakeup`` returns: ``now - oldest >= window``
         # can be False at that wake-up by rounding, and the partial batch then waited for the next event
-        if len(q) >= plan.batch or now >= oldest + self.wait_window_s:
+        if sum(r.steps == q[0].steps for r in q) >= plan.batch or now >= oldest + self.wait_window_s:
             return True
         # waiting out the window would make the head request miss: start the partial batch now
         adm = self.admission
@@ -171,7 +175,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         order = sorted((q[0].deadline, t) for t, q in self._queues.items() if q)
         for _, template in order:
             while self._ready(template, now):
-                plan = self.plans[template]
+                plan = self.plans[template].for_steps(self._queues[template][0].steps)
                 group = self._free_group(plan.sp)
                 preempts: tuple[Preemption, ...] = ()
                 park_wait = 0.0
@@ -180,8 +184,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
                     if chosen is None:
                         break
                     group, preempts, park_wait = chosen
-                q = self._queues[template]
-                reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
+                reqs = self._take_batch(template, plan.batch)
                 a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
                 for p in preempts:
                     self._pause(p, a, now)
@@ -193,6 +196,21 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         if any(self._late.values()) and not any(self._queues.values()):
             started += self._start_late(now)  # nothing that can still meet its SLO waits
         return started
+
+    def _take_batch(self, template: str, size: int) -> tuple[Pending[P], ...]:
+        """Up to ``size`` queued requests of ``template`` for one batch, earliest deadline first: the
+        head's and those of the same step count only (a batch runs one step count; the others wait
+        for a batch of their own)."""
+        q = self._queues[template]
+        steps = q[0].steps
+        taken: list[Pending[P]] = []
+        kept: list[Pending[P]] = []
+        while q and len(taken) < size:
+            r = heapq.heappop(q)
+            (taken if r.steps == steps else kept).append(r)
+        for r in kept:
+            heapq.heappush(q, r)
+        return tuple(taken)
 
     def complete(self, batch_id: int) -> Assignment[P]:
         """Free the batch's workers (success or failure) and return its assignment. A batch the

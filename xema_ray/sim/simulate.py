@@ -44,6 +44,8 @@ class Arrival(BaseModel):
     t: float = Field(ge=0)
     template: str = Field(description="RequestTemplate.shape_key")
     request_id: str = ""
+    steps: int | None = Field(default=None, ge=1, description="its own denoising steps (None: the template's); "
+                              "the dispatcher batches one step count and scales latency and SLO by it")
 
 
 class TemplateStats(BaseModel):
@@ -233,7 +235,8 @@ def simulate(
             del running[vkey]
             paused_left[vkey] = latency - boundary
             offloaded[vkey] = pre.offload
-        latency = batch_latency(a.template, len(a.requests))
+        base = d.plans[a.template].latency_s  # a batch at its own step count: the dispatcher's scaling
+        latency = batch_latency(a.template, len(a.requests)) * (a.plan.latency_s / base if base > 0 else 1.0)
         own[key] = (latency, latency)
         return wait + latency + switch_cost(m, a.template, a.workers)
     offloaded: dict[tuple[str, int], bool] = {}
@@ -283,7 +286,7 @@ def simulate(
                 st.failed += 1
             else:
                 try:
-                    disps[model_of[arr.template]].submit(arr.template, arr.request_id, now)
+                    disps[model_of[arr.template]].submit(arr.template, arr.request_id, now, steps=arr.steps)
                 except Refused:
                     shed += 1
         else:

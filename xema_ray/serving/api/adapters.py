@@ -18,11 +18,18 @@ from pydantic import BaseModel, Field
 
 from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, PoolStats
 from xema_ray.serving.api.auth import admin_of
-from xema_ray.serving.api.errors import cause_of, error_response, exception_response
+from xema_ray.serving.api.errors import ErrorResponse, cause_of, error_response, exception_response
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.group.adapters import AdapterConflict
 
 adapters_api = APIRouter()
+
+
+def _errors(**statuses: str) -> dict[int | str, dict[str, Any]]:
+    return {int(k.removeprefix("s")): {"model": ErrorResponse, "description": v} for k, v in statuses.items()}
+
+
+_ADMIN = "managing adapters needs an admin API key (auth.api_keys[].admin), keys being set"
 
 
 class AdapterList(BaseModel):
@@ -72,7 +79,11 @@ class AdapterEndpoints:
         return error_response(403, "managing adapters needs an admin API key (auth.api_keys[].admin: true)",
                               "permission_error", code="admin_key_required")
 
-    @adapters_api.post("/v1/adapters", response_model=None, openapi_extra=request_body_doc(AdapterSource))
+    @adapters_api.post("/v1/adapters", response_model=None, status_code=201, openapi_extra=request_body_doc(AdapterSource),
+                       responses={201: {"model": AdapterInfo, "description": "loaded on every worker of the group"},
+                                  **_errors(s403=_ADMIN, s409="an adapter of that name is loaded (DELETE it first)",
+                                            s422="a field is bad, or the file cannot serve the model: names the "
+                                                 "adapter and the first offending key")})
     async def add_adapter(self, request: Request) -> Any:
         """Load an adapter file on every worker of its model's group, without a restart."""
         if (denied := self._forbidden(request)) is not None:
@@ -90,7 +101,7 @@ class AdapterEndpoints:
             return mapped
         return JSONResponse(status_code=201, content=info.model_dump(mode="json"))
 
-    @adapters_api.get("/v1/adapters", response_model=None)
+    @adapters_api.get("/v1/adapters", response_model=None, responses={200: {"model": AdapterList, "description": "the adapters"}})
     async def list_adapters(self) -> Any:
         """Every model's loaded adapters and its pools' residency."""
         models = sorted(self.groups)
@@ -100,7 +111,9 @@ class AdapterEndpoints:
                            pools={m: s for m, s in zip(models, stats, strict=True) if s})
         return JSONResponse(content=body.model_dump(mode="json"))
 
-    @adapters_api.delete("/v1/adapters/{name}", response_model=None)
+    @adapters_api.delete("/v1/adapters/{name}", response_model=None,
+                         responses=_errors(s403=_ADMIN, s404="no model has that adapter loaded",
+                                           s422="model names no served model"))
     async def delete_adapter(self, name: str, request: Request, model: str | None = None) -> Any:
         """Unload ``name`` (of ``?model=``, or of every model that has it)."""
         if (denied := self._forbidden(request)) is not None:

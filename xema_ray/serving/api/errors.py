@@ -5,11 +5,11 @@ this deployment does not serve, ``supported_templates``. Status codes:
 
 | status | type | when |
 | --- | --- | --- |
-| 400 | invalid_request_error | a well-formed request for a template this deployment does not serve |
+| 400 | invalid_request_error | a well-formed request for a template this deployment does not serve, or with an option its model does not take (``code: unsupported_option``) |
 | 404 / 405 | not_found_error | no such path / method |
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
-| 422 | invalid_request_error | a field is missing, malformed or out of range (``param`` names it) |
+| 422 | invalid_request_error | a field is missing, malformed or out of range — the model's own range too (``param`` names it); a request that failed inside its batch for its own input |
 | 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, a worker / replica / node died, or the batch ran out of device memory (``entry``, ``requested_bytes``, ``free_bytes`` say what); always with Retry-After |
 | 500 | server_error | a bug (never for a client's input) |
 

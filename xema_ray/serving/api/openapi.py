@@ -14,9 +14,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from xema_ray.lora.adapter import AdapterSource
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest
 from xema_ray.serving.api.auth import key_required
 from xema_ray.serving.api.errors import ErrorResponse
+from xema_ray.serving.api.options import document_options
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.templates import RequestTemplate
 
@@ -72,7 +74,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
         ref_template="#/components/schemas/{model}").items() if k != "$defs"}
     # the generation endpoints read their bodies themselves (``validation``: JSON or a form) and
     # refer to these by name
-    for model in (ImageRequest, VideoRequest, VideoCreate):
+    for model in (ImageRequest, VideoRequest, VideoCreate, AdapterSource):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(js.pop("$defs", {}))
         components.setdefault(model.__name__, js)
@@ -104,6 +106,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
             if text in props:
                 props[text] = {"anyOf": [{"type": "string", "maxLength": limits.max_text_chars}, {"type": "null"}],
                                **{k: v for k, v in props[text].items() if k not in ("anyOf", "type")}}
+    document_options(components, served, _REQUEST_KINDS)
     schema["info"]["x-limits"] = limits.model_dump()
     return schema
 

@@ -57,6 +57,8 @@ from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
+from xema_ray.models.options import OptionRefused
+from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
@@ -197,16 +199,11 @@ class Router(AdapterEndpoints):
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
-    def _template(self, model: str, size: str, frames: int, steps: int | None, kind: str) -> RequestTemplate:
+    def _template(self, model: str, size: str, frames: int, kind: str) -> RequestTemplate:
         width, height = parse_size(size)
-        t = match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
-        if steps is not None and steps != t.steps:
-            raise UnsupportedTemplate(
-                f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={steps}",
-                sorted(self.served), "num_inference_steps")
-        return t
+        return match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
 
-    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, guidance: float | None,
+    async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, opts: RequestOptions,
                         lora: list[LoraUse] | None = None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
@@ -215,7 +212,9 @@ class Router(AdapterEndpoints):
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
-                                                       seed=seed, guidance_scale=guidance, lora=tuple(lora or ())))
+                                                       seed=seed, guidance_scale=opts.guidance_scale,
+                                                       negative_prompt=opts.negative_prompt, steps=opts.steps,
+                                                       lora=tuple(lora or ())))
 
         async def result() -> GenerateResult:
             return await response
@@ -250,9 +249,12 @@ class Router(AdapterEndpoints):
             return _error(400, "response_format='url' needs the job store (jobs: in the deployment config)",
                           param="response_format")
         try:
-            t = self._template(req.model, req.size, 1, req.num_inference_steps, "image")
+            t = self._template(req.model, req.size, 1, "image")
+            opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        except OptionRefused as e:
+            return error_response(**option_error(e))
         batch = self.table.entries[t.shape_key].config.batch
         if req.n > batch:
             return _error(400, f"n={req.n} exceeds {t.shape_key}'s planned batch of {batch}; ask for n <= {batch}",
@@ -271,7 +273,7 @@ class Router(AdapterEndpoints):
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, req.guidance_scale, req.lora) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts, req.lora) for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=req.size,
@@ -359,12 +361,15 @@ class Router(AdapterEndpoints):
         self._count_received()
         req = await parse_request(request, VideoRequest)
         try:
-            t = self._template(req.model, req.size, req.num_frames, req.num_inference_steps, "video")
+            t = self._template(req.model, req.size, req.num_frames, "video")
+            opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
+        except OptionRefused as e:
+            return error_response(**option_error(e))
 
         async def run() -> Response:
-            out = await self._generate(t, req.prompt, req.seed, req.guidance_scale, req.lora)
+            out = await self._generate(t, req.prompt, req.seed, opts, req.lora)
             return Response(content=out.data, media_type="video/mp4",
                             headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
@@ -384,8 +389,10 @@ class Router(AdapterEndpoints):
         out = []
         for key, t in sorted(self.served.items()):
             e = self.table.entries[key]
+            rules = t.spec.option_rules()
             out.append(TemplateInfo(template=key, model=t.model, width=t.width, height=t.height, frames=t.frames,
-                                    steps=t.steps, latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
+                                    steps=t.steps, steps_range=(rules.steps_min, rules.steps_max),
+                                    options=rules.describe(), latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
         return out
 

@@ -79,6 +79,16 @@ class _Common(BaseModel):
     lora: list[LoraUse] | None = Field(
         default=None, max_length=16, description="LoRA adapters of the model (GET /v1/adapters) stacked on this request, "
                                                  "each {name, scale}; requests with different adapters share a batch")
+    negative_prompt: str | None = Field(default=None, description="what to steer away from: models that run "
+                                        "classifier-free guidance take it (see each model's options in /v1/templates)")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                         description="Qwen-Image's true classifier-free guidance scale (the same "
+                                                     "value as its guidance_scale); other models refuse it")
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _check_text(v, info, _limits.max_prompt_chars)
 
     @field_validator("size")
     @classmethod
@@ -163,6 +173,9 @@ class TemplateInfo(BaseModel):
     height: int
     frames: int
     steps: int
+    steps_range: tuple[int, int] | None = Field(default=None, description="num_inference_steps a request may ask for "
+                                                "(the same plan and layout serve them; latency and SLO scale)")
+    options: str | None = Field(default=None, description="the model's request options and their ranges")
     latent_length: int
     plan: str
     predicted_latency_s: float

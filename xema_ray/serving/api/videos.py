@@ -40,6 +40,9 @@ class VideoCreate(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
+    negative_prompt: str | None = Field(default=None, description="models that run classifier-free guidance take it")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                         description="Qwen-Image only (no video model takes it)")
     input_reference: Any = Field(default=None, description="not supported: image-to-video is not served")
 
     @field_validator("seconds", mode="before")
@@ -62,6 +65,14 @@ class VideoCreate(BaseModel):
     def _size(cls, v: str | None) -> str | None:
         if v is not None:
             parse_size(v)
+        return v
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative(cls, v: str | None) -> str | None:
+        limit = current_limits().max_prompt_chars
+        if v is not None and len(v) > limit:
+            raise ValueError(f"negative_prompt is {len(v)} characters; at most {limit} are accepted")
         return v
 
     @field_validator("prompt")
@@ -178,11 +189,7 @@ def map_video_request(req: VideoCreate, served: dict[str, RequestTemplate]) -> R
             raise UnsupportedTemplate(
                 f"{req.model} does not serve {req.seconds} s ({1 + round(want * fps)} frames at {fps:g} fps) at "
                 f"{t.width}x{t.height}; served: {_describe(ours)}", keys, "seconds")
-    if req.num_inference_steps is not None and req.num_inference_steps != t.steps:
-        raise UnsupportedTemplate(
-            f"{t.shape_key} is served with {t.steps} denoising steps, got num_inference_steps={req.num_inference_steps}", keys,
-            "num_inference_steps")
-    return t
+    return t  # the options (steps included) are the model's to check: ``xema_ray.serving.api.options``
 
 
 def video_view(rec: JobRecord, emulated: bool = False) -> Video:

@@ -22,6 +22,7 @@ from xema_ray.serving.group.messages import InvalidRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class AdapterConflict(AdapterRejected):
@@ -70,10 +71,10 @@ class GroupAdapters:
     config: Any  # ModelGroupConfig
     workers: Any  # WorkerSet
 
-    def _init_adapters(self) -> None:
+    def _init_adapters(self, previous: Callable[[Any], None] | None) -> None:
+        """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded."""
         self.adapter_names: set[str] = set()
         self._adapter_lock = asyncio.Lock()
-        previous = self.workers.on_loaded
 
         def loaded(result: Any) -> None:
             if previous is not None:
@@ -88,10 +89,22 @@ class GroupAdapters:
     def pool_config(self) -> LoraPoolConfig | None:
         return self.config.adapters
 
-    def check_lora(self, uses: Sequence[LoraUse]) -> None:
-        """A request's adapters, checked on arrival (``InvalidRequest``, HTTP 422, naming the first bad one)."""
+    def adapter_load(self) -> dict[str, Any]:
+        """The worker load config's adapter fields: the pool and the YAML folder's files."""
+        return {"adapters": self.pool_config, "adapter_sources": folder_sources(self.model, self.pool_config)}
+
+    def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]]) -> list[tuple[Any, list[T]]]:
+        """Each group's requests cut into runs that fit the pool's slots (one run per group when they
+        do): requests with different adapters share a batch."""
+        slots = self.pool_config.slots if self.pool_config is not None else 1
+        return [(key, run) for key, items in groups.items() for run in split_for_pool(items, uses, slots)]
+
+    def check_lora(self, request: R) -> R:
+        """A request's adapters (``request.lora``), checked on arrival (``InvalidRequest``, HTTP 422,
+        naming the first bad one); returns the request."""
+        uses: Sequence[LoraUse] = request.lora  # type: ignore[attr-defined]
         if not uses:
-            return
+            return request
         cfg = self.pool_config
         if cfg is None:
             raise InvalidRequest(f"{self.model} serves no LoRA adapters (its group has no `adapters:`)", "lora")
@@ -105,6 +118,7 @@ class GroupAdapters:
                                      f"lora[{i}].name")
         if len({u.name for u in uses}) != len(uses):
             raise InvalidRequest("lora: an adapter is named twice; give it one scale", "lora")
+        return request
 
     def _set_sources(self, sources: tuple[AdapterSource, ...]) -> None:
         spec = self.workers.spec

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xema_ray.lora import LoraUse
+from xema_ray.models.options import STEPS_MAX
 from xema_ray.runtime.engine import GenerationRequest, RequestOutput
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
 
@@ -55,6 +56,9 @@ class GroupRequest(BaseModel):
     seed: int
     guidance_scale: float | None = None
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
+    negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt")
+    steps: int | None = Field(default=None, description="denoising steps; None: the template's (the Router checked "
+                                                        "the model's range: ``xema_ray.models.options``)")
 
     def validated(self) -> GenerationRequest:
         """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
@@ -62,8 +66,12 @@ class GroupRequest(BaseModel):
         g = self.guidance_scale
         if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
             raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
+        if self.steps is not None and not (isinstance(self.steps, int) and 1 <= self.steps <= STEPS_MAX):
+            raise InvalidRequest(f"num_inference_steps must be in [1, {STEPS_MAX}], got {self.steps!r}",
+                                 "num_inference_steps")
         try:
-            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed, lora=self.lora)
+            return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed,
+                                     negative_prompt=self.negative_prompt, lora=self.lora)
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err.get("loc") else None

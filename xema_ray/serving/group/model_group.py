@@ -28,9 +28,10 @@ reaches a busy worker. A paused video job stays ``in_progress``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,8 @@ from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
-from xema_ray.serving.group.adapters import GroupAdapters, folder_sources, split_for_pool
+from xema_ray.serving.group.adapters import GroupAdapters
+from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
@@ -152,8 +154,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.plans_hash = plans_hash(self.entries)
         self.reload = PlanReload()
         self.workers = worker_set(self._worker_spec(self.entries, s))
-        self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
-        self._init_adapters()
+        self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status))  # workers.on_loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
 
@@ -167,10 +168,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
-                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
-                               adapters=c.adapters, adapter_sources=folder_sources(self.model, c.adapters))
-        return WorkerSetSpec(
-            device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
+                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes, **self.adapter_load())
+        return WorkerSetSpec(device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
             concurrency=WORKER_CONCURRENCY if self.policy is not None else 1,
             # a CUDA worker installs the static allocator when its plans carry layouts to arm
@@ -250,8 +249,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
 
     def _admit(self, req: GroupRequest) -> GenerationRequest:
         """``req`` checked (``InvalidRequest``, HTTP 422, if it cannot run here) and counted as an arrival."""
-        request = req.validated()
-        self.check_lora(request.lora)
+        request = self.check_lora(req.validated())
         if req.template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {req.template!r}", "size")
         self.note_arrival(req.template)
@@ -273,7 +271,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut))
+                                   _Ticket(request, req.guidance_scale, fut), steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -290,7 +288,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         ticket = _Ticket(request, req.guidance_scale, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
-                                                                                 ticket)):
+                                                                                 ticket, steps=req.steps)):
                 return False
         except OverflowError as e:  # the job went back to the store
             raise self._queue_full(req.template, e) from None
@@ -350,52 +348,63 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             t.future.set_exception(e)
 
     # ------------------------------------------------------------------ execute
-    async def _execute(self, a: Assignment[_Ticket]) -> dict[str, GenerateResult]:
-        """Run an assignment on its workers; requests with different guidance run as sub-batches."""
-        from xema_ray.runtime.engine import Batch
-
-        entry = self.entries[a.template]
+    async def _execute(self, a: Assignment[_Ticket]) -> tuple[dict[str, GenerateResult], dict[str, InvalidRequest]]:
+        """Run an assignment on its workers (requests with different guidance as sub-batches): the
+        outputs, and the requests failed for their own input (``isolation``: the others re-ran)."""
+        entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
         by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
-        arrived = {r.request_id: r.arrival for r in a.requests}
-        slots = self.config.adapters.slots if self.config.adapters is not None else 1
-        # requests with different adapters share a batch; one needing more adapters than the pool's slots is cut
-        sub_batches = [(g, run) for g, reqs in by_guidance.items()
-                       for run in split_for_pool(reqs, lambda r: _ticket(r).request.lora, slots)]
-        for guidance, reqs in sub_batches:
-            jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
-            if jobs:  # a job deleted while queued is dropped here; the rest are in_progress from now
-                started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
-                reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
-                jobs = [j for j in jobs if j in started]
-                if not reqs:
-                    continue
-            observer = self.jobs.observer(jobs, len(reqs) - len(jobs), self.estimates[a.template])
-            batch = Batch(
-                config=entry.config.for_batch(len(reqs)),
-                requests=tuple(_ticket(r).request for r in reqs),
-                guidance_scale=guidance,
-            )
-            t0 = time.monotonic()
-            try:
-                results = await self.runner.run_sub_batch(a, batch, observer, f"{a.batch_id}.{len(outputs)}")
-            except BatchCancelled:
-                continue  # every member was deleted: the workers stopped at a step boundary
-            seconds = time.monotonic() - t0
-            lead = next(r for r in results if r.sp_rank == 0)
-            self.metrics.observe_batch(a.template, len(reqs), lead)
-            self.layout_counters.observe(a.template, lead)
-            self.estimates[a.template] = PhaseEstimate.from_timings(entry.config.template.steps, lead.timings)
-            self._tell_phases(a.template, self.estimates[a.template])
-            for out in lead.outputs:
-                # where it ran travels with the result: the router exposes it as response headers
-                outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                         workers=a.workers, batch_seconds=seconds,
-                                                         queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                         replica=self.owner)
-        return outputs
+        failed: dict[str, InvalidRequest] = {}
+        for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora):  # adapters: GroupAdapters
+            failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
+                a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun)))
+        return outputs, failed
+
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
+                                 Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> None:
+        """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started before."""
+        from xema_ray.runtime.engine import Batch
+
+        arrived = {r.request_id: r.arrival for r in reqs}
+        steps = a.plan.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
+        estimate = replace(self.estimates[a.template], steps=steps)
+        jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
+        if jobs and not rerun:  # a job deleted while queued is dropped here; the rest are in_progress from now
+            started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
+            reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
+            jobs = [j for j in jobs if j in started]
+            if not reqs:
+                return
+        observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate)
+        batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
+                      guidance_scale=guidance, steps=None if steps == entry.config.template.steps else steps)
+        t0 = time.monotonic()
+        try:
+            results = await self.runner.run_sub_batch(a, batch, observer, label)
+        except BatchCancelled:
+            return  # every member was deleted: the workers stopped at a step boundary
+        seconds = time.monotonic() - t0
+        lead = next(r for r in results if r.sp_rank == 0)
+        self.metrics.observe_batch(a.template, len(reqs), lead)
+        self.layout_counters.observe(a.template, lead)
+        # measured at the batch's step count, kept at the template's (the time per step is the same)
+        self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
+                                             steps=entry.config.template.steps)
+        self._tell_phases(a.template, self.estimates[a.template])
+        for out in lead.outputs:
+            # where it ran travels with the result: the router exposes it as response headers
+            outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
+                                                     workers=a.workers, batch_seconds=seconds,
+                                                     queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                                     replica=self.owner)
+
+    async def _fail(self, t: _Ticket, e: Exception) -> None:
+        if t.job_id is not None:
+            await self.jobs.failed(t.job_id, e)
+        elif t.future is not None and not t.future.done():
+            t.future.set_exception(e)
 
     async def _run(self, a: Assignment[_Ticket], decided: float | None = None) -> None:
         started = time.monotonic()
@@ -407,7 +416,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             for attempt in (1, 2):
                 generation = self.workers.generation
                 try:
-                    outputs = await self._execute(a)
+                    outputs, failed = await self._execute(a)
                     break
                 except WorkerDied as e:
                     if attempt == 2:
@@ -419,6 +428,10 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             # complete: each result to its caller (or the job store); the dispatcher is told below
             for r in a.requests:
                 t = _ticket(r)
+                if r.request_id in failed:  # its own input failed it (422); its neighbours were served
+                    self.metrics.failed.inc(tags={"template": a.template})
+                    await self._fail(t, failed[r.request_id])
+                    continue
                 if t.job_id is not None:
                     if r.request_id in outputs:  # absent: deleted while queued or running
                         await self.jobs.store_result(t.job_id, outputs[r.request_id])
@@ -433,11 +446,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 self.metrics.out_of_memory.inc(tags={"template": a.template})
                 self.layout_counters.out_of_memory(a.template, str(cause))
             for r in a.requests:
-                t = _ticket(r)
-                if t.job_id is not None:
-                    await self.jobs.failed(t.job_id, e)
-                elif t.future is not None and not t.future.done():
-                    t.future.set_exception(e)
+                await self._fail(_ticket(r), e)
             self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
         finally:
             self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor

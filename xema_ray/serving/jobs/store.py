@@ -82,6 +82,8 @@ class JobRecord(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    negative_prompt: str | None = Field(default=None, description="None: the model's default")
+    steps: int | None = Field(default=None, description="denoising steps; None: the template's")
     size: str = Field(description="served WIDTHxHEIGHT")
     seconds: str = Field(description="served duration")
     frames: int

@@ -37,6 +37,8 @@ from xema_ray.serving.jobs.store import (
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
 from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueFull
+from xema_ray.models.options import OptionRefused
+from xema_ray.serving.api.options import option_error, resolve_options, scaled_to_steps
 from xema_ray.serving.api.validation import parse_request
 from xema_ray.serving.api.videos import (
     VideoCreate,
@@ -130,15 +132,20 @@ class VideoJobs:
                            param="input_reference")
         try:
             t = map_video_request(req, self.served)
+            opts = resolve_options(t, self.served, req)
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
                            supported_templates=e.supported) from None
+        except OptionRefused as e:
+            err = option_error(e)
+            raise ApiError(err["status"], err["message"], param=err["param"], code=err["code"]) from None
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        predicted = await self._predicted_s(t)
+        predicted = scaled_to_steps(await self._predicted_s(t), t, opts.steps)
         store = self.store()
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
-                        guidance_scale=req.guidance_scale, size=f"{t.width}x{t.height}", seconds=served_seconds(t),
+                        guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
+                        size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant)
         try:
             rec = await self._call(store.create, rec, self.max_jobs_in_flight if tenant is not None else None)
@@ -234,7 +241,7 @@ class VideoJobs:
     async def _dispatch(self, rec: JobRecord) -> bool:
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale)))
+            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps)))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""

@@ -1,0 +1,126 @@
+"""The per-request options (``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``,
+``num_inference_steps``) checked against the model's own rules before admission, and resolved into
+what the model group runs (``RequestOptions``).
+
+Every generation endpoint calls ``resolve_options`` after it has matched the template: a value the
+model's pipeline would refuse is a 422 naming the field and the model's range, an option the model
+does not take a 400 naming the served models that do (``xema_ray.models.options``). Nothing that
+passes here can fail its batch for a range the pipeline enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from xema_ray.models.options import OptionRefused, OptionRules
+from xema_ray.profiling.phases import fallback_shares
+from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.templates import RequestTemplate
+
+
+class RequestOptions(BaseModel):
+    """A request's options as its model group runs them (None: the template's / model's default)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    guidance_scale: float | None = Field(default=None, description="the guidance (Qwen-Image: the true CFG scale)")
+    negative_prompt: str | None = Field(default=None, description="replaces the model's default negative prompt")
+    steps: int | None = Field(default=None, description="denoising steps; None: the template's")
+
+
+def takers(served: dict[str, RequestTemplate]) -> dict[str, list[str]]:
+    """Option -> the served models whose pipeline takes it (for a 400's message)."""
+    out: dict[str, list[str]] = {"negative_prompt": [], "true_cfg_scale": []}
+    for model in sorted({t.model for t in served.values()}):
+        rules = rules_of(model, served)
+        if rules.negative_prompt:
+            out["negative_prompt"].append(model)
+        if rules.true_cfg_scale:
+            out["true_cfg_scale"].append(model)
+    return out
+
+
+def rules_of(model: str, served: dict[str, RequestTemplate]) -> OptionRules:
+    """``model``'s option rules (its spec's; the first served template names the spec)."""
+    t = next(t for t in served.values() if t.model == model)
+    return t.spec.option_rules()
+
+
+def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req: Any) -> RequestOptions:
+    """``req``'s options for template ``t``, checked. Raises ``OptionRefused`` (422 / 400).
+
+    Args:
+        t: the template the request maps to.
+        served: every served template (for the models named in a 400).
+        req: the parsed request (``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``,
+            ``num_inference_steps``; a missing attribute counts as not given).
+    """
+    guidance = getattr(req, "guidance_scale", None)
+    negative = getattr(req, "negative_prompt", None)
+    true_cfg = getattr(req, "true_cfg_scale", None)
+    steps = getattr(req, "num_inference_steps", None)
+    rules = t.spec.option_rules()
+    rules.check(t.model, guidance, negative, true_cfg, steps, takers(served))
+    if true_cfg is not None:  # the model's guidance is its true CFG scale (OptionRules.true_cfg_scale)
+        if guidance is not None and guidance != true_cfg:
+            raise OptionRefused(f"{t.model}: guidance_scale ({guidance!r}) and true_cfg_scale ({true_cfg!r}) are the "
+                                "same scale for this model; give one, or the same value", "true_cfg_scale")
+        guidance = true_cfg
+    return RequestOptions(guidance_scale=guidance, negative_prompt=negative,
+                          steps=None if steps is None or steps == t.steps else steps)
+
+
+def option_error(e: OptionRefused) -> dict[str, Any]:
+    """``error_response`` keyword arguments for a refused option."""
+    return {"status": e.status, "message": str(e), "param": e.param,
+            "code": "unsupported_option" if e.status == 400 else "out_of_range"}
+
+
+def scaled_to_steps(seconds: float, t: RequestTemplate, steps: int | None) -> float:
+    """A prediction for ``t`` at its own step count, scaled to ``steps`` (None: unchanged): the
+    denoising share (``fallback_shares``) scales with the steps, the rest does not."""
+    if steps is None or steps == t.steps:
+        return seconds
+    d = fallback_shares(t.spec.kind == "video").denoise
+    plan = DispatchPlan(batch=1, sp=1, slo_s=seconds, latency_s=seconds, steps=t.steps, denoise_frac=d,
+                        decode_encode_frac=1.0 - d)
+    return plan.for_steps(steps).latency_s
+
+
+def document_options(components: dict[str, Any], served: dict[str, RequestTemplate],
+                     kinds: dict[str, str]) -> None:
+    """Each request schema of ``kinds`` (schema name -> model kind) gets its served models' option
+    rules: ``x-model-options`` (per model: guidance range, steps range, whether it takes a
+    negative prompt / true CFG), a line per model in the options' descriptions, and the options'
+    bounds narrowed to the widest any of these models accepts."""
+    for name, kind in kinds.items():
+        schema = components.get(name)
+        props = schema.get("properties") if schema else None
+        if schema is None or props is None:
+            continue
+        rules = {m: rules_of(m, served) for m in sorted({t.model for t in served.values() if t.spec.kind == kind})}
+        if not rules:
+            continue
+        schema["x-model-options"] = {m: {"guidance_scale": {"minimum": r.guidance_min, "maximum": r.guidance_max},
+                                         "num_inference_steps": {"minimum": r.steps_min, "maximum": r.steps_max},
+                                         "negative_prompt": r.negative_prompt, "true_cfg_scale": r.true_cfg_scale}
+                                     for m, r in rules.items()}
+        per_model = "; ".join(f"{m}: {r.describe()}" for m, r in rules.items())
+        for option in ("guidance_scale", "num_inference_steps", "negative_prompt", "true_cfg_scale"):
+            if option in props:
+                base = props[option].get("description", "")
+                props[option]["description"] = (base + ". " if base else "") + f"Per model (x-model-options): {per_model}"
+        steps_max = max(r.steps_max for r in rules.values())
+        _bound(props.get("num_inference_steps"), "maximum", steps_max)
+        _bound(props.get("guidance_scale"), "minimum", min(r.guidance_min for r in rules.values()))
+
+
+def _bound(prop: dict[str, Any] | None, key: str, value: float) -> None:
+    """Set ``key`` on the number branch of an optional field's schema."""
+    if prop is None:
+        return
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("integer", "number"):
+            branch[key] = value
