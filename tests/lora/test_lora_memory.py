@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from planner.traces import TraceCache
@@ -41,3 +42,12 @@ def test_verify_loads_the_pool_and_runs_every_sample_with_adapters() -> None:
     # the stacks are placed at load (with one 512-byte scalar the worst-case adapters are views of)
     assert adapted.load_peak_bytes - plain.load_peak_bytes == _pool_bytes() + 512
     assert adapted.device_peak_bytes >= plain.device_peak_bytes + _pool_bytes()
+
+
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-ltx2", "tiny-wan2.2"])
+def test_every_linear_layer_of_the_video_models_takes_per_sample_deltas(model: str) -> None:
+    """CFG rows (CogVideoX), audio and video streams (LTX-2), two experts (Wan2.2): every linear
+    layer's input holds whole samples (rows a multiple of the batch), so the deltas run at batch 2."""
+    t = RequestTemplate(model=model, width=64, height=64, frames=9, steps=2, batch=2)
+    adapted = trace_with_adapters(t, POOL)
+    assert adapted.resident_bytes() > trace_template(t).resident_bytes()
