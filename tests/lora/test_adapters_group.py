@@ -132,6 +132,13 @@ def test_hot_added_adapter_serves_then_is_removed(group: Harness, files: dict[st
         group.call(lambda g: g.generate(_req("c3", 5, (("C", 1.0),))))
 
 
+def test_a_request_whose_adapter_was_deleted_while_it_waited_fails_alone(group: Harness) -> None:
+    failed: dict[str, InvalidRequest] = {}
+    reqs = [_req("w0", 1, (("A", 1.0),)), _req("w1", 2, (("gone", 1.0),)), _req("w2", 3)]
+    runs = group.group.fit_pool({None: reqs}, lambda r: r.lora, failed, lambda r: r.request_id)
+    assert runs == [(None, [reqs[0], reqs[2]])] and list(failed) == ["w1"] and "'gone'" in str(failed["w1"])
+
+
 def test_a_batch_needing_more_adapters_than_slots_is_cut() -> None:
     u = {n: (LoraUse(name=n),) for n in "abc"}
     runs = split_for_pool([u["a"], u["b"], (), u["c"], u["a"]], lambda x: x, 2)

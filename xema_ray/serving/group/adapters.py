@@ -93,11 +93,22 @@ class GroupAdapters:
         """The worker load config's adapter fields: the pool and the YAML folder's files."""
         return {"adapters": self.pool_config, "adapter_sources": folder_sources(self.model, self.pool_config)}
 
-    def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]]) -> list[tuple[Any, list[T]]]:
+    def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]],
+                 failed: dict[str, InvalidRequest], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
         """Each group's requests cut into runs that fit the pool's slots (one run per group when they
-        do): requests with different adapters share a batch."""
+        do): requests with different adapters share a batch. A request naming an adapter deleted
+        while it waited goes to ``failed`` (HTTP 422 naming it) instead of failing its batch."""
         slots = self.pool_config.slots if self.pool_config is not None else 1
-        return [(key, run) for key, items in groups.items() for run in split_for_pool(items, uses, slots)]
+        kept: dict[Any, list[T]] = {}
+        for key, items in groups.items():
+            for it in items:
+                gone = [u.name for u in uses(it) if u.name not in self.adapter_names]
+                if gone:
+                    failed[rid(it)] = InvalidRequest(f"lora: adapter {gone[0]!r} was deleted while the request "
+                                                     "waited; it is no longer loaded", "lora")
+                else:
+                    kept.setdefault(key, []).append(it)
+        return [(key, run) for key, items in kept.items() for run in split_for_pool(items, uses, slots)]
 
     def check_lora(self, request: R) -> R:
         """A request's adapters (``request.lora``), checked on arrival (``InvalidRequest``, HTTP 422,
@@ -155,8 +166,15 @@ class GroupAdapters:
         async with self._adapter_lock:
             if name not in self.adapter_names:
                 return False
-            self.adapter_names.discard(name)  # new requests are refused from now on
-            await self.workers.collective_rpc("remove_adapter", args=(name,))
+            self.adapter_names.discard(name)  # new requests are refused, queued ones fail alone (fit_pool)
+            while True:  # a batch running with it keeps it until it ends
+                try:
+                    await self.workers.collective_rpc("remove_adapter", args=(name,))
+                    break
+                except Exception as e:  # noqa: BLE001 — only "in use" is retried
+                    if not isinstance(_cause(e), AdapterRejected):
+                        raise
+                    await asyncio.sleep(0.05)
             self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
             return True
 

@@ -357,7 +357,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, InvalidRequest] = {}
-        for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora):  # adapters: GroupAdapters
+        for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id):
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
                 a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun)))
         return outputs, failed
