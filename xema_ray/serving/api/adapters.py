@@ -23,6 +23,8 @@ from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.group.adapters import AdapterConflict
 
 adapters_api = APIRouter()
+#: longest wait for a group's pool counters (a group that answers later is left out of that answer)
+STATS_TIMEOUT_S = 5.0
 
 
 def _errors(**statuses: str) -> dict[int | str, dict[str, Any]]:
@@ -105,10 +107,10 @@ class AdapterEndpoints:
     async def list_adapters(self) -> Any:
         """Every model's loaded adapters and its pools' residency."""
         models = sorted(self.groups)
-        lists = await asyncio.gather(*(self.groups[m].list_adapters.remote() for m in models))
-        stats = await asyncio.gather(*(self.groups[m].adapter_stats.remote() for m in models))
-        body = AdapterList(data=[i for infos in lists for i in infos],
-                           pools={m: s for m, s in zip(models, stats, strict=True) if s})
+        lists = await asyncio.gather(*(self.groups[m].list_adapters.remote() for m in models), return_exceptions=True)
+        pools = await self.adapter_pool_stats(STATS_TIMEOUT_S)
+        # a group still starting (or being rebuilt) has no workers to ask: its adapters are listed once it serves
+        body = AdapterList(data=[i for infos in lists if not isinstance(infos, BaseException) for i in infos], pools=pools)
         return JSONResponse(content=body.model_dump(mode="json"))
 
     @adapters_api.delete("/v1/adapters/{name}", response_model=None,
