@@ -14,6 +14,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from deployments.console_traces import trace_view
 from deployments.planning import load_or_plan
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import phase_shares
@@ -162,4 +163,4 @@ def build_app(args: dict[str, Any]) -> Application:
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
-                       emulated=cfg.device == "emulated", auth=cfg.auth)
+                       emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view)

@@ -115,6 +115,11 @@ class TracePlannerModel:
     def latency(self, config: ExecutionConfig) -> float:
         return self.latency_fn(config)
 
+    def reserved_curve(self, config: ExecutionConfig) -> tuple[np.ndarray, TraceProfile]:
+        """Reserved bytes per GPU at every event of the trace under ``config`` (what ``memory``
+        reads its peak and pressure intervals from), and the trace's profile (the console plots it)."""
+        return self._memory.reserved_curve(config)
+
     def full_mitigation(self, config: ExecutionConfig) -> tuple[Mitigation, ...]:
         n = len(self._blocks)
         strongest_vae = self.vae.shapes([])[-1][1]

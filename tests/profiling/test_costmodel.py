@@ -100,3 +100,30 @@ def test_estimate_is_cheap() -> None:
 def test_error_raised_if_config_needs_more_gpus_than_the_box() -> None:
     with pytest.raises(ValueError, match="needs 16 GPUs"):
         estimate_latency(ExecutionConfig(template=COG720, ulysses=8, dp=2), H200.model_copy(update={"gpus": 8}))
+
+
+def test_a_store_record_another_version_wrote_is_left_out_not_fatal(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The start-up cache (~/.cache/xema-ray/profiles.json) is shared by every version a user runs:
+    a record whose template has a field this build does not know is skipped, the rest are read."""
+    import json
+
+    cfg = ExecutionConfig(template=COG720)
+    good = RequestRecord(fingerprint="f", model="cogvideox-5b", template=COG720.key, config_hash=cfg.config_hash(),
+                         source="measured", total_s=1.0, per_phase={"denoise": 1.0}, steps=50, measured_at=0.0, config=cfg)
+    path = tmp_path / "profiles.json"
+    store = ProfileStore(path)
+    store.put_request(good)
+    store.save()
+    raw = json.loads(path.read_text())
+    alien = json.loads(json.dumps(raw["requests"][0]))
+    alien["config_hash"] = "other"
+    alien["config"]["template"]["a_field_from_another_version"] = 1
+    raw["requests"].append(alien)
+    path.write_text(json.dumps(raw))
+    with caplog.at_level("WARNING"):
+        again = ProfileStore(path)
+    assert again.requests() == [good] and "1 record(s) this build cannot read" in caplog.text
+    raw["schema_version"] = -1  # a store of another layout altogether is still refused, by name
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="schema version -1"):
+        ProfileStore(path)

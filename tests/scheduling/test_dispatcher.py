@@ -106,3 +106,15 @@ def test_requests_of_different_step_counts_batch_apart_with_scaled_latency_and_d
     assert b.plan.latency_s == pytest.approx(10.0 * (0.2 + 0.8 * 5)) and b.plan.slo_s == pytest.approx(20.0 * 4.2)
     assert b.requests[0].deadline == pytest.approx(20.0 * 4.2) and a.plan is plan
     assert b.plan.peak_bytes == plan.peak_bytes
+
+
+def test_late_requests_start_in_batches_of_one_step_count() -> None:
+    from xema_ray.plan import AdmissionPolicy
+
+    plan = DispatchPlan(batch=4, sp=1, slo_s=1.0, latency_s=10.0, steps=10)  # every request is late at once
+    d: Dispatcher[None] = Dispatcher({"t": plan}, workers=2, wait_window_s=0.0,
+                                     admission=AdmissionPolicy(late="deprioritise"))
+    for i, steps in enumerate([None, 20, None, 20]):
+        d.submit("t", f"r{i}", now=0.0, steps=steps)
+    batches = {tuple(r.request_id for r in a.requests): a.plan.steps for a in d.dispatch(now=0.5)}
+    assert batches == {("r0", "r2"): 10, ("r1", "r3"): 20}

@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from pathlib import Path
 from collections.abc import Iterable
@@ -113,7 +115,7 @@ def device_peaks(raw: RawTrace) -> tuple[int, int]:
 def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
                 group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
                 layouts_dir: Path | None = None, replay_blocks: bool = False,
-                adapters: LoraPoolConfig | None = None) -> tuple[LoadedModel | None, str | None]:
+                one_expert: bool = False, adapters: LoraPoolConfig | None = None) -> tuple[LoadedModel | None, str | None]:
     """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
     meta under ``tracer``; (what the load placed, error). ``replay_blocks``: the
     analyzer's block replay (``xema_ray.analyzer.block_replay``, exact) beneath the batch's hooks,
@@ -160,7 +162,10 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
             # replay beneath the hooks the engine installs for the batch (its ``inner_env``)
             with assembled(engine.pipe, tracer, "meta", markers=markers, replay_blocks=replay_blocks,
                            beneath=lambda install: setattr(engine, "inner_env", install)):
-                worker.execute(batch)
+                # steps to be replicated must be alike: a two-expert model's call runs one expert
+                # for all of them, as the analyzer traces it (both allocate alike)
+                with config.template.spec.one_expert_call(engine.pipe) if one_expert else contextlib.nullcontext():
+                    worker.execute(batch)
         return loaded, None
     except Exception as e:  # noqa: BLE001 — reported per entry: one bad plan must not hide the others
         return loaded, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -199,8 +204,13 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
 
     tracer = AllocationTracer("meta", {})
     spec = config.template.spec
-    _, error = _run_worker(config, min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime)),
-                           tracer, markers=True, layouts_dir=layouts_dir, replay_blocks=replay_blocks)
+    traced = min(config.template.steps, steps_to_trace(spec.settling_steps, spec.step_lifetime))
+    if config.experts is not None and config.experts.strategy == "swap_prefetched":
+        # the swap's steps differ by design (the prefetch, the switch): every step is traced
+        traced = max(config.template.steps, *(steps or ()))
+    two_experts = len(spec.expert_stages(config.template)) > 1
+    _, error = _run_worker(config, traced, tracer, markers=True, layouts_dir=layouts_dir, replay_blocks=replay_blocks,
+                           one_expert=two_experts and traced < config.template.steps)
     if error is not None:
         raise RuntimeError(f"{config.template.shape_key} ({config.describe()}): the worker failed: {error}")
     raw = tracer.raw()

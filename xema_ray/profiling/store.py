@@ -19,16 +19,19 @@ profiler's ``unit:<unit>@<phase>`` / ``untraced:<phase>`` signatures); it is rea
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xema_ray.plan import ExecutionConfig
 from xema_ray.vocabulary import LatencySource, PhaseKeyed, TimedSource, read_stored_phase
+
+logger = logging.getLogger(__name__)
 
 STORE_SCHEMA_VERSION = 1
 
@@ -129,16 +132,22 @@ class ProfileStore:
         os.replace(tmp, self.path)
 
     def _load(self, path: Path) -> None:
-        data = ProfileStoreFile.model_validate(_stored_phases(json.loads(path.read_text())))
-        if data.schema_version != STORE_SCHEMA_VERSION:
-            raise ValueError(
-                f"profile store {path} has schema version {data.schema_version}; this build reads {STORE_SCHEMA_VERSION}"
-            )
-        for s in data.segments:
-            self.put_segment(s)
-        for r in data.requests:
-            self.put_request(r)
-
+        raw = _stored_phases(json.loads(path.read_text()))
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        if version != STORE_SCHEMA_VERSION:
+            raise ValueError(f"profile store {path} has schema version {version}; this build reads {STORE_SCHEMA_VERSION}")
+        # record by record: one a newer or older build wrote (a template field this build does not
+        # know) is left out with a warning, not a start-up refused over a cache entry
+        skipped = 0
+        for kind, put in ((SegmentRecord, self.put_segment), (RequestRecord, self.put_request)):
+            for item in raw.get("segments" if kind is SegmentRecord else "requests", []):
+                try:
+                    put(kind.model_validate(item))
+                except ValidationError:
+                    skipped += 1
+        if skipped:
+            logger.warning("profile store %s: %d record(s) this build cannot read were left out (another version "
+                           "wrote them); they are measured again and rewritten", path, skipped)
 
 
 def _stored_signature(signature: str) -> str:

@@ -11,7 +11,6 @@ checks a file completely before the pool knows it, so a refused file changes not
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from xema_ray.lora import AdapterInfo, AdapterPool, AdapterRejected, AdapterSource, LoraUse, PoolStats, read_adapter
@@ -24,29 +23,15 @@ if TYPE_CHECKING:
     from xema_ray.runtime.engine import ExecutionEngine
 
 
-def batch_adapters(engine: ExecutionEngine, adapters: Sequence[tuple[LoraUse, ...]] | None,
-                   samples: int) -> list[tuple[LoraUse, ...]] | None:
-    """A batch's per-sample adapters checked against the engine (None: no sample uses one); resets
-    the calling thread's count of seconds waited for copies (``enter_adapters`` adds to it)."""
-    engine._local.adapter_wait = (0.0, 0)
+def enter_adapters(env: contextlib.ExitStack, engine: ExecutionEngine, adapters: list[tuple[LoraUse, ...]] | None) -> None:
+    """Activate the batch's per-sample adapters in the pool for ``env``'s life, copying any that
+    are not resident (the batch waits for the copies: they are part of its latency, and the
+    pool counts them, ``PoolStats.wait_s``). None or no sample with adapters: nothing to do."""
     if adapters is None or not any(adapters):
-        return None
-    if len(adapters) != samples:
-        raise ValueError(f"{samples} prompts but adapters for {len(adapters)} samples")
+        return
     if engine.adapters is None:
         raise ValueError(f"{engine.spec.name} serves no LoRA adapters here (no adapter pool was loaded)")
-    return list(adapters)
-
-
-def enter_adapters(env: contextlib.ExitStack, engine: ExecutionEngine, adapters: list[tuple[LoraUse, ...]] | None) -> None:
-    """Activate the batch's adapters in the pool for ``env``'s life (copying any that are not
-    resident; the wait is added to the thread's count, part of the batch's latency)."""
-    if adapters is None or engine.adapters is None:
-        return
-    act = env.enter_context(engine.adapters.activate(adapters))
-    if act is not None:
-        waited, copied = engine._local.adapter_wait
-        engine._local.adapter_wait = (waited + act.wait_s, copied + act.copied)
+    env.enter_context(engine.adapters.activate(adapters))
 
 
 class WorkerAdapters:

@@ -39,11 +39,11 @@ from xema_ray.parallel.groups import ProcessGroups
 from xema_ray.parallel.sp import SPBackend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
-from xema_ray.runtime.adapters import AdapterPool, LoraUse, batch_adapters, enter_adapters  # LoRA (xema_ray.lora)
+from xema_ray.runtime.adapters import AdapterPool, LoraUse, enter_adapters  # LoRA adapters (xema_ray.lora)
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
-from xema_ray.runtime.request_errors import attributed, encode_attributed
+from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
@@ -145,7 +145,6 @@ class BatchResult(BaseModel):
     layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")
     pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
-    adapter_wait_s: float = Field(default=0.0, ge=0, description="seconds waited for LoRA adapters' copies into the pool")
 
 
 @contextlib.contextmanager
@@ -349,7 +348,6 @@ class ExecutionEngine:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         ids = request_ids if request_ids is not None else [str(i) for i in range(len(prompts))]
-        per_sample = batch_adapters(self, adapters, len(prompts))  # also resets this thread's wait count
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
         if steps is not None and steps != template.steps:
@@ -360,23 +358,26 @@ class ExecutionEngine:
             call_kwargs = self.spec.call_kwargs(template, guidance_scale)
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
+        with self.platform.running():  # before the layout is armed: the solved stream has only the default's
+            own_negatives = encode_negatives(self.prompts, negative_prompts, ids)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
-            env = [self._batch_env(config, group, arm=armed, adapters=per_sample)]
+            env = [self._batch_env(config, group, arm=armed, adapters=adapters)]
             stack.callback(lambda: env[0].close())
 
             def detach() -> None:  # a pause takes the batch's hooks off the shared pipeline ...
                 env[0].close()
 
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
-                env[0] = self._batch_env(config, group, arm=False, adapters=per_sample)  # its allocation order restarted)
+                env[0] = self._batch_env(config, group, arm=False, adapters=adapters)  # its allocation order restarted)
             if self.shape_only:
                 from xema_ray.analyzer.assembly import shape_only_execution
 
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = encode_attributed(self.prompts, list(prompts), negative_prompts, ids)
+            self.last_prompts = encode_attributed(self.prompts, list(prompts), ids, own_negatives)
+            own_negatives = None  # copied into the default rows: freed, the batch holds what was planned
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
             clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
@@ -456,7 +457,6 @@ class ExecutionEngine:
             memory=self.platform.memory_stats(),
             mitigations=len(config.mitigations),
             layout_armed=armed,
-            adapter_wait_s=self._local.adapter_wait[0],
         )
 
     # ------------------------------------------------------------------ outputs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,24 +83,40 @@ def _encode(encoder: PromptEncoder, texts: list[str], ids: list[str], what: str)
                             what.replace(" ", "_")) from e
 
 
-def encode_attributed(encoder: PromptEncoder, prompts: list[str], negatives: list[str | None] | None,
-                      ids: list[str]) -> EncodedPrompts:
-    """``encoder.encode(prompts)`` with each request's own negative prompt (None: the model's
-    default) in place of the default row; a failure pinned on its requests (``RequestFailed``)."""
+@dataclass
+class Negatives:
+    """Requests' own negative prompts, encoded: ``rows`` of the batch, their encoded inputs."""
+
+    rows: list[int]
+    encoded: EncodedPrompts
+
+
+def encode_negatives(encoder: PromptEncoder, negatives: list[str | None] | None, ids: list[str]) -> Negatives | None:
+    """The batch's own negative prompts (None where a request has none), encoded as prompts are;
+    None when no request has one. Run before the batch's static layout is armed: these
+    allocations are not in the stream the layout was solved for (the default negative's are)."""
+    rows = [i for i, n in enumerate(negatives or []) if n is not None]
+    if not rows:
+        return None
+    assert negatives is not None
+    return Negatives(rows, _encode(encoder, [negatives[i] or "" for i in rows], [ids[i] for i in rows], "negative prompt"))
+
+
+def encode_attributed(encoder: PromptEncoder, prompts: list[str], ids: list[str],
+                      negatives: Negatives | None = None) -> EncodedPrompts:
+    """``encoder.encode(prompts)``, a failure pinned on its requests (``RequestFailed``), with
+    each request's own negative prompt (``encode_negatives``) copied over the model's default
+    row in place (views only: no allocation the layout did not plan)."""
     out = _encode(encoder, prompts, ids, "prompt")
-    given = [i for i, n in enumerate(negatives or []) if n is not None]
-    if not given:
+    if negatives is None:
         return out
     pairs = {k: f"negative_{k}" for k in out.inputs if k.startswith("prompt_") and f"negative_{k}" in out.inputs}
     if not pairs:
         raise RequestFailed("negative_prompt: this model runs no classifier-free guidance pass",
-                            tuple(ids[i] for i in given), "negative_prompt")
-    assert negatives is not None
-    neg = _encode(encoder, [negatives[i] or "" for i in given], [ids[i] for i in given], "negative prompt")
-    rows = list(given)
+                            tuple(ids[i] for i in negatives.rows), "negative_prompt")
     for pos_key, neg_key in pairs.items():
-        merged = out.inputs[neg_key].clone()
-        merged[rows] = neg.inputs[pos_key].to(device=merged.device, dtype=merged.dtype)
-        out.inputs[neg_key] = merged
-    out.seconds += neg.seconds
+        dst, src = out.inputs[neg_key], negatives.encoded.inputs[pos_key]
+        for j, i in enumerate(negatives.rows):
+            dst[i].copy_(src[j])
+    out.seconds += negatives.encoded.seconds
     return out

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending, pop_batch
 
 
 class Refused(OverflowError):
@@ -46,13 +46,14 @@ class SloAdmission(Generic[P]):
         """Move queued requests that can no longer meet their SLO (even started now, alone) to the
         late queues; under ``shed``, drop them instead while requests that still can are waiting."""
         for template, q in self._queues.items():
-            plan = self.plans[template]
-            fastest = plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
-            if not q or now + fastest <= q[0].deadline + 1e-9:
-                continue  # the head (earliest deadline) can still make it, so can the rest
-            keep = [r for r in q if now + fastest <= r.deadline + 1e-9]
+            def fastest(r: Pending[P], template: str = template) -> float:  # alone, at its own step count
+                plan = self.plans[template].for_steps(r.steps)
+                return plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
+            if not q or all(now + fastest(r) <= r.deadline + 1e-9 for r in q):
+                continue
+            keep = [r for r in q if now + fastest(r) <= r.deadline + 1e-9]
             for r in q:
-                if now + fastest > r.deadline + 1e-9:
+                if now + fastest(r) > r.deadline + 1e-9:
                     heapq.heappush(self._late[template], r)
             heapq.heapify(keep)
             self._queues[template] = keep
@@ -66,12 +67,13 @@ class SloAdmission(Generic[P]):
         """Late requests on free groups, earliest deadline first (no waiting, no preemption)."""
         out: list[Assignment[P]] = []
         for _, template in sorted((q[0].deadline, t) for t, q in self._late.items() if q):
-            plan, q = self.plans[template], self._late[template]
+            q = self._late[template]
             while q:
+                plan = self.plans[template].for_steps(q[0].steps)
                 group = self._free_group(plan.sp)
                 if group is None:
                     break
-                reqs = tuple(heapq.heappop(q) for _ in range(min(plan.batch, len(q))))
+                reqs = pop_batch(q, plan.batch)
                 a = Assignment(next(self._batch_ids), template, group, reqs, plan)
                 for w in group:
                     self._busy[w] = a.batch_id

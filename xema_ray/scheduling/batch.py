@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -73,6 +74,21 @@ class Pending(Generic[P]):
     request_id: str = field(compare=False)
     payload: P | None = field(default=None, compare=False)
     steps: int | None = field(default=None, compare=False)  # its own step count (None: the template's)
+
+
+def pop_batch(q: list[Pending[P]], size: int) -> tuple[Pending[P], ...]:
+    """Up to ``size`` requests off the heap ``q`` for one batch, earliest deadline first: the head's
+    and those of its step count only (a batch runs one step count; the others stay queued for a
+    batch of their own)."""
+    steps = q[0].steps
+    taken: list[Pending[P]] = []
+    kept: list[Pending[P]] = []
+    while q and len(taken) < size:
+        r = heapq.heappop(q)
+        (taken if r.steps == steps else kept).append(r)
+    for r in kept:
+        heapq.heappush(q, r)
+    return tuple(taken)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import itertools
 
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused, SloAdmission
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending, pop_batch
 from xema_ray.scheduling.preemption_policy import Preemption, PreemptionPolicy, StepPreemption
 
 
@@ -184,7 +184,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
                     if chosen is None:
                         break
                     group, preempts, park_wait = chosen
-                reqs = self._take_batch(template, plan.batch)
+                reqs = pop_batch(self._queues[template], plan.batch)
                 a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
                 for p in preempts:
                     self._pause(p, a, now)
@@ -196,21 +196,6 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         if any(self._late.values()) and not any(self._queues.values()):
             started += self._start_late(now)  # nothing that can still meet its SLO waits
         return started
-
-    def _take_batch(self, template: str, size: int) -> tuple[Pending[P], ...]:
-        """Up to ``size`` queued requests of ``template`` for one batch, earliest deadline first: the
-        head's and those of the same step count only (a batch runs one step count; the others wait
-        for a batch of their own)."""
-        q = self._queues[template]
-        steps = q[0].steps
-        taken: list[Pending[P]] = []
-        kept: list[Pending[P]] = []
-        while q and len(taken) < size:
-            r = heapq.heappop(q)
-            (taken if r.steps == steps else kept).append(r)
-        for r in kept:
-            heapq.heappush(q, r)
-        return tuple(taken)
 
     def complete(self, batch_id: int) -> Assignment[P]:
         """Free the batch's workers (success or failure) and return its assignment. A batch the

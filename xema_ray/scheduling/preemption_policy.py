@@ -162,10 +162,10 @@ class StepPreemption(Generic[P]):
         """A group for ``template``'s next batch by pausing running batches, the pauses, and the
         seconds until they have parked; or None."""
         pol = self.preemption
-        plan = self.plans[template]
+        head = self._queues[template][0]
+        plan = self.plans[template].for_steps(head.steps)  # the next batch runs the head's step count
         if pol is None or plan.peak_bytes is None:
             return None
-        head = self._queues[template][0]
         groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.workers - plan.sp + 1, plan.sp)]
         if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
             return None  # waiting costs it nothing

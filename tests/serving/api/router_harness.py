@@ -100,14 +100,15 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     templates: list[RequestTemplate] = [e.config.template for e in plans.values()]
     table = PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=dict(plans))
     cls = router_module.Router.__mro__[1]  # the class under serve.ingress's wrapper
-    router = object.__new__(router_module.Router)
+    router = object.__new__(cls)  # the class itself: its wrapper's (async) __init__ and __del__ are Serve's
 
     async def build() -> None:
         cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs, **router_kwargs)
     saved = serve_context._INTERNAL_REPLICA_CONTEXT
     try:
         asyncio.run_coroutine_threadsafe(build(), loop).result(60)  # outside a replica: no Serve controller asked
-        serve_context._INTERNAL_REPLICA_CONTEXT = SimpleNamespace(servable_object=router, app_name="harness")
+        serve_context._INTERNAL_REPLICA_CONTEXT = SimpleNamespace(  # what Serve's metrics read too
+            servable_object=router, app_name="harness", deployment="Router", replica_tag="harness")
         # the FastAPI app the class's methods see (and ``install_openapi`` changed): Serve's
         # ingress copied the module's app when it wrapped the class
         h = RouterHarness(cls.__init__.__globals__["app"], loop, router, groups)

@@ -194,3 +194,38 @@ def test_cfg_models_are_traced_with_their_negative_prompt_rows(model: str) -> No
     assert negatives and all(v.shape == inputs[k.removeprefix("negative_")].shape for k, v in negatives.items())
     passes = spec.transformer_passes_per_step()
     assert passes[0] >= 2 or len(passes) >= 2  # CFG traced: a doubled batch, or a second call per step
+
+
+def test_video_jobs_take_the_options_and_refuse_out_of_range_ones_storing_nothing(served: RouterHarness) -> None:
+    import time
+
+    before = served.get("/v1/videos").json()["data"]
+    refused = served.post("/v1/videos", {"model": "tiny-ltx2", "prompt": "a fox", "guidance_scale": 0.5})
+    assert "accepted [1, 50]" in _error(refused, 422, "guidance_scale")
+    assert served.get("/v1/videos").json()["data"] == before  # a refused create stores nothing
+    job = served.post("/v1/videos", {"model": "tiny-ltx2", "prompt": "a fox", "num_inference_steps": 3,
+                                     "negative_prompt": "rain"})
+    assert job.status == 200, job.body[:300]
+    deadline = time.monotonic() + 120
+    while (v := served.get(f"/v1/videos/{job.json()['id']}").json())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, v
+        time.sleep(0.2)
+    assert v["status"] == "completed", v
+
+
+def test_qwen_guidance_and_true_cfg_are_one_scale() -> None:
+    from types import SimpleNamespace
+
+    from xema_ray.serving.api.options import resolve_options
+
+    served = {t.shape_key: t for t in (QWEN, FLUX)}
+
+    def req(**kw):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(**{"guidance_scale": None, "negative_prompt": None, "true_cfg_scale": None,
+                                  "num_inference_steps": None, **kw})
+    assert resolve_options(QWEN, served, req(true_cfg_scale=4.0)).guidance_scale == 4.0
+    assert resolve_options(QWEN, served, req(guidance_scale=4.0, true_cfg_scale=4.0)).guidance_scale == 4.0
+    with pytest.raises(OptionRefused, match="same scale") as e:
+        resolve_options(QWEN, served, req(guidance_scale=3.0, true_cfg_scale=4.0))
+    assert e.value.param == "true_cfg_scale"
+    assert resolve_options(QWEN, served, req(num_inference_steps=QWEN.steps)).steps is None  # the template's own

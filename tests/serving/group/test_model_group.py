@@ -64,6 +64,31 @@ def test_queue_overflow_raises_queue_full_with_retry_after(flux: Harness) -> Non
     assert all(e.retry_after_s >= 1.0 for e in full)
 
 
+def test_the_predicted_queue_wait_rises_under_a_burst_and_falls_after(flux: Harness,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float] = []
+    gauge = flux.group.load_metrics.queue_wait
+    monkeypatch.setattr(gauge, "set", lambda v, tags=None: seen.append(v) if tags == {"template": FLUX_L.shape_key} else None)
+
+    async def start(g: ModelGroup) -> bool:
+        return g.load_metrics.start(g.summary)  # as from start-up on Serve's loop (idempotent)
+
+    assert flux.call(start)
+    flux.group.load_metrics.changed()
+    time.sleep(0.3)  # the group's refresh (every 0.1 s after a change)
+    idle = seen[-1]
+    futs = [_generate(flux, 300 + i, FLUX_L) for i in range(6)]  # queue of 3, batches of 1 of 0.5 s planned
+    for f in futs:
+        try:
+            f.result(120)
+        except QueueFull:
+            pass
+    time.sleep(0.3)
+    assert idle == 0.0  # idle: a batch of one starts at once
+    assert max(seen) > 1.0  # up to three queued ahead and one running, 0.5 s each as planned (the replay)
+    assert seen[-1] == 0.0  # drained
+
+
 def test_a_request_that_cannot_run_never_joins_a_batch(flux: Harness) -> None:
     calls = [_generate(flux, 2**63 if i == 0 else i, rid=f"direct-{i}") for i in range(4)]
     with pytest.raises(InvalidRequest, match="seed") as bad:

@@ -14,6 +14,7 @@ from xema_ray.serving.scale.replica_summary import (
     TemplateQueue,
     predict_attainment,
     predict_completion,
+    predict_wait,
     schedule,
     summarize,
 )
@@ -89,6 +90,10 @@ def test_predicted_completion_joins_an_open_slot_and_ages_with_the_summary() -> 
     # two requests sent since the summary fill that batch: the next one waits for another
     assert predict_completion(s, "img", now=100.0, sent_since={"img": 1}) == pytest.approx(28.0)
     assert predict_completion(s, "unknown", now=100.0) == float("inf")
+    # the same probe's start: the running batch's end, less its own batch's run time (10 s)
+    assert predict_wait(s, "img", now=100.0) == pytest.approx(8.0)
+    assert predict_wait(s, "img", now=100.0, sent_since={"img": 1}) == pytest.approx(18.0)
+    assert predict_wait(s, "unknown", now=100.0) == float("inf")
 
 
 def test_predicted_attainment_counts_arrivals_over_the_window() -> None:

@@ -9,7 +9,9 @@ With keys:
   sends for its ``api_key``); without a valid one it gets a JSON 401;
 - a video job is listed, retrieved, downloaded and deleted only with a key of its tenant; any
   other tenant gets the 404 of a job that does not exist;
-- a tenant holds at most ``max_jobs_in_flight`` queued or running jobs (a create beyond it: 429).
+- a tenant holds at most ``max_jobs_in_flight`` queued or running jobs (a create beyond it: 429);
+- the console's operator data (``/v1/console/...``: plans, traces, queues of every tenant) needs a
+  key marked ``admin: true``; any other valid key gets a JSON 403.
 
 Exempt from the key: ``/healthz``, the OpenAPI document and docs, and image files
 (``/v1/images/files/img_<uuid4>``): an image URL is a capability (128 random bits), meant to be
@@ -33,7 +35,9 @@ from xema_ray.serving.api.middleware import ASGIApp, Receive, Scope, Send, _erro
 
 #: where the guard leaves the tenant in the ASGI scope
 SCOPE_KEY = "xema.tenant"
-#: where it leaves whether the key is an admin key (the adapter admin API)
+#: paths only an admin key may read when keys are configured
+ADMIN_PATHS = ("/v1/console/",)
+#: where the guard leaves whether the key is an admin key (the adapter admin API: POST, DELETE /v1/adapters)
 SCOPE_ADMIN = "xema.admin"
 _OPEN_PATHS = ("/healthz", "/openapi.json", "/docs", "/redoc", "/v1/images/files/")
 
@@ -46,7 +50,8 @@ class ApiKey(BaseModel):
     key: str = Field(min_length=16, max_length=256, description="the bearer token; at least 16 characters")
     tenant: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                description="tenant name; None: derived from the key (its SHA-256, 16 hex digits)")
-    admin: bool = Field(default=False, description="may manage LoRA adapters (POST and DELETE /v1/adapters)")
+    admin: bool = Field(default=False, description="may read the console's operator data (/v1/console/...) and "
+                                                   "manage LoRA adapters (POST, DELETE /v1/adapters)")
 
     @property
     def tenant_id(self) -> str:
@@ -59,7 +64,8 @@ class AuthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     api_keys: list[ApiKey | str] = Field(default_factory=list, description="keys (strings or {key, tenant})")
-    keys_file: Path | None = Field(default=None, description="file of keys: 'KEY' or 'KEY TENANT' per line")
+    keys_file: Path | None = Field(default=None, description="file of keys: 'KEY', 'KEY TENANT' or 'KEY TENANT admin' "
+                                                              "per line")
     max_jobs_in_flight: int = Field(default=16, ge=1, description="queued + running video jobs per tenant (429 beyond)")
 
     @model_validator(mode="after")
@@ -81,9 +87,9 @@ class AuthConfig(BaseModel):
                 if not line:
                     continue
                 parts = line.split()
-                if len(parts) > 2:
-                    raise ValueError(f"{path}:{n}: expected 'KEY' or 'KEY TENANT', got {len(parts)} words")
-                out.append(ApiKey(key=parts[0], tenant=parts[1] if len(parts) == 2 else None))
+                if len(parts) > 3 or (len(parts) == 3 and parts[2] != "admin"):
+                    raise ValueError(f"{path}:{n}: expected 'KEY', 'KEY TENANT' or 'KEY TENANT admin', got {line!r}")
+                out.append(ApiKey(key=parts[0], tenant=parts[1] if len(parts) >= 2 else None, admin=len(parts) == 3))
         return out
 
     @property
@@ -103,6 +109,11 @@ class Tenants:
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant of an ``Authorization`` header value, or None (no or unknown key)."""
+        found = self.lookup(authorization)
+        return found[0] if found is not None else None
+
+    def lookup(self, authorization: str | None) -> tuple[str, bool] | None:
+        """(tenant, admin) of an ``Authorization`` header value, or None (no or unknown key)."""
         if not authorization:
             return None
         scheme, _, token = authorization.partition(" ")
@@ -111,7 +122,7 @@ class Tenants:
         digest = hashlib.sha256(token.strip().encode()).digest()
         for known, tenant in self._by_digest.items():
             if hmac.compare_digest(known, digest):
-                return tenant
+                return tenant, known in self._admins
         return None
 
 
@@ -124,24 +135,6 @@ def set_auth(cfg: AuthConfig | None) -> None:
     _tenants = Tenants(cfg) if cfg is not None and cfg.enabled else None
 
 
-def is_admin_key(authorization: str | None) -> bool:
-    """Whether the ``Authorization`` header value carries an admin key (True when the API is open)."""
-    tenants = _tenants
-    if tenants is None:
-        return True
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return False
-    digest = hashlib.sha256(token.strip().encode()).digest()
-    return any(hmac.compare_digest(known, digest) for known in tenants._admins)
-
-
-def admin_of(request: Request) -> bool:
-    """Whether the request may use the admin API: any request while the API is open, else one with
-    an admin key (``auth.api_keys[].admin``)."""
-    return _tenants is None or bool(request.scope.get(SCOPE_ADMIN))
-
-
 def auth_enabled() -> bool:
     return _tenants is not None
 
@@ -150,6 +143,12 @@ def key_required(path: str) -> bool:
     """Whether a request for ``path`` needs a key when keys are configured (the OpenAPI document
     lists the 401 on these)."""
     return path.startswith("/v1/") and not path.startswith(_OPEN_PATHS)
+
+
+def admin_of(request: Request) -> bool:
+    """Whether the request may use the adapter admin API: any request while the API is open, else
+    one with an admin key (``auth.api_keys[].admin``)."""
+    return _tenants is None or bool(request.scope.get(SCOPE_ADMIN))
 
 
 def tenant_of(request: Request) -> str | None:
@@ -173,8 +172,8 @@ class TenantGuard:
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization")
-        tenant = tenants.tenant(header.decode("latin-1") if header is not None else None)
-        if tenant is None:
+        found = tenants.lookup(header.decode("latin-1") if header is not None else None)
+        if found is None:
             why = "no API key given" if header is None else "the API key is not valid"
             body = _error_body(f"{why}: send 'Authorization: Bearer <key>' with a key this deployment lists "
                                "(auth.api_keys)", "authentication_error", "invalid_api_key")
@@ -183,6 +182,14 @@ class TenantGuard:
             await send({"type": "http.response.start", "status": 401, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
+        tenant, admin = found
+        if not admin and str(scope.get("path", "")).startswith(ADMIN_PATHS):
+            body = _error_body("this API key is not an admin key: the console's operator data needs one "
+                               "(auth.api_keys: {key, tenant, admin: true})", "permission_error", "admin_key_required")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 403, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
         scope[SCOPE_KEY] = tenant
-        scope[SCOPE_ADMIN] = is_admin_key(header.decode("latin-1") if header is not None else None)
+        scope[SCOPE_ADMIN] = admin
         await self.app(scope, receive, send)

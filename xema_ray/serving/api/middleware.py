@@ -22,6 +22,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
+from xema_ray.serving.api.refusals import count_refusal, refusal_reason
 from xema_ray.serving.api.schemas import current_limits
 
 Scope = MutableMapping[str, Any]
@@ -162,6 +163,7 @@ class ProxyErrorsAsJson:
 
     @staticmethod
     async def _replica_died(send: Send) -> None:
+        count_refusal("unavailable")  # the proxy's own answer: the Router never saw the request end
         await _send_json(send, 503, _error_body(
             "the serving replica handling this request failed; it is being replaced, retry later",
             "service_unavailable", "replica_died"), retry_after_s=_DEFAULT_RETRY_AFTER_S)
@@ -175,12 +177,14 @@ class ProxyErrorsAsJson:
             retry = headers.get(b"retry-after", b"").decode()
             retry_s = int(retry) if retry.isdigit() else _DEFAULT_RETRY_AFTER_S
             busy = "backpressure" in text.lower()
+            count_refusal("busy" if busy else "unavailable")
             await _send_json(send, 503, _error_body(f"{text}; retry later", "service_unavailable",
                                                     "busy" if busy else "replica_unavailable",
                                                     limit="max_queued_requests" if busy else None),
                              retry_after_s=retry_s)
             return
         type_ = "not_found_error" if status in (404, 405) else "invalid_request_error"
+        count_refusal(refusal_reason(status, None))
         await _send_json(send, status, _error_body(text, type_, f"http_{status}"))
 
 

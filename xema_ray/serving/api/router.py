@@ -39,7 +39,10 @@ from xema_ray.serving.api.schemas import (
     set_limits,
 )
 from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth, tenant_of
-from xema_ray.serving.api.errors import ErrorResponse, error_response, exception_response, install_error_handlers
+from xema_ray.serving.console.operator import RecentOutcomes, operator_view
+from xema_ray.serving.console.schemas import OperatorView, TraceView
+from xema_ray.serving.console.static import install_ui
+from xema_ray.serving.api.errors import error_response, exception_response, install_error_handlers
 from xema_ray.serving.api.health import (
     HEALTHZ_FRESH_S,
     STARTING_RETRY_AFTER_S,
@@ -51,6 +54,8 @@ from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
+from xema_ray.serving.api.refusals import RefusalMeter
+from xema_ray.serving.api.responses import documented as _documented, front_timing as _front_timing, where_headers as _where
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
 from xema_ray.serving.group.plan_reload import RouterPlans
 from xema_ray.serving.api.openapi import install_openapi
@@ -67,7 +72,9 @@ from xema_ray.templates import RequestTemplate
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
-app.add_middleware(TenantGuard)  # added last, so it runs first: no key, no body read
+app.add_middleware(TenantGuard)  # runs before RequestGuard: no key, no body read
+app.add_middleware(RefusalMeter)  # added last, so it runs first: it sees every refusal, the 401s too
+install_ui(app)  # /ui: the console's static pages (docs/console.md)
 app.include_router(adapters_api)  # POST / GET / DELETE /v1/adapters (AdapterEndpoints, mixed into the Router)
 
 
@@ -75,54 +82,6 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     if "supported_templates" in extra:
         extra.setdefault("code", "unsupported_template")
     return error_response(status, message, **extra)
-
-
-_STATUS_TEXT = {400: "a request this deployment cannot serve (the message says what it can)",
-                404: "no such video or file: it never existed, was deleted or has expired",
-                429: "this API key's tenant has auth.max_jobs_in_flight video jobs queued or running (with Retry-After)"}
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
-
-
-def _documented(*statuses: int, media: tuple[str, ...] = ()) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` of an endpoint: its error statuses and, where the endpoint builds the
-    answer itself, the media types of its 200."""
-    out: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
-    if 429 in out:
-        out[429]["headers"] = _RETRY_AFTER
-    if media:
-        out[200] = {"description": "the file", "content": {m: {"schema": {"type": "string", "format": "binary"}}
-                                                          for m in media}}
-    return out
-
-
-def _where(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
-    """Response headers saying how the request ran: template, batch and the workers of its group."""
-    headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
-               "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
-               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
-    if out.emulated:  # an emulated worker made it: no model ran (docs/emulated.md)
-        headers["X-Xema-Emulated"] = "true"
-    if out.group_seconds is not None:  # queued + batch time in the model group; the rest is the front end
-        headers["X-Xema-Group-Seconds"] = f"{out.group_seconds:.4f}"
-    if out.queued_s is not None:  # how long it waited in its group's queue, and which replica ran it
-        headers["X-Xema-Queue-Seconds"] = f"{out.queued_s:.4f}"
-    if out.replica is not None:
-        headers["X-Xema-Replica"] = out.replica
-    if out.prompt_tokens is not None:
-        # the model's own tokenizer counted the prompt; past the encoder's limit it was truncated (not an error)
-        headers["X-Xema-Prompt-Tokens"] = str(out.prompt_tokens)
-        headers["X-Xema-Prompt-Truncated"] = "true" if out.prompt_truncated else "false"
-    return headers
-
-
-def _front_timing(entered: float, called: float, answered: float) -> dict[str, str]:
-    """Response headers splitting the front door's time (perf_counter seconds): ``X-Xema-Call-Seconds``
-    from the Router's call to the model group to its answer (the group's own time, Serve's routing
-    and both hops), ``X-Xema-Router-Seconds`` from the Router's handler starting to its response
-    (the call plus parsing, encoding, JSON). The proxy's ``X-Xema-Proxy-Seconds`` less the latter is
-    the proxy and its hop to the Router."""
-    return {"X-Xema-Call-Seconds": f"{answered - called:.4f}",
-            "X-Xema-Router-Seconds": f"{time.perf_counter() - entered:.4f}"}
 
 
 def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
@@ -152,7 +111,8 @@ class Router(AdapterEndpoints):
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
-                 auth: AuthConfig | None = None) -> None:
+                 auth: AuthConfig | None = None,
+                 console_traces: Callable[[str, Any, int], TraceView] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
@@ -170,6 +130,8 @@ class Router(AdapterEndpoints):
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
+        self.console_outcomes = RecentOutcomes()  # observed SLO attainment for the operator view
+        self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         install_openapi(app, self.served, self.limits)
         self.jobs_cfg = jobs
@@ -219,11 +181,13 @@ class Router(AdapterEndpoints):
         async def result() -> GenerateResult:
             return await response
 
+        called = time.monotonic()
         call = asyncio.ensure_future(result())
         gone = asyncio.ensure_future(self.health.wait_gone(t.model))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
+                self.console_outcomes.answered(t.shape_key, time.monotonic() - called, self.table)
                 return call.result()
             response.cancel()
             call.cancel()
@@ -409,6 +373,9 @@ class Router(AdapterEndpoints):
         counters per template (armed batches, hits, fallbacks, reserved bytes; zeros and the
         reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
+        return await self.stats_now()
+
+    async def stats_now(self) -> StatsResponse:  # ``self.stats`` is the Stats deployment's handle
         received = self.received
         if self.stats is not None:
             if self._counts is not None:
@@ -454,6 +421,21 @@ class Router(AdapterEndpoints):
 
     async def _stats_counts(self) -> dict[str, int]:
         return await self.stats.get.remote()
+
+    # ------------------------------------------------------------------ the console's data (docs/console.md)
+    @app.get("/v1/console/operator", responses=_documented(403))
+    async def console_operator(self) -> OperatorView:
+        """The operator view's data: per model group its plans, queues per replica, attainment,
+        preemption, each worker's memory, replicas and Serve's target. Behind API keys: an admin key."""
+        return await operator_view(self, await self.stats_now())
+
+    @app.get("/v1/console/traces/{template:path}", response_model=None, responses=_documented(403, 404))
+    async def console_trace(self, template: str) -> TraceView | JSONResponse:
+        """A served template's memory trace at its planned configuration against the budget, its
+        pressure intervals and where the plan's mitigations act. Behind API keys: an admin key."""
+        if template not in self.served or template not in self.table.entries or self.console_traces is None:
+            return _error(404, f"no trace of {template!r} here", type_="not_found_error", param="template")
+        return await asyncio.to_thread(self.console_traces, template, self.table.entries[template], self.table.budget_bytes)
 
     @app.get("/healthz", response_model=None,
              responses={200: {"model": HealthResponse, "description": "ready: every group can take a request"},

@@ -33,6 +33,18 @@ class TemplateLayoutStats(BaseModel):
                                                                      "bytes free")
 
 
+class WorkerMemory(BaseModel):
+    """One worker's memory in the last batch it ran (``MemoryStats``: the device allocator's counters
+    on a GPU, the process's resident set on CPU; ``source`` says which), for the console's view."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    template: str = Field(description="the template of that batch")
+    peak_bytes: int = Field(ge=0, description="peak during the batch")
+    current_bytes: int = Field(ge=0, description="in use at the end of the batch")
+    source: str = Field(description="where the numbers come from (MemoryStats.source), e.g. rss on CPU")
+
+
 class GroupLayoutStats(BaseModel):
     """A model group's static layouts: the workers' status (armed, or why not) and counters per template."""
 
@@ -40,6 +52,7 @@ class GroupLayoutStats(BaseModel):
 
     status: str = Field(description="what the workers said at load: layouts armed per batch, or 'not armed: why'")
     templates: dict[str, TemplateLayoutStats] = Field(default_factory=dict)
+    workers: dict[int, WorkerMemory] = Field(default_factory=dict, description="per worker index: its last batch's memory")
 
 
 class LayoutCounters:
@@ -49,13 +62,18 @@ class LayoutCounters:
         self.status = ("no plan of this group has a static layout" if not any(layout_refs.values())
                        else "workers not loaded yet")
         self.templates = {t: TemplateLayoutStats(layout_ref=ref) for t, ref in sorted(layout_refs.items())}
+        self.workers: dict[int, WorkerMemory] = {}
 
     def loaded(self, status: str | None) -> None:
         """The workers' layout status after ``load_model``."""
         if status is not None:
             self.status = status
 
-    def observe(self, template: str, result: BatchResult) -> None:
+    def observe(self, template: str, result: BatchResult, by_worker: dict[int, BatchResult] | None = None) -> None:
+        """A batch of ``template`` ran: ``result`` is its lead worker's, ``by_worker`` every worker's."""
+        for w, r in (by_worker or {}).items():
+            self.workers[w] = WorkerMemory(template=template, peak_bytes=r.memory.peak_bytes,
+                                           current_bytes=r.memory.current_bytes, source=r.memory.source)
         st = self.templates.setdefault(template, TemplateLayoutStats())
         st.batches += 1
         st.armed_batches += int(result.layout_armed)
@@ -73,4 +91,5 @@ class LayoutCounters:
         st.last_out_of_memory = message
 
     def snapshot(self) -> GroupLayoutStats:
-        return GroupLayoutStats(status=self.status, templates={k: v.model_copy() for k, v in self.templates.items()})
+        return GroupLayoutStats(status=self.status, templates={k: v.model_copy() for k, v in self.templates.items()},
+                                workers=dict(self.workers))

@@ -35,64 +35,35 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.plan import AdmissionPolicy, PlanEntry
-from xema_ray.profiling.phases import PhaseShares
-from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.plan import PlanEntry
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.config import ModelGroupConfig
 from xema_ray.serving.group.adapters import GroupAdapters
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
+from xema_ray.serving.group.load_metrics import LoadMetrics
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
+from xema_ray.serving.group.settings import GroupSettings
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 from xema_ray.serving.jobs.lifecycle import JobLifecycle
 from xema_ray.serving.jobs.progress import PhaseEstimate
-from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.scale.replica_stats import PublishesSummary
 
 if TYPE_CHECKING:
     from xema_ray.runtime.engine import GenerationRequest
 
-__all__ = ["GroupSettings", "ModelGroup"]
+__all__ = ["GroupSettings", "ModelGroup"]  # GroupSettings: group/settings.py
 
 #: concurrent calls a worker serves with preemption on (a running batch, a pause, a
 #: preempting batch, a resume)
 WORKER_CONCURRENCY = 4
-
-
-class GroupSettings(BaseModel):
-    """What a model group is given beside its own ``ModelGroupConfig``: the app's settings and
-    what the plan table chose for the group (``deployments/app.py`` composes it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    device: str = Field(default="cpu", description='the kind of worker (``worker_set.WORKER_KINDS``: "cpu", '
-                                                   '"cuda", "emulated")')
-    worker_cpus: float = Field(default=0.25, description="CPUs per worker")
-    jobs: JobStoreConfig | None = Field(default=None, description="the job store's config; None: no video jobs")
-    layouts_dir: Path | None = Field(default=None, description="the plan table's layouts folder (plans with a "
-                                                               "layout_ref arm theirs)")
-    budget_bytes: int | None = Field(default=None, description="device memory per worker (the plan table's budget): "
-                                     "the static allocator's arena is sized for it (``xema_ray.runtime.arena``); "
-                                     "None: not known")
-    preemption: PreemptionPolicy | None = Field(default=None, description="the step-level preemption policy; None: off")
-    admission: AdmissionPolicy | None = Field(default=None, description="the SLO-aware admission policy the plan "
-                                              "table chose for this group's load; None: plain EDF, every request served")
-    phases: dict[str, PhaseShares] | None = Field(
-        default=None, description="each template's phase shares on the plan table's hardware (``phase_shares``, as "
-                                  "the simulator's): where its step boundaries fall until its first batch is "
-                                  "measured; None: the fallback split (``PhaseEstimate.from_plan``)")
-    emulation: EmulationConfig | None = Field(default=None, description='device "emulated": the templates\' phases '
-                                              "from the plan table (docs/emulated.md)")
 
 
 @dataclass
@@ -139,6 +110,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, config.wait_window_s,
                                                           config.max_queue, self.policy, admission=s.admission)
         self.metrics = ServingMetrics(model)
+        self.load_metrics = LoadMetrics(model, self.entries, s.budget_bytes)  # for routers and autoscalers outside
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self.jobs = JobLifecycle(model, self.owner, s.jobs)  # video jobs: accepted, started, stored, failed
         self._wake: asyncio.Event | None = None
@@ -157,6 +129,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status))  # workers.on_loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
+        self.load_metrics.start(self.summary)  # from start-up (Serve builds a replica on its loop), else at the first request
 
     def _worker_spec(self, entries: dict[str, PlanEntry], s: GroupSettings) -> WorkerSetSpec:
         """The worker set that runs ``entries`` (every weight placed once, at load, where the plans
@@ -217,6 +190,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                     pass  # the next batch's rebuild tries the old plans again
                 raise
             self._settings, self.entries = settings, dict(new.plans)
+            self.load_metrics.set_plans(self.entries, new.budget_bytes)
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
                 t = e.config.template
@@ -245,6 +219,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         if self._loop_task is None:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+            self.load_metrics.start(self.summary)
         self.jobs.start_heartbeat()
 
     def _admit(self, req: GroupRequest) -> GenerationRequest:
@@ -261,6 +236,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
 
     def _queued(self, template: str) -> None:
         self.metrics.queue_depth.set(self.dispatcher.queue_depth(template), tags={"template": template})
+        self.load_metrics.changed()
         assert self._wake is not None
         self._wake.set()
 
@@ -340,6 +316,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         e = QueueFull(f"{r.template}: request {r.request_id} can no longer finish within its SLO "
                       f"({plan.slo_s:.1f} s) and was shed so that others meet theirs", retry_after_s=max(1.0, plan.latency_s))
         self.metrics.rejected.inc(tags={"template": r.template})
+        self.load_metrics.observe_request(r.template, met=False)  # shed: missed, as the planner counts it
         t = r.payload
         assert t is not None
         if t.job_id is not None:
@@ -388,7 +365,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         seconds = time.monotonic() - t0
         lead = next(r for r in results if r.sp_rank == 0)
         self.metrics.observe_batch(a.template, len(reqs), lead)
-        self.layout_counters.observe(a.template, lead)
+        self.load_metrics.observe_batch(a.template, a.workers, results, len(reqs), seconds, steps)
+        self.layout_counters.observe(a.template, lead, dict(zip(a.workers, results, strict=False)))
         # measured at the batch's step count, kept at the template's (the time per step is the same)
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
@@ -440,6 +418,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                     t.future.set_result(outputs[r.request_id].model_copy(update={"group_seconds": time.monotonic() - r.arrival}))
                 now = time.monotonic()
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
+                self.load_metrics.observe_request(a.template, now <= r.deadline, now)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
                 cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()
@@ -448,6 +427,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             for r in a.requests:
                 await self._fail(_ticket(r), e)
             self.metrics.failed.inc(len(a.requests), tags={"template": a.template})
+            for r in a.requests:  # a failed request did not meet its SLO either
+                self.load_metrics.observe_request(a.template, met=False)
         finally:
             self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             self.jobs.finished(r.request_id for r in a.requests)

@@ -12,6 +12,8 @@ when each queued (or hypothetical) request completes. Two numbers come from it:
 
 * ``predict_completion``: seconds until one more request of a template would finish on this
   replica (the request router sends it to the replica where this is earliest within the SLO);
+  ``predict_wait`` the same probe's seconds until its batch starts (the group's
+  ``xema_predicted_queue_wait_s``, for routers outside the app);
 * ``predict_attainment``: the fraction of this replica's requests — running, queued, and those
   expected over the next window at the recent arrival rate — predicted to meet their deadlines
   (the autoscaler adds a replica when it falls below the target).
@@ -195,6 +197,7 @@ class Outcome:
     deadline: float
     completion: float
     tag: int = -1
+    start: float | None = None  # when its batch starts (None: a batch running at the replay's time zero)
 
     @property
     def met(self) -> bool:
@@ -269,7 +272,7 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
             free_at[w] = end
         for r in members:
             q.remove(r)
-            out.append(Outcome(key, r.arrival, r.deadline, end, r.tag))
+            out.append(Outcome(key, r.arrival, r.deadline, end, r.tag, start))
     return out
 
 
@@ -277,10 +280,32 @@ def predict_completion(s: ReplicaSummary, template: str, now: float,
                        sent_since: Mapping[str, int] | None = None) -> float:
     """Seconds from ``now`` until one more request of ``template`` would complete on this replica
     (``sent_since``: requests already sent to it that the summary does not show yet)."""
+    return _probe(s, template, now, sent_since).completion
+
+
+def predict_wait(s: ReplicaSummary, template: str, now: float,
+                 sent_since: Mapping[str, int] | None = None) -> float:
+    """Seconds from ``now`` until one more request of ``template`` would start on this replica:
+    the queue ahead of it, the workers' running batches and the wait for its batch to fill
+    (``predict_completion`` less its own batch's run time; inf where it would never run here).
+
+    Example:
+        >>> s = ReplicaSummary(replica="r", t=0.0, workers=1, wait_window_s=0.0,
+        ...                    plans={"t": PlanBrief(batch=1, sp=1, latency_s=2.0, slo_s=10.0)},
+        ...                    queues={"t": TemplateQueue(queued=2, deadlines_s=[9.0, 9.5])})
+        >>> predict_wait(s, "t", now=0.0)
+        4.0
+    """
+    o = _probe(s, template, now, sent_since)
+    return float("inf") if o.start is None else max(0.0, o.start)
+
+
+def _probe(s: ReplicaSummary, template: str, now: float, sent_since: Mapping[str, int] | None) -> Outcome:
+    """The replay's outcome of one more request of ``template`` arriving at ``now``."""
     if template not in s.plans or s.draining:
-        return float("inf")
+        return Outcome(template, 0.0, float("inf"), float("inf"), 0, None)
     outs = schedule(s, now, arrivals=[(template, 0.0, 0)], extra_queued=sent_since)
-    return next(o.completion for o in outs if o.tag == 0)
+    return next(o for o in outs if o.tag == 0)
 
 
 class Attainment(BaseModel):
