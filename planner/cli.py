@@ -16,7 +16,7 @@ from pathlib import Path
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
 # where it is used (``planner.driver``); ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import parse_bytes
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES

@@ -19,7 +19,7 @@ from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, default_dtype_fo
 from xema_ray.lora.memory import pool_config_key
 from xema_ray.models import BuildOptions
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 #: how the planner traces: DiT blocks replayed (exact, ``xema_ray.analyzer.block_replay``; LTX-2's

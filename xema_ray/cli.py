@@ -196,7 +196,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     pool = None
     if args.adapters:
-        from xema_ray.plan import LoraPoolConfig
+        from xema_ray.lora_pool import LoraPoolConfig
 
         try:
             parts = [int(x) for x in args.adapters.lower().split("x")]

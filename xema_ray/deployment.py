@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from bench.scenarios.group_harness import Harness, entry, running_group
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora import AdapterRejected, AdapterSource, LoraUse
 from xema_ray.lora.synthetic import write_adapter
 from xema_ray.models import BuildOptions, get_model_spec

@@ -17,7 +17,7 @@ from xema_ray.lora.memory import fill_worst_case, pool_config_key
 from xema_ray.lora.pool import AdapterPool, adapted_components
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.models import BuildOptions
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 

@@ -10,7 +10,7 @@
 - ``memory.py``: the pool's and the intermediates' bytes for the planner and ``xema verify``.
 """
 
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora.adapter import AdapterRejected, AdapterSource, LoraAdapter, LoraUse, read_adapter
 from xema_ray.lora.layers import MultiLoraConfig, apply_multi_lora
 from xema_ray.lora.pool import AdapterInfo, AdapterPool, PoolStats

@@ -15,7 +15,7 @@ from torch import nn
 
 from xema_ray.lora.adapter import LoraAdapter, LoraLayer, LoraUse
 from xema_ray.lora.pool import AdapterPool, target_layers
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 
 
 class LoraCost(BaseModel):

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora.adapter import ADAPTED_COMPONENTS, AdapterRejected, LoraAdapter, LoraUse
 
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from xema_ray.plan import LoraPoolConfig
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, LoraUse, PoolStats
 from xema_ray.serving.group.messages import InvalidRequest
 
