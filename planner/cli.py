@@ -16,6 +16,7 @@ from pathlib import Path
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
 # where it is used (``planner.driver``); ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import parse_bytes
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate, named_templates
 
 from planner.baselines import BASELINES
@@ -61,16 +62,25 @@ def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate]
     return {g.model: g.workers for g in shape.models}, served_templates(shape.models), shape.host_memory
 
 
+def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
+    """``model -> its group's LoRA adapter pool`` of a ``serve run`` YAML (groups with ``adapters:``)."""
+    from xema_ray.deployment import DeploymentShape
+
+    return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """The flags read into the driver's options (``planner.driver.plan`` does the planning)."""
     from planner.driver import PlanOptions, plan
     from planner.load_aware import read_loads
 
     group_gpus: dict[str, int] = {}
+    pools: dict[str, LoraPoolConfig] = {}
     stated: str | None = None
     try:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
+            pools = deployment_adapter_pools(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
             if outside:
@@ -94,7 +104,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
-                       host_budget=host_budget)
+                       host_budget=host_budget, adapter_pools=pools)
     return plan(templates, opts, loads, out=args.out, stats=args.stats, layouts=args.layouts, use_ray=not args.no_ray,
                 wait_s=args.wait_for_resources)
 

@@ -33,7 +33,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.memory.analysis import gb
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
+from xema_ray.plan import ExecutionConfig, LoraPoolConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
 from xema_ray.profiling.hardware import HardwareProfile
@@ -73,6 +73,9 @@ class PlanOptions(BaseModel):
                                         "plans whose node fits it are preferred (planner.host_choice)")
     send_candidates: bool = Field(
         default=False, description="every task sends its other candidates (the host budget's second pass)")
+    adapter_pools: dict[str, LoraPoolConfig] = Field(
+        default_factory=dict, description="model -> its group's LoRA adapter pool (the deployment's adapters:): "
+                                          "its plans are traced with the pool and every sample's adapters")
 
 
 class TemplateResult(BaseModel):
@@ -121,7 +124,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         latency.on_device(timer.fingerprint)  # estimates calibrated by this device's measurements
     elif opts.hardware == "cpu":
         latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
-    cache = TraceCache(Path(opts.trace_cache) if opts.trace_cache else None)
+    cache = TraceCache(Path(opts.trace_cache) if opts.trace_cache else None, adapters=opts.adapter_pools)
     model = TracePlannerModel(template, timer.seconds, cache)
     counting = CountingModel(model)
     xema = plan_template(counting, template, gpus, opts.budget, slo_scale=opts.slo_scale, max_batch=opts.max_batch,
@@ -245,6 +248,7 @@ def plan_table(results: list[TemplateResult], opts: PlanOptions, groups: GroupFi
     return PlanTable(
         hardware=LatencyModel(opts.hardware).fingerprint(opts.gpus), gpus=opts.gpus, budget_bytes=opts.budget,
         group_gpus=opts.group_gpus, slo_scale=opts.slo_scale, planner=opts.planner,
+        adapter_pools={m: opts.adapter_pools[m] for m in sorted(opts.adapter_pools)},
         residency={m: groups.residency[m] for m in sorted(groups.residency)},
         entries={k: groups.entries[k] for k in in_order}, admission=loaded.admission if loaded else {},
         planned_load=loaded.planned_load if loaded else {},

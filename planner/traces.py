@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, default_dtype_for, trace_template
+from xema_ray.lora.memory import pool_config_key
 from xema_ray.models import BuildOptions
 from xema_ray.memory.trace import MemoryTrace
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 #: how the planner traces: DiT blocks replayed (exact, ``xema_ray.analyzer.block_replay``; LTX-2's
@@ -40,6 +42,8 @@ class TraceCache:
 
     directory: Path | str | None = None
     dtypes: dict[str, tuple[torch.dtype, tuple[tuple[str, torch.dtype], ...]]] = field(default_factory=dict)
+    #: per model, its group's LoRA adapter pool: traced with the pool's stacks and every sample's adapters
+    adapters: dict[str, LoraPoolConfig] = field(default_factory=dict)
     _mem: dict[str, MemoryTrace] = field(default_factory=dict)
     traced: int = 0
 
@@ -50,7 +54,8 @@ class TraceCache:
     def _path(self, template: RequestTemplate) -> Path | None:
         if self.directory is None:
             return None
-        digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}{self._dtype_key(template.model)}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f"{template.key}|{TRACER_VERSION}{self._dtype_key(template.model)}"
+                                f"{pool_config_key(self.adapters.get(template.model))}".encode()).hexdigest()[:16]
         return Path(self.directory) / f"{template.model}-{digest}.json"
 
     def _dtype_key(self, model: str) -> str:
@@ -65,7 +70,7 @@ class TraceCache:
         return meta_pipeline(template.model, *self.dtypes.get(template.model, (None, ())))
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
-        key = template.key + self._dtype_key(template.model)
+        key = template.key + self._dtype_key(template.model) + pool_config_key(self.adapters.get(template.model))
         if key in self._mem:
             return self._mem[key]
         path = self._path(template)
@@ -76,7 +81,13 @@ class TraceCache:
             if template.model in self.dtypes:
                 base, kept = self.dtypes[template.model]
                 options = replace(PLANNER_TRACE, dtype=base, component_dtypes=kept)
-            trace = trace_template(template, options, pipeline=self.pipeline(template))
+            pool = self.adapters.get(template.model)
+            if pool is not None:  # the pool's stacks beside the weights, the deltas' intermediates in each layer
+                from xema_ray.analyzer.lora import trace_with_adapters
+
+                trace = trace_with_adapters(template, pool, options, pipeline=self.pipeline(template))
+            else:
+                trace = trace_template(template, options, pipeline=self.pipeline(template))
             self.traced += 1
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)

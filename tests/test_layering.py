@@ -19,10 +19,10 @@ SCANNED = ("xema_ray", "planner", "deployments", "bench", "gpu_check", "loadtest
 #: rank per room, lowest first: a room may import its own rank and every rank below it
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("templates", "plan", "vocabulary", "deployment", "platforms", "placement", "hash_seed", "net", "configs",
-     "host_budget", "expert_plan"),
+     "host_budget", "expert_plan", "lora_pool"),
     ("models", "memory", "parallel"),
     ("deployment",),
-    ("mitigation", "analyzer"),
+    ("mitigation", "analyzer", "lora"),
     ("allocator",),
     ("profiling",),
     ("scheduling",),
@@ -38,6 +38,7 @@ RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 FORBIDDEN: frozenset[tuple[str, str]] = frozenset({
     ("mitigation", "analyzer"),  # the analyzer traces mitigated pipelines; primitives never trace
     ("models", "mitigation"),  # diffusers' rule: hooks sit above models
+    ("lora", "analyzer"),  # as mitigation: the analyzer traces adapted pipelines, adapters never trace
     ("models", "memory"), ("memory", "models"),  # the trace is data; the analyzer joins the two
     ("planner", "serving"), ("planner", "deployments"),  # the planner reads a deployment's shape (xema_ray.deployment)
     ("sim", "planner"),

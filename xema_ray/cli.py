@@ -170,6 +170,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-memory", default=None,
                    help="the node's RAM, e.g. 512GB, for the per-node host check (default: the table's host budget, "
                         "recorded from --host-budget or the deployment's host_memory)")
+    p.add_argument("--adapters", default=None, metavar="SLOTSxRANK[xSTACKED]",
+                   help="run every entry with a LoRA adapter pool of SLOTS adapters at RANK, each sample stacking "
+                        "STACKED of them (default 1), e.g. 4x64 (default: the table's adapter_pools)")
     p.set_defaults(func=cmd_verify)
 
 
@@ -198,8 +201,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"xema verify: --host-memory: {e}", file=sys.stderr)
         return 2
+    pool = None
+    if args.adapters:
+        from xema_ray.lora_pool import LoraPoolConfig
+
+        try:
+            parts = [int(x) for x in args.adapters.lower().split("x")]
+            if len(parts) not in (2, 3):
+                raise ValueError("expected SLOTSxRANK or SLOTSxRANKxSTACKED")
+            pool = LoraPoolConfig(slots=parts[0], max_rank=parts[1], max_per_request=parts[2] if len(parts) == 3 else 1)
+        except ValueError as e:
+            print(f"xema verify: --adapters {args.adapters!r}: {e}", file=sys.stderr)
+            return 2
     try:
-        report = verify_table(table, keys, path=str(args.plan_table), host_memory_bytes=host_memory)
+        report = verify_table(table, keys, path=str(args.plan_table), host_memory_bytes=host_memory, adapters=pool)
     except LayoutMismatch as e:
         print(f"xema verify: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
 
 
@@ -52,6 +53,9 @@ class GroupShape(BaseModel):
         default_factory=dict,
         description="components kept in a dtype of their own, e.g. {vae: float32} (CogVideoX-5b's repository stores "
                     "its VAE in fp32): their bytes are what the plans are traced with. Not the transformer")
+    adapters: LoraPoolConfig | None = Field(
+        default=None, description="serve LoRA adapters per request: the folder loaded at start-up and the device "
+                                  "pool (slots x max_rank) the plans count; None: no adapters")
 
     @model_validator(mode="after")
     def _known_model(self) -> GroupShape:

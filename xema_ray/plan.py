@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: ExecutionConfig.experts
 from xema_ray.host_budget import HostBytes, NodeHost
+from xema_ray.lora_pool import LoraPoolConfig  # noqa: F401  (PlanTable.adapter_pools; read from here too)
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
@@ -420,6 +421,9 @@ class PlanTable(BaseModel):
     planned_load: dict[str, PlannedLoad] = Field(
         default_factory=dict, description="model -> the load its plans were chosen for (absent: planned for "
                                           "isolated goodput, no load)")
+    adapter_pools: dict[str, LoraPoolConfig] = Field(
+        default_factory=dict, description="model -> its group's LoRA adapter pool, counted in its plans' memory "
+                                          "(absent: the group serves no adapters)")
     host: NodeHost | None = Field(
         default=None, description="the node's host memory for the groups' weights (one replica of each group on one "
                                   "node) against --host-budget or the deployment's stated host_memory; None: not "

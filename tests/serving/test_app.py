@@ -2,7 +2,8 @@
 
 One application for the module (start-up costs seconds): tiny-flux2 64² planned at batch 2
 (SP 1, DP 1 on one worker), tiny-flux2 128² at batch 1, and tiny-cogvideox 64²×9 planned at SP 2
-across two workers. Plans are given as a table so each behaviour is pinned.
+across two workers. Plans are given as a table so each behaviour is pinned. The tiny-flux2 group
+serves LoRA adapters (two from its folder, one hot-added through the admin API).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import base64
 import concurrent.futures
 import io
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import imageio.v3 as iio
+import numpy as np
 import pytest
 import requests
 from PIL import Image
@@ -27,6 +30,8 @@ from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from bench.scenarios.factories import plan_entry
 from loadtests.prometheus import ALWAYS_AFTER_TRAFFIC, documented_metrics, metrics_urls, scrape
+from xema_ray.lora.synthetic import write_adapter  # noqa: E402
+from xema_ray.models import BuildOptions, get_model_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +46,25 @@ def _entry(t: RequestTemplate, batch: int = 1, ulysses: int = 1, dp: int = 1) ->
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):  # type: ignore[no-untyped-def]
+def adapter_files(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A (diffusers names) and B (ai-toolkit's Flux.2 names) in the group's folder; C to hot-add."""
+    folder, hot = tmp_path_factory.mktemp("adapters"), tmp_path_factory.mktemp("hot")
+    dit = get_model_spec("tiny-flux2").build_pipeline(BuildOptions(device="meta")).transformer  # shapes only
+    write_adapter(folder / "A.safetensors", dit, rank=4, seed=1)
+    write_adapter(folder / "B.safetensors", dit, rank=8, seed=2, layout="ai-toolkit-flux2")
+    return {"folder": folder, "C": write_adapter(hot / "c.safetensors", dit, rank=4, seed=3, layout="ai-toolkit-flux2")}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, adapter_files):  # type: ignore[no-untyped-def]
     args = {
         "device": "cpu",
         "worker_cpus": 0.25,
         "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.5, "max_queue": 3,
-             "templates": [{"width": 64, "height": 64, "steps": 2}, {"width": 128, "height": 128, "steps": 2}]},
+             "templates": [{"width": 64, "height": 64, "steps": 2}, {"width": 128, "height": 128, "steps": 2}],
+             "adapters": {"dir": str(adapter_files["folder"]), "slots": 2, "max_rank": 8}},
             {"model": "tiny-cogvideox", "workers": 2, "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2}]},
         ],
     }
@@ -124,6 +140,52 @@ def test_error_raised_if_input_is_bad(server: str, path: str, body: dict, status
     assert _image(server, size="128x128").status_code == 200  # and the server keeps serving
 
 
+
+
+def _pixels(r: requests.Response) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))), dtype=np.int16)
+
+
+def test_requests_with_different_adapters_share_a_batch_and_keep_their_bytes(server: str) -> None:
+    def together(*bodies: dict) -> list[requests.Response]:  # type: ignore[type-arg]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            out = list(pool.map(lambda b: _image(server, **b), bodies))
+        assert all(r.status_code == 200 for r in out), [r.text for r in out]
+        assert {r.headers["X-Xema-Batch-Id"] for r in out} == {out[0].headers["X-Xema-Batch-Id"]}
+        assert all(r.headers["X-Xema-Batch-Size"] == "2" for r in out)  # different adapters, one batch
+        return out
+
+    a, b = together({"seed": 21, "lora": [{"name": "A", "scale": 1.0}]},
+                    {"seed": 22, "lora": [{"name": "B", "scale": 0.7}, {"name": "A", "scale": 0.5}]})
+    assert a.json()["data"][0]["b64_json"] != b.json()["data"][0]["b64_json"]
+    # beside another neighbour (no adapter) the same request gets the same bytes
+    a2, plain = together({"seed": 21, "lora": [{"name": "A", "scale": 1.0}]}, {"seed": 23})
+    assert a2.json()["data"][0]["b64_json"] == a.json()["data"][0]["b64_json"]
+    alone = _image(server, seed=21, lora=[{"name": "A", "scale": 1.0}])  # a batch of one: the same picture
+    assert alone.headers["X-Xema-Batch-Size"] == "1" and int(abs(_pixels(alone) - _pixels(a)).max()) <= 1
+    stats = requests.get(f"{server}/v1/stats", timeout=30).json()["adapters"]["tiny-flux2"]
+    assert stats[0]["slots"] == 2 and stats[0]["copies"] >= 2
+
+
+def test_openai_client_with_a_hot_added_adapter_then_removed(server: str, adapter_files) -> None:  # type: ignore[no-untyped-def]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    args = {"model": "tiny-flux2", "prompt": "a lighthouse", "size": "64x64", "response_format": "b64_json"}
+    with pytest.raises(openai.UnprocessableEntityError, match="unknown adapter 'C'"):
+        client.images.generate(**args, extra_body={"lora": [{"name": "C", "scale": 1.0}], "seed": 5})  # type: ignore[arg-type]
+    bad = requests.post(f"{server}/v1/adapters", json={"name": "D", "model": "tiny-flux2",
+                                                       "path": str(adapter_files["folder"] / "missing.safetensors")}, timeout=60)
+    assert bad.status_code == 422 and "'D'" in bad.json()["error"]["message"], bad.text
+    r = requests.post(f"{server}/v1/adapters", json={"name": "C", "model": "tiny-flux2", "path": str(adapter_files["C"])},
+                      timeout=60)
+    assert r.status_code == 201, r.text
+    assert {"A", "B", "C"} <= {a["name"] for a in requests.get(f"{server}/v1/adapters", timeout=30).json()["data"]}
+    resp = client.images.generate(**args, extra_body={"lora": [{"name": "C", "scale": 1.0}], "seed": 5})  # type: ignore[arg-type]
+    plain = client.images.generate(**args, extra_body={"seed": 5})  # type: ignore[arg-type]
+    assert resp.data[0].b64_json != plain.data[0].b64_json
+    assert requests.delete(f"{server}/v1/adapters/C", timeout=60).json()["deleted"] is True
+    with pytest.raises(openai.UnprocessableEntityError, match="unknown adapter 'C'"):
+        client.images.generate(**args, extra_body={"lora": [{"name": "C", "scale": 1.0}], "seed": 5})  # type: ignore[arg-type]
 
 
 def test_killed_worker_of_an_sp2_set_is_replaced_and_the_request_retried(server: str) -> None:

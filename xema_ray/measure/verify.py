@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.analyzer.steps import REPLICATE_FROM, steps_to_trace
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.analyzer.tracer import ALLOC, AllocationTracer, RawTrace, round_size
-from xema_ray.plan import ExecutionConfig, PlanTable
+from xema_ray.plan import ExecutionConfig, LoraPoolConfig, PlanTable
 from xema_ray.host_budget import GroupHost, HostBytes, NodeHost
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, ResidencyPolicy, Worker
 
@@ -115,11 +115,13 @@ def device_peaks(raw: RawTrace) -> tuple[int, int]:
 def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
                 group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
                 layouts_dir: Path | None = None, replay_blocks: bool = False,
-                one_expert: bool = False) -> tuple[LoadedModel | None, str | None]:
+                one_expert: bool = False, adapters: LoraPoolConfig | None = None) -> tuple[LoadedModel | None, str | None]:
     """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
     meta under ``tracer``; (what the load placed, error). ``replay_blocks``: the
     analyzer's block replay (``xema_ray.analyzer.block_replay``, exact) beneath the batch's hooks,
-    SP ranks included (the fake process group's collectives are allocations like any other)."""
+    SP ranks included (the fake process group's collectives are allocations like any other).
+    ``adapters``: the group's LoRA pool, loaded with the model (its stacks count in the load) and
+    filled with worst-case adapters that every sample of the batch stacks."""
     from xema_ray.placement import forget_placeholders
 
     template = config.template
@@ -146,7 +148,13 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
         with torch.no_grad(), tracer:
             worker.init_device(parallel)
             loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency,
-                                                       layouts_dir=layouts_dir))
+                                                       layouts_dir=layouts_dir, adapters=adapters))
+            if adapters is not None and worker.engine is not None and worker.engine.adapters is not None:
+                from xema_ray.lora.memory import fill_worst_case
+
+                uses = fill_worst_case(worker.engine.adapters, config.batch)
+                batch = batch.model_copy(update={"requests": tuple(r.model_copy(update={"lora": u})
+                                                                   for r, u in zip(batch.requests, uses, strict=True))})
             tracer.mark(LOAD_END)
             engine = worker.engine
             assert engine is not None
@@ -231,6 +239,7 @@ def verify_config(
     predicted_peak_bytes: int | None = None,
     layout: LayoutArtifact | None = None,
     layouts_dir: Path | None = None,
+    adapters: LoraPoolConfig | None = None,
 ) -> VerifyEntry:
     """Load and run ``config``'s batch with the serving worker on meta and count its device bytes.
 
@@ -244,13 +253,15 @@ def verify_config(
             GPU-only allocations the layout was solved with, if any) is replayed through the C++
             allocator's host arena against it (misses, reserved bytes reported).
         layouts_dir: the plan table's layouts folder (the worker validates the layouts it names).
+        adapters: the group's LoRA adapter pool: its stacks in the load, every sample stacking
+            ``max_per_request`` worst-case adapters (max rank, every linear layer) in the batch.
     """
     t0 = time.perf_counter()
     spec = config.template.spec
     steps = min(config.template.steps, steps_to_trace(spec.settling_steps_for(config.template), spec.step_lifetime))
     tracer = AllocationTracer("meta", {})
     loaded, error = _run_worker(config, steps, tracer, markers=False, group_plans=group_plans,
-                                residency=residency, layouts_dir=layouts_dir)
+                                residency=residency, layouts_dir=layouts_dir, adapters=adapters)
     peak, load_peak = device_peaks(tracer.raw())
     replayed = None
     if layout is not None and error is None:
@@ -321,11 +332,12 @@ def node_host(table: PlanTable, entries: list[VerifyEntry], before: bool = False
 
 
 def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path: str | None = None,
-                 host_memory_bytes: int | None = None) -> VerifyReport:
+                 host_memory_bytes: int | None = None, adapters: LoraPoolConfig | None = None) -> VerifyReport:
     """``verify_config`` for every entry of ``table`` (or the named shape keys). Each entry is
     loaded with its own plan first, as a per-template worker loads it for that template; a
     switch from another template's residency only moves blocks out before others come in, so
-    it never exceeds the larger of the two residencies' device bytes."""
+    it never exceeds the larger of the two residencies' device bytes. A group with an adapter
+    pool (``table.adapter_pools``, or ``adapters`` for every entry) runs with it full."""
     keys = list(templates) if templates is not None else sorted(table.entries)
     out = []
     for key in keys:
@@ -336,7 +348,9 @@ def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path:
 
             folder = layouts_dir(path)
             layout = load_artifact(folder, e.config.layout_ref)
+        pool = adapters if adapters is not None else table.adapter_pools.get(e.config.template.model)
         out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
-                                 predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder))
+                                 predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder,
+                                 adapters=pool))
     return VerifyReport(plan_table=path, entries=out, node=node_host(table, out, budget_bytes=host_memory_bytes),
                         node_before=node_host(table, out, before=True, budget_bytes=host_memory_bytes))

@@ -39,6 +39,7 @@ from xema_ray.parallel.groups import ProcessGroups
 from xema_ray.parallel.sp import SPBackend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
+from xema_ray.runtime.adapters import AdapterPool, LoraUse, enter_adapters  # LoRA adapters (xema_ray.lora)
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.progress import StepObserver, step_callback
@@ -67,6 +68,7 @@ class GenerationRequest(BaseModel):
     prompt: str = Field(description="text prompt")
     seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
     references: tuple[bytes, ...] = Field(default=(), repr=False, description="its own reference images (PNG)")
+    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters stacked on it, with scales (xema_ray.lora)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
                                         "(only models that run classifier-free guidance are sent one)")
 
@@ -301,6 +303,7 @@ class ExecutionEngine:
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
         # per thread: a paused batch's thread and the batch that preempted it each keep their own
         self._local = threading.local()
+        self.adapters: AdapterPool | None = None  # LoRA adapters per sample (xema_ray.lora), set by the worker
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
         self.inner_env: Callable[[Any], contextlib.AbstractContextManager[None]] | None = None
@@ -334,9 +337,10 @@ class ExecutionEngine:
         negative_prompts: list[str | None] | None = None, steps: int | None = None,
         request_ids: list[str] | None = None,
         references: list[list[Any]] | None = None,
+        adapters: list[tuple[LoraUse, ...]] | None = None,
     ) -> tuple[Any, dict[Phase, float], int, bool]:
         """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
-        layout armed). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
+        layout armed; ``adapters``: per sample). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
         thread of its own, which the pause parks). ``negative_prompts``: per request, None for
@@ -361,14 +365,14 @@ class ExecutionEngine:
             own_negatives = encode_negatives(self.prompts, negative_prompts, ids)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
-            env = [self._batch_env(config, group, arm=armed)]
+            env = [self._batch_env(config, group, arm=armed, adapters=adapters)]
             stack.callback(lambda: env[0].close())
 
             def detach() -> None:  # a pause takes the batch's hooks off the shared pipeline ...
                 env[0].close()
 
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
-                env[0] = self._batch_env(config, group, arm=False)  # its allocation order restarted)
+                env[0] = self._batch_env(config, group, arm=False, adapters=adapters)  # its allocation order restarted)
             if self.shape_only:
                 from xema_ray.analyzer.assembly import shape_only_execution
 
@@ -399,9 +403,9 @@ class ExecutionEngine:
         }
         return out, phases, group.rank if group is not None else 0, armed
 
-    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool) -> contextlib.ExitStack:
-        """The batch's mitigations, static layout and SP, entered on the pipeline (closing the
-        stack takes them off)."""
+    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool, adapters: Any = None) -> contextlib.ExitStack:
+        """The batch's mitigations, static layout, SP and adapters, entered on the pipeline (closing the
+        stack takes them off; a resume enters them again, copying back adapters moved out meanwhile)."""
         env = contextlib.ExitStack()
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
@@ -417,6 +421,7 @@ class ExecutionEngine:
                     if getattr(self.pipe, name, None) is not None:
                         env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
                                                                   self.sp_backend))
+            enter_adapters(env, self, adapters)
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))
         except BaseException:
@@ -437,7 +442,7 @@ class ExecutionEngine:
         out, phases, sp_rank, armed = self.run_pipeline(
             config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
             control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
-            request_ids=[r.request_id for r in batch.requests],
+            request_ids=[r.request_id for r in batch.requests], adapters=[r.lora for r in batch.requests],
             references=batch_references(config.template.references, batch.requests, self.shape_only),
         )
         if observer is not None and output_rank:

@@ -35,6 +35,7 @@ from xema_ray.parallel.sp import SPBackend
 from xema_ray.plan import ExecutionConfig, ExpertSwap
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.runtime.adapters import AdapterSource, LoraPoolConfig, WorkerAdapters
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
 from xema_ray.runtime.out_of_memory import device_out_of_memory
 from xema_ray.runtime.pause import PreemptibleRun
@@ -81,6 +82,11 @@ class ModelLoadConfig(BaseModel):
                     "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers (and on meta, which "
                     "stands for them in xema verify); off = each worker "
                     "its own exact-size buffer")
+
+    adapters: LoraPoolConfig | None = Field(
+        default=None, description="serve LoRA adapters per sample: the device pool's size (xema_ray.lora); None: none")
+    adapter_sources: tuple[AdapterSource, ...] = Field(
+        default=(), description="adapter files read at load (the YAML's folder and those added since)")
 
     def shares_host(self, platform: str) -> bool:
         """Whether this load keeps its host-homed weights in the node's shared segment."""
@@ -131,9 +137,11 @@ class LoadedModel(BaseModel):
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
     text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
     layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
+    adapters: tuple[str, ...] = Field(default=(), description="LoRA adapters loaded (names)")
+    adapters_refused: tuple[str, ...] = Field(default=(), description="adapter files refused at load, each with why")
 
 
-class Worker(WorkerBase):
+class Worker(WorkerAdapters, WorkerBase):
     """One GPU (or CPU slot) of a worker set.
 
     Example (SP = 1, one process)::
@@ -272,6 +280,7 @@ class Worker(WorkerBase):
             from xema_ray.runtime.text import EmbeddingCache
 
             self.engine.prompts.cache = EmbeddingCache(0)
+        refused = self.install_adapters(load.adapters, load.adapter_sources)
         self._load_layouts(load)
         self.load_config = load
         self.load_count += 1
@@ -283,7 +292,8 @@ class Worker(WorkerBase):
                            host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,
                            host_attached_bytes=placed.host_attached_bytes, transient_bytes=placed.transient_bytes,
                            host_blocks=residency.host_blocks, text_encoder=placement,
-                           layout_status=self.layout_status)
+                           layout_status=self.layout_status, adapters_refused=tuple(refused),
+                           adapters=tuple(i.name for i in self.list_adapters()))
 
     def _load_layouts(self, load: ModelLoadConfig) -> None:
         """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the

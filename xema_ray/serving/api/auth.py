@@ -37,6 +37,8 @@ from xema_ray.serving.api.middleware import ASGIApp, Receive, Scope, Send, _erro
 SCOPE_KEY = "xema.tenant"
 #: paths only an admin key may read when keys are configured
 ADMIN_PATHS = ("/v1/console/",)
+#: where the guard leaves whether the key is an admin key (the adapter admin API: POST, DELETE /v1/adapters)
+SCOPE_ADMIN = "xema.admin"
 _OPEN_PATHS = ("/healthz", "/openapi.json", "/docs", "/redoc", "/v1/images/files/")
 
 
@@ -48,7 +50,8 @@ class ApiKey(BaseModel):
     key: str = Field(min_length=16, max_length=256, description="the bearer token; at least 16 characters")
     tenant: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                description="tenant name; None: derived from the key (its SHA-256, 16 hex digits)")
-    admin: bool = Field(default=False, description="may read the console's operator data (/v1/console/...)")
+    admin: bool = Field(default=False, description="may read the console's operator data (/v1/console/...) and "
+                                                   "manage LoRA adapters (POST, DELETE /v1/adapters)")
 
     @property
     def tenant_id(self) -> str:
@@ -142,6 +145,12 @@ def key_required(path: str) -> bool:
     return path.startswith("/v1/") and not path.startswith(_OPEN_PATHS)
 
 
+def admin_of(request: Request) -> bool:
+    """Whether the request may use the adapter admin API: any request while the API is open, else
+    one with an admin key (``auth.api_keys[].admin``)."""
+    return _tenants is None or bool(request.scope.get(SCOPE_ADMIN))
+
+
 def tenant_of(request: Request) -> str | None:
     """The request's tenant (None: the API is open)."""
     return request.scope.get(SCOPE_KEY)
@@ -182,4 +191,5 @@ class TenantGuard:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         scope[SCOPE_KEY] = tenant
+        scope[SCOPE_ADMIN] = admin
         await self.app(scope, receive, send)

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from xema_ray.lora.adapter import AdapterSource
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest
 from xema_ray.serving.api.auth import key_required
 from xema_ray.serving.api.errors import ErrorResponse
@@ -74,7 +75,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
         ref_template="#/components/schemas/{model}").items() if k != "$defs"}
     # the generation endpoints read their bodies themselves (``validation``: JSON or a form) and
     # refer to these by name
-    for model in (ImageRequest, VideoRequest, VideoCreate, ImageEditRequest):
+    for model in (ImageRequest, VideoRequest, VideoCreate, ImageEditRequest, AdapterSource):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(js.pop("$defs", {}))
         components.setdefault(model.__name__, js)

@@ -23,7 +23,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from xema_ray.lora import LoraUse
 from xema_ray.plan import PlanTable
+from xema_ray.serving.api.adapters import AdapterEndpoints, adapters_api
 from xema_ray.serving.api.schemas import (
     ImageData,
     ImageRequest,
@@ -75,6 +77,7 @@ app.add_middleware(RequestGuard)
 app.add_middleware(TenantGuard)  # runs before RequestGuard: no key, no body read
 app.add_middleware(RefusalMeter)  # added last, so it runs first: it sees every refusal, the 401s too
 install_ui(app)  # /ui: the console's static pages (docs/console.md)
+app.include_router(adapters_api)  # POST / GET / DELETE /v1/adapters (AdapterEndpoints, mixed into the Router)
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -105,7 +108,7 @@ STATS_TIMEOUT_S = 5.0
 
 
 @serve.ingress(app)
-class Router:
+class Router(AdapterEndpoints):
     """Maps requests to templates, looks up the plan, forwards to the model's group."""
 
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
@@ -165,7 +168,7 @@ class Router:
         return match_template(model, width, height, frames, self.served, kind)  # type: ignore[arg-type]
 
     async def _generate(self, t: RequestTemplate, prompt: str, seed: int | None, opts: RequestOptions,
-                        references: tuple[bytes, ...] = ()) -> GenerateResult:
+                        references: tuple[bytes, ...] = (), lora: list[LoraUse] | None = None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
         self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
@@ -175,7 +178,7 @@ class Router:
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
                                                        seed=seed, guidance_scale=opts.guidance_scale,
                                                        negative_prompt=opts.negative_prompt, steps=opts.steps,
-                                                       references=references))
+                                                       references=references, lora=tuple(lora or ())))
 
         async def result() -> GenerateResult:
             return await response
@@ -253,7 +256,7 @@ class Router:
         async def run() -> JSONResponse:
             seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
             called = time.perf_counter()
-            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts, references) for s in seeds))
+            outs = await asyncio.gather(*(self._generate(t, req.prompt, s, opts, references, req.lora) for s in seeds))
             answered = time.perf_counter()
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=f"{t.width}x{t.height}",
@@ -349,7 +352,7 @@ class Router:
             return error_response(**option_error(e))
 
         async def run() -> Response:
-            out = await self._generate(t, req.prompt, req.seed, opts)
+            out = await self._generate(t, req.prompt, req.seed, opts, req.lora)
             return Response(content=out.data, media_type="video/mp4",
                             headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
@@ -400,8 +403,9 @@ class Router:
                 received = counts.get("received", 0)
             except Exception:
                 pass
-        layouts, preemption = await asyncio.gather(self._layout_stats(), self._preemption_stats())
-        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption)
+        layouts, preemption, adapters = await asyncio.gather(self._layout_stats(), self._preemption_stats(),
+                                                             self.adapter_pool_stats(STATS_TIMEOUT_S))
+        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption, adapters=adapters)
 
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
         async def ask(model: str) -> GroupLayoutStats:

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from xema_ray.lora.adapter import LoraUse
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
@@ -75,6 +76,9 @@ class _Common(BaseModel):
     prompt: str = Field(min_length=1)
     size: str = Field(max_length=11, description="WIDTHxHEIGHT")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    lora: list[LoraUse] | None = Field(
+        default=None, max_length=16, description="LoRA adapters of the model (GET /v1/adapters) stacked on this request, "
+                                                 "each {name, scale}; requests with different adapters share a batch")
     negative_prompt: str | None = Field(default=None, description="what to steer away from: models that run "
                                         "classifier-free guidance take it (see each model's options in /v1/templates)")
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, Field
 
+from xema_ray.lora.pool import PoolStats
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
@@ -22,6 +23,9 @@ class StatsResponse(BaseModel):
     preemption: dict[str, PreemptionReport] = Field(
         default_factory=dict, description="per model group (that answered within the probe timeout): step-level "
                                           "preemption per template, and the dispatcher's latest decisions")
+    adapters: dict[str, list[PoolStats]] = Field(
+        default_factory=dict, description="per model group serving LoRA adapters: each worker's pool (resident "
+                                          "adapters, copies, evictions, seconds batches waited for copies)")
 
 
 class Stats:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xema_ray.lora import LoraUse
 from xema_ray.models.options import STEPS_MAX
 from xema_ray.runtime.engine import GenerationRequest, RequestOutput
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
@@ -56,6 +57,7 @@ class GroupRequest(BaseModel):
     guidance_scale: float | None = None
     references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's reference images (PNG "
                                           "at its template's reference size, checked by the API)")
+    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt")
     steps: int | None = Field(default=None, description="denoising steps; None: the template's (the Router checked "
                                                         "the model's range: ``xema_ray.models.options``)")
@@ -78,7 +80,7 @@ class GroupRequest(BaseModel):
                                  "num_inference_steps")
         try:
             return GenerationRequest(request_id=self.request_id, prompt=self.prompt, seed=self.seed,
-                                     negative_prompt=self.negative_prompt, references=self.references)
+                                     negative_prompt=self.negative_prompt, references=self.references, lora=self.lora)
         except ValidationError as e:
             err = e.errors()[0]
             field = str(err["loc"][0]) if err.get("loc") else None

@@ -42,6 +42,7 @@ from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.config import ModelGroupConfig
+from xema_ray.serving.group.adapters import GroupAdapters
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
 from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
@@ -77,7 +78,7 @@ def _ticket(r: Pending[_Ticket]) -> _Ticket:
     return r.payload
 
 
-class ModelGroup(PublishesSummary):
+class ModelGroup(GroupAdapters, PublishesSummary):
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -123,7 +124,7 @@ class ModelGroup(PublishesSummary):
         self.plans_hash = plans_hash(self.entries)
         self.reload = PlanReload()
         self.workers = worker_set(self._worker_spec(self.entries, s))
-        self.workers.on_loaded = lambda loaded: self.layout_counters.loaded(loaded.layout_status)
+        self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status))  # workers.on_loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
 
@@ -137,7 +138,7 @@ class ModelGroup(PublishesSummary):
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
-                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes)
+                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes, **self.adapter_load())
         return WorkerSetSpec(device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
             concurrency=WORKER_CONCURRENCY if self.policy is not None else 1,
@@ -218,7 +219,7 @@ class ModelGroup(PublishesSummary):
 
     def _admit(self, req: GroupRequest) -> GenerationRequest:
         """``req`` checked (``InvalidRequest``, HTTP 422, if it cannot run here) and counted as an arrival."""
-        request = req.validated()
+        request = self.check_lora(req.validated())
         if req.template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {req.template!r}", "size")
         req.check_references(self.entries[req.template].config.template.references)
@@ -327,7 +328,7 @@ class ModelGroup(PublishesSummary):
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, InvalidRequest] = {}
-        for guidance, reqs in by_guidance.items():
+        for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id):
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
                 a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun)))
         return outputs, failed

@@ -1,0 +1,257 @@
+"""An adapter file read and checked against the model it is for.
+
+Users have LoRA safetensors as their trainers wrote them: diffusers/PEFT names
+(``transformer.<module>.lora_A.weight``), PEFT's ``base_model.model.`` prefix, or a community
+layout (kohya's ``lora_unet_*.lora_down.weight``, ai-toolkit's ``diffusion_model.*``, musubi's
+Wan names, LTX-2's ``diffusion_model.*``). The key conversion is diffusers' own: each pipeline's
+LoRA loader mixin (``Flux2Pipeline.lora_state_dict``, ``WanPipeline.lora_state_dict``, ...) turns
+the file into diffusers names; this module only reads the file, hands its tensors to that
+function and checks the result against the loaded model.
+
+A refused file raises ``AdapterRejected`` naming the adapter and the first offending key (HTTP
+4xx at the API); nothing of it was kept, so a refused adapter changes nothing served.
+
+Scale: ``lora_alpha / r`` from the file's diffusers metadata (``lora_adapter_metadata``, with its
+``alpha_pattern``), a per-module ``.alpha`` key a converter left, else 1 (the converters of kohya
+files fold alpha into the weights, as diffusers does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
+#: an adapter's name: what requests and the admin API call it (URL-safe)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+#: the pipeline components an adapter may adapt (Wan2.2 A14B has two experts)
+ADAPTED_COMPONENTS = ("transformer", "transformer_2")
+
+
+class LoraUse(BaseModel):
+    """One adapter a request asks for, with its scale (``lora: [{"name", "scale"}]``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, description="a loaded adapter of the request's model (GET /v1/adapters)")
+    scale: float = Field(default=1.0, ge=-8.0, le=8.0, description="multiplies the adapter's delta (1 = as trained)")
+
+    @field_validator("scale")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"scale must be finite, got {v}")
+        return v
+
+
+class AdapterSource(BaseModel):
+    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
+    model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
+    path: Path = Field(description="a .safetensors file (or a folder holding exactly one), readable by the workers")
+
+
+class AdapterRejected(ValueError):
+    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key)."""
+
+    def __init__(self, message: str, adapter: str, key: str | None = None) -> None:
+        super().__init__(message, adapter, key)  # in args: crosses the worker -> group -> router boundary by pickle
+        self.adapter = adapter
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    """One target layer's factors: ``delta(x) = scale * (x @ a.T) @ b.T``."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass
+class LoraAdapter:
+    """An adapter read and checked: target layer path (``transformer.<module>``) -> its factors, on the host."""
+
+    name: str
+    model: str
+    layers: dict[str, LoraLayer] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # keys the stated tolerance let through (not applied)
+
+    @property
+    def rank(self) -> int:
+        return max((lay.rank for lay in self.layers.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lay.a.numel() * lay.a.element_size() + lay.b.numel() * lay.b.element_size()
+                   for lay in self.layers.values())
+
+
+def _resolve_file(source: AdapterSource) -> Path:
+    p = source.path
+    if not p.exists():
+        raise AdapterRejected(f"adapter {source.name!r}: {p} does not exist (the path must be readable by the "
+                              "model's workers)", source.name)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if len(files) != 1:
+            raise AdapterRejected(f"adapter {source.name!r}: folder {p} must hold exactly one .safetensors file, "
+                                  f"found {len(files)}", source.name)
+        p = files[0]
+    if p.suffix != ".safetensors":
+        raise AdapterRejected(f"adapter {source.name!r}: {p.name} is not a .safetensors file (pickled checkpoints "
+                              "are never loaded)", source.name)
+    return p
+
+
+def _read_safetensors(source: AdapterSource, p: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterRejected(f"adapter {source.name!r}: {p.name} is not a readable safetensors file ({e})",
+                              source.name) from None
+    raw = meta.get("lora_adapter_metadata")
+    try:
+        lora_meta = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        raise AdapterRejected(f"adapter {source.name!r}: its lora_adapter_metadata is not JSON", source.name) from None
+    return tensors, lora_meta if isinstance(lora_meta, dict) else {}
+
+
+def _convert(source: AdapterSource, pipe_cls: type, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' own key conversion for the model's pipeline (``<Pipeline>.lora_state_dict``)."""
+    convert = getattr(pipe_cls, "lora_state_dict", None)
+    if convert is None:
+        raise AdapterRejected(f"adapter {source.name!r}: {pipe_cls.__name__} has no LoRA loader in diffusers",
+                              source.name)
+    try:
+        out = convert(dict(tensors))
+    except (ValueError, KeyError, IndexError, RuntimeError) as e:  # a converter that met keys it does not know
+        first = next(iter(tensors), None)
+        raise AdapterRejected(f"adapter {source.name!r}: diffusers' {pipe_cls.__name__} LoRA conversion refused the "
+                              f"file ({e})", source.name, first) from None
+    if isinstance(out, tuple):  # some loaders return (state_dict, network_alphas)
+        out = out[0]
+    return dict(out)
+
+
+def _alpha(meta: dict[str, Any], comp: str, module: str, rank: int) -> float | None:
+    pattern = meta.get(f"{comp}.alpha_pattern") or {}
+    for k, v in (pattern.items() if isinstance(pattern, dict) else ()):
+        if module == k or module.endswith("." + k):
+            return float(v) / rank
+    alpha = meta.get(f"{comp}.lora_alpha")
+    return float(alpha) / rank if alpha is not None else None
+
+
+def read_adapter(source: AdapterSource, pipe_cls: type, components: dict[str, nn.Module], max_rank: int,
+                 max_unknown_keys: int = 0, dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """Read ``source``'s file and check it against the loaded model.
+
+    Args:
+        source: name, model and path.
+        pipe_cls: the model's diffusers pipeline class (its ``lora_state_dict`` converts the keys).
+        components: the model's adapted components by name (``transformer``, ``transformer_2``).
+        max_rank: the pool's padded rank; a larger adapter is refused.
+        max_unknown_keys: the stated tolerance: keys naming no layer of the model (or a component not
+            adapted, such as a text encoder) that may be skipped; one more refuses the file.
+        dtype: the factors' dtype (the model's compute dtype).
+
+    Raises:
+        AdapterRejected: missing, not safetensors, a conversion diffusers refuses, unknown keys beyond
+            the tolerance, a target that is not a linear layer, wrong shapes, a rank above ``max_rank``.
+
+    Example:
+        >>> read_adapter(AdapterSource(name="style", model="tiny-flux2", path="style.safetensors"),
+        ...              type(pipe), {"transformer": pipe.transformer}, max_rank=64)  # doctest: +SKIP
+    """
+    name = source.name
+    p = _resolve_file(source)
+    tensors, meta = _read_safetensors(source, p)
+    if not tensors:
+        raise AdapterRejected(f"adapter {name!r}: {p.name} holds no tensors", name)
+    state = _convert(source, pipe_cls, tensors)
+    pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    unknown: list[str] = []
+    for key in sorted(state):
+        comp, _, rest = key.partition(".")
+        if comp not in components or not rest:
+            unknown.append(key)
+            continue
+        for part in ("lora_A", "lora_B"):
+            if rest.endswith(f".{part}.weight"):
+                pairs.setdefault((comp, rest.removesuffix(f".{part}.weight")), {})[part] = state[key]
+                break
+        else:
+            if rest.endswith(".alpha"):
+                pairs.setdefault((comp, rest.removesuffix(".alpha")), {})["alpha"] = state[key]
+            else:
+                unknown.append(key)  # lora_magnitude (DoRA), lokr factors, biases: not served
+    adapter = LoraAdapter(name=name, model=source.model)
+    modules = {c: dict(m.named_modules()) for c, m in components.items()}
+    for (comp, module), parts in sorted(pairs.items()):
+        key = f"{comp}.{module}.lora_A.weight"
+        layer = modules[comp].get(module)
+        if layer is None:
+            unknown.append(key)
+            continue
+        if not isinstance(layer, nn.Linear):
+            raise AdapterRejected(f"adapter {name!r}: key {key!r} targets a {type(layer).__name__}; only linear "
+                                  "layers are adapted", name, key)
+        if "lora_A" not in parts or "lora_B" not in parts:
+            missing = "lora_B" if "lora_A" in parts else "lora_A"
+            raise AdapterRejected(f"adapter {name!r}: key {key!r} has no {missing} partner", name, key)
+        a, b = parts["lora_A"], parts["lora_B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != layer.in_features or b.shape[0] != layer.out_features \
+                or a.shape[0] != b.shape[1]:
+            raise AdapterRejected(
+                f"adapter {name!r}: key {key!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; layer {comp}.{module} "
+                f"needs A [r, {layer.in_features}] and B [{layer.out_features}, r] (an adapter for another model or size?)",
+                name, key)
+        rank = int(a.shape[0])
+        if rank > max_rank:
+            raise AdapterRejected(f"adapter {name!r}: key {key!r} has rank {rank}, above the pool's max_rank {max_rank}",
+                                  name, key)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterRejected(f"adapter {name!r}: key {key!r} holds non-finite values", name, key)
+        if "alpha" in parts:
+            scale = float(parts["alpha"].float().item()) / rank
+        else:
+            found = _alpha(meta, comp, module, rank)
+            scale = 1.0 if found is None else found
+        adapter.layers[f"{comp}.{module}"] = LoraLayer(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
+    if len(unknown) > max_unknown_keys:
+        first = unknown[0]
+        raise AdapterRejected(
+            f"adapter {name!r}: {len(unknown)} key(s) name no adapted layer of {source.model} (tolerance "
+            f"{max_unknown_keys}), the first {first!r} (an adapter for another model, or a text-encoder LoRA?)",
+            name, first)
+    if not adapter.layers:
+        raise AdapterRejected(f"adapter {name!r}: no LoRA layer of {p.name} matches {source.model}", name,
+                              next(iter(state), None))
+    adapter.skipped = tuple(unknown)
+    return adapter

@@ -1,0 +1,191 @@
+"""A model group's LoRA adapters: the folder of its YAML at start-up, files added and removed at
+run time (``POST`` / ``DELETE /v1/adapters``) on every worker at once, requests checked against
+what is loaded, and batches split so that no sub-batch needs more adapters than the pool's slots.
+
+``ModelGroup`` mixes this in. A file is added on all of the group's workers or on none: a worker
+that refuses it makes the others drop it again, so a refused adapter changes nothing served. An
+added file joins the worker set's load config, so a rebuilt set (a worker died) loads it again.
+A name already loaded is refused (409): replacing an adapter in place would change the outputs of
+requests already queued for it; delete it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from xema_ray.lora_pool import LoraPoolConfig
+from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, LoraUse, PoolStats
+from xema_ray.serving.group.messages import InvalidRequest
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class AdapterConflict(AdapterRejected):
+    """An adapter of that name is already loaded (HTTP 409)."""
+
+
+def folder_sources(model: str, cfg: LoraPoolConfig | None) -> tuple[AdapterSource, ...]:
+    """The adapters of ``cfg.dir``: every ``*.safetensors`` file, named by its stem."""
+    if cfg is None or cfg.dir is None:
+        return ()
+    folder = cfg.dir.expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"{model}: adapters.dir {str(folder)!r} is not a folder")
+    out = []
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            out.append(AdapterSource(name=f.stem, model=model, path=f))
+        except ValueError:
+            logger.warning("%s: adapter file %s skipped: its stem is not a valid adapter name", model, f.name)
+    return tuple(out)
+
+
+def split_for_pool(items: Sequence[T], uses: Callable[[T], Sequence[LoraUse]], slots: int) -> list[list[T]]:
+    """``items`` in order, cut into runs whose distinct adapters fit ``slots`` (one run when they do)."""
+    runs: list[list[T]] = []
+    names: set[str] = set()
+    for it in items:
+        mine = {u.name for u in uses(it)}
+        if runs and len(names | mine) <= slots:
+            runs[-1].append(it)
+            names |= mine
+        else:
+            runs.append([it])
+            names = set(mine)
+    return runs
+
+
+def _cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e  # a Ray actor's error wraps the worker's exception
+
+
+class GroupAdapters:
+    """Adapter calls of a model group (the Router's admin endpoints reach them through the handle)."""
+
+    model: str
+    config: Any  # ModelGroupConfig
+    workers: Any  # WorkerSet
+
+    def _init_adapters(self, previous: Callable[[Any], None] | None) -> None:
+        """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded."""
+        self.adapter_names: set[str] = set()
+        self._adapter_lock = asyncio.Lock()
+
+        def loaded(result: Any) -> None:
+            if previous is not None:
+                previous(result)
+            self.adapter_names = set(getattr(result, "adapters", ()))
+            for why in getattr(result, "adapters_refused", ()):
+                logger.warning("%s: %s", self.model, why)
+
+        self.workers.on_loaded = loaded
+
+    @property
+    def pool_config(self) -> LoraPoolConfig | None:
+        return self.config.adapters
+
+    def adapter_load(self) -> dict[str, Any]:
+        """The worker load config's adapter fields: the pool and the YAML folder's files."""
+        return {"adapters": self.pool_config, "adapter_sources": folder_sources(self.model, self.pool_config)}
+
+    def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]],
+                 failed: dict[str, InvalidRequest], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
+        """Each group's requests cut into runs that fit the pool's slots (one run per group when they
+        do): requests with different adapters share a batch. A request naming an adapter deleted
+        while it waited goes to ``failed`` (HTTP 422 naming it) instead of failing its batch."""
+        slots = self.pool_config.slots if self.pool_config is not None else 1
+        kept: dict[Any, list[T]] = {}
+        for key, items in groups.items():
+            for it in items:
+                gone = [u.name for u in uses(it) if u.name not in self.adapter_names]
+                if gone:
+                    failed[rid(it)] = InvalidRequest(f"lora: adapter {gone[0]!r} was deleted while the request "
+                                                     "waited; it is no longer loaded", "lora")
+                else:
+                    kept.setdefault(key, []).append(it)
+        return [(key, run) for key, items in kept.items() for run in split_for_pool(items, uses, slots)]
+
+    def check_lora(self, request: R) -> R:
+        """A request's adapters (``request.lora``), checked on arrival (``InvalidRequest``, HTTP 422,
+        naming the first bad one); returns the request."""
+        uses: Sequence[LoraUse] = request.lora  # type: ignore[attr-defined]
+        if not uses:
+            return request
+        cfg = self.pool_config
+        if cfg is None:
+            raise InvalidRequest(f"{self.model} serves no LoRA adapters (its group has no `adapters:`)", "lora")
+        if len(uses) > cfg.max_per_request:
+            raise InvalidRequest(f"lora: {len(uses)} adapters stacked; {self.model} allows {cfg.max_per_request} "
+                                 "per request", "lora")
+        for i, u in enumerate(uses):
+            if u.name not in self.adapter_names:
+                known = ", ".join(sorted(self.adapter_names)) or "none"
+                raise InvalidRequest(f"lora[{i}].name: unknown adapter {u.name!r} for {self.model} (loaded: {known})",
+                                     f"lora[{i}].name")
+        if len({u.name for u in uses}) != len(uses):
+            raise InvalidRequest("lora: an adapter is named twice; give it one scale", "lora")
+        return request
+
+    def _set_sources(self, sources: tuple[AdapterSource, ...]) -> None:
+        spec = self.workers.spec
+        self.workers.spec = spec.model_copy(update={"load": spec.load.model_copy(update={"adapter_sources": sources})})
+
+    async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
+        """Load ``source`` on every worker (all or none). Raises ``AdapterRejected`` (HTTP 422) or
+        ``AdapterConflict`` (409)."""
+        if self.pool_config is None:
+            raise AdapterRejected(f"adapter {source.name!r}: {self.model} serves no adapters (its group has no "
+                                  "`adapters:` in the serve YAML)", source.name)
+        if source.model != self.model:
+            raise AdapterRejected(f"adapter {source.name!r} is for {source.model!r}, this group serves {self.model!r}",
+                                  source.name)
+        async with self._adapter_lock:
+            if source.name in self.adapter_names:
+                raise AdapterConflict(f"adapter {source.name!r} is already loaded for {self.model}; DELETE it first",
+                                      source.name)
+            results = await asyncio.gather(*(self.workers.collective_rpc("add_adapter", ranks=[r], args=(source,))
+                                             for r in range(self.workers.size)), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                accepted = [r for r, out in enumerate(results) if not isinstance(out, BaseException)]
+                if accepted:  # all or none: the workers that took it drop it again
+                    await self.workers.collective_rpc("remove_adapter", ranks=accepted, args=(source.name,))
+                raise _cause(failed[0])
+            self.adapter_names.add(source.name)
+            self._set_sources((*self.workers.spec.load.adapter_sources, source))
+            info: AdapterInfo = results[0][0]  # type: ignore[index]
+            return info
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Forget ``name`` on every worker; False: not loaded. Requests that name it afterwards get a 422."""
+        async with self._adapter_lock:
+            if name not in self.adapter_names:
+                return False
+            self.adapter_names.discard(name)  # new requests are refused, queued ones fail alone (fit_pool)
+            while True:  # a batch running with it keeps it until it ends
+                try:
+                    await self.workers.collective_rpc("remove_adapter", args=(name,))
+                    break
+                except Exception as e:  # noqa: BLE001 — only "in use" is retried
+                    if not isinstance(_cause(e), AdapterRejected):
+                        raise
+                    await asyncio.sleep(0.05)
+            self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
+            return True
+
+    async def list_adapters(self) -> list[AdapterInfo]:
+        """The adapters loaded (as worker 0 holds them: every worker holds the same)."""
+        if self.pool_config is None:
+            return []
+        return list((await self.workers.collective_rpc("list_adapters", ranks=[0]))[0])
+
+    async def adapter_stats(self) -> list[PoolStats]:
+        """Each worker's pool: residency, copies, evictions and the seconds batches waited for copies."""
+        if self.pool_config is None:
+            return []
+        return [s for s in await self.workers.collective_rpc("adapter_stats") if s is not None]
