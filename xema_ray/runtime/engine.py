@@ -22,7 +22,6 @@ request's output does not depend on which device runs it; the encoders are bit-e
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +30,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import nn
 
 from xema_ray.models import ModelSpec
 from xema_ray.models.base import TextEncoderPlacement
@@ -42,6 +40,7 @@ from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.adapters import AdapterPool, LoraUse, enter_adapters  # LoRA adapters (xema_ray.lora)
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
+from xema_ray.runtime.phase_clock import PhaseClock
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.references import batch_references
 from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
@@ -182,76 +181,6 @@ def apply_config_mitigations(pipe: Any, spec: ModelSpec, mitigations: tuple[Miti
         yield
 
 
-def _shadow(obj: Any, name: str, value: Callable[..., Any]) -> Callable[[], None]:
-    """Set an instance attribute that shadows a method; return the undo. Restores a previous
-    instance-level override (another hook, e.g. the analyzer's markers) instead of deleting it."""
-    previous = vars(obj).get(name)
-    setattr(obj, name, value)
-
-    def undo() -> None:
-        if previous is None:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, previous)
-
-    return undo
-
-
-class _PhaseClock:
-    """Marks phase boundaries inside a pipeline call: time spent in ``encode_prompt`` and the
-    first entry into a decoder (video VAE, audio VAE, vocoder). Installed as instance
-    attributes / forward hooks and removed on exit."""
-
-    def __init__(self, pipe: Any, platform: Platform) -> None:
-        self.pipe = pipe
-        self.platform = platform
-        self.encode_prompt_s = 0.0
-        self.first_decode: float | None = None
-        self._undo: list[Callable[[], None]] = []
-
-    def _mark_decode(self) -> None:
-        if self.first_decode is None:
-            self.platform.synchronize()  # the denoising loop's kernels belong to the denoise phase
-            self.first_decode = time.perf_counter()
-
-    def __enter__(self) -> _PhaseClock:
-        pipe = self.pipe
-        if hasattr(pipe, "encode_prompt"):
-            original = pipe.encode_prompt
-
-            @functools.wraps(original)
-            def encode_prompt(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self.platform.synchronize()
-                    self.encode_prompt_s += time.perf_counter() - t0
-
-            self._undo.append(_shadow(pipe, "encode_prompt", encode_prompt))
-        for name in ("vae", "audio_vae"):
-            comp = getattr(pipe, name, None)
-            if comp is None or not hasattr(comp, "decode"):
-                continue
-            orig = comp.decode
-
-            def decode(*args: Any, _orig: Callable[..., Any] = orig, **kwargs: Any) -> Any:
-                self._mark_decode()
-                return _orig(*args, **kwargs)
-
-            self._undo.append(_shadow(comp, "decode", decode))
-        vocoder = getattr(pipe, "vocoder", None)
-        if isinstance(vocoder, nn.Module):
-            handle = vocoder.register_forward_pre_hook(lambda *_: self._mark_decode())
-            self._undo.append(handle.remove)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-
 class ExecutionEngine:
     """Runs batches on one worker's loaded pipeline.
 
@@ -383,7 +312,7 @@ class ExecutionEngine:
             own_negatives = None  # copied into the default rows: freed, the batch holds what was planned
             inputs: dict[str, Any] = self.last_prompts.inputs
             t_text = self.last_prompts.seconds
-            clock = stack.enter_context(_PhaseClock(self.pipe, self.platform))
+            clock = stack.enter_context(PhaseClock(self.pipe, self.platform))
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
             with torch.no_grad():
