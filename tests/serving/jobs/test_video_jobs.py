@@ -342,7 +342,7 @@ def test_jobs_of_a_dead_model_group_replica_are_dispatched_again(client: Any, st
     video = client.videos.create(model="tiny-cogvideox", prompt="the group dies", size="64x64", seconds="2")
     before = _wait(store, video.id, lambda r: r.step >= 1)
     [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == "serve" and "ModelGroup:tiny-cogvideox" in a["name"]]
+                 if a["namespace"] == "serve" and "#ModelGroup:tiny-cogvideox#" in a["name"]]
     ray.kill(ray.get_actor(replica["name"], namespace="serve"), no_restart=False)  # its workers go with it
     done = client.videos.poll(video.id)
     assert done.status == "completed"

@@ -352,7 +352,7 @@ class Router(AdapterEndpoints):
             return error_response(**option_error(e))
 
         async def run() -> Response:
-            out = await self._generate(t, req.prompt, req.seed, opts, req.lora)
+            out = await self._generate(t, req.prompt, req.seed, opts, lora=req.lora)
             return Response(content=out.data, media_type="video/mp4",
                             headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
 
