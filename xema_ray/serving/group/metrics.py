@@ -77,6 +77,9 @@ class ServingMetrics:
         self.preemptions.set_default_tags({"model": model})
         self.paused_bytes = KeptGauge("xema_paused_bytes", "between-step state paused batches hold now",
                                       (*tags, "model"), own)
+        self.paused_seconds = metrics.Counter("xema_paused_seconds", "seconds batches spent paused",
+                                              tag_keys=(*tags, "model"))
+        self.paused_seconds.set_default_tags({"model": model})
         #: what ``LoadMetrics`` republishes every second (``KeptGauge``)
         gauges = (self.queue_depth, self.batch_size, self.peak_bytes, self.host_weight_bytes, self.layout_reserved,
                   self.paused_bytes)
@@ -93,9 +96,6 @@ class ServingMetrics:
     def observe_failed(self, template: str, n: int) -> None:
         self.failed.inc(n, tags={"template": template})
         self.load.observe_missed(template, n)  # a failed request did not meet its SLO either
-        self.paused_seconds = metrics.Counter("xema_paused_seconds", "seconds batches spent paused",
-                                              tag_keys=(*tags, "model"))
-        self.paused_seconds.set_default_tags({"model": model})
 
     def observe_pause(self, template: str, held_bytes: int) -> None:
         t = {"template": template}
