@@ -189,10 +189,17 @@ def test_playground_shows_references_and_adapters_where_the_api_offers_them(serv
     doc["paths"]["/v1/adapters"] = {"get": {"responses": {}}}
     page.route("**/openapi.json", lambda route: route.fulfill(json=doc))
     page.route("**/v1/adapters", lambda route: route.fulfill(json={"data": [{"name": "style-a", "model": FLUX.model}]}))
+    templates = requests.get(f"{server}/v1/templates", headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30).json()
+    plain = next(t for t in templates if t["template"] == FLUX.shape_key)
+    edit = {**plain, "template": FLUX.shape_key + "/ref1@64x64", "references": 1, "reference_size": "64x64"}
+    page.route("**/v1/templates", lambda route: route.fulfill(json=[*templates, edit]))
     page.reload()
     until(page, "document.querySelectorAll('#template option').length >= 1")
     page.select_option("#model", FLUX.model)
+    page.select_option("#template", edit["template"])  # a template that takes a reference image
     assert page.is_visible("#refs-box") and page.is_visible("#adapters-box")
+    page.select_option("#template", FLUX.shape_key)  # one that takes none: no box for it
+    assert page.is_hidden("#refs-box") and page.is_visible("#adapters-box")
     page.check("#adapters input[data-name='style-a']")
     with page.expect_request("**/v1/images/generations") as sent:
         page.click("#submit")

@@ -51,7 +51,8 @@ function showTemplate() {
   if (t.steps_range) { steps.min = t.steps_range[0]; steps.max = t.steps_range[1]; }
   const video = kindOf(t.model) === "video";
   $("#submit").textContent = video ? "Start video job" : "Generate image";
-  const refs = video ? state.features.videoRefs : state.features.edits;
+  // a template names how many reference images it takes (/v1/templates): the box is for those
+  const refs = (t.references || 0) > 0 && (video ? state.features.videoRefs : state.features.edits);
   $("#refs-box").classList.toggle("hidden", !refs);
   $("#refs-note").textContent = video ? "image-to-video: the first frame" : "edit / reference (sent to /v1/images/edits)";
   const box = $("#adapters"), mine = state.adapters.filter((a) => !a.model || a.model === t.model);
