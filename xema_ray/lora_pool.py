@@ -1,11 +1,32 @@
 """A model group's LoRA adapter pool as configured and planned (``adapters:`` of a group in the
-serve YAML, ``PlanTable.adapter_pools``): the schema only; the pool itself is ``xema_ray.lora``."""
+serve YAML, ``PlanTable.adapter_pools``) and what a request asks of it (``LoraUse``): the schemas
+only, light to import (job store, API); the pool itself is ``xema_ray.lora``."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: what an adapter may be called (a file stem, a URL path segment)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class LoraUse(BaseModel):
+    """One adapter a request asks for, with its scale (``lora: [{"name", "scale"}]``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, description="a loaded adapter of the request's model (GET /v1/adapters)")
+    scale: float = Field(default=1.0, ge=-8.0, le=8.0, description="multiplies the adapter's delta (1 = as trained)")
+
+    @field_validator("scale")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"scale must be finite, got {v}")
+        return v
 
 
 class LoraPoolConfig(BaseModel):
@@ -22,3 +43,18 @@ class LoraPoolConfig(BaseModel):
     max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
     max_unknown_keys: int = Field(default=0, ge=0, description="keys naming no adapted layer an adapter file may "
                                                                "carry (skipped); one more refuses the file")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_stack(cls, data: object) -> object:
+        """``max_per_request`` not given: 4, or the pool's slots where it has fewer."""
+        if isinstance(data, dict) and "max_per_request" not in data and isinstance(data.get("slots"), int):
+            return {**data, "max_per_request": max(1, min(4, data["slots"]))}
+        return data
+
+    @model_validator(mode="after")
+    def _stack_fits_the_pool(self) -> LoraPoolConfig:
+        if self.max_per_request > self.slots:  # a request's adapters are resident together for its batch
+            raise ValueError(f"max_per_request ({self.max_per_request}) must be at most slots ({self.slots}): "
+                             "one request's adapters are on the device together")
+        return self

@@ -143,3 +143,11 @@ def test_a_batch_needing_more_adapters_than_slots_is_cut() -> None:
     u = {n: (LoraUse(name=n),) for n in "abc"}
     runs = split_for_pool([u["a"], u["b"], (), u["c"], u["a"]], lambda x: x, 2)
     assert runs == [[u["a"], u["b"], ()], [u["c"], u["a"]]]
+
+
+def test_a_pool_refuses_a_stack_larger_than_its_slots() -> None:
+    """One request's adapters are resident together: ``max_per_request`` above ``slots`` would pass
+    admission and then fail its whole batch; it is refused in the YAML instead (default: min(4, slots))."""
+    assert LoraPoolConfig(slots=2).max_per_request == 2 and LoraPoolConfig().max_per_request == 4
+    with pytest.raises(ValueError, match=r"max_per_request \(3\) must be at most slots \(2\)"):
+        LoraPoolConfig(slots=2, max_per_request=3)

@@ -19,36 +19,19 @@ files fold alpha into the weights, as diffusers does).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-#: an adapter's name: what requests and the admin API call it (URL-safe)
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# an adapter's name (URL-safe) and what a request asks for: the request-side schemas, light to import
+from xema_ray.lora_pool import NAME_PATTERN, LoraUse  # noqa: F401  (re-exported: xema_ray.lora.LoraUse)
 
 #: the pipeline components an adapter may adapt (Wan2.2 A14B has two experts)
 ADAPTED_COMPONENTS = ("transformer", "transformer_2")
-
-
-class LoraUse(BaseModel):
-    """One adapter a request asks for, with its scale (``lora: [{"name", "scale"}]``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(pattern=NAME_PATTERN, description="a loaded adapter of the request's model (GET /v1/adapters)")
-    scale: float = Field(default=1.0, ge=-8.0, le=8.0, description="multiplies the adapter's delta (1 = as trained)")
-
-    @field_validator("scale")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError(f"scale must be finite, got {v}")
-        return v
 
 
 class AdapterSource(BaseModel):

@@ -219,6 +219,20 @@ def test_a_video_job_carries_its_image_to_the_group(api: Any) -> None:
     assert r.status == 200 and len(group.got) == 2 and group.got[1].references
 
 
+def test_a_video_job_carries_its_adapters_to_the_group_and_keeps_them_in_its_record(api: Any) -> None:
+    """``lora`` on a video job (a JSON body): stored with the job, so a re-dispatch runs with it too."""
+    app, store, group, _ = api
+    body = {"model": "tiny-ltx2", "prompt": "waves", "size": "64x64", "num_frames": 9,
+            "lora": [{"name": "style-a", "scale": 0.5}, {"name": "character"}]}
+    r = asyncio.run(call(app, "POST", "/v1/videos", json.dumps(body).encode()))
+    assert r.status == 200, r.body
+    (req,) = group.got
+    assert [(u.name, u.scale) for u in req.lora] == [("style-a", 0.5), ("character", 1.0)]
+    assert store.get(r.json()["id"]).lora == req.lora
+    bad = asyncio.run(call(app, "POST", "/v1/videos", json.dumps({**body, "lora": [{"name": "../etc"}]}).encode()))
+    assert bad.status == 422 and "lora" in bad.body.decode() and len(group.got) == 1
+
+
 def test_openapi_documents_the_uploads() -> None:
     from xema_ray.serving.api.router import app as router_app
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from xema_ray.lora.adapter import LoraUse
 from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS
 from xema_ray.serving.api.schemas import MAX_SEED, UnsupportedTemplate, current_limits, parse_size
 from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig
@@ -41,6 +42,8 @@ class VideoCreate(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
     negative_prompt: str | None = Field(default=None, description="models that run classifier-free guidance take it")
+    lora: list[LoraUse] | None = Field(default=None, max_length=16, description="LoRA adapters of the model (GET "
+                                       "/v1/adapters) stacked on this job, each {name, scale} (a JSON body)")
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
                                          description="Qwen-Image only (no video model takes it)")
     input_reference: Any = Field(default=None, description="image-to-video: the first frame, as a file "

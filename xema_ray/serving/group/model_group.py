@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
@@ -344,7 +343,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         estimate = replace(self.estimates[a.template], steps=steps)
         jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
         if jobs and not rerun:  # a job deleted while queued is dropped here; the rest are in_progress from now
-            started = await self.jobs.start(jobs, self.estimates[a.template].total_s)
+            started = await self.jobs.start(jobs, estimate.total_s)  # at the batch's own step count
             reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
             jobs = [j for j in jobs if j in started]
             if not reqs:
@@ -401,7 +400,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             for r in a.requests:
                 t = _ticket(r)
                 if r.request_id in failed:  # its own input failed it (422); its neighbours were served
-                    self.metrics.failed.inc(tags={"template": a.template})
+                    self.metrics.observe_failed(a.template, 1)  # missed its SLO too (xema_slo_attainment)
                     await self._fail(t, failed[r.request_id])
                     continue
                 if t.job_id is not None:

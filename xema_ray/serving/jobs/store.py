@@ -38,6 +38,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xema_ray.lora_pool import LoraUse
+
 JobStatus = Literal["queued", "in_progress", "completed", "failed"]
 TERMINAL: tuple[JobStatus, ...] = ("completed", "failed")
 
@@ -84,6 +86,7 @@ class JobRecord(BaseModel):
     guidance_scale: float | None = None
     negative_prompt: str | None = Field(default=None, description="None: the model's default")
     steps: int | None = Field(default=None, description="denoising steps; None: the template's")
+    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
     references: int = Field(default=0, ge=0, description="input images, stored as files (``reference_name``) "
                             "beside the record")
     size: str = Field(description="served WIDTHxHEIGHT")

@@ -155,7 +155,7 @@ class VideoJobs:
                         guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
                         size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
-                        references=len(references))
+                        references=len(references), lora=tuple(req.lora or ()))
         for i, png in enumerate(references):  # before the record: whoever dispatches it finds them
             await self._call(store.put_file, reference_name(rec.id, i), png, "image/png", time.time() + self.cfg.ttl_s)
         try:
@@ -261,7 +261,7 @@ class VideoJobs:
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
             guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps,
-            references=tuple(references))))
+            references=tuple(references), lora=rec.lora)))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""
