@@ -47,3 +47,37 @@ def test_admin_key_manages_adapters_other_keys_get_403(keys: None) -> None:
 def test_an_open_api_lets_anyone_manage_adapters() -> None:
     set_auth(None)
     assert _admin_answer(None) is None
+
+
+def test_the_list_shows_file_paths_only_to_an_admin_key(keys: None) -> None:
+    """GET /v1/adapters is for every tenant (what it may ask for); where the server keeps the files is
+    an admin's business."""
+    from xema_ray.lora.pool import AdapterInfo
+
+    class _Remote:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        async def remote(self) -> Any:
+            return self.value
+
+    class _Group:
+        list_adapters = _Remote([AdapterInfo(name="style", model="tiny-flux2", rank=4, layers=2, bytes=64, resident=False,
+                                             path="/srv/adapters/style.safetensors")])
+
+    class _Endpoints(AdapterEndpoints):
+        groups = {"tiny-flux2": _Group()}
+
+        async def adapter_pool_stats(self, timeout_s: float) -> Any:
+            return {}
+
+    async def _list(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        r = await _Endpoints().list_adapters(Request(scope))
+        await r(scope, receive, send)
+
+    def paths(key: str) -> list[str]:
+        r = asyncio.run(call(TenantGuard(_list), "GET", "/v1/adapters", b"", headers={"authorization": f"Bearer {key}"}))
+        assert r.status == 200, r.body
+        return [a["path"] for a in r.json()["data"]]
+
+    assert paths(ADMIN) == ["/srv/adapters/style.safetensors"] and paths(USER) == [""]

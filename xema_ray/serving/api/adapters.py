@@ -104,13 +104,17 @@ class AdapterEndpoints:
         return JSONResponse(status_code=201, content=info.model_dump(mode="json"))
 
     @adapters_api.get("/v1/adapters", response_model=None, responses={200: {"model": AdapterList, "description": "the adapters"}})
-    async def list_adapters(self) -> Any:
-        """Every model's loaded adapters and its pools' residency."""
+    async def list_adapters(self, request: Request) -> Any:
+        """Every model's loaded adapters and its pools' residency (behind API keys, each adapter's
+        server-side file path only for an admin key)."""
         models = sorted(self.groups)
         lists = await asyncio.gather(*(self.groups[m].list_adapters.remote() for m in models), return_exceptions=True)
         pools = await self.adapter_pool_stats(STATS_TIMEOUT_S)
         # a group still starting (or being rebuilt) has no workers to ask: its adapters are listed once it serves
-        body = AdapterList(data=[i for infos in lists if not isinstance(infos, BaseException) for i in infos], pools=pools)
+        data = [i for infos in lists if not isinstance(infos, BaseException) for i in infos]
+        if not admin_of(request):  # a tenant sees what it may ask for, not where the server keeps it
+            data = [i.model_copy(update={"path": ""}) for i in data]
+        body = AdapterList(data=data, pools=pools)
         return JSONResponse(content=body.model_dump(mode="json"))
 
     @adapters_api.delete("/v1/adapters/{name}", response_model=None,
