@@ -123,7 +123,8 @@ function setProgress(pct, line) {
 async function startVideo(t) {
   const files = $("#refs").files;
   let job;
-  if (state.features.videoRefs && files && files.length) {
+  const ref = state.features.videoRefs && files && files.length ? files[0] : null;
+  if (ref && !lora().length) {  // as the openai client sends a file: multipart
     const fd = new FormData();
     fd.append("model", t.model); fd.append("prompt", $("#prompt").value); fd.append("size", `${t.width}x${t.height}`);
     fd.append("num_frames", String(t.frames)); fd.append("input_reference", files[0]);
@@ -134,7 +135,9 @@ async function startVideo(t) {
     const body = { model: t.model, prompt: $("#prompt").value, size: `${t.width}x${t.height}`, num_frames: t.frames };
     if (seed() !== undefined) body.seed = seed();
     if (stepsOf(t) !== undefined) body.num_inference_steps = stepsOf(t);
-    if (lora().length) body.lora = lora();
+    if (lora().length) body.lora = lora();  // a list: JSON only, so a first frame goes as a data URL
+    if (ref) body.input_reference = await new Promise((ok, fail) => {
+      const r = new FileReader(); r.onload = () => ok(r.result); r.onerror = () => fail(r.error); r.readAsDataURL(ref); });
     job = await api("/v1/videos", { method: "POST", body });
   }
   const total = stepsOf(t) || t.steps;
