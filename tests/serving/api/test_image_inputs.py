@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,30 @@ def test_a_video_job_carries_its_image_to_the_group(api: Any) -> None:
     url = "data:image/png;base64," + base64.b64encode(PNG).decode()
     r = asyncio.run(call(app, "POST", "/v1/videos", json.dumps({**VIDEO, "input_reference": url}).encode()))
     assert r.status == 200 and len(group.got) == 2 and group.got[1].references
+
+
+def test_an_orphaned_job_whose_image_is_gone_fails_once_instead_of_waiting_for_its_ttl(tmp_path: Path) -> None:
+    """Re-dispatching a job needs its stored first frame: gone (expired, deleted), the job fails
+    with the reason at the next reconcile rather than staying queued, retried, until its TTL."""
+    set_limits(RequestLimits())
+    cfg = JobStoreConfig(path=tmp_path / "jobs", ttl_s=600, lease_s=0.01)
+    group = _Group()
+    table = PlanTable(hardware="test", gpus=1, budget_bytes=10**9, entries={k: plan_entry(t) for k, t in SERVED.items()})
+    jobs = VideoJobs(cfg, {"tiny-cogvideox-i2v": group}, SERVED, table)
+    app = FastAPI()
+
+    @app.post("/v1/videos")
+    async def videos(request: Request) -> Any:
+        return await jobs.create(request)
+
+    r = _post(app, "/v1/videos", VIDEO, [("input_reference", PNG)])
+    assert r.status == 200, r.body
+    job, store = r.json()["id"], open_store(cfg)
+    store.delete_files_of(job)  # its image expired; nobody runs the job (the fake group never takes it)
+    time.sleep(0.05)
+    assert asyncio.run(jobs.reconcile()) == 0
+    rec = store.get(job)
+    assert rec.status == "failed" and rec.error_code == "invalid_request" and "reference image 0 is missing" in rec.error_message
 
 
 def test_a_video_job_carries_its_adapters_to_the_group_and_keeps_them_in_its_record(api: Any) -> None:

@@ -63,6 +63,10 @@ PURGE_INTERVAL_S = 60.0
 ESTIMATE_TTL_S = 10.0
 
 
+class MissingReference(RuntimeError):
+    """A stored job's input image is gone from the store: the job can never run."""
+
+
 class ApiError(Exception):
     """An HTTP error the router renders with its ``_error`` helper."""
 
@@ -256,7 +260,8 @@ class VideoJobs:
         for i in range(rec.references):
             got = await self._call(self.store().get_file, reference_name(rec.id, i))
             if got is None:
-                raise RuntimeError(f"{rec.id}: its reference image {i} is missing from the job store")
+                raise MissingReference(f"{rec.id}: its reference image {i} is missing from the job store (expired "
+                                       "or deleted); create the job again")
             references.append(got[0])
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
@@ -277,8 +282,13 @@ class VideoJobs:
                 continue
             try:
                 n += await self._dispatch(rec)
-            except Exception as e:  # full or unreachable: it stays an orphan for the next round
-                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, cause_of(e))
+            except Exception as e:
+                refused = cause_of(e)
+                if isinstance(refused, (InvalidRequest, MissingReference)):  # it can never run: say why, once
+                    await self._call(store.fail, rec.id, "invalid_request", str(refused))
+                    continue
+                # full or unreachable: it stays an orphan for the next round
+                logger.info("re-dispatching %s failed (%s); retrying later", rec.id, refused)
         if time.time() - self._last_purge > PURGE_INTERVAL_S:
             self._last_purge = time.time()
             await self._call(store.purge_expired)
