@@ -96,13 +96,19 @@ class CogVideoXSpec(ModelSpec):
 
         return AutoencoderKLCogVideoX
 
+    def pipeline_class(self) -> type[DiffusionPipeline]:
+        """The diffusers pipeline over this spec's components (image-to-video overrides it)."""
+        from diffusers import CogVideoXPipeline
+
+        return CogVideoXPipeline
+
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+        from diffusers import CogVideoXDDIMScheduler
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
         vae = self.build_vae(opts)
         unsplit_safe_convs(vae)
-        pipe = CogVideoXPipeline(
+        pipe = self.pipeline_class()(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
             vae=vae,

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from xema_ray.models.base import BuildOptions
-from xema_ray.models.cogvideox import SCHEDULER_CONFIG, CogVideoXSpec, unsplit_safe_convs
+from xema_ray.models.cogvideox import CogVideoXSpec
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -63,18 +62,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         f = self.vae_scale_factor  # the noise latent: the image latents join it on channels inside the pipeline
         return (t.batch, self.latent_frames(t), self.transformer_config["out_channels"], t.height // f, t.width // f)
 
-    def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline
+    def pipeline_class(self) -> type[DiffusionPipeline]:
+        from diffusers import CogVideoXImageToVideoPipeline
 
-        text_encoder, tokenizer = self.build_text_encoder(opts)
-        vae = self.build_vae(opts)
-        unsplit_safe_convs(vae)
-        pipe = CogVideoXImageToVideoPipeline(
-            tokenizer=tokenizer,
-            text_encoder=text_encoder,
-            vae=vae,
-            transformer=self.build_transformer(opts),
-            scheduler=self.scheduler(CogVideoXDDIMScheduler, SCHEDULER_CONFIG, opts),
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return CogVideoXImageToVideoPipeline
