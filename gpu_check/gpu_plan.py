@@ -65,7 +65,7 @@ _A = "tests/gpu/test_allocator_gpu.py::"
 _ALLOC = ("allocator",)
 PLAN: tuple[PlannedTest, ...] = (
     # cheap and high-value first: a wrong analyzer, a lossy VAE chain or a bad fingerprint voids the rest
-    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[flux2",
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[flux2/1024x1024x1/s",
                 part=1, expected_s=13, timeout_s=90, what="analyzer vs max_memory_allocated, Flux.2 1024² 2 steps"),
     PlannedTest(match="tests/gpu/test_vae_chain_gpu.py::", part=1, expected_s=21, timeout_s=90,
                 what="CogVideoX VAE chain lossless on CUDA (the VAE alone)"),
@@ -73,6 +73,9 @@ PLAN: tuple[PlannedTest, ...] = (
                 expected_s=7, timeout_s=60, what="the CUDA platform's NVML fingerprint"),
     PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[cogvideox",
                 part=1, expected_s=40, timeout_s=120, what="analyzer vs max_memory_allocated, CogVideoX-5B 2 steps"),
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[flux2/1024x1024x1/ref",
+                part=1, expected_s=16, timeout_s=90,
+                what="analyzer vs max_memory_allocated, Flux.2 1024² with one 1024² reference image, 2 steps"),
     PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=1, expected_s=13, timeout_s=60,
                 what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),
     PlannedTest(match="tests/gpu/test_out_of_memory_cuda.py::", part=1, expected_s=25, timeout_s=150, needs=_ALLOC,
@@ -98,6 +101,10 @@ PLAN: tuple[PlannedTest, ...] = (
                 what="Flux.2 1024² step latency: no / selective / layerwise offload (Figure 4)"),
     PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=2, expected_s=6,
                 timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU)"),
+    PlannedTest(match="tests/gpu/test_lora_gpu.py::", part=2, expected_s=40, timeout_s=150,
+                files=("lora_gpu.json",),
+                what="per-sample LoRA on CUDA: batch {A, B, none, A+B} vs diffusers' merge; a Flux.2 single "
+                     "block with 4 rank-64 adapters vs none"),
     PlannedTest(match="tests/gpu/test_preemption_gpu.py::", part=2, expected_s=89, timeout_s=200,
                 what="CogVideoX-5B pause/resume bitwise, state on device and on the host"),
     PlannedTest(match="tests/gpu/test_planner_measured_gpu.py::", part=2, expected_s=113, timeout_s=240,

@@ -28,7 +28,23 @@ def write_checkpoint(model: str, out: Path, seed: int = 0, dtype: torch.dtype = 
     pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=dtype, seed=seed, text_encoder="device"))
     target = _fresh(out / model)
     pipe.save_pretrained(str(target), safe_serialization=True)
+    _name_diffusers_class(target / "model_index.json", type(pipe))
     return target
+
+
+def _name_diffusers_class(index: Path, cls: type) -> None:
+    """``model_index.json`` names the diffusers pipeline class ``cls`` extends, as the published
+    repositories do: a subclass of this project's (Flux.2's per-request reference images) saves
+    under its own name, which neither diffusers nor the start-up check knows."""
+    import json
+
+    import diffusers
+
+    base = next(c for c in cls.__mro__ if getattr(diffusers, c.__name__, None) is c)
+    doc = json.loads(index.read_text())
+    if doc.get("_class_name") != base.__name__:
+        doc["_class_name"] = base.__name__
+        index.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def _fresh(target: Path) -> Path:

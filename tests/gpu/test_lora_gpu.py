@@ -30,9 +30,7 @@ from xema_ray.platforms import get_platform
 from xema_ray.runtime.engine import ExecutionEngine
 from xema_ray.templates import RequestTemplate
 
-pytestmark = [pytest.mark.gpu(expected_s=40, timeout_s=150, part=2,
-                              what="per-sample LoRA on CUDA: batch {A, B, none, A+B} vs diffusers' merge; a "
-                                   "Flux.2 single block with 4 rank-64 adapters vs none")]
+pytestmark = pytest.mark.gpu  # its row in gpu_check/gpu_plan.py: part 2, 40 s expected, lora_gpu.json
 
 
 def _out() -> Path:

@@ -200,3 +200,31 @@ def test_trace_of_mixed_dtypes_equals_a_real_cpu_run(base: torch.dtype, kept: to
     meta = trace_template(t, TraceOptions(device="meta", count_host=True, **opts))  # type: ignore[arg-type]
     assert meta.signature() == cpu.signature() and meta.peak() == cpu.peak()
     np.testing.assert_array_equal(meta.end, cpu.end)
+
+
+@pytest.mark.parametrize("model", ["tiny-wan2.2", "tiny-qwen-image", "tiny-flux2"])
+def test_a_written_checkpoint_passes_the_start_up_check_of_its_model_only(model: str, tmp_path: Path) -> None:
+    """Start-up's check knows every family with a weights directory (Wan2.2's two experts and
+    Qwen-Image included), and a checkpoint ``write_checkpoint`` wrote names the diffusers pipeline
+    class (Flux.2's per-request-references subclass saves as ``Flux2Pipeline``)."""
+    from xema_ray.checkpoints import write_checkpoint
+
+    d = write_checkpoint(model, tmp_path)
+    spec = get_model_spec(model)
+    assert json.loads((d / "model_index.json").read_text())["_class_name"] == PUBLISHED[spec.published_layout].pipeline
+    check_weights_dir(spec.published_layout, model, d)
+    other = "tiny-qwen-image" if model != "tiny-qwen-image" else "tiny-wan2.2"
+    with pytest.raises(WeightsDirError, match=f"{PUBLISHED[spec.published_layout].pipeline}' directory"):
+        check_weights_dir(get_model_spec(other).published_layout, other, d)
+
+
+def test_a_wan_a14b_directory_without_its_low_noise_expert_is_refused(tmp_path: Path) -> None:
+    import shutil
+
+    from xema_ray.checkpoints import write_checkpoint
+
+    d = write_checkpoint("tiny-wan2.2", tmp_path)
+    shutil.rmtree(d / "transformer_2")
+    with pytest.raises(WeightsDirError, match="no transformer_2 folder"):
+        check_weights_dir("wan-a14b", "tiny-wan2.2", d)
+    assert get_model_spec("wan2.2-ti2v-5b").published_layout == "wan-ti2v-5b"

@@ -106,6 +106,37 @@ PUBLISHED: dict[str, PublishedLayout] = {
             "vae": _c("diffusers", "AutoencoderKLLTX2Video", "bfloat16"),
             "vocoder": _c("ltx2", "LTX2Vocoder", "bfloat16"),
         }),
+    # Wan2.2 (Wan-AI's "-Diffusers" repositories): the two 14 B experts are transformer and
+    # transformer_2 of one WanPipeline directory; TI2V-5B has one transformer and the Wan2.2 VAE.
+    # Stored dtypes are assumed (bf16 weights, the fp32 Wan VAE), not read from those files.
+    "wan-a14b": PublishedLayout(
+        repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers", pipeline="WanPipeline", gated=False, disk_gb=126.0,
+        components={
+            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
+            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
+            "tokenizer": _c("transformers", "T5TokenizerFast"),
+            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
+            "transformer_2": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
+            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
+        }),
+    "wan-ti2v-5b": PublishedLayout(
+        repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers", pipeline="WanPipeline", gated=False, disk_gb=34.0,
+        components={
+            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
+            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
+            "tokenizer": _c("transformers", "T5TokenizerFast"),
+            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
+            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
+        }),
+    "qwen-image": PublishedLayout(
+        repo="Qwen/Qwen-Image", pipeline="QwenImagePipeline", gated=False, disk_gb=58.0,
+        components={
+            "scheduler": _c("diffusers", "FlowMatchEulerDiscreteScheduler"),
+            "text_encoder": _c("transformers", "Qwen2_5_VLForConditionalGeneration", "bfloat16", sharded=True),
+            "tokenizer": _c("transformers", "Qwen2Tokenizer"),
+            "transformer": _c("diffusers", "QwenImageTransformer2DModel", "bfloat16", sharded=True),
+            "vae": _c("diffusers", "AutoencoderKLQwenImage", "bfloat16"),
+        }),
 }
 
 

@@ -119,6 +119,10 @@ class WanSpec(ModelSpec):
 
     # ------------------------------------------------------------------ shapes
     @property
+    def published_layout(self) -> str:
+        return "wan-a14b" if self.two_experts else "wan-ti2v-5b"
+
+    @property
     def two_experts(self) -> bool:
         return self.sampling.boundary_ratio is not None
 
