@@ -164,7 +164,7 @@ def test_a_job_whose_worker_set_fails_is_handed_back_and_runs_again(group: Harne
 
 
 def test_a_job_whose_batch_mate_fails_its_denoising_is_run_again_and_completes(
-        group: Harness, store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        group: Harness, store: JobStore, jobs_cfg: JobStoreConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two jobs in one batch, a fault planted inside the denoising loop for one of them: the batch
     runs again split; the poisoned job fails alone (500's reason, naming it), its batch-mate is
     never marked failed, completes on its first attempt, and its progress never goes back across
@@ -186,3 +186,7 @@ def test_a_job_whose_batch_mate_fails_its_denoising_is_run_again_and_completes(
     running = [r for r in since_start if r.status == "in_progress"]
     assert [r.progress for r in running] == sorted(r.progress for r in running)  # never backwards
     assert any(r.predicted_s > running[0].predicted_s for r in running)  # stretched for the re-run
+    from xema_ray.serving.jobs.progress import publisher_for
+
+    watched = publisher_for(jobs_cfg)._watched  # the failed run's observer let its jobs go
+    assert bad.id not in watched and ok.id not in watched

@@ -174,8 +174,9 @@ async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]],
         try:
             await run(part, ran)
         except Exception as e:
-            if is_fault(e):
-                raise
+            blamed = failed_requests(e)
+            if (blamed is None or not {r.request_id for r in part} & set(blamed.request_ids)) and is_fault(e):
+                raise  # a failure the worker names requests for is theirs, whatever caused it
             reason, parts = _after_failure(e, part, cost, named, alone, label)
             if parts:
                 pending.extend(reversed(parts))

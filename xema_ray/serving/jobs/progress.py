@@ -278,6 +278,13 @@ class JobProgress:
         self._publish(pub, self.estimate.after_decode(), self.estimate.steps)
         pub.unwatch(self.live)
 
+    def on_failed(self) -> None:
+        """The batch ended without output (it failed, or was stopped): its jobs are no longer
+        watched for deletions here (a re-run's observer watches them again)."""
+        if self._watching:
+            publisher_for(self.store_cfg).unwatch(self.live)
+            self._watching = False
+
     def _drop_deleted(self, pub: ProgressPublisher, step: int) -> None:
         gone = pub.cancelled(self.live)
         for j in gone:
