@@ -133,6 +133,28 @@ def test_the_machines_failures_are_not_split(fault: Callable[[], Exception]) -> 
     assert len(run.runs) == 1  # the batch fails as a whole, on its own path (503, retry, rebuild)
 
 
+def test_errors_as_a_ray_actor_raises_them_are_told_apart_the_same_way() -> None:
+    """Deployed, a worker's error reaches the group as Ray's ``RayTaskError`` made an instance of its
+    cause (``worker_set_ray``), and the group's answer crosses to the Router by pickle."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    def wrapped(e: Exception) -> Callable[[], Exception]:
+        return lambda: RayTaskError("execute", "traceback", e).as_instanceof_cause()
+
+    out, _ = _isolate(StandIn(bad=["r1"], error=wrapped(ValueError("bad latents"))), 2)
+    assert isinstance(out["r1"], InvalidRequest) and "bad latents" in str(out["r1"])
+    out, _ = _isolate(StandIn(bad=["r1"], error=wrapped(RuntimeError("bug"))), 2)
+    back = pickle.loads(pickle.dumps(out["r1"]))
+    assert isinstance(back, RequestFailedAlone) and back.request_id == "r1" and str(back) == str(out["r1"])
+    oom = DeviceOutOfMemory("out of device memory", "e", 10, 4, "cuda:0")
+    run = StandIn(bad=["r1"], error=wrapped(oom))
+    with pytest.raises(DeviceOutOfMemory):
+        _isolate(run, 2)
+    assert len(run.runs) == 1
+
+
 def test_halves_or_one_each_by_the_plans_cost() -> None:
     plan = DispatchPlan(batch=8, sp=1, slo_s=60, latency_s=8.0, min_latency_s=7.0)  # batching nearly free
     assert split_in(8, plan.latency_for) == 2

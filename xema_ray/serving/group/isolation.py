@@ -81,6 +81,15 @@ def is_fault(e: BaseException) -> bool:
     return False
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The error a worker raised (a Ray error's text is its traceback; its ``cause`` is the error)."""
+    seen = {id(e)}
+    while isinstance(inner := getattr(e, "cause", None), BaseException) and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    return e
+
+
 def _own_input(e: BaseException) -> bool:
     return any(isinstance(x, ValueError | TypeError) for x in _chain(e))
 
@@ -119,13 +128,14 @@ def _answer(rid: str, e: Exception, neighbours_served: bool) -> Exception:
     """What a request that failed alone is answered with (the module docstring's rule)."""
     if not neighbours_served:
         return e
+    c = _cause(e)
     if _own_input(e):
-        text = str(e)
+        text = str(c)
         if len(text) > QUOTE_ERROR_CHARS:
             text = text[:QUOTE_ERROR_CHARS] + f"... ({len(text)} characters)"
         return InvalidRequest(f"the request failed inside its batch and again alone, on its own input "
-                              f"({type(e).__name__}: {text}); its batch neighbours were served", None)
-    return RequestFailedAlone(f"request {rid} failed inside its batch and again alone ({type(e).__name__}); its "
+                              f"({type(c).__name__}: {text}); its batch neighbours were served", None)
+    return RequestFailedAlone(f"request {rid} failed inside its batch and again alone ({type(c).__name__}); its "
                               "batch neighbours were served; this is a bug, please report it", rid)
 
 
@@ -140,12 +150,14 @@ def _after_failure(e: Exception, part: list[Pending[P]], cost: Callable[[int], f
         rest = [r for r in part if r.request_id not in hit]
         return "named", [rest] if rest else []
     if len(part) == 1:
-        logger.warning("%s: request %s failed alone (%s: %s)", label, part[0].request_id, type(e).__name__, e)
+        c = _cause(e)
+        logger.warning("%s: request %s failed alone (%s: %s)", label, part[0].request_id, type(c).__name__, c)
         alone[part[0].request_id] = e
         return "split", []
     parts = _parts(part, split_in(len(part), cost))
+    c = _cause(e)
     logger.warning("%s: a sub-batch of %d failed with no request named (%s: %s); running it again as %d "
-                   "sub-batches", label, len(part), type(e).__name__, e, len(parts))
+                   "sub-batches", label, len(part), type(c).__name__, c, len(parts))
     return "split", parts
 
 
