@@ -66,7 +66,7 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 def is_fault(e: BaseException) -> bool:
     """Whether ``e`` is the machine's failure rather than an input's: out of memory, a dead
-    worker or actor, a cancelled or paused batch, the group unavailable, a Ray system error."""
+    worker or actor, a cancelled batch, the group unavailable, a Ray system error."""
     from ray.exceptions import RayError, RayTaskError
 
     from xema_ray.runtime.progress import BatchCancelled
@@ -91,7 +91,8 @@ def _cause(e: BaseException) -> BaseException:
 
 
 def _own_input(e: BaseException) -> bool:
-    return any(isinstance(x, ValueError | TypeError) for x in _chain(e))
+    """A ``ValueError`` or ``TypeError`` as the worker raised it (what a pipeline raises on an input it refuses)."""
+    return isinstance(e, ValueError | TypeError) or isinstance(_cause(e), ValueError | TypeError)
 
 
 def split_in(n: int, cost: Callable[[int], float]) -> int:
