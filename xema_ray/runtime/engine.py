@@ -368,12 +368,20 @@ class ExecutionEngine:
         output_rank = group_rank == 0
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
-        out, phases, sp_rank, armed = self.run_pipeline(
-            config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent", observer=observer,
-            control=control, negative_prompts=[r.negative_prompt for r in batch.requests], steps=batch.steps,
-            request_ids=[r.request_id for r in batch.requests], adapters=[r.lora for r in batch.requests],
-            references=batch_references(config.template.references, batch.requests, self.shape_only),
-        )
+        try:
+            out, phases, sp_rank, armed = self.run_pipeline(
+                config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent",
+                observer=observer, control=control, negative_prompts=[r.negative_prompt for r in batch.requests],
+                steps=batch.steps, request_ids=[r.request_id for r in batch.requests],
+                adapters=[r.lora for r in batch.requests],
+                references=batch_references(config.template.references, batch.requests, self.shape_only),
+            )
+        except BaseException:
+            if observer is not None and output_rank:
+                ended = getattr(observer, "on_failed", None)  # optional (``StepObserver``)
+                if ended is not None:
+                    ended()
+            raise
         if observer is not None and output_rank:
             observer.on_decoded()
         t_enc = time.perf_counter()

@@ -57,6 +57,9 @@ class StepObserver(Protocol):
         """The VAE decode (and any audio decode) finished; only encoding remains."""
         ...
 
+    # optional: ``on_failed()`` — the batch ended without output (it raised, or was stopped); the
+    # engine calls it where an observer has it (a job's observer stops watching its jobs there)
+
 
 def step_vote(observer: StepObserver | None, control: PauseControl | None, step: int, total: int,
               sp_group: Any = None, output_rank: bool = True, device: torch.device | None = None) -> int:

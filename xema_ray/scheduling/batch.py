@@ -16,6 +16,20 @@ if TYPE_CHECKING:
 P = TypeVar("P")  # what a request carries (the HTTP payload live, nothing in simulation)
 
 
+def partial_latency(latency_s: float, min_latency_s: float | None, batch: int, n: int) -> float:
+    """Predicted seconds of a batch of ``n`` requests of a plan for ``batch`` that takes
+    ``latency_s`` full and ``min_latency_s`` with one request (None: ``latency_s``): linear
+    between the two ends, ``latency_s`` from ``batch`` on.
+
+    Example:
+        >>> partial_latency(10.0, 4.0, 4, 2)
+        6.0
+    """
+    if min_latency_s is None or n >= batch or batch <= 1:
+        return latency_s
+    return min_latency_s + (latency_s - min_latency_s) * (max(1, n) - 1) / (batch - 1)
+
+
 @dataclass(frozen=True)
 class DispatchPlan:
     """What the dispatcher needs from a template's plan."""
@@ -42,6 +56,9 @@ class DispatchPlan:
                    steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
                    static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)
 
+    def latency_for(self, n: int) -> float:
+        """Predicted seconds of a batch of ``n`` of this plan's requests (``partial_latency``)."""
+        return partial_latency(self.latency_s, self.min_latency_s, self.batch, n)
 
     def for_steps(self, steps: int | None) -> DispatchPlan:
         """This plan for a batch of ``steps`` denoising steps (None or the plan's own: itself). Memory

@@ -214,6 +214,20 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
             self._times_preempted.pop(r.request_id, None)
         return a
 
+    def extend(self, batch_id: int, more_s: float, now: float) -> None:
+        """A running (or paused) batch needs ``more_s`` seconds more from ``now``: its group runs
+        part of it again (``xema_ray.serving.group.isolation``: a request failed it). Its expected
+        end moves there, so the preemption policy and the replica's summary see the workers busy
+        that long. Counted, as every running batch is, against the plan's full-batch latency: a
+        partial batch keeps the difference on top (``DispatchPlan.latency_for``)."""
+        prog = self._progress.get(batch_id)
+        if prog is None:
+            return
+        a = self.assignment(batch_id)
+        running = now - prog.since if prog.since is not None else 0.0
+        remaining = more_s + a.plan.latency_s - a.plan.latency_for(len(a.requests))
+        prog.ran_s = a.plan.latency_s - remaining - running  # so that ``remaining_s`` is ``remaining``
+
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time after ``now`` at which a waiting partial batch becomes ready (None: no
         batch becomes ready by waiting). A batch that is ready already but found no free group

@@ -2,7 +2,8 @@
 ``num_inference_steps``, ``guidance_scale``) through the real Router in front of in-process model
 groups (no Ray): ranges each model's pipeline enforces are refused before admission (4xx naming
 the field and the range), and a request that still fails inside a batch for its own input fails
-alone while its batch neighbours are served."""
+alone while its batch neighbours are served — named by the worker, or found by running the batch
+again split (a fault planted inside denoising)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,26 @@ def test_a_request_failing_inside_its_batch_fails_alone(served: RouterHarness,
     served_ok = [r for i, r in enumerate(rs) if i != 1]
     assert {r.headers["x-xema-batch-size"] for r in served_ok} == {"3"}  # re-run without it
     assert len({r.headers["x-xema-batch-id"] for r in served_ok}) == 1
+
+
+def test_a_request_failing_inside_denoising_with_nothing_named_fails_alone(served: RouterHarness,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input the API cannot catch and the worker cannot name: a fault planted inside the
+    denoising loop raises (``ValueError``) for any batch holding the poisoned prompt. The group runs
+    the batch again split until the poisoned request fails alone: it gets a 422 quoting the error,
+    its three neighbours are served."""
+    from tests.serving.planted_fault import planted_denoise_fault
+
+    with planted_denoise_fault(monkeypatch, lambda prompts: POISON in prompts,
+                               lambda: ValueError("planted: this prompt's latents cannot be denoised")) as fault:
+        bodies = [{**FLUX_BODY, "seed": 20 + i, "prompt": POISON if i == 3 else f"fox {i}"} for i in range(4)]
+        rs = served.post_many(IMAGES, bodies)
+    assert [r.status for r in rs] == [200, 200, 200, 422], [r.body[:200] for r in rs]
+    msg = rs[3].json()["error"]["message"]
+    assert "failed inside its batch and again alone" in msg and "planted: this prompt's latents" in msg
+    assert len({r.headers["x-xema-batch-id"] for r in rs[:3]}) == 1  # one batch, run again without it
+    assert sorted(fault.failed[0]) == sorted(["fox 0", "fox 1", "fox 2", POISON]) and fault.failed[-1] == [POISON]
+    assert sum(POISON in b for b in fault.batches) == len(fault.failed)  # every batch holding it failed, no other
 
 
 def test_peer_benchmark_payload_is_served_where_the_model_takes_it(served: RouterHarness) -> None:

@@ -161,3 +161,32 @@ def test_a_job_whose_worker_set_fails_is_handed_back_and_runs_again(group: Harne
     assert _submit(group, rec)  # what the router's reconciler does with an unowned job
     done = _wait(store, rec.id, lambda r: r.status == "completed")
     assert done.attempts == 2 and group.call(lambda g: g.status())["status"] == "ok"
+
+
+def test_a_job_whose_batch_mate_fails_its_denoising_is_run_again_and_completes(
+        group: Harness, store: JobStore, jobs_cfg: JobStoreConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs in one batch, a fault planted inside the denoising loop for one of them: the batch
+    runs again split; the poisoned job fails alone (500's reason, naming it), its batch-mate is
+    never marked failed, completes on its first attempt, and its progress never goes back across
+    the re-run while what remains is the re-run's prediction."""
+    from tests.serving.planted_fault import planted_denoise_fault
+
+    bad, ok = _job(store, "POISONED waves", 11), _job(store, "calm waves", 12)
+    seen: list[JobRecord] = []
+    with planted_denoise_fault(monkeypatch, lambda prompts: "POISONED waves" in prompts,
+                               lambda: RuntimeError("planted denoise fault")) as fault:
+        assert _submit(group, bad) and _submit(group, ok)
+        done = _wait(store, ok.id, lambda r: seen.append(r) or r.status in ("completed", "failed"))
+    assert done.status == "completed" and done.attempts == 1
+    assert sorted(fault.failed[0]) == ["POISONED waves", "calm waves"] and ["calm waves"] in fault.batches
+    failed = _wait(store, bad.id, lambda r: r.status == "failed")
+    assert failed.error_code == "generation_failed" and f"request {bad.id} failed" in (failed.error_message or "")
+    since_start = seen[next(i for i, r in enumerate(seen) if r.status == "in_progress"):]
+    assert {r.status for r in since_start} == {"in_progress", "completed"}  # never failed, never queued again
+    running = [r for r in since_start if r.status == "in_progress"]
+    assert [r.progress for r in running] == sorted(r.progress for r in running)  # never backwards
+    assert any(r.predicted_s > running[0].predicted_s for r in running)  # stretched for the re-run
+    from xema_ray.serving.jobs.progress import publisher_for
+
+    watched = publisher_for(jobs_cfg)._watched  # the failed run's observer let its jobs go
+    assert bad.id not in watched and ok.id not in watched

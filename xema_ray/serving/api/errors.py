@@ -9,9 +9,9 @@ this deployment does not serve, ``supported_templates``. Status codes:
 | 404 / 405 | not_found_error | no such path / method |
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
-| 422 | invalid_request_error | a field is missing, malformed or out of range — the model's own range too (``param`` names it); a request that failed inside its batch for its own input |
+| 422 | invalid_request_error | a field is missing, malformed or out of range — the model's own range too (``param`` names it); a request that failed inside its batch for its own input (named by the worker, or failing alone with a ``ValueError`` / ``TypeError`` while its neighbours were served: ``serving/group/isolation.py``) |
 | 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, a worker / replica / node died, or the batch ran out of device memory (``entry``, ``requested_bytes``, ``free_bytes`` say what); always with Retry-After |
-| 500 | server_error | a bug (never for a client's input) |
+| 500 | server_error | a bug (never for a client's input); ``code: request_failed``: a request that failed inside its batch and again alone, not for its input (its neighbours were served) |
 
 Messages quote at most ``QUOTE_CHARS`` characters of an offending value: a 1 MB prompt is not
 echoed back, and a NaN is quoted as text (JSON cannot carry it).
@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.serving.api.schemas import UnsupportedTemplate
-from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -134,6 +134,8 @@ def exception_response(e: BaseException) -> JSONResponse | None:
     if isinstance(cause, DeviceOutOfMemory):  # one batch failed; the worker serves the next
         return error_response(503, str(cause), "service_unavailable", code="device_out_of_memory",
                               retry_after_s=OOM_RETRY_AFTER_S, oom=cause)
+    if isinstance(cause, RequestFailedAlone):  # a bug one request hit alone; its neighbours were served
+        return error_response(500, str(cause), "server_error", code="request_failed")
     if _is_death(cause) or _is_death(e):
         from ray.serve.exceptions import BackPressureError
 

@@ -95,7 +95,7 @@ class GroupAdapters:
         return {"adapters": self.pool_config, "adapter_sources": folder_sources(self.model, self.pool_config)}
 
     def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]],
-                 failed: dict[str, InvalidRequest], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
+                 failed: dict[str, Exception], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
         """Each group's requests cut into runs that fit the pool's slots (one run per group when they
         do): requests with different adapters share a batch. A request naming an adapter deleted
         while it waited goes to ``failed`` (HTTP 422 naming it) instead of failing its batch."""

@@ -30,6 +30,19 @@ class InvalidRequest(ValueError):
         return str(self.args[0])
 
 
+class RequestFailedAlone(RuntimeError):
+    """A request whose batch failed, run again alone, failed again with an error that is not about
+    its input (HTTP 500 naming it: a bug), while its batch neighbours were served
+    (``xema_ray.serving.group.isolation``)."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message, request_id)  # both in args: it crosses the replica -> router boundary by pickle
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class QueueFull(RuntimeError):
     """The template's queue is full (HTTP 503 with Retry-After)."""
 

@@ -38,6 +38,9 @@ class ServingMetrics:
         self.rejected.set_default_tags({"model": model})
         self.retries = metrics.Counter("xema_batch_retries", "batches retried after a worker failure", tag_keys=(*tags, "model"))
         self.retries.set_default_tags({"model": model})
+        self.reruns = metrics.Counter("xema_batch_reruns", "sub-batches run again without a request that failed them",
+                                      tag_keys=(*tags, "model", "reason"))
+        self.reruns.set_default_tags({"model": model})
         self.worker_restarts = metrics.Counter("xema_worker_set_restarts", "worker sets rebuilt", tag_keys=("model",))
         self.worker_restarts.set_default_tags({"model": model})
         self.latency = metrics.Histogram("xema_request_latency_s", "arrival to result", boundaries=_LATENCY_BOUNDS,

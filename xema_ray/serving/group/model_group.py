@@ -319,19 +319,26 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             t.future.set_exception(e)
 
     # ------------------------------------------------------------------ execute
-    async def _execute(self, a: Assignment[_Ticket]) -> tuple[dict[str, GenerateResult], dict[str, InvalidRequest]]:
+    async def _execute(self, a: Assignment[_Ticket]) -> tuple[dict[str, GenerateResult], dict[str, Exception]]:
         """Run an assignment on its workers (requests with different guidance as sub-batches): the
-        outputs, and the requests failed for their own input (``isolation``: the others re-ran)."""
+        outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
         by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
         for r in a.requests:
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
-        failed: dict[str, InvalidRequest] = {}
+        failed: dict[str, Exception] = {}
         for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id):
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
-                a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun)))
+                a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun), a.plan.latency_for,
+                lambda why, n, more_s: self._rerun(a, why, n, more_s), f"{self.model} batch {a.batch_id}"))
         return outputs, failed
+
+    def _rerun(self, a: Assignment[_Ticket], why: str, n: int, more_s: float) -> None:
+        """``n`` sub-batches of ``a`` run again (``isolation``): counted, and the dispatcher told
+        that its workers stay busy ``more_s`` longer (the plan's prediction of the pending runs)."""
+        self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
+        self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
     async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> None:
@@ -342,13 +349,17 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         steps = a.plan.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
         estimate = replace(self.estimates[a.template], steps=steps)
         jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
-        if jobs and not rerun:  # a job deleted while queued is dropped here; the rest are in_progress from now
-            started = await self.jobs.start(jobs, estimate.total_s)  # at the batch's own step count
+        bases: dict[str, float] | None = None
+        if jobs:  # a job deleted meanwhile is dropped here; the rest are in_progress from now
+            if rerun:  # run again for a neighbour's fault: its progress kept, what remains this run's
+                started = set(bases := await self.jobs.rerun(jobs, estimate.total_s))
+            else:
+                started = await self.jobs.start(jobs, estimate.total_s)  # at the batch's own step count
             reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
             jobs = [j for j in jobs if j in started]
             if not reqs:
                 return
-        observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate)
+        observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
                       guidance_scale=guidance, steps=None if steps == entry.config.template.steps else steps)
         t0 = time.monotonic()
@@ -399,7 +410,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             # complete: each result to its caller (or the job store); the dispatcher is told below
             for r in a.requests:
                 t = _ticket(r)
-                if r.request_id in failed:  # its own input failed it (422); its neighbours were served
+                if r.request_id in failed:  # it failed (its own input: 422; alone: see isolation); its neighbours were served
                     self.metrics.observe_failed(a.template, 1)  # missed its SLO too (xema_slo_attainment)
                     await self._fail(t, failed[r.request_id])
                     continue

@@ -158,10 +158,25 @@ class JobLifecycle:
                 started.add(j)
         return started
 
-    def observer(self, jobs: list[str], others: int, estimate: PhaseEstimate) -> JobProgress | None:
+    async def rerun(self, jobs: list[str], predicted_s: float) -> dict[str, float]:
+        """The jobs' sub-batch runs again (a neighbour failed it: ``isolation``): each keeps its
+        progress, its remaining time becomes ``predicted_s``; returns the progress each counts on
+        from (the ones deleted meanwhile left out; with the store down, 0: it runs, it is ours)."""
+        store = self.store()
+
+        async def one(j: str) -> float | None:
+            try:
+                return await self._call(store.rerun, j, self.owner, predicted_s)  # type: ignore[no-any-return]
+            except store_faults():
+                return 0.0
+        got = await asyncio.gather(*(one(j) for j in jobs))
+        return {j: base for j, base in zip(jobs, got, strict=True) if base is not None}
+
+    def observer(self, jobs: list[str], others: int, estimate: PhaseEstimate,
+                 bases: dict[str, float] | None = None) -> JobProgress | None:
         """The step observer that publishes the progress of ``jobs`` (a sub-batch that runs
-        ``others`` synchronous requests beside them); None: no job in it."""
-        return JobProgress(self.cfg, jobs, others, estimate) if jobs and self.cfg is not None else None
+        ``others`` synchronous requests beside them; ``bases``: a re-run's, ``rerun``); None: no job in it."""
+        return JobProgress(self.cfg, jobs, others, estimate, bases) if jobs and self.cfg is not None else None
 
     async def store_result(self, job_id: str, out: GenerateResult) -> None:
         """Hand the result to the store; one the store cannot take now is kept (bounded) and

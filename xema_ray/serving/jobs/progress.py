@@ -233,14 +233,29 @@ class JobProgress:
         job_ids: the batch's jobs.
         others: members that are not jobs (synchronous requests); a batch with any never stops.
         estimate: the predicted phases progress is measured against.
+        bases: a re-run's (its batch ran again without a request that failed it): the progress each
+            job had reached; this run's fraction maps onto what is left above it, so that progress
+            never goes back. None: a first run.
     """
 
-    def __init__(self, store: JobStoreConfig, job_ids: list[str], others: int, estimate: PhaseEstimate) -> None:
+    def __init__(self, store: JobStoreConfig, job_ids: list[str], others: int, estimate: PhaseEstimate,
+                 bases: dict[str, float] | None = None) -> None:
         self.store_cfg = store
         self.live = list(job_ids)
         self.others = others
         self.estimate = estimate
+        self.bases = dict(bases or {})
         self._watching = False
+
+    def _publish(self, pub: ProgressPublisher, fraction: float, step: int) -> int:
+        """Each live job's progress at this run's ``fraction`` (above its base); the last ticket."""
+        by_base: dict[float, list[str]] = {}
+        for j in self.live:
+            by_base.setdefault(self.bases.get(j, 0.0), []).append(j)
+        ticket = 0
+        for base, jobs in by_base.items():
+            ticket = pub.publish(jobs, base + (1.0 - base) * fraction, step)
+        return ticket
 
     def _publisher(self) -> ProgressPublisher:
         pub = publisher_for(self.store_cfg)
@@ -253,15 +268,22 @@ class JobProgress:
         pub = self._publisher()
         # progress first, then the deletions: a DELETE that lands in between sees this step done
         # and is honoured now (while the store keeps up), so a job runs at most a step past it
-        pub.wait_written(pub.publish(self.live, self.estimate.after_step(step), step))
+        pub.wait_written(self._publish(pub, self.estimate.after_step(step), step))
         self._drop_deleted(pub, step)
         return not self.live and self.others == 0
 
     def on_decoded(self) -> None:
         pub = self._publisher()
         self._drop_deleted(pub, self.estimate.steps)
-        pub.publish(self.live, self.estimate.after_decode(), self.estimate.steps)
+        self._publish(pub, self.estimate.after_decode(), self.estimate.steps)
         pub.unwatch(self.live)
+
+    def on_failed(self) -> None:
+        """The batch ended without output (it failed, or was stopped): its jobs are no longer
+        watched for deletions here (a re-run's observer watches them again)."""
+        if self._watching:
+            publisher_for(self.store_cfg).unwatch(self.live)
+            self._watching = False
 
     def _drop_deleted(self, pub: ProgressPublisher, step: int) -> None:
         gone = pub.cancelled(self.live)

@@ -302,6 +302,19 @@ class JobStore(ABC):
                                         "progress": 0.0, "predicted_s": predicted_s})
         return self._update(job_id, fn) is not None
 
+    def rerun(self, job_id: str, owner: str, remaining_s: float) -> float | None:
+        """The job's batch runs again without a request that failed it (the group's isolation): its
+        progress stays (it never goes back) and its prediction is stretched so that what remains is
+        the re-run's ``remaining_s``. Returns the progress the re-run counts on from (None: deleted,
+        finished or taken)."""
+        def fn(r: JobRecord) -> JobRecord | None:
+            if r.deleted or r.status != "in_progress" or r.owner != owner:
+                return None
+            return r.model_copy(update={"predicted_s": max(remaining_s, 1e-3) / (1.0 - min(r.progress, 0.999)),
+                                        "progress_at": time.time()})
+        rec = self._update(job_id, fn)
+        return None if rec is None else rec.progress
+
     def set_progress(self, job_id: str, progress: float, step: int) -> None:
         def fn(r: JobRecord) -> JobRecord | None:
             if r.deleted or r.status != "in_progress":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch import DispatchPlan, partial_latency
 from xema_ray.scheduling.dispatcher import Dispatcher
 
 #: queued deadlines kept per template in a summary (beyond it, the rest are spread evenly)
@@ -64,10 +64,7 @@ class PlanBrief(BaseModel):
         charge it the full batch's time — at a low rate every batch is partial, and charging them
         the full time predicts misses that do not happen (the autoscaler then adds replicas for
         nothing and never removes them). Between one and ``batch``: linear between the two ends."""
-        if self.min_latency_s is None or n >= self.batch or self.batch <= 1:
-            return self.latency_s
-        n = max(1, n)
-        return self.min_latency_s + (self.latency_s - self.min_latency_s) * (n - 1) / (self.batch - 1)
+        return partial_latency(self.latency_s, self.min_latency_s, self.batch, n)
 
 
 class TemplateQueue(BaseModel):
