@@ -19,7 +19,8 @@ from tests.serving.api.asgi_client import call
 from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth
 from xema_ray.serving.api.health import GroupHealth
 from xema_ray.serving.api.stats import StatsResponse
-from xema_ray.serving.console.operator import RecentOutcomes, operator_view
+from xema_ray.serving.console.operator import attainment_of, operator_view
+from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics
 from xema_ray.serving.console.static import CSP, STATIC, install_ui
 
 
@@ -63,14 +64,19 @@ def test_a_keys_file_marks_admin_keys(tmp_path: Path) -> None:
         AuthConfig(keys_file=f)
 
 
-def test_recent_attainment_counts_the_window_only() -> None:
-    r = RecentOutcomes(window_s=10)
-    r.add("a", 1.0, 2.0, now=0.0)
-    r.add("a", 3.0, 2.0, now=5.0)
-    r.add("a", 1.0, 2.0, now=12.0)
-    got = r.attainment(now=13.0)["a"]
-    assert (got.requests, got.met, got.fraction) == (2, 1, 0.5)
-    assert r.attainment(now=100.0)["a"].fraction is None
+def test_attainment_is_the_groups_window_summed_over_replicas_video_jobs_and_failures_included() -> None:
+    """The operator view's attainment is what the group replicas finished (sync or job alike; a
+    request failed alone counts as missed), over their window, each replica counted once."""
+    a = LoadMetrics("m", lambda: ({}, None), window_s=10.0)
+    a.observe_request("t", met=True, now=0.0)
+    a.observe_request("t", met=False, now=5.0)  # e.g. a video job finished after its SLO
+    a.observe_request("t", met=True, now=12.0)
+    b = LoadMetrics("m", lambda: ({}, None), window_s=10.0)
+    b.observe_request("t", met=True, now=12.0)
+    got = attainment_of([a.snapshot(now=13.0).model_copy(update={"replica": "r1"}),
+                         b.snapshot(now=13.0).model_copy(update={"replica": "r2"})])["t"]
+    assert (got.requests, got.met, got.fraction, got.window_s) == (3, 2, 2 / 3, 10.0)
+    assert attainment_of([a.snapshot(now=100.0)])["t"].fraction is None
 
 
 def test_the_operator_view_from_a_routers_state() -> None:
@@ -82,10 +88,16 @@ def test_the_operator_view_from_a_routers_state() -> None:
             async def remote() -> None:
                 raise RuntimeError("replaced")
 
+        class load_stats:  # noqa: N801
+            @staticmethod
+            async def remote() -> GroupLoad:
+                load = LoadMetrics(COG.model, lambda: ({}, None))
+                load.observe_request(COG.shape_key, met=True)
+                return load.snapshot().model_copy(update={"replica": "r1"})
+
     router = types.SimpleNamespace(groups={FLUX.model: Handle(), COG.model: Handle()}, table=table,
-                                   served={FLUX.shape_key: FLUX, COG.shape_key: COG}, console_outcomes=RecentOutcomes())
+                                   served={FLUX.shape_key: FLUX, COG.shape_key: COG})
     router.health = GroupHealth(router.groups)
-    router.console_outcomes.answered(COG.shape_key, 1.0, table)
     view = asyncio.run(operator_view(router, StatsResponse(received=3)))
     assert view.received == 3 and view.budget_bytes == table.budget_bytes
     cog = next(g for g in view.groups if g.model == COG.model)

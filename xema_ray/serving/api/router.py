@@ -39,7 +39,7 @@ from xema_ray.serving.api.schemas import (
     set_limits,
 )
 from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth, tenant_of
-from xema_ray.serving.console.operator import RecentOutcomes, operator_view
+from xema_ray.serving.console.operator import operator_view
 from xema_ray.serving.console.schemas import OperatorView, TraceView
 from xema_ray.serving.console.static import install_ui
 from xema_ray.serving.api.errors import error_response, exception_response, install_error_handlers
@@ -132,7 +132,6 @@ class Router(AdapterEndpoints):
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
-        self.console_outcomes = RecentOutcomes()  # observed SLO attainment for the operator view
         self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         install_openapi(app, self.served, self.limits)
@@ -183,15 +182,12 @@ class Router(AdapterEndpoints):
         async def result() -> GenerateResult:
             return await response
 
-        called = time.monotonic()
         call = asyncio.ensure_future(result())
         gone = asyncio.ensure_future(self.health.wait_gone(t.model))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
-                out = call.result()  # a failed request raises here: only answers count as met or missed
-                self.console_outcomes.answered(t.shape_key, time.monotonic() - called, self.table)
-                return out
+                return call.result()
             response.cancel()
             call.cancel()
             raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")

@@ -2,15 +2,14 @@
 already holds (the plan table, the groups' health) and asks for now (each group's replica
 summaries, static-layout and preemption counters, Serve's replica counts and targets).
 
-``RecentOutcomes`` keeps the Router replica's own window of answered requests for the observed SLO
-attainment per template (synchronous image and video requests; a video job's time is the job
-store's and is not counted here).
+The observed SLO attainment per template is the groups' own: each replica's window of finished
+requests (``LoadMetrics``, the ``xema_slo_attainment`` gauge's counts) — synchronous requests and
+video jobs alike, a request failed alone or shed counted as missed — summed over the replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,50 +18,32 @@ from xema_ray.plan import PlanTable
 from xema_ray.serving.api.stats import StatsResponse
 from xema_ray.serving.console.schemas import Attainment, GroupView, OperatorView, PlanRow, mitigation_label
 from xema_ray.serving.group.layout_stats import GroupLayoutStats
+from xema_ray.serving.group.load_metrics import GroupLoad
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.scale.replica_summary import ReplicaSummary
 from xema_ray.templates import RequestTemplate
-
-#: the observed-attainment window (seconds)
-ATTAINMENT_WINDOW_S = 300.0
 
 #: longest wait for one group's answers (a slow group shows what is known, never blocks the view)
 ASK_TIMEOUT_S = 3.0
 
 
-class RecentOutcomes:
-    """Per template, (time, met) of the requests answered over the last ``window_s`` seconds.
+def attainment_of(loads: list[GroupLoad]) -> dict[str, Attainment]:
+    """Per template, the replicas' attainment windows summed (each replica once).
 
     Example:
-        >>> r = RecentOutcomes(window_s=10)
-        >>> r.add("t", 1.0, 2.0, now=0.0); r.add("t", 3.0, 2.0, now=1.0)
-        >>> r.attainment(now=2.0)["t"].fraction
+        >>> from xema_ray.serving.group.load_metrics import TemplateLoad
+        >>> a = GroupLoad(model="m", replica="r1", templates={"t": TemplateLoad(window_met=3, window_finished=4)})
+        >>> b = GroupLoad(model="m", replica="r2", templates={"t": TemplateLoad(window_met=1, window_finished=4)})
+        >>> attainment_of([a, b])["t"].fraction
         0.5
     """
-
-    def __init__(self, window_s: float = ATTAINMENT_WINDOW_S, keep: int = 4096) -> None:
-        self.window_s = window_s
-        self._seen: dict[str, collections.deque[tuple[float, bool]]] = {}
-        self._keep = keep
-
-    def add(self, template: str, seconds: float, slo_s: float, now: float | None = None) -> None:
-        q = self._seen.setdefault(template, collections.deque(maxlen=self._keep))
-        q.append((time.monotonic() if now is None else now, seconds <= slo_s))
-
-    def answered(self, template: str, seconds: float, table: PlanTable) -> None:
-        """A request of ``template`` was answered after ``seconds`` (its SLO from ``table``)."""
-        if template in table.entries:
-            self.add(template, seconds, table.entries[template].prediction.slo_s)
-
-    def attainment(self, now: float | None = None) -> dict[str, Attainment]:
-        now = time.monotonic() if now is None else now
-        out = {}
-        for t, q in self._seen.items():
-            while q and q[0][0] < now - self.window_s:
-                q.popleft()
-            met = sum(1 for _, m in q if m)
-            out[t] = Attainment(requests=len(q), met=met, fraction=met / len(q) if q else None, window_s=self.window_s)
-        return out
+    out: dict[str, Attainment] = {}
+    for load in loads:
+        for key, t in load.templates.items():
+            got = out.get(key)
+            met, n = t.window_met + (got.met if got else 0), t.window_finished + (got.requests if got else 0)
+            out[key] = Attainment(requests=n, met=met, fraction=met / n if n else None, window_s=load.window_s)
+    return out
 
 
 def plan_rows(model: str, served: dict[str, RequestTemplate], table: PlanTable,
@@ -108,6 +89,18 @@ async def replica_summaries(handle: Any, replicas: int) -> list[ReplicaSummary]:
             s = ReplicaSummary.model_validate(a)
             if s.replica not in out or out[s.replica].t < s.t:
                 out[s.replica] = s
+    return [out[k] for k in sorted(out)]
+
+
+async def replica_loads(handle: Any, replicas: int) -> list[GroupLoad]:
+    """Each replica's load figures (``load_stats``), asked as ``replica_summaries`` asks: one kept
+    per replica."""
+    answers = await asyncio.gather(*(_ask(lambda: handle.load_stats.remote()) for _ in range(max(1, 2 * replicas))))
+    out: dict[str, GroupLoad] = {}
+    for a in answers:
+        if a is not None:
+            load = GroupLoad.model_validate(a)
+            out.setdefault(load.replica or "", load)
     return [out[k] for k in sorted(out)]
 
 
@@ -159,13 +152,14 @@ async def operator_view(router: Any, stats: StatsResponse) -> OperatorView:
     models = sorted(router.groups)
     app_name = _app_name()
     targets = (await _ask(lambda: asyncio.to_thread(serve_targets, app_name, models)) if app_name else None) or {}
-    attainment = router.console_outcomes.attainment()
 
     async def group(m: str) -> GroupView:
         report = router.health.report(m)
         extra = report.model_extra or {}
         running_n, target_n, bounds = targets.get(m, (None, None, None))
-        replicas = await replica_summaries(router.groups[m], running_n or 1)
+        replicas, loads = await asyncio.gather(replica_summaries(router.groups[m], running_n or 1),
+                                               replica_loads(router.groups[m], running_n or 1))
+        attainment = attainment_of(loads)
         layouts: GroupLayoutStats | None = stats.static_layouts.get(m)
         if layouts is not None and layouts.status.startswith("unavailable"):
             layouts = None

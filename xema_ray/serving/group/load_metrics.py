@@ -136,6 +136,10 @@ class TemplateLoad(BaseModel):
     step_seconds: float | None = None
     video_realtime_factor: float | None = None
     plan_peak_bytes: int | None = None
+    window_met: int = Field(default=0, ge=0, description="requests finished within the attainment window that "
+                                                          "met their SLO (counted when the answer was made)")
+    window_finished: int = Field(default=0, ge=0, description="requests finished within the attainment window: "
+                                                               "synchronous and video jobs; failed and shed count")
 
 
 class WorkerMemory(BaseModel):
@@ -151,6 +155,8 @@ class GroupLoad(BaseModel):
     its gauges carry, for JSON readers such as the operator view)."""
 
     model: str
+    replica: str | None = Field(default=None, description="the replica that answered (its job-store owner id)")
+    window_s: float = Field(default=60.0, gt=0, description="the attainment window (seconds)")
     predicted_attainment: float | None = None
     budget_bytes: int | None = None
     running_batches: int = 0
@@ -271,8 +277,9 @@ class LoadMetrics:
             self.realtime.set(realtime_factor((tpl.frames - 1) / video_fps(tpl), requests, batch_seconds), tags=t)
         self._changed = True
 
-    def snapshot(self) -> GroupLoad:
-        """The figures last set, as one typed answer."""
+    def snapshot(self, now: float | None = None) -> GroupLoad:
+        """The figures last set, as one typed answer; the attainment window's counts as of ``now``
+        (monotonic; None: now)."""
         def by(g: KeptGauge, key: str) -> dict[str, float]:
             return {dict(k)[key]: v for k, v in g.last().items() if key in dict(k)}
 
@@ -284,13 +291,17 @@ class LoadMetrics:
             ("slo_attainment", self.attainment), ("slo_window_requests", self.window_requests),
             ("step_seconds", self.step_seconds), ("video_realtime_factor", self.realtime),
             ("plan_peak_bytes", self.plan_peak))}
-        keys = sorted({k for values in per.values() for k in values})
+        now = time.monotonic() if now is None else now
+        counts = {k: self.window.attainment(k, now) for k in self.window.templates()}
+        keys = sorted({k for values in per.values() for k in values} | set(counts))
         peaks, in_use, headroom = by(self.peak, "worker"), by(self.in_use, "worker"), by(self.headroom, "worker")
         running, paused = one(self.running), one(self.paused)
         return GroupLoad(
-            model=self.model, predicted_attainment=one(self.predicted_attainment), budget_bytes=self._budget,
-            running_batches=int(running or 0), paused_batches=int(paused or 0),
-            templates={k: TemplateLoad(**{name: values[k] for name, values in per.items() if k in values}) for k in keys},
+            model=self.model, window_s=self.window.window_s, predicted_attainment=one(self.predicted_attainment),
+            budget_bytes=self._budget, running_batches=int(running or 0), paused_batches=int(paused or 0),
+            templates={k: TemplateLoad(**{name: values[k] for name, values in per.items() if k in values},
+                                       window_met=counts.get(k, (0, 0))[0], window_finished=counts.get(k, (0, 0))[1])
+                       for k in keys},
             workers={int(w): WorkerMemory(peak_bytes=int(p), in_use_bytes=int(in_use[w]) if w in in_use else None,
                                           headroom_bytes=int(headroom[w]) if w in headroom else None)
                      for w, p in peaks.items()})

@@ -69,7 +69,7 @@ class PublishesSummary:
     async def load_stats(self) -> GroupLoad:
         """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``:
         predicted waits, attainment, memory per worker), for JSON readers such as the operator view."""
-        return self.metrics.load.snapshot()
+        return self.metrics.load.snapshot().model_copy(update={"replica": self.owner})
 
     async def replica_summary(self) -> dict[str, Any]:
         """The summary as JSON (for ``/v1/stats``, tests and the bench)."""

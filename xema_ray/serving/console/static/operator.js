@@ -136,7 +136,7 @@ function render() {
       el("h2", {}, g.model + " ", pill(st, g.status), el("span", { class: "mute", text: ` · ${g.workers} workers per replica · replicas: ${reps}` })),
       g.reason ? el("div", { class: "status error", text: g.reason }) : "",
       el("div", { class: "stats" }, el("div", { class: "stat", "data-stat": "queued" }, el("b", { text: String(g.queued) }), el("span", { text: "queued (all replicas)" })),
-        stat(g.running, "batches running"), stat(g.paused, "batches paused"), stat(Object.values(g.attainment).reduce((s, a) => s + a.requests, 0), "answered (5 min)")),
+        stat(g.running, "batches running"), stat(g.paused, "batches paused"), stat(Object.values(g.attainment).reduce((s, a) => s + a.requests, 0), `finished (last ${Math.round((Object.values(g.attainment)[0] || { window_s: 60 }).window_s)} s)`)),
       el("div", { class: "mute", text: preemptionLine(g) }),
       el("h3", { text: "Plans" }), plansTable(g),
       el("h3", { text: "Replicas" }), replicasTable(g),
