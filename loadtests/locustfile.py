@@ -10,6 +10,11 @@ Configuration (environment): XEMA_RATE (requests/s), XEMA_DURATION (s), XEMA_MIX
 skewed), XEMA_ALPHA (skew, default 1), XEMA_SLO_SCALE, XEMA_SEED, XEMA_OUT (results directory),
 XEMA_GRACE (s to wait for in-flight requests).
 
+Templates that take reference images get them as a client sends them: image edits as
+``POST /v1/images/edits`` (multipart, ``image[]`` per reference), image-to-video as
+``input_reference`` (a PNG data URL in the JSON body); each image is seeded noise of the template's
+reference size, made once per size.
+
 Videos go through the job API as a client would use it: create (``POST /v1/videos``), poll
 ``GET /v1/videos/{id}`` at the server's ``openai-poll-after-ms`` hint until the job finishes, then
 download the MP4. Each record carries the time to the first progress above 0 and the end-to-end
@@ -20,6 +25,8 @@ Run: ``make loadtest RATE=0.5 DURATION=60`` (starts the Serve app if needed).
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 import os
 import random
@@ -29,6 +36,7 @@ from pathlib import Path
 import gevent
 from locust import HttpUser, events, task
 
+from loadtests.references import reference_png, reference_size
 from loadtests.report import RequestRecord, write_report
 
 RATE = float(os.environ.get("XEMA_RATE", "0.5"))
@@ -68,8 +76,14 @@ class OpenLoopDispatcher(HttpUser):
         self.server_received_before = stats["received"]
 
     def _image(self, t: dict, body: dict) -> tuple[int, str]:
-        with self.client.post("/v1/images/generations", json=body, name=t["template"], catch_response=True,
-                              timeout=GRACE + DURATION) as r:
+        refs = int(t.get("references") or 0)
+        if refs:  # an edit: multipart, one file per reference (as openai.images.edit sends a list)
+            png = reference_png(*reference_size(t))
+            post = functools.partial(self.client.post, "/v1/images/edits", data={k: str(v) for k, v in body.items()},
+                                     files=[("image[]", (f"ref{i}.png", png, "image/png")) for i in range(refs)])
+        else:
+            post = functools.partial(self.client.post, "/v1/images/generations", json=body)
+        with post(name=t["template"], catch_response=True, timeout=GRACE + DURATION) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}")
                 return r.status_code, r.text[:200]
@@ -118,7 +132,11 @@ class OpenLoopDispatcher(HttpUser):
             if t["frames"] == 1:
                 status, error = self._image(t, {**body, "n": 1, "response_format": "b64_json"})
             else:
-                status, error, first, polls = self._video_job(t, {**body, "num_frames": t["frames"]}, start)
+                video = {**body, "num_frames": t["frames"]}
+                if t.get("references"):  # image-to-video: the first frame as a data URL
+                    png = reference_png(*reference_size(t))
+                    video["input_reference"] = "data:image/png;base64," + base64.b64encode(png).decode()
+                status, error, first, polls = self._video_job(t, video, start)
         except Exception as e:  # a transport error is still an answered-or-lost request: record it
             error = f"{type(e).__name__}: {e}"
         latency = time.time() - start

@@ -8,6 +8,7 @@ histograms ``ray_xema_x_bucket`` / ``_sum`` / ``_count``); ``scrape`` gives the 
 Examples (a running ``make serve``; the command attaches to its cluster to find the port)::
 
     python -m loadtests.prometheus                    # the endpoint's URL
+    python -m loadtests.prometheus --discovery        # the same from Ray's service-discovery file
     python -m loadtests.prometheus --samples 6 --every 10   # each documented metric, sampled under load
 """
 
@@ -66,6 +67,21 @@ def documented_metrics(path: Path = DOCS) -> dict[str, DocumentedMetric]:
     return out
 
 
+#: where Ray's head node writes its Prometheus file-based service discovery (every node's metrics
+#: targets; what a Prometheus server's ``file_sd_configs`` reads)
+SERVICE_DISCOVERY = Path("/tmp/ray/prom_metrics_service_discovery.json")
+
+
+def discovered_urls(path: Path = SERVICE_DISCOVERY) -> list[str]:
+    """The endpoints Ray's service-discovery file lists (its metrics agent and export ports on each
+    node); [] without the file. Read without attaching to the cluster."""
+    import json
+
+    if not path.is_file():
+        return []
+    return [f"http://{t}/metrics" for group in json.loads(path.read_text()) for t in group.get("targets", [])]
+
+
 def metrics_urls(address: str = "auto") -> list[str]:
     """Each alive node's Prometheus endpoint, from the cluster at ``address`` (attached as a
     driver for the look-up; in a process already attached, its own cluster)."""
@@ -111,10 +127,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", default="auto", help="the Ray cluster to find the endpoint of")
     ap.add_argument("--url", action="append", help="a Prometheus endpoint (default: each node's, from the cluster)")
+    ap.add_argument("--discovery", type=Path, nargs="?", const=SERVICE_DISCOVERY, default=None,
+                    help=f"read the endpoints from Ray's service-discovery file (default {SERVICE_DISCOVERY}) "
+                         "instead of attaching to the cluster")
     ap.add_argument("--samples", type=int, default=0, help="scrape this many times and print every documented metric")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between scrapes")
     args = ap.parse_args()
-    urls = args.url or metrics_urls(args.address)
+    urls = args.url or (discovered_urls(args.discovery) if args.discovery else metrics_urls(args.address))
     print("\n".join(urls))
     documented = documented_metrics()
     for i in range(args.samples):

@@ -151,3 +151,41 @@ def test_a_pool_refuses_a_stack_larger_than_its_slots() -> None:
     assert LoraPoolConfig(slots=2).max_per_request == 2 and LoraPoolConfig().max_per_request == 4
     with pytest.raises(ValueError, match=r"max_per_request \(3\) must be at most slots \(2\)"):
         LoraPoolConfig(slots=2, max_per_request=3)
+
+
+def test_deleting_an_adapter_a_paused_batch_uses_waits_for_that_batch() -> None:
+    """A batch paused at a step boundary resumes with its adapters: DELETE refuses new requests at
+    once but forgets the adapter on the workers only after the paused batch is gone."""
+    import asyncio
+    import types
+
+    from xema_ray.serving.group.adapters import GroupAdapters
+
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    class Workers:
+        spec = types.SimpleNamespace(load=types.SimpleNamespace(adapter_sources=()))
+
+        async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[bool]:
+            calls.append((method, args))
+            return [True]
+
+    def paused_batch(*names: str) -> Any:
+        req = types.SimpleNamespace(lora=tuple(LoraUse(name=n) for n in names))
+        return types.SimpleNamespace(requests=[types.SimpleNamespace(payload=types.SimpleNamespace(request=req))])
+
+    g = GroupAdapters()
+    g.model, g.workers = "tiny-flux2", Workers()
+    g.adapter_names, g._adapter_lock = {"A", "B"}, asyncio.Lock()
+    g._set_sources = lambda sources: None  # type: ignore[method-assign]
+    g.dispatcher = types.SimpleNamespace(paused=[paused_batch("B"), paused_batch("A")])
+
+    async def scenario() -> None:
+        removing = asyncio.ensure_future(g.remove_adapter("A"))
+        await asyncio.sleep(0.2)
+        assert "A" not in g.adapter_names and not removing.done() and calls == []  # held by the paused batch
+        g.dispatcher.paused = [paused_batch("B")]  # it resumed and finished
+        assert await asyncio.wait_for(removing, 2.0) is True
+        assert calls == [("remove_adapter", ("A",))]
+
+    asyncio.run(scenario())

@@ -140,17 +140,20 @@ def test_error_raised_if_input_is_bad(server: str, path: str, body: dict, status
     assert _image(server, size="128x128").status_code == 200  # and the server keeps serving
 
 
-
-
 def _pixels(r: requests.Response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))), dtype=np.int16)
 
 
 def test_requests_with_different_adapters_share_a_batch_and_keep_their_bytes(server: str) -> None:
     def together(*bodies: dict) -> list[requests.Response]:  # type: ignore[type-arg]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            out = list(pool.map(lambda b: _image(server, **b), bodies))
-        assert all(r.status_code == 200 for r in out), [r.text for r in out]
+        # sent at once, they land in one batch when both reach the group within its 0.5 s wait window;
+        # on a loaded machine the second can miss it: only that timing is tried again (3 times at most)
+        for _ in range(3):
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                out = list(pool.map(lambda b: _image(server, **b), bodies))
+            assert all(r.status_code == 200 for r in out), [r.text for r in out]
+            if len({r.headers["X-Xema-Batch-Id"] for r in out}) == 1:
+                break
         assert {r.headers["X-Xema-Batch-Id"] for r in out} == {out[0].headers["X-Xema-Batch-Id"]}
         assert all(r.headers["X-Xema-Batch-Size"] == "2" for r in out)  # different adapters, one batch
         return out

@@ -121,7 +121,9 @@ def test_playground_image_video_and_cancel(server: str, chrome: Any) -> None:
     assert page.evaluate("document.querySelector('#out-video').videoWidth") == COG.width
     assert page.get_attribute("#download", "download").endswith(".mp4")
 
-    # a second job, cancelled while it runs
+    # a second job, cancelled while it runs: at 200 steps (the range's top) it cannot finish first
+    assert page.is_enabled("#steps")
+    page.fill("#steps", "200")
     page.click("#submit")
     page.wait_for_selector("#cancel", state="visible")
     job = page.text_content("#job-line").split(" ")[0]

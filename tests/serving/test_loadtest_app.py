@@ -92,3 +92,20 @@ def test_the_url_comes_from_the_config(tmp_path: Path) -> None:
     cfg.write_text("http_options: {host: 0.0.0.0, port: 8291}\napplications: []\n")
     assert run.config_url(cfg) == "http://127.0.0.1:8291"
     assert run.config_url(Path(run.ROOT) / "deployments" / "xema.yaml") == "http://127.0.0.1:8000"
+
+
+def test_templates_with_references_get_images_of_theirreference_size() -> None:
+    """The load test sends what an image-edit or image-to-video template needs (as a client would):
+    seeded noise of the template's reference size, the same bytes for every request of a size."""
+    import io
+
+    from PIL import Image
+
+    from loadtests.references import reference_png, reference_size
+
+    edit = {"width": 128, "height": 128, "references": 2, "reference_size": "64x48"}
+    i2v = {"width": 64, "height": 64, "references": 1, "reference_size": None}
+    assert reference_size(edit) == (64, 48) and reference_size(i2v) == (64, 64)
+    img = Image.open(io.BytesIO(reference_png(64, 48)))
+    assert img.format == "PNG" and img.size == (64, 48)
+    assert reference_png(64, 48) == reference_png(64, 48) != reference_png(48, 64)

@@ -89,3 +89,12 @@ def test_the_dashboard_is_a_grafana_model_on_a_prometheus_variable_using_documen
             "xema_step_seconds", "xema_video_realtime_factor", "xema_requests_refused", "xema_preemptions",
             "xema_paused_batches"} <= used
     assert queries >= 20
+
+
+def test_the_endpoints_come_from_rays_service_discovery_file(tmp_path: Path) -> None:
+    from loadtests.prometheus import discovered_urls
+
+    f = tmp_path / "prom_metrics_service_discovery.json"
+    f.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": ["127.0.0.1:36265", "10.0.0.2:8080"]}]))
+    assert discovered_urls(f) == ["http://127.0.0.1:36265/metrics", "http://10.0.0.2:8080/metrics"]
+    assert discovered_urls(tmp_path / "absent.json") == []

@@ -60,10 +60,10 @@ def _bomb(w: int = 10_000, h: int = 10_000) -> bytes:
     return buf.getvalue()
 
 
-def _multipart(fields: dict[str, str], files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
+def _multipart(fields: dict[str, str] | list[tuple[str, str]], files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
     boundary = "xemaimageboundary"
     parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-             for k, v in fields.items()]
+             for k, v in (fields.items() if isinstance(fields, dict) else fields)]
     for i, (name, data) in enumerate(files):
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="f{i}.png"\r\n'
                      f"Content-Type: image/png\r\n\r\n".encode() + data + b"\r\n")
@@ -123,7 +123,8 @@ def api(tmp_path: Path) -> Any:
     return app, open_store(cfg), group, cfg
 
 
-def _post(app: FastAPI, path: str, fields: dict[str, str], files: list[tuple[str, bytes]], **kw: Any) -> AsgiResponse:
+def _post(app: FastAPI, path: str, fields: dict[str, str] | list[tuple[str, str]], files: list[tuple[str, bytes]],
+          **kw: Any) -> AsgiResponse:
     body, ctype = _multipart(fields, files)
     return asyncio.run(call(app, "POST", path, body, headers={"content-type": ctype}, **kw))
 
@@ -256,6 +257,26 @@ def test_a_video_job_carries_its_adapters_to_the_group_and_keeps_them_in_its_rec
     assert store.get(r.json()["id"]).lora == req.lora
     bad = asyncio.run(call(app, "POST", "/v1/videos", json.dumps({**body, "lora": [{"name": "../etc"}]}).encode()))
     assert bad.status == 422 and "lora" in bad.body.decode() and len(group.got) == 1
+
+
+def test_a_multipart_video_job_takes_lora_as_the_openai_client_sends_it(api: Any) -> None:
+    """``videos.create(input_reference=file, extra_body={"lora": [...]})`` is multipart: the client
+    writes the list as ``lora[][name]`` / ``lora[][scale]`` fields; ``lora`` as JSON text works too
+    (curl -F). Both reach the group with the job's adapters; a malformed one is a 422 naming it."""
+    app, store, group, _ = api
+    fields = [*VIDEO.items(), ("lora[][name]", "style-a"), ("lora[][scale]", "0.5"), ("lora[][name]", "character")]
+    r = _post(app, "/v1/videos", fields, [("input_reference", PNG)])
+    assert r.status == 200, r.body
+    (req,) = group.got
+    assert [(u.name, u.scale) for u in req.lora] == [("style-a", 0.5), ("character", 1.0)]
+    assert store.get(r.json()["id"]).lora == req.lora
+    r = _post(app, "/v1/videos", {**VIDEO, "lora": '[{"name": "style-a", "scale": -1}]'}, [("input_reference", PNG)])
+    assert r.status == 200, r.body
+    assert [(u.name, u.scale) for u in group.got[-1].lora] == [("style-a", -1.0)]
+    for bad, param in (({**VIDEO, "lora": "style-a"}, "lora"), ({**VIDEO, "lora[][scale]": "9"}, "lora")):
+        r = _post(app, "/v1/videos", bad, [("input_reference", PNG)])
+        assert r.status == 422 and r.json()["error"]["param"].startswith(param), r.body
+    assert len(group.got) == 2
 
 
 def test_openapi_documents_the_uploads() -> None:

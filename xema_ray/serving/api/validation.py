@@ -18,6 +18,7 @@ model sees it, and a text that is not a number stays text, so the model refuses 
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from typing import Any, TypeVar
@@ -45,6 +46,43 @@ def _number_kinds(model: type[BaseModel], name: str) -> tuple[type, ...]:
     if str in args:
         return ()  # the field takes text as it is (e.g. seconds: '4')
     return tuple(k for k in (int, float) if k in args)
+
+
+def _takes_list(model: type[BaseModel], name: str) -> bool:
+    """``name`` is a list field of ``model`` (e.g. ``lora: list[LoraUse] | None``)."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return False
+    ann = field.annotation
+    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
+    return any(typing.get_origin(a) is list for a in args)
+
+
+#: a form field of a list of objects as the OpenAI client writes one (``lora[][name]``, ``lora[][scale]``)
+_LIST_ITEM = re.compile(r"^([A-Za-z_]+)\[\]\[([A-Za-z_]+)\]$")
+
+
+def _list_item(out: dict[str, Any], model: type[BaseModel], key: str, value: str) -> bool:
+    """Take ``key=value`` into a list field of ``out`` if it is one: ``NAME[][FIELD]`` (each item's
+    fields in turn; a field seen again starts the next item) or ``NAME`` holding the list as JSON
+    text. False: not a list field."""
+    m = _LIST_ITEM.match(key)
+    if m is not None and _takes_list(model, m.group(1)):
+        rows = out.setdefault(m.group(1), [])
+        if not isinstance(rows, list):
+            raise BodyError(422, f"{m.group(1)}: sent both as one field and as {key}", param=m.group(1))
+        if not rows or m.group(2) in rows[-1]:
+            rows.append({})
+        rows[-1][m.group(2)] = value
+        return True
+    if _takes_list(model, key):
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise BodyError(422, f"{key}: in a form, a JSON list (e.g. {key}=[{{\"name\": \"a\", \"scale\": 0.8}}]) "
+                                 f"or {key}[][name]=... fields, as the OpenAI client sends them", param=key) from None
+        return True
+    return False
 
 
 def _from_form(value: str, kinds: tuple[type, ...]) -> Any:
@@ -76,6 +114,8 @@ async def read_body(request: Request, model: type[BaseModel], uploads: list[Uplo
                 raise BodyError(422, f"{k}: a file was sent where text is expected "
                                      f"(file {getattr(v, 'filename', '')!r}); no field of this endpoint takes a file",
                                 param=k)
+            if _list_item(out, model, k, v):
+                continue
             kinds = _number_kinds(model, k)
             out[k] = _from_form(v, kinds) if kinds else v
         return out

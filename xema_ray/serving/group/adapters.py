@@ -70,6 +70,7 @@ class GroupAdapters:
     model: str
     config: Any  # ModelGroupConfig
     workers: Any  # WorkerSet
+    dispatcher: Any  # Dispatcher of tickets (``payload.request.lora``)
 
     def _init_adapters(self, previous: Callable[[Any], None] | None) -> None:
         """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded."""
@@ -162,11 +163,14 @@ class GroupAdapters:
             return info
 
     async def remove_adapter(self, name: str) -> bool:
-        """Forget ``name`` on every worker; False: not loaded. Requests that name it afterwards get a 422."""
+        """Forget ``name`` on every worker; False: not loaded. Requests that name it afterwards get a 422;
+        batches running or paused with it keep it until they end (the call returns then)."""
         async with self._adapter_lock:
             if name not in self.adapter_names:
                 return False
             self.adapter_names.discard(name)  # new requests are refused, queued ones fail alone (fit_pool)
+            while self._paused_with(name):  # a paused batch resumes with it: it keeps it until it ends
+                await asyncio.sleep(0.05)
             while True:  # a batch running with it keeps it until it ends
                 try:
                     await self.workers.collective_rpc("remove_adapter", args=(name,))
@@ -177,6 +181,12 @@ class GroupAdapters:
                     await asyncio.sleep(0.05)
             self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
             return True
+
+    def _paused_with(self, name: str) -> bool:
+        """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""
+        paused = getattr(self.dispatcher, "paused", None) or ()
+        return any(u.name == name for a in paused for r in a.requests
+                   for u in (getattr(getattr(r.payload, "request", None), "lora", None) or ()))
 
     async def list_adapters(self) -> list[AdapterInfo]:
         """The adapters loaded (as worker 0 holds them: every worker holds the same)."""

@@ -25,7 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, _active, new_epoch
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, _active, new_epoch, read_record
 
 
 class RedisJobStore(JobStore):
@@ -59,7 +59,7 @@ class RedisJobStore(JobStore):
                         members = [m.decode() for m in p.smembers(active_key)]
                         raws = p.mget([self._k("job", m) for m in members]) if members else []
                         done = [m for m, raw in zip(members, raws, strict=True)
-                                if not _active(JobRecord.model_validate_json(raw) if raw else None)]
+                                if not _active(read_record(raw, m) if raw else None)]
                         if len(members) - len(done) >= max_active:
                             p.unwatch()
                             raise TenantBusy(rec.tenant, len(members) - len(done))
@@ -94,7 +94,7 @@ class RedisJobStore(JobStore):
 
     def _load(self, job_id: str) -> JobRecord | None:
         raw = self.r.get(self._k("job", job_id))
-        return JobRecord.model_validate_json(raw) if raw else None
+        return read_record(raw, job_id) if raw else None
 
     def _update(self, job_id: str, fn: Update) -> JobRecord | None:
         key = self._k("job", job_id)
@@ -103,7 +103,8 @@ class RedisJobStore(JobStore):
                 try:
                     p.watch(key)
                     raw = p.get(key)
-                    new = fn(JobRecord.model_validate_json(raw)) if raw else None
+                    rec = read_record(raw, job_id) if raw else None
+                    new = fn(rec) if rec is not None else None
                     if new is None:
                         p.unwatch()
                         return None
@@ -118,23 +119,26 @@ class RedisJobStore(JobStore):
         zkey = self._k("jobs")
         if descending:
             hi = f"({after_seq}" if after_seq is not None else "+inf"
-            ids = self.r.zrevrangebyscore(zkey, hi, "-inf", start=0, num=limit)
+            scored = self.r.zrevrangebyscore(zkey, hi, "-inf", start=0, num=limit, withscores=True)
         else:
             lo = f"({after_seq}" if after_seq is not None else "-inf"
-            ids = self.r.zrangebyscore(zkey, lo, "+inf", start=0, num=limit)
-        if not ids:
+            scored = self.r.zrangebyscore(zkey, lo, "+inf", start=0, num=limit, withscores=True)
+        if not scored:
             return []
+        ids = [i for i, _ in scored]
         raws = self.r.mget([self._k("job", i.decode()) for i in ids])
-        out, gone = [], []
+        out, gone, unreadable = [], [], 0
         for i, raw in zip(ids, raws, strict=True):
             if raw is None:
                 gone.append(i)  # expired by Redis: drop it from the index too
+            elif (rec := read_record(raw, i.decode())) is not None:
+                out.append(rec)
             else:
-                out.append(JobRecord.model_validate_json(raw))
+                unreadable += 1
         if gone:
             self.r.zrem(zkey, *gone)
-            if not out:  # a page of nothing but expired ids: keep scanning past them
-                return self._scan(after_seq, limit, descending)
+        if not out and (gone or unreadable):  # a page of nothing but expired or unreadable ids: scan past them
+            return self._scan(int(scored[-1][1]) if unreadable else after_seq, limit, descending)
         return out
 
     def _remove(self, job_id: str) -> None:

@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, new_epoch
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, TenantBusy, Update, new_epoch, read_record
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
@@ -57,14 +57,15 @@ class SQLiteJobStore(JobStore):
     def _load(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return JobRecord.model_validate_json(row[0]) if row else None
+        return read_record(row[0], job_id) if row else None
 
     def _update(self, job_id: str, fn: Update) -> JobRecord | None:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")  # the write lock first: read-modify-write is atomic across processes
             try:
                 row = self._db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-                new = fn(JobRecord.model_validate_json(row[0])) if row else None
+                rec = read_record(row[0], job_id) if row else None
+                new = fn(rec) if rec is not None else None
                 if new is not None:
                     self._db.execute("UPDATE jobs SET doc = ? WHERE id = ?", (new.model_dump_json(), job_id))
                 self._db.execute("COMMIT")
@@ -75,12 +76,16 @@ class SQLiteJobStore(JobStore):
 
     def _scan(self, after_seq: int | None, limit: int, descending: bool) -> list[JobRecord]:
         if descending:
-            q, arg = "SELECT doc FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?", after_seq if after_seq is not None else 2**62
+            q, arg = ("SELECT seq, id, doc FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                      after_seq if after_seq is not None else 2**62)
         else:
-            q, arg = "SELECT doc FROM jobs WHERE seq > ? ORDER BY seq ASC LIMIT ?", after_seq if after_seq is not None else -1
+            q, arg = "SELECT seq, id, doc FROM jobs WHERE seq > ? ORDER BY seq ASC LIMIT ?", after_seq if after_seq is not None else -1
         with self._lock:
             rows = self._db.execute(q, (arg, limit)).fetchall()
-        return [JobRecord.model_validate_json(r[0]) for r in rows]
+        out = [rec for _, job_id, doc in rows if (rec := read_record(doc, job_id)) is not None]
+        if rows and not out:  # a page of nothing but unreadable records: keep scanning past them
+            return self._scan(rows[-1][0], limit, descending)
+        return out
 
     def _remove(self, job_id: str) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sqlite3
 import time
 import uuid
@@ -36,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from xema_ray.lora_pool import LoraUse
 
@@ -143,6 +144,24 @@ EPOCH_CHARS = 8
 
 def new_epoch() -> str:
     return uuid.uuid4().hex[:EPOCH_CHARS]
+
+
+logger = logging.getLogger("xema_ray.serving")
+_UNREADABLE: set[str] = set()
+
+
+def read_record(raw: str | bytes, job_id: str) -> JobRecord | None:
+    """A stored record, or None when it does not validate (written by another version of the app
+    into a shared store, or damaged): that one job is left alone, as if absent, with one warning per
+    job, and every scan over the store (orphans, expiry, listings) goes on past it."""
+    try:
+        return JobRecord.model_validate_json(raw)
+    except ValidationError as e:
+        if job_id not in _UNREADABLE:
+            _UNREADABLE.add(job_id)
+            logger.warning("job %s: its stored record is not one this version reads; left alone (%s)", job_id,
+                           "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:3]))
+        return None
 
 
 def _active(r: JobRecord | None) -> bool:
