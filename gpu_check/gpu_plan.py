@@ -95,6 +95,14 @@ PLAN: tuple[PlannedTest, ...] = (
                 what="Flux.2 1024², 1 step, 48 GB offload plan: caching run + recording, armed run (2 builds)"),
     # part 2: residency, offload latency, SP, then the long ones (preemption, measured planning), which
     # the 900 s leave the least likely to start
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[wan2.2-i2v-a14b",
+                part=2, expected_s=60, timeout_s=240,
+                what="analyzer vs max_memory_allocated, Wan2.2-I2V-A14B 832x480x49 + first frame, 2 steps (both experts, "
+                     "57 GB of weights; not yet run on a GPU)"),
+    PlannedTest(match="tests/gpu/test_analyzer_gpu.py::test_predicted_active_peak_within_1pct_of_cuda[wan2.2-ti2v-5b",
+                part=2, expected_s=45, timeout_s=180,
+                what="analyzer vs max_memory_allocated, Wan2.2-TI2V-5B 1280x704x49 + first frame, 2 steps (not yet run "
+                     "on a GPU)"),
     PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220,
                 what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
     PlannedTest(match="tests/mitigation/test_offload_gpu.py::", part=2, expected_s=36, timeout_s=120,

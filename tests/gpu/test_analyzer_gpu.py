@@ -23,6 +23,10 @@ CASES = [
     # reference images (issue #41): the VAE encode of each and the longer sequence
     RequestTemplate(model="flux2", height=1024, width=1024, steps=2, references=1),
     RequestTemplate(model="cogvideox-5b-i2v", height=480, width=720, frames=49, steps=2, references=1),
+    # Wan2.2's first frames: I2V-A14B's whole-video encode and both experts (step 0 high-noise, step 1
+    # low-noise); TI2V-5B's one-frame encode through the Wan2.2 VAE, replacing latent frame 0
+    RequestTemplate(model="wan2.2-i2v-a14b", height=480, width=832, frames=49, steps=2, references=1),
+    RequestTemplate(model="wan2.2-ti2v-5b", height=704, width=1280, frames=49, steps=2, references=1),
 ]
 
 

@@ -18,6 +18,10 @@ CASES: dict[str, dict[str, int]] = {
     "tiny-cogvideox": {"height": 48, "width": 64, "frames": 9},
     "tiny-ltx2": {"height": 64, "width": 64, "frames": 9},
     "tiny-wan2.2": {"height": 48, "width": 64, "frames": 9},  # 3 patch rows; both experts run (2 steps)
+    # TI2V-5B's first frame (a grey placeholder): a timestep per token, zero on latent frame 0's,
+    # cut by rows with the latent (2 patch rows: 16x VAE). I2V-A14B's conditioning joins the
+    # channels of the latent the split cuts by rows: nothing of its own to split.
+    "tiny-wan2.2-ti2v": {"height": 64, "width": 64, "frames": 9, "references": 1},
 }
 #: the same model with reference images (their tokens join the sequence the split shards)
 REF_CASES: dict[str, dict[str, int]] = {"tiny-flux2": {"references": 1, "reference_width": 64, "reference_height": 64}}

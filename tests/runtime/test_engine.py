@@ -27,6 +27,8 @@ TEMPLATES = {
     "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=2),
     "tiny-wan2.2": RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=2),  # one step per expert
     "tiny-qwen-image": RequestTemplate(model="tiny-qwen-image", height=64, width=64, steps=2),
+    # TI2V-5B's twin as text-to-video (its first-frame path: tests/runtime/test_references.py)
+    "tiny-wan2.2-ti2v": RequestTemplate(model="tiny-wan2.2-ti2v", height=64, width=64, frames=9, steps=2),
 }
 
 

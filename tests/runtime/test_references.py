@@ -21,6 +21,12 @@ TEMPLATES = {
     "tiny-cogvideox-i2v": RequestTemplate(model="tiny-cogvideox-i2v", height=64, width=64, frames=9, steps=1,
                                           references=1),
     "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=2, references=1),
+    # two experts (step 0 high-noise, step 1 low-noise), the image latents and mask on channels
+    "tiny-wan2.2-i2v": RequestTemplate(model="tiny-wan2.2-i2v", height=64, width=64, frames=9, steps=2,
+                                       references=1),
+    # TI2V-5B's path: the image's latents replace latent frame 0 through a mask
+    "tiny-wan2.2-ti2v": RequestTemplate(model="tiny-wan2.2-ti2v", height=64, width=64, frames=9, steps=2,
+                                        references=1),
 }
 
 
@@ -66,10 +72,13 @@ def test_the_trace_sees_the_references() -> None:
     assert plain.peak() < one.peak() < two.peak()
 
 
-@pytest.mark.parametrize("model", ["tiny-cogvideox-i2v", "tiny-ltx2"])
-def test_the_replicated_image_to_video_trace_equals_a_full_one(model: str) -> None:
-    # LTX-2's image path settles a step later (``settling_steps_for``): replicating earlier would differ
-    t = TEMPLATES[model].with_(steps=5, batch=2)
+@pytest.mark.parametrize(("model", "steps"), [("tiny-cogvideox-i2v", 5), ("tiny-ltx2", 5), ("tiny-wan2.2-i2v", 10),
+                                           ("tiny-wan2.2-ti2v", 8)])
+def test_the_replicated_image_to_video_trace_equals_a_full_one(model: str, steps: int) -> None:
+    # LTX-2's image path settles a step later (``settling_steps_for``): replicating earlier would differ;
+    # Wan's UniPC traces 6 steps (two settling, outputs alive two steps): more replicate, across
+    # I2V-A14B's expert switch too
+    t = TEMPLATES[model].with_(steps=steps, batch=2)
     assert trace_template(t).signature() == trace_template(t, TraceOptions(replicate=False)).signature()
 
 

@@ -1,6 +1,7 @@
 """The models added beyond the paper's three, served as ``make serve`` serves them: their groups of
 ``deployments/xema.yaml``, plans computed at start-up, requests through the official ``openai``
-client (a video job of the two-expert tiny-wan2.2, an image of tiny-qwen-image)."""
+client (a video job of the two-expert tiny-wan2.2, an image of tiny-qwen-image, an image-to-video
+job of tiny-wan2.2-i2v)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from xema_ray.serving.ray_env import apply_ray_env, shutdown_serve_and_ray  # no
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[2]
-NEW_MODELS = ("tiny-wan2.2", "tiny-qwen-image")
+NEW_MODELS = ("tiny-wan2.2", "tiny-wan2.2-i2v", "tiny-qwen-image")
 
 
 def serve_yaml_args(models: tuple[str, ...]) -> dict[str, Any]:
@@ -89,3 +90,16 @@ def test_qwen_image_through_the_openai_client(client: Any) -> None:
                                   extra_body={"seed": 7})
     image = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
     assert image.size == (128, 128)
+
+
+def test_wan_image_to_video_job_through_the_openai_client(client: Any) -> None:
+    # the first frame as the client sends it (multipart), any size: scaled and cropped to 64x64
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 80), (200, 40, 40)).save(buf, format="PNG")
+    video = client.videos.create_and_poll(model="tiny-wan2.2-i2v", prompt="the sea moves", size="64x64", seconds="0.5",
+                                          input_reference=("first.png", buf.getvalue(), "image/png"))
+    assert video.status == "completed", video
+    frames = iio.imread(io.BytesIO(client.videos.download_content(video.id).read()), extension=".mp4")
+    assert frames.shape[0] == 9 and frames.shape[1:3] == (64, 64)

@@ -84,6 +84,21 @@ def _wan22(size: str) -> ModelSpec:
     return spec
 
 
+def _wan22_i2v(size: str) -> ModelSpec:
+    from xema_ray.models.text_encoders import TextEncoderSpec
+    from xema_ray.models.wan import I2V_A14B_SAMPLING, TINY_I2V_SAMPLING, WanI2VSpec
+
+    if size == "real":
+        spec = WanI2VSpec("wan2.2-i2v-a14b", "real", "wan22_i2v_a14b_transformer.json", "wan21_vae.json",
+                          I2V_A14B_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    else:
+        spec = WanI2VSpec("tiny-wan2.2-i2v", "tiny", "tiny_wan22_i2v_transformer.json", "tiny_wan21_vae.json",
+                          TINY_I2V_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "tiny_wan22_umt5_text_encoder.json", spec.text_tokens)
+    return spec
+
+
 def _qwen_image(size: str) -> ModelSpec:
     from xema_ray.models.qwen_image import QwenImageSpec
     from xema_ray.models.text_encoders import TextEncoderSpec
@@ -98,12 +113,17 @@ def _qwen_image(size: str) -> ModelSpec:
     return spec
 
 
-def _wan22_ti2v_5b() -> ModelSpec:
+def _wan22_ti2v_5b(size: str) -> ModelSpec:
     from xema_ray.models.text_encoders import TextEncoderSpec
-    from xema_ray.models.wan import TI2V_5B_SAMPLING, WanSpec
+    from xema_ray.models.wan import TI2V_5B_SAMPLING, TINY_TI2V_SAMPLING, WanSpec
 
-    spec = WanSpec("wan2.2-ti2v-5b", "real", "wan22_ti2v5b_transformer.json", "wan22_vae.json", TI2V_5B_SAMPLING)
-    spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    if size == "real":
+        spec = WanSpec("wan2.2-ti2v-5b", "real", "wan22_ti2v5b_transformer.json", "wan22_vae.json", TI2V_5B_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "wan22_umt5_text_encoder.json", spec.text_tokens)
+    else:
+        spec = WanSpec("tiny-wan2.2-ti2v", "tiny", "tiny_wan22_ti2v_transformer.json", "tiny_wan22_vae.json",
+                       TINY_TI2V_SAMPLING)
+        spec.text_encoder = TextEncoderSpec("umt5", "tiny_wan22_umt5_text_encoder.json", spec.text_tokens)
     return spec
 
 
@@ -116,7 +136,10 @@ _FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "tiny-ltx2": lambda: _ltx2("tiny"),
     "wan2.2-t2v-a14b": lambda: _wan22("real"),
     "tiny-wan2.2": lambda: _wan22("tiny"),
-    "wan2.2-ti2v-5b": _wan22_ti2v_5b,
+    "wan2.2-ti2v-5b": lambda: _wan22_ti2v_5b("real"),
+    "tiny-wan2.2-ti2v": lambda: _wan22_ti2v_5b("tiny"),
+    "wan2.2-i2v-a14b": lambda: _wan22_i2v("real"),
+    "tiny-wan2.2-i2v": lambda: _wan22_i2v("tiny"),
     "cogvideox-5b-i2v": lambda: _cogvideox_i2v("real"),
     "tiny-cogvideox-i2v": lambda: _cogvideox_i2v("tiny"),
     "qwen-image": lambda: _qwen_image("real"),

@@ -119,6 +119,18 @@ PUBLISHED: dict[str, PublishedLayout] = {
             "transformer_2": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
             "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
         }),
+    # Wan2.2-I2V-A14B: the T2V-A14B layout under the image-to-video pipeline (model_index.json also
+    # lists image_encoder and image_processor as [null, null]: Wan2.2 has no CLIP image encoder)
+    "wan-i2v-a14b": PublishedLayout(
+        repo="Wan-AI/Wan2.2-I2V-A14B-Diffusers", pipeline="WanImageToVideoPipeline", gated=False, disk_gb=126.0,
+        components={
+            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
+            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
+            "tokenizer": _c("transformers", "T5TokenizerFast"),
+            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
+            "transformer_2": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
+            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
+        }),
     "wan-ti2v-5b": PublishedLayout(
         repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers", pipeline="WanPipeline", gated=False, disk_gb=34.0,
         components={

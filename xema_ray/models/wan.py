@@ -1,7 +1,9 @@
-"""Wan2.2: text-to-video DiTs; the A14B variant is two 14 B experts that take turns.
+"""Wan2.2: video DiTs; the A14B variants are two 14 B experts that take turns.
 
-Two models: Wan2.2-T2V-A14B (two experts, the Wan2.1 VAE, 16 fps) and Wan2.2-TI2V-5B (one 5 B
-transformer, the Wan2.2 VAE with 16x spatial compression, 24 fps, a timestep per latent token).
+Three models: Wan2.2-T2V-A14B (two experts, the Wan2.1 VAE, 16 fps), Wan2.2-I2V-A14B (its
+image-to-video twin: two experts over 36 input channels, ``WanI2VSpec``) and Wan2.2-TI2V-5B (one
+5 B transformer, the Wan2.2 VAE with 16x spatial compression, 24 fps, a timestep per latent token;
+an optional first frame). The image-to-video path: ``xema_ray.models.wan_i2v``.
 
 Wan2.2-T2V-A14B denoises with two transformers of one architecture (40 blocks, width 5120): the
 *high-noise* expert (``transformer``) for timesteps at or above ``boundary_ratio`` x 1000, the
@@ -77,6 +79,14 @@ TINY_SAMPLING = WanSampling(text_tokens=8)
 #: Wan2.2-TI2V-5B (``wan/configs/wan_ti2v_5B.py``): one transformer, shift 5, CFG 5.0, 24 fps
 TI2V_5B_SAMPLING = WanSampling(boundary_ratio=None, flow_shift=5.0, guidance_scale=5.0, frame_rate=24.0,
                                expand_timesteps=True)
+#: its tiny twin: the same schedule, 8 prompt tokens
+TINY_TI2V_SAMPLING = WanSampling(boundary_ratio=None, flow_shift=5.0, guidance_scale=5.0, frame_rate=24.0,
+                                 expand_timesteps=True, text_tokens=8)
+#: Wan2.2-I2V-A14B (``wan/configs/wan_i2v_A14B.py``): boundary 0.900, shift 5, CFG 3.5 for both experts, 16 fps
+I2V_A14B_SAMPLING = WanSampling(boundary_ratio=0.9, flow_shift=5.0, guidance_scale=3.5, guidance_scale_2=3.5)
+#: its tiny twin: the same switch (4 steps: 0-1 high-noise, 2-3 low-noise), 8 prompt tokens
+TINY_I2V_SAMPLING = WanSampling(boundary_ratio=0.9, flow_shift=5.0, guidance_scale=3.5, guidance_scale_2=3.5,
+                                text_tokens=8)
 
 
 class WanSpec(ModelSpec):
@@ -116,6 +126,10 @@ class WanSpec(ModelSpec):
         else:
             self.reference_sizes = ((64, 64, 9), (128, 96, 17))
             self.reference_steps = 4
+        if sampling.expand_timesteps:
+            # TI2V-5B is text-and-image-to-video: an optional first frame, which replaces latent
+            # frame 0 through a mask (templates with references=1 run ``WanI2VPipeline``)
+            self.max_references = 1
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -150,8 +164,8 @@ class WanSpec(ModelSpec):
         return (t.frames - 1) // self.temporal_compression + 1
 
     def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
-        f = self.vae_scale_factor
-        return (t.batch, int(self.transformer_config["in_channels"]), self.latent_frames(t), t.height // f, t.width // f)
+        f = self.vae_scale_factor  # the noise latent (I2V-A14B's image latents and mask join it on channels)
+        return (t.batch, int(self.transformer_config["out_channels"]), self.latent_frames(t), t.height // f, t.width // f)
 
     def token_counts(self, t: RequestTemplate) -> dict[str, int]:
         m = self.spatial_multiple
@@ -212,11 +226,23 @@ class WanSpec(ModelSpec):
         """The low-noise expert: the same architecture, its own weights (``transformer_2/``)."""
         return self._build(self.transformer_class(), self.transformer_config, "transformer_2", opts)
 
+    def pipeline_class(self) -> type[DiffusionPipeline]:
+        """The diffusers pipeline over this spec's components (image-to-video-only models override it)."""
+        from diffusers import WanPipeline
+
+        return WanPipeline
+
+    def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
+        """TI2V-5B's first-frame templates run ``WanI2VPipeline`` over the same modules."""
+        from xema_ray.models.wan_i2v import WanI2VPipeline, image_to_video_pipeline
+
+        return image_to_video_pipeline(pipe) if t.references and not isinstance(pipe, WanI2VPipeline) else pipe
+
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
-        from diffusers import UniPCMultistepScheduler, WanPipeline
+        from diffusers import UniPCMultistepScheduler
 
         text_encoder, tokenizer = self.build_text_encoder(opts)
-        pipe = WanPipeline(
+        pipe = self.pipeline_class()(
             tokenizer=tokenizer,
             text_encoder=text_encoder,
             vae=self.build_vae(opts),
@@ -298,6 +324,23 @@ class WanSpec(ModelSpec):
         attention = 4 * (sv * sv * d + sv * st * d) * rows
         return [(f"block.{i}", float(linear), float(attention), float(params * 2), [(sv, d)])
                 for i in range(self.num_dit_blocks)]
+
+
+class WanI2VSpec(WanSpec):
+    """Wan2.2-I2V-A14B: image-to-video only (``WanI2VPipeline``): every template takes the first
+    frame, encoded at the output size as the first of ``frames`` pixel frames (the rest black)."""
+
+    max_references = 1
+    required_references = 1
+
+    @property
+    def published_layout(self) -> str:
+        return "wan-i2v-a14b"  # its own repository: model_index.json names the image-to-video pipeline
+
+    def pipeline_class(self) -> type[DiffusionPipeline]:
+        from xema_ray.models.wan_i2v import WanI2VPipeline
+
+        return WanI2VPipeline
 
 
 #: a boundary below every timestep the pipeline makes (the last is >= 1): ``transformer`` runs every

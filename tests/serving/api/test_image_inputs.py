@@ -291,3 +291,42 @@ def test_openapi_documents_the_uploads() -> None:
     video_form = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert video_form["allOf"][1]["properties"]["input_reference"]["format"] == "binary"
     assert {"400", "413", "422"} <= set(edits["responses"])
+
+
+WAN = {t.shape_key: t for t in (
+    RequestTemplate(model="tiny-wan2.2-i2v", width=64, height=64, frames=9, steps=4, references=1),
+    RequestTemplate(model="tiny-wan2.2-ti2v", width=64, height=64, frames=9, steps=4),
+    RequestTemplate(model="tiny-wan2.2-ti2v", width=64, height=64, frames=9, steps=4, references=1),
+)}
+
+
+def test_wan_first_frames_map_to_their_templates_and_i2v_refuses_text_only(tmp_path: Path) -> None:
+    """Wan2.2-I2V is image-to-video only: ``input_reference`` is accepted, a text-only create is a
+    400 naming it (nothing stored); TI2V-5B takes one or none, each to its own template."""
+    set_limits(RequestLimits())
+    cfg = JobStoreConfig(path=tmp_path / "jobs", ttl_s=600)
+    group = _Group()
+    table = PlanTable(hardware="test", gpus=1, budget_bytes=10**9, entries={k: plan_entry(t) for k, t in WAN.items()})
+    jobs = VideoJobs(cfg, {"tiny-wan2.2-i2v": group, "tiny-wan2.2-ti2v": group}, WAN, table)
+    app = FastAPI()
+
+    @app.post("/v1/videos")
+    async def videos(request: Request) -> Any:
+        try:
+            return await jobs.create(request)
+        except ApiError as e:
+            return error_response(e.status, e.message, e.type, param=e.param, **e.extra)
+
+    i2v = {"model": "tiny-wan2.2-i2v", "prompt": "waves", "size": "64x64", "seconds": "0.5"}  # 9 frames at 16 fps
+    r = _post(app, "/v1/videos", i2v, [])
+    assert r.status == 400 and r.json()["error"]["param"] == "input_reference", r.body
+    assert "image-to-video model: send an input_reference" in r.json()["error"]["message"]
+    assert open_store(cfg).list()[0] == [] and group.got == []
+    r = _post(app, "/v1/videos", i2v, [("input_reference", _png(96, 80))])
+    assert r.status == 200 and r.json()["size"] == "64x64", r.body
+    ti2v = {**i2v, "model": "tiny-wan2.2-ti2v", "seconds": "0.33"}  # 9 frames at 24 fps
+    assert _post(app, "/v1/videos", ti2v, [("input_reference", PNG)]).status == 200
+    assert _post(app, "/v1/videos", ti2v, []).status == 200
+    assert [g.template for g in group.got] == ["tiny-wan2.2-i2v/64x64x9/ref1@64x64", "tiny-wan2.2-ti2v/64x64x9/ref1@64x64",
+                                               "tiny-wan2.2-ti2v/64x64x9"]
+    assert [len(g.references) for g in group.got] == [1, 1, 0]
