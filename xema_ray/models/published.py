@@ -63,6 +63,20 @@ def _c(library: str, class_name: str, dtype: DTypeName | None = None, sharded: b
     return PublishedComponent(library=library, class_name=class_name, dtype=dtype, sharded=sharded)
 
 
+def _wan(repo: str, pipeline: str, disk_gb: float, experts: int) -> PublishedLayout:
+    """A Wan2.2 repository's layout. Stored dtypes are assumed (bf16 weights, the fp32 Wan VAE),
+    not read from those files."""
+    transformers = {name: _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True)
+                    for name in ("transformer", "transformer_2")[:experts]}
+    return PublishedLayout(repo=repo, pipeline=pipeline, gated=False, disk_gb=disk_gb, components={
+        "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
+        "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
+        "tokenizer": _c("transformers", "T5TokenizerFast"),
+        **transformers,
+        "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
+    })
+
+
 #: per model family (the real model and its tiny variant share the layout)
 PUBLISHED: dict[str, PublishedLayout] = {
     "flux2": PublishedLayout(
@@ -106,40 +120,13 @@ PUBLISHED: dict[str, PublishedLayout] = {
             "vae": _c("diffusers", "AutoencoderKLLTX2Video", "bfloat16"),
             "vocoder": _c("ltx2", "LTX2Vocoder", "bfloat16"),
         }),
-    # Wan2.2 (Wan-AI's "-Diffusers" repositories): the two 14 B experts are transformer and
-    # transformer_2 of one WanPipeline directory; TI2V-5B has one transformer and the Wan2.2 VAE.
-    # Stored dtypes are assumed (bf16 weights, the fp32 Wan VAE), not read from those files.
-    "wan-a14b": PublishedLayout(
-        repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers", pipeline="WanPipeline", gated=False, disk_gb=126.0,
-        components={
-            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
-            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
-            "tokenizer": _c("transformers", "T5TokenizerFast"),
-            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
-            "transformer_2": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
-            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
-        }),
-    # Wan2.2-I2V-A14B: the T2V-A14B layout under the image-to-video pipeline (model_index.json also
-    # lists image_encoder and image_processor as [null, null]: Wan2.2 has no CLIP image encoder)
-    "wan-i2v-a14b": PublishedLayout(
-        repo="Wan-AI/Wan2.2-I2V-A14B-Diffusers", pipeline="WanImageToVideoPipeline", gated=False, disk_gb=126.0,
-        components={
-            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
-            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
-            "tokenizer": _c("transformers", "T5TokenizerFast"),
-            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
-            "transformer_2": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
-            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
-        }),
-    "wan-ti2v-5b": PublishedLayout(
-        repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers", pipeline="WanPipeline", gated=False, disk_gb=34.0,
-        components={
-            "scheduler": _c("diffusers", "UniPCMultistepScheduler"),
-            "text_encoder": _c("transformers", "UMT5EncoderModel", "bfloat16", sharded=True),
-            "tokenizer": _c("transformers", "T5TokenizerFast"),
-            "transformer": _c("diffusers", "WanTransformer3DModel", "bfloat16", sharded=True),
-            "vae": _c("diffusers", "AutoencoderKLWan", "float32"),
-        }),
+    # Wan2.2 (Wan-AI's "-Diffusers" repositories, ``_wan``): T2V-A14B and I2V-A14B hold their two 14 B
+    # experts as transformer and transformer_2 of one directory (I2V-A14B's model_index.json also
+    # lists image_encoder and image_processor as [null, null]: Wan2.2 has no CLIP image encoder);
+    # TI2V-5B has one transformer and the Wan2.2 VAE.
+    "wan-a14b": _wan("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "WanPipeline", 126.0, experts=2),
+    "wan-i2v-a14b": _wan("Wan-AI/Wan2.2-I2V-A14B-Diffusers", "WanImageToVideoPipeline", 126.0, experts=2),
+    "wan-ti2v-5b": _wan("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "WanPipeline", 34.0, experts=1),
     "qwen-image": PublishedLayout(
         repo="Qwen/Qwen-Image", pipeline="QwenImagePipeline", gated=False, disk_gb=58.0,
         components={

@@ -90,6 +90,16 @@ class _Group:
         self.estimate = _Estimate()
 
 
+def _video_route(app: FastAPI, jobs: VideoJobs) -> None:
+    """``POST /v1/videos`` as the Router answers it, on ``jobs``."""
+    @app.post("/v1/videos")
+    async def videos(request: Request) -> Any:
+        try:
+            return await jobs.create(request)
+        except ApiError as e:
+            return error_response(e.status, e.message, e.type, param=e.param, **e.extra)
+
+
 @pytest.fixture
 def api(tmp_path: Path) -> Any:
     set_limits(RequestLimits())
@@ -113,12 +123,7 @@ def api(tmp_path: Path) -> Any:
                                   supported_templates=e.supported)
         return JSONResponse({"template": t.shape_key, "sizes": [Image.open(io.BytesIO(r)).size for r in refs]})
 
-    @app.post("/v1/videos")
-    async def videos(request: Request) -> Any:
-        try:
-            return await jobs.create(request)
-        except ApiError as e:
-            return error_response(e.status, e.message, e.type, param=e.param, **e.extra)
+    _video_route(app, jobs)
 
     return app, open_store(cfg), group, cfg
 
@@ -310,12 +315,7 @@ def test_wan_first_frames_map_to_their_templates_and_i2v_refuses_text_only(tmp_p
     jobs = VideoJobs(cfg, {"tiny-wan2.2-i2v": group, "tiny-wan2.2-ti2v": group}, WAN, table)
     app = FastAPI()
 
-    @app.post("/v1/videos")
-    async def videos(request: Request) -> Any:
-        try:
-            return await jobs.create(request)
-        except ApiError as e:
-            return error_response(e.status, e.message, e.type, param=e.param, **e.extra)
+    _video_route(app, jobs)
 
     i2v = {"model": "tiny-wan2.2-i2v", "prompt": "waves", "size": "64x64", "seconds": "0.5"}  # 9 frames at 16 fps
     r = _post(app, "/v1/videos", i2v, [])
