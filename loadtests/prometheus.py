@@ -30,7 +30,7 @@ DOCS = ROOT / "docs" / "metrics.md"
 #: the prefix Ray's metrics agent puts before every application metric's name
 RAY_PREFIX = "ray_"
 #: documented "exported from" values: present once the app has served images and a video and refused a request
-ALWAYS_AFTER_TRAFFIC = ("start", "request", "batch", "video batch", "refusal")
+ALWAYS_AFTER_TRAFFIC = ("start", "start (0)", "request", "batch", "video batch", "refusal")
 _ROW = re.compile(r"^\|\s*`(xema_[a-z0-9_]+)`\s*\|\s*(counter|gauge|histogram)\s*\|([^|]*)\|([^|]*)\|([^|]*)\|([^|]*)\|\s*$")
 
 

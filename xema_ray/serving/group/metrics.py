@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from xema_ray.plan import PlanEntry
     from xema_ray.runtime.engine import BatchResult
     from xema_ray.serving.scale.replica_summary import ReplicaSummary
+
+logger = logging.getLogger("xema_ray.serving")
 
 _LATENCY_BOUNDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
 
@@ -87,6 +90,36 @@ class ServingMetrics:
         gauges = (self.queue_depth, self.batch_size, self.peak_bytes, self.host_weight_bytes, self.layout_reserved,
                   self.paused_bytes)
         self.load = LoadMetrics(model, plans, keep=gauges, summary=summary)
+        self.start_at_zero(list(plans()[0]))
+
+    def start_at_zero(self, templates: Sequence[str]) -> None:
+        """Export every counter (requests, SLO met and missed, failures, retries, re-runs, out of
+        memory, preemptions, the static layout's and residency's counts) and ``xema_paused_bytes``
+        at 0 for ``templates`` from
+        start-up: a series that appears only at its first event hides that event from ``rate()`` and
+        ``increase()``, and an alert on it fires a scrape late or never.
+
+        Ray's ``Counter.inc`` refuses 0, so the zero goes through the metric's own record call with
+        the tags Serve's ``inc`` adds (``_add_serve_context_tag_values``, ``_record``: Ray internals;
+        a Ray without them leaves the counters to appear at their first event, as before)."""
+        per_template = (self.requests, self.slo_met, self.slo_missed, self.failed, self.rejected, self.retries,
+                        self.out_of_memory, self.preemptions,
+                        self.paused_seconds, self.fallback_allocs, self.layout_armed, self.layout_hits,
+                        self.residency_switches, self.residency_bytes)
+        tagged: list[tuple[metrics.Counter, dict[str, str]]] = [
+            (c, {"template": t}) for t in templates for c in per_template]
+        tagged += [(self.reruns, {"template": t, "reason": r}) for t in templates for r in ("named", "split")]
+        tagged.append((self.worker_restarts, {}))
+        for t in templates:
+            self.paused_bytes.set(0.0, tags={"template": t})
+        try:
+            from ray.serve.metrics import _add_serve_context_tag_values
+
+            for counter, tags in tagged:
+                _add_serve_context_tag_values(counter._tag_keys, tags)
+                counter._record(0.0, tags=tags)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:  # another Ray: first event shows it
+            logger.info("event counters start at their first event (%s: %s)", type(e).__name__, e)
 
     def observe_queued(self, template: str, depth: int) -> None:
         self.queue_depth.set(depth, tags={"template": template})
