@@ -173,6 +173,18 @@ def test_a_job_whose_batch_mate_fails_its_denoising_is_run_again_and_completes(
 
     bad, ok = _job(store, "POISONED waves", 11), _job(store, "calm waves", 12)
     seen: list[JobRecord] = []
+    stretched: list[tuple[float, float, float, float]] = []  # ok's re-run: predicted_s before, after, progress, remaining
+    rerun = JobStore.rerun
+
+    def spy(self: JobStore, job_id: str, owner: str, remaining_s: float) -> float | None:
+        before = self.get(job_id)
+        out = rerun(self, job_id, owner, remaining_s)
+        after = self.get(job_id)
+        if job_id == ok.id and before is not None and after is not None:
+            stretched.append((before.predicted_s, after.predicted_s, after.progress, remaining_s))
+        return out
+
+    monkeypatch.setattr(JobStore, "rerun", spy)
     with planted_denoise_fault(monkeypatch, lambda prompts: "POISONED waves" in prompts,
                                lambda: RuntimeError("planted denoise fault")) as fault:
         assert _submit(group, bad) and _submit(group, ok)
@@ -185,7 +197,9 @@ def test_a_job_whose_batch_mate_fails_its_denoising_is_run_again_and_completes(
     assert {r.status for r in since_start} == {"in_progress", "completed"}  # never failed, never queued again
     running = [r for r in since_start if r.status == "in_progress"]
     assert [r.progress for r in running] == sorted(r.progress for r in running)  # never backwards
-    assert any(r.predicted_s > running[0].predicted_s for r in running)  # stretched for the re-run
+    # stretched for the re-run: what remains of the prediction after its progress is the re-run's own
+    assert stretched and all(after >= before and after * (1 - min(p, 0.999)) == pytest.approx(left)
+                             for before, after, p, left in stretched), stretched
     from xema_ray.serving.jobs.progress import publisher_for
 
     watched = publisher_for(jobs_cfg)._watched  # the failed run's observer let its jobs go

@@ -254,3 +254,17 @@ def test_a_group_serves_the_neighbours_of_a_request_whose_denoising_fails(monkey
         assert missed == [(FLUX.shape_key, 1)]
         ok = h.call(lambda g: g.generate(request(FLUX.shape_key, "after", "a fox", 9)))  # and the group serves on
         assert ok.media_type == "image/png"
+
+
+def test_a_part_that_served_nobody_does_not_make_the_failing_request_a_neighbours_fault() -> None:
+    """A part whose members were all deleted meanwhile runs nothing (``run`` returns False): the
+    request failing alone beside it gets its error as raised, not a 422/500 saying neighbours were
+    served."""
+    async def run(reqs: list[Pending[None]], rerun: bool) -> bool:
+        ids = {r.request_id for r in reqs}
+        if "r1" in ids:
+            raise ValueError("bad")
+        return False  # r0's job was deleted: nothing ran
+
+    out = asyncio.run(run_isolating(_reqs(2), run, lambda k: float(k)))
+    assert type(out["r1"]) is ValueError and "r0" not in out

@@ -153,3 +153,18 @@ def test_a_record_another_version_wrote_is_left_alone_and_scans_go_on_past_it(
         _overwrite(store, store.create(_job()).id, "{not json")
     last = store.create(_job(created_at=time.time() - 5))
     assert store._scan(lost.seq, 2, False) == [store.get(last.id)]
+
+
+def test_another_versions_active_job_still_counts_for_its_tenant(store: JobStore) -> None:
+    """A tenant's job written by another version (unreadable here) stays active for the tenant's
+    limit on both backends; a damaged record breaks no create."""
+    import json
+
+    from xema_ray.serving.jobs.store import TenantBusy
+
+    foreign = store.create(_job(tenant="t1"), max_active=1)
+    _overwrite(store, foreign.id, json.dumps(foreign.model_dump(mode="json") | {"a_later_field": True}))
+    with pytest.raises(TenantBusy):
+        store.create(_job(tenant="t1"), max_active=1)
+    _overwrite(store, store.create(_job(tenant="t2")).id, "{not json")
+    assert store.create(_job(tenant="t3"), max_active=1).tenant == "t3"

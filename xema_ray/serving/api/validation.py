@@ -62,20 +62,29 @@ def _takes_list(model: type[BaseModel], name: str) -> bool:
 _LIST_ITEM = re.compile(r"^([A-Za-z_]+)\[\]\[([A-Za-z_]+)\]$")
 
 
+class _FormRows(list):  # type: ignore[type-arg]
+    """The items of a ``NAME[][FIELD]`` list field, as read from a form (told apart from JSON text)."""
+
+
 def _list_item(out: dict[str, Any], model: type[BaseModel], key: str, value: str) -> bool:
     """Take ``key=value`` into a list field of ``out`` if it is one: ``NAME[][FIELD]`` (each item's
     fields in turn; a field seen again starts the next item) or ``NAME`` holding the list as JSON
     text. False: not a list field."""
     m = _LIST_ITEM.match(key)
     if m is not None and _takes_list(model, m.group(1)):
-        rows = out.setdefault(m.group(1), [])
-        if not isinstance(rows, list):
-            raise BodyError(422, f"{m.group(1)}: sent both as one field and as {key}", param=m.group(1))
+        name = m.group(1)
+        rows = out.setdefault(name, _FormRows())
+        if not isinstance(rows, _FormRows):
+            raise BodyError(422, f"{name}: sent both as one JSON field and as {key} fields; send one of them",
+                            param=name)
         if not rows or m.group(2) in rows[-1]:
             rows.append({})
         rows[-1][m.group(2)] = value
         return True
     if _takes_list(model, key):
+        if key in out:
+            raise BodyError(422, f"{key}: sent more than once (or both as JSON and as {key}[][...] fields); send it "
+                                 "once", param=key)
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:

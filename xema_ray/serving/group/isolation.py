@@ -162,7 +162,7 @@ def _after_failure(e: Exception, part: list[Pending[P]], cost: Callable[[int], f
     return "split", parts
 
 
-async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]], bool], Awaitable[None]],
+async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]], bool], Awaitable[bool | None]],
                         cost: Callable[[int], float] = lambda k: 1.0,
                         on_rerun: Callable[[RerunReason, int, float], None] | None = None,
                         label: str = "batch") -> dict[str, Exception]:
@@ -172,7 +172,8 @@ async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]],
 
     Args:
         reqs: the sub-batch's requests.
-        run: runs a sub-batch (``rerun``: its requests ran before, e.g. their jobs are started).
+        run: runs a sub-batch (``rerun``: its requests ran before, e.g. their jobs are started);
+            returns False when it served nobody (every member dropped meanwhile), else True or None.
         cost: predicted seconds of a sub-batch of k (chooses halves or one each: ``split_in``).
         on_rerun: told before each re-run: why, how many sub-batches are about to run again, and
             the predicted seconds of all the runs now pending.
@@ -185,7 +186,7 @@ async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]],
     while pending:
         part = pending.pop()
         try:
-            await run(part, ran)
+            did = await run(part, ran)
         except Exception as e:
             blamed = failed_requests(e)
             if (blamed is None or not {r.request_id for r in part} & set(blamed.request_ids)) and is_fault(e):
@@ -196,6 +197,6 @@ async def run_isolating(reqs: list[Pending[P]], run: Callable[[list[Pending[P]],
                 if on_rerun is not None:
                     on_rerun(reason, len(parts), sum(cost(len(p)) for p in pending))
         else:
-            served = True
+            served = served or did is not False
         ran = True
     return {**named, **{rid: _answer(rid, e, served) for rid, e in alone.items()}}

@@ -186,7 +186,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 except RebuildFailed:
                     pass  # the next batch's rebuild tries the old plans again
                 raise
+            added = sorted(set(new.plans) - set(self.entries))
             self._settings, self.entries = settings, dict(new.plans)
+            self.metrics.start_at_zero(added)  # the new templates' counters at 0, as at start-up
             self.dispatcher.replace_plans({k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}, new.admission)
             for k, e in self.entries.items():
                 t = e.config.template
@@ -341,8 +343,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
     async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
-                                 Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> None:
-        """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started before."""
+                                 Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
+        """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
+        before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
         from xema_ray.runtime.engine import Batch
 
         arrived = {r.request_id: r.arrival for r in reqs}
@@ -358,7 +361,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             reqs = [r for r in reqs if _ticket(r).job_id is None or r.request_id in started]
             jobs = [j for j in jobs if j in started]
             if not reqs:
-                return
+                return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
                       guidance_scale=guidance, steps=None if steps == entry.config.template.steps else steps)
@@ -366,7 +369,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)
         except BatchCancelled:
-            return  # every member was deleted: the workers stopped at a step boundary
+            return False  # every member was deleted: the workers stopped at a step boundary
         seconds = time.monotonic() - t0
         lead = next(r for r in results if r.sp_rank == 0)
         self.metrics.observe_batch(a.template, len(reqs), lead, a.workers, results, seconds, steps)
@@ -381,6 +384,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                                                      workers=a.workers, batch_seconds=seconds,
                                                      queued_s=max(0.0, t0 - arrived[out.request_id]),
                                                      replica=self.owner)
+        return True
 
     async def _fail(self, t: _Ticket, e: Exception) -> None:
         if t.job_id is not None:

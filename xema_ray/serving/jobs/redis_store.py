@@ -58,8 +58,9 @@ class RedisJobStore(JobStore):
                     if max_active is not None:
                         members = [m.decode() for m in p.smembers(active_key)]
                         raws = p.mget([self._k("job", m) for m in members]) if members else []
+                        # a record this version cannot read (another version's) still counts as active
                         done = [m for m, raw in zip(members, raws, strict=True)
-                                if not _active(read_record(raw, m) if raw else None)]
+                                if raw is None or ((old := read_record(raw, m)) is not None and not _active(old))]
                         if len(members) - len(done) >= max_active:
                             p.unwatch()
                             raise TenantBusy(rec.tenant, len(members) - len(done))
@@ -117,29 +118,28 @@ class RedisJobStore(JobStore):
 
     def _scan(self, after_seq: int | None, limit: int, descending: bool) -> list[JobRecord]:
         zkey = self._k("jobs")
-        if descending:
-            hi = f"({after_seq}" if after_seq is not None else "+inf"
-            scored = self.r.zrevrangebyscore(zkey, hi, "-inf", start=0, num=limit, withscores=True)
-        else:
-            lo = f"({after_seq}" if after_seq is not None else "-inf"
-            scored = self.r.zrangebyscore(zkey, lo, "+inf", start=0, num=limit, withscores=True)
-        if not scored:
-            return []
-        ids = [i for i, _ in scored]
-        raws = self.r.mget([self._k("job", i.decode()) for i in ids])
-        out, gone, unreadable = [], [], 0
-        for i, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(i)  # expired by Redis: drop it from the index too
-            elif (rec := read_record(raw, i.decode())) is not None:
-                out.append(rec)
+        while True:  # past pages of nothing but expired or unreadable ids
+            if descending:
+                hi = f"({after_seq}" if after_seq is not None else "+inf"
+                scored = self.r.zrevrangebyscore(zkey, hi, "-inf", start=0, num=limit, withscores=True)
             else:
-                unreadable += 1
-        if gone:
-            self.r.zrem(zkey, *gone)
-        if not out and (gone or unreadable):  # a page of nothing but expired or unreadable ids: scan past them
-            return self._scan(int(scored[-1][1]) if unreadable else after_seq, limit, descending)
-        return out
+                lo = f"({after_seq}" if after_seq is not None else "-inf"
+                scored = self.r.zrangebyscore(zkey, lo, "+inf", start=0, num=limit, withscores=True)
+            if not scored:
+                return []
+            ids = [i for i, _ in scored]
+            raws = self.r.mget([self._k("job", i.decode()) for i in ids])
+            out, gone = [], []
+            for i, raw in zip(ids, raws, strict=True):
+                if raw is None:
+                    gone.append(i)  # expired by Redis: drop it from the index too
+                elif (rec := read_record(raw, i.decode())) is not None:
+                    out.append(rec)
+            if gone:
+                self.r.zrem(zkey, *gone)
+            if out:
+                return out
+            after_seq = int(scored[-1][1])
 
     def _remove(self, job_id: str) -> None:
         with self.r.pipeline(transaction=True) as p:

@@ -40,7 +40,7 @@ class SQLiteJobStore(JobStore):
             try:
                 if max_active is not None:
                     (active,) = self._db.execute(
-                        "SELECT COUNT(*) FROM jobs WHERE json_extract(doc, '$.tenant') IS ? AND "
+                        "SELECT COUNT(*) FROM jobs WHERE json_valid(doc) AND json_extract(doc, '$.tenant') IS ? AND "
                         "json_extract(doc, '$.deleted') = 0 AND json_extract(doc, '$.status') IN ('queued', 'in_progress')",
                         (rec.tenant,)).fetchone()
                     if active >= max_active:
@@ -75,17 +75,19 @@ class SQLiteJobStore(JobStore):
         return new
 
     def _scan(self, after_seq: int | None, limit: int, descending: bool) -> list[JobRecord]:
-        if descending:
-            q, arg = ("SELECT seq, id, doc FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?",
-                      after_seq if after_seq is not None else 2**62)
-        else:
-            q, arg = "SELECT seq, id, doc FROM jobs WHERE seq > ? ORDER BY seq ASC LIMIT ?", after_seq if after_seq is not None else -1
-        with self._lock:
-            rows = self._db.execute(q, (arg, limit)).fetchall()
-        out = [rec for _, job_id, doc in rows if (rec := read_record(doc, job_id)) is not None]
-        if rows and not out:  # a page of nothing but unreadable records: keep scanning past them
-            return self._scan(rows[-1][0], limit, descending)
-        return out
+        while True:  # past pages of nothing but unreadable records
+            if descending:
+                q, arg = ("SELECT seq, id, doc FROM jobs WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                          after_seq if after_seq is not None else 2**62)
+            else:
+                q, arg = ("SELECT seq, id, doc FROM jobs WHERE seq > ? ORDER BY seq ASC LIMIT ?",
+                          after_seq if after_seq is not None else -1)
+            with self._lock:
+                rows = self._db.execute(q, (arg, limit)).fetchall()
+            out = [rec for _, job_id, doc in rows if (rec := read_record(doc, job_id)) is not None]
+            if out or not rows:
+                return out
+            after_seq = rows[-1][0]
 
     def _remove(self, job_id: str) -> None:
         with self._lock:
