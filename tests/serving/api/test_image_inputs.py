@@ -278,7 +278,10 @@ def test_a_multipart_video_job_takes_lora_as_the_openai_client_sends_it(api: Any
     r = _post(app, "/v1/videos", {**VIDEO, "lora": '[{"name": "style-a", "scale": -1}]'}, [("input_reference", PNG)])
     assert r.status == 200, r.body
     assert [(u.name, u.scale) for u in group.got[-1].lora] == [("style-a", -1.0)]
-    for bad, param in (({**VIDEO, "lora": "style-a"}, "lora"), ({**VIDEO, "lora[][scale]": "9"}, "lora")):
+    both = [*VIDEO.items(), ("lora", '["x"]'), ("lora[][name]", "style-a")]  # JSON and fields at once
+    twice = [*VIDEO.items(), ("lora", "[]"), ("lora", "[]")]
+    for bad, param in (({**VIDEO, "lora": "style-a"}, "lora"), ({**VIDEO, "lora[][scale]": "9"}, "lora"),
+                       (both, "lora"), (twice, "lora")):
         r = _post(app, "/v1/videos", bad, [("input_reference", PNG)])
         assert r.status == 422 and r.json()["error"]["param"].startswith(param), r.body
     assert len(group.got) == 2
