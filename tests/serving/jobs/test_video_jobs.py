@@ -155,6 +155,17 @@ def test_create_and_poll_passes_through_progress_to_completed(client: Any, seen:
     assert video.size == "64x64" and video.seconds == "1" and video.model == "tiny-cogvideox"
     progress = _progress_of(seen, video.id)
     assert progress[0] == 0 and progress[-1] == 100 and progress == sorted(progress)
+    # create_and_poll polls at the server's hint, a tenth of the *predicted* time (this module's plan:
+    # 4 s), and the tiny job runs in a fraction of that: whether one of its polls lands mid-run is
+    # chance. Progress moving while a job runs is read at a fixed 50 ms instead, over 60 steps.
+    job = client.videos.create(model="tiny-cogvideox", prompt="waves at noon", size="64x64", seconds="1",
+                               extra_body={"num_inference_steps": 60})
+    deadline = time.time() + 120
+    while job.status in ("queued", "in_progress") and time.time() < deadline:
+        time.sleep(0.05)
+        job = client.videos.retrieve(job.id)
+    progress = _progress_of(seen, job.id)
+    assert job.status == "completed" and progress == sorted(progress), progress
     assert any(0 < p < 100 for p in progress), progress  # it moved while the job ran
 
 
