@@ -41,11 +41,10 @@ def start_box(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, n
               app_name: str = "xema", num_gpus: int | None = None) -> None:
     """Start a local Ray cluster with the deployment's emulated GPUs (or ``num_gpus``, room for
     more apps: ``serve_app``) and run the app on it (returns once it is ready; ``stop_box`` ends both)."""
-    import ray
     from ray import serve
 
     from xema_ray.serving.config import ServeConfig
-    from xema_ray.serving.ray_env import apply_ray_env, ray_env
+    from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, ray_env
 
     cfg = ServeConfig.model_validate(args)
     if cfg.device != "emulated":
@@ -59,7 +58,7 @@ def start_box(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, n
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # CPUs: what the worker bundles reserve, plus room for the router, groups and Serve's actors
     cpus = num_cpus or max(os.cpu_count() or 1, int(gpus * cfg.worker_cpus) + 2)
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+    init_local_ray(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="xr-emu-", dir="/tmp"), log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve_app(args, app_name, "/")

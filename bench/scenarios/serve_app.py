@@ -9,12 +9,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import ray
 from ray import serve
 
 from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
-from xema_ray.serving.ray_env import apply_ray_env, shutdown_serve_and_ray
+from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, shutdown_serve_and_ray
 from xema_ray.serving.api.ready import wait_ready
 
 
@@ -33,7 +32,7 @@ def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4
     saved_env = dict(os.environ)
     apply_ray_env(open_ports=False)
     system = {} if metrics_report_ms is None else {"metrics_report_interval_ms": metrics_report_ms}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=system or None)
+    init_local_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=system or None)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="xema", route_prefix="/")

@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 
 from xema_ray.net import free_port  # noqa: E402
 from xema_ray.serving.api.ready import wait_ready  # noqa: E402
-from xema_ray.serving.ray_env import apply_ray_env, shutdown_serve_and_ray  # noqa: E402
+from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, shutdown_serve_and_ray  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -47,7 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     saved_env = dict(os.environ)
     apply_ray_env(open_ports=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="xema", route_prefix="/")  # no plan_table: planned at start-up

@@ -55,3 +55,50 @@ def test_an_app_on_a_cluster_with_open_ports_says_so(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv(ray_env.OPEN_PORTS_ENV)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     assert ray_env.exposed_ports_warning() is None
+
+
+def test_a_local_ray_whose_raylet_missed_registration_is_started_again_after_its_leftovers_die(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    import psutil
+    import ray
+
+    calls: list[dict] = []
+    leftovers: list[subprocess.Popen] = []
+
+    def init(**kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        if len(calls) == 1:  # the failed start leaves its GCS and raylet running
+            leftovers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    ray_env.init_local_ray(num_cpus=4, pause_s=0.0)
+    assert calls == [{"num_cpus": 4}, {"num_cpus": 4}]
+    assert not psutil.pid_exists(leftovers[0].pid)  # killed and reaped before the second start (it sleeps 60 s)
+
+
+def test_a_local_ray_start_that_fails_otherwise_or_every_time_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    calls: list[str] = []
+
+    def init(why: str):  # type: ignore[no-untyped-def]
+        def run(**kwargs):  # type: ignore[no-untyped-def]
+            calls.append(why)
+            raise Exception(why)
+        return run
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray, "init", init("called ray.init twice"))
+    with pytest.raises(Exception, match="twice"):
+        ray_env.init_local_ray(pause_s=0.0)
+    assert calls == ["called ray.init twice"]  # not a start that timed out: no second try
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init("The current node timed out during startup."))
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_env.init_local_ray(attempts=3, pause_s=0.0)
+    assert len(calls) == 3

@@ -34,7 +34,7 @@ from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new
 from deployments.planning import machine_fingerprint  # noqa: E402
 from xema_ray.templates import RequestTemplate  # noqa: E402
 from xema_ray.serving.api.ready import wait_ready  # noqa: E402
-from xema_ray.serving.ray_env import shutdown_serve_and_ray
+from xema_ray.serving.ray_env import init_local_ray, shutdown_serve_and_ray
 from bench.scenarios.factories import plan_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -82,7 +82,7 @@ def start_app(tmp: Path, jobs: dict[str, Any], router_replicas: int = 1) -> str:
     from deployments.app import build_app
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="xema", route_prefix="/")
     wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)
