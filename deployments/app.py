@@ -22,6 +22,7 @@ from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ModelGroupConfig, ServeConfig
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
+from xema_ray.serving.group.adapter_registry import AdapterRegistry
 from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
 from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
@@ -89,7 +90,7 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
     # Serve waits this long for a removed replica's ongoing requests, then its drain, then kills it
     opts: dict[str, Any] = {"graceful_shutdown_timeout_s": max(30.0, 2 * longest) + DRAIN_S,
                             "graceful_shutdown_wait_loop_s": 0.5}
-    if a is None and g.replicas == 1:
+    if not replicated(g):
         return {**opts, "num_replicas": 1}
     opts["request_router_config"] = RequestRouterConfig(request_router_class=SloRequestRouter,
                                                         request_routing_stats_period_s=0.5,
@@ -106,6 +107,22 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
             policy=AutoscalingPolicy(policy_function=SloAutoscalingPolicy,
                                      policy_kwargs={"spec": a.model_dump(), "plans": briefs}))
     return {**opts, "num_replicas": "auto"}
+
+
+def replicated(g: ModelGroupConfig) -> bool:
+    """Whether the group may run several replicas (``replicas:`` above 1, or ``autoscaling:``)."""
+    return g.autoscaling is not None or g.replicas > 1
+
+
+def adapter_registry(cfg: ServeConfig, options: dict[str, Any]) -> Any:
+    """The ``AdapterRegistry`` deployment the replicated groups with adapters follow (their run-time
+    adapter changes reach every replica; ``xema_ray.serving.group.adapter_registry``); None
+    where no group needs one."""
+    if not any(replicated(g) and g.adapters for g in cfg.models):
+        return None
+    return serve.deployment(AdapterRegistry, name="AdapterRegistry", num_replicas=1, ray_actor_options=dict(options),
+                            # its calls never block on workers; a change waits up to a minute for replicas
+                            max_ongoing_requests=1000, **HEALTH_CHECK).bind()
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -125,6 +142,8 @@ def build_app(args: dict[str, Any]) -> Application:
     reference = table
     if cfg.device == "emulated":  # the whole app runs on the emulated box's clock (each group on its own)
         table = scale_table(table, {g.model: cfg.time_scale_of(g.model) for g in cfg.models})
+    ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
+    registry = adapter_registry(cfg, ingress_options)
     groups = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
@@ -149,8 +168,8 @@ def build_app(args: dict[str, Any]) -> Application:
             emulation=emulation, admission=table.admission.get(g.model),
             phases=phase_shares(table, plans), budget_bytes=table.budget_bytes,
         )
-        groups[g.model] = deployment.bind(g.model_copy(update={"residency": residency}), plans, settings)
-    ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
+        shared = {"adapter_registry": registry} if registry is not None and replicated(g) and g.adapters else {}
+        groups[g.model] = deployment.bind(g.model_copy(update={"residency": residency}), plans, settings, **shared)
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
     # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach

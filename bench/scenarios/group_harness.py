@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -63,9 +64,11 @@ class Harness:
 
 @contextmanager
 def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1,
-                  worker_set: WorkerSetFactory = InProcessWorkerSet, **kwargs: Any) -> Iterator[Harness]:
+                  worker_set: WorkerSetFactory = InProcessWorkerSet, adapter_registry: Any = None,
+                  **kwargs: Any) -> Iterator[Harness]:
     """A started group of ``workers`` in-process workers serving ``plans`` (kwargs: the fields of
-    ``ModelGroupConfig`` and of ``GroupSettings``)."""
+    ``ModelGroupConfig`` and of ``GroupSettings``; ``adapter_registry``: a ``LocalDeployment``
+    of ``AdapterRegistry`` that several groups share, as replicas of one group do)."""
     unknown = set(kwargs) - set(ModelGroupConfig.model_fields) - set(GroupSettings.model_fields)
     if unknown:
         raise TypeError(f"running_group: unknown arguments {sorted(unknown)}")
@@ -74,7 +77,7 @@ def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1,
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"group-{model}", daemon=True)
     thread.start()
-    group = ModelGroup(config, plans, settings, worker_set=worker_set)
+    group = ModelGroup(config, plans, settings, worker_set=worker_set, adapter_registry=adapter_registry)
     try:
         yield Harness(group, loop)
     finally:
@@ -88,3 +91,33 @@ def running_group(model: str, plans: dict[str, PlanEntry], workers: int = 1,
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+class LocalDeployment:
+    """An object served on a loop thread of its own, called as a Serve handle is
+    (``await handle.method.remote(*args)``) from other loops: a one-replica deployment in-process."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="local-deployment", daemon=True)
+        self.thread.start()
+
+    def __getattr__(self, method: str) -> Any:
+        fn = getattr(self.target, method)
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Awaitable[Any]:
+                async def run() -> Any:
+                    out = fn(*args, **kwargs)
+                    return await out if inspect.isawaitable(out) else out
+
+                return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+        return _Method
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()

@@ -18,9 +18,12 @@ from typing import Any, TypeVar
 
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, LoraUse, PoolStats
+from xema_ray.serving.group.adapter_registry import RegistryState
 from xema_ray.serving.group.messages import InvalidRequest
 
 logger = logging.getLogger(__name__)
+#: longest an adapter change waits for the group's other replicas to apply it
+SYNC_TIMEOUT_S = 60.0
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -68,14 +71,24 @@ class GroupAdapters:
     """Adapter calls of a model group (the Router's admin endpoints reach them through the handle)."""
 
     model: str
+    owner: str  # this replica
     config: Any  # ModelGroupConfig
     workers: Any  # WorkerSet
     dispatcher: Any  # Dispatcher of tickets (``payload.request.lora``)
+    adapter_registry: Any = None  # set by ``_init_adapters``
 
-    def _init_adapters(self, previous: Callable[[Any], None] | None) -> None:
-        """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded."""
+    def _init_adapters(self, previous: Callable[[Any], None] | None, registry: Any = None) -> None:
+        """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded.
+        ``registry``: the app's ``AdapterRegistry`` handle where the group has several replicas."""
         self.adapter_names: set[str] = set()
         self._adapter_lock = asyncio.Lock()
+        self.adapter_registry = registry if self.pool_config is not None else None
+        self._folder = folder_sources(self.model, self.pool_config)  # as at start-up, on every replica
+        self._folder_names = {s.name for s in self._folder}
+        self._claiming: set[str] = set()  # names this replica is adding or deleting itself
+        self._synced_version = 0
+        self._sync_lock = asyncio.Lock()
+        self._sync_task: asyncio.Task[None] | None = None
 
         def loaded(result: Any) -> None:
             if previous is not None:
@@ -91,8 +104,11 @@ class GroupAdapters:
         return self.config.adapters
 
     def adapter_load(self) -> dict[str, Any]:
-        """The worker load config's adapter fields: the pool and the YAML folder's files."""
-        return {"adapters": self.pool_config, "adapter_sources": folder_sources(self.model, self.pool_config)}
+        """The worker load config's adapter fields: the pool and the adapters to load (the YAML
+        folder's files at start-up; what the workers serve now for a new set, e.g. new plans)."""
+        workers = getattr(self, "workers", None)
+        sources = workers.spec.load.adapter_sources if workers is not None else folder_sources(self.model, self.pool_config)
+        return {"adapters": self.pool_config, "adapter_sources": sources}
 
     def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]],
                  failed: dict[str, Exception], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
@@ -137,18 +153,42 @@ class GroupAdapters:
         self.workers.spec = spec.model_copy(update={"load": spec.load.model_copy(update={"adapter_sources": sources})})
 
     async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
-        """Load ``source`` on every worker (all or none). Raises ``AdapterRejected`` (HTTP 422) or
-        ``AdapterConflict`` (409)."""
+        """Load ``source`` on every worker (all or none), and with a registry on every replica of the
+        group (``adapter_registry``). Raises ``AdapterRejected`` (HTTP 422) or ``AdapterConflict`` (409)."""
         if self.pool_config is None:
             raise AdapterRejected(f"adapter {source.name!r}: {self.model} serves no adapters (its group has no "
                                   "`adapters:` in the serve YAML)", source.name)
         if source.model != self.model:
             raise AdapterRejected(f"adapter {source.name!r} is for {source.model!r}, this group serves {self.model!r}",
                                   source.name)
+        registry = self.adapter_registry
+        if registry is None:
+            return await self._load(source)
+        self._claiming.add(source.name)  # this replica's own sync leaves it alone meanwhile
+        try:
+            if source.name in self.adapter_names:
+                raise self._conflict(source.name)
+            version = await registry.add.remote(source)
+            if version is None:  # another replica added it first
+                raise self._conflict(source.name)
+            try:
+                info = await self._load(source)
+            except Exception:
+                await registry.remove.remote(self.model, source.name, False)
+                raise
+            await self._synced_everywhere(version)
+            return info
+        finally:
+            self._claiming.discard(source.name)
+
+    def _conflict(self, name: str) -> AdapterConflict:
+        return AdapterConflict(f"adapter {name!r} is already loaded for {self.model}; DELETE it first", name)
+
+    async def _load(self, source: AdapterSource) -> AdapterInfo:
+        """``source`` on every worker of this replica, or on none."""
         async with self._adapter_lock:
             if source.name in self.adapter_names:
-                raise AdapterConflict(f"adapter {source.name!r} is already loaded for {self.model}; DELETE it first",
-                                      source.name)
+                raise self._conflict(source.name)
             results = await asyncio.gather(*(self.workers.collective_rpc("add_adapter", ranks=[r], args=(source,))
                                              for r in range(self.workers.size)), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
@@ -163,8 +203,25 @@ class GroupAdapters:
             return info
 
     async def remove_adapter(self, name: str) -> bool:
-        """Forget ``name`` on every worker; False: not loaded. Requests that name it afterwards get a 422;
-        batches running or paused with it keep it until they end (the call returns then)."""
+        """Forget ``name`` on every worker (and with a registry, on every replica); False: not loaded.
+        Requests that name it afterwards get a 422; batches running or paused with it keep it until
+        they end (the call returns then)."""
+        registry = self.adapter_registry
+        if registry is None:
+            return await self._unload(name)
+        self._claiming.add(name)
+        try:
+            known = name in self.adapter_names or name in (await registry.state.remote(self.model)).added
+            if not known:
+                return False
+            version = await registry.remove.remote(self.model, name, name in self._folder_names)
+            await self._unload(name)
+            await self._synced_everywhere(version)
+            return True
+        finally:
+            self._claiming.discard(name)
+
+    async def _unload(self, name: str) -> bool:
         async with self._adapter_lock:
             if name not in self.adapter_names:
                 return False
@@ -181,6 +238,53 @@ class GroupAdapters:
                     await asyncio.sleep(0.05)
             self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
             return True
+
+    # ------------------------------------------------------------------ replicas (adapter_registry)
+    async def _synced_everywhere(self, version: int) -> None:
+        """After this replica's own change (``version``): catch up with the registry (changes other
+        replicas made meanwhile included) and wait (``SYNC_TIMEOUT_S`` at most) for the group's
+        other live replicas to apply it."""
+        await self.sync_adapters()
+        late = await self.adapter_registry.wait_synced.remote(self.model, version, SYNC_TIMEOUT_S)
+        if late:
+            logger.warning("%s: replicas %s did not apply adapter change %d within %.0f s; they apply it on "
+                           "their next sync", self.model, ", ".join(late), version, SYNC_TIMEOUT_S)
+
+    def tick_adapters(self) -> None:
+        """Start a sync with the registry unless one runs (the replica's routing-stats tick)."""
+        if self.adapter_registry is None or (self._sync_task is not None and not self._sync_task.done()):
+            return
+        self._sync_task = asyncio.get_running_loop().create_task(self.sync_adapters())
+
+    async def adapters_for(self, uses: Sequence[LoraUse]) -> None:
+        """Before a request naming an adapter this replica lacks is checked: sync once (a replica
+        started, or a tick not come, since another replica took the change)."""
+        if self.adapter_registry is not None and any(u.name not in self.adapter_names for u in uses):
+            await self.sync_adapters()
+
+    async def sync_adapters(self) -> None:
+        """Make this replica's adapters what the registry says: the YAML folder's, less those deleted
+        at run time, plus those added; then acknowledge the version. A file this replica cannot load
+        is logged and left out (requests naming it here get the usual 422)."""
+        registry = self.adapter_registry
+        if registry is None:
+            return
+        async with self._sync_lock:
+            state: RegistryState | None = await registry.poll.remote(self.model, self.owner, self._synced_version)
+            if state is None:
+                return
+            wanted = {s.name: s for s in self._folder if s.name not in state.removed}
+            wanted.update(state.added)
+            for name, source in wanted.items():
+                if name not in self.adapter_names and name not in self._claiming:
+                    try:
+                        await self._load(source)
+                    except Exception as e:  # noqa: BLE001 — one replica's refusal is logged, never fatal
+                        logger.warning("%s: adapter %s not loaded on this replica: %s", self.model, name, _cause(e))
+            for name in sorted(self.adapter_names - set(wanted) - self._claiming):
+                await self._unload(name)
+            self._synced_version = max(self._synced_version, state.version)
+            await registry.ack.remote(self.model, self.owner, self._synced_version)
 
     def _paused_with(self, name: str) -> bool:
         """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""

@@ -88,13 +88,15 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         settings: the app's settings and the plan table's choices for the group (``GroupSettings``).
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
+        adapter_registry: the app's ``AdapterRegistry`` handle, for a group of several replicas
+            with adapters (their run-time adapter changes follow it); None: this replica alone.
 
     Each replica publishes a summary of its dispatcher for the request router and the autoscaler
     (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
     """
 
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
-                 worker_set: WorkerSetFactory = worker_set_for) -> None:
+                 worker_set: WorkerSetFactory = worker_set_for, adapter_registry: Any = None) -> None:
         s = settings if settings is not None else GroupSettings()
         self._settings = s
         self.config = config
@@ -123,7 +125,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.plans_hash = plans_hash(self.entries)
         self.reload = PlanReload()
         self.workers = worker_set(self._worker_spec(self.entries, s))
-        self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status))  # workers.on_loaded
+        self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status),  # workers.on_loaded
+                            adapter_registry)
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
 
@@ -240,6 +243,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
     async def generate(self, req: GroupRequest) -> GenerateResult:
         """Queue one request and wait for its encoded output and where it ran."""
         self._ensure_loop()
+        await self.adapters_for(req.lora)
         request = self._admit(req)
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
@@ -257,6 +261,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         job_id = req.request_id
         if await self.jobs.reclaim(job_id):  # ours already
             return True
+        await self.adapters_for(req.lora)
         request = self._admit(req)
         ticket = _Ticket(request, req.guidance_scale, None, job_id)
         try:
@@ -444,6 +449,12 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 self._wake.set()
 
     # ------------------------------------------------------------------ introspection
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's tick (every 0.5 s where the group may have several replicas): also the time to
+        follow the other replicas' adapter changes (``tick_adapters``, in the background)."""
+        self.tick_adapters()
+        return await super().record_routing_stats()
+
     async def status(self) -> dict[str, Any]:
         """The group's state for ``/healthz`` (a ``GroupStatus``): ``ok``, or ``degraded`` while its
         worker set is being rebuilt or after a worker died or a rebuild failed (with the reason)."""
