@@ -133,3 +133,34 @@ def test_adapters_changed_at_run_time_survive_a_new_plan_table(files: dict[str, 
         assert h.call(lambda g: g.status())["generation"] == before + 1  # a new worker set
         assert _names(h) == {"C"}
         assert h.call(lambda g: g.generate(_req("after-swap", "C"))).media_type == "image/png"
+
+
+def test_a_change_waits_for_live_replicas_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that stopped acknowledging (scaled down, died) drops out of the wait after LIVE_S;
+    one that acknowledges the version ends it."""
+    import asyncio
+
+    from xema_ray.serving.group import adapter_registry
+
+    monkeypatch.setattr(adapter_registry, "LIVE_S", 0.3)
+    reg = AdapterRegistry()
+
+    async def scenario() -> None:
+        await reg.ack("m", "gone", 0)
+        await reg.ack("m", "up", 0)
+        v = await reg.add(AdapterSource(name="C", model="m", path=Path("/x.safetensors")))
+        assert v is not None and await reg.add(AdapterSource(name="C", model="m", path=Path("/y.safetensors"))) is None
+        assert reg.behind("m", v) == ["gone", "up"]
+        waiting = asyncio.ensure_future(reg.wait_synced("m", v, timeout_s=5.0))
+        for _ in range(8):  # "up" keeps acknowledging; "gone" is silent
+            await asyncio.sleep(0.1)
+            assert (await reg.poll("m", "up", 0)) is not None  # a newer state for a replica behind
+        await reg.ack("m", "up", v)
+        assert await asyncio.wait_for(waiting, 2.0) == []
+        assert (await reg.poll("m", "up", v)) is None  # nothing newer
+        w = await reg.remove("m", "A", from_folder=True)
+        state = await reg.state("m")
+        assert state.version == w and state.removed == ["A"] and set(state.added) == {"C"}
+        assert await reg.wait_synced("m", w, timeout_s=0.1) == ["up"]  # still live, never acknowledged w
+
+    asyncio.run(scenario())

@@ -63,6 +63,11 @@ def split_for_pool(items: Sequence[T], uses: Callable[[T], Sequence[LoraUse]], s
     return runs
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("adapter sync failed (the next tick tries again): %s", task.exception())
+
+
 def _cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e  # a Ray actor's error wraps the worker's exception
 
@@ -255,12 +260,18 @@ class GroupAdapters:
         if self.adapter_registry is None or (self._sync_task is not None and not self._sync_task.done()):
             return
         self._sync_task = asyncio.get_running_loop().create_task(self.sync_adapters())
+        self._sync_task.add_done_callback(_log_failure)
 
     async def adapters_for(self, uses: Sequence[LoraUse]) -> None:
-        """Before a request naming an adapter this replica lacks is checked: sync once (a replica
-        started, or a tick not come, since another replica took the change)."""
-        if self.adapter_registry is not None and any(u.name not in self.adapter_names for u in uses):
-            await self.sync_adapters()
+        """Before a request naming adapters is checked: sync with the registry (one call when nothing
+        changed), so that it is checked against the changes every replica's callers were answered
+        for — added on a replica started since, or deleted where a tick has not come yet."""
+        if self.adapter_registry is not None and uses:
+            try:
+                await self.sync_adapters()
+            except Exception as e:  # noqa: BLE001 — the registry restarting fails no request: checked as things are here
+                logger.warning("%s: adapter registry not reached (%s); the request is checked against this "
+                               "replica's adapters", self.model, e)
 
     async def sync_adapters(self) -> None:
         """Make this replica's adapters what the registry says: the YAML folder's, less those deleted
