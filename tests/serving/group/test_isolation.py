@@ -268,3 +268,27 @@ def test_a_part_that_served_nobody_does_not_make_the_failing_request_a_neighbour
 
     out = asyncio.run(run_isolating(_reqs(2), run, lambda k: float(k)))
     assert type(out["r1"]) is ValueError and "r0" not in out
+
+
+def test_a_re_run_holds_the_workers_for_the_sub_batches_still_to_come_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of two guidance values runs as two sub-batches; when the first fails and runs again
+    in parts, the dispatcher is told the parts' time plus the second sub-batch's (before: the
+    parts' only, so the workers looked free while the second still had to run)."""
+    with running_group("tiny-flux2", {FLUX.shape_key: entry(FLUX, batch=4, latency_s=0.5)}, wait_window_s=1.0) as h:
+        told: list[float] = []
+        real = h.group.dispatcher.extend
+        monkeypatch.setattr(h.group.dispatcher, "extend", lambda b, more_s, now: (told.append(more_s), real(b, more_s, now)))
+        with planted_denoise_fault(monkeypatch, lambda prompts: POISON in prompts, lambda: RuntimeError("planted")):
+            asks = [(POISON, 3.0), ("a fox 1", 3.0), ("a fox 2", 5.0), ("a fox 3", 5.0)]
+            futs = [h.submit(lambda g, i=i, p=p, gs=gs: g.generate(request(FLUX.shape_key, f"q{i}", p, i, guidance_scale=gs)))
+                    for i, (p, gs) in enumerate(asks)]
+            outcomes = []
+            for f in futs:
+                try:
+                    outcomes.append(type(f.result(120)).__name__)
+                except Exception as e:  # noqa: BLE001 - the poisoned request's answer
+                    outcomes.append(type(e).__name__)
+        assert outcomes == ["RequestFailedAlone", "GenerateResult", "GenerateResult", "GenerateResult"]
+        plan = h.group.dispatcher.plans[FLUX.shape_key]
+        # the first sub-batch (guidance 3.0) failed and runs again one each: two runs, then the other sub-batch
+        assert told == [pytest.approx(2 * plan.latency_for(1) + plan.latency_for(2))]

@@ -335,15 +335,20 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
-        for guidance, reqs in self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id):
+        parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
+        for i, (guidance, reqs) in enumerate(parts):
+            # a re-run keeps the workers busy for the pending runs and then the sub-batches after this one
+            later_s = sum(a.plan.latency_for(len(rs)) for _, rs in parts[i + 1:])
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
                 a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun), a.plan.latency_for,
-                lambda why, n, more_s: self._rerun(a, why, n, more_s), f"{self.model} batch {a.batch_id}"))
+                lambda why, n, more_s, later_s=later_s: self._rerun(a, why, n, more_s + later_s),
+                f"{self.model} batch {a.batch_id}"))
         return outputs, failed
 
     def _rerun(self, a: Assignment[_Ticket], why: str, n: int, more_s: float) -> None:
         """``n`` sub-batches of ``a`` run again (``isolation``): counted, and the dispatcher told
-        that its workers stay busy ``more_s`` longer (the plan's prediction of the pending runs)."""
+        that its workers stay busy ``more_s`` longer (the plan's prediction of the pending runs and
+        of the batch's sub-batches still to come)."""
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
