@@ -127,3 +127,22 @@ def test_a_store_record_another_version_wrote_is_left_out_not_fatal(tmp_path, ca
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="schema version -1"):
         ProfileStore(path)
+
+
+def test_reference_images_cost_their_vae_encode_before_the_first_step() -> None:
+    """The encode is priced in the text phase (where the trace has it), per reference and request;
+    an image-to-video first frame is one frame, except Wan2.2 A14B's, encoded as the whole video."""
+    def text_s(t: RequestTemplate, batch: int = 1) -> float:
+        return estimate_latency(ExecutionConfig(template=t, batch=batch), A6000_8X).per_phase["text"]
+
+    one, two = (FLUX.model_copy(update={"references": n, "reference_width": 1024, "reference_height": 1024}) for n in (1, 2))
+    assert text_s(FLUX) == 0.0 < text_s(one)
+    assert text_s(two) == pytest.approx(2 * text_s(one)) and text_s(one, batch=2) == pytest.approx(2 * text_s(one))
+    # Flux.2's VAE on a 1024² image, the encoder a bit lighter than the decoder on the same image
+    assert 0.5 < text_s(one) / estimate_latency(ExecutionConfig(template=FLUX), A6000_8X).per_phase["decode"] < 1.0
+
+    wan = RequestTemplate(model="wan2.2-i2v-a14b", width=832, height=480, frames=81, steps=40, references=1)
+    cog = RequestTemplate(model="cogvideox-5b-i2v", width=720, height=480, frames=49, references=1)
+    for t, lo, hi in ((wan, 0.5, 1.0), (cog, 0.005, 0.05)):  # the whole padded video vs one frame, per its decode
+        est = estimate_latency(ExecutionConfig(template=t), A6000_8X)
+        assert lo < est.per_phase["text"] / est.per_phase["decode"] < hi, (t.shape_key, est.per_phase)

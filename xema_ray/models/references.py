@@ -56,6 +56,11 @@ class ReferenceInputs:
             raise ValueError(f"{self.name}: a reference may have at most {self.max_reference_pixels} pixels "
                              f"({rw}x{rh} has {rw * rh})")
 
+    def reference_encode_frames(self, t: RequestTemplate) -> int:
+        """Frames the VAE encodes per reference (the cost model's encode): 1, an image — a video
+        VAE encodes an image-to-video first frame as a one-frame video."""
+        return 1
+
     def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
         """The pipeline object that runs ``t``: ``pipe``, or for a model whose image-to-video runs
         through another diffusers pipeline over the same components (LTX-2), that one (made once

@@ -337,6 +337,11 @@ class WanI2VSpec(WanSpec):
     def published_layout(self) -> str:
         return "wan-i2v-a14b"  # its own repository: model_index.json names the image-to-video pipeline
 
+    def reference_encode_frames(self, t: RequestTemplate) -> int:
+        """The whole video: diffusers encodes the first frame followed by ``frames - 1`` black ones
+        (``WanImageToVideoPipeline.prepare_latents``; TI2V-5B encodes the image alone)."""
+        return t.frames
+
     def pipeline_class(self) -> type[DiffusionPipeline]:
         from xema_ray.models.wan_i2v import WanI2VPipeline
 

@@ -18,7 +18,9 @@ not overlap with compute:
   (``s`` sub-batches each pay the weight reads and lose batching efficiency);
 * batch size through the token count (compute grows linearly, weight reads do not).
 
-The VAE decode is a roofline over an analytic count of decoder convolution FLOPs. Fitted
+The VAE decode is a roofline over an analytic count of decoder convolution FLOPs; the VAE encode
+of a template's reference images (Flux.2 edits, the first frame of image-to-video), before the
+first step, one over the encoder's, mirrored from the decoder (``vae_encode_s``). Fitted
 constants are the efficiencies in ``HardwareProfile`` (defaults chosen against the H200 points
 in ARCHITECTURE.md; ``bench/bench_profiler.py`` prints the comparison). When the profile store
 holds measured requests for the hardware's fingerprint, per-phase correction factors (median of
@@ -27,7 +29,6 @@ measured / modelled) are applied.
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,13 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.profiling.store import ProfileStore
+from xema_ray.profiling.vae_cost import BYTES, chain_recompute_factor, conv_cache_traffic, vae_decode_s, vae_encode_s
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import TIMED_SOURCES, EstimateSource, LatencySource, Phase, PhaseKeyed
 
 if TYPE_CHECKING:
     from xema_ray.models import ModelSpec
 
-BYTES = 2  # bf16 weights and activations
 KERNEL_LAUNCH_S = 10e-6
 KERNELS_PER_BLOCK = 40  # launches of one DiT block (GEMMs, norms, rope, attention, elementwise)
 
@@ -227,107 +228,6 @@ def offload_step_s(compute: list[float], copy: list[float], offloaded: set[int],
     return t
 
 
-# ---------------------------------------------------------------------------- VAE
-
-
-def _decoder_levels(spec: ModelSpec) -> tuple[list[int], list[int]]:
-    """(channels, resnets) of each decoder up level, lowest resolution first."""
-    cfg = spec.vae_config
-    own = spec.vae_decoder_levels()
-    if own is not None:  # a model that states its decoder (Wan's VAE has no block_out_channels)
-        return own
-    if "decoder_block_out_channels" in cfg:
-        chans = list(reversed(cfg["decoder_block_out_channels"]))
-        layers = list(reversed(cfg.get("decoder_layers_per_block", [3] * (len(chans) + 1))))
-    else:
-        chans = list(reversed(cfg["block_out_channels"]))
-        layers = [cfg.get("layers_per_block", 2) + 1] * len(chans)
-    return chans, [layers[i] if i < len(layers) else layers[-1] for i in range(len(chans))]
-
-
-CAUSAL_FRAME_BATCH = 2  # latent frames a causal VAE decodes at once (CogVideoX's frame_batch_size)
-CAUSAL_CACHE_FRAMES = 2  # a temporal-kernel-3 causal convolution keeps its input's last 2 frames
-
-
-def conv_cache_traffic(spec: ModelSpec, template: RequestTemplate, batch: int) -> tuple[float, int]:
-    """(bytes, caches per frame batch) of the conv caches a causal VAE decode writes: every
-    resnet convolution keeps the last frames of its input for the next frame batch. Activation
-    offload moves each of them to the host and back once."""
-    chans, layers = _decoder_levels(spec)
-    levels = len(chans)
-    pixels = template.height * template.width
-    per_batch = sum(2 * n * c * pixels / 4 ** (levels - 1 - i) for i, (c, n) in enumerate(zip(chans, layers, strict=True)))
-    per_batch += 4 * chans[0] * pixels / 4 ** (levels - 1)  # mid block: 2 resnets
-    latent_frames = (template.frames - 1) // spec.temporal_compression + 1
-    frame_batches = -(-latent_frames // CAUSAL_FRAME_BATCH)
-    caches = 2 * sum(layers) + 4
-    return per_batch * CAUSAL_CACHE_FRAMES * BYTES * frame_batches * batch, caches
-
-
-def vae_level_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> tuple[list[float], list[int], float]:
-    """Approximate decoder FLOPs per up level (lowest resolution first: index i = ``up_blocks.i``
-    and its resnets), each level's resnets, and the mid block's FLOPs, for ``batch`` videos/images:
-    every resnet convolution (2 per resnet, 3x3 or 3x3x3) at that level's resolution."""
-    video = spec.kind == "video"
-    k = 27 if video else 9
-    chans, layers = _decoder_levels(spec)
-    levels = len(chans)
-    pixels = template.height * template.width
-    out_frames = template.frames
-    latent_frames = (out_frames - 1) // spec.temporal_compression + 1 if video else 1
-    per_level, resnets = [], []
-    for i, c in enumerate(chans):
-        spatial = pixels / 4 ** (levels - 1 - i)
-        frames = min(out_frames, latent_frames * 2**i) if video else 1
-        n_layers = layers[i] if i < len(layers) else layers[-1]
-        per_level.append(2 * n_layers * 2 * k * c * c * spatial * frames * batch)
-        resnets.append(n_layers)
-    mid_spatial = pixels / 4 ** (levels - 1)
-    mid = 4 * 2 * k * chans[0] ** 2 * mid_spatial * latent_frames * batch
-    return per_level, resnets, mid
-
-
-def vae_decode_flops(spec: ModelSpec, template: RequestTemplate, batch: int) -> float:
-    """Approximate decoder FLOPs: every up level's resnet convolutions (2 per resnet, 3x3 or
-    3x3x3) at that level's resolution, plus the mid block, for ``batch`` videos/images."""
-    per_level, _, mid = vae_level_flops(spec, template, batch)
-    return sum(per_level) + mid
-
-
-_CHAIN = re.compile(r"\[up_blocks\.(\d+)(\.upsamplers\.0)?:\]$")
-
-
-def chain_recompute_factor(spec: ModelSpec, template: RequestTemplate, modules: tuple[str, ...]) -> float:
-    """Decode time multiplier of VAE chains (``PARENT[up_blocks.I:]`` or
-    ``PARENT[up_blocks.I.upsamplers.0:]``): a chain with N group norms runs in N + 1 passes,
-    pass k recomputing the chain up to its k-th norm, so the chain's levels cost about
-    (N + 2) / 2 times their plain compute (two norms per resnet and the output norm)."""
-    per_level, resnets, mid = vae_level_flops(spec, template, 1)
-    total = sum(per_level) + mid
-    extra = 0.0
-    for path in modules:
-        m = _CHAIN.search(path)
-        if m is None:
-            continue
-        first = int(m.group(1)) + (1 if m.group(2) else 0)  # an upsampler's output is the next level
-        levels = range(first, len(per_level))
-        norms = sum(2 * resnets[i] for i in levels) + 1
-        extra += sum(per_level[i] for i in levels) / total * norms / 2
-    return 1.0 + extra
-
-
-def vae_decode_s(spec: ModelSpec, template: RequestTemplate, batch: int, hw: HardwareProfile, chunks: int = 1, serial: int = 1,
-                 chains: float = 1.0) -> float:
-    """Decode seconds; ``chains`` is ``chain_recompute_factor`` of the plan's VAE chains."""
-    flops = vae_decode_flops(spec, template, batch)
-    t = flops / (hw.bf16_tflops * 1e12 * hw.conv_efficiency) * chains
-    if chunks > 1:
-        t *= 1 + 0.05 * (chunks - 1)  # halo recomputation and smaller convolutions
-    if serial > 1:
-        t *= 1 + 0.02 * (serial - 1)
-    return t
-
-
 # ---------------------------------------------------------------------------- the whole request
 
 
@@ -410,7 +310,9 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         # any decoder has) go to the host and come back once each, half hidden behind the convs
         moved, caches = conv_cache_traffic(spec, template, config.batch)
         decode += min(1.0, act_offload / caches) * 2 * moved / (hw.h2d_gbps * 1e9) * 0.5
-    per_phase = {Phase.TEXT: 0.0, Phase.DENOISE: step * template.steps, Phase.DECODE: decode}
+    # text: the reference images' VAE encode (the prompt's encoding is not modelled: 0 without references)
+    per_phase = {Phase.TEXT: vae_encode_s(spec, template, config.batch, hw), Phase.DENOISE: step * template.steps,
+                 Phase.DECODE: decode}
     return LatencyEstimate(
         total_s=sum(per_phase.values()), per_phase=per_phase, source=LatencySource.ESTIMATED, per_step_s=step,
         label=f"estimate (roofline, {hw.name})",

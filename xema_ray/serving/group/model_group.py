@@ -88,8 +88,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         settings: the app's settings and the plan table's choices for the group (``GroupSettings``).
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
-        adapter_registry: the app's ``AdapterRegistry`` handle, for a group of several replicas
-            with adapters (their run-time adapter changes follow it); None: this replica alone.
+        adapter_registry: the app's ``AdapterRegistry`` (replicated groups with adapters follow it).
 
     Each replica publishes a summary of its dispatcher for the request router and the autoscaler
     (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
@@ -455,8 +454,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
 
     # ------------------------------------------------------------------ introspection
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's tick (every 0.5 s where the group may have several replicas): also the time to
-        follow the other replicas' adapter changes (``tick_adapters``, in the background)."""
+        """Serve's tick (0.5 s, replicated groups): also when the other replicas' adapter changes are followed."""
         self.tick_adapters()
         return await super().record_routing_stats()
 
