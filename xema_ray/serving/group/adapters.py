@@ -65,7 +65,7 @@ def split_for_pool(items: Sequence[T], uses: Callable[[T], Sequence[LoraUse]], s
 
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        logger.warning("adapter sync failed (the next tick tries again): %s", task.exception())
+        logger.warning("adapter sync (or dropping an adapter from the workers) failed: %s", task.exception())
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -231,18 +231,26 @@ class GroupAdapters:
             if name not in self.adapter_names:
                 return False
             self.adapter_names.discard(name)  # new requests are refused, queued ones fail alone (fit_pool)
-            while self._paused_with(name):  # a paused batch resumes with it: it keeps it until it ends
-                await asyncio.sleep(0.05)
-            while True:  # a batch running with it keeps it until it ends
-                try:
-                    await self.workers.collective_rpc("remove_adapter", args=(name,))
-                    break
-                except Exception as e:  # noqa: BLE001 — only "in use" is retried
-                    if not isinstance(_cause(e), AdapterRejected):
-                        raise
-                    await asyncio.sleep(0.05)
-            self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
+            await self._drop(name)
             return True
+
+    async def _drop(self, name: str) -> None:
+        """Forget ``name`` on the workers once no batch uses it (the caller holds ``_adapter_lock``)."""
+        while self._paused_with(name):  # a paused batch resumes with it: it keeps it until it ends
+            await asyncio.sleep(0.05)
+        while True:  # a batch running with it keeps it until it ends
+            try:
+                await self.workers.collective_rpc("remove_adapter", args=(name,))
+                break
+            except Exception as e:  # noqa: BLE001 — only "in use" is retried
+                if not isinstance(_cause(e), AdapterRejected):
+                    raise
+                await asyncio.sleep(0.05)
+        self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
+
+    async def _drop_later(self, name: str) -> None:
+        async with self._adapter_lock:  # FIFO: a later re-add of the name loads after this
+            await self._drop(name)
 
     # ------------------------------------------------------------------ replicas (adapter_registry)
     async def _synced_everywhere(self, version: int) -> None:
@@ -293,7 +301,10 @@ class GroupAdapters:
                     except Exception as e:  # noqa: BLE001 — one replica's refusal is logged, never fatal
                         logger.warning("%s: adapter %s not loaded on this replica: %s", self.model, name, _cause(e))
             for name in sorted(self.adapter_names - set(wanted) - self._claiming):
-                await self._unload(name)
+                # refused from now on; the workers forget it once its running batches end, meanwhile
+                # this replica goes on syncing and checking requests
+                self.adapter_names.discard(name)
+                asyncio.get_running_loop().create_task(self._drop_later(name)).add_done_callback(_log_failure)
             self._synced_version = max(self._synced_version, state.version)
             await registry.ack.remote(self.model, self.owner, self._synced_version)
 
