@@ -176,7 +176,7 @@ def test_deleting_an_adapter_a_paused_batch_uses_waits_for_that_batch() -> None:
 
     g = GroupAdapters()
     g.model, g.workers = "tiny-flux2", Workers()
-    g.adapter_names, g._adapter_lock = {"A", "B"}, asyncio.Lock()
+    g.adapter_names, g._adapter_lock, g._dropping = {"A", "B"}, asyncio.Lock(), {}
     g._set_sources = lambda sources: None  # type: ignore[method-assign]
     g.dispatcher = types.SimpleNamespace(paused=[paused_batch("B"), paused_batch("A")])
 

@@ -12,6 +12,7 @@ requests already queued for it; delete it first.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -24,6 +25,8 @@ from xema_ray.serving.group.messages import InvalidRequest
 logger = logging.getLogger(__name__)
 #: longest an adapter change waits for the group's other replicas to apply it
 SYNC_TIMEOUT_S = 60.0
+#: longest a request naming adapters waits for its replica's sync with the registry
+REQUEST_SYNC_S = 10.0
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -90,15 +93,20 @@ class GroupAdapters:
         self.adapter_registry = registry if self.pool_config is not None else None
         self._folder = folder_sources(self.model, self.pool_config)  # as at start-up, on every replica
         self._folder_names = {s.name for s in self._folder}
-        self._claiming: set[str] = set()  # names this replica is adding or deleting itself
-        self._synced_version = 0
+        self._claiming: collections.Counter[str] = collections.Counter()  # names this replica adds or deletes itself
+        self._dropping: dict[str, asyncio.Event] = {}  # names the workers have yet to forget -> set once they did
+        self._synced_version = 0  # the registry's version this replica serves
+        self._epoch = 0  # the registry's, at the last sync
+        self._applied: RegistryState | None = None
         self._sync_lock = asyncio.Lock()
         self._sync_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
         def loaded(result: Any) -> None:
             if previous is not None:
                 previous(result)
             self.adapter_names = set(getattr(result, "adapters", ()))
+            self._synced_version = 0  # a new worker set: the next sync compares everything again
             for why in getattr(result, "adapters_refused", ()):
                 logger.warning("%s: %s", self.model, why)
 
@@ -169,28 +177,29 @@ class GroupAdapters:
         registry = self.adapter_registry
         if registry is None:
             return await self._load(source)
-        self._claiming.add(source.name)  # this replica's own sync leaves it alone meanwhile
+        name = source.name
+        self._claiming[name] += 1  # this replica's own sync leaves the name alone meanwhile
         try:
-            if source.name in self.adapter_names:
-                raise self._conflict(source.name)
-            version = await registry.add.remote(source)
-            if version is None:  # another replica added it first
-                raise self._conflict(source.name)
+            if name in self.adapter_names or not await registry.reserve.remote(self.model, name, name in self._folder_names):
+                raise self._conflict(name)  # loaded here, or taken on another replica
             try:
                 info = await self._load(source)
-            except Exception:
-                await registry.remove.remote(self.model, source.name, False)
+            except BaseException:
+                await registry.release.remote(self.model, name)  # refused: nothing changes anywhere
                 raise
-            await self._synced_everywhere(version)
+            await self._synced_everywhere(await registry.commit.remote(source))
             return info
         finally:
-            self._claiming.discard(source.name)
+            self._claiming[name] -= 1
 
     def _conflict(self, name: str) -> AdapterConflict:
         return AdapterConflict(f"adapter {name!r} is already loaded for {self.model}; DELETE it first", name)
 
     async def _load(self, source: AdapterSource) -> AdapterInfo:
         """``source`` on every worker of this replica, or on none."""
+        dropping = self._dropping.get(source.name)
+        if dropping is not None:  # deleted a moment ago: loaded again once the workers forgot it
+            await dropping.wait()
         async with self._adapter_lock:
             if source.name in self.adapter_names:
                 raise self._conflict(source.name)
@@ -214,99 +223,131 @@ class GroupAdapters:
         registry = self.adapter_registry
         if registry is None:
             return await self._unload(name)
-        self._claiming.add(name)
+        self._claiming[name] += 1
         try:
-            known = name in self.adapter_names or name in (await registry.state.remote(self.model)).added
-            if not known:
+            state: RegistryState = await registry.state.remote(self.model)
+            served = name in state.added or (name in self._folder_names and name not in state.removed)
+            if name not in self.adapter_names and not served:
                 return False
             version = await registry.remove.remote(self.model, name, name in self._folder_names)
             await self._unload(name)
             await self._synced_everywhere(version)
             return True
         finally:
-            self._claiming.discard(name)
+            self._claiming[name] -= 1
 
     async def _unload(self, name: str) -> bool:
         async with self._adapter_lock:
             if name not in self.adapter_names:
                 return False
-            self.adapter_names.discard(name)  # new requests are refused, queued ones fail alone (fit_pool)
-            await self._drop(name)
-            return True
+            self._forget(name)
+        await self._drop(name)
+        return True
+
+    def _forget(self, name: str) -> None:
+        """New requests naming ``name`` are refused, queued ones fail alone (``fit_pool``), and a
+        worker set loaded from now on (a rebuild, new plans) leaves it out; ``_drop`` tells the workers."""
+        self.adapter_names.discard(name)
+        self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
+        self._dropping.setdefault(name, asyncio.Event())
 
     async def _drop(self, name: str) -> None:
-        """Forget ``name`` on the workers once no batch uses it (the caller holds ``_adapter_lock``)."""
-        while self._paused_with(name):  # a paused batch resumes with it: it keeps it until it ends
-            await asyncio.sleep(0.05)
-        while True:  # a batch running with it keeps it until it ends
-            try:
-                await self.workers.collective_rpc("remove_adapter", args=(name,))
-                break
-            except Exception as e:  # noqa: BLE001 — only "in use" is retried
-                if not isinstance(_cause(e), AdapterRejected):
-                    raise
+        """The workers forget ``name`` once no batch uses it: a paused batch resumes with it and a
+        running one keeps it until it ends. Waits without holding ``_adapter_lock``, so adding
+        other adapters (and syncing) goes on meanwhile."""
+        try:
+            while True:
+                while self._paused_with(name):
+                    await asyncio.sleep(0.05)
+                async with self._adapter_lock:
+                    try:
+                        await self.workers.collective_rpc("remove_adapter", args=(name,))
+                        return
+                    except Exception as e:  # noqa: BLE001 — only "in use" is waited for
+                        if not isinstance(_cause(e), AdapterRejected):
+                            raise
                 await asyncio.sleep(0.05)
-        self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
-
-    async def _drop_later(self, name: str) -> None:
-        async with self._adapter_lock:  # FIFO: a later re-add of the name loads after this
-            await self._drop(name)
+        finally:
+            done = self._dropping.pop(name, None)
+            if done is not None:
+                done.set()
 
     # ------------------------------------------------------------------ replicas (adapter_registry)
     async def _synced_everywhere(self, version: int) -> None:
         """After this replica's own change (``version``): catch up with the registry (changes other
         replicas made meanwhile included) and wait (``SYNC_TIMEOUT_S`` at most) for the group's
-        other live replicas to apply it."""
+        other live replicas to apply it; one that does not is logged (it follows on a later sync)."""
         await self.sync_adapters()
         late = await self.adapter_registry.wait_synced.remote(self.model, version, SYNC_TIMEOUT_S)
         if late:
             logger.warning("%s: replicas %s did not apply adapter change %d within %.0f s; they apply it on "
                            "their next sync", self.model, ", ".join(late), version, SYNC_TIMEOUT_S)
 
-    def tick_adapters(self) -> None:
-        """Start a sync with the registry unless one runs (the replica's routing-stats tick)."""
-        if self.adapter_registry is None or (self._sync_task is not None and not self._sync_task.done()):
-            return
-        self._sync_task = asyncio.get_running_loop().create_task(self.sync_adapters())
-        self._sync_task.add_done_callback(_log_failure)
+    def _background(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+        return task
+
+    def tick_adapters(self) -> asyncio.Task[None] | None:
+        """A sync with the registry, started unless one runs (the replica's routing-stats tick)."""
+        if self.adapter_registry is None:
+            return None
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = self._background(self.sync_adapters())
+        return self._sync_task
 
     async def adapters_for(self, uses: Sequence[LoraUse]) -> None:
-        """Before a request naming adapters is checked: sync with the registry (one call when nothing
-        changed), so that it is checked against the changes every replica's callers were answered
-        for — added on a replica started since, or deleted where a tick has not come yet."""
-        if self.adapter_registry is not None and uses:
-            try:
-                await self.sync_adapters()
-            except Exception as e:  # noqa: BLE001 — the registry restarting fails no request: checked as things are here
-                logger.warning("%s: adapter registry not reached (%s); the request is checked against this "
-                               "replica's adapters", self.model, e)
+        """Before a request naming adapters is checked: a sync with the registry (the running one, or
+        one started now; at most ``REQUEST_SYNC_S``), so that a replica started since a change, or
+        one whose ticks are late, checks it against the changes callers were answered for. Never
+        fails the request: past the wait, or with the registry unreachable, it is checked as things are."""
+        task = self.tick_adapters() if uses else None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), REQUEST_SYNC_S)
+        except Exception as e:  # noqa: BLE001 — see the docstring
+            logger.warning("%s: adapter registry not synced within %.0f s (%r); the request is checked against "
+                           "this replica's adapters", self.model, REQUEST_SYNC_S, e)
 
     async def sync_adapters(self) -> None:
         """Make this replica's adapters what the registry says: the YAML folder's, less those deleted
-        at run time, plus those added; then acknowledge the version. A file this replica cannot load
-        is logged and left out (requests naming it here get the usual 422)."""
+        at run time, plus those added; then acknowledge the version. A file this replica refuses
+        (``AdapterRejected``: unreadable on its node, ...) is logged and left out (requests naming
+        it here get the usual 422); any other failure leaves the version unacknowledged, so the
+        next sync tries again."""
         registry = self.adapter_registry
         if registry is None:
             return
         async with self._sync_lock:
-            state: RegistryState | None = await registry.poll.remote(self.model, self.owner, self._synced_version)
+            state: RegistryState | None = await registry.poll.remote(self.model, self.owner, self._synced_version,
+                                                                     self._epoch)
             if state is None:
                 return
+            if state.epoch != self._epoch:
+                if self._applied is not None:  # the registry was replaced: it gets back what was served
+                    state = await registry.restore.remote(self.model, self._applied)
+                self._epoch = state.epoch
             wanted = {s.name: s for s in self._folder if s.name not in state.removed}
             wanted.update(state.added)
+            complete = True
             for name, source in wanted.items():
-                if name not in self.adapter_names and name not in self._claiming:
+                if name not in self.adapter_names and not self._claiming[name]:
                     try:
                         await self._load(source)
                     except Exception as e:  # noqa: BLE001 — one replica's refusal is logged, never fatal
+                        complete = complete and isinstance(_cause(e), AdapterRejected)
                         logger.warning("%s: adapter %s not loaded on this replica: %s", self.model, name, _cause(e))
-            for name in sorted(self.adapter_names - set(wanted) - self._claiming):
-                # refused from now on; the workers forget it once its running batches end, meanwhile
-                # this replica goes on syncing and checking requests
-                self.adapter_names.discard(name)
-                asyncio.get_running_loop().create_task(self._drop_later(name)).add_done_callback(_log_failure)
-            self._synced_version = max(self._synced_version, state.version)
-            await registry.ack.remote(self.model, self.owner, self._synced_version)
+            for name in sorted(self.adapter_names - set(wanted)):
+                if not self._claiming[name]:
+                    self._forget(name)
+                    self._background(self._drop(name))
+            self._applied = state
+            if complete:
+                self._synced_version = state.version
+                await registry.ack.remote(self.model, self.owner, state.version)
 
     def _paused_with(self, name: str) -> bool:
         """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""

@@ -178,7 +178,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             old_spec, old_counters = self.workers.spec, self.layout_counters
             self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in new.plans.items()})
             try:
-                await self.workers.replace(self._worker_spec(new.plans, settings))
+                async with self._adapter_lock:  # an adapter added meanwhile is in the spec the new set loads
+                    await self.workers.replace(self._worker_spec(new.plans, settings))
             except RebuildFailed:
                 # the new plans cannot load (a layout file missing, ...): back to the plans it served,
                 # so that the queued requests run; the failure is reported (/healthz plans_reload_error)
@@ -336,8 +337,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         failed: dict[str, Exception] = {}
         parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
         for i, (guidance, reqs) in enumerate(parts):
-            # a re-run keeps the workers busy for the pending runs and then the sub-batches after this one
-            later_s = sum(a.plan.latency_for(len(rs)) for _, rs in parts[i + 1:])
+            later_s = sum(a.plan.latency_for(len(rs)) for _, rs in parts[i + 1:])  # a re-run holds the workers for these too
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
                 a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun), a.plan.latency_for,
                 lambda why, n, more_s, later_s=later_s: self._rerun(a, why, n, more_s + later_s),
