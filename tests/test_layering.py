@@ -165,3 +165,67 @@ def test_serving_keeps_only_glue_at_its_root() -> None:
     glue = {"__init__.py", "config.py", "startup.py", "ray_env.py", "replica_bind.py"}
     root = {p.name for p in (ROOT / "xema_ray" / "serving").glob("*.py")}
     assert root <= glue, f"serving/ holds only config and start-up glue at its root; move {sorted(root - glue)} into a room"
+
+
+# ---- lead: a broken install fails; the project speaks of itself alone
+
+#: ``pytest.importorskip`` allowed for these modules only, each with its reason (none: every package the
+#: tests import is a dependency or in the ``dev`` extra, so a missing one is a broken install and must fail)
+IMPORTORSKIP_ALLOWED: dict[str, str] = {}
+IMPORTORSKIP = re.compile(r"importorskip\(\s*[\"']([\w.]+)[\"']")
+
+
+def test_no_test_skips_when_a_dependency_or_our_own_module_is_missing() -> None:
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        text = path.read_text()
+        offenders += [f"{path.relative_to(ROOT)}: {m}" for m in IMPORTORSKIP.findall(text) if m not in IMPORTORSKIP_ALLOWED]
+        tree = ast.parse(text)
+        for node in ast.walk(tree):  # `except ImportError: pytest.skip(...)` is the same skip, spelled out
+            if isinstance(node, ast.ExceptHandler) and node.type is not None and any(
+                    n in ast.unparse(node.type) for n in ("ImportError", "ModuleNotFoundError")):
+                if any(isinstance(c, ast.Call) and ast.unparse(c.func).endswith("skip") for s in node.body for c in ast.walk(s)):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: skip on ImportError")
+    assert offenders == [], "tests that skip where a broken install should fail:\n" + "\n".join(offenders)
+
+
+#: phrases about how a text was produced, or a build machine's paths: a user reading the record of a
+#: result needs the command, the figure, the machine and the date, nothing of the workplace
+WORKPLACE = re.compile("|".join((
+    r"\b(?:this|that|the same|previous|last|earlier|next|a|each|every|other|these|those)\s+sessions?\b(?!\s*(?:directory|dir|id|name))",
+    r"\bsessions?'\s", r"\bsession's\s+(?:work|load|jobs?|tests|runs?|end|own repo|device|measurements)",
+    r"\bdevice tool\b", r"\b(?:was|were|is|are|be|been|being)\s+lent\b", r"\blent\s+(?:to|one|a)\b",
+    r"\bhelper session", r"\bthe CEO\b",
+    r"(?<![\w.])/work/", r"(?<![\w.])/root/", r"(?<![\w/])shared/(?:model-configs|seeds|ARCHITECTURE|STYLE)",
+    r"xema-heavy\.lock", r"\bwt-[a-z][\w-]*/",
+)), re.IGNORECASE)
+#: files whose text is data recorded from a tool (Ray's metric labels name its own "session_..." directory)
+WORKPLACE_EXEMPT = ("tests/test_layering.py",)
+
+
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    out = []
+    for name in (n.decode() for n in names if n):
+        path = ROOT / name
+        if name in WORKPLACE_EXEMPT or not path.is_file():
+            continue
+        head = path.read_bytes()[:8192]
+        if b"\0" not in head:
+            out.append(path)
+    return out
+
+
+def test_no_tracked_text_speaks_of_its_making_or_of_a_build_machine() -> None:
+    hits = []
+    for path in _tracked_text_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if m := WORKPLACE.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{lineno}: {m.group(0)!r}")
+    assert hits == [], f"{len(hits)} workplace phrases or build-machine paths in tracked text:\n" + "\n".join(hits[:80])

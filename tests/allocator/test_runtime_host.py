@@ -419,7 +419,7 @@ def test_traced_tiny_model_request_replays_on_the_host_arena(
     """The analyzer's trace of a real (tiny) pipeline: weights loaded under a resident plan, then
     two requests under the request plan, every allocation planned; then a request whose 100th
     allocation comes with another size falls back without touching live data."""
-    analyzer = pytest.importorskip("xema_ray.analyzer.run")
+    from xema_ray.analyzer import run as analyzer
     from xema_ray.templates import RequestTemplate
 
     trace = analyzer.trace_template(RequestTemplate(model=model, height=height, width=width, frames=frames, steps=2))

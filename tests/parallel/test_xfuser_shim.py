@@ -12,7 +12,6 @@ import torch.nn.functional as F  # noqa: N812
 from sp_harness import run_worker_set
 from xema_ray.parallel.groups import ParallelConfig, SPLayout, init_process_groups
 
-pytest.importorskip("yunchang")
 
 
 def shim_scenario(rank: int, world: int, url: str) -> dict[str, float | bool]:

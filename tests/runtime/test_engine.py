@@ -147,7 +147,6 @@ def test_error_raised_if_batch_is_invalid() -> None:
 
 
 def test_mitigations_are_installed_for_the_batch_only() -> None:
-    pytest.importorskip("xema_ray.mitigation")
     spec = get_model_spec("tiny-flux2")
     engine = ExecutionEngine(spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32)
     template = TEMPLATES["tiny-flux2"]

@@ -12,15 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-pytest.importorskip("ray")
-from bench.scenarios.factories import plan_entry  # noqa: E402
-from bench.scenarios.serve_app import running_app  # noqa: E402
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.lora.synthetic import write_adapter  # noqa: E402
-from xema_ray.models import BuildOptions, get_model_spec  # noqa: E402
-from xema_ray.plan import PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
+from bench.scenarios.factories import plan_entry
+from bench.scenarios.serve_app import running_app
+from deployments.planning import machine_fingerprint
+from xema_ray.lora.synthetic import write_adapter
+from xema_ray.models import BuildOptions, get_model_spec
+from xema_ray.plan import PlanTable
+from xema_ray.serving.config import ServeConfig
+from xema_ray.templates import RequestTemplate
 
 pytestmark = pytest.mark.slow
 

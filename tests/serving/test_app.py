@@ -20,18 +20,18 @@ import pytest
 import requests
 from PIL import Image
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from bench.scenarios.serve_app import running_app  # noqa: E402
+import ray
+from ray import serve
+from bench.scenarios.serve_app import running_app
 
-from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.serving.config import ServeConfig
+from deployments.planning import machine_fingerprint
+from xema_ray.templates import RequestTemplate
 from bench.scenarios.factories import plan_entry
 from loadtests.prometheus import ALWAYS_AFTER_TRAFFIC, documented_metrics, metrics_urls, scrape
-from xema_ray.lora.synthetic import write_adapter  # noqa: E402
-from xema_ray.models import BuildOptions, get_model_spec  # noqa: E402
+from xema_ray.lora.synthetic import write_adapter
+from xema_ray.models import BuildOptions, get_model_spec
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ def test_image_request_returns_a_png(server: str) -> None:
 
 
 def test_openai_client_gets_a_png(server: str) -> None:
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     resp = client.images.generate(model="tiny-flux2", prompt="a lighthouse", size="64x64", response_format="b64_json")  # type: ignore[arg-type]
     img = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
@@ -171,7 +171,7 @@ def test_requests_with_different_adapters_share_a_batch_and_keep_their_bytes(ser
 
 
 def test_openai_client_with_a_hot_added_adapter_then_removed(server: str, adapter_files) -> None:  # type: ignore[no-untyped-def]
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     args = {"model": "tiny-flux2", "prompt": "a lighthouse", "size": "64x64", "response_format": "b64_json"}
     with pytest.raises(openai.UnprocessableEntityError, match="unknown adapter 'C'"):

@@ -14,15 +14,15 @@ import pytest
 import requests
 from PIL import Image
 
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
-from bench.scenarios.serve_app import running_app  # noqa: E402
+import ray
+import openai
+from bench.scenarios.serve_app import running_app
 
-from xema_ray.checkpoints import TINY_MODELS, write_checkpoint  # noqa: E402
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
+from xema_ray.checkpoints import TINY_MODELS, write_checkpoint
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.serving.config import ServeConfig
+from deployments.planning import machine_fingerprint
+from xema_ray.templates import RequestTemplate
 
 pytestmark = pytest.mark.slow
 

@@ -23,9 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 
 if chromium_path() is None:
     pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)", allow_module_level=True)
-pytest.importorskip("playwright", reason="the playwright package (pyproject's dev extra) drives the browser")
-pytest.importorskip("ray")
-from bench.scenarios.serve_app import running_app  # noqa: E402
+from bench.scenarios.serve_app import running_app
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ import pytest
 import requests
 from PIL import Image
 
-pytest.importorskip("ray")
 
-from deployments.emulated_box import start_box, stop_box  # noqa: E402
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.plan import PlanTable  # noqa: E402
-from xema_ray.serving.api.ready import wait_ready  # noqa: E402
+from deployments.emulated_box import start_box, stop_box
+from xema_ray.net import free_port
+from xema_ray.plan import PlanTable
+from xema_ray.serving.api.ready import wait_ready
 
 pytestmark = [pytest.mark.slow]
 

@@ -21,14 +21,14 @@ from collections.abc import Callable
 import pytest
 import requests
 
-ray = pytest.importorskip("ray")
-from bench.scenarios.serve_app import running_app  # noqa: E402
-from ray import serve  # noqa: E402
+import ray
+from bench.scenarios.serve_app import running_app
+from ray import serve
 
-from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.serving.config import ServeConfig
+from deployments.planning import machine_fingerprint
+from xema_ray.templates import RequestTemplate
 from bench.scenarios.factories import plan_entry
 
 pytestmark = pytest.mark.slow
@@ -174,7 +174,7 @@ def test_openapi_enumerates_models_sizes_and_statuses(server: str) -> None:
 
 
 def test_fuzz_finds_no_server_error_and_no_undocumented_status(server: str) -> None:
-    schemathesis = pytest.importorskip("schemathesis")
+    import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import (

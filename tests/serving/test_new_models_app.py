@@ -15,13 +15,13 @@ import imageio.v3 as iio
 import pytest
 import yaml
 
-openai = pytest.importorskip("openai")
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
+import openai
+import ray
+from ray import serve
 
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.serving.api.ready import wait_ready  # noqa: E402
-from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, shutdown_serve_and_ray  # noqa: E402
+from xema_ray.net import free_port
+from xema_ray.serving.api.ready import wait_ready
+from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, shutdown_serve_and_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -167,7 +167,7 @@ FUZZ_MAX_STEPS = 4
 def test_fuzz_every_operation_finds_no_server_error(served: RouterHarness) -> None:
     """schemathesis over the whole OpenAPI document, every operation, positive and negative cases,
     a real job id supplied for the job operations' ``video_id`` in every other case."""
-    schemathesis = pytest.importorskip("schemathesis")
+    import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import status_code_conformance

@@ -21,16 +21,16 @@ from typing import Any
 import pytest
 import requests
 
-openai = pytest.importorskip("openai")
-ray = pytest.importorskip("ray")
-redis = pytest.importorskip("redis")
-from bench.scenarios.serve_app import running_app  # noqa: E402
+import openai
+import ray
+import redis
+from bench.scenarios.serve_app import running_app
 
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
+from deployments.planning import machine_fingerprint
+from xema_ray.net import free_port
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.serving.config import ServeConfig
+from xema_ray.templates import RequestTemplate
 from bench.scenarios.factories import plan_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -20,7 +20,7 @@ def redis_server() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server; .ci/run installs it)")
-    redis = pytest.importorskip("redis")
+    import redis
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

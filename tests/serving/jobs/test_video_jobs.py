@@ -23,17 +23,17 @@ import pytest
 import requests
 from PIL import Image
 
-openai = pytest.importorskip("openai")
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
+import openai
+import ray
+from ray import serve
 
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.plan import PlanEntry, PlanTable  # noqa: E402
-from xema_ray.serving.config import ServeConfig  # noqa: E402
-from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store  # noqa: E402
-from deployments.planning import machine_fingerprint  # noqa: E402
-from xema_ray.templates import RequestTemplate  # noqa: E402
-from xema_ray.serving.api.ready import wait_ready  # noqa: E402
+from xema_ray.net import free_port
+from xema_ray.plan import PlanEntry, PlanTable
+from xema_ray.serving.config import ServeConfig
+from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
+from deployments.planning import machine_fingerprint
+from xema_ray.templates import RequestTemplate
+from xema_ray.serving.api.ready import wait_ready
 from xema_ray.serving.ray_env import init_local_ray, shutdown_serve_and_ray
 from bench.scenarios.factories import plan_entry
 

@@ -27,7 +27,7 @@ from tests.serving.jobs.test_video_jobs import (  # noqa: F401 - fixtures and ch
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store
 from xema_ray.serving.ray_env import shutdown_serve_and_ray
 
-ray = pytest.importorskip("ray")
+import ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -16,14 +16,14 @@ import warnings
 
 import pytest
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig  # noqa: E402
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
-from xema_ray.serving.group.messages import GroupRequest  # noqa: E402
-from xema_ray.serving.scale.replica_router import SloRequestRouter  # noqa: E402
-from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy  # noqa: E402
+from bench.scenarios.local_cluster import LocalCluster
+from xema_ray.serving.group.messages import GroupRequest
+from xema_ray.serving.scale.replica_router import SloRequestRouter
+from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy
 
 # Serve re-validates the autoscaling config and warns each time that metrics_interval_s moves to an env variable
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")]

@@ -15,13 +15,13 @@ import time
 import pytest
 import requests
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
+import ray
+from ray import serve
 
-from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
-from xema_ray.net import free_port  # noqa: E402
-from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
-from xema_ray.serving.api.ready import wait_ready  # noqa: E402
+from bench.scenarios.local_cluster import LocalCluster
+from xema_ray.net import free_port
+from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from xema_ray.serving.api.ready import wait_ready
 
 pytestmark = pytest.mark.slow
 
