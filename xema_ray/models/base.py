@@ -42,7 +42,7 @@ TextEncoderPlacement = Literal["device", "streamed", "cpu"]
 
 
 def load_config(name: str) -> dict[str, Any]:
-    """A model config shipped in ``xema_ray/configs`` (copied from shared/model-configs)."""
+    """A model config shipped in ``xema_ray/configs`` (a model's published ``config.json``, or a tiny one for CI)."""
     text = resources.files("xema_ray.configs").joinpath(name).read_text()
     return json.loads(text)
 
