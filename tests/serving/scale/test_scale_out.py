@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig  # noqa: E402
 
 from bench.scenarios.local_cluster import LocalCluster  # noqa: E402
-from xema_ray.serving.group.messages import GroupRequest  # noqa: E402
+from xema_ray.serving.messages import GroupRequest  # noqa: E402
 from xema_ray.serving.scale.replica_router import SloRequestRouter  # noqa: E402
 from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy  # noqa: E402
 
