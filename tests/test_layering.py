@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +89,14 @@ def _scanned() -> list[Path]:
     return sorted(p for top in SCANNED for p in (ROOT / top).rglob("*.py"))
 
 
-def _arrows() -> dict[tuple[str, str], list[str]]:
+def _arrows(paths: list[Path] | None = None, room: Callable[[str], str | None] = _room,
+            imported: Callable[[Path], set[str]] = _imported) -> dict[tuple[str, str], list[str]]:
+    """Every import from one room to another (``room`` names a module's room), with where it is."""
     arrows: dict[tuple[str, str], list[str]] = {}
-    for path in _scanned():
-        src = _room(_module_of(path))
-        for target in _imported(path):
-            dst = _room(target)
+    for path in _scanned() if paths is None else paths:
+        src = room(_module_of(path))
+        for target in imported(path):
+            dst = room(target)
             if src and dst and src != dst:
                 arrows.setdefault((src, dst), []).append(f"{path.relative_to(ROOT)} -> {target}")
     return arrows
@@ -229,3 +232,77 @@ def test_no_tracked_text_speaks_of_its_making_or_of_a_build_machine() -> None:
             if m := WORKPLACE.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{lineno}: {m.group(0)!r}")
     assert hits == [], f"{len(hits)} workplace phrases or build-machine paths in tracked text:\n" + "\n".join(hits[:80])
+
+
+    # each module at serving/'s root is a room of its own (part A below): one that is not ranked in
+    # SERVING_LAYERS, with the reason for its rank, belongs in a room
+    root = {p.stem for p in (ROOT / "xema_ray" / "serving").glob("*.py")} - {"__init__"}
+    unranked = sorted(root - set(SERVING_RANK))
+    assert unranked == [], f"modules at serving/'s root without a rank in SERVING_LAYERS: {unranked}; rank them or move them into a room"
+
+
+# ---- part A: serving/'s rooms ranked (each folder, and each module at serving/'s root, is a room)
+
+SERVING = ROOT / "xema_ray" / "serving"
+
+#: serving/'s rooms, lowest first, each rank with its reason. A room imports only rooms of a lower
+#: rank (rooms of one rank never import each other): no import between rooms runs up, none cycles.
+SERVING_LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("messages", "frame_rate", "replica_bind"),
+     "the words every room speaks: what crosses between the Router and a group (request, result, status with "
+     "its layout counters, errors), a video template's frame rate, where a replica binds Serve's servers"),
+    (("jobs", "scale"),
+     "what a group writes and publishes, never reading a group: the job store, job progress and a group's job "
+     "lifecycle; the replica summary and the policies over it (request router, autoscaling)"),
+    (("group",),
+     "one model's worker set behind a deployment and its ModelGroupConfig: it runs its jobs' lifecycle, "
+     "publishes its summary for scale/'s policies, reports its counters"),
+    (("stats",),
+     "/v1/stats's answer and the Stats deployment: it gathers the groups' reports for the API and the console"),
+    (("console",),
+     "the operator view's data, built from the groups' reports, the replica summaries and /v1/stats; the Router serves it"),
+    (("api",),
+     "the Router: HTTP over every room below (the groups, the video job API over jobs/, the console's routes)"),
+    (("config", "ray_env"),
+     "the app composed: ServeConfig holds every room's config (ModelGroupConfig, the job store's, the API's auth "
+     "and limits); ray_env sets Ray's environment, the API's proxy middlewares included"),
+    (("startup",), "the checks a ServeConfig passes before the app starts"),
+)
+SERVING_RANK = {room: i for i, (rooms, _) in enumerate(SERVING_LAYERS) for room in rooms}
+
+
+def _serving_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["xema_ray", "serving"] and len(parts) > 2 else None
+
+
+def _serving_imported(path: Path) -> set[str]:
+    """``_imported`` plus the modules a ``from xema_ray.serving import x`` (or ``from .. import x``) names."""
+    out = _imported(path)
+    module = _module_of(path)
+    package = (module if path.name == "__init__.py" else module.rpartition(".")[0]).split(".")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] + [node.module] if node.level else [node.module]
+            if ".".join(b for b in base if b) == "xema_ray.serving":
+                out |= {f"xema_ray.serving.{a.name}" for a in node.names}
+    return out
+
+
+def _serving_arrows() -> dict[tuple[str, str], list[str]]:
+    return _arrows(sorted(SERVING.rglob("*.py")), _serving_room, _serving_imported)
+
+
+def test_every_serving_room_has_a_rank() -> None:
+    rooms = {p.parent.name for p in SERVING.glob("*/__init__.py")} | ({p.stem for p in SERVING.glob("*.py")} - {"__init__"})
+    assert sorted(rooms - set(SERVING_RANK)) == [], "serving rooms without a rank in SERVING_LAYERS"
+    assert sorted(set(SERVING_RANK) - rooms) == [], "SERVING_LAYERS ranks rooms serving/ no longer has"
+    assert all(reason for _, reason in SERVING_LAYERS), "every rank of SERVING_LAYERS says why"
+
+
+def test_imports_between_serving_rooms_run_down() -> None:
+    arrows = _serving_arrows()
+    assert arrows, "no arrow between serving's rooms found: the scan is broken"
+    up = [f"{src} -> {dst}: {where[:3]}" for (src, dst), where in sorted(arrows.items())
+          if SERVING_RANK.get(dst, -1) >= SERVING_RANK.get(src, -1)]
+    assert up == [], "imports between serving's rooms that do not run down SERVING_LAYERS:\n" + "\n".join(up)

@@ -21,7 +21,7 @@ from xema_ray.lora import AdapterRejected, AdapterSource, LoraUse
 from xema_ray.lora.synthetic import write_adapter
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.serving.group.adapters import AdapterConflict, split_for_pool
-from xema_ray.serving.group.messages import GroupRequest, InvalidRequest
+from xema_ray.serving.messages import GroupRequest, InvalidRequest
 from xema_ray.templates import RequestTemplate
 
 T = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
