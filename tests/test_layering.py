@@ -458,3 +458,45 @@ def test_no_stage_is_numbered_by_a_fraction() -> None:
             if p.suffix in (".py", ".md")
             for i, line in enumerate(p.read_text().splitlines(), 1) if fraction.search(line)]
     assert hits == [], f"a pass has a name, not a fraction: {hits}"
+
+
+    # replica_bind.py: where each replica binds Serve's server, installed at replica start-up like ray_env's settings
+    glue = {"__init__.py", "config.py", "startup.py", "ray_env.py", "replica_bind.py"}
+    root = {p.name for p in (ROOT / "xema_ray" / "serving").glob("*.py")}
+    assert root <= glue, f"serving/ holds only config and start-up glue at its root; move {sorted(root - glue)} into a room"
+
+
+# ---- part E: determinism and fault tests that hold on any 2-core machine, loaded or not
+#: fault-test modules (and the helpers they use) whose every sleep is a poll: inside a loop that
+#: waits on a fact (an actor id dead, a probe answer newer than the fault, Serve's replica state),
+#: never a fixed wait for a fault to take effect, which a loaded machine outlasts
+FACT_WAITING_MODULES = ("tests/serving/test_hardening.py", "bench/scenarios/serve_app.py")
+
+
+def _sleeps_outside_a_loop(tree: ast.AST) -> list[int]:
+    lines: list[int] = []
+
+    def visit(node: ast.AST, in_loop: bool) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            in_loop = False  # a function's body runs where it is called, not where it is written
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep"
+                and not in_loop):
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_loop or isinstance(node, ast.While | ast.For | ast.AsyncFor))
+
+    visit(tree, False)
+    return lines
+
+
+def test_fault_tests_wait_on_facts_not_on_fixed_sleeps() -> None:
+    fixed = {m: lines for m in FACT_WAITING_MODULES
+             if (lines := _sleeps_outside_a_loop(ast.parse((ROOT / m).read_text())))}
+    assert fixed == {}, f"fixed sleeps (wait on a fact in a polling loop instead): {fixed}"
+
+
+def test_the_batch_size_bound_the_tests_hold_is_the_documented_one() -> None:
+    from tests.batch_sizes import MEAN_ABS_BOUND
+
+    assert f"**{MEAN_ABS_BOUND} of 255**" in (ROOT / "docs" / "tenancy.md").read_text()
+    assert f"at most {MEAN_ABS_BOUND} of 255" in (ROOT / "docs" / "lora.md").read_text()
