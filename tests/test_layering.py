@@ -460,11 +460,6 @@ def test_no_stage_is_numbered_by_a_fraction() -> None:
     assert hits == [], f"a pass has a name, not a fraction: {hits}"
 
 
-    # replica_bind.py: where each replica binds Serve's server, installed at replica start-up like ray_env's settings
-    glue = {"__init__.py", "config.py", "startup.py", "ray_env.py", "replica_bind.py"}
-    root = {p.name for p in (ROOT / "xema_ray" / "serving").glob("*.py")}
-    assert root <= glue, f"serving/ holds only config and start-up glue at its root; move {sorted(root - glue)} into a room"
-
 
 # ---- part E: determinism and fault tests that hold on any 2-core machine, loaded or not
 #: fault-test modules (and the helpers they use) whose every sleep is a poll: inside a loop that
