@@ -7,7 +7,7 @@ executed to profile versus how many the estimate covers. A second template of th
 with more steps shows reuse from the store (nothing executed).
 
 Part 2: the roofline cost model's per-step and VAE estimates for CogVideoX-5B and Flux.2 on the
-H200 next to the calibration measurements of ARCHITECTURE.md (uncalibrated, then calibrated
+H200 next to the calibration measurements of docs/measured-facts.md (uncalibrated, then calibrated
 with one measured point per model in a profile store and evaluated on the other points), plus
 the same configs on the paper's 8x A6000 box.
 
@@ -38,7 +38,7 @@ TINY = {
     "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=128, width=128, frames=9, steps=30),
 }
 
-# ARCHITECTURE.md, measured on the H200 (torch 2.11, diffusers 0.42.1, bf16, random weights)
+# docs/measured-facts.md ("Calibration points"), measured on the H200 (torch 2.11, diffusers 0.42.1, bf16, random weights)
 H200_POINTS = [
     ("Flux.2 1024² step", RequestTemplate(model="flux2", height=1024, width=1024), "step", 0.56),
     ("Flux.2 1024² VAE decode", RequestTemplate(model="flux2", height=1024, width=1024), "decode", 0.23),
@@ -138,7 +138,7 @@ def main() -> None:
               f"{r['segments_profiled']} | {r['ratio']:.1f}x | {r['signatures']} | {r['profiling_s']:.2f} | "
               f"{r['reuse_segments_profiled']} | {r['reuse_signatures_reused']} |")
     cm = bench_costmodel()
-    print("\n## Roofline cost model vs H200 calibration points (ARCHITECTURE.md) — estimates, uncalibrated\n")
+    print("\n## Roofline cost model vs H200 calibration points (docs/measured-facts.md) — estimates, uncalibrated\n")
     print("| point | measured H200 (s) | estimate H200 (s) | error | estimate 8x A6000 box, 1 GPU (s) |")
     print("|---|---|---|---|---|")
     for r in cm["uncalibrated"]:  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ CogVideoX 900p 1600x900  1600x896        latent height 900/8 = 112.5; patch 2 ne
 CogVideoX 1080p 1920x1080 1920x1088      latent height 135 is odd; 1072 and 1088 tie, take 1088
 LTX-2 480p 854x480      864x480         LTX-2 needs multiples of 32; 864 is nearest to 16:9's 853
 LTX-2 720p 1280x720     1280x704        720 is not a multiple of 32; 704 and 736 tie, 704 is what
-                                        the LTX-2 pipeline and ARCHITECTURE.md use
+                                        the LTX-2 pipeline and docs/measured-facts.md use
 LTX-2 1080p 1920x1080   1920x1088       1088 is the nearest multiple of 32
 ======================  ==============  ==========================================================
 """

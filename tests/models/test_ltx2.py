@@ -98,7 +98,7 @@ def test_real_builds_on_meta_in_about_a_second(real: LTX2Spec) -> None:
 
 @pytest.mark.slow
 def test_real_parameter_counts(real: LTX2Spec) -> None:
-    """ARCHITECTURE.md: transformer 18.9 B, video VAE 1.22 B (encoder + decoder)."""
+    """docs/measured-facts.md, "Parameter counts": transformer 18.9 B, video VAE 1.22 B (encoder + decoder)."""
     pipe = real.build_pipeline(BuildOptions(device="meta", dtype=torch.bfloat16))
     assert round(_n_params(pipe.transformer) / 1e9, 1) == 18.9
     assert round(_n_params(pipe.vae) / 1e9, 2) == 1.22

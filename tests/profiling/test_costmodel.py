@@ -1,4 +1,4 @@
-"""The roofline cost model: calibration points of ARCHITECTURE.md, the effects the planner relies
+"""The roofline cost model: calibration points of docs/measured-facts.md, the effects the planner relies
 on (SP communication, exposed offload copies, batching), store-based calibration, and speed."""
 
 from __future__ import annotations

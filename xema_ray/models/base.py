@@ -323,7 +323,7 @@ class ModelSpec(ReferenceInputs, ABC):
         """Pipeline kwargs holding prompt embeddings (and masks, negative prompts) for ``prompts``.
 
         Without real text encoders the embeddings are derived deterministically from each prompt
-        (ARCHITECTURE.md, "Prompts"): same prompt, same embedding, on every worker.
+        (docs/measured-facts.md, "Prompts"): same prompt, same embedding, on every worker.
         """
 
     def encode_prompts(self, pipe: Any, prompts: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 
 #: where the text encoder runs: on the device for the whole request, streamed layer by layer
 #: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
-#: (prompt embeddings are seeded stand-ins, ARCHITECTURE.md "Prompts")
+#: (prompt embeddings are seeded stand-ins, docs/measured-facts.md, "Prompts")
 TextEncoderPlacement = Literal["device", "streamed", "cpu"]
 
 

@@ -1,6 +1,6 @@
 """The only place that imports xfuser (xDiT). Imported lazily, and only on CUDA: xfuser raises
 "No Accelerators" at import on a machine without one and imports triton at top level
-(ARCHITECTURE.md). Its parallel state is process-global, so we do not call its
+(docs/measured-facts.md, "SP layer"). Its parallel state is process-global, so we do not call its
 ``initialize_model_parallel``; we build its USP attention (yunchang's ``LongContextAttention``
 underneath) with the process groups of the batch's SP group in place.
 

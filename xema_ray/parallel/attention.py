@@ -10,7 +10,7 @@ This is our own implementation of the math xDiT/yunchang run on GPUs, written ag
   prompt over SP = 4), using ``all_to_all_single``'s split sizes.
 * **Ring**: key/value blocks travel around the ring group; each rank attends its queries to
   every block and merges the partial results with their log-sum-exp, so the attention must
-  return an exact LSE (the math SDPA backend does not: its LSE is zeros, ARCHITECTURE.md).
+  return an exact LSE (the math SDPA backend does not: its LSE is zeros, docs/measured-facts.md).
 
 Layout throughout is SDPA's ``[batch, heads, tokens, head_dim]``.
 """

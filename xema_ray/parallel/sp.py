@@ -1,5 +1,5 @@
 """Sequence parallelism for a diffusers transformer: split at the input, USP inside, gather at
-the output (ARCHITECTURE.md, "SP layer").
+the output (docs/measured-facts.md, "SP layer").
 
 ``apply_sequence_parallel(transformer, split, group)`` installs two kinds of removable hooks,
 in the style of diffusers' ``HookRegistry`` (an instance ``forward`` that shadows the class's,

@@ -12,7 +12,7 @@ not overlap with compute:
   staging buffers, simulated block by block — a copy starts when the previous copy is done and
   the block two offloads back has finished computing — with compute slowed by
   ``copy_interference`` while a copy runs (H200: offload hides only with >= 2 blocks between
-  offloaded blocks, ARCHITECTURE.md);
+  offloaded blocks, docs/measured-facts.md);
 * HSDP: the all-gather of each sharded block's weights, overlapped with the previous block;
 * chunking (per chunk launch overhead and efficiency loss) and temporary serialization
   (``s`` sub-batches each pay the weight reads and lose batching efficiency);
@@ -22,7 +22,7 @@ The VAE decode is a roofline over an analytic count of decoder convolution FLOPs
 of a template's reference images (Flux.2 edits, the first frame of image-to-video), before the
 first step, one over the encoder's, mirrored from the decoder (``vae_encode_s``). Fitted
 constants are the efficiencies in ``HardwareProfile`` (defaults chosen against the H200 points
-in ARCHITECTURE.md; ``bench/bench_profiler.py`` prints the comparison). When the profile store
+in docs/measured-facts.md; ``bench/bench_profiler.py`` prints the comparison). When the profile store
 holds measured requests for the hardware's fingerprint, per-phase correction factors (median of
 measured / modelled) are applied.
 """

@@ -1,7 +1,7 @@
 """Hardware profiles for the roofline cost model: peak rates and interconnect of a GPU box.
 
 Numbers are vendor peaks (dense, no sparsity) except where a measurement exists
-(ARCHITECTURE.md): the H200's pinned host->device copy is the measured 55 GB/s. Efficiencies
+(docs/measured-facts.md, "Calibration points"): the H200's pinned host->device copy is the measured 55 GB/s. Efficiencies
 turn peaks into achievable rates; they are the cost model's only fitted constants and are
 documented next to the calibration points in ``costmodel``.
 """
@@ -55,7 +55,7 @@ class HardwareProfile(BaseModel):
 
 
 #: NVIDIA H200 SXM (HGX): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 4 (900 GB/s
-#: bidirectional); host copies measured at 55 GB/s (ARCHITECTURE.md).
+#: bidirectional); host copies measured at 55 GB/s (docs/measured-facts.md, "Calibration points").
 H200 = HardwareProfile(
     name="NVIDIA H200", gpu_model="NVIDIA H200", gpus=8, memory_gb=141, bf16_tflops=989, mem_gbps=4800, h2d_gbps=55,
     nvlink_gbps=450, nvlink_domain=8, pcie_gbps=50,

@@ -12,7 +12,7 @@ encoder's limit. Where the encoder runs is the plan's choice (``TextEncoderPlace
 An embedding cache (bounded in bytes, least recently used out, kept on the host) serves a
 repeated prompt without running the encoder again; it is keyed by the prompt within one
 encoder (one engine holds one). Models configured without weights and without an encoder use
-the seeded stand-in embeddings (ARCHITECTURE.md, "Prompts").
+the seeded stand-in embeddings (docs/measured-facts.md, "Prompts").
 """
 
 from __future__ import annotations
