@@ -38,7 +38,8 @@ TINY = {
     "tiny-ltx2": RequestTemplate(model="tiny-ltx2", height=128, width=128, frames=9, steps=30),
 }
 
-# docs/measured-facts.md ("Calibration points"), measured on the H200 (torch 2.11, diffusers 0.42.1, bf16, random weights)
+# measured on the H200 (torch 2.11, diffusers 0.42.1, bf16, random weights):
+# docs/measured-facts.md, "Calibration points"
 H200_POINTS = [
     ("Flux.2 1024² step", RequestTemplate(model="flux2", height=1024, width=1024), "step", 0.56),
     ("Flux.2 1024² VAE decode", RequestTemplate(model="flux2", height=1024, width=1024), "decode", 0.23),

@@ -224,7 +224,8 @@ def test_xema_analyze_includes_the_record_of_its_trace(tmp_path, capsys) -> None
 
 
 def test_dense_clusters_of_gpu_only_copies_align_exactly() -> None:
-    # like the three q-sized copies around every fused attention call on an H200 (docs/measured-facts.md, "Fused attention's allocations"):
+    # like the three q-sized copies around every fused attention call on an H200
+    # (docs/measured-facts.md, "Fused attention's allocations"):
     # clusters of equal-size GPU-only buffers every few allocations, and a few meta-only ones
     from xema_ray.allocator.synthetic import diffusion_like_trace
 

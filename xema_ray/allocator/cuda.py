@@ -18,7 +18,8 @@ def pin_kernels() -> None:
     """The kernel choices a layout was solved and recorded under, the same in every process.
 
     ``cudnn.benchmark`` off: autotuning picks different algorithms (and workspaces) run to run and
-    raises under a pluggable allocator (docs/measured-facts.md, "The pluggable allocator"). SDPA: flash and memory-efficient attention,
+    raises under a pluggable allocator (docs/measured-facts.md, "The pluggable allocator"). SDPA: flash
+    and memory-efficient attention,
     whose allocations the analyzer models (output like q, fp32 logsumexp for flash), with cuDNN
     attention off so no torch version ranks it first on some GPU; math stays on as the last resort
     for shapes neither fused kernel takes (torch tries it only after them), so nothing fails.

@@ -5,7 +5,8 @@ A layout armed on a GPU is indexed by allocation order and checks the size at ea
 is only as good as the trace's match with the real stream. On an H200 the real stream has
 convolution workspaces in the VAE decode (e.g. 1,074,921,619 B at Flux.2 1024²'s full-resolution
 up-blocks), layout copies around the fused attention kernel, and lacks the fp32 logsumexp the
-meta trace allocates per flash call (docs/measured-facts.md, "Fused attention's allocations"). None of these can be derived on the meta
+meta trace allocates per flash call (docs/measured-facts.md, "Fused attention's allocations").
+None of these can be derived on the meta
 device, so they are recorded on the GPU:
 
 1. ``events_from_snapshot`` (``torch.cuda.memory._record_memory_history`` on the default allocator)

@@ -308,7 +308,8 @@ _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
 def make_cuda_like_sdpa(tracer: AllocationTracer | None) -> Callable[..., torch.Tensor]:
-    """An SDPA that allocates what CUDA's fused kernels allocate (docs/measured-facts.md, "Fused attention's allocations"):
+    """An SDPA that allocates what CUDA's fused kernels allocate (docs/measured-facts.md, "Fused
+    attention's allocations"):
 
     - output: ``[B, Sq, H, Dv]`` contiguous, returned transposed to ``[B, H, Sq, Dv]`` (the fused
       kernels write BSHD, so a later ``transpose(1, 2).flatten(2)`` is a free view, not a copy);

@@ -113,7 +113,8 @@ class CudaPlatform(Platform):
             torch.cuda.reset_peak_memory_stats()
         except RuntimeError:
             # under Xema's CUDAPluggableAllocator the caching allocator's stats do not exist
-            # (docs/measured-facts.md, "The pluggable allocator"); memory_stats() then reports NVML's device usage instead
+            # (docs/measured-facts.md, "The pluggable allocator"); memory_stats() then reports
+            # NVML's device usage instead
             pass
 
     def release_cached_memory(self) -> None:

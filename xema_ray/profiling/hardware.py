@@ -1,7 +1,8 @@
 """Hardware profiles for the roofline cost model: peak rates and interconnect of a GPU box.
 
 Numbers are vendor peaks (dense, no sparsity) except where a measurement exists
-(docs/measured-facts.md, "Calibration points"): the H200's pinned host->device copy is the measured 55 GB/s. Efficiencies
+(docs/measured-facts.md, "Calibration points"): the H200's pinned host->device copy is the measured
+55 GB/s. Efficiencies
 turn peaks into achievable rates; they are the cost model's only fitted constants and are
 documented next to the calibration points in ``costmodel``.
 """

@@ -180,7 +180,8 @@ class Worker(WorkerAdapters, WorkerBase):
 
             if static_allocator:
                 # first, before anything touches CUDA: the pluggable allocator is process-wide and
-                # must be installed before the caching allocator initialises (docs/measured-facts.md, "The pluggable allocator");
+                # must be installed before the caching allocator initialises
+                # (docs/measured-facts.md, "The pluggable allocator");
                 # nothing above initialised CUDA (the platform object is stateless; topology is NVML)
                 self.allocator = install_cuda_allocator()
                 self.arm_layout = arm_layout or self._arm
