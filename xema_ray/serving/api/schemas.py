@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xema_ray.lora.adapter import LoraUse
+from xema_ray.serving.api.quality import QualityValue
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
@@ -122,12 +123,15 @@ class ImageRequest(_Common):
     background: Literal["auto", "opaque"] | None = Field(default=None, description="transparent backgrounds are not generated")
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
-    quality: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
+    quality: QualityValue | None = Field(
+        default=None, description="OpenAI's values (high, hd, standard: lossless; medium: balanced where served, else "
+                                  "lossless; low: fast where served, else the fastest served; auto) or a tier name "
+                                  "(lossless, balanced, fast); docs/api.md 'Quality'")
     style: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     moderation: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     user: str | None = None
 
-    @field_validator("quality", "style", "moderation", "user")
+    @field_validator("style", "moderation", "user")
     @classmethod
     def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _check_text(v, info, _limits.max_text_chars)
