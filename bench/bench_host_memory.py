@@ -10,7 +10,7 @@ process's ``RssAnon`` / ``RssShmem`` (``/proc/self/status``) after its load and 
 (``worker_host_bytes``). Page-locking needs a GPU (the GPU check measures it); pinning tensor by
 tensor is torch's power-of-two rule applied to the same tensors.
 
-    flock /tmp/xema-heavy.lock .venv/bin/python bench/bench_host_memory.py --out bench/results/host_memory.json
+    .venv/bin/python bench/bench_host_memory.py --out bench/results/host_memory.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ item 3): plain batch traces and mitigated "confirmation" traces, each pipeline b
 beforehand (not timed), every trace's hash and columns saved so two checkouts can be compared.
 
     python bench/bench_trace_speed.py --out /tmp/new            # this checkout
-    /work/main/.venv/bin/python bench/bench_trace_speed.py --out /tmp/ref   # another one
+    <other checkout>/.venv/bin/python bench/bench_trace_speed.py --out /tmp/ref   # another one
     python bench/bench_trace_speed.py --compare /tmp/ref /tmp/new --json bench/results/trace-speed.json
 
 Run it from outside the repository (or with the other checkout's interpreter) to time that

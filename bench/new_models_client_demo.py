@@ -1,9 +1,9 @@
 """The official openai client against a fresh ``make serve``: a ``tiny-wan2.2`` video job (two
 experts, the switch inside the job) and a ``tiny-qwen-image`` image, with what came back.
 
-    flock /tmp/xema-heavy.lock bash -c 'make serve > /tmp/serve.log 2>&1 & \\
-        PYTHONPATH=. .venv/bin/python bench/new_models_client_demo.py --out bench/results/new-models-client.json; \\
-        ray stop --force'
+    make serve > /tmp/serve.log 2>&1 &
+    PYTHONPATH=. .venv/bin/python bench/new_models_client_demo.py --out bench/results/new-models-client.json
+    ray stop --force
 """
 
 from __future__ import annotations

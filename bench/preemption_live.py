@@ -5,7 +5,7 @@ optionally with every template's denoising steps raised (``--steps N``) and with
 (``--max-preemptions 0``: the same run without it); counts the dispatcher's preemption decisions
 (``/v1/stats``) and reports each template's latency against its SLO (``/v1/templates``).
 
-    flock /tmp/xema-heavy.lock .venv/bin/python bench/preemption_live.py [--n 80] [--rate 1.0] [--steps N]
+    .venv/bin/python bench/preemption_live.py [--n 80] [--rate 1.0] [--steps N]
         [--deployment YAML] [--max-preemptions K] [--out results.json]
 
 Uses only long-standing interfaces, so an older checkout runs the same file with its own

@@ -2,7 +2,7 @@
 one worker, the Redis job store on a redis-server of its own) with video jobs running, then
 ``/v1/videos/sync`` requests timed with the store up and with redis-server stopped (SIGSTOP).
 
-    flock /tmp/xema-heavy.lock .venv/bin/python bench/store_pause.py [--port 8300] [--pause-s 25]
+    .venv/bin/python bench/store_pause.py [--port 8300] [--pause-s 25]
 
 It uses only what ``build_app`` has long accepted, so the same file measures an older checkout
 (run it with that checkout's interpreter, from its root). Prints one JSON object.

@@ -20,16 +20,17 @@ from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.allocator.artifact import layouts_dir
-from xema_ray.serving.config import ModelGroupConfig, ServeConfig
+from xema_ray.serving.config import ServeConfig
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.adapter_registry import AdapterRegistry
-from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
+from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
 from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
 from xema_ray.serving.startup import gpu_shortfall, paused_host_bytes, preflight, served_templates
-from xema_ray.serving.api.stats import Stats
+from xema_ray.serving.stats import Stats
 from xema_ray.serving.group.worker_set import WORKER_KINDS
 
 logger = logging.getLogger("xema_ray.serving")

@@ -1,5 +1,5 @@
 """The GPU check's plan (gpu_check/run.py): the priority/time table of the GPU tests, what each
-needs of gpu_check/gpu_prep.sh, and the device session's timeline (two calls in 900 s).
+needs of gpu_check/gpu_prep.sh, and the device time's timeline (two calls in 900 s).
 
 Standard library only: run.py imports this before the kit (pydantic among it) is installed, so
 a machine without the kit still gets a plan and a record.
@@ -9,26 +9,26 @@ does not name runs after the named ones with ``UNPLANNED`` figures, or with the 
 gives (``@pytest.mark.gpu(expected_s=60, timeout_s=150, part=2, needs=("allocator",))``). The
 table orders them: the cheap, high-value checks first (analyzer, VAE chain, fingerprint), then the
 armed allocator (the headline), then the long ones. Expected seconds are estimates, not
-measurements (no GPU was lent when they were written): BENCHMARKS.md "GPU check".
+measurements (no GPU was available to measure them): BENCHMARKS.md "GPU check".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: what the device tool brings back from $OUT (8 files at most)
+#: what the remote GPU runner brings back from $OUT (8 files at most)
 MAX_OUT_FILES = 8
 #: the prep steps every test needs (gpu_check/gpu_prep.sh's step names); a test's ``needs`` adds to these
 BASE_NEEDS: tuple[str, ...] = ("machine_packages", "kit", "project")
 #: every prep step, in the order gpu_prep.sh runs them
 PREP_STEPS: tuple[str, ...] = ("machine_packages", "kit", "headers", "toolchain", "allocator", "project")
 
-# ---- the device session (/work/.library/device/README.md and KINDS.md, nvidia-h200)
-#: device time of a session, machine starts, idle waits and the give-back included
+# ---- the device time (the remote GPU runner's documented limits, nvidia-h200)
+#: device time in all, machine starts, idle waits and the give-back included
 DEVICE_S = 900
-#: one command's limit (the run tool's timeout_s at most)
+#: one command's limit (the runner's timeout_s at most)
 COMMAND_LIMIT_S = 600
-#: a machine's start plus the tree's transfer (README: "a minute or more"; budgeted at two)
+#: a machine's start plus the tree's transfer (the runner's documentation: "a minute or more"; budgeted at two)
 MACHINE_START_S = 120
 #: gpu_check/gpu_prep.sh on a fresh machine (kit install, allocator build on 16 cores) / on a warm one
 PREP_COLD_S = 90
@@ -39,7 +39,7 @@ RETURN_S = 20
 TURNAROUND_S = 30
 #: kept back at the end: the give-back, a clock that drifts between this machine and the device's
 END_MARGIN_S = 30
-#: the device machine's RAM (KINDS.md: 128 GiB; MemTotal there starts lower and grows, so it is not read)
+#: the device machine's RAM (the runner's description: 128 GiB; MemTotal there starts lower and grows, so it is not read)
 DEVICE_RAM_BYTES = 128 * 2**30
 #: the share of it one GPU test may pin (page-locked memory cannot be swapped out: the rest is the OS's,
 #: the check's and pytest's); passed to every test as $XEMA_GPU_HOST_BUDGET_BYTES
@@ -140,7 +140,7 @@ def plan_for(nodeid: str, marker: dict[str, object] | None = None) -> tuple[int,
 
 @dataclass(frozen=True)
 class Timeline:
-    """The two device calls laid out in the session's device time, machine start counted."""
+    """The two device calls laid out in the device time, machine start counted."""
 
     start: float  # unix time the first call is sent
     part1_expected_s: float
@@ -159,7 +159,7 @@ class Timeline:
 
     @property
     def until2(self) -> int:
-        """Part 2 starts no test that cannot finish by then: the session's device time, less the
+        """Part 2 starts no test that cannot finish by then: the device time, less the
         last return and a margin for the give-back and clock drift."""
         return int(self.start + DEVICE_S - RETURN_S - END_MARGIN_S)
 

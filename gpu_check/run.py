@@ -4,7 +4,7 @@ Standard library only until the tests run: ``gpu-check.json`` is written first, 
 else is imported, so a machine where the kit (pydantic among it) is missing still returns a
 record saying why. The GPU tests are found by their ``gpu`` marker (gpu_check/gpu_collect.py) and
 ordered by the table in gpu_check/gpu_plan.py. Each test runs in its own ``pytest`` process (its
-own session: a timeout kills its children too) with ``PYTHONHASHSEED=0``, its own timeout and
+own process session: a timeout kills its children too) with ``PYTHONHASHSEED=0``, its own timeout and
 ``$XEMA_GPU_HOST_BUDGET_BYTES`` (the share of the machine's RAM it may pin); ``gpu-check.json`` is
 rewritten after every test, so a segfault or a hang costs one test, not the record. A test whose
 prep step failed (gpu_check/gpu_prep.sh: no Python.h, say, fails the allocator's build) is
@@ -15,8 +15,8 @@ and every test's output is appended to ``gpu-check.log``: at most 8 files come b
 
 On a machine without CUDA it writes a "no CUDA GPU" record and exits 0 (nothing run), unless
 ``--dry-run``: then it collects as the GPU machine would (exit 1 on a collection error).
-``--list`` prints the plan laid out in the session's device time and both device calls, ready to
-send. docs/gpu-check.md.
+``--list`` prints the plan laid out in the device time and both device calls, ready to
+send to the remote GPU runner. docs/gpu-check.md.
 
 Examples:
     python3 gpu_check/run.py --list
@@ -221,7 +221,7 @@ def _torch_facts(record: GpuCheckRecord) -> bool:
 
 
 def print_list(tests: list[TestRecord], errors: list[CollectionError], start: float) -> None:
-    """Both parts laid out in the session's device time (machine start counted) and the two calls."""
+    """Both parts laid out in the device time (machine start counted) and the two calls."""
     t1 = sum(t.expected_s for t in tests if t.part == 1)
     t2 = sum(t.expected_s for t in tests if t.part == 2)
     start = int(start)

@@ -3,7 +3,7 @@
 Both take seconds on a small machine — importing the planner pulls in torch and diffusers (~5 s
 on the 2-core CI machine) and starting a local Ray instance waits on its processes (~6 s, mostly
 idle) — and neither needs the other, so the imports run on a thread while the main thread
-starts (or joins) the cluster. ``planner.driver`` then finds Ray initialised. Nothing here imports
+starts (or joins) the cluster. ``planner.pipeline`` then finds Ray initialised. Nothing here imports
 torch: this module is what ``python -m planner`` loads first.
 """
 
@@ -57,31 +57,30 @@ def start(argv: list[str], module: str = "planner.cli") -> None:
 
     loader = threading.Thread(target=load, name="planner-imports", daemon=True)
     loader.start()
+    from planner.cluster_fit import NoRoom
+
     try:
         init_ray()
         check_room(argv)  # before the imports finish: a cluster with no room is said within seconds
-    finally:
+    except NoRoom:
+        raise  # said at once by the caller (planner.__main__), without waiting for the imports
+    except BaseException:
         loader.join()
+        raise
+    loader.join()
 
 
 def check_room(argv: list[str]) -> None:
-    """Stop now (exit 3, the message on stderr) when the cluster has no room for one planning task
-    within ``--wait-for-resources`` seconds (``planner.cluster_fit``); the driver sizes its tasks
-    again when it submits them."""
+    """Raise ``NoRoom`` (``planner.__main__`` stops with exit 3, the message on stderr) when the
+    cluster has no room for one planning task within ``--wait-for-resources`` seconds
+    (``planner.cluster_fit``); the pipeline sizes its tasks again when it submits them."""
     import argparse
 
-    from planner.cluster_fit import WAIT_S, NoRoom, fit_tasks
+    from planner.cluster_fit import WAIT_S, fit_tasks
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--hardware", default="a6000")
     p.add_argument("--measure", default="auto")
     p.add_argument("--wait-for-resources", type=float, default=WAIT_S)
     known, _ = p.parse_known_args(argv[1:])
-    try:
-        fit_tasks(known.hardware, known.measure, wait_s=known.wait_for_resources)
-    except NoRoom as e:
-        import sys
-
-        print(f"planner: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)  # the import thread may hold the import lock: no interpreter shutdown to wait for
+    fit_tasks(known.hardware, known.measure, wait_s=known.wait_for_resources)

@@ -1,6 +1,8 @@
 """``python -m planner plan ...`` (also ``xema plan`` and ``ray job submit -- python -m planner ...``):
-the command line only. Its flags are read into ``planner.driver.PlanOptions`` and the templates to
-plan; ``planner.driver.plan`` plans them (Ray tasks, group finishing, layouts, the table).
+the command line, and the only module of the planner that prints or chooses an exit status. Its
+flags are read into a ``planner.pipeline.PlanRequest``; ``planner.pipeline.plan`` runs the passes
+(Ray tasks, group finishing, host memory, layouts, expert switch, the table) and returns a
+``PlanResult``, which is said here.
 
 Example:
     python -m planner plan --templates tiny --gpus 2 --budget 20MB --hardware cpu --out plans/tiny.json
@@ -11,10 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 # Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
-# where it is used (``planner.driver``); ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
+# where it is used (``planner.pipeline``); ``planner.boot`` imports ``HEAVY_MODULES`` while Ray starts.
 from xema_ray.memory.analysis import parse_bytes
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate, named_templates
@@ -22,9 +25,17 @@ from xema_ray.templates import RequestTemplate, named_templates
 from planner.baselines import BASELINES
 from planner.latency import hardware_names
 
+if TYPE_CHECKING:
+    from xema_ray.plan import PlanTable, TextEncoderChoice
+
+    from planner.pipeline import LayoutReport, PlanEvent, PlanResult
+    from planner.task_io import TemplateResult
+
 PLANNERS = ("xema", *BASELINES)
+#: the checkout the recorded command is relative to
+ROOT = Path(__file__).resolve().parents[1]
 #: what ``cmd_plan`` imports on first use (the driver and what its tasks import: torch, diffusers: seconds)
-HEAVY_MODULES = ("planner.driver", "planner.trace_model", "planner.traces", "planner.pause_state",
+HEAVY_MODULES = ("planner.pipeline", "planner.driver", "planner.trace_model", "planner.traces", "planner.pause_state",
                  "planner.text_encoder", "planner.residency_choice", "planner.layouts", "xema_ray.runtime.residency")
 
 
@@ -69,10 +80,32 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
+def recorded_command(argv: list[str], root: Path = ROOT) -> str:
+    """The command as the table's provenance records it: relative to the checkout, so the record
+    reads the same on every machine (``python -m planner plan ...``, ``xema plan ...``; a path
+    under the checkout relative to it)."""
+    if not argv:
+        return ""
+    head = Path(argv[0])
+    first = "python -m planner" if head.name == "__main__.py" and head.parent.name == "planner" else head.name
+    return " ".join([first, *(_relative(a, root) for a in argv[1:])])
+
+
+def _relative(arg: str, root: Path) -> str:
+    name, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    path = Path(value)
+    if path.is_absolute() and path.is_relative_to(root):
+        value = str(path.relative_to(root)) or "."
+    return f"{name}{eq}{value}"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The flags read into the driver's options (``planner.driver.plan`` does the planning)."""
-    from planner.driver import PlanOptions, plan
+    """The flags read into a ``planner.pipeline.PlanRequest``, planned, and the run said: the
+    summary on stdout, errors on stderr; exit 2 for a request that cannot be planned as asked, 3
+    when the cluster had no room for a planning task (``PlanError.exit_code``)."""
+    from planner.driver import PlanOptions
     from planner.load_aware import read_loads
+    from planner.pipeline import PlanError, PlanRequest, plan
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
@@ -105,8 +138,113 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
                        host_budget=host_budget, adapter_pools=pools)
-    return plan(templates, opts, loads, out=args.out, stats=args.stats, layouts=args.layouts, use_ray=not args.no_ray,
-                wait_s=args.wait_for_resources)
+    request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
+                          layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,
+                          command=recorded_command(sys.argv))
+    try:
+        result = plan(request, on_event=say_event)
+    except PlanError as e:
+        print(f"planner: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    say_result(result)
+    return 0
+
+
+# ---------------------------------------------------------------------------- what the run says
+def say_event(event: PlanEvent) -> None:
+    """What ``plan`` reports while it runs."""
+    from planner.pipeline import HostReplanning, LayoutsSkipped, TasksSized
+
+    if isinstance(event, TasksSized):
+        print(f"planning tasks ask for {event.note}", flush=True)
+    elif isinstance(event, LayoutsSkipped):
+        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
+              "says so explicitly)", file=sys.stderr)
+    elif isinstance(event, HostReplanning):
+        print(f"host memory: {event.load_peak_bytes / 1e9:.1f} GB per node while loading, over --host-budget "
+              f"{event.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
+
+
+def say_result(result: PlanResult) -> None:
+    """The run's summary, in the order the passes made it: layouts, plans, groups, the node's host
+    memory, the expert switches, the times, the files written."""
+    from planner.expert_switch import describe
+
+    if result.layouts is not None:
+        say_layouts(result.layouts)
+    print_summary(list(result.results))
+    table = result.table
+    print_groups(table, result.encoders)
+    if table.host is not None:
+        n = table.host
+        budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
+        print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
+              f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
+    for p in result.switches:
+        print(describe(p))
+    if result.written.experts is not None:
+        print(f"wrote {result.written.experts}")
+    for key in result.switched:
+        e = table.entries[key]
+        print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
+              f"latency {e.prediction.latency_s:.1f} s (the search on both experts held: {e.runner_up})")
+    print(f"planned {len(result.results)} templates in {result.planned_s:.1f} s ({result.total_s:.1f} s with "
+          f"residencies, encoders and layouts); candidates' latencies: {table.provenance.measured} measured, "
+          f"{table.provenance.estimated} estimated")
+    if result.written.table is not None:
+        # the path as this process sees it: under `ray job submit` the job's working directory is
+        # the cluster's, not the submitting shell's
+        print(f"wrote {result.written.table} ({result.written.table.resolve()})")
+
+
+def say_layouts(report: LayoutReport) -> None:
+    """One line per model's dynamic region and per entry's layout."""
+    from xema_ray.memory.analysis import gb
+
+    budget = report.budget_bytes
+    for model, dyn in report.dynamic_bytes.items():
+        print(f"layouts {model}: one dynamic region of {gb(dyn)} per worker, the static region follows the template")
+    for k, e in report.entries.items():
+        p = e.prediction
+        if k in report.not_armed:
+            print(f"layout {k}: none kept ({report.not_armed[k]}), predicted peak {gb(p.peak_bytes)} without it")
+            continue
+        over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
+        print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {report.ratios[k]:.3f}, "
+              f"predicted peak {gb(p.peak_bytes)}{over}")
+    print(f"solved {len(report.ratios)} static layouts, done {report.wall_s:.1f} s after the last template was planned "
+          f"({report.cpu_s:.1f} CPU s in the tasks)")
+
+
+def print_summary(results: list[TemplateResult], out: TextIO | None = None) -> None:
+    """One line per template: its plan, peak, latency, goodput, candidates profiled, runner-up."""
+    from xema_ray.memory.analysis import gb
+
+    w = (out or sys.stdout).write
+    w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
+    for r in results:
+        if r.entry is None:
+            w(f"{r.template:<28} {'infeasible (no configuration fits the budget and the SLO)':<48}\n")
+            continue
+        e = r.entry
+        p = e.prediction
+        w(f"{r.template:<28} {e.config.describe():<48} {gb(p.peak_bytes):>10} {p.latency_s:>8.2f}s "
+          f"{p.goodput_rps * 60:>7.2f}/min {r.profiled:>8}  {e.runner_up or '-'}\n")
+
+
+def print_groups(table: PlanTable, encoders: dict[str, TextEncoderChoice]) -> None:
+    """Each entry's text encoder, each group's residency and the load it was planned for."""
+    for k in table.entries:
+        if k in encoders:
+            print(f"text encoder {k}: {encoders[k].describe()}")
+    for model, r in table.residency.items():
+        figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
+        print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
+    for model, pl in table.planned_load.items():
+        adm = table.admission[model]
+        print(f"load {model}: {pl.rate_per_min:g}/min -> expected attainment {pl.expected_attainment:.1%} "
+              f"(goodput choice {pl.goodput_attainment:.1%}); changed {', '.join(pl.changed) or 'none'}; "
+              f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:

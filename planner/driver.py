@@ -1,8 +1,8 @@
-"""The planning driver (paper §7): what ``python -m planner plan`` (also ``xema plan`` and ``ray job
-submit -- python -m planner ...``) runs once ``planner.cli`` has read its flags.
+"""The template pass (paper §7.3): each template planned in its own Ray task (``plan_one``:
+``PlanOptions`` in, ``TemplateResult`` out), run by ``plan_all`` for ``planner.pipeline``'s
+``templates`` pass.
 
-Each template is planned in its own Ray task (``plan_one``: ``PlanOptions`` in, ``TemplateResult``
-out). When the cluster has GPUs, the task holds one (``num_gpus=1``), builds the model there with
+When the cluster has GPUs, the task holds one (``num_gpus=1``), builds the model there with
 random weights at its real config and measures the candidates with the segment-reuse profiler
 (``planner.measure``; profile store keyed by the GPU's NVML fingerprint); the roofline cost model
 answers only for what one GPU cannot measure (SP > 1, out of memory) and for what-if planning
@@ -10,99 +10,31 @@ answers only for what one GPU cannot measure (SP > 1, out of memory) and for wha
 cost model (``--hardware cpu``: this CPU is measured). Every plan entry says which
 (``latency_source``), and the statistics count the candidates measured and estimated.
 
-A model group is finished as soon as its last template is planned, while the others still plan
-(``GroupFinisher``): its residency policy (``planner.residency_choice``), each template's
-text-encoder placement (``planner.text_encoder``), then its static layouts start
-(``planner.layouts.LayoutWave``). With an expected load (``--load``) the groups are finished
-together after every template is planned, from the configurations chosen under that load
-(``planner.load_aware``). The table (``plan_table``) then takes the layouts' entries and the run's
-provenance (``xema_ray.plan.PlanProvenance``).
+``plan_all`` hands each model group on (``on_group``) as soon as its last template is planned,
+while the others still plan: the pipeline finishes it there when no pass couples the groups
+(``planner.pipeline``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, TextIO
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from xema_ray.memory.analysis import gb
-from xema_ray.plan import ExecutionConfig, LoraPoolConfig, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
+from xema_ray.plan import ExecutionConfig, PlanEntry
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
-from xema_ray.profiling.hardware import HardwareProfile
 
 from planner.baselines import SearchSpace, run_baseline
-from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
+from planner.cluster_fit import TaskShape, fit_tasks
 from planner.latency import LatencyModel, combine
-from planner.layouts import LayoutWave
-from planner.load_aware import GroupLoad
 from planner.measure import DeviceLatency, task_device
-from planner.finishing import GroupFinisher, finish_group, finish_under_load, merged_encoder_facts  # noqa: F401
-from planner.text_encoder import EncoderFacts
+# the task's types live below the passes that read them (planner.finishing, planner.pipeline);
+# named here too, where the bench and the tests import them from
+from planner.task_io import PlanOptions, TemplateResult
 
-
-class PlanOptions(BaseModel):
-    """What every planning task of one run is told (``plan_one``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    hardware: str = Field(description="hardware profile for latency (planner.latency.hardware_names)")
-    budget: int = Field(description="per-GPU memory budget, bytes")
-    gpus: int = Field(description="GPUs a template may use where its model has no group of its own")
-    group_gpus: dict[str, int] = Field(default_factory=dict, description="model -> GPUs of its deployment group")
-    slo_scale: float = 1.0
-    max_batch: int = 8
-    planner: str = Field(default="xema", description="xema or a baseline (planner.baselines.BASELINES)")
-    trace_cache: str | None = Field(default=None, description="directory keeping analyzer traces (JSON)")
-    time_limit_s: float | None = Field(default=None, description="seconds per template for grid-style baselines")
-    profile_store: str | None = Field(default=None, description="profile store JSON (measurements reused)")
-    measure: Literal["auto", "always", "never"] = "auto"
-    text_encoder: Literal["plan", "none"] = Field(
-        default="none", description="plan: the task measures the text encoder's facts for its placement")
-    loaded_models: tuple[str, ...] = Field(
-        default=(), description="models with an expected load: their tasks send their other candidates too")
-    host_budget: int | None = Field(
-        default=None, ge=1, description="host memory per node, bytes (--host-budget, or the deployment's host_memory): "
-                                        "plans whose node fits it are preferred (planner.host_choice)")
-    send_candidates: bool = Field(
-        default=False, description="every task sends its other candidates (the host budget's second pass)")
-    adapter_pools: dict[str, LoraPoolConfig] = Field(
-        default_factory=dict, description="model -> its group's LoRA adapter pool (the deployment's adapters:): "
-                                          "its plans are traced with the pool and every sample's adapters")
-
-
-class TemplateResult(BaseModel):
-    """What one planning task sends back (``plan_one``; Ray pickles it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    template: str = Field(description="the template's shape key")
-    slo_s: float | None = Field(description="the SLO it was planned for (None: no configuration fits the budget)")
-    entry: PlanEntry | None = Field(description="the chosen plan (None: infeasible)")
-    candidates: tuple[PlanEntry, ...] = Field(
-        default=(), description="its other assembled configurations, when its model group has an expected load")
-    encoder_facts: EncoderFacts | None = Field(default=None, description="what placing its text encoder needs")
-    device: str = Field(description="where candidates were measured: cuda, cpu, or none (the cost model)")
-    traced: int = Field(description="analyzer traces taken (not found in the trace cache)")
-    profiled: int = Field(description="candidates whose latency was asked")
-    analysed: int = Field(description="candidates whose memory was analysed")
-    finished: bool = Field(description="False: a baseline stopped at its time limit")
-    pruned_memory: int | None = Field(default=None, description="Xema: candidates pruned for memory")
-    pruned_slo: int | None = Field(default=None, description="Xema: candidates pruned for the SLO")
-    measured: int = Field(description="candidates' latencies measured")
-    estimated: int = Field(description="candidates' latencies estimated")
-    not_measured: tuple[str, ...] = Field(default=(), description="measuring on the device failed: why (first 5)")
-    seconds: float = Field(description="the task's wall time")
-    cpu_s: float = Field(description="the task's CPU time (other jobs stretch only the wall time)")
-    started_unix: float = Field(description="when the task started, for the planning timeline")
-    worker_pid: int
+__all__ = ["GroupDone", "PlanOptions", "TemplateResult", "plan_all", "plan_one", "with_latency_source"]
 
 
 def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
@@ -238,213 +170,3 @@ def plan_all(templates: list[RequestTemplate], opts: PlanOptions, use_ray: bool,
                 arrived(ray.get(ref))
                 bar.update(1)
     return sorted(results, key=lambda r: order[r.template])
-
-
-# ---------------------------------------------------------------------------- the table
-def plan_table(results: list[TemplateResult], opts: PlanOptions, groups: GroupFinisher, loaded: PlanTable | None,
-               wall_s: float) -> PlanTable:
-    """The finished groups' entries in the templates' order, with the run's provenance."""
-    in_order = [r.template for r in results if r.template in groups.entries]
-    return PlanTable(
-        hardware=LatencyModel(opts.hardware).fingerprint(opts.gpus), gpus=opts.gpus, budget_bytes=opts.budget,
-        group_gpus=opts.group_gpus, slo_scale=opts.slo_scale, planner=opts.planner,
-        adapter_pools={m: opts.adapter_pools[m] for m in sorted(opts.adapter_pools)},
-        residency={m: groups.residency[m] for m in sorted(groups.residency)},
-        entries={k: groups.entries[k] for k in in_order}, admission=loaded.admission if loaded else {},
-        planned_load=loaded.planned_load if loaded else {},
-        provenance=PlanProvenance(
-            command=" ".join(sys.argv), wall_s=round(wall_s, 1), profiled=sum(r.profiled for r in results),
-            tasks_cpu_s=round(sum(r.cpu_s for r in results), 1),
-            text_encoders={k: groups.encoders[k] for k in in_order if k in groups.encoders},
-            measured=sum(r.measured for r in results), estimated=sum(r.estimated for r in results),
-            infeasible=tuple(r.template for r in results if r.entry is None),
-            planned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
-    )
-
-
-def with_layouts(table: PlanTable, wave: LayoutWave, gpu: str, planned_at: float) -> PlanTable:
-    """``table`` with the layouts ``wave`` solved (each entry referencing its layout, its peak what
-    the worker holds with it armed) and their provenance; prints one line per entry. ``planned_at``:
-    ``time.perf_counter()`` when the last template was planned."""
-    budget = table.budget_bytes
-    solved, ratios, layout_cpu = wave.collect(budget)
-    # the wall time the layouts add after the last template is planned (they start while others plan)
-    layout_wall = time.perf_counter() - planned_at
-    table = table.model_copy(update={"entries": {k: solved[k] for k in table.entries},
-                                     "provenance": table.provenance.model_copy(update=dict(
-                                         layouts_wall_s=round(layout_wall, 1), layouts_cpu_s=round(layout_cpu, 1),
-                                         layouts_gpu=gpu, layouts_dynamic_bytes=dict(sorted(wave.dynamic_bytes.items())),
-                                         layouts_not_armed=dict(sorted(wave.not_armed.items()))))})
-    for model, dyn in wave.dynamic_bytes.items():
-        print(f"layouts {model}: one dynamic region of {gb(dyn)} per worker, the static region follows the template")
-    for k, e in table.entries.items():
-        p = e.prediction
-        if k in wave.not_armed:
-            print(f"layout {k}: none kept ({wave.not_armed[k]}), predicted peak {gb(p.peak_bytes)} without it")
-            continue
-        over = "" if p.peak_bytes <= budget else f"  OVER the {gb(budget)} budget with the static allocator"
-        print(f"layout {k}: {e.config.layout_ref}, reserved/lower bound {ratios[k]:.3f}, "
-              f"predicted peak {gb(p.peak_bytes)}{over}")
-    print(f"solved {len(ratios)} static layouts, done {layout_wall:.1f} s after the last template was planned "
-          f"({layout_cpu:.1f} CPU s in the tasks)")
-    return table
-
-
-# ---------------------------------------------------------------------------- the run
-def print_summary(results: list[TemplateResult], out: TextIO | None = None) -> None:
-    w = (out or sys.stdout).write
-    w(f"{'template':<28} {'plan':<48} {'peak/GPU':>10} {'latency':>9} {'goodput':>10} {'profiled':>8}  runner-up\n")
-    for r in results:
-        if r.entry is None:
-            w(f"{r.template:<28} {'infeasible (no configuration fits the budget and the SLO)':<48}\n")
-            continue
-        e = r.entry
-        p = e.prediction
-        w(f"{r.template:<28} {e.config.describe():<48} {gb(p.peak_bytes):>10} {p.latency_s:>8.2f}s "
-          f"{p.goodput_rps * 60:>7.2f}/min {r.profiled:>8}  {e.runner_up or '-'}\n")
-
-
-def print_groups(table: PlanTable, encoders: dict[str, TextEncoderChoice]) -> None:
-    """Each entry's text encoder, each group's residency and the load it was planned for."""
-    for k in table.entries:
-        if k in encoders:
-            print(f"text encoder {k}: {encoders[k].describe()}")
-    for model, r in table.residency.items():
-        figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
-        print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
-    for model, pl in table.planned_load.items():
-        adm = table.admission[model]
-        print(f"load {model}: {pl.rate_per_min:g}/min -> expected attainment {pl.expected_attainment:.1%} "
-              f"(goodput choice {pl.goodput_attainment:.1%}); changed {', '.join(pl.changed) or 'none'}; "
-              f"late requests: {adm.late}; refused: {', '.join(adm.refused) or 'none'}")
-
-
-def fit_host(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
-             groups: GroupFinisher, use_ray: bool, shape: TaskShape | None) -> list[TemplateResult]:
-    """The finished groups within ``--host-budget``: as planned where their node fits (the usual
-    case: nothing more to do), else planned again with every template's other candidates and
-    fitted (``planner.host_choice``; the layouts of changed entries are solved anew). Returns the
-    results the table is built from; raises ``HostBudgetError`` naming the bytes when none fits."""
-    from planner.host_choice import node_host
-
-    assert opts.host_budget is not None
-    if not groups.defer:
-        node = node_host(groups.entries, groups.residency, opts.group_gpus, opts.gpus, opts.host_budget,
-                         share=opts.hardware != "cpu")
-        if node.fits:
-            return results
-        print(f"host memory: {node.load_peak_bytes / 1e9:.1f} GB per node while loading, over --host-budget "
-              f"{opts.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
-        results = plan_all(templates, opts.model_copy(update={"send_candidates": True}), use_ray=use_ray,
-                           shape=shape)
-        groups.defer = True
-        model_of = {t.shape_key: t.model for t in templates}
-        for model in sorted(set(model_of.values())):
-            groups.finish(model, [r for r in results if model_of[r.template] == model])
-    groups.fit_host(results)
-    return results
-
-
-def _block_sizes(templates: list[RequestTemplate]) -> threading.Thread:
-    """What the residency choice needs from each model (its DiT blocks' weight bytes: a meta build
-    of the transformer, seconds with its imports), prepared on a thread while the tasks run."""
-    from xema_ray.runtime.residency import block_sizes
-
-    return threading.Thread(target=lambda: [block_sizes(t.spec) for t in {t.model: t for t in templates}.values()],
-                            name="block-sizes", daemon=True)
-
-
-def _plan_expert_switches(table: PlanTable, templates: list[RequestTemplate], opts: PlanOptions, hw: HardwareProfile,
-                          out: str | None) -> PlanTable:
-    """Two-expert models (Wan2.2-A14B): what each template's plan does at the expert switch,
-    printed, written beside the table (``planner.expert_switch``) and made the template's entry
-    (``ExecutionConfig.experts``: the worker executes it)."""
-    from planner.expert_switch import ExpertSwitchFile, describe, expert_switch_plans, with_switch_entries
-
-    slos = {k: e.prediction.slo_s for k, e in table.entries.items()}
-    plans = expert_switch_plans(templates, opts.budget, hw, opts.group_gpus, opts.gpus, slo_of=slos)
-    for p in plans:
-        print(describe(p))
-    if plans and out:
-        path = Path(out).with_suffix(".experts.json")
-        ExpertSwitchFile(plans=plans).save(path)
-        print(f"wrote {path}")
-    if not plans:
-        return table
-    switched = with_switch_entries(table, plans, templates)
-    for p in plans:
-        key = next(t.shape_key for t in templates if t.key == p.template)
-        e = switched.entries[key]
-        print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
-              f"latency {e.prediction.latency_s:.1f} s (the search on both experts held: {e.runner_up})")
-    return switched
-
-
-def plan(templates: list[RequestTemplate], opts: PlanOptions, loads: dict[str, GroupLoad], out: str | None,
-         stats: str | None, layouts: bool, use_ray: bool, wait_s: float = 10.0) -> int:
-    """Plan ``templates`` (Ray tasks, or in this process), finish each model group, solve the
-    static layouts next to ``out`` (``layouts``), write the table and the per-template statistics
-    (``stats``). Returns the exit status (2: the load names what is not planned; 3: the cluster
-    had no room for a planning task within ``wait_s`` seconds: the message says who holds it)."""
-    t0 = time.perf_counter()
-    shape = None
-    if use_ray:
-        from planner.boot import init_ray
-
-        init_ray()
-        try:
-            shape = fit_tasks(opts.hardware, opts.measure, wait_s=wait_s)
-        except NoRoom as e:
-            print(f"planner: {e}", file=sys.stderr, flush=True)
-            return 3
-        print(f"planning tasks ask for {shape.note}", flush=True)
-    sizes = _block_sizes(templates)
-    if use_ray:
-        sizes.start()
-    latency_model = LatencyModel(opts.hardware, store_path=opts.profile_store)
-    if layouts and not out:
-        print("planner: no --out, so no static layouts (they are written next to the table; --no-layouts "
-              "says so explicitly)", file=sys.stderr)
-    wave = (LayoutWave(out, latency_model.hardware.gpu_model, use_ray=use_ray, num_cpus=shape.num_cpus if shape else 1.0)
-            if layouts and out else None)
-    # with an expected load the groups' choices are made together, after every template is planned
-    # (with a host budget too, fitted then: planner.host_choice)
-    groups = GroupFinisher(opts, latency_model, wave, sizes, defer=bool(loads) and opts.host_budget is not None)
-    results = plan_all(templates, opts, use_ray=use_ray, on_group=None if loads else groups.finish, shape=shape)
-    wall = time.perf_counter() - t0
-    loaded = None
-    try:
-        if loads:
-            loaded = finish_under_load(results, templates, opts, loads, groups)
-        if opts.host_budget is not None:
-            results = fit_host(results, templates, opts, groups, use_ray, shape)
-    except ValueError as e:  # the load names what is not planned, or no plan fits the host budget
-        print(f"planner: {e}", file=sys.stderr)
-        return 2
-    from planner.host_choice import with_node_host
-
-    table = with_node_host(plan_table(results, opts, groups, loaded, wall), share=opts.hardware != "cpu",
-                           budget_bytes=opts.host_budget)
-    if wave is not None:
-        table = with_layouts(table, wave, latency_model.hardware.gpu_model, planned_at=t0 + wall)
-    print_summary(results)
-    print_groups(table, groups.encoders)
-    if table.host is not None:
-        n = table.host
-        budget = f" of {n.budget_bytes / 1e9:.1f} GB" if n.budget_bytes else ""
-        print(f"host memory per node: {n.resident_bytes / 1e9:.2f} GB resident, {n.pinned_bytes / 1e9:.2f} GB pinned, "
-              f"{n.load_peak_bytes / 1e9:.2f} GB while loading{budget} ({n.describe()})")
-    table = _plan_expert_switches(table, templates, opts, latency_model.hardware, out)
-    total = time.perf_counter() - t0
-    table.provenance.total_s = round(total, 1)
-    print(f"planned {len(results)} templates in {wall:.1f} s ({total:.1f} s with residencies, encoders and layouts); "
-          f"candidates' latencies: {table.provenance.measured} measured, {table.provenance.estimated} estimated")
-    if out:
-        table.save(out)
-        # the path as this process sees it: under `ray job submit` the job's working directory is
-        # the cluster's, not the submitting shell's
-        print(f"wrote {out} ({Path(out).resolve()})")
-    if stats:
-        Path(stats).write_text(json.dumps({"wall_s": wall, "results": [r.model_dump(mode="json") for r in results]},
-                                          indent=1))
-    return 0

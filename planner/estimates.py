@@ -225,7 +225,7 @@ def estimate_saving(
         hidden = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
         tokens = sum(template.token_counts().values())
         mult = float(cfg.get("mlp_ratio", 4.0))
-        b = batch if batch is not None else template.batch * (2 if spec.default_guidance_scale > 1 and spec.family != "flux2" else 1)
+        b = batch if batch is not None else template.batch * (2 if spec.runs_guidance() else 1)
         elem = 2 if spec.size == "real" else 4
         return estimate_dit_chunking(tokens, b, hidden, mult, elem, DitChunkingConfig(blocks=m.blocks or (0,), chunks=m.intensity))
     if baseline is None:

@@ -1,23 +1,22 @@
-"""Finishing the planned model groups: each group's residency and text-encoder placements once its
-templates are planned, their layouts started (``GroupFinisher``), under an expected load
-(``finish_under_load``) or a host budget's second pass (``GroupFinisher.fit_host``) all groups together."""
+"""The group passes (``GROUP_PASSES``: residency, then text encoder) and who runs them: each model
+group's plans made final once its templates are planned, its layouts started (``GroupFinisher``);
+under an expected load (``finish_every_group``) or a host budget's second pass
+(``GroupFinisher.fit_host``) all groups together."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from xema_ray.host_budget import NodeHost
-from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
+from xema_ray.plan import GroupResidency, PlanEntry, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
 from planner.latency import LatencyModel
 from planner.layouts import LayoutWave
+from planner.task_io import PlanOptions, TemplateResult
 from planner.text_encoder import EncoderFacts
-
-if TYPE_CHECKING:
-    from planner.driver import PlanOptions, TemplateResult
-    from planner.load_aware import GroupLoad
 
 
 def merged_encoder_facts(results: list[TemplateResult]) -> dict[str, EncoderFacts]:
@@ -30,30 +29,84 @@ def merged_encoder_facts(results: list[TemplateResult]) -> dict[str, EncoderFact
     return out
 
 
+@dataclass(frozen=True)
+class GroupInputs:
+    """What the group passes read beside the group's state: its templates' task results, the run's
+    options, the latency model, the placements a template's encoder may take (``allowed``: the
+    host budget's; None: any)."""
+
+    results: tuple[TemplateResult, ...]
+    planner: str
+    text_encoder: str
+    latency: LatencyModel
+    budget: int
+    allowed: dict[str, tuple[str, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """What one group pass hands the next: the group's entries, its residency (None: not chosen:
+    a baseline or no entry), the text-encoder placement chosen per entry (for the summary)."""
+
+    entries: dict[str, PlanEntry]
+    residency: GroupResidency | None = None
+    encoders: dict[str, TextEncoderChoice] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupPass:
+    """One named pass over a model group's plans (``GROUP_PASSES``)."""
+
+    name: str
+    run: Callable[[GroupInputs, GroupState], GroupState]
+
+
+def residency_pass(group: GroupInputs, state: GroupState) -> GroupState:
+    """The residency policy with more group goodput (Xema only; ``planner.residency_choice``)."""
+    from planner.residency_choice import choose_group_residency
+
+    if group.planner != "xema" or not state.entries:
+        return state
+    residency, entries = choose_group_residency(state.entries, group.latency.seconds, group.latency.hardware.h2d_gbps)
+    return replace(state, entries=entries, residency=residency)
+
+
+def text_encoder_pass(group: GroupInputs, state: GroupState) -> GroupState:
+    """Each template's text-encoder placement (``planner.text_encoder``); after the residency,
+    which changes the plans."""
+    from planner.text_encoder import place_text_encoder
+
+    entries, encoders = dict(state.entries), dict(state.encoders)
+    if group.text_encoder == "plan":
+        facts = merged_encoder_facts(list(group.results))
+        for k, e in list(entries.items()):
+            if e.config.template.spec.text_encoder is not None:
+                entries[k], costs = place_text_encoder(e, group.latency.hardware, group.budget,
+                                                       facts.get(e.config.template.spec.name),
+                                                       allowed=(group.allowed or {}).get(k))
+                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
+                encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
+    return replace(state, entries=entries, encoders=encoders)
+
+
+#: the passes over one model group's plans, in order; a new per-group choice is one more pass here
+GROUP_PASSES: tuple[GroupPass, ...] = (
+    GroupPass("residency", residency_pass),
+    GroupPass("text_encoder", text_encoder_pass),
+)
+
+
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
                  ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
-    """One model group's planned entries made final: the residency policy with more goodput
-    (Xema) and each template's text-encoder placement (after it: the residency changes the
-    plans; ``allowed``: the placements a template may take, for the host budget). Returns the
-    entries to serve with, the residency (None: a baseline or no entry) and the placement chosen
-    per entry, for the summary."""
-    from planner.residency_choice import choose_group_residency
-    from planner.text_encoder import place_text_encoder
-
-    residency = None
-    if planner == "xema" and entries:
-        residency, entries = choose_group_residency(entries, latency.seconds, latency.hardware.h2d_gbps)
-    entries, encoders = dict(entries), {}
-    if text_encoder == "plan":
-        facts = merged_encoder_facts(results)
-        for k, e in list(entries.items()):
-            if e.config.template.spec.text_encoder is not None:
-                entries[k], costs = place_text_encoder(e, latency.hardware, budget, facts.get(e.config.template.spec.name),
-                                                       allowed=(allowed or {}).get(k))
-                chosen = next(c for c in costs if c.placement == entries[k].config.text_encoder)
-                encoders[k] = TextEncoderChoice(placement=chosen.placement, seconds_per_batch=chosen.seconds)
-    return entries, residency, encoders
+    """One model group's planned entries made final by ``GROUP_PASSES``. Returns the entries to
+    serve with, the residency (None: a baseline or no entry) and the placement chosen per entry,
+    for the summary."""
+    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed)
+    state = GroupState(entries)
+    for p in GROUP_PASSES:
+        state = p.run(group, state)
+    return state.entries, state.residency, state.encoders
 
 
 class GroupFinisher:
@@ -113,21 +166,12 @@ class GroupFinisher:
         return node
 
 
-def finish_under_load(results: list[TemplateResult], templates: list[RequestTemplate], opts: PlanOptions,
-                      loads: dict[str, GroupLoad], groups: GroupFinisher) -> PlanTable:
-    """Every group finished from the configurations chosen for its expected load (the goodput
-    choices compete with the other assembled configurations there). Returns the draft table with
-    the groups' admission policies and planned loads; raises ValueError where the load names what
-    is not planned."""
-    from planner.load_aware import plan_groups_for_load
-
-    planned = {r.template: r.entry for r in results if r.entry is not None}
-    draft = PlanTable(hardware="planning", gpus=opts.gpus, budget_bytes=opts.budget, group_gpus=opts.group_gpus,
-                      entries=planned)
-    alts = {r.template: [r.entry, *r.candidates] for r in results if r.entry is not None}
-    loaded = plan_groups_for_load(draft, alts, {r.template: r.slo_s for r in results if r.entry is not None}, loads)
+def finish_every_group(results: list[TemplateResult], templates: list[RequestTemplate], groups: GroupFinisher,
+                       chosen: dict[str, PlanEntry] | None = None) -> None:
+    """Every model group finished at once, in the models' order, from ``chosen`` (the plans chosen
+    for them: under an expected load) or, by default, the tasks' choices."""
     model_of = {t.shape_key: t.model for t in templates}
     for model in sorted(set(model_of.values())):
         group = [r for r in results if model_of[r.template] == model]
-        groups.finish(model, group, {r.template: loaded.entries[r.template] for r in group if r.template in loaded.entries})
-    return loaded
+        groups.finish(model, group, None if chosen is None else
+                      {r.template: chosen[r.template] for r in group if r.template in chosen})

@@ -1,4 +1,5 @@
-"""Stage 4¾: the node's host memory as a budget (``--host-budget``, per node).
+"""The ``host_memory`` pass (``planner.pipeline.PASSES``): the node's host memory as a budget
+(``--host-budget``, per node).
 
 Once every group is finished (residency, text-encoder placement), the node's host memory is added
 up the way the workers will hold it (``xema_ray.runtime.host_bytes``: the loader's own exact
@@ -8,7 +9,7 @@ Over it, the planner gives up the least goodput per byte saved, one change at a 
 
 - a template's text encoder on the device instead of streamed or on the CPU, where the device
   budget still holds it (its weights leave the host; where it does not, the placement stays);
-- a template's next-best configuration (stage 4's other candidates), which offloads fewer DiT blocks.
+- a template's next-best configuration (the template pass's other candidates), which offloads fewer DiT blocks.
 
 If no combination fits, planning stops with ``HostBudgetError`` naming the bytes the smallest plan
 found needs, per group, against the budget.

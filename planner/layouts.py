@@ -1,4 +1,5 @@
-"""Stage 5: a static layout per plan entry, written next to the plan table (paper §6).
+"""The ``layouts`` pass (``planner.pipeline.PASSES``): a static layout per plan entry, written next
+to the plan table (paper §6).
 
 Each chosen configuration's layout is solved from the serving worker's own allocation stream
 for that configuration (its mitigations and text-encoder placement applied:

@@ -1,4 +1,5 @@
-"""Stage 4 under load: choose a model group's plans for the load it will see, not in isolation.
+"""The ``load_aware`` pass (``planner.pipeline.PASSES``): stage 4 under load, a model group's plans
+chosen for the load it will see, not in isolation.
 
 Stage 4 alone ranks each template's assembled configurations by isolated goodput (``stages.stage4``):
 the most requests per second one template's plan finishes within its SLO when it has the GPUs to

@@ -1,4 +1,5 @@
-"""Stage 4½: one residency per model group, or one per template (after every template is planned).
+"""The ``residency`` group pass (``planner.finishing.GROUP_PASSES``): one residency per model group,
+or one per template (after every template of the group is planned).
 
 Templates of one model share a group's workers, and a worker holds weights where its current
 template's plan keeps them (``xema_ray.runtime.residency``). Two policies:

@@ -1,4 +1,5 @@
-"""The planner's four stages (paper §7.3, Figure 8), against ``PlannerModel``.
+"""The paper's four stages (§7.3, Figure 8) that the ``templates`` pass (``planner.pipeline.PASSES``)
+runs for each template, against ``PlannerModel``.
 
 1. Parallelism and batch search: SP ∈ factors(N), DP = N / SP, BS = 1, 2, ... per layout, pruned
    by the SLO rule (unmitigated latency already over the SLO; checked first, it needs no trace)

@@ -66,9 +66,10 @@ class EncoderFacts(BaseModel):
 
 
 def encode_prompts_count(config: ExecutionConfig) -> int:
-    """Prompts one batch encodes: the empty negative prompt too where the model runs CFG on it
-    (CogVideoX, LTX-2)."""
-    return config.batch * (2 if config.template.spec.family in ("cogvideox", "ltx2") else 1)
+    """Prompts one batch encodes: the rows per request of the widest transformer call (the spec's
+    guidance passes), so the empty negative prompt too where the CFG pair runs as one doubled
+    batch (CogVideoX, LTX-2)."""
+    return config.batch * config.template.spec.dit_batch_multiplier()
 
 
 @cache

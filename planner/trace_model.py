@@ -41,14 +41,7 @@ class UnrunnableBatch(RuntimeError):
 
 def block_paths(template: RequestTemplate) -> list[str]:
     """DiT block unit names in execution order, from the spec (no model needed)."""
-    spec = template.spec
-    cfg = spec.transformer_config
-    if spec.family == "flux2":
-        return [f"transformer.transformer_blocks.{i}" for i in range(cfg["num_layers"])] + [
-            f"transformer.single_transformer_blocks.{i}" for i in range(cfg["num_single_layers"])
-        ]
-    attr = getattr(spec, "dit_block_attr", "transformer_blocks")  # Wan: "blocks"
-    return [f"transformer.{attr}.{i}" for i in range(cfg["num_layers"])]
+    return [f"transformer.{p}" for p in template.spec.dit_block_paths()]
 
 
 @dataclass
@@ -128,7 +121,7 @@ class TracePlannerModel:
             Mitigation(kind="dit_chunking", blocks=tuple(range(n)), intensity=max(DIT_CHUNKS)),
             Mitigation(kind="vae_chunking", modules=strongest_vae, intensity=max(VAE_CHUNKS)),
         ]
-        if self.template.spec.family == "cogvideox":
+        if self.template.spec.offloadable_conv_caches:
             out.append(Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=ALL_TENSORS))
         if self.dit_batch(config.batch) > 1:  # the CFG pair too, at batch 1
             out.append(Mitigation(kind="temporary_serialization", modules=("transformer",),
@@ -202,7 +195,7 @@ class TracePlannerModel:
                 1 if any("[" in u for u in held.modules or ()) else 0)
         counts = [c for c in VAE_CHUNKS if c >= least_chunks]
         offload = Mitigation(kind="activation_offload", modules=("vae.decoder",), intensity=ALL_TENSORS)
-        causal = self.template.spec.family == "cogvideox"  # its conv caches can move to the host
+        causal = self.template.spec.offloadable_conv_caches  # its conv caches can move to the host
         if causal:
             opts.append(self._option(config, offload))
         for label, mods in self.vae.shapes(ups)[least_shape:]:

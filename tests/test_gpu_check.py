@@ -164,7 +164,7 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     needs_allocator = {t["nodeid"].split("::")[0] for t in record["tests"] if "allocator" in t["needs"]}
     assert needs_allocator <= set(ALLOCATOR_MODULES) and "tests/gpu/test_allocator_gpu.py" in needs_allocator
     assert sum(n.startswith("tests/gpu/test_allocator_gpu.py::") for n in record["collected"]) == 4
-    # --list: both parts inside the session's 900 s, the machine's start counted, both calls ready to send
+    # --list: both parts inside the device time's 900 s, the machine's start counted, both calls ready to send
     text = proc.stdout
     assert "machine start" in text and "part 1:" in text and "part 2:" in text, text
     untils = [int(u) for u in re.findall(r"--until (\d+) --out", text)]

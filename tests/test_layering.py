@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +89,14 @@ def _scanned() -> list[Path]:
     return sorted(p for top in SCANNED for p in (ROOT / top).rglob("*.py"))
 
 
-def _arrows() -> dict[tuple[str, str], list[str]]:
+def _arrows(paths: list[Path] | None = None, room: Callable[[str], str | None] = _room,
+            imported: Callable[[Path], set[str]] = _imported) -> dict[tuple[str, str], list[str]]:
+    """Every import from one room to another (``room`` names a module's room), with where it is."""
     arrows: dict[tuple[str, str], list[str]] = {}
-    for path in _scanned():
-        src = _room(_module_of(path))
-        for target in _imported(path):
-            dst = _room(target)
+    for path in _scanned() if paths is None else paths:
+        src = room(_module_of(path))
+        for target in imported(path):
+            dst = room(target)
             if src and dst and src != dst:
                 arrows.setdefault((src, dst), []).append(f"{path.relative_to(ROOT)} -> {target}")
     return arrows
@@ -161,10 +164,11 @@ def test_modules_stay_small() -> None:
 
 
 def test_serving_keeps_only_glue_at_its_root() -> None:
-    # replica_bind.py: where each replica binds Serve's server, installed at replica start-up like ray_env's settings
-    glue = {"__init__.py", "config.py", "startup.py", "ray_env.py", "replica_bind.py"}
-    root = {p.name for p in (ROOT / "xema_ray" / "serving").glob("*.py")}
-    assert root <= glue, f"serving/ holds only config and start-up glue at its root; move {sorted(root - glue)} into a room"
+    # each module at serving/'s root is a room of its own (part A below): one that is not ranked in
+    # SERVING_LAYERS, with the reason for its rank, belongs in a room
+    root = {p.stem for p in (ROOT / "xema_ray" / "serving").glob("*.py")} - {"__init__"}
+    unranked = sorted(root - set(SERVING_RANK))
+    assert unranked == [], f"modules at serving/'s root without a rank in SERVING_LAYERS: {unranked}; rank them or move them into a room"
 
 
 # ---- lead: a broken install fails; the project speaks of itself alone
@@ -229,6 +233,232 @@ def test_no_tracked_text_speaks_of_its_making_or_of_a_build_machine() -> None:
             if m := WORKPLACE.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{lineno}: {m.group(0)!r}")
     assert hits == [], f"{len(hits)} workplace phrases or build-machine paths in tracked text:\n" + "\n".join(hits[:80])
+
+
+    # each module at serving/'s root is a room of its own (part A below): one that is not ranked in
+    # SERVING_LAYERS, with the reason for its rank, belongs in a room
+    root = {p.stem for p in (ROOT / "xema_ray" / "serving").glob("*.py")} - {"__init__"}
+    unranked = sorted(root - set(SERVING_RANK))
+    assert unranked == [], f"modules at serving/'s root without a rank in SERVING_LAYERS: {unranked}; rank them or move them into a room"
+
+
+# ---- part A: serving/'s rooms ranked (each folder, and each module at serving/'s root, is a room)
+
+SERVING = ROOT / "xema_ray" / "serving"
+
+#: serving/'s rooms, lowest first, each rank with its reason. A room imports only rooms of a lower
+#: rank (rooms of one rank never import each other): no import between rooms runs up, none cycles.
+SERVING_LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("messages", "frame_rate", "replica_bind"),
+     "the words every room speaks: what crosses between the Router and a group (request, result, status with "
+     "its layout counters, errors), a video template's frame rate, where a replica binds Serve's servers"),
+    (("jobs", "scale"),
+     "what a group writes and publishes, never reading a group: the job store, job progress and a group's job "
+     "lifecycle; the replica summary and the policies over it (request router, autoscaling)"),
+    (("group",),
+     "one model's worker set behind a deployment and its ModelGroupConfig: it runs its jobs' lifecycle, "
+     "publishes its summary for scale/'s policies, reports its counters"),
+    (("stats",),
+     "/v1/stats's answer and the Stats deployment: it gathers the groups' reports for the API and the console"),
+    (("console",),
+     "the operator view's data, built from the groups' reports, the replica summaries and /v1/stats; the Router serves it"),
+    (("api",),
+     "the Router: HTTP over every room below (the groups, the video job API over jobs/, the console's routes)"),
+    (("config", "ray_env"),
+     "the app composed: ServeConfig holds every room's config (ModelGroupConfig, the job store's, the API's auth "
+     "and limits); ray_env sets Ray's environment, the API's proxy middlewares included"),
+    (("startup",), "the checks a ServeConfig passes before the app starts"),
+)
+SERVING_RANK = {room: i for i, (rooms, _) in enumerate(SERVING_LAYERS) for room in rooms}
+
+
+def _serving_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["xema_ray", "serving"] and len(parts) > 2 else None
+
+
+def _serving_imported(path: Path) -> set[str]:
+    """``_imported`` plus the modules a ``from xema_ray.serving import x`` (or ``from .. import x``) names."""
+    out = _imported(path)
+    module = _module_of(path)
+    package = (module if path.name == "__init__.py" else module.rpartition(".")[0]).split(".")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] + [node.module] if node.level else [node.module]
+            if ".".join(b for b in base if b) == "xema_ray.serving":
+                out |= {f"xema_ray.serving.{a.name}" for a in node.names}
+    return out
+
+
+def _serving_arrows() -> dict[tuple[str, str], list[str]]:
+    return _arrows(sorted(SERVING.rglob("*.py")), _serving_room, _serving_imported)
+
+
+def test_every_serving_room_has_a_rank() -> None:
+    rooms = {p.parent.name for p in SERVING.glob("*/__init__.py")} | ({p.stem for p in SERVING.glob("*.py")} - {"__init__"})
+    assert sorted(rooms - set(SERVING_RANK)) == [], "serving rooms without a rank in SERVING_LAYERS"
+    assert sorted(set(SERVING_RANK) - rooms) == [], "SERVING_LAYERS ranks rooms serving/ no longer has"
+    assert all(reason for _, reason in SERVING_LAYERS), "every rank of SERVING_LAYERS says why"
+
+
+def test_imports_between_serving_rooms_run_down() -> None:
+    arrows = _serving_arrows()
+    assert arrows, "no arrow between serving's rooms found: the scan is broken"
+    up = [f"{src} -> {dst}: {where[:3]}" for (src, dst), where in sorted(arrows.items())
+          if SERVING_RANK.get(dst, -1) >= SERVING_RANK.get(src, -1)]
+    assert up == [], "imports between serving's rooms that do not run down SERVING_LAYERS:\n" + "\n".join(up)
+
+
+# ---- part B: a model is known in its spec only (docs/architecture.md, "Where a model is known")
+#: where model facts may be tested by name: the specs themselves
+SPEC_ROOM = ROOT / "xema_ray" / "models"
+#: what must not ask which model it holds: the library outside the specs, and the planner
+SPEC_BLIND = ("xema_ray", "planner")
+
+
+def _model_words() -> frozenset[str]:
+    """Every registered model name and every spec family: the literals a comparison outside the
+    specs may not hold."""
+    from xema_ray.models import MODEL_NAMES, get_model_spec
+
+    return frozenset(MODEL_NAMES) | {get_model_spec(m).family for m in MODEL_NAMES}
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """The string literals of a comparison's side: a constant, or a tuple / list / set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for e in node.elts for v in _literals(e)]
+    return []
+
+
+def _is_family(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "family") or (isinstance(node, ast.Name) and node.id == "family")
+
+
+def _model_tests(source: str, words: frozenset[str]) -> list[tuple[int, str]]:
+    """(line, text) of each comparison (``==``, ``!=``, ``in``, ``not in``, ...) or ``match`` case
+    that asks which model it holds: one side a ``family`` or a model's name or family as a literal."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_family(s) for s in sides) or any(w in words for s in sides for w in _literals(s)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.MatchValue) and any(w in words for w in _literals(node.value)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_model_test_finder_finds_family_and_name_tests() -> None:
+    words = frozenset({"flux2", "tiny-flux2"})
+    src = ("a = spec.family == 'wan'\nb = family != x\nc = t.model in ('tiny-flux2', 'other')\n"
+           "d = 'flux2' not in names\ne = spec.kind == 'video'\nf = {'flux2': 1}['flux2']\n")
+    assert [line for line, _ in _model_tests(src, words)] == [1, 2, 3, 4]
+
+
+def test_no_model_is_known_outside_its_spec() -> None:
+    words = _model_words()
+    found = [f"{path.relative_to(ROOT)}:{line}: {text}"
+             for top in SPEC_BLIND for path in sorted((ROOT / top).rglob("*.py")) if SPEC_ROOM not in path.parents
+             for line, text in _model_tests(path.read_text(), words)]
+    assert found == [], ("these modules ask which model they hold; ask the spec instead (a ModelSpec hook: "
+                         "block_work, transformer_passes_per_step, sequence_parallel_split, ...):\n" + "\n".join(found))
+
+
+# ---- part C: the planner a list of passes; plan() prints nothing; no import cycle inside planner/
+
+#: the planner's modules that may print or choose the process's exit status, each with its reason
+PLANNER_SPEAKERS: dict[str, str] = {
+    "planner/cli.py": "the command line: says the PlanResult and PlanError's exit code",
+    "planner/__main__.py": "``python -m planner``: the process's entry and its exit status",
+}
+#: the run's passes in order (``planner.pipeline.PASSES``): a new pass is added here with its place
+PLANNER_PASSES = ("templates", "load_aware", "groups", "host_memory", "table", "layouts", "expert_switch", "write")
+GROUP_PASSES = ("residency", "text_encoder")
+
+
+def _planner_imports() -> dict[str, set[str]]:
+    mods = {_module_of(p): p for p in sorted((ROOT / "planner").rglob("*.py"))}
+    return {m: {t for t in _imported(p) if t in mods} for m, p in mods.items()}
+
+
+def test_planner_modules_import_each_other_without_a_cycle() -> None:
+    graph = _planner_imports()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == [], f"import cycles inside planner/ (lazy and TYPE_CHECKING imports count): {cycles}"
+
+
+def _speaks(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in ("print", "exit", "quit"):
+            return f.id
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in (
+                ("sys", "exit"), ("os", "_exit")):
+            return f"{f.value.id}.{f.attr}"
+        # sys.stdout.write / sys.stderr.write
+        if isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute) \
+                and isinstance(f.value.value, ast.Name) and f.value.value.id == "sys":
+            return f"sys.{f.value.attr}.write"
+    if isinstance(node, ast.Raise) and node.exc is not None:
+        exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        if isinstance(exc, ast.Name) and exc.id == "SystemExit":
+            return "raise SystemExit"
+    return None
+
+
+def test_only_the_planner_cli_prints_or_exits() -> None:
+    hits = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name in PLANNER_SPEAKERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (what := _speaks(node)) is not None:
+                hits.append(f"{name}:{node.lineno}: {what}")
+    assert hits == [], "plan() prints nothing: say it in planner/cli.py from the PlanResult / PlanEvent:\n" + "\n".join(hits)
+
+
+def test_the_planner_is_an_ordered_list_of_named_passes() -> None:
+    import dataclasses
+
+    from planner.finishing import GROUP_PASSES as GROUPS
+    from planner.pipeline import PASSES, PlanState
+
+    assert tuple(p.name for p in PASSES) == PLANNER_PASSES
+    assert tuple(p.name for p in GROUPS) == GROUP_PASSES
+    fields = {f.name for f in dataclasses.fields(PlanState)}
+    written: set[str] = set()
+    for p in PASSES:
+        assert set(p.reads) | set(p.writes) <= fields, f"pass {p.name} names what PlanState does not hold"
+        unwritten = set(p.reads) - written
+        assert not unwritten, f"pass {p.name} reads {sorted(unwritten)} before any pass writes it"
+        written |= set(p.writes)
+
+
+def test_no_stage_is_numbered_by_a_fraction() -> None:
+    fraction = re.compile(r"[Ss]tages? \d[½¾¼]|\d[½¾¼]")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for top in ("planner", "docs") for p in sorted((ROOT / top).rglob("*"))
+            if p.suffix in (".py", ".md")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if fraction.search(line)]
+    assert hits == [], f"a pass has a name, not a fraction: {hits}"
+
 
 
 # ---- part D: a request's step count resolved once, at the API; the layout armed through a typed call
@@ -307,7 +537,7 @@ def test_every_layer_below_the_api_carries_the_steps_as_a_required_int() -> None
     from xema_ray.scheduling.batch import Pending
     from xema_ray.scheduling.dispatcher import Dispatcher
     from xema_ray.serving.api.options import RequestOptions
-    from xema_ray.serving.group.messages import GroupRequest
+    from xema_ray.serving.messages import GroupRequest
     from xema_ray.serving.jobs.store import JobRecord
 
     for model in (RequestOptions, GroupRequest, JobRecord, Batch):
@@ -318,3 +548,39 @@ def test_every_layer_below_the_api_carries_the_steps_as_a_required_int() -> None
     for fn in (Dispatcher.submit, ExecutionEngine.run_pipeline):
         p = inspect.signature(fn).parameters["steps"]
         assert p.default is inspect.Parameter.empty and p.annotation in (int, "int"), f"{fn.__qualname__}: {p}"
+
+
+# ---- part E: determinism and fault tests that hold on any 2-core machine, loaded or not
+#: fault-test modules (and the helpers they use) whose every sleep is a poll: inside a loop that
+#: waits on a fact (an actor id dead, a probe answer newer than the fault, Serve's replica state),
+#: never a fixed wait for a fault to take effect, which a loaded machine outlasts
+FACT_WAITING_MODULES = ("tests/serving/test_hardening.py", "bench/scenarios/serve_app.py")
+
+
+def _sleeps_outside_a_loop(tree: ast.AST) -> list[int]:
+    lines: list[int] = []
+
+    def visit(node: ast.AST, in_loop: bool) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            in_loop = False  # a function's body runs where it is called, not where it is written
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep"
+                and not in_loop):
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_loop or isinstance(node, ast.While | ast.For | ast.AsyncFor))
+
+    visit(tree, False)
+    return lines
+
+
+def test_fault_tests_wait_on_facts_not_on_fixed_sleeps() -> None:
+    fixed = {m: lines for m in FACT_WAITING_MODULES
+             if (lines := _sleeps_outside_a_loop(ast.parse((ROOT / m).read_text())))}
+    assert fixed == {}, f"fixed sleeps (wait on a fact in a polling loop instead): {fixed}"
+
+
+def test_the_batch_size_bound_the_tests_hold_is_the_documented_one() -> None:
+    from tests.batch_sizes import MEAN_ABS_BOUND
+
+    assert f"**{MEAN_ABS_BOUND} of 255**" in (ROOT / "docs" / "tenancy.md").read_text()
+    assert f"at most {MEAN_ABS_BOUND} of 255" in (ROOT / "docs" / "lora.md").read_text()

@@ -124,6 +124,10 @@ class RequestTemplate(BaseModel):
         return RequestTemplate(**{**self.model_dump(), **changes})
 
 
+#: the frame counts the paper's videos are planned at (§9.1)
+PAPER_FRAMES = (49, 65, 81)
+
+
 class PaperResolution(BaseModel):
     """How a resolution named in the paper maps onto a valid size for one model."""
 
@@ -136,11 +140,13 @@ class PaperResolution(BaseModel):
     width: int
     height: int
     reason: str = ""
+    #: the frame counts the paper plans this resolution at (an image: 1)
+    frames: tuple[int, ...] = PAPER_FRAMES
 
 
 PAPER_RESOLUTION_MAP: list[PaperResolution] = [
     *(
-        PaperResolution(model="flux2", name=f"{s}px", paper_width=s, paper_height=s, width=s, height=s)
+        PaperResolution(model="flux2", name=f"{s}px", paper_width=s, paper_height=s, width=s, height=s, frames=(1,))
         for s in (256, 512, 768, 1024, 1280, 2048)
     ),
     PaperResolution(model="cogvideox-5b", name="720p", paper_width=1280, paper_height=720, width=1280, height=720),
@@ -191,8 +197,6 @@ PAPER_RESOLUTION_MAP: list[PaperResolution] = [
     ),
 ]
 
-PAPER_FRAMES = (49, 65, 81)
-
 
 def paper_templates(steps: int = 50) -> list[RequestTemplate]:
     """The paper's templates (§9.1): 6 Flux.2 images, 9 CogVideoX-5B and 9 LTX-2 videos.
@@ -201,8 +205,7 @@ def paper_templates(steps: int = 50) -> list[RequestTemplate]:
     """
     out: list[RequestTemplate] = []
     for res in PAPER_RESOLUTION_MAP:
-        frames = (1,) if res.model == "flux2" else PAPER_FRAMES
-        for f in frames:
+        for f in res.frames:
             out.append(RequestTemplate(model=res.model, height=res.height, width=res.width, frames=f, steps=steps))
     return out
 

@@ -11,9 +11,10 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from xema_ray.plan import PlanEntry
-from xema_ray.serving.config import ModelGroupConfig, TemplateSpec
-from xema_ray.serving.group.messages import GroupRequest
-from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
+from xema_ray.deployment import TemplateSpec
+from xema_ray.serving.messages import GroupRequest
+from xema_ray.serving.group.model_group import ModelGroup
+from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
 from xema_ray.serving.group.worker_set import WorkerSetFactory
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet
 from xema_ray.templates import RequestTemplate

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from xema_ray.net import free_port
 from xema_ray.plan import PlanTable
@@ -34,7 +35,13 @@ def running_app(args: dict, table: PlanTable, plans_dir: Path, num_cpus: int = 4
     system = {} if metrics_report_ms is None else {"metrics_report_interval_ms": metrics_report_ms}
     init_local_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _system_config=system or None)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        except RayActorError:
+            # on a loaded machine Serve's controller can find its first proxy unhealthy before it
+            # is ready and start another; the controller is up, so connect to it again, and
+            # wait_ready below waits for the new proxy's first answer
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="xema", route_prefix="/")
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)  # /healthz 200: every group answers
         yield f"http://127.0.0.1:{port}"

@@ -20,7 +20,7 @@ from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.serving.group.adapter_registry import AdapterRegistry, RegistryState
 from xema_ray.serving.group.adapters import AdapterConflict
-from xema_ray.serving.group.messages import GroupRequest, InvalidRequest
+from xema_ray.serving.messages import GroupRequest, InvalidRequest
 from xema_ray.templates import RequestTemplate
 
 T = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)

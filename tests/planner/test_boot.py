@@ -42,8 +42,8 @@ def test_start_imports_while_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None
         __import__("tests.planner.no_such_module")
 
 
-def test_a_cluster_without_room_stops_the_command_with_exit_3(monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cluster_without_room_stops_the_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # boot raises; ``python -m planner`` says it and exits 3 (planner/__main__.py)
     from planner import cluster_fit
 
     asked: list[tuple[str, str, float]] = []
@@ -52,12 +52,8 @@ def test_a_cluster_without_room_stops_the_command_with_exit_3(monkeypatch: pytes
         asked.append((hardware, measure, wait_s))
         raise cluster_fit.NoRoom("planning tasks need at least 0.1 CPU each; ... Held by: placement group X (2 CPU)")
 
-    def exit_(code: int) -> None:
-        raise SystemExit(code)
-
     monkeypatch.setattr(cluster_fit, "fit_tasks", no_room)
-    monkeypatch.setattr(boot.os, "_exit", exit_)
-    with pytest.raises(SystemExit) as e:
-        boot.check_room(["plan", "--hardware", "cpu", "--wait-for-resources", "2", "--templates", "tiny"])
-    assert e.value.code == 3 and asked == [("cpu", "auto", 2.0)]
-    assert "Held by: placement group X" in capsys.readouterr().err
+    monkeypatch.setattr(boot, "init_ray", lambda: None)
+    with pytest.raises(cluster_fit.NoRoom, match="Held by: placement group X"):
+        boot.start(["plan", "--hardware", "cpu", "--wait-for-resources", "2", "--templates", "tiny"], module="json")
+    assert asked == [("cpu", "auto", 2.0)]

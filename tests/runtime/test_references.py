@@ -1,6 +1,7 @@
 """Reference images on the tiny models (CPU): each request's images are its own (alone or in a
-batch), the same image and seed give the same bytes, a different image a different result, and
-the analyzer traces the conditioning path (placeholders of the template's size)."""
+batch), the same image and seed give the same bytes at one batch size and the same picture at
+another (``tests/batch_sizes.py``), a different image a different result, and the analyzer traces
+the conditioning path (placeholders of the template's size)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
 from xema_ray.runtime.references import encode_reference
 from xema_ray.templates import RequestTemplate
+
+from tests.batch_sizes import MEAN_ABS_BOUND, assert_same_picture_across_batch_sizes, mean_abs_difference
 
 TEMPLATES = {
     "tiny-flux2": RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2, references=2),
@@ -55,11 +58,16 @@ def test_same_image_same_bytes_other_image_other_result(engine: ExecutionEngine)
     n = t.references
     first = engine.execute(_batch(t, [(7, tuple(range(n)))])).outputs[0].data
     other = engine.execute(_batch(t, [(7, tuple(range(10, 10 + n)))])).outputs[0].data
-    assert first != other  # same seed and prompt, another image: another result
-    # the same image and seed give the same bytes, alone or in a batch beside another request's
-    # images (each request keeps its own)
+    # same seed and prompt, another image: another picture, beyond what batching moves
+    assert mean_abs_difference(first, other) > 2 * MEAN_ABS_BOUND
+    assert first == engine.execute(_batch(t, [(7, tuple(range(n)))])).outputs[0].data  # same batch size: same bytes
+    # in a batch beside another request's images each request keeps its own: the same bytes at
+    # that batch size, whatever the neighbour, and the same picture as alone
     both = engine.execute(_batch(t, [(7, tuple(range(10, 10 + n))), (7, tuple(range(n)))]))
-    assert [o.data for o in both.outputs] == [other, first]
+    swapped = engine.execute(_batch(t, [(7, tuple(range(n))), (9, tuple(range(20, 20 + n)))]))
+    assert swapped.outputs[0].data == both.outputs[1].data
+    assert_same_picture_across_batch_sizes(both.outputs[1].data, first)
+    assert_same_picture_across_batch_sizes(both.outputs[0].data, other)
     assert all((o.width, o.height, o.frames) == (t.width, t.height, t.frames) for o in both.outputs)
 
 

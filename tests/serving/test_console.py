@@ -18,7 +18,7 @@ from bench.scenarios.console_app import ADMIN_KEY, COG, FLUX, USER_KEY, app_args
 from tests.serving.api.asgi_client import call
 from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth
 from xema_ray.serving.api.health import GroupHealth
-from xema_ray.serving.api.stats import StatsResponse
+from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.console.operator import attainment_of, operator_view
 from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics
 from xema_ray.serving.console.static import CSP, STATIC, install_ui

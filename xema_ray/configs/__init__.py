@@ -1,1 +1,3 @@
-"""Model configs (real and tiny), copied from shared/model-configs; read with models.base.load_config."""
+"""Model configs, read with models.base.load_config: the real ones are the models' published
+``config.json`` files (or, where a repository publishes none, what diffusers' conversion scripts
+build), the tiny ones scaled-down versions of them for CI; a config's ``_source`` key names its origin."""

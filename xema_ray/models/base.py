@@ -9,6 +9,7 @@ Everything else (tracer, engine, planner) is model-agnostic and goes through thi
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from xema_ray.models.build_options import BuildOptions, TextEncoderPlacement  # noqa: F401  (its users import both from here)
+from xema_ray.models.cost import BlockCost
 from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.options import OptionRules
 from xema_ray.models.dtypes import DTYPES, DTypeName, cast_inputs_to_own_dtype, log_cast, model_dtypes  # noqa: F401
@@ -29,20 +32,18 @@ from xema_ray.models.dtypes import DTYPES, DTypeName, cast_inputs_to_own_dtype, 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
+    from xema_ray.models.text_encoders import EncoderChoice, TextEncoderSpec
+    from xema_ray.parallel.plans import SPPlan
     from xema_ray.templates import RequestTemplate
 
 logger = logging.getLogger(__name__)
 
 ModelSize = Literal["real", "tiny"]
 ModelKind = Literal["image", "video"]
-#: where the text encoder runs: on the device for the whole request, streamed layer by layer
-#: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
-#: (prompt embeddings are seeded stand-ins, ARCHITECTURE.md "Prompts")
-TextEncoderPlacement = Literal["device", "streamed", "cpu"]
 
 
 def load_config(name: str) -> dict[str, Any]:
-    """A model config shipped in ``xema_ray/configs`` (copied from shared/model-configs)."""
+    """A model config shipped in ``xema_ray/configs`` (a model's published ``config.json``, or a tiny one for CI)."""
     text = resources.files("xema_ray.configs").joinpath(name).read_text()
     return json.loads(text)
 
@@ -74,56 +75,6 @@ class ExpertStage:
         return self.last_step - self.first_step + 1
 
 
-@dataclass(frozen=True)
-class BuildOptions:
-    """How to materialise a model.
-
-    Attributes:
-        device: "meta" for shape-only analysis, "cpu" or "cuda[:i]" for real execution.
-        dtype: parameter dtype (bf16 for real models, fp32 for tiny CPU tests).
-        weights_dir: a local diffusers directory to ``from_pretrained`` from; None = random weights
-            (architecture, memory and latency are real, pictures are noise).
-        seed: seed for random weights, so two workers build identical models (the values do
-            not depend on placement: ``xema_ray.models.loading.SeededWeights``).
-        host_modules: module paths (relative to the pipeline, e.g. ``transformer.transformer_blocks.3``)
-            whose weights are homed on (pinned) host memory from the start: the device never
-            holds them (the worker's residency, ``xema_ray.runtime.residency``).
-    """
-
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    weights_dir: Path | None = None
-    seed: int = 0
-    host_modules: tuple[str, ...] = ()
-    #: place weights tensor by tensor on meta too (the worker does, so ``xema verify`` counts each
-    #: weight as it is placed); analysis registers a meta tree's weights itself and skips it
-    place_on_meta: bool = False
-    #: the text encoder: None = with real weights (a ``text_encoder`` folder in ``weights_dir``) on
-    #: the device, else none; or a placement (random weights at the real config without a checkpoint)
-    text_encoder: TextEncoderPlacement | Literal["none"] | None = None
-    #: components kept in a dtype of their own, e.g. ``(("vae", torch.float32),)``: CogVideoX-5b's
-    #: repository stores its VAE in fp32; kept so, it holds twice the bytes the trace must count.
-    #: Every other component is built (and a checkpoint's tensors cast on load) in ``dtype``.
-    component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    #: keep host-homed weights in the node's shared segment for them (one copy for every worker of
-    #: this model, weights and residency on the node: ``xema_ray.platforms.host_memory``); False:
-    #: this worker's own exact-size buffer
-    share_host: bool = False
-
-    def dtype_for(self, component: str) -> torch.dtype:
-        """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""
-        return dict(self.component_dtypes).get(component, self.dtype)
-
-    def encoder_placement(self) -> TextEncoderPlacement | None:
-        """The encoder placement these options ask for (None: no encoder)."""
-        if self.text_encoder == "none":
-            return None
-        if self.text_encoder is not None:
-            return self.text_encoder
-        has = self.weights_dir is not None and (Path(self.weights_dir) / "text_encoder").is_dir()
-        return "device" if has else None
-
-
 class ModelSpec(ReferenceInputs, ABC):
     """One servable model (real size or tiny), as the registry hands it out."""
 
@@ -134,19 +85,33 @@ class ModelSpec(ReferenceInputs, ABC):
     kind: ModelKind
     size: ModelSize
 
-    #: the model's text encoder (configs and builder); None: the model has none
-    text_encoder: Any = None
-
     @property
     def published_layout(self) -> str:
         """The key of its published repository's layout in ``models.published.PUBLISHED`` (its family's)."""
         return self.family
 
-    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str) -> None:
+    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str,
+                 encoder: EncoderChoice | None = None) -> None:
         self.name = name
         self.size = size
+        self.encoder = encoder
         self.transformer_config: dict[str, Any] = load_config(transformer_config)
         self.vae_config: dict[str, Any] = load_config(vae_config)
+
+    @functools.cached_property
+    def text_encoder(self) -> TextEncoderSpec | None:
+        """The model's text encoder (configs and builder) at the spec's prompt length; None: it has none."""
+        if self.encoder is None:
+            return None
+        from xema_ray.models.text_encoders import TextEncoderSpec
+
+        return TextEncoderSpec(self.encoder.family, self.encoder.config_file, self.text_tokens,
+                               out_layers=self.encoder.out_layers)
+
+    def shares_measurements_with(self, other: ModelSpec) -> bool:
+        """Whether measured latencies of ``other`` calibrate this model's cost model (one
+        architecture: its real and tiny variants, its image-to-video sibling)."""
+        return self.family == other.family
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -377,11 +342,26 @@ class ModelSpec(ReferenceInputs, ABC):
     def default_guidance_scale(self) -> float:
         return 1.0
 
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        """Batch rows per request of each transformer call a denoising step makes: the one place
+        a model states its guidance passes. By default (2,) with classifier-free guidance (the
+        conditional and unconditional pass run as one doubled batch), else (1,); Wan2.2 and
+        Qwen-Image run CFG as two calls, (1, 1); LTX-2 adds STG and modality isolation, (2, 1, 1)."""
+        return (2,) if self.default_guidance_scale > 1 else (1,)
+
     def dit_batch_multiplier(self) -> int:
-        """Transformer batch per request of its widest forward: 2 with classifier-free guidance
-        (the conditional and unconditional pass run as one batch), else 1. Temporary
-        serialization of the transformer splits this batch (the CFG pair too, at batch 1)."""
-        return 2 if self.default_guidance_scale > 1 else 1
+        """Transformer batch per request of its widest forward (``transformer_passes_per_step``).
+        Temporary serialization of the transformer splits this batch (the CFG pair too, at batch 1)."""
+        return max(self.transformer_passes_per_step(), default=1)
+
+    def transformer_rows_per_step(self) -> int:
+        """Transformer batch rows per request over all of a step's calls (``transformer_passes_per_step``)."""
+        return sum(self.transformer_passes_per_step())
+
+    def runs_guidance(self) -> bool:
+        """Whether a step runs more than one transformer row per request (classifier-free guidance:
+        the request takes a negative prompt)."""
+        return self.transformer_rows_per_step() > 1
 
     @abstractmethod
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -393,9 +373,16 @@ class ModelSpec(ReferenceInputs, ABC):
     reference_sizes: tuple[tuple[int, int, int], ...] = ()
     reference_steps: int = 50
 
-    #: whether ``xema_ray.parallel.plans`` has a sequence-parallel split for this model's transformer
-    #: (a model without one runs on one GPU per request: more GPUs are data-parallel replicas)
-    sequence_parallel: bool = True
+    def sequence_parallel_split(self) -> type[SPPlan] | None:
+        """The split of this model's transformer for sequence parallelism (one of
+        ``xema_ray.parallel.plans``: which inputs carry tokens, which outputs to gather); None: it
+        has none and runs on one GPU per request (more GPUs are data-parallel replicas)."""
+        return None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the model has a sequence-parallel split (``sequence_parallel_split``)."""
+        return self.sequence_parallel_split() is not None
 
     def sequence_parallel_for(self, t: RequestTemplate) -> bool:
         """``sequence_parallel`` for ``t`` (a template whose conditioning the split does not cover says no)."""
@@ -422,29 +409,32 @@ class ModelSpec(ReferenceInputs, ABC):
         analyzer traces a few steps of one and labels the others' steps by ``expert_stages``)."""
         return contextlib.nullcontext()
 
-    def block_work(self, t: RequestTemplate, rows: int) -> list[tuple[str, float, float, float, list[tuple[float, int]]]] | None:
-        """The cost model's per-block work of one transformer pass over ``rows`` rows: (name,
-        linear FLOPs, attention FLOPs, weight bytes, attended (tokens, width) pairs); None: the
-        cost model's own formula for the paper's three families."""
-        return None
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
+        """The cost model's per-block work of one transformer pass over ``rows`` batch rows (linear
+        FLOPs, attention FLOPs, weight bytes, attended (tokens, width) pairs), analytic from the
+        transformer config."""
+        raise ValueError(f"no cost model for {self.name}: its spec states no block_work")
+
+    def dit_block_paths(self) -> list[str]:
+        """The DiT blocks' paths relative to the transformer, in execution order, from the config
+        (``dit_blocks`` without building the model)."""
+        return [f"transformer_blocks.{i}" for i in range(int(self.transformer_config["num_layers"]))]
+
+    #: whether the VAE decoder keeps causal conv caches (per frame batch) that activation offload
+    #: can move to the host (CogVideoX)
+    offloadable_conv_caches: bool = False
 
     def vae_decoder_levels(self) -> tuple[list[int], list[int]] | None:
         """(channels, resnets) of each VAE decoder up level, lowest resolution first, for the cost
         model; None: read from a diffusers ``block_out_channels`` config."""
         return None
 
-    def transformer_passes_per_step(self) -> tuple[int, ...]:
-        """Batch rows per request of each transformer call a denoising step makes (e.g. (2,): one
-        call of the CFG pair; (1, 1): CFG as two calls)."""
-        return (self.dit_batch_multiplier(),)
-
     def option_rules(self) -> OptionRules:
         """The per-request options the pipeline takes and their ranges (``xema_ray.models.options``):
         by default guidance in [0, 50], and a negative prompt wherever a step runs more than one
         transformer row per request (classifier-free guidance)."""
-        return OptionRules(negative_prompt=sum(self.transformer_passes_per_step()) > 1,
-                           guidance_note="classifier-free guidance runs when > 1"
-                           if sum(self.transformer_passes_per_step()) > 1 else "")
+        return OptionRules(negative_prompt=self.runs_guidance(),
+                           guidance_note="classifier-free guidance runs when > 1" if self.runs_guidance() else "")
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         """Patches that let the pipeline run on the meta device where it reads tensor *values*

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from xema_ray.models.base import BuildOptions, ModelSpec
+from xema_ray.models.text_encoders import EncoderChoice
+from xema_ray.models.cost import BYTES, BlockCost
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from xema_ray.parallel.plans import SPPlan
 
     from xema_ray.templates import RequestTemplate
 
@@ -57,6 +63,8 @@ def unsplit_safe_convs(vae: nn.Module) -> int:
 class CogVideoXSpec(ModelSpec):
     family = "cogvideox"
     kind = "video"
+    #: its causal 3D VAE's conv caches can move to the host (activation offload)
+    offloadable_conv_caches = True
 
     @property
     def vae_scale_factor(self) -> int:
@@ -152,3 +160,30 @@ class CogVideoXSpec(ModelSpec):
 
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
+
+    def sequence_parallel_split(self) -> type[SPPlan] | None:
+        from xema_ray.parallel.plans import CogVideoXPlan
+
+        return CogVideoXPlan
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
+        """Per block: attention and MLP over the joint video + text sequence (12 d^2), and two
+        LayerNormZero modulations whose weights are read but do no per-token work."""
+        cfg = self.transformer_config
+        tokens = self.token_counts(t)
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        s = tokens["video"] + tokens["text"]
+        params = 12 * d * d
+        adaln = 2 * cfg["time_embed_dim"] * 6 * d  # two LayerNormZero modulations (weights only)
+        return [BlockCost(f"block.{i}", 2 * params * s * rows, 4 * s * s * d * rows, (params + adaln) * BYTES, [(s, d)])
+                for i in range(cfg["num_layers"])]
+
+
+#: the registered models of this spec (``xema_ray.models.get_model_spec``)
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "cogvideox-5b": functools.partial(CogVideoXSpec, "cogvideox-5b", "real", "cogvideox5b_transformer.json",
+                                      "cogvideox5b_vae.json", encoder=EncoderChoice("t5", "cogvideox5b_text_encoder.json")),
+    "tiny-cogvideox": functools.partial(CogVideoXSpec, "tiny-cogvideox", "tiny", "tiny_cogvideox_transformer.json",
+                                        "tiny_cogvideox_vae.json",
+                                        encoder=EncoderChoice("t5", "tiny_cogvideox_text_encoder.json")),
+}

@@ -14,12 +14,18 @@ Every template takes one reference (the first frame), encoded at the output size
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from xema_ray.models.base import ModelSpec
 from xema_ray.models.cogvideox import CogVideoXSpec
+from xema_ray.models.text_encoders import EncoderChoice
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from xema_ray.parallel.plans import SPPlan
 
     from xema_ray.templates import RequestTemplate
 
@@ -30,8 +36,8 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     max_references = 1
     #: the pipeline conditions every request on its first frame: a template without one is not servable
     required_references = 1
-    #: untried: the SP split has not been checked with learned positional embeddings
-    sequence_parallel = False
+    def sequence_parallel_split(self) -> type[SPPlan] | None:
+        return None  # untried: the SP split has not been checked with learned positional embeddings
 
     @property
     def published_layout(self) -> str:
@@ -66,3 +72,14 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         from diffusers import CogVideoXImageToVideoPipeline
 
         return CogVideoXImageToVideoPipeline
+
+
+#: the registered models of this spec (``xema_ray.models.get_model_spec``): T2V's VAE and T5
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "cogvideox-5b-i2v": functools.partial(CogVideoXI2VSpec, "cogvideox-5b-i2v", "real", "cogvideox5b_i2v_transformer.json",
+                                          "cogvideox5b_vae.json",
+                                          encoder=EncoderChoice("t5", "cogvideox5b_text_encoder.json")),
+    "tiny-cogvideox-i2v": functools.partial(CogVideoXI2VSpec, "tiny-cogvideox-i2v", "tiny",
+                                            "tiny_cogvideox_i2v_transformer.json", "tiny_cogvideox_vae.json",
+                                            encoder=EncoderChoice("t5", "tiny_cogvideox_text_encoder.json")),
+}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,9 +12,13 @@ from torch import nn
 
 from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSpec
+from xema_ray.models.text_encoders import EncoderChoice
+from xema_ray.models.cost import BYTES, BlockCost
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from xema_ray.parallel.plans import SPPlan
 
     from xema_ray.templates import RequestTemplate
 
@@ -67,8 +71,9 @@ class Flux2Spec(ModelSpec):
     max_references = 10
     references_at_output_size = False
 
-    def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int) -> None:
-        super().__init__(name, size, transformer_config, vae_config)  # type: ignore[arg-type]
+    def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int,
+                 encoder: EncoderChoice | None = None) -> None:
+        super().__init__(name, size, transformer_config, vae_config, encoder)  # type: ignore[arg-type]
         # Mistral-3 prompt length the pipeline pads to (tokenizer_max_length = 512).
         self.text_tokens = text_tokens
         #: the system message the pipeline puts before every prompt (diffusers' own for the real
@@ -152,8 +157,8 @@ class Flux2Spec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return 4.0
 
-    def dit_batch_multiplier(self) -> int:
-        return 1  # guidance-distilled: guidance is an embedding input, not a second pass
+    def transformer_passes_per_step(self) -> tuple[int, ...]:
+        return (1,)  # guidance-distilled: guidance is an embedding input, not a second pass
 
     def option_rules(self) -> OptionRules:
         return OptionRules(guidance_note="guidance-distilled: an embedding input, no classifier-free guidance pass")
@@ -208,3 +213,42 @@ class Flux2Spec(ModelSpec):
         double = [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
         single = [(f"single_transformer_blocks.{i}", b) for i, b in enumerate(transformer.single_transformer_blocks)]
         return double + single
+
+    def dit_block_paths(self) -> list[str]:
+        cfg = self.transformer_config
+        return [f"transformer_blocks.{i}" for i in range(cfg["num_layers"])] + [
+            f"single_transformer_blocks.{i}" for i in range(cfg["num_single_layers"])
+        ]
+
+    def sequence_parallel_split(self) -> type[SPPlan]:
+        from xema_ray.parallel.plans import Flux2Plan
+
+        return Flux2Plan
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
+        """Double-stream blocks (q k v o and a SwiGLU MLP per stream) then single-stream blocks
+        (fused qkv + MLP in, fused out), all attending over the image, reference and text tokens."""
+        cfg = self.transformer_config
+        tokens = self.token_counts(t)
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        m = cfg.get("mlp_ratio", 3.0)
+        s_img, s_txt = tokens["image"] + tokens.get("reference", 0), tokens["text"]  # references join the sequence
+        s = s_img + s_txt
+        stream = (4 + 3 * m) * d * d  # q, k, v, out + SwiGLU (2 x m d in, m d out)
+        single = (3 + 2 * m + 1 + m) * d * d  # fused qkv + mlp-in, fused out over [attn, mlp]
+        blocks: list[BlockCost] = []
+        for i in range(cfg["num_layers"]):
+            blocks.append(BlockCost(f"double.{i}", 2 * stream * s * rows, 4 * s * s * d * rows, 2 * stream * BYTES, [(s, d)]))
+        for i in range(cfg.get("num_single_layers", 0)):
+            blocks.append(BlockCost(f"single.{i}", 2 * single * s * rows, 4 * s * s * d * rows, single * BYTES, [(s, d)]))
+        return blocks
+
+
+#: the registered models of this spec (``xema_ray.models.get_model_spec``)
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "flux2": functools.partial(Flux2Spec, "flux2", "real", "flux2dev_transformer.json", "flux2dev_vae.json", text_tokens=512,
+                               encoder=EncoderChoice("mistral3", "flux2dev_text_encoder.json", out_layers=(10, 20, 30))),
+    "tiny-flux2": functools.partial(Flux2Spec, "tiny-flux2", "tiny", "tiny_flux2_transformer.json", "tiny_flux2_vae.json",
+                                    text_tokens=8,
+                                    encoder=EncoderChoice("mistral3", "tiny_flux2_text_encoder.json", out_layers=(1,))),
+}

@@ -19,7 +19,9 @@ it comes from. The tiny variants (``tiny_ltx2_*.json``) scale them down consiste
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +30,13 @@ from torch import nn
 
 from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec, load_config
+from xema_ray.models.text_encoders import EncoderChoice
+from xema_ray.models.cost import BYTES, BlockCost
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
+    from xema_ray.parallel.plans import SPPlan
     from xema_ray.templates import RequestTemplate
 
 
@@ -155,8 +160,9 @@ class LTX2Spec(ModelSpec):
         vae_config: str,
         guidance: LTX2Guidance = PRODUCTION_GUIDANCE,
         frame_rate: float = DEFAULT_FRAME_RATE,
+        encoder: EncoderChoice | None = None,
     ) -> None:
-        super().__init__(name, size, transformer_config, vae_config)
+        super().__init__(name, size, transformer_config, vae_config, encoder)
         if frame_rate <= 0:
             raise ValueError(f"{name}: frame_rate must be positive, got {frame_rate}")
         real = size == "real"
@@ -383,9 +389,6 @@ class LTX2Spec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return self.guidance.guidance_scale
 
-    def dit_batch_multiplier(self) -> int:
-        return max(self.transformer_passes_per_step(), default=1)
-
     def transformer_passes_per_step(self) -> tuple[int, ...]:
         """Batch multiplier of each transformer forward a denoising step runs, per request
         (production: (2, 1, 1) = CFG, STG, modality isolation)."""
@@ -427,6 +430,27 @@ class LTX2Spec(ModelSpec):
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)]
 
+    def sequence_parallel_split(self) -> type[SPPlan] | None:
+        from xema_ray.parallel.plans import LTX2Plan
+
+        return LTX2Plan
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
+        """Per block: the video stream (self- and text cross-attention, MLP), the audio stream at
+        its own width, and the audio-video cross-attention both ways at the audio width."""
+        cfg = self.transformer_config
+        tokens = self.token_counts(t)
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        da = cfg["audio_num_attention_heads"] * cfg["audio_attention_head_dim"]
+        sv, sa, st = tokens["video"], tokens["audio"], tokens["text"]
+        video = 12 * d * d * sv + 2 * d * d * sv + 2 * d * cfg.get("cross_attention_dim", d) * st
+        audio = 12 * da * da * sa + 2 * da * da * sa + 2 * da * cfg.get("audio_cross_attention_dim", da) * st
+        cross = (2 * d * da + 2 * da * da) * (sv + sa)  # a2v and v2a projections at the audio width
+        attn = 4 * (sv * sv * d + sv * st * d + sa * sa * da + sa * st * da + 2 * sv * sa * da)
+        params = 16 * d * d + 16 * da * da + 4 * d * da + 4 * da * da
+        return [BlockCost(f"block.{i}", 2 * (video + audio + cross) * rows, attn * rows, params * BYTES, [(sv, d), (sa, da)])
+                for i in range(cfg["num_layers"])]
+
     #: image-to-video: the first frame, encoded by the video VAE at the output size and kept clean
     #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
     max_references = 1
@@ -465,3 +489,12 @@ def audio_samples(spec: LTX2Spec, t: RequestTemplate) -> int:
     if spec.audio_vae_config["causality_axis"] is not None:
         mel_frames = max(mel_frames - (AUDIO_LATENT_DOWNSAMPLE - 1), 1)
     return mel_frames * math.prod(spec.vocoder_config["upsample_factors"])
+
+
+#: the registered models of this spec (``xema_ray.models.get_model_spec``)
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "ltx2": functools.partial(LTX2Spec, "ltx2", "real", "ltx2_transformer.json", "ltx2_vae.json",
+                              encoder=EncoderChoice("gemma3", "ltx2_text_encoder.json")),
+    "tiny-ltx2": functools.partial(LTX2Spec, "tiny-ltx2", "tiny", "tiny_ltx2_transformer.json", "tiny_ltx2_vae.json",
+                                   encoder=EncoderChoice("gemma3", "tiny_ltx2_text_encoder.json")),
+}

@@ -17,7 +17,8 @@ Configs: ``qwen_image_transformer.json``, ``qwen_image_vae.json``, ``qwen_image_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,8 @@ from torch import nn
 
 from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSize, ModelSpec
+from xema_ray.models.text_encoders import EncoderChoice
+from xema_ray.models.cost import BlockCost
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -63,11 +66,10 @@ class QwenImageSpec(ModelSpec):
 
     family = "qwen-image"
     kind = "image"
-    #: no sequence-parallel split of its transformer yet: one GPU per request
-    sequence_parallel = False
 
-    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str, text_tokens: int) -> None:
-        super().__init__(name, size, transformer_config, vae_config)
+    def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str, text_tokens: int,
+                 encoder: EncoderChoice | None = None) -> None:
+        super().__init__(name, size, transformer_config, vae_config, encoder)
         self.text_tokens = text_tokens
         if size == "real":  # the Qwen team's 16:9 and 1:1 sizes, 50 steps
             self.reference_sizes = ((1664, 928, 1), (1328, 1328, 1))
@@ -159,12 +161,8 @@ class QwenImageSpec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return TRUE_CFG_SCALE
 
-    def dit_batch_multiplier(self) -> int:
-        # true CFG runs the prompt and the negative prompt as two calls, not one doubled batch
-        return 1
-
     def transformer_passes_per_step(self) -> tuple[int, ...]:
-        return (1, 1)
+        return (1, 1)  # true CFG runs the prompt and the negative prompt as two calls, not one doubled batch
 
     def option_rules(self) -> OptionRules:
         # QwenImagePipeline's true_cfg_scale: guidance_scale is the same value here (the base model
@@ -195,7 +193,7 @@ class QwenImageSpec(ModelSpec):
         chans = [int(cfg["base_dim"]) * int(m) for m in reversed(cfg["dim_mult"])]
         return chans, [int(cfg["num_res_blocks"]) + 1] * len(chans)
 
-    def block_work(self, t: RequestTemplate, rows: int) -> list[tuple[str, float, float, float, list[tuple[float, int]]]]:
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
         """Per MMDiT block of one pass over ``rows`` rows: image and text streams, each with
         q k v o and a 4x GELU MLP (12 d^2) and a 6-way modulation (6 d^2), joint attention."""
         cfg = self.transformer_config
@@ -205,7 +203,7 @@ class QwenImageSpec(ModelSpec):
         params = 2 * (12 * d * d + 6 * d * d)
         linear = 2 * 12 * d * d * s * rows
         attention = 4 * s * s * d * rows
-        return [(f"block.{i}", float(linear), float(attention), float(params * 2), [(s, d)])
+        return [BlockCost(f"block.{i}", float(linear), float(attention), float(params * 2), [(s, d)])
                 for i in range(self.num_dit_blocks)]
 
 
@@ -244,3 +242,15 @@ def _meta_masks_all_ones() -> Iterator[None]:
     finally:
         for name, f in saved.items():
             setattr(QwenImagePipeline, name, f)
+
+
+#: the registered models of this spec (``xema_ray.models.get_model_spec``); no sequence-parallel
+#: split of its transformer yet (``sequence_parallel_split``): one GPU per request
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "qwen-image": functools.partial(QwenImageSpec, "qwen-image", "real", "qwen_image_transformer.json",
+                                    "qwen_image_vae.json", text_tokens=512,
+                                    encoder=EncoderChoice("qwen2_5_vl", "qwen_image_text_encoder.json")),
+    "tiny-qwen-image": functools.partial(QwenImageSpec, "tiny-qwen-image", "tiny", "tiny_qwen_image_transformer.json",
+                                         "tiny_qwen_image_vae.json", text_tokens=8,
+                                         encoder=EncoderChoice("qwen2_5_vl", "tiny_qwen_image_text_encoder.json")),
+}

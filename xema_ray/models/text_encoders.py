@@ -43,6 +43,17 @@ _CORPUS = (
 
 
 @dataclass(frozen=True)
+class EncoderChoice:
+    """The text encoder a registered model runs: its family and config (its prompt length is the
+    spec's ``text_tokens``, so that the two cannot disagree: ``ModelSpec.text_encoder``)."""
+
+    family: EncoderFamily
+    config_file: str
+    #: Flux.2 stacks these hidden states (None: the pipeline's own choice)
+    out_layers: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class TextEncoderSpec:
     """One model's text encoder."""
 

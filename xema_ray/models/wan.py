@@ -28,7 +28,8 @@ lower order, so the analyzer traces two settling steps and replicates with a ste
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,13 @@ import torch
 from torch import nn
 
 from xema_ray.models.base import BuildOptions, ExpertStage, ModelSize, ModelSpec
+from xema_ray.models.text_encoders import EncoderChoice
+from xema_ray.models.cost import BlockCost
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from xema_ray.parallel.plans import SPPlan
 
     from xema_ray.templates import RequestTemplate
 
@@ -106,15 +111,10 @@ class WanSpec(ModelSpec):
     settling_steps = 2
     #: UniPC (solver order 2) keeps each step's model output for the next two steps
     step_lifetime = 2
-    #: split along the latent's height (``xema_ray.parallel.plans.WanPlan``: the rotary table Wan
-    #: computes inside forward is computed whole and cut to each rank's rows)
-    sequence_parallel = True
-    #: the transformer's block list (``transformer.blocks.<i>``; the paper's models say ``transformer_blocks``)
-    dit_block_attr = "blocks"
 
     def __init__(self, name: str, size: ModelSize, transformer_config: str, vae_config: str,
-                 sampling: WanSampling = A14B_SAMPLING) -> None:
-        super().__init__(name, size, transformer_config, vae_config)
+                 sampling: WanSampling = A14B_SAMPLING, encoder: EncoderChoice | None = None) -> None:
+        super().__init__(name, size, transformer_config, vae_config, encoder)
         self.sampling = sampling
         self.frame_rate = sampling.frame_rate
         if size == "real" and not self.two_experts:  # TI2V-5B: 720p is 1280x704 (multiples of 32), 121 frames at 24 fps
@@ -277,13 +277,10 @@ class WanSpec(ModelSpec):
     def default_guidance_scale(self) -> float:
         return self.sampling.guidance_scale
 
-    def dit_batch_multiplier(self) -> int:
-        # WanPipeline runs the conditional and the unconditional pass as two calls of the request's
-        # batch (not one doubled batch): there is no CFG pair to serialize
-        return 1
-
     def transformer_passes_per_step(self) -> tuple[int, ...]:
-        """Two calls of the request's batch per step with classifier-free guidance, else one."""
+        """Two calls of the request's batch per step with classifier-free guidance, else one:
+        WanPipeline runs the conditional and the unconditional pass as two calls (not one doubled
+        batch), so there is no CFG pair to serialize."""
         return (1, 1) if self.sampling.guidance_scale > 1.0 else (1,)
 
     def call_kwargs(self, t: RequestTemplate, guidance_scale: float | None = None) -> dict[str, Any]:
@@ -310,7 +307,17 @@ class WanSpec(ModelSpec):
     def dit_blocks(self, transformer: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(f"blocks.{i}", b) for i, b in enumerate(transformer.blocks)]
 
-    def block_work(self, t: RequestTemplate, rows: int) -> list[tuple[str, float, float, float, list[tuple[float, int]]]]:
+    def dit_block_paths(self) -> list[str]:
+        return [f"blocks.{i}" for i in range(self.num_dit_blocks)]  # the paper's models say ``transformer_blocks``
+
+    def sequence_parallel_split(self) -> type[SPPlan] | None:
+        """Along the latent's height: the rotary table Wan computes inside forward is computed
+        whole and cut to each rank's rows."""
+        from xema_ray.parallel.plans import WanPlan
+
+        return WanPlan
+
+    def block_work(self, t: RequestTemplate, rows: int) -> list[BlockCost]:
         """Per block of one transformer pass over ``rows`` batch rows: (name, linear FLOPs,
         attention FLOPs, weight bytes at bf16, attended (tokens, width)): self-attention over the
         video tokens, cross-attention to the text, a GELU MLP of ``ffn_dim``."""
@@ -322,7 +329,7 @@ class WanSpec(ModelSpec):
         params = 4 * d * d + 4 * d * d + 2 * d * ffn  # self-attn q k v o, cross-attn q k v o, MLP in/out
         linear = 2 * ((4 * d * d + 2 * d * ffn + 2 * d * d) * sv + 2 * d * d * st) * rows
         attention = 4 * (sv * sv * d + sv * st * d) * rows
-        return [(f"block.{i}", float(linear), float(attention), float(params * 2), [(sv, d)])
+        return [BlockCost(f"block.{i}", float(linear), float(attention), float(params * 2), [(sv, d)])
                 for i in range(self.num_dit_blocks)]
 
 
@@ -361,3 +368,22 @@ def _without_boundary(pipe: Any) -> Iterator[None]:
         yield
     finally:
         pipe.register_to_config(boundary_ratio=saved)
+
+
+_UMT5 = EncoderChoice("umt5", "wan22_umt5_text_encoder.json")
+_TINY_UMT5 = EncoderChoice("umt5", "tiny_wan22_umt5_text_encoder.json")
+#: the registered models of these specs (``xema_ray.models.get_model_spec``)
+VARIANTS: dict[str, Callable[[], ModelSpec]] = {
+    "wan2.2-t2v-a14b": functools.partial(WanSpec, "wan2.2-t2v-a14b", "real", "wan22_a14b_transformer.json",
+                                         "wan21_vae.json", A14B_SAMPLING, _UMT5),
+    "tiny-wan2.2": functools.partial(WanSpec, "tiny-wan2.2", "tiny", "tiny_wan22_transformer.json", "tiny_wan21_vae.json",
+                                     TINY_SAMPLING, _TINY_UMT5),
+    "wan2.2-ti2v-5b": functools.partial(WanSpec, "wan2.2-ti2v-5b", "real", "wan22_ti2v5b_transformer.json",
+                                        "wan22_vae.json", TI2V_5B_SAMPLING, _UMT5),
+    "tiny-wan2.2-ti2v": functools.partial(WanSpec, "tiny-wan2.2-ti2v", "tiny", "tiny_wan22_ti2v_transformer.json",
+                                          "tiny_wan22_vae.json", TINY_TI2V_SAMPLING, _TINY_UMT5),
+    "wan2.2-i2v-a14b": functools.partial(WanI2VSpec, "wan2.2-i2v-a14b", "real", "wan22_i2v_a14b_transformer.json",
+                                         "wan21_vae.json", I2V_A14B_SAMPLING, _UMT5),
+    "tiny-wan2.2-i2v": functools.partial(WanI2VSpec, "tiny-wan2.2-i2v", "tiny", "tiny_wan22_i2v_transformer.json",
+                                         "tiny_wan21_vae.json", TINY_I2V_SAMPLING, _TINY_UMT5),
+}

@@ -1,6 +1,6 @@
 """Where each model's token sequence is split at the transformer input and gathered at its output.
 
-One mechanism serves all three models (``sp.apply_sequence_parallel``); a plan only names the
+One mechanism serves every model (``sp.apply_sequence_parallel``); a plan only names the
 inputs that carry tokens, the dimension they carry them in, and the outputs to gather — the
 same information diffusers' ``_cp_plan`` holds, plus CogVideoX, which has none. Every tensor
 that is per-token is split with the same shard sizes as its stream, so rotary embeddings and
@@ -58,7 +58,8 @@ class ShardContext:
 
 
 class SPPlan(ABC):
-    """How one model family's transformer is split for sequence parallelism."""
+    """How one model family's transformer is split for sequence parallelism (a model's spec names
+    its plan: ``ModelSpec.sequence_parallel_split``)."""
 
     #: attention modules (last name component) whose keys/values are not split: run locally
     local_attention: frozenset[str] = frozenset()
@@ -245,19 +246,6 @@ class _RowRope:
         grid = (f // p_t, h // p_h, w // p_w)
         return tuple(shard(t.reshape(*grid, t.shape[-1]), 1, self.patch_rows, self.rank).reshape(1, -1, 1, t.shape[-1])
                      for t in full)
-
-
-_PLANS: dict[str, type[SPPlan]] = {"flux2": Flux2Plan, "cogvideox": CogVideoXPlan, "ltx2": LTX2Plan, "wan": WanPlan}
-
-
-def plan_for(family: str, transformer: nn.Module) -> SPPlan:
-    """The SP plan of a model family for this transformer; ValueError if there is none or the
-    transformer's configuration cannot be split."""
-    try:
-        cls = _PLANS[family]
-    except KeyError:
-        raise ValueError(f"no sequence-parallel plan for model family {family!r}; known: {sorted(_PLANS)}") from None
-    return cls(transformer)
 
 
 def bind_arguments(forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Sequence parallelism for a diffusers transformer: split at the input, USP inside, gather at
 the output (ARCHITECTURE.md, "SP layer").
 
-``apply_sequence_parallel(transformer, family, group)`` installs two kinds of removable hooks,
+``apply_sequence_parallel(transformer, split, group)`` installs two kinds of removable hooks,
 in the style of diffusers' ``HookRegistry`` (an instance ``forward`` that shadows the class's,
 deleted on removal):
 
@@ -19,7 +19,7 @@ else ours (``attention``), which is also what runs over gloo on CPU.
 Example (each rank of a 2-worker set)::
 
     groups = init_process_groups(ParallelConfig(rank=r, world_size=2, init_method=url))
-    with apply_sequence_parallel(pipe.transformer, "flux2", groups.select(ulysses=2, ring=1)):
+    with apply_sequence_parallel(pipe.transformer, spec.sequence_parallel_split(), groups.select(ulysses=2, ring=1)):
         image = pipe(...)
 """
 
@@ -43,7 +43,7 @@ from xema_ray.parallel.attention import (
     seq_to_heads,
 )
 from xema_ray.parallel.groups import SPGroup
-from xema_ray.parallel.plans import ShardContext, SPPlan, bind_arguments, plan_for
+from xema_ray.parallel.plans import ShardContext, SPPlan, bind_arguments
 
 SPBackend = Literal["auto", "native", "xfuser"]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -219,19 +219,20 @@ class SequenceParallelHandle:
 
 
 def apply_sequence_parallel(
-    transformer: nn.Module, family: str, group: SPGroup, backend: SPBackend = "auto"
+    transformer: nn.Module, split: type[SPPlan] | None, group: SPGroup, backend: SPBackend = "auto"
 ) -> SequenceParallelHandle:
     """Make ``transformer`` run sequence-parallel over ``group`` until the handle is removed.
 
     Args:
         transformer: the pipeline's DiT (weights untouched: every rank keeps a full copy).
-        family: model family ("flux2", "cogvideox", "ltx2"): picks the split plan.
+        split: the plan that splits this transformer, as the model's spec names it
+            (``ModelSpec.sequence_parallel_split``; None: the model has none).
         group: the batch's SP group (``ProcessGroups.select``); every rank of it must make the
             same calls with the same inputs.
         backend: "auto" (xfuser on CUDA when available, else ours), "native" or "xfuser".
 
     Raises:
-        ValueError: unknown family, a transformer configuration the plan cannot split, or
+        ValueError: no split, a transformer configuration the plan cannot split, or
             the transformer already has SP installed (other forward overrides, such as
             diffusers hooks, are wrapped and restored on removal).
     """
@@ -239,6 +240,8 @@ def apply_sequence_parallel(
         raise ValueError(f"backend must be 'auto', 'native' or 'xfuser', got {backend!r}")
     if getattr(vars(transformer).get("forward"), "_xema_sequence_parallel", False):
         raise ValueError("sequence parallelism is already installed on this transformer")
-    handle = SequenceParallelHandle(transformer, plan_for(family, transformer), USPAttention(group, backend))
+    if split is None:
+        raise ValueError("this model has no sequence-parallel split (its spec's sequence_parallel_split is None)")
+    handle = SequenceParallelHandle(transformer, split(transformer), USPAttention(group, backend))
     handle._install()
     return handle

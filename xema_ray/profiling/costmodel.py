@@ -30,11 +30,11 @@ measured / modelled) are applied.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.models.cost import BlockCost
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.profiling.store import ProfileStore
@@ -63,74 +63,13 @@ class LatencyEstimate(BaseModel):
     label: str = Field(default="", description="human-readable provenance, e.g. 'estimate (roofline, H200)'")
 
 
-@dataclass(frozen=True)
-class BlockCost:
-    """One DiT block's work for one transformer pass of the whole batch."""
-
-    name: str
-    linear_flops: float
-    attention_flops: float
-    weight_bytes: float
-    #: tokens whose activations cross the SP group per attention (q/k/v/out all-to-alls)
-    attention_tokens: list[tuple[float, int]]  # (tokens of the attended sequence, hidden size)
-
-
 # ---------------------------------------------------------------------------- transformer work
-
-
-def _rows_per_step(spec: ModelSpec, template: RequestTemplate, batch: int) -> int:
-    """Transformer batch rows per denoising step: CFG doubles them, LTX-2 runs three passes."""
-    if spec.family == "ltx2":
-        passes = spec.transformer_passes_per_step()  # type: ignore[attr-defined]
-        return batch * sum(passes)
-    if spec.block_work(template, 1) is not None:  # a model that states its own work (Wan2.2: CFG as two calls)
-        return batch * sum(spec.transformer_passes_per_step())
-    if spec.family == "cogvideox" and spec.default_guidance_scale > 1.0:
-        return batch * 2
-    return batch  # Flux.2-dev is guidance-distilled: one pass
 
 
 def transformer_blocks(spec: ModelSpec, template: RequestTemplate, rows: int) -> list[BlockCost]:
     """Per-block FLOPs and weight bytes of one pass over ``rows`` batch rows (analytic, from the
-    model config: the GEMM parameter count of each block times the tokens it sees)."""
-    cfg = spec.transformer_config
-    tokens = template.token_counts()
-    blocks: list[BlockCost] = []
-    own = spec.block_work(template, rows)
-    if own is not None:
-        return [BlockCost(name, linear, attention, weights, list(tokens_)) for name, linear, attention, weights, tokens_ in own]
-    if spec.family == "flux2":
-        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-        m = cfg.get("mlp_ratio", 3.0)
-        s_img, s_txt = tokens["image"] + tokens.get("reference", 0), tokens["text"]  # references join the sequence
-        s = s_img + s_txt
-        stream = (4 + 3 * m) * d * d  # q, k, v, out + SwiGLU (2 x m d in, m d out)
-        single = (3 + 2 * m + 1 + m) * d * d  # fused qkv + mlp-in, fused out over [attn, mlp]
-        for i in range(cfg["num_layers"]):
-            blocks.append(BlockCost(f"double.{i}", 2 * stream * s * rows, 4 * s * s * d * rows, 2 * stream * BYTES, [(s, d)]))
-        for i in range(cfg.get("num_single_layers", 0)):
-            blocks.append(BlockCost(f"single.{i}", 2 * single * s * rows, 4 * s * s * d * rows, single * BYTES, [(s, d)]))
-    elif spec.family == "cogvideox":
-        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-        s = tokens["video"] + tokens["text"]
-        params = 12 * d * d
-        adaln = 2 * cfg["time_embed_dim"] * 6 * d  # two LayerNormZero modulations (weights only)
-        for i in range(cfg["num_layers"]):
-            blocks.append(BlockCost(f"block.{i}", 2 * params * s * rows, 4 * s * s * d * rows, (params + adaln) * BYTES, [(s, d)]))
-    elif spec.family == "ltx2":
-        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-        da = cfg["audio_num_attention_heads"] * cfg["audio_attention_head_dim"]
-        sv, sa, st = tokens["video"], tokens["audio"], tokens["text"]
-        video = 12 * d * d * sv + 2 * d * d * sv + 2 * d * cfg.get("cross_attention_dim", d) * st
-        audio = 12 * da * da * sa + 2 * da * da * sa + 2 * da * cfg.get("audio_cross_attention_dim", da) * st
-        cross = (2 * d * da + 2 * da * da) * (sv + sa)  # a2v and v2a projections at the audio width
-        attn = 4 * (sv * sv * d + sv * st * d + sa * sa * da + sa * st * da + 2 * sv * sa * da)
-        params = 16 * d * d + 16 * da * da + 4 * d * da + 4 * da * da
-        for i in range(cfg["num_layers"]):
-            blocks.append(BlockCost(f"block.{i}", 2 * (video + audio + cross) * rows, attn * rows, params * BYTES, [(sv, d), (sa, da)]))
-    else:
-        raise ValueError(f"no cost model for model family {spec.family!r}")
-    return blocks
+    model config: the spec's ``block_work``)."""
+    return spec.block_work(template, rows)
 
 
 def block_compute_s(block: BlockCost, hw: HardwareProfile, sp: int = 1, chunks: int = 1) -> float:
@@ -249,7 +188,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
     spec = template.spec
     if config.gpus > hw.gpus:
         raise ValueError(f"{config.describe()} needs {config.gpus} GPUs; {hw.name} has {hw.gpus}")
-    rows = _rows_per_step(spec, template, config.batch)
+    rows = config.batch * spec.transformer_rows_per_step()  # every call of a step: its guidance passes
     blocks = transformer_blocks(spec, template, rows)
     n = len(blocks)
     chunks = [1] * n
@@ -319,15 +258,16 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
     )
 
 
-def _calibration_factors(store: ProfileStore, hw: HardwareProfile, family: str) -> dict[Phase, float]:
+def _calibration_factors(store: ProfileStore, hw: HardwareProfile, spec: ModelSpec) -> dict[Phase, float]:
     """Per phase, the median ratio measured / modelled over the store's requests of this
-    hardware and model family that were measured whole or from measured segments (the
-    segment-reuse profiler's "profiled" records); empty when there are none."""
+    hardware and of the models whose measurements calibrate ``spec`` (its family:
+    ``ModelSpec.shares_measurements_with``) that were measured whole or from measured segments
+    (the segment-reuse profiler's "profiled" records); empty when there are none."""
     if hw.fingerprint is None:
         return {}
     ratios: dict[Phase, list[float]] = {}
     for rec in store.requests(hw.fingerprint):
-        if rec.source not in TIMED_SOURCES or rec.config is None or rec.config.template.spec.family != family:
+        if rec.source not in TIMED_SOURCES or rec.config is None or not spec.shares_measurements_with(rec.config.template.spec):
             continue
         model = cost_model_estimate(rec.config, hw)
         for phase in (Phase.DENOISE, Phase.DECODE):
@@ -365,7 +305,7 @@ def estimate_latency(config: ExecutionConfig, hardware: HardwareProfile, store: 
                     label=("measurement" if source == LatencySource.MEASURED else "estimate (segment profile)") + f" on {hardware.name}",
                 )
     est = cost_model_estimate(config, hardware)
-    factors = _calibration_factors(store, hardware, config.template.spec.family) if store is not None else {}
+    factors = _calibration_factors(store, hardware, config.template.spec) if store is not None else {}
     if not factors:
         return est
     per_phase = {p: v * factors.get(p, 1.0) for p, v in est.per_phase.items()}

@@ -9,13 +9,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from xema_ray.models.cost import BYTES  # bf16 weights and activations (the whole cost model)
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.templates import RequestTemplate
 
 if TYPE_CHECKING:
     from xema_ray.models import ModelSpec
-
-BYTES = 2  # bf16 weights and activations (the whole cost model)
 
 
 def _decoder_levels(spec: ModelSpec) -> tuple[list[int], list[int]]:

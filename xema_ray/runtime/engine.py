@@ -364,8 +364,8 @@ class ExecutionEngine:
             if group is not None:
                 for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
                     if getattr(self.pipe, name, None) is not None:
-                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name), self.spec.family, group,
-                                                                  self.sp_backend))
+                        env.enter_context(apply_sequence_parallel(getattr(self.pipe, name),
+                                                                  self.spec.sequence_parallel_split(), group, self.sp_backend))
             enter_adapters(env, self, adapters)
             if self.inner_env is not None:
                 env.enter_context(self.inner_env(self.pipe))

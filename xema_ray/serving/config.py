@@ -1,4 +1,7 @@
-"""The serving application's configuration: one typed object, read from ``serve run``'s YAML args."""
+"""The serving application's configuration: one typed object, read from ``serve run``'s YAML args.
+
+It composes each room's own config (a group's ``ModelGroupConfig``, the job store's, the API's auth and
+limits), so it ranks above them all (``tests/test_layering.py`` ``SERVING_LAYERS``)."""
 
 from __future__ import annotations
 
@@ -7,57 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xema_ray.deployment import GroupShape, TemplateSpec  # noqa: F401  (TemplateSpec: read from here too)
-from xema_ray.serving.api.schemas import RequestLimits
 from xema_ray.serving.api.auth import AuthConfig
+from xema_ray.serving.api.schemas import RequestLimits
+from xema_ray.serving.group.settings import ModelGroupConfig
 from xema_ray.serving.jobs.store import JobStoreConfig
-from xema_ray.serving.scale.scaling import AutoscalingSpec
-
-
-class ModelGroupConfig(GroupShape):
-    """One model's worker set (its model, workers and templates are ``GroupShape``'s)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    weights_dir: Path | None = Field(default=None, description="local diffusers directory; None = random weights")
-    replicas: int = Field(default=1, ge=1, description="replicas of the group (each with its own GPUs); "
-                                                        "with autoscaling, the count it starts with")
-    autoscaling: AutoscalingSpec | None = Field(
-        default=None, description="add and remove replicas from the dispatchers' predicted attainment "
-                                  "(min_replicas, max_replicas, target_attainment, window_s, ...); None: fixed replicas")
-    wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
-    max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
-    residency: Literal["per_template", "shared"] | None = Field(
-        default=None,
-        description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
-                    "only the difference) or shared (every plan's offloaded blocks stay on the host: no switches); "
-                    "None = what the plan table chose for the group (per_template if it chose nothing)")
-    share_host_weights: Literal["auto", "on", "off"] = Field(
-        default="auto", description="the group's workers on a node share one copy of their host-homed weights "
-                                    "(a /dev/shm segment): auto = on GPUs; off = each worker its own exact buffer")
-    max_preemptions: int = Field(
-        default=2, ge=0, le=16,
-        description="step-level preemption: most times one request is paused for a more urgent batch "
-                    "of another template (0: never preempt in this group)")
-    time_scale: float | None = Field(
-        default=None, gt=0, description="device: emulated: this group's reference seconds per emulated second "
-                                        "(None: the app's time_scale); groups of requests minutes or hours long "
-                                        "can run faster than groups of seconds")
-    bundle_resources: dict[str, float] = Field(
-        default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
-                                          "that only some nodes have pins the group to them")
-
-    @model_validator(mode="after")
-    def _known(self) -> ModelGroupConfig:
-        if self.weights_dir is not None:
-            # workers run in other directories: a relative path means the one `serve run` started in
-            # (its contents are checked where the weights are read: on the workers' machines)
-            self.weights_dir = self.weights_dir.expanduser().resolve()
-        a = self.autoscaling
-        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
-            raise ValueError(f"replicas ({self.replicas}) must be within autoscaling's min_replicas "
-                             f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
-        return self
 
 
 class ServeConfig(BaseModel):

@@ -17,7 +17,7 @@ from tests.serving.api.asgi_client import call, post_json
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, UnsupportedTemplate, VideoRequest, set_limits
 from xema_ray.serving.api.errors import exception_response, install_error_handlers
 from xema_ray.serving.api.middleware import ProxyErrorsAsJson, RequestGuard
-from xema_ray.serving.group.messages import GroupRequest, GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.messages import GroupRequest, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.api.openapi import build_openapi
 from xema_ray.templates import RequestTemplate
 

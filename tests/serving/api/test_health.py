@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from xema_ray.serving.api.health import GroupHealth
-from xema_ray.serving.group.messages import GroupUnavailable
+from xema_ray.serving.messages import GroupUnavailable
 
 
 class _Group:

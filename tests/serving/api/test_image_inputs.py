@@ -29,9 +29,9 @@ from xema_ray.serving.api.openapi import build_openapi
 from xema_ray.serving.api.schemas import RequestLimits, UnsupportedTemplate, set_limits
 from xema_ray.serving.api.uploads import MAX_IMAGE_PIXELS
 from xema_ray.serving.api.validation import parse_request
-from xema_ray.serving.group.messages import GroupRequest
+from xema_ray.serving.messages import GroupRequest
 from xema_ray.serving.jobs.store import JobStoreConfig, open_store
-from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
+from xema_ray.serving.api.video_jobs import ApiError, VideoJobs
 from xema_ray.templates import RequestTemplate
 
 SERVED = {t.shape_key: t for t in (

@@ -19,7 +19,7 @@ from xema_ray.serving.api.errors import exception_response, install_error_handle
 from xema_ray.serving.api.middleware import ProxyErrorsAsJson, RequestGuard
 from xema_ray.serving.api.refusals import REASONS, RefusalMeter, refusal_reason
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, UnsupportedTemplate, set_limits
-from xema_ray.serving.group.messages import QueueFull
+from xema_ray.serving.messages import QueueFull
 
 IMAGES = "/v1/images/generations"
 KEY = "k" * 20

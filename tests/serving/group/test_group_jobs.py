@@ -17,7 +17,7 @@ import pytest
 from bench.scenarios.group_harness import Harness, entry, request, running_group
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id, open_store
-from xema_ray.serving.api.videos import result_name
+from xema_ray.serving.jobs.store import result_name
 from xema_ray.serving.group.worker_set import WORKER_KINDS, WorkerKind, worker_set_for
 from xema_ray.templates import RequestTemplate
 

@@ -25,7 +25,7 @@ from xema_ray.scheduling.batch import DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.api.errors import exception_response
 from xema_ray.serving.group.isolation import run_isolating, split_in
-from xema_ray.serving.group.messages import InvalidRequest, RequestFailedAlone
+from xema_ray.serving.messages import InvalidRequest, RequestFailedAlone
 from xema_ray.serving.group.worker_set import WorkerDied
 from xema_ray.templates import RequestTemplate
 

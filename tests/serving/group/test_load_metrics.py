@@ -14,7 +14,7 @@ from xema_ray.platforms.base import MemoryStats
 from xema_ray.runtime.engine import BatchResult, PhaseTimings
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.serving.api.videos import video_fps
+from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics, SloWindow, realtime_factor
 from xema_ray.serving.group.load_metrics import KeptGauge
 from xema_ray.serving.scale.replica_summary import summarize

@@ -17,7 +17,7 @@ from PIL import Image
 from bench.scenarios.group_harness import Harness, entry, group_config, request, running_group
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.worker import LoadedModel, ModelLoadConfig, Worker
-from xema_ray.serving.group.messages import GenerateResult, GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.messages import GenerateResult, GroupUnavailable, InvalidRequest, QueueFull
 from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.group.worker_set import WORKER_KINDS, WorkerKind, WorkerSetSpec, worker_set_for
 from xema_ray.serving.group.worker_set_local import InProcessWorkerSet

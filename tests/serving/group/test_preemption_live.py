@@ -51,7 +51,7 @@ def test_a_paused_video_job_is_in_progress(scenario: tuple[sc.PlanTable, list[sc
 
 def test_layout_counters_per_template_say_why_not_armed(
         scenario: tuple[sc.PlanTable, list[sc.Arrival], sc.LiveRun]) -> None:
-    from xema_ray.serving.group.layout_stats import GroupLayoutStats
+    from xema_ray.serving.messages import GroupLayoutStats
 
     table, _, live = scenario
     group = GroupLayoutStats.model_validate(live.all_stats["static_layouts"]["tiny-cogvideox"])

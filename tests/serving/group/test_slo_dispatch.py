@@ -111,7 +111,7 @@ def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
 # ---------------------------------------------------------------- the live group (in-process workers)
 def test_the_live_group_refuses_and_sheds_with_503s_and_serves_the_rest() -> None:
     from bench.scenarios.group_harness import entry, request, running_group
-    from xema_ray.serving.group.messages import QueueFull
+    from xema_ray.serving.messages import QueueFull
 
     ok = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
     tight = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)

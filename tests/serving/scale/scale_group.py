@@ -12,8 +12,8 @@ from typing import Any
 
 from xema_ray.scheduling.batch import Assignment, DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.serving.group.messages import GroupRequest
-from xema_ray.serving.scale.replica_stats import PublishesSummary
+from xema_ray.serving.messages import GroupRequest
+from xema_ray.serving.group.replica_stats import PublishesSummary
 
 
 class DispatchOnlyGroup(PublishesSummary):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from xema_ray.serving.api.stats import BufferedCounts
+from xema_ray.serving.stats import BufferedCounts
 
 
 def test_counts_go_out_in_one_call_per_interval_and_on_flush() -> None:

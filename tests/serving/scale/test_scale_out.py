@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from bench.scenarios.local_cluster import LocalCluster
-from xema_ray.serving.group.messages import GroupRequest
+from xema_ray.serving.messages import GroupRequest
 from xema_ray.serving.scale.replica_router import SloRequestRouter
 from xema_ray.serving.scale.scaling import AutoscalingSpec, SloAutoscalingPolicy
 

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.serving.api.schemas import UnsupportedTemplate
-from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
+from xema_ray.serving.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
 
 logger = logging.getLogger("xema_ray.serving")
 

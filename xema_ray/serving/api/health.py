@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.serving.group.messages import GroupUnavailable
+from xema_ray.serving.messages import GroupUnavailable
 
 logger = logging.getLogger("xema_ray.serving")
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from xema_ray.serving.api.errors import ErrorResponse
-from xema_ray.serving.group.messages import GenerateResult
+from xema_ray.serving.messages import GenerateResult
 from xema_ray.templates import RequestTemplate
 
 _STATUS_TEXT = {403: "behind API keys: the key is not an admin key (auth.api_keys ... admin: true)",

@@ -50,18 +50,17 @@ from xema_ray.serving.api.health import (
     HealthResponse,
     serve_replica_counts,
 )
-from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
-from xema_ray.serving.api.stats import BufferedCounts, StatsResponse
+from xema_ray.serving.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.api.refusals import RefusalMeter
 from xema_ray.serving.api.responses import documented as _documented, front_timing as _front_timing, where_headers as _where
-from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupUnavailable
+from xema_ray.serving.messages import GenerateResult, GroupLayoutStats, GroupRequest, GroupUnavailable
 from xema_ray.serving.group.plan_reload import RouterPlans
 from xema_ray.serving.api.openapi import install_openapi
 from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, store_call, store_faults
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
-from xema_ray.serving.jobs.video_jobs import ApiError, VideoJobs
+from xema_ray.serving.api.video_jobs import ApiError, VideoJobs
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
 from xema_ray.serving.api.validation import parse_request, request_body_doc

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xema_ray.lora.adapter import LoraUse
-from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS
 from xema_ray.serving.api.schemas import MAX_SEED, UnsupportedTemplate, current_limits, parse_size
+from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig
 from xema_ray.templates import RequestTemplate
 
@@ -140,11 +140,6 @@ class VideoDeleted(BaseModel):
     object: Literal["video.deleted"] = "video.deleted"
 
 
-def video_fps(t: RequestTemplate) -> float:
-    """The frame rate the engine encodes ``t``'s model at."""
-    return float(getattr(t.spec, "frame_rate", DEFAULT_VIDEO_FPS))
-
-
 def _fmt_seconds(x: float) -> str:
     return f"{x:.3f}".rstrip("0").rstrip(".")
 
@@ -229,7 +224,3 @@ def poll_after_ms(rec: JobRecord, cfg: JobStoreConfig, now: float | None = None)
     if rec.status == "in_progress" and rec.progress_at is not None:
         remaining -= now - rec.progress_at  # time already spent on the current step
     return int(min(cfg.poll_max_ms, max(cfg.poll_min_ms, remaining * 100.0)))
-
-
-def result_name(job_id: str, variant: Literal["video", "thumbnail"]) -> str:
-    return f"{job_id}.mp4" if variant == "video" else f"{job_id}.thumbnail.png"

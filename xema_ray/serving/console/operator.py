@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from xema_ray.plan import PlanTable
-from xema_ray.serving.api.stats import StatsResponse
 from xema_ray.serving.console.schemas import Attainment, GroupView, OperatorView, PlanRow, mitigation_label
-from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.load_metrics import GroupLoad
 from xema_ray.serving.group.preemption import PreemptionReport
+from xema_ray.serving.messages import GroupLayoutStats
 from xema_ray.serving.scale.replica_summary import ReplicaSummary
+from xema_ray.serving.stats import StatsResponse
 from xema_ray.templates import RequestTemplate
 
 #: longest wait for one group's answers (a slow group shows what is known, never blocks the view)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import Mitigation
-from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
+from xema_ray.serving.messages import GroupLayoutStats
 from xema_ray.serving.scale.replica_summary import ReplicaSummary
 
 

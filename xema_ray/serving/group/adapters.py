@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, LoraUse, PoolStats
 from xema_ray.serving.group.adapter_registry import RegistryState
-from xema_ray.serving.group.messages import InvalidRequest
+from xema_ray.serving.messages import InvalidRequest
 
 logger = logging.getLogger(__name__)
 #: longest an adapter change waits for the group's other replicas to apply it

@@ -41,7 +41,7 @@ from typing import Literal, TypeVar
 
 from xema_ray.runtime.request_errors import failed_requests
 from xema_ray.scheduling.batch import Pending
-from xema_ray.serving.group.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
+from xema_ray.serving.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied
 
 P = TypeVar("P")

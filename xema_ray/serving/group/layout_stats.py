@@ -1,58 +1,18 @@
-"""The static allocator's counters per template of a model group: batches run with the layout armed,
-allocations it placed (hits), allocations that fell back to the dynamic path, the bytes the
-allocator holds, and batches that failed out of device memory. Shown in ``/v1/stats``, ``/healthz`` (group status) and the Prometheus metrics.
-Where nothing is armed (a CPU worker, a plan without a layout) the counters stay 0 and ``status``
-says why."""
+"""A model group's static-allocator counters per template, fed with each batch's result: batches run
+with the layout armed, allocations it placed (hits), allocations that fell back to the dynamic path,
+the bytes the allocator holds, and batches that failed out of device memory. The group reports them
+as a ``GroupLayoutStats`` (``xema_ray.serving.messages``: it crosses to the Router for ``/v1/stats``,
+``/healthz`` and the console). Where nothing is armed (a CPU worker, a plan without a layout) the
+counters stay 0 and ``status`` says why."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from xema_ray.serving.messages import GroupLayoutStats, TemplateLayoutStats, WorkerMemory
 
 if TYPE_CHECKING:
     from xema_ray.runtime.engine import BatchResult
-
-
-class TemplateLayoutStats(BaseModel):
-    """One template's static-layout counters since the group started."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    layout_ref: str | None = Field(default=None, description="the plan entry's layout (None: the plan has none)")
-    batches: int = Field(default=0, ge=0, description="batches run for this template")
-    armed_batches: int = Field(default=0, ge=0, description="batches run with the layout armed")
-    hits: int = Field(default=0, ge=0, description="allocations placed at their planned offset")
-    fallbacks: int = Field(default=0, ge=0, description="allocations the layout did not know, served by the dynamic path")
-    reserved_bytes: int = Field(default=0, ge=0, description="bytes the static allocator held after the last batch (0: not armed)")
-    not_armed: str | None = Field(default=None, description="why the last batch ran without its layout (None: it was armed, "
-                                                            "or the workers' status says why none is)")
-    out_of_memory: int = Field(default=0, ge=0, description="batches that failed out of device memory (each a JSON 503; "
-                                                            "the worker served on)")
-    last_out_of_memory: str | None = Field(default=None, description="the last such failure: the entry, bytes asked, "
-                                                                     "bytes free")
-
-
-class WorkerMemory(BaseModel):
-    """One worker's memory in the last batch it ran (``MemoryStats``: the device allocator's counters
-    on a GPU, the process's resident set on CPU; ``source`` says which), for the console's view."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    template: str = Field(description="the template of that batch")
-    peak_bytes: int = Field(ge=0, description="peak during the batch")
-    current_bytes: int = Field(ge=0, description="in use at the end of the batch")
-    source: str = Field(description="where the numbers come from (MemoryStats.source), e.g. rss on CPU")
-
-
-class GroupLayoutStats(BaseModel):
-    """A model group's static layouts: the workers' status (armed, or why not) and counters per template."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    status: str = Field(description="what the workers said at load: layouts armed per batch, or 'not armed: why'")
-    templates: dict[str, TemplateLayoutStats] = Field(default_factory=dict)
-    workers: dict[int, WorkerMemory] = Field(default_factory=dict, description="per worker index: its last batch's memory")
 
 
 class LayoutCounters:

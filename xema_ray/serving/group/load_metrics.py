@@ -34,7 +34,7 @@ from ray.serve import metrics
 
 from xema_ray.plan import PlanEntry
 from xema_ray.runtime.engine import BatchResult
-from xema_ray.serving.api.videos import video_fps
+from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, probe
 
 logger = logging.getLogger("xema_ray.serving")

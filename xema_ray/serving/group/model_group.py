@@ -40,19 +40,19 @@ from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.serving.config import ModelGroupConfig
 from xema_ray.serving.group.adapters import GroupAdapters
 from xema_ray.serving.group.isolation import run_isolating
-from xema_ray.serving.group.layout_stats import GroupLayoutStats, LayoutCounters
-from xema_ray.serving.group.messages import GenerateResult, GroupRequest, GroupStatus, GroupUnavailable, InvalidRequest, QueueFull
+from xema_ray.serving.group.layout_stats import LayoutCounters
+from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
+                                       InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
-from xema_ray.serving.group.settings import GroupSettings
+from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 from xema_ray.serving.jobs.lifecycle import JobLifecycle
 from xema_ray.serving.jobs.progress import PhaseEstimate
-from xema_ray.serving.scale.replica_stats import PublishesSummary
+from xema_ray.serving.group.replica_stats import PublishesSummary
 
 if TYPE_CHECKING:
     from xema_ray.runtime.engine import GenerationRequest

@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from xema_ray.serving.api.videos import result_name
-from xema_ray.serving.group.messages import GroupUnavailable
+from xema_ray.serving.messages import GroupUnavailable
 from xema_ray.serving.jobs.progress import JobProgress, PhaseEstimate
-from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, open_store, store_call, store_faults
+from xema_ray.serving.jobs.store import (JobRecord, JobStore, JobStoreConfig, open_store, result_name, store_call,
+                                         store_faults)
 
 if TYPE_CHECKING:
     from xema_ray.scheduling.dispatcher import Dispatcher
-    from xema_ray.serving.group.messages import GenerateResult
+    from xema_ray.serving.messages import GenerateResult
 
 #: a job whose worker set failed this many times fails instead of being re-dispatched
 MAX_JOB_ATTEMPTS = 3

@@ -127,6 +127,12 @@ def reference_name(job_id: str, index: int) -> str:
     return f"{job_id}.reference.{index}.png"
 
 
+def result_name(job_id: str, variant: Literal["video", "thumbnail"]) -> str:
+    """The stored file of a job's result: its video, or the thumbnail the Router cuts from it
+    (``<job_id>.*`` files, like its input images: they go with the job)."""
+    return f"{job_id}.mp4" if variant == "video" else f"{job_id}.thumbnail.png"
+
+
 def new_job_id(epoch: str | None = None) -> str:
     """A job id: ``video_<uuid4 hex>``, and ``_<epoch>`` when made in a store's epoch."""
     return f"video_{uuid.uuid4().hex}" + (f"_{epoch}" if epoch else "")

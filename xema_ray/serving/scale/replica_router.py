@@ -32,7 +32,7 @@ IN_FLIGHT_SLACK_S = 0.05
 
 def request_template(pending: PendingRequest | None) -> str | None:
     """The template of a ModelGroup call: ``generate(request)`` or ``submit_job(request)``, each
-    with one ``GroupRequest`` (``xema_ray.serving.group.messages``)."""
+    with one ``GroupRequest`` (``xema_ray.serving.messages``)."""
     if pending is None or pending.metadata.call_method not in ("generate", "submit_job"):
         return None
     request = pending.args[0] if pending.args else pending.kwargs.get("req")

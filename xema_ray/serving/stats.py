@@ -1,5 +1,7 @@
 """Request counters kept outside the Router (a Serve deployment of their own), so that
-``/v1/stats`` does not restart from 0 when a Router replica is replaced."""
+``/v1/stats`` does not restart from 0 when a Router replica is replaced, and ``/v1/stats``'s answer
+(``StatsResponse``). Below the API, which answers it, and the console, which builds the operator
+view from it; above the groups, whose reports it gathers."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from pydantic import BaseModel, Field
 
 from xema_ray.lora.pool import PoolStats
-from xema_ray.serving.group.layout_stats import GroupLayoutStats
 from xema_ray.serving.group.preemption import PreemptionReport
+from xema_ray.serving.messages import GroupLayoutStats
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 
 

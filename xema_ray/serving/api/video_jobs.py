@@ -1,4 +1,4 @@
-"""What the router does for the OpenAI video job API (``/v1/videos``), over the job store.
+"""What the Router does for the OpenAI video job API (``/v1/videos``), over the job store (``jobs/``).
 
 A router replica keeps no job state: create writes the job to the store and hands it to the
 model's group; retrieve, list, download and delete read or change the store, so any replica
@@ -33,11 +33,12 @@ from xema_ray.serving.jobs.store import (
     new_job_id,
     open_store,
     reference_name,
+    result_name,
     store_call,
 )
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
-from xema_ray.serving.group.messages import GroupRequest, InvalidRequest, QueueFull
+from xema_ray.serving.messages import GroupRequest, InvalidRequest, QueueFull
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import option_error, resolve_options, scaled_to_steps
 from xema_ray.serving.api.validation import parse_request
@@ -49,7 +50,6 @@ from xema_ray.serving.api.videos import (
     VideoList,
     map_video_request,
     poll_after_ms,
-    result_name,
     served_seconds,
     video_view,
 )

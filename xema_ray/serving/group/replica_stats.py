@@ -2,10 +2,10 @@
 drains when Serve scales it down.
 
 * ``record_routing_stats``: Serve's controller polls it every ``request_routing_stats_period_s``
-  and hands the result to every handle's request router (``replica_router.SloRequestRouter``):
+  and hands the result to every handle's request router (``scale/replica_router.SloRequestRouter``):
   the replica's ``ReplicaSummary`` as JSON.
 * ``record_autoscaling_stats``: the same summary as flat numbers, pushed to the controller for the
-  custom autoscaling policy (``scaling.SloAutoscalingPolicy``).
+  custom autoscaling policy (``scale/scaling.SloAutoscalingPolicy``).
 * ``drain`` (from the deployment's ``__del__``, which Serve calls once the replica's ongoing
   requests — every synchronous request it accepted — have finished): its queued video jobs go
   back to the job store at once (another replica's reconciler re-dispatches them), its running

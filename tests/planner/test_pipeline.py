@@ -1,0 +1,76 @@
+"""The planner as an ordered list of named passes (``planner.pipeline``): ``plan()`` prints nothing
+and returns a typed ``PlanResult``; a refused request is a typed ``PlanError`` carrying its exit
+code; a pass changes only what it declares; the table records its command relative to the checkout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from xema_ray.plan import PlanTable
+from xema_ray.templates import RequestTemplate
+
+from planner.cli import ROOT, recorded_command
+from planner.driver import PlanOptions
+from planner.pipeline import (PASSES, Pass, PlanRefused, PlanRequest, PlanResult, PlanRun, PlanState, Written, plan,
+                              run_passes)
+
+TEMPLATES = (RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2),
+             RequestTemplate(model="tiny-flux2", width=128, height=64, steps=2))
+OPTS = PlanOptions(hardware="a6000", budget=96 * 10**6, gpus=1, measure="never", text_encoder="plan")
+
+
+def test_plan_prints_nothing_and_returns_a_plan_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, stats = tmp_path / "t.json", tmp_path / "stats.json"
+    events: list[object] = []
+    result = plan(PlanRequest(TEMPLATES, OPTS, out=str(out), stats=str(stats), layouts=False, use_ray=False,
+                              command="python -m planner plan --templates tiny"), on_event=events.append)
+    assert capsys.readouterr().out == ""
+    assert isinstance(result, PlanResult) and events == []
+    assert list(result.table.entries) == [t.shape_key for t in TEMPLATES]
+    assert [r.template for r in result.results] == [t.shape_key for t in TEMPLATES]
+    assert result.written == Written(table=out, experts=None, stats=stats)
+    assert PlanTable.load(str(out)).entries == result.table.entries
+    assert json.loads(stats.read_text())["wall_s"] == result.planned_s
+    assert result.table.provenance.command == "python -m planner plan --templates tiny"
+    assert result.table.residency and set(result.encoders) == set(result.table.entries)
+    assert result.layouts is None and result.switches == () and result.total_s >= result.planned_s
+
+
+def test_error_raised_if_the_load_names_a_template_not_planned(tmp_path: Path) -> None:
+    from planner.load_aware import GroupLoad
+
+    loads = {"tiny-flux2": GroupLoad(rate_per_min=10, mix={"tiny-flux2/999x999x1": 1.0})}
+    opts = OPTS.model_copy(update={"loaded_models": ("tiny-flux2",)})
+    with pytest.raises(PlanRefused) as e:
+        plan(PlanRequest(TEMPLATES[:1], opts, loads=loads, out=str(tmp_path / "t.json"), layouts=False, use_ray=False))
+    assert e.value.exit_code == 2 and not (tmp_path / "t.json").exists()
+
+
+def test_error_raised_if_a_pass_changes_what_it_does_not_write() -> None:
+    def sneaky(_run: PlanRun, state: PlanState) -> PlanState:
+        return dataclasses.replace(state, planned_s=1.0, total_s=2.0)
+
+    with pytest.raises(RuntimeError, match=r"pass sneaky changed \['total_s'\]"):
+        run_passes(None, (Pass("sneaky", sneaky, reads=(), writes=("planned_s",)),))  # type: ignore[arg-type]
+
+
+def test_the_passes_keep_todays_order() -> None:
+    # moving host_memory after expert_switch changes Wan2.2's figures: another change's decision
+    assert [p.name for p in PASSES] == ["templates", "load_aware", "groups", "host_memory", "table", "layouts",
+                                        "expert_switch", "write"]
+
+
+@pytest.mark.parametrize(("argv", "recorded"), [
+    ([str(ROOT / "planner" / "__main__.py"), "plan", "--templates", "paper", "--out", "plans/a.json"],
+     "python -m planner plan --templates paper --out plans/a.json"),
+    (["/opt/venv/bin/xema", "plan", "--deployment", str(ROOT / "deployments" / "x.yaml")],
+     "xema plan --deployment deployments/x.yaml"),
+    (["/opt/venv/bin/xema", "plan", f"--out={ROOT / 'plans' / 't.json'}", "--stats", "/tmp/s.json"],
+     "xema plan --out=plans/t.json --stats /tmp/s.json"),
+])
+def test_the_command_is_recorded_relative_to_the_checkout(argv: list[str], recorded: str) -> None:
+    assert recorded_command(argv) == recorded
