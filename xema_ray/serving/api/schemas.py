@@ -12,6 +12,8 @@ deployment's limits in its process with ``set_limits`` (each Router replica is i
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -62,6 +64,20 @@ def _check_text(v: str | None, info: ValidationInfo, limit: int) -> str | None:
     return v
 
 
+def _takes_int(annotation: object) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return int in args
+
+
+def integral_floats(model: type[BaseModel], data: object) -> object:
+    """``data`` with a whole float (``121.0``) as an int in ``model``'s int fields: JSON Schema counts
+    it an integer, so the document's integers take it; a fractional one stays and is refused."""
+    if not isinstance(data, dict):
+        return data
+    return {k: int(v) if isinstance(v, float) and v.is_integer() and k in model.model_fields
+            and _takes_int(model.model_fields[k].annotation) else v for k, v in data.items()}
+
+
 def parse_size(size: str) -> tuple[int, int]:
     """'1024x768' -> (width, height)."""
     m = _SIZE.match(size)
@@ -85,6 +101,11 @@ class _Common(BaseModel):
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
                                          description="Qwen-Image's true classifier-free guidance scale (the same "
                                                      "value as its guidance_scale); other models refuse it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_numbers(cls, data: object) -> object:
+        return integral_floats(cls, data)
 
     @field_validator("negative_prompt")
     @classmethod
