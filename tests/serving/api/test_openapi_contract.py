@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 #: examples per operation and phase: what keeps the fuzz under a minute on 2 CPUs (the CLI run
 #: against ``make serve`` in BENCHMARKS.md uses schemathesis' default of 100)
-MAX_EXAMPLES = 5
+MAX_EXAMPLES = 4
 #: denoising steps a generated request runs at most here (5..200 become 4, before it is sent: still
 #: valid, and a 200-step request would take the whole budget); the document keeps the models' real ranges
 FUZZ_MAX_STEPS = 4
@@ -38,7 +38,7 @@ FUZZ_MAX_STEPS = 4
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterHarness]:
     roots = tmp_path_factory.mktemp("adapters")
     plans = {t.shape_key: plan_entry(t, batch=b, latency_s=0.5, slo_s=60.0)
-             for t, b in ((FLUX, 2), (FLUX_EDIT, 1), (QWEN, 1), (LTX, 1), (LTX_I2V, 1))}
+             for t, b in ((FLUX, 2), (FLUX_EDIT, 2), (QWEN, 1), (LTX, 1), (LTX_I2V, 1))}
     with running_router(plans, wait_window_s=0.05, jobs=JobStoreConfig(path=str(tmp_path_factory.mktemp("jobs"))),
                         adapters={"tiny-flux2": LoraPoolConfig(roots=(roots,), slots=2, max_rank=8)}) as h:
         h.adapter_root = roots  # type: ignore[attr-defined]
@@ -99,20 +99,22 @@ def test_schemathesis_checks_all_finds_no_failure(served: RouterHarness, monkeyp
     finally:
         schemathesis.hooks.unregister(before_call)
     print(f"\nschemathesis --checks all in process: {cases} cases, {len(failures)} failures, {len(errors)} errors, "
-          f"{len(unmutated)} stateful cases labelled negative with nothing negated", *unmutated, sep="\n")
+          f"{len(unmutated)} cases labelled negative with nothing negated", *unmutated, sep="\n")
     assert not errors, errors
     assert cases > 50 and failures == [], "\n".join(sorted(set(failures)))
 
 
 def _unmutated_negative(check: str, meta) -> bool:  # type: ignore[no-untyped-def]
-    """A stateful case schemathesis labels negative although it negated nothing (no mutation, its
+    """A case schemathesis labels negative although it negated nothing (no mutation; its own
     description "Positive test case"): a request valid against the document, which the server
-    rightly accepts. schemathesis' issue #2983 ("Stateful test flags positive data from a link as
-    schema violation", open); its re-check of a form as sent cannot read a file part, so such a case
-    with an image upload is reported. Counted and printed, not failed."""
+    rightly accepts. schemathesis flips a body to negative when it tries to negate it, even when it
+    falls back to a positive value (its ``has_only_additional_properties_in_non_body_parameters``
+    says so), and its re-check of a form as sent cannot read a file part, so such a case with an
+    image upload is reported (schemathesis issue #2983, open, for the stateful phase). Counted and
+    printed, not failed; any case that negated something still fails the test."""
     data = getattr(getattr(meta, "phase", None), "data", None)
-    return (check == "negative_data_rejection" and type(data).__name__ == "StatefulPhaseData"
-            and not data.mutations and data.description == "Positive test case")
+    return (check == "negative_data_rejection" and getattr(data, "mutations", None) == ()
+            and getattr(data, "description", None) == "Positive test case")
 
 
 def test_an_undeclared_method_is_405_with_allow(served: RouterHarness) -> None:

@@ -126,10 +126,11 @@ def _template_branches(name: str, ours: list[RequestTemplate], props: dict[str, 
 
 
 def _seed_bound(props: dict[str, Any]) -> list[dict[str, Any]]:
-    """``seed + n - 1`` stays a seed: for each ``n`` above 1, ``seed``'s maximum."""
+    """``seed + n - 1`` stays a seed: for each ``k`` above 1, ``n < k`` or ``seed <= MAX_SEED - k + 1``
+    (no ``if`` / ``not``: properties alone, which every generator reads; an absent ``n`` is 1)."""
     n_max = props.get("n", {}).get("maximum", 1)
-    return [{"if": {"properties": {"n": {"const": n}}, "required": ["n"]},
-             "then": {"properties": {"seed": {"maximum": MAX_SEED - n + 1}}}} for n in range(2, n_max + 1)]
+    return [{"anyOf": [{"properties": {"n": {"maximum": k - 1}}},
+                       {"properties": {"seed": {"maximum": MAX_SEED - k + 1}}}]} for k in range(2, n_max + 1)]
 
 
 def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batches: dict[str, int],
