@@ -422,7 +422,7 @@ class StaticAllocator:
     def malloc(self, size: int, *, device: int = 0, stream: int = 0) -> int:
         """Call ``xema_malloc`` directly (what torch does per tensor); returns the address.
 
-        Raises ``ArenaOutOfMemory`` (a ``MemoryError``) when the allocator returns NULL for a
+        Raises ``ArenaOutOfMemory`` (a ``torch.cuda.OutOfMemoryError``) when the allocator returns NULL for a
         non-zero size: every region and the driver refused it (``out_of_memory`` has the record).
         """
         if size < 0:
@@ -436,6 +436,31 @@ class StaticAllocator:
             raise ArenaOutOfMemory(f"xema_malloc({size}) on device {device} failed: {detail}",
                                    self.out_of_memory(device=device))
         return int(ptr)
+
+    @contextmanager
+    def out_of_memory_errors(self, *, device: int = 0) -> Iterator[None]:
+        """Inside the block, an allocation this allocator refused raises ``ArenaOutOfMemory`` (a
+        ``torch.cuda.OutOfMemoryError`` carrying the record) where torch raised a plain
+        ``RuntimeError`` (``xema_torch_malloc``'s refusal, see ``xema_ray.allocator.oom``).
+        Other errors, and a refusal on another device, pass unchanged.
+
+        Example (GPU only):
+            >>> with alloc.out_of_memory_errors():          # doctest: +SKIP
+            ...     torch.empty(1 << 40, device="cuda")
+            Traceback (most recent call last):
+            ArenaOutOfMemory: xema_alloc: device 0 out of memory: asked 1099511627776 bytes; ...
+        """
+        _check_device(device)
+        before = self.out_of_memory(device=device)
+        try:
+            yield
+        except ArenaOutOfMemory:
+            raise
+        except RuntimeError as e:
+            record = self.out_of_memory(device=device).since(before)
+            if record is None:
+                raise
+            raise ArenaOutOfMemory(str(e), record) from e
 
     def free(self, ptr: int, size: int = 0, *, device: int = 0, stream: int = 0) -> None:
         """Call ``xema_free`` directly."""
