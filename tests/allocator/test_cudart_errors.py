@@ -193,7 +193,8 @@ def test_polling_a_pending_free_not_ready_leaves_no_error(env: tuple[StaticAlloc
     ("cudaEventQuery", INVALID),          # a query that fails outright frees the block
     ("cudaEventDestroy", INVALID),        # the event of a released block
 ])
-def test_a_failed_event_call_while_polling_leaves_no_error(env: tuple[StaticAllocator, Stub], call: str, code: int) -> None:
+def test_a_failed_event_call_while_polling_leaves_no_error(env: tuple[StaticAllocator, Stub], call: str,
+                                                           code: int) -> None:
     alloc, stub = env
     _pending_free(alloc)
     if call == "cudaEventDestroy":

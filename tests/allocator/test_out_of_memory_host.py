@@ -17,7 +17,7 @@ import torch
 
 from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator import solve_arrays
-from xema_ray.allocator.oom import ArenaOutOfMemory
+from xema_ray.allocator.oom import ArenaOutOfMemory, out_of_memory_errors
 from xema_ray.allocator.runtime import AllocatorError, StaticAllocator, default_library_path
 
 #: issue #35: CUDA's out-of-memory semantics, modelled on the CPU (with the stream tests: ``-m streams``)
@@ -71,12 +71,12 @@ def test_error_raised_if_torch_reports_a_refusal_as_a_runtime_error(alloc: Stati
         if not alloc._lib.c.xema_malloc(64 * KIB, device, None):
             raise RuntimeError("xema_alloc: " + alloc._lib.c.xema_last_error().decode())
 
-    with pytest.raises(torch.cuda.OutOfMemoryError) as e, alloc.out_of_memory_errors(device=device):
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e, out_of_memory_errors(alloc, device):
         torch_op()
     assert isinstance(e.value, ArenaOutOfMemory) and isinstance(e.value.__cause__, RuntimeError)
     assert e.value.record == alloc.out_of_memory(device=device) and e.value.record.requested_bytes == 64 * KIB
     assert str(e.value).startswith("xema_alloc: ")
-    with pytest.raises(RuntimeError, match="not memory") as other, alloc.out_of_memory_errors(device=device):
+    with pytest.raises(RuntimeError, match="not memory") as other, out_of_memory_errors(alloc, device):
         raise RuntimeError("not memory")
     assert not isinstance(other.value, torch.cuda.OutOfMemoryError)
 

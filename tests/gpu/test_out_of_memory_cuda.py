@@ -6,7 +6,7 @@ the first kernel as an illegal address and lose the CUDA context. The allocator 
 installed by the serving worker's constructor, that
 
 * a request larger than the GPU (1 TiB) raises a ``RuntimeError`` naming the sizes (inside
-  ``StaticAllocator.out_of_memory_errors``: an ``ArenaOutOfMemory``, a ``torch.cuda.OutOfMemoryError``
+  ``xema_ray.allocator.oom.out_of_memory_errors``: an ``ArenaOutOfMemory``, a ``torch.cuda.OutOfMemoryError``
   carrying the record), and the next kernel runs (the context lives);
 * two armed batches of one template both arm with the same hits (nothing of the first is left in
   the static region);
@@ -60,7 +60,8 @@ try:
 except RuntimeError as e:
     report["huge"] = str(e)[:400]
 try:
-    with alloc.out_of_memory_errors(device=dev):  # torch's RuntimeError as torch.cuda.OutOfMemoryError
+    from xema_ray.allocator.oom import out_of_memory_errors
+    with out_of_memory_errors(alloc, dev):  # torch's RuntimeError as torch.cuda.OutOfMemoryError
         torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
     report["huge_class"] = "no error"
 except torch.cuda.OutOfMemoryError as e:

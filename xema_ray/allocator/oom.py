@@ -10,8 +10,8 @@ per device (``xema_get_oom``: the bytes asked, what each region had free) and:
   a plain ``RuntimeError`` in the op that asked (torch wraps a NULL from a pluggable allocator
   unchecked, so returning one would fault the first kernel and lose the CUDA context; and only
   its own ``c10::OutOfMemoryError`` becomes ``torch.OutOfMemoryError``).
-  ``StaticAllocator.out_of_memory_errors`` turns that ``RuntimeError`` into ``ArenaOutOfMemory``
-  when the record shows a refusal.
+  ``out_of_memory_errors`` turns that ``RuntimeError`` into ``ArenaOutOfMemory`` when the
+  record shows a refusal.
 
 ``ArenaOutOfMemory`` is a ``torch.cuda.OutOfMemoryError`` (what users' code and serving frameworks
 catch) and a ``MemoryError``, on the CUDA and the host backend alike, and carries the record. The
@@ -21,8 +21,15 @@ caller learns which allocation failed from the record's ``events`` count, not fr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from xema_ray.allocator.runtime import StaticAllocator
 
 
 class OutOfMemoryRecord(BaseModel):
@@ -82,3 +89,32 @@ class ArenaOutOfMemory(torch.cuda.OutOfMemoryError, MemoryError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+@contextmanager
+def out_of_memory_errors(allocator: StaticAllocator, device: int = 0) -> Iterator[None]:
+    """Inside the block, an allocation ``allocator`` refused on ``device`` raises ``ArenaOutOfMemory``
+    (a ``torch.cuda.OutOfMemoryError`` carrying the record) where torch raised a plain
+    ``RuntimeError`` (``xema_torch_malloc``'s refusal, see the module docstring). Other errors, and
+    a refusal on another device, pass unchanged.
+
+    Args:
+        allocator: the installed static allocator.
+        device: the device whose refusals become ``ArenaOutOfMemory``.
+
+    Example (GPU only):
+        >>> with out_of_memory_errors(alloc):          # doctest: +SKIP
+        ...     torch.empty(1 << 40, device="cuda")
+        Traceback (most recent call last):
+        ArenaOutOfMemory: xema_alloc: device 0 out of memory: asked 1099511627776 bytes; ...
+    """
+    before = allocator.out_of_memory(device=device)
+    try:
+        yield
+    except ArenaOutOfMemory:
+        raise
+    except RuntimeError as e:
+        record = allocator.out_of_memory(device=device).since(before)
+        if record is None:
+            raise
+        raise ArenaOutOfMemory(str(e), record) from e

@@ -437,31 +437,6 @@ class StaticAllocator:
                                    self.out_of_memory(device=device))
         return int(ptr)
 
-    @contextmanager
-    def out_of_memory_errors(self, *, device: int = 0) -> Iterator[None]:
-        """Inside the block, an allocation this allocator refused raises ``ArenaOutOfMemory`` (a
-        ``torch.cuda.OutOfMemoryError`` carrying the record) where torch raised a plain
-        ``RuntimeError`` (``xema_torch_malloc``'s refusal, see ``xema_ray.allocator.oom``).
-        Other errors, and a refusal on another device, pass unchanged.
-
-        Example (GPU only):
-            >>> with alloc.out_of_memory_errors():          # doctest: +SKIP
-            ...     torch.empty(1 << 40, device="cuda")
-            Traceback (most recent call last):
-            ArenaOutOfMemory: xema_alloc: device 0 out of memory: asked 1099511627776 bytes; ...
-        """
-        _check_device(device)
-        before = self.out_of_memory(device=device)
-        try:
-            yield
-        except ArenaOutOfMemory:
-            raise
-        except RuntimeError as e:
-            record = self.out_of_memory(device=device).since(before)
-            if record is None:
-                raise
-            raise ArenaOutOfMemory(str(e), record) from e
-
     def free(self, ptr: int, size: int = 0, *, device: int = 0, stream: int = 0) -> None:
         """Call ``xema_free`` directly."""
         _check_device(device)

@@ -7,8 +7,9 @@ reads the allocator's out-of-memory record; if a refusal happened during the bat
 error becomes a ``DeviceOutOfMemory`` naming the entry, the bytes asked and the bytes free, and
 carrying the record (the serving layer answers it with a JSON 503 and Retry-After). Under
 PyTorch's caching allocator its own ``torch.OutOfMemoryError`` becomes one too, with the figures
-its message gives. ``DeviceOutOfMemory`` is a ``torch.cuda.OutOfMemoryError``, as the caching
-allocator's error is, so code that catches that catches this one on every platform.
+its message gives. ``DeviceOutOfMemory`` is a ``torch.OutOfMemoryError`` (the class torch's CUDA
+module exports under the same name), as the caching allocator's error is, so code that catches
+that catches this one on every platform.
 
 Nothing of the batch may outlive it: the original error's traceback holds the frames of the
 pipeline and with them the batch's tensors (static-region blocks the next armed batch needs), so
@@ -26,10 +27,10 @@ from xema_ray.allocator.oom import OutOfMemoryRecord
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-class DeviceOutOfMemory(torch.cuda.OutOfMemoryError, MemoryError):
+class DeviceOutOfMemory(torch.OutOfMemoryError, MemoryError):
     """One batch asked for more device memory than was free; the worker and its arena are fine.
 
-    A ``torch.cuda.OutOfMemoryError`` (what users' code catches) and a ``MemoryError`` (what the
+    A ``torch.OutOfMemoryError`` (what users' code catches) and a ``MemoryError`` (what the
     serving layer's fault checks read).
 
     Args:
