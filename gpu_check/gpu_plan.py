@@ -21,7 +21,7 @@ MAX_OUT_FILES = 8
 #: the prep steps every test needs (gpu_check/gpu_prep.sh's step names); a test's ``needs`` adds to these
 BASE_NEEDS: tuple[str, ...] = ("machine_packages", "kit", "project")
 #: every prep step, in the order gpu_prep.sh runs them
-PREP_STEPS: tuple[str, ...] = ("machine_packages", "kit", "headers", "toolchain", "allocator", "project")
+PREP_STEPS: tuple[str, ...] = ("machine_packages", "kit", "headers", "toolchain", "allocator", "project", "shm")
 
 # ---- the device time (the remote GPU runner's documented limits, nvidia-h200)
 #: device time in all, machine starts, idle waits and the give-back included

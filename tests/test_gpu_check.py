@@ -61,12 +61,16 @@ ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_m
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
 BLOCKER = '''
-"""Rehearsal of the GPU machine (tests/test_gpu_check.py): the modules it lacks do not import."""
+"""Rehearsal of the GPU machine (tests/test_gpu_check.py): the modules it lacks do not import, and
+importlib.metadata sees only the distributions it has (its list and the kit), as pip's checks there do."""
 import os
+import re
 import sys
 from importlib.abc import MetaPathFinder
+from importlib.machinery import PathFinder
 
 _BLOCKED = frozenset(filter(None, os.environ.get("XEMA_BLOCK_MODULES", "").split(",")))
+_VISIBLE = os.environ.get("XEMA_VISIBLE_DISTRIBUTIONS")
 
 
 class _NotOnTheGpuMachine(MetaPathFinder):
@@ -77,6 +81,17 @@ class _NotOnTheGpuMachine(MetaPathFinder):
 
 
 sys.meta_path.insert(0, _NotOnTheGpuMachine())
+
+if _VISIBLE is not None:
+    _KEEP = frozenset(_VISIBLE.split(","))
+    _find = PathFinder.find_distributions
+
+    def _only_the_machines(*args, **kwargs):
+        for dist in _find(*args, **kwargs):
+            if re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower() in _KEEP:
+                yield dist
+
+    PathFinder.find_distributions = staticmethod(_only_the_machines)
 '''
 
 
@@ -89,18 +104,27 @@ def _names(path: Path) -> set[str]:
     return {_norm(line.split("==")[0]) for line in lines if line}
 
 
+def _machine_and_kit() -> set[str]:
+    """The distributions the GPU machine has once the kit is installed: its list and the kit's pins."""
+    return _names(ROOT / "gpu_check" / "gpu_device_packages.txt") | _names(ROOT / "gpu_check" / "gpu-kit.txt")
+
+
 def _needed_by(kept: set[str]) -> set[str]:
-    """Distributions installed here that the kept ones need, transitively: a package of another
-    version here (huggingface_hub 2.x needs httpx2; the GPU machine's 1.33 does not) keeps what
-    its version imports, so the rehearsal blocks only what the GPU machine really lacks."""
+    """Distributions installed here that the machine's own packages need, transitively: a package of
+    another version here (huggingface_hub 2.x needs httpx2; the GPU machine's 1.33 does not) keeps what
+    its version imports, so the rehearsal blocks only what the GPU machine really lacks. The kit's
+    wheels are the versions carried: what they need is not followed (the prep's kit step checks it)."""
     from packaging.requirements import Requirement
 
+    kit = _names(ROOT / "gpu_check" / "gpu-kit.txt")
     seen, todo = set(), list(kept)
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
+        if name in kit:
+            continue
         try:
             requires = importlib.metadata.requires(name) or []
         except importlib.metadata.PackageNotFoundError:
@@ -114,8 +138,7 @@ def _needed_by(kept: set[str]) -> set[str]:
 def _blocked_modules() -> list[str]:
     """Top-level modules installed here whose every distribution is absent from the GPU machine
     (neither there, nor in the kit, nor needed by what is) and the issue's named ones."""
-    keep = _names(ROOT / "gpu_check" / "gpu_device_packages.txt") | _names(ROOT / "gpu_check" / "gpu-kit.txt")
-    keep = _needed_by(keep) | {"xema-ray"}  # the project itself: its dependencies are the question
+    keep = _needed_by(_machine_and_kit()) | {"xema-ray"}  # the project itself: its dependencies are the question
     blocked = {m for m, dists in importlib.metadata.packages_distributions().items()
                if m not in sys.stdlib_module_names and all(_norm(d) not in keep for d in dists)}
     return sorted(blocked | set(NAMED))
@@ -127,6 +150,7 @@ def _rehearsal_env(tmp_path: Path) -> dict[str, str]:
     (site / "sitecustomize.py").write_text(BLOCKER)
     path = os.pathsep.join(p for p in [str(site), os.environ.get("PYTHONPATH", "")] if p)
     return {**os.environ, "PYTHONPATH": path, "XEMA_BLOCK_MODULES": ",".join(_blocked_modules()),
+            "XEMA_VISIBLE_DISTRIBUTIONS": ",".join(sorted(_needed_by(_machine_and_kit()))),
             "XEMA_GPU_PREP": str(tmp_path / "no-prep.json")}
 
 
@@ -297,7 +321,7 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     prep = tmp_path / "prep.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # the check must seed its children itself
     env |= {"PYTHON": sys.executable, "XEMA_GPU_PREP": str(prep), "XEMA_GPU_PREP_PLANT": "headers",
-            "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt"))}
+            "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt")), "XEMA_GPU_SHM_BYTES": "1"}
     bash = subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_prep.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert bash.returncode == 1, bash.stdout + bash.stderr
@@ -322,6 +346,40 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     late = by_name["test_c_cannot_finish_by_until"]
     assert late["status"] == "not_run" and "--until" in late["message"]
     assert record["counts"] == {"passed": 1, "skipped": 1, "not_run": 1}
+
+
+def _prep_under_rehearsal(tmp_path: Path, waivers: Path) -> dict[str, Any]:
+    """gpu_prep.sh with what the GPU machine lacks hidden (modules and distributions), the kit at the
+    versions installed here, ``waivers`` as the waivers file; its steps by name."""
+    tmp_path.mkdir()
+    prep = tmp_path / "prep.json"
+    env = _rehearsal_env(tmp_path) | {
+        "PYTHON": sys.executable, "XEMA_GPU_PREP": str(prep), "XEMA_GPU_PREP_PLANT": "headers",
+        "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt")), "XEMA_GPU_KIT_WAIVERS": str(waivers),
+        "XEMA_GPU_SHM_BYTES": "1"}  # never enlarge this machine's /dev/shm
+    subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_prep.sh")], env=env, capture_output=True, text=True,
+                   timeout=180)
+    return {s["name"]: s for s in json.loads(prep.read_text())["steps"]}
+
+
+def test_the_preps_kit_step_passes_with_only_the_machines_distributions_and_fails_without_the_waiver(
+        tmp_path: Path) -> None:
+    """Issue #47: diffusers requires importlib_metadata (no marker), which the machine lacks. With
+    importlib.metadata limited to the machine's list and the kit, the prep's kit step passes with
+    gpu_check/gpu-kit-waivers.txt, and fails naming it without."""
+    env = _rehearsal_env(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "from importlib.metadata import version, PackageNotFoundError\n"
+                            "try:\n    version('importlib_metadata'); print('seen')\n"
+                            "except PackageNotFoundError:\n    print('hidden', version('diffusers'))"],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["hidden", "0.42.1"], probe.stdout + probe.stderr  # installed here, hidden
+    steps = _prep_under_rehearsal(tmp_path / "waived", ROOT / "gpu_check" / "gpu-kit-waivers.txt")
+    assert steps["kit"]["status"] == "ok" and steps["project"]["status"] == "ok", steps
+    no_waiver = tmp_path / "no-waivers.txt"
+    no_waiver.write_text("# none\n")
+    steps = _prep_under_rehearsal(tmp_path / "unwaived", no_waiver)
+    assert steps["kit"]["status"] == "failed", steps
+    assert "diffusers needs importlib_metadata: not installed" in steps["kit"]["reason"], steps["kit"]
 
 
 def test_the_record_is_written_before_pydantic_is_imported(tmp_path: Path) -> None:
@@ -364,6 +422,12 @@ def test_the_kit_is_checked_against_version_specifiers() -> None:
     assert kit.check_requirement("pillow>=10", pins, device)[0] == "unverified"  # there, version never read here
     assert kit.check_requirement("ray>=2.40", pins, device)[0] == "unmet"
     assert kit.check_requirement('tomli>=1.1; python_version < "3.11"', pins, device)[0] == "not-needed"
+    # diffusers' unconditional importlib_metadata: unmet on the machine unless gpu-kit-waivers.txt waives it
+    verdict, why = kit.check_requirement("importlib_metadata", pins, device, "diffusers")
+    assert verdict == "unmet" and "importlib-metadata is neither on the machine nor in the kit" in why
+    verdict, why = kit.check_requirement("importlib_metadata", pins, device, "diffusers", kit.waivers())
+    assert verdict == "waived" and "Python < 3.8" in why
+    assert kit.check_requirement("importlib_metadata", pins, device, "pydantic", kit.waivers())[0] == "unmet"
 
 
 def test_the_residency_check_pins_within_its_stated_share() -> None:
