@@ -181,10 +181,12 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     # found by marker: every module collected marks a test gpu, and no CPU test module is imported
     gpu_modules = set(gpu_collect.discover())
     assert {n.split("::")[0] for n in record["collected"]} == gpu_modules
-    # the cheap, high-value checks first; only the allocator's tests need the allocator's build
+    # the stream-ordered frees (the armed CogVideoX-5B check), out of memory and the armed Flux.2 layout
+    # first; only the allocator's tests need the allocator's build
     first = [t["nodeid"] for t in record["tests"][:3]]
-    assert [("analyzer" in n, "vae_chain" in n, "fingerprint" in n) for n in first] == [
-        (True, False, False), (False, True, False), (False, False, True)], first
+    assert [("cogvideox_720x480_armed" in n, "out_of_memory" in n, "flux2_1024_offload_plan" in n and "armed" in n)
+            for n in first] == [(True, False, False), (False, True, False), (False, False, True)], first
+    assert all(t["device_gb"] >= 80 for t in record["tests"] if "flux2/1024x1024x1" in t["nodeid"]), record["tests"]
     needs_allocator = {t["nodeid"].split("::")[0] for t in record["tests"] if "allocator" in t["needs"]}
     assert needs_allocator <= set(ALLOCATOR_MODULES) and "tests/gpu/test_allocator_gpu.py" in needs_allocator
     assert sum(n.startswith("tests/gpu/test_allocator_gpu.py::") for n in record["collected"]) == 4
@@ -194,7 +196,14 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     untils = [int(u) for u in re.findall(r"--until (\d+) --out", text)]
     assert len(untils) == 2 and start + gpu_plan.MACHINE_START_S < untils[0] < untils[1] <= start + gpu_plan.DEVICE_S
     assert untils[0] - start <= gpu_plan.MACHINE_START_S + gpu_plan.COMMAND_LIMIT_S  # call 1 within its command limit
-    assert 'run(carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; ' in text
+    calls = re.findall(r"^  run\(.*\)$", text, re.M)
+    assert len(calls) == 2 and all(c.startswith('  run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, '
+                                                'command="bash gpu_check/gpu_prep.sh; ') for c in calls), calls
+    # each part's prep, collection and tests within its window (issue #47: part 2 had 186 s for 491 s)
+    parts = {int(n): (int(x), int(y)) for n, x, y in re.findall(r"^part (\d): (\d+) s expected, (\d+) s until", text, re.M)}
+    assert set(parts) == {1, 2} and all(x <= y for x, y in parts.values()), parts
+    assert parts[1][0] >= gpu_plan.PREP_COLD_S + gpu_plan.COLLECT_S + sum(
+        t["expected_s"] for t in record["tests"] if t["part"] == 1)
 
 
 PLANTED = '''
@@ -307,6 +316,17 @@ def test_b_needs_the_allocator():
 @pytest.mark.gpu(expected_s=3600, timeout_s=60)
 def test_c_cannot_finish_by_until():
     raise AssertionError("must not start: it cannot finish by --until")
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60, device_gb=200)
+def test_d_needs_more_device_memory():
+    raise AssertionError("must not start: the device is smaller than it needs")
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60)
+def test_e_leaves_a_segment():
+    from pathlib import Path
+    Path(os.environ["XEMA_SHM_DIR"], "xema-planted").write_bytes(b"x" * 4096)
 '''
 
 
@@ -333,9 +353,12 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     planted.mkdir()
     (planted / "test_prep_gpu.py").write_text(PLANTED_PREP)
     out = tmp_path / "out"
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env["XEMA_SHM_DIR"] = str(shm)
     proc = subprocess.run([sys.executable, str(CHECK), "--modules", str(planted / "test_*_gpu.py"), "--run-without-cuda",
-                           "--until", str(time.time() + 600), "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=180)
+                           "--until", str(time.time() + 600), "--device-memory-bytes", str(141 * 10**9),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the prep failed: the check says so
     record = read_record(out)
     assert {s["name"]: s["status"] for s in record["prep_steps"]}["headers"] == "failed"
@@ -345,7 +368,11 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     assert skipped["status"] == "skipped" and "allocator" in skipped["message"] and "headers" in skipped["message"]
     late = by_name["test_c_cannot_finish_by_until"]
     assert late["status"] == "not_run" and "--until" in late["message"]
-    assert record["counts"] == {"passed": 1, "skipped": 1, "not_run": 1}
+    small = by_name["test_d_needs_more_device_memory"]
+    assert small["status"] == "skipped" and small["message"] == (
+        "needs 200 GB of device memory, the device has 141.0 GB"), small
+    assert by_name["test_e_leaves_a_segment"]["shm_left"] == ["xema-planted (4,096 bytes)"] and not list(shm.iterdir())
+    assert record["counts"] == {"passed": 2, "skipped": 2, "not_run": 1}
 
 
 def _prep_under_rehearsal(tmp_path: Path, waivers: Path) -> dict[str, Any]:
