@@ -1,5 +1,5 @@
 """`make gpu-kit`: the wheels the GPU machine lacks, fetched here (where the registry is) into an
-ignored ``.whl/`` that the remote GPU runner carries, with a manifest.
+ignored ``.whl/`` that each device call carries, with a manifest.
 
 Pins come from gpu_check/gpu-kit.txt (one version each; a stale wheel of another version is removed:
 two versions stop the machine's whole offline install). Each is fetched ``--no-deps`` as a cp312
@@ -11,7 +11,7 @@ was never read there is listed ``unverified`` (gpu_prep.sh's kit step checks eve
 there, against what is installed). The project's own requirements on those packages
 (pyproject.toml) are checked the same way. The kit is at most
 48 MiB and the tree that travels (tracked and untracked-not-ignored files) plus the kit at most
-the remote GPU runner's 64 MiB; the kit installs offline for cp312 (as gpu_prep.sh will). Writes ``.whl/manifest.json`` (``KitManifest``); exits 1 naming what
+the 64 MiB a call carries; the kit installs offline for cp312 (as gpu_prep.sh will). Writes ``.whl/manifest.json`` (``KitManifest``); exits 1 naming what
 failed.
 
 Example:
@@ -53,7 +53,7 @@ class Wheel(BaseModel):
 
 
 class KitManifest(BaseModel):
-    """``.whl/manifest.json``: what the kit holds and the sizes checked against the remote GPU runner's limits."""
+    """``.whl/manifest.json``: what the kit holds and the sizes checked against what a call carries."""
 
     python: str = "cp312"
     platforms: list[str] = list(PLATFORMS)

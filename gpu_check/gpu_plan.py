@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: what the remote GPU runner brings back from $OUT (8 files at most)
+#: the files a call brings back from $OUT (8 at most)
 MAX_OUT_FILES = 8
 #: the prep steps every test needs (gpu_check/gpu_prep.sh's step names); a test's ``needs`` adds to these
 BASE_NEEDS: tuple[str, ...] = ("machine_packages", "kit", "project")
@@ -29,7 +29,7 @@ PREP_STEPS: tuple[str, ...] = ("machine_packages", "kit", "headers", "toolchain"
 # ---- the device time (one H200; the calls' limits)
 #: the machine kind both calls name: the Flux.2 tests need more device memory than an 80 GB card has spare
 MACHINE_KIND = "nvidia-h200"
-#: device time in all, machine starts, idle waits and the give-back included
+#: device time in all, machine starts and the waits between the calls included
 DEVICE_S = 900
 #: one command's limit (the call's timeout_s at most)
 COMMAND_LIMIT_S = 600
@@ -45,9 +45,9 @@ COLLECT_S = 40
 RETURN_S = 20
 #: between call 1's reply and call 2 (the machine stays warm 30 s after a call, and that time counts)
 TURNAROUND_S = 30
-#: kept back at the end: the give-back, a clock that drifts between this machine and the device's
+#: kept back at the end: a clock that drifts between this machine and the device's
 END_MARGIN_S = 30
-#: the device machine's RAM (the runner's description: 128 GiB; MemTotal there starts lower and grows, so it is not read)
+#: the device machine's RAM (128 GiB; MemTotal there starts lower and grows, so it is not read)
 DEVICE_RAM_BYTES = 128 * 2**30
 #: the share of it one GPU test may pin (page-locked memory cannot be swapped out: the rest is the OS's,
 #: the check's and pytest's); passed to every test as $XEMA_GPU_HOST_BUDGET_BYTES
@@ -194,7 +194,7 @@ class Timeline:
     @property
     def until2(self) -> int:
         """Part 2 starts no test that cannot finish by then: the device time, less the
-        last return and a margin for the give-back and clock drift."""
+        last return and a margin for the end of the device time and clock drift."""
         return int(self.start + DEVICE_S - RETURN_S - END_MARGIN_S)
 
     def window_s(self, part: int) -> float:
@@ -223,4 +223,4 @@ class Timeline:
                 ("call 2: collection", c2 + PREP_WARM_S, c2 + PREP_WARM_S + COLLECT_S),
                 ("call 2: part 2 tests (--until)", c2 + PREP_WARM_S + COLLECT_S, u2),
                 ("call 2: return", u2, u2 + RETURN_S),
-                ("give_back + clock margin", u2 + RETURN_S, DEVICE_S)]
+                ("end margin (clock drift)", u2 + RETURN_S, DEVICE_S)]

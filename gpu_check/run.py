@@ -16,7 +16,7 @@ and every test's output is appended to ``gpu-check.log``: at most 8 files come b
 On a machine without CUDA it writes a "no CUDA GPU" record and exits 0 (nothing run), unless
 ``--dry-run``: then it collects as the GPU machine would (exit 1 on a collection error).
 ``--list`` prints the plan laid out in the device time and both device calls, ready to
-send to the remote GPU runner. docs/gpu-check.md.
+send. docs/gpu-check.md.
 
 Examples:
     python3 gpu_check/run.py --list
@@ -299,7 +299,7 @@ def print_list(tests: list[TestRecord], errors: list[CollectionError], start: fl
                   + ("" if fits else "  [expected not run: past --until]"))
     for e in errors:
         print(f"COLLECTION ERROR {e.nodeid}: {e.message.splitlines()[-1] if e.message else ''}")
-    print("the two device calls (send call 2 verbatim as soon as call 1 returns; then give_back):")
+    print("the two device calls (send call 2 verbatim as soon as call 1 returns):")
     for part, until in untils.items():
         print(f'  run(kind="{MACHINE_KIND}", carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; '
               f'PYTHONUNBUFFERED=1 python3 gpu_check/run.py --part {part} --until {until} --out $OUT")')
