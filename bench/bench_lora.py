@@ -69,7 +69,7 @@ def throughput(model: str, rounds: int, rank: int) -> dict[str, Any]:
 
     def run(ps: list[str], ss: list[int], ad: list[tuple[LoraUse, ...]] | None) -> float:
         t0 = time.perf_counter()
-        engine.run_pipeline(ExecutionConfig(template=t, batch=len(ps)), ps, ss, adapters=ad)
+        engine.run_pipeline(ExecutionConfig(template=t, batch=len(ps)), ps, ss, steps=t.steps, adapters=ad)
         return time.perf_counter() - t0
 
     cases = {

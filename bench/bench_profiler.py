@@ -59,7 +59,7 @@ def bench_tiny(models: list[str], repeats: int) -> list[dict[str, object]]:
         store = ProfileStore()
         profiler = LatencyProfiler(engine, store)
         config = ExecutionConfig(template=template)
-        engine.run_pipeline(config.model_copy(update={"template": template.with_(steps=2)}), ["warm-up"], [0])
+        engine.run_pipeline(config.model_copy(update={"template": template.with_(steps=2)}), ["warm-up"], [0], steps=2)
         t0 = time.perf_counter()
         report = profiler.profile(config)
         profile_s = time.perf_counter() - t0

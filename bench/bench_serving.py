@@ -54,7 +54,7 @@ def main() -> None:
     spec = t.spec
     engine = ExecutionEngine(spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32)), spec,
                              torch.device("cpu"), torch.float32)
-    batch = lambda i: Batch(config=cfg, requests=(GenerationRequest(request_id=f"d{i}", prompt="fox", seed=i),))  # noqa: E731
+    batch = lambda i: Batch(config=cfg, requests=(GenerationRequest(request_id=f"d{i}", prompt="fox", seed=i),), steps=cfg.template.steps)  # noqa: E731
     engine.execute(batch(10_000))  # warm-up
     direct = []
     for i in range(args.requests):

@@ -41,7 +41,8 @@ def _worker(config: ExecutionConfig, folder: Path | None) -> tuple[Worker, objec
 
 
 def _batch(config: ExecutionConfig) -> Batch:
-    return Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a lighthouse", seed=1),))
+    return Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a lighthouse", seed=1),),
+                 steps=config.template.steps)
 
 
 def run(config: ExecutionConfig, folder: Path) -> dict[str, object]:

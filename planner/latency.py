@@ -109,7 +109,7 @@ class LatencyModel:
             profiler = LatencyProfiler(engines[t.model], self.store)
             # the first call of a pipeline pays one-off costs (lazy imports, allocator growth, kernel
             # selection) that no later request pays: run it once unrecorded
-            engines[t.model].run_pipeline(cfg, ["warm-up"], [0], output_type="np")
+            engines[t.model].run_pipeline(cfg, ["warm-up"], [0], output_type="np", steps=cfg.template.steps)
             profiler.measure(cfg, repeats=repeats)
             done += 1
         if done:

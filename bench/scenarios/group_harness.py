@@ -35,10 +35,12 @@ def group_config(model: str, plans: dict[str, PlanEntry], workers: int = 1, **fi
     return ModelGroupConfig(model=model, workers=workers, templates=templates, **fields)
 
 
-def request(template: str, request_id: str, prompt: str, seed: int, guidance_scale: float | None = None) -> GroupRequest:
-    """What the Router sends a group's ``generate`` (or the job reconciler its ``submit_job``)."""
+def request(template: str, request_id: str, prompt: str, seed: int, guidance_scale: float | None = None, *,
+            steps: int) -> GroupRequest:
+    """What the Router sends a group's ``generate`` (or the job reconciler its ``submit_job``);
+    ``steps``: as the API resolved them (the template's own when the request gives none)."""
     return GroupRequest(template=template, request_id=request_id, prompt=prompt, seed=seed,
-                        guidance_scale=guidance_scale)
+                        guidance_scale=guidance_scale, steps=steps)
 
 
 class Harness:

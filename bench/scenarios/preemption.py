@@ -56,7 +56,8 @@ def measure_latencies() -> dict[str, float]:
     engine = ExecutionEngine(spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32)
     out = {}
     for i, t in enumerate((SHORT, SHORT, LONG)):  # the first run warms up
-        batch = Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id="m", prompt="sea", seed=0),))
+        batch = Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id="m", prompt="sea", seed=0),),
+                      steps=t.steps)
         t0 = time.perf_counter()
         engine.execute(batch)
         if i:
@@ -186,7 +187,7 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
     with running_group("tiny-cogvideox", dict(table.entries), wait_window_s=0.0, jobs=jobs, preemption=policy,
                        layouts_dir=folder) as h:
         for key in (SHORT.shape_key, LONG.shape_key):  # warm-up: each template once (worker threads, pipelines)
-            h.call(lambda g: g.generate(request(key, f"warm-{key}", "warm-up", 0)), timeout=300)  # runs before the loop moves on
+            h.call(lambda g: g.generate(request(key, f"warm-{key}", "warm-up", 0, steps=by_key[key].steps)), timeout=300)  # runs before the loop moves on
         job: dict[str, str] = {}
         finished = threading.Event()
 
@@ -196,13 +197,13 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
             prompt, seed = f"request {a.request_id}", int(a.request_id)
             t0 = time.perf_counter()
             if a.request_id != JOB_REQUEST:
-                h.call(lambda g: g.generate(request(t.shape_key, a.request_id, prompt, seed)), timeout=600)
+                h.call(lambda g: g.generate(request(t.shape_key, a.request_id, prompt, seed, steps=t.steps)), timeout=600)
                 return a.request_id, time.perf_counter() - t0
             rec = store.create(JobRecord(id=new_job_id(), model=t.model, template=t.shape_key, prompt=prompt, seed=seed,
                                          size=f"{t.width}x{t.height}", seconds="2", frames=t.frames, predicted_s=10.0,
-                                         created_at=time.time()))
+                                         created_at=time.time(), steps=t.steps))
             job["id"] = rec.id
-            assert h.call(lambda g: g.submit_job(request(t.shape_key, rec.id, prompt, seed)))
+            assert h.call(lambda g: g.submit_job(request(t.shape_key, rec.id, prompt, seed, steps=rec.steps)))
             while (got := store.get(rec.id)) is None or got.status not in ("completed", "failed"):
                 time.sleep(0.02)
             return a.request_id, time.perf_counter() - t0

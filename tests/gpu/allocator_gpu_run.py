@@ -63,7 +63,7 @@ def main() -> None:
     report["loaded_device_bytes"] = loaded.device_bytes
     report["layout_status"] = loaded.layout_status
     batch = Batch(config=config, requests=tuple(GenerationRequest(request_id=f"g{i}", prompt="a red fox", seed=i)
-                                                for i in range(config.batch)))
+                                                for i in range(config.batch)), steps=config.template.steps)
 
     def run() -> tuple[Any, float]:
         torch.cuda.synchronize()

@@ -55,7 +55,8 @@ def test_batch_of_four_adapters_equals_diffusers_merge_on_cuda(tmp_path: Path) -
     t = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
 
     def run(prompts: list[str], seeds: list[int], adapters: list[tuple[LoraUse, ...]] | None) -> np.ndarray:
-        out = engine.run_pipeline(ExecutionConfig(template=t, batch=len(prompts)), prompts, seeds, adapters=adapters)[0]
+        out = engine.run_pipeline(ExecutionConfig(template=t, batch=len(prompts)), prompts, seeds, steps=t.steps,
+                                  adapters=adapters)[0]
         return np.asarray(out.images, dtype=np.float64)
 
     asks = [[("A", 1.0)], [("B", 0.7)], [], [("A", 0.5), ("B", 1.0)]]

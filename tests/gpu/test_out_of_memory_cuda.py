@@ -64,7 +64,7 @@ report["after_huge"] = float(x.sum().item())
 del x
 
 def run(c, rid):
-    return w.execute(Batch(config=c, requests=(GenerationRequest(request_id=rid, prompt="a fox", seed=1),)))
+    return w.execute(Batch(config=c, requests=(GenerationRequest(request_id=rid, prompt="a fox", seed=1),), steps=c.template.steps))
 
 alloc.reset_peaks(device=dev)
 first = run(small, "a")

@@ -45,7 +45,7 @@ class _PauseAt:
 
 
 def _batch(t: RequestTemplate, seed: int) -> Batch:
-    return Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id=f"g{seed}", prompt="waves", seed=seed),))
+    return Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id=f"g{seed}", prompt="waves", seed=seed),), steps=t.steps)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -157,7 +157,7 @@ def _pinned_now() -> dict[str, int]:
 def _run(w: Worker, config: ExecutionConfig) -> tuple[bytes, float, int, float]:
     config = config.model_copy(update={"template": config.template.with_(steps=STEPS), "batch": 1,
                                        "mitigations": tuple(m for m in config.mitigations if m.kind != "temporary_serialization")})
-    batch = Batch(config=config, requests=(GenerationRequest(request_id="g", prompt="a red fox", seed=1),))
+    batch = Batch(config=config, requests=(GenerationRequest(request_id="g", prompt="a red fox", seed=1),), steps=config.template.steps)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     result = w.execute(batch)

@@ -60,7 +60,7 @@ def group(files: dict[str, Path]) -> Iterator[Harness]:
 
 
 def _req(rid: str, seed: int, lora: tuple[tuple[str, float], ...] = ()) -> GroupRequest:
-    return GroupRequest(template=T.shape_key, request_id=rid, prompt=f"prompt {seed}", seed=seed,
+    return GroupRequest(template=T.shape_key, request_id=rid, prompt=f"prompt {seed}", seed=seed, steps=T.steps,
                         lora=tuple(LoraUse(name=n, scale=s) for n, s in lora))
 
 

@@ -65,7 +65,7 @@ def ticking(*replicas: Harness) -> Iterator[None]:
 
 
 def _req(rid: str, *names: str) -> GroupRequest:
-    return GroupRequest(template=T.shape_key, request_id=rid, prompt="a fox", seed=5,
+    return GroupRequest(template=T.shape_key, request_id=rid, prompt="a fox", seed=5, steps=T.steps,
                         lora=tuple(LoraUse(name=n) for n in names))
 
 

@@ -38,7 +38,8 @@ def _run(pipe: Any, spec: Any, prompts: list[str], seeds: list[int], adapters: A
     engine = ExecutionEngine(pipe, spec, torch.device("cpu"), torch.float32)
     engine.adapters = pool
     t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=2)
-    out = engine.run_pipeline(ExecutionConfig(template=t, batch=len(prompts)), prompts, seeds, adapters=adapters)[0]
+    out = engine.run_pipeline(ExecutionConfig(template=t, batch=len(prompts)), prompts, seeds, steps=t.steps,
+                              adapters=adapters)[0]
     return np.asarray(out.images, dtype=np.float64)
 
 

@@ -28,7 +28,8 @@ import hashlib, sys
 import numpy as np
 from xema_ray.plan import ExecutionConfig
 from xema_ray.measure.verify import trace_here
-(t,) = trace_here(ExecutionConfig.model_validate_json(sys.argv[1]))
+config = ExecutionConfig.model_validate_json(sys.argv[1])
+(t,) = trace_here(config, (config.template.steps,))
 print(hashlib.sha256(np.concatenate([t.size, t.begin, t.end]).tobytes()).hexdigest())
 """
 

@@ -49,7 +49,7 @@ def test_cpu_worker_loads_and_validates_layouts_and_says_why_it_cannot_arm(table
     w.init_device(ParallelConfig(rank=0, world_size=1))
     w.load_model(ModelLoadConfig(model=T.model, plans=(cfg,), layouts_dir=layouts_dir(table_path)))
     assert cfg.layout_ref in w.layouts
-    out = w.execute(Batch(config=cfg, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),)))
+    out = w.execute(Batch(config=cfg, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),), steps=cfg.template.steps))
     assert not out.layout_armed
     assert out.layout_status is not None and "not armed" in out.layout_status and "CUDA" in out.layout_status
 

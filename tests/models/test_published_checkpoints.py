@@ -85,7 +85,7 @@ def test_published_facts_name_cogvideox_fp32_vae_and_gated_repositories() -> Non
 
 
 def _run(w: Worker, t: RequestTemplate, prompt: str) -> bytes:
-    batch = Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id="r", prompt=prompt, seed=1),))
+    batch = Batch(config=ExecutionConfig(template=t), requests=(GenerationRequest(request_id="r", prompt=prompt, seed=1),), steps=t.steps)
     return w.execute(batch).outputs[0].data
 
 

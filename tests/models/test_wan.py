@@ -155,6 +155,6 @@ def test_a_tiny_checkpoint_keeps_and_loads_the_published_scheduler(tmp_path) -> 
     assert w.engine is not None and type(w.engine.pipe.scheduler).__name__ == "UniPCMultistepScheduler"
     t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=4)
     out = w.execute(Batch(config=ExecutionConfig(template=t),
-                          requests=(GenerationRequest(request_id="a", prompt="waves", seed=1),))).outputs[0]
+                          requests=(GenerationRequest(request_id="a", prompt="waves", seed=1),), steps=t.steps)).outputs[0]
     w.shutdown()
     assert out.media_type == "video/mp4" and len(out.data) > 0

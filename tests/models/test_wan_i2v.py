@@ -104,6 +104,6 @@ def test_a_written_checkpoint_passes_the_start_up_check_and_serves_a_first_frame
     t = RequestTemplate(model=model, height=64, width=64, frames=9, steps=2, references=1)
     image = encode_reference(Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
     out = w.execute(Batch(config=ExecutionConfig(template=t), requests=(
-        GenerationRequest(request_id="a", prompt="waves", seed=1, references=(image,)),))).outputs[0]
+        GenerationRequest(request_id="a", prompt="waves", seed=1, references=(image,)),), steps=t.steps)).outputs[0]
     w.shutdown()
     assert out.media_type == "video/mp4" and out.frames == 9

@@ -25,7 +25,8 @@ def gpu_sp_scenario(rank: int, world: int, url: str) -> dict[str, Any]:
     template = RequestTemplate(model="tiny-flux2", height=128, width=128, steps=2)
     outs = {}
     for name, u, r in [("sp1", 1, 1), ("ulysses2", 2, 1), ("ring2", 1, 2)]:
-        out, _, _, _ = worker.engine.run_pipeline(ExecutionConfig(template=template, ulysses=u, ring=r), ["a fox"], [3])
+        out = worker.engine.run_pipeline(ExecutionConfig(template=template, ulysses=u, ring=r), ["a fox"], [3],
+                                         steps=template.steps).output
         outs[name] = np.asarray(out.images, dtype=np.float64)
     worker.shutdown()
     return outs

@@ -57,7 +57,7 @@ def sp_models_scenario(rank: int, world: int, url: str, models: list[str]) -> di
         for name, ulysses, ring in [("sp1", 1, 1), ("ulysses2", 2, 1), ("ring2", 1, 2), ("sp1_again", 1, 1)]:
             tokens.clear()
             cfg = ExecutionConfig(template=template, ulysses=ulysses, ring=ring)
-            out, _, _, _ = engine.run_pipeline(cfg, ["a red fox"], [7], output_type="np")
+            out = engine.run_pipeline(cfg, ["a red fox"], [7], output_type="np", steps=cfg.template.steps).output
             outs[name] = _output_array(out)
             seen[name] = tokens[0]
         hook.remove()
@@ -66,7 +66,8 @@ def sp_models_scenario(rank: int, world: int, url: str, models: list[str]) -> di
             with_refs = template.with_(**REF_CASES[model])
             for name, ulysses, ring in [("sp1", 1, 1), ("ulysses2", 2, 1), ("ring2", 1, 2)]:
                 cfg = ExecutionConfig(template=with_refs, ulysses=ulysses, ring=ring)
-                refs[name] = _output_array(engine.run_pipeline(cfg, ["a red fox"], [7], output_type="np")[0])
+                refs[name] = _output_array(engine.run_pipeline(cfg, ["a red fox"], [7], output_type="np",
+                                                                    steps=cfg.template.steps).output)
         report[model] = {
             "references": refs,
             "outputs": outs,

@@ -263,7 +263,7 @@ def test_worker_arena_follows_the_templates_it_runs(monkeypatch: pytest.MonkeyPa
         assert alloc.stats().static_region_bytes == 0 and alloc.stats().dynamic_region_bytes == dyn
         seen = []
         for c in (small, large, small, plain, large):
-            out = w.execute(Batch(config=c, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),)))
+            out = w.execute(Batch(config=c, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),), steps=c.template.steps))
             assert out.layout_note is None
             assert out.layout_armed == (c.layout_ref is not None)
             seen.append(alloc.stats().static_region_bytes)
@@ -274,11 +274,11 @@ def test_worker_arena_follows_the_templates_it_runs(monkeypatch: pytest.MonkeyPa
         # preemption: an armed batch parks with its state on the host (none left in the static
         # region), another template runs, the paused one resumes disarmed with no static region
         w.pause("p")
-        paused = w.execute(Batch(config=large, requests=(GenerationRequest(request_id="p", prompt="a fox", seed=2),)),
+        paused = w.execute(Batch(config=large, requests=(GenerationRequest(request_id="p", prompt="a fox", seed=2),), steps=large.template.steps),
                            run_id="p")
         assert isinstance(paused, PausedRun) and paused.offloaded
         assert alloc.stats().static_active_bytes == 0
-        out = w.execute(Batch(config=small, requests=(GenerationRequest(request_id="q", prompt="a fox", seed=3),)))
+        out = w.execute(Batch(config=small, requests=(GenerationRequest(request_id="q", prompt="a fox", seed=3),), steps=small.template.steps))
         assert out.layout_armed and out.layout_note is None
         resumed = w.resume("p")
         assert not isinstance(resumed, PausedRun) and resumed.pauses == 1

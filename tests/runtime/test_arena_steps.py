@@ -40,12 +40,12 @@ def test_a_layout_serves_the_step_counts_its_window_repeats_to(monkeypatch: pyte
         w.load_model(ModelLoadConfig(model=t.model, plans=(config,), layouts_dir=folder,
                                      budget_bytes=art.loaded_bytes + art.reserved_bytes + MIN_DYNAMIC_BYTES))
         armed = {}
-        for steps in (None, 12, 4, 9):
+        for steps in (t.steps, 12, 4, 9):
             out = w.execute(Batch(config=config, steps=steps,
                                   requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),)))
             armed[steps] = (out.layout_armed, out.layout_note)
             assert alloc.stats().static_region_bytes == (art.reserved_bytes if out.layout_armed else 0)
-        assert armed[None] == (True, None) and armed[12] == (True, None)
+        assert armed[t.steps] == (True, None) and armed[12] == (True, None)
         for steps in (4, 9):
             assert armed[steps][0] is False and f"does not repeat to {steps}" in (armed[steps][1] or "")
     finally:

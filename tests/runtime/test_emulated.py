@@ -42,7 +42,7 @@ def _batch(key: str, n: int | None = None) -> Batch:
     cfg = TABLE.entries[key].config.model_copy(update={"ulysses": 1, "ring": 1, "mitigations": ()})
     n = cfg.batch if n is None else n
     return Batch(config=cfg.for_batch(n), requests=tuple(GenerationRequest(request_id=f"r{i}", prompt="p", seed=i)
-                                                         for i in range(n)))
+                                                         for i in range(n)), steps=cfg.template.steps)
 
 
 class Steps:

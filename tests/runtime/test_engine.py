@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from xema_ray.allocator.runtime import RequestReport
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.runtime import Batch, BatchResult, ExecutionEngine, GenerationRequest, MitigationLibraryMissing
@@ -40,7 +41,7 @@ def engine(request: pytest.FixtureRequest) -> ExecutionEngine:
 def _batch(template: RequestTemplate, seeds: list[int], **config: object) -> Batch:
     return Batch(
         config=ExecutionConfig(template=template, batch=len(seeds), **config),  # type: ignore[arg-type]
-        requests=tuple(GenerationRequest(request_id=f"r{i}", prompt=f"prompt {s}", seed=s) for i, s in enumerate(seeds)),
+        requests=tuple(GenerationRequest(request_id=f"r{i}", prompt=f"prompt {s}", seed=s) for i, s in enumerate(seeds)), steps=template.steps
     )
 
 
@@ -86,20 +87,27 @@ def test_result_reports_timings_and_memory(engine: ExecutionEngine) -> None:
     assert again.outputs[0].data == result.outputs[0].data
 
 
-def test_layout_is_armed_through_the_injected_callable() -> None:
+def test_layout_is_armed_through_the_injected_callable_with_the_batch_steps() -> None:
     spec = get_model_spec("tiny-flux2")
-    armed: list[str] = []
+    armed: list[tuple[str, int]] = []
 
     @contextlib.contextmanager
-    def arm(ref: str) -> Iterator[None]:
-        armed.append(ref)
-        yield
+    def arm(ref: str, steps: int) -> Iterator[RequestReport | None]:
+        armed.append((ref, steps))
+        report = RequestReport(planned=3)
+        yield report
+        report.hits, report.misses = 2, 1  # filled at exit, as StaticAllocator.armed does
 
     engine = ExecutionEngine(
         spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32, arm_layout=arm
     )
-    result = engine.execute(_batch(TEMPLATES["tiny-flux2"], [1], layout_ref="layout-abc"))
-    assert armed == ["layout-abc"] and result.layout_armed
+    template = TEMPLATES["tiny-flux2"]
+    result = engine.execute(_batch(template, [1], layout_ref="layout-abc"))
+    assert armed == [("layout-abc", template.steps)] and result.layout_armed
+    assert (result.layout_hits, result.layout_misses) == (2, 1)  # the report the call yielded
+    other = _batch(template, [1], layout_ref="layout-abc").model_copy(update={"steps": template.steps + 2})
+    engine.execute(other)
+    assert armed[-1] == ("layout-abc", template.steps + 2)  # the batch's own count, passed in the call
 
 
 def test_error_raised_if_mitigation_library_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +124,7 @@ def test_error_raised_if_batch_is_invalid() -> None:
     with pytest.raises(ValueError, match="does not match the config's batch size 2"):
         Batch(
             config=ExecutionConfig(template=template, batch=2),
-            requests=(GenerationRequest(request_id="a", prompt="x", seed=0),),
+            requests=(GenerationRequest(request_id="a", prompt="x", seed=0),), steps=template.steps
         )
     spec = get_model_spec("tiny-flux2")
     engine = ExecutionEngine(spec.build_pipeline(BuildOptions()), spec, torch.device("cpu"), torch.float32)

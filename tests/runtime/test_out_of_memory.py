@@ -40,7 +40,7 @@ ROOM = 1_200_000
 
 
 def _batch(c: ExecutionConfig, rid: str = "r") -> Batch:
-    return Batch(config=c, requests=(GenerationRequest(request_id=rid, prompt="a fox", seed=1),))
+    return Batch(config=c, requests=(GenerationRequest(request_id=rid, prompt="a fox", seed=1),), steps=c.template.steps)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ small = ExecutionConfig.model_validate_json(sys.argv[2])
 w = Worker(platform="cpu", static_allocator=True)
 w.init_device(ParallelConfig(rank=0, world_size=1))
 loaded = w.load_model(ModelLoadConfig(model="tiny-flux2", plans=(small,), layouts_dir=Path(sys.argv[1])))
-out = w.execute(Batch(config=small, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),)))
+out = w.execute(Batch(config=small, requests=(GenerationRequest(request_id="r", prompt="a fox", seed=1),), steps=small.template.steps))
 print(json.dumps({"status": loaded.layout_status, "note": out.layout_note, "armed": out.layout_armed,
                   "media": out.outputs[0].media_type, "arena": w.arena is not None,
                   "requests_armed": w.allocator.stats(device=w.alloc_device).requests_armed}))

@@ -45,7 +45,7 @@ class PauseAt:
 
 def _batch(t: RequestTemplate, seed: int, **cfg: Any) -> Batch:
     return Batch(config=ExecutionConfig(template=t, **cfg),
-                 requests=(GenerationRequest(request_id=f"r{seed}", prompt=f"a lighthouse {seed}", seed=seed),))
+                 requests=(GenerationRequest(request_id=f"r{seed}", prompt=f"a lighthouse {seed}", seed=seed),), steps=t.steps)
 
 
 def _worker(model: str) -> Worker:

@@ -37,7 +37,7 @@ def engine() -> ExecutionEngine:
 
 def _batch(seed: int) -> Batch:
     return Batch(config=ExecutionConfig(template=T),
-                 requests=(GenerationRequest(request_id="a", prompt="waves", seed=seed),))
+                 requests=(GenerationRequest(request_id="a", prompt="waves", seed=seed),), steps=T.steps)
 
 
 def test_every_step_then_the_decode_is_reported(engine: ExecutionEngine) -> None:

@@ -50,7 +50,7 @@ def _batch(t: RequestTemplate, reqs: list[tuple[int, tuple[int, ...]]]) -> Batch
     return Batch(config=ExecutionConfig(template=t, batch=len(reqs)), requests=tuple(
         GenerationRequest(request_id=f"r{i}", prompt="a fox", seed=seed,
                           references=tuple(_image(k, size) for k in images))
-        for i, (seed, images) in enumerate(reqs)))
+        for i, (seed, images) in enumerate(reqs)), steps=t.steps)
 
 
 def test_same_image_same_bytes_other_image_other_result(engine: ExecutionEngine) -> None:

@@ -46,7 +46,7 @@ def _worker(model: str, plans: tuple[ExecutionConfig, ...] = (), platform: str =
 
 
 def _run(w: Worker, config: ExecutionConfig, seed: int = 3) -> bytes:
-    batch = Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=seed),))
+    batch = Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=seed),), steps=config.template.steps)
     return w.execute(batch).outputs[0].data
 
 
@@ -94,7 +94,7 @@ def test_alternating_templates_move_only_the_difference() -> None:
     sizes = block_sizes(get_model_spec(model))
     moved = []
     for c in (a, b, a, b):
-        batch = Batch(config=c, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),))
+        batch = Batch(config=c, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),), steps=c.template.steps)
         result = w.execute(batch)
         assert result.outputs[0].data == refs[c.template.key]
         moved.append(result.residency_bytes_moved)
@@ -111,7 +111,7 @@ def test_shared_residency_streams_every_host_block() -> None:
     w.init_device(ParallelConfig(rank=0, world_size=1))
     loaded = w.load_model(ModelLoadConfig(model=model, plans=(a, b), residency="shared"))
     assert loaded.host_blocks == (0, 2)
-    result = w.execute(Batch(config=a, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),)))
+    result = w.execute(Batch(config=a, requests=(GenerationRequest(request_id="r", prompt="a red fox", seed=3),), steps=a.template.steps))
     assert result.outputs[0].data == ref and result.residency_bytes_moved == 0
 
 

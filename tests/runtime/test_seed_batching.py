@@ -36,7 +36,7 @@ def _run(engine: ExecutionEngine, members: list[tuple[str, int]]) -> list[np.nda
     t = TEMPLATES[engine.spec.name]
     batch = Batch(config=ExecutionConfig(template=t, batch=len(members)),
                   requests=tuple(GenerationRequest(request_id=f"r{i}", prompt=p, seed=s)
-                                 for i, (p, s) in enumerate(members)))
+                                 for i, (p, s) in enumerate(members)), steps=t.steps)
     return [decode_mp4(o.data).astype(np.int16) for o in engine.execute(batch).outputs]
 
 

@@ -36,7 +36,7 @@ ACT_DIT = Mitigation(kind="activation_offload", modules=("transformer",), intens
 
 
 def _batch(config: ExecutionConfig, seed: int = 1) -> Batch:
-    return Batch(config=config, requests=(GenerationRequest(request_id=f"r{seed}", prompt=f"a lighthouse {seed}", seed=seed),))
+    return Batch(config=config, requests=(GenerationRequest(request_id=f"r{seed}", prompt=f"a lighthouse {seed}", seed=seed),), steps=config.template.steps)
 
 
 def _plain(t: RequestTemplate, seed: int = 1) -> bytes:

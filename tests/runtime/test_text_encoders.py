@@ -38,7 +38,7 @@ def _worker(load: ModelLoadConfig) -> Worker:
 
 def _run(w: Worker, model: str, prompt: str = "a red fox in snow", seed: int = 1):  # type: ignore[no-untyped-def]
     batch = Batch(config=ExecutionConfig(template=TEMPLATES[model]),
-                  requests=(GenerationRequest(request_id="r", prompt=prompt, seed=seed),))
+                  requests=(GenerationRequest(request_id="r", prompt=prompt, seed=seed),), steps=TEMPLATES[model].steps)
     return w.execute(batch).outputs[0]
 
 

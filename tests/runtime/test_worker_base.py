@@ -18,7 +18,7 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.templates import RequestTemplate
 
 T = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=3)
-BATCH = Batch(config=ExecutionConfig(template=T), requests=(GenerationRequest(request_id="r", prompt="a fox", seed=0),))
+BATCH = Batch(config=ExecutionConfig(template=T), requests=(GenerationRequest(request_id="r", prompt="a fox", seed=0),), steps=T.steps)
 
 
 class _Steps(WorkerBase):

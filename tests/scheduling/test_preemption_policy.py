@@ -26,9 +26,9 @@ def _dispatcher(budget: int = 48 * GB, host: int | None = None, long: DispatchPl
 
 
 def _long_then_short(d: Dispatcher[None], short_at: float = 10.0) -> list:
-    d.submit("long", "L", 0.0)
+    d.submit("long", "L", 0.0, steps=d.plans["long"].steps)
     assert [a.template for a in d.dispatch(0.0)] == ["long"]
-    d.submit("short", "S", short_at)
+    d.submit("short", "S", short_at, steps=d.plans["short"].steps)
     return d.dispatch(short_at)
 
 
@@ -93,7 +93,7 @@ def test_a_paused_state_measured_larger_raises_the_plan_figure_the_memory_check_
 def test_a_worker_holding_a_paused_batch_takes_no_other_batch_meanwhile() -> None:
     d = _dispatcher(workers=1)
     (a,) = _long_then_short(d)
-    d.submit("short", "S2", 11.0)  # the worker runs S and holds L: S2 waits (no second pause)
+    d.submit("short", "S2", 11.0, steps=d.plans["short"].steps)  # the worker runs S and holds L: S2 waits (no second pause)
     assert d.dispatch(11.0) == []
     d.complete(a.batch_id)
     started = d.dispatch(15.0)  # L resumes first; S2 then preempts it again (its 2nd pause of 2)
@@ -148,7 +148,7 @@ def test_an_sp2_batch_pauses_on_all_its_ranks_and_resumes_on_the_same_group() ->
     d = _dispatcher(long=long_sp2, workers=2)
     (a,) = _long_then_short(d)
     assert a.workers == (0,) and [p.batch_id for p in a.preempts] == [0]
-    d.submit("short", "S2", 11.0)  # worker 1 is idle but holds the paused batch's state: not taken
+    d.submit("short", "S2", 11.0, steps=d.plans["short"].steps)  # worker 1 is idle but holds the paused batch's state: not taken
     assert d.dispatch(11.0) == []
     d.complete(a.batch_id)
     started = d.dispatch(15.0)

@@ -70,7 +70,7 @@ class LayoutArtifact(BaseModel):
     def solved(self) -> StaticLayout:
         """The layout of the full stream (a repeated one expanded), rows in allocation order."""
         short = StaticLayout.from_file(self.layout)
-        return short if self.step_repeat is None else step_repeat.expand(short, self.step_repeat)
+        return short if self.step_repeat is None else step_repeat.expand(short, self.step_repeat, self.step_repeat.steps)
 
     def verify(self) -> None:
         """Raise ``ValueError`` unless the full layout is aligned, inside its region and free of

@@ -67,15 +67,14 @@ def held_from_pattern_start(begin: np.ndarray, end: np.ndarray, rep: StepRepeat)
     return out
 
 
-def expand(short: StaticLayout, rep: StepRepeat, steps: int | None = None) -> StaticLayout:
-    """The layout for ``steps`` (default ``rep.steps``) denoising steps, rows in allocation order.
+def expand(short: StaticLayout, rep: StepRepeat, steps: int) -> StaticLayout:
+    """The layout for ``steps`` denoising steps (``rep.steps``: the full stream's), rows in allocation order.
 
     Args:
         short: the solved ``rep.solved_steps``-step layout (real lifetimes, solved offsets).
         rep: where its repeated window lies.
         steps: how many steps to expand to (of the solved stream's parity; ``verify`` asks for fewer).
     """
-    steps = rep.steps if steps is None else steps
     if steps < rep.solved_steps or (steps - rep.solved_steps) % PERIOD:
         raise ValueError(f"a layout solved for {rep.solved_steps} steps expands to {rep.solved_steps} + a multiple of "
                          f"{PERIOD} steps, asked for {steps}")

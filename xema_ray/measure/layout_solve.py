@@ -111,7 +111,7 @@ def _solve_repeated(full: MemoryTrace, short: MemoryTrace
     layout = StaticLayout(**{**solved.__dict__, "begin": short.begin.copy(),
                              "lower_bound_bytes": lower_bound(short.size, short.begin, short.end) if len(short) else 0})
     layout.meta.update(short.meta)
-    expanded = step_repeat.expand(layout, rep)
+    expanded = step_repeat.expand(layout, rep, rep.steps)
     order = np.argsort(full.begin, kind="stable")
     if not (np.array_equal(expanded.begin, full.begin[order]) and np.array_equal(expanded.end, full.end[order])
             and np.array_equal(expanded.size, full.size[order]) and expanded.n_events == full.n_events):

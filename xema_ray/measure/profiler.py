@@ -269,7 +269,8 @@ class LatencyProfiler:
         timeline = _Timeline(self.engine.pipe, self.platform)
         overhead = timeline.hook_overhead()
         with timeline.recording(self.engine.device.type):
-            self.engine.run_pipeline(calib, ["profiling"] * config.batch, list(range(config.batch)), output_type="np")
+            self.engine.run_pipeline(calib, ["profiling"] * config.batch, list(range(config.batch)), output_type="np",
+                                     steps=steps)
         return timeline.attribute(overhead)
 
     def profile(self, config: ExecutionConfig) -> ProfileReport:
@@ -381,9 +382,10 @@ class LatencyProfiler:
         for _ in range(repeats):
             with _no_gc():
                 t0 = time.perf_counter()
-                _, ph, _, _ = self.engine.run_pipeline(
-                    config, ["profiling"] * config.batch, list(range(config.batch)), output_type="np"
-                )
+                ph = self.engine.run_pipeline(
+                    config, ["profiling"] * config.batch, list(range(config.batch)), output_type="np",
+                    steps=config.template.steps,
+                ).phases
                 totals.append(time.perf_counter() - t0)
             phases.append(ph)
         i = totals.index(statistics.median_low(totals))

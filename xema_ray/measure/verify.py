@@ -144,7 +144,8 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
                                    layouts=tuple(SPLayout(ulysses=u, ring=r) for u, r in sorted(layouts)
                                                  if config.sp % (u * r) == 0)))
         batch = Batch(config=run, requests=tuple(GenerationRequest(request_id=f"verify-{i}", prompt="a photo of a cat",
-                                                                    seed=i) for i in range(config.batch)))
+                                                                    seed=i) for i in range(config.batch)),
+                      steps=steps)
         with torch.no_grad(), tracer:
             worker.init_device(parallel)
             loaded = worker.load_model(ModelLoadConfig(model=template.model, plans=plans, residency=residency,
@@ -197,9 +198,10 @@ def worker_streams(config: ExecutionConfig, steps: tuple[int, ...], layouts_dir:
     return trace_here(config, steps, layouts_dir, replay_blocks)
 
 
-def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, layouts_dir: Path | None = None,
+def trace_here(config: ExecutionConfig, steps: tuple[int, ...], layouts_dir: Path | None = None,
                replay_blocks: bool = True) -> list[MemoryTrace]:
-    """``worker_streams`` in this process, whatever its string-hash seed (default: the template's steps)."""
+    """``worker_streams`` in this process, whatever its string-hash seed (``steps``: the step counts
+    to expand to; ``(config.template.steps,)`` for the template's own)."""
     from xema_ray.analyzer.steps import expand_steps
 
     tracer = AllocationTracer("meta", {})
@@ -207,7 +209,7 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     traced = min(config.template.steps, steps_to_trace(spec.settling_steps_for(config.template), spec.step_lifetime))
     if config.experts is not None and config.experts.strategy == "swap_prefetched":
         # the swap's steps differ by design (the prefetch, the switch): every step is traced
-        traced = max(config.template.steps, *(steps or ()))
+        traced = max(config.template.steps, *steps)
     two_experts = len(spec.expert_stages(config.template)) > 1
     _, error = _run_worker(config, traced, tracer, markers=True, layouts_dir=layouts_dir, replay_blocks=replay_blocks,
                            one_expert=two_experts and traced < config.template.steps)
@@ -217,7 +219,7 @@ def trace_here(config: ExecutionConfig, steps: tuple[int, ...] | None = None, la
     load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
     loaded = device_peaks(raw)[1]
     out = []
-    for n in steps or (config.template.steps,):
+    for n in steps:
         trace = expand_steps(raw, n, spec.step_lifetime)
         request = trace.subset(trace.begin >= load_end)
         # events numbered from the request's start: what the load made before it (a first load in a

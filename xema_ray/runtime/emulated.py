@@ -142,8 +142,7 @@ class EmulatedWorker(WorkerBase):
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 else None
         output_rank = group is None or group.rank == 0
         f = ph.factor(len(batch.requests))
-        if batch.steps is not None:  # the request's own step count: each step takes the template's time
-            ph = ph.model_copy(update={"steps": batch.steps})
+        ph = ph.model_copy(update={"steps": batch.steps})  # the batch's step count, each step the template's time
         t0 = time.perf_counter()
         start = t0 + self._switch_to(key)  # the batch's phases begin once its residency is in place
         text_end = start + ph.text_s * f

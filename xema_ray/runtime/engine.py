@@ -7,8 +7,9 @@ statistics. For the duration of the batch it installs, in this order and all rem
 1. the config's mitigations, through the mitigation library's single entry point
    ``xema_ray.mitigation.apply_mitigations(pipe, spec, mitigations)`` (imported lazily: the
    engine works without that package as long as a config asks for no mitigation);
-2. the static layout named by ``layout_ref``, through an injected ``arm_layout`` callable (the
-   allocator binding owns how; on CPU none is installed and the result says so);
+2. the static layout named by ``layout_ref`` at the batch's step count, through an injected
+   ``ArmLayout`` call that yields the layout's report (the allocator binding owns how; on CPU
+   none is installed and the result says so);
 3. sequence parallelism over the batch's SP group when ``ulysses x ring > 1``.
 
 Every rank of an SP group executes the same batch (same prompts and seeds, so the same initial
@@ -22,10 +23,9 @@ request's output does not depend on which device runs it; the encoders are bit-e
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -47,7 +47,28 @@ from xema_ray.runtime.request_errors import attributed, encode_attributed, encod
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
 
-ArmLayout = Callable[[str], contextlib.AbstractContextManager[None]]
+if TYPE_CHECKING:
+    from xema_ray.allocator.runtime import RequestReport
+
+
+class ArmLayout(Protocol):
+    """Arms a static layout around one batch: ``arm(layout_ref, steps)`` enters for the batch's
+    pipeline call and yields the layout's report, filled when it exits (hits, misses, fallback);
+    None where nothing was armed (no arena reserved, the layout not loaded). ``steps``: the
+    batch's denoising steps, so a layout solved for the template's count is repeated to them."""
+
+    def __call__(self, layout_ref: str, steps: int) -> contextlib.AbstractContextManager[RequestReport | None]: ...
+
+
+class PipelineRun(NamedTuple):
+    """What one pipeline call gives back (``ExecutionEngine.run_pipeline``)."""
+
+    output: Any  #: the pipeline's output
+    phases: dict[Phase, float]  #: seconds by phase
+    sp_rank: int  #: this worker's rank in the batch's SP group (0: none)
+    armed: bool  #: the batch's static layout was armed (``ArmLayout`` called)
+    layout: RequestReport | None  #: the armed layout's report, filled at its exit (None: none armed)
+    prompts: EncodedPrompts  #: the batch's encoded prompts (token counts, truncation)
 
 #: CogVideoX's published sampling frame rate (the diffusers examples export at 8 fps); models
 #: that know their own rate (LTX-2's ``frame_rate``) use that.
@@ -80,8 +101,8 @@ class Batch(BaseModel):
     config: ExecutionConfig
     requests: tuple[GenerationRequest, ...] = Field(min_length=1)
     guidance_scale: float | None = Field(default=None, description="None = the model's default")
-    steps: int | None = Field(default=None, ge=1, description="denoising steps; None = the template's (the same "
-                              "plan serves any: memory does not depend on the step count)")
+    steps: int = Field(ge=1, description="denoising steps it runs (resolved by the API: the request's own or its "
+                       "template's; the same plan serves any: memory does not depend on the step count)")
 
     @model_validator(mode="after")
     def _check(self) -> Batch:
@@ -191,8 +212,9 @@ class ExecutionEngine:
         dtype: the pipeline's compute dtype (prompt embeddings are made in it).
         groups: the worker set's process groups (needed for configs with SP > 1).
         platform: device abstraction (default: the current platform).
-        arm_layout: ``layout_ref -> context manager`` that arms a static layout (the allocator
-            binding provides it where the pluggable allocator is installed).
+        arm_layout: ``(layout_ref, steps) -> context manager`` that arms a static layout and
+            yields its report (``ArmLayout``; the allocator binding provides it where the
+            pluggable allocator is installed).
         sp_backend: USP backend, see ``apply_sequence_parallel``.
 
     Example:
@@ -230,8 +252,6 @@ class ExecutionEngine:
         #: on the meta device the engine runs shape-only (``xema verify``): same code, no values
         self.shape_only = device.type == "meta"
         self.prompts = PromptEncoder(pipe, spec, device, dtype, text_encoder_placement, self.platform)
-        # per thread: a paused batch's thread and the batch that preempted it each keep their own
-        self._local = threading.local()
         self.adapters: AdapterPool | None = None  # LoRA adapters per sample (xema_ray.lora), set by the worker
         #: entered last around each batch, after its mitigations, layout and SP are on the pipeline
         #: (``xema verify`` installs the analyzer's block replay here: beneath every hook)
@@ -239,15 +259,6 @@ class ExecutionEngine:
         #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
         #: made by the worker's load when its plans swap the experts
         self.experts: Any = None
-
-    @property
-    def last_prompts(self) -> EncodedPrompts | None:
-        """The prompts of the last batch this thread ran."""
-        return getattr(self._local, "prompts", None)
-
-    @last_prompts.setter
-    def last_prompts(self, value: EncodedPrompts | None) -> None:
-        self._local.prompts = value
 
     # ------------------------------------------------------------------ validation
     def _check(self, config: ExecutionConfig) -> None:
@@ -263,18 +274,19 @@ class ExecutionEngine:
     def run_pipeline(
         self, config: ExecutionConfig, prompts: list[str], seeds: list[int], guidance_scale: float | None = None,
         output_type: str = "np", observer: StepObserver | None = None, control: PauseControl | None = None,
-        negative_prompts: list[str | None] | None = None, steps: int | None = None,
+        negative_prompts: list[str | None] | None = None, *, steps: int,
         request_ids: list[str] | None = None,
         references: list[list[Any]] | None = None,
         adapters: list[tuple[LoraUse, ...]] | None = None,
-    ) -> tuple[Any, dict[Phase, float], int, bool]:
-        """One pipeline call under ``config``: returns (pipeline output, seconds by phase, SP rank,
-        layout armed; ``adapters``: per sample). ``output_type="latent"`` stops before the decoders. ``observer`` hears each
+    ) -> PipelineRun:
+        """One pipeline call under ``config`` at ``steps`` denoising steps (``adapters``: per sample).
+        ``output_type="latent"`` stops before the decoders. ``observer`` hears each
         finished step and may stop the batch (``xema_ray.runtime.progress``); ``control`` lets the
         serving layer pause it at a step boundary (``xema_ray.runtime.pause``: only on a
         thread of its own, which the pause parks). ``negative_prompts``: per request, None for
-        the model's default. ``steps``: denoising steps other than the template's (the worker
-        arms the static layout repeated to them, or none). ``request_ids``: to name the
+        the model's default. ``steps``: the batch's denoising steps (a caller with a template
+        only passes ``config.template.steps``; at another count the static layout is armed
+        repeated to them, or not at all). ``request_ids``: to name the
         requests at fault in a ``RequestFailed``. ``references``: each request's images; None: placeholders."""
         self._check(config)
         if len(prompts) != len(seeds):
@@ -282,7 +294,7 @@ class ExecutionEngine:
         ids = request_ids if request_ids is not None else [str(i) for i in range(len(prompts))]
         group = self.groups.select(config.ulysses, config.ring) if config.sp > 1 and self.groups else None
         template = config.template
-        if steps is not None and steps != template.steps:
+        if steps != template.steps:
             template = template.model_copy(update={"steps": steps})
         # at another step count the worker arms the layout repeated to it, or drops layout_ref
         armed = config.layout_ref is not None and self.arm_layout is not None
@@ -294,24 +306,25 @@ class ExecutionEngine:
             own_negatives = encode_negatives(self.prompts, negative_prompts, ids)
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.platform.running())  # the device's own context (emulated: its arena)
-            env = [self._batch_env(config, group, arm=armed, adapters=adapters)]
+            first, layout = self._batch_env(config, group, steps, arm=armed, adapters=adapters)
+            env = [first]
             stack.callback(lambda: env[0].close())
 
             def detach() -> None:  # a pause takes the batch's hooks off the shared pipeline ...
                 env[0].close()
 
             def attach() -> None:  # ... and its resume puts them back (the layout stays disarmed:
-                env[0] = self._batch_env(config, group, arm=False, adapters=adapters)  # its allocation order restarted)
+                env[0] = self._batch_env(config, group, steps, arm=False, adapters=adapters)[0]  # its order restarted)
             if self.shape_only:
                 from xema_ray.analyzer.assembly import shape_only_execution
 
                 stack.enter_context(shape_only_execution(self.pipe, self.spec, template))
                 output_type = "latent" if output_type == "latent" else "pt"  # meta tensors cannot become numpy
             # the model's own encoder where it has one (placed as planned, cached), else stand-ins
-            self.last_prompts = encode_attributed(self.prompts, list(prompts), ids, own_negatives)
+            encoded = encode_attributed(self.prompts, list(prompts), ids, own_negatives)
             own_negatives = None  # copied into the default rows: freed, the batch holds what was planned
-            inputs: dict[str, Any] = self.last_prompts.inputs
-            t_text = self.last_prompts.seconds
+            inputs: dict[str, Any] = encoded.inputs
+            t_text = encoded.seconds
             clock = stack.enter_context(PhaseClock(self.pipe, self.platform))
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             t1 = time.perf_counter()
@@ -330,12 +343,15 @@ class ExecutionEngine:
             Phase.DENOISE: max(0.0, decode_start - t1 - clock.encode_prompt_s),
             Phase.DECODE: t_end - decode_start,
         }
-        return out, phases, group.rank if group is not None else 0, armed
+        return PipelineRun(out, phases, group.rank if group is not None else 0, armed, layout, encoded)
 
-    def _batch_env(self, config: ExecutionConfig, group: Any, arm: bool, adapters: Any = None) -> contextlib.ExitStack:
-        """The batch's mitigations, static layout, SP and adapters, entered on the pipeline (closing the
-        stack takes them off; a resume enters them again, copying back adapters moved out meanwhile)."""
+    def _batch_env(self, config: ExecutionConfig, group: Any, steps: int, arm: bool,
+                   adapters: Any = None) -> tuple[contextlib.ExitStack, RequestReport | None]:
+        """The batch's mitigations, static layout (armed at ``steps``), SP and adapters, entered on
+        the pipeline (closing the stack takes them off; a resume enters them again, copying back
+        adapters moved out meanwhile), and the armed layout's report (filled when the stack closes)."""
         env = contextlib.ExitStack()
+        layout: RequestReport | None = None
         try:
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
             if config.experts is not None:
@@ -344,7 +360,7 @@ class ExecutionEngine:
                 env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
-                env.enter_context(self.arm_layout(config.layout_ref))
+                layout = env.enter_context(self.arm_layout(config.layout_ref, steps))
             if group is not None:
                 for name in ("transformer", "transformer_2"):  # a two-expert model splits both experts
                     if getattr(self.pipe, name, None) is not None:
@@ -356,7 +372,7 @@ class ExecutionEngine:
         except BaseException:
             env.close()
             raise
-        return env
+        return env, layout
 
     def execute(self, batch: Batch, observer: StepObserver | None = None, control: PauseControl | None = None) -> BatchResult:
         """Run ``batch`` end to end; see the module docstring. ``observer``, ``control``: see
@@ -369,7 +385,7 @@ class ExecutionEngine:
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
         try:
-            out, phases, sp_rank, armed = self.run_pipeline(
+            run = self.run_pipeline(
                 config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent",
                 observer=observer, control=control, negative_prompts=[r.negative_prompt for r in batch.requests],
                 steps=batch.steps, request_ids=[r.request_id for r in batch.requests],
@@ -385,30 +401,30 @@ class ExecutionEngine:
         if observer is not None and output_rank:
             observer.on_decoded()
         t_enc = time.perf_counter()
-        outputs = self._encode(batch, out) if output_rank and not self.shape_only else []
+        outputs = self._encode(batch, run.output, run.prompts) if output_rank and not self.shape_only else []
         encode_s = time.perf_counter() - t_enc
         return BatchResult(
             template=config.template.key,
             config_hash=config.config_hash(),
-            sp_rank=sp_rank,
+            sp_rank=run.sp_rank,
             outputs=outputs,
             timings=PhaseTimings(
-                text_s=phases[Phase.TEXT], denoise_s=phases[Phase.DENOISE], decode_s=phases[Phase.DECODE], encode_s=encode_s,
-                total_s=time.perf_counter() - t0,
+                text_s=run.phases[Phase.TEXT], denoise_s=run.phases[Phase.DENOISE], decode_s=run.phases[Phase.DECODE],
+                encode_s=encode_s, total_s=time.perf_counter() - t0,
             ),
             memory=self.platform.memory_stats(),
             mitigations=len(config.mitigations),
-            layout_armed=armed,
+            layout_armed=run.armed,
+            layout_hits=run.layout.hits if run.layout is not None else 0,
+            layout_misses=run.layout.misses if run.layout is not None else 0,
         )
 
     # ------------------------------------------------------------------ outputs
-    def _prompt_fields(self, k: int) -> dict[str, Any]:
-        p = self.last_prompts
-        if p is None:
-            return {}
+    @staticmethod
+    def _prompt_fields(p: EncodedPrompts, k: int) -> dict[str, Any]:
         return {"prompt_tokens": p.tokens[k], "prompt_truncated": p.truncated[k]}
 
-    def _encode(self, batch: Batch, out: Any) -> list[RequestOutput]:
+    def _encode(self, batch: Batch, out: Any, prompts: EncodedPrompts) -> list[RequestOutput]:
         t = batch.config.template
         outputs = []
         if self.spec.kind == "image":
@@ -417,7 +433,7 @@ class ExecutionEngine:
                 outputs.append(
                     RequestOutput(
                         request_id=req.request_id, seed=req.seed, media_type="image/png", data=encode_png(img),
-                        width=img.shape[1], height=img.shape[0], frames=1, **self._prompt_fields(k),
+                        width=img.shape[1], height=img.shape[0], frames=1, **self._prompt_fields(prompts, k),
                     )
                 )
             return outputs
@@ -434,7 +450,7 @@ class ExecutionEngine:
                 RequestOutput(
                     request_id=req.request_id, seed=req.seed, media_type="video/mp4", data=encode_mp4(frames, fps),
                     width=frames.shape[2], height=frames.shape[1], frames=frames.shape[0], audio_wav=wav,
-                    **self._prompt_fields(i),
+                    **self._prompt_fields(prompts, i),
                 )
             )
         if len(outputs) != len(batch.requests) or t.frames < 1:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +41,9 @@ from xema_ray.runtime.pause import PreemptibleRun
 from xema_ray.runtime.progress import StepObserver
 from xema_ray.runtime.residency import Residency, ResidencyManager, with_residency
 from xema_ray.runtime.worker_base import WorkerBase
+
+if TYPE_CHECKING:
+    from xema_ray.allocator.runtime import RequestReport
 
 ResidencyPolicy = Literal["per_template", "shared"]
 
@@ -172,7 +174,6 @@ class Worker(WorkerAdapters, WorkerBase):
         self.arena: Any = None  # TemplateArena: the static allocator's arena, following the template run
         self.alloc_device = 0  # the allocator's device index (a host arena's own slot on a CPU worker)
         self._mirror_host = False  # a CPU worker's batches mirrored into the host arena (allocator.host_tensors)
-        self._local = threading.local()  # the layout report of the batch this thread runs
         self._run_residency: dict[str, Residency] = {}  # each preemptible run's residency
         self._run_moved: dict[str, int] = {}  # weight bytes the resumes' residency switches moved
         if self.platform.name == "cuda":
@@ -338,25 +339,30 @@ class Worker(WorkerAdapters, WorkerBase):
         self.layout_status = self.arena.describe()
 
     @contextlib.contextmanager
-    def _arm(self, layout_ref: str) -> Iterator[None]:
-        """Arm ``layout_ref``'s plan for the batch; a no-op where nothing was reserved for it (no
-        arena: an unseeded process, see ``_load_layouts``) or it was not loaded, as
+    def _arm(self, layout_ref: str, steps: int) -> Iterator[RequestReport | None]:
+        """Arm ``layout_ref``'s plan at ``steps`` denoising steps for the batch (``ArmLayout``) and
+        yield its report, filled at exit; None, arming nothing, where nothing was reserved for it
+        (no arena: an unseeded process, see ``_load_layouts``) or it was not loaded, as
         ``layout_status`` / the batch's ``layout_note`` say."""
-        steps = getattr(self._local, "arm_steps", None)
-        plan = self._plans.get(layout_ref) if steps is None else self._step_plan(layout_ref, steps)
+        plan = self._step_plan(layout_ref, steps)
         if plan is None or self.allocator is None or self.arena is None:
-            yield
+            yield None
             return
         with self.allocator.armed(plan, device=self.alloc_device) as report:
-            yield
-        self._local.layout_report = report
+            yield report
 
     def _step_plan(self, layout_ref: str, steps: int) -> Any:
-        """``layout_ref``'s replay plan at ``steps`` steps (cached), or None where it does not repeat to them."""
+        """``layout_ref``'s replay plan at ``steps`` steps: the one loaded with the layout at its
+        solved count, else repeated to them (cached); None where it was not loaded or does not
+        repeat to them."""
+        art = self.layouts.get(layout_ref)
+        if art is None:
+            return None
+        if steps == art.steps:
+            return self._plans[layout_ref]
         key = (layout_ref, steps)
         if key not in self._step_plans:
-            art = self.layouts.get(layout_ref)
-            self._step_plans[key] = art.plan_for_steps(steps) if art is not None else None
+            self._step_plans[key] = art.plan_for_steps(steps)
         return self._step_plans[key]
 
     def _switch(self, layout_ref: str | None, move: Any) -> tuple[Any, str | None]:
@@ -417,8 +423,7 @@ class Worker(WorkerAdapters, WorkerBase):
         c = batch.config  # as planned (its layout_ref is dropped below if it cannot arm)
         entry = c.template.key + (f" (layout {c.layout_ref})" if c.layout_ref is not None else "")
         layout_ref, steps_note = c.layout_ref, None
-        self._local.arm_steps = batch.steps if batch.steps != c.template.steps else None
-        if self._local.arm_steps is not None and layout_ref in self.layouts and self._step_plan(layout_ref, batch.steps) is None:
+        if layout_ref in self.layouts and self._step_plan(layout_ref, batch.steps) is None:
             # a layout repeats its step window only to counts of its parity, from its solved steps
             # on: another count runs on the dynamic region (same residency, same mitigations)
             steps_note = (f"{layout_ref} not armed for this batch: solved for {c.template.steps} denoising steps, "
@@ -433,15 +438,11 @@ class Worker(WorkerAdapters, WorkerBase):
             config = config.model_copy(update={"layout_ref": None})
         if config is not batch.config:
             batch = batch.model_copy(update={"config": config})
-        self._local.layout_report = None
-        result = self._execute_guarded(batch, observer, control, entry)
-        rep = self._local.layout_report
+        result = self._execute_guarded(batch, observer, control, entry)  # its layout hits: the engine's report
         return result.model_copy(update={"residency_bytes_moved": switch.bytes_moved,
                                          "host_weight_bytes": self.residency.host_bytes(),
                                          "layout_status": self.layout_status,
                                          "layout_note": not_armed,
-                                         "layout_hits": rep.hits if rep is not None else 0,
-                                         "layout_misses": rep.misses if rep is not None else 0,
                                          "layout_reserved_bytes": self.layout_reserved_bytes()})
 
     def _execute_guarded(self, batch: Batch, observer: StepObserver | None, control: Any, entry: str) -> BatchResult:
@@ -466,13 +467,11 @@ class Worker(WorkerAdapters, WorkerBase):
                 raise
         finally:
             if self.arena is not None:
-                # what the engine and the pipeline keep of a batch after it: the prompt embeddings
-                # (``last_prompts``) and the scheduler's timesteps and sigmas (diffusers'
-                # set_timesteps puts them on the device), allocated under the batch's plan. Left
-                # there they hold static blocks past the batch, so the next switch cannot re-size
-                # the static region and the next batch runs disarmed (or its plan falls back at
-                # their offsets).
-                self.engine.last_prompts = None
+                # what the pipeline keeps of a batch after it: the scheduler's timesteps and sigmas
+                # (diffusers' set_timesteps puts them on the device), allocated under the batch's
+                # plan. Left there they hold static blocks past the batch, so the next switch cannot
+                # re-size the static region and the next batch runs disarmed (or its plan falls back
+                # at their offsets). (The engine keeps no prompt embeddings past the batch.)
                 self.engine.pipe.scheduler = copy.deepcopy(self._scheduler_as_loaded)
         # out of the except block: the batch's frames (and tensors) went with the dropped tracebacks
         gc.collect()

@@ -60,8 +60,8 @@ class DispatchPlan:
         """Predicted seconds of a batch of ``n`` of this plan's requests (``partial_latency``)."""
         return partial_latency(self.latency_s, self.min_latency_s, self.batch, n)
 
-    def for_steps(self, steps: int | None) -> DispatchPlan:
-        """This plan for a batch of ``steps`` denoising steps (None or the plan's own: itself). Memory
+    def for_steps(self, steps: int) -> DispatchPlan:
+        """This plan for a batch of ``steps`` denoising steps (the plan's own: itself). Memory
         does not depend on the step count; the time in the steps scales with it, the rest does not
         (text, decode, encode), and the SLO scales as the latency does.
 
@@ -71,7 +71,7 @@ class DispatchPlan:
             >>> (q.latency_s, q.slo_s, q.steps)
             (18.0, 36.0, 20)
         """
-        if steps is None or steps == self.steps:
+        if steps == self.steps:
             return self
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -89,8 +89,8 @@ class Pending(Generic[P]):
     template: str = field(compare=False)
     arrival: float = field(compare=False)
     request_id: str = field(compare=False)
+    steps: int = field(compare=False)  # the denoising steps it runs (resolved by the API: its own or its template's)
     payload: P | None = field(default=None, compare=False)
-    steps: int | None = field(default=None, compare=False)  # its own step count (None: the template's)
 
 
 def pop_batch(q: list[Pending[P]], size: int) -> tuple[Pending[P], ...]:

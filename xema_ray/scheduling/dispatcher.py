@@ -42,8 +42,8 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
 
     Example:
         >>> d = Dispatcher({"t": DispatchPlan(batch=2, sp=1, slo_s=10, latency_s=1)}, workers=1)
-        >>> d.submit("t", "r1", now=0.0)
-        >>> d.submit("t", "r2", now=0.1)
+        >>> d.submit("t", "r1", now=0.0, steps=1)
+        >>> d.submit("t", "r2", now=0.1, steps=1)
         >>> [a.workers for a in d.dispatch(now=0.1)]
         [(0,)]
     """
@@ -72,11 +72,10 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         self._init_admission(admission)
 
     # ------------------------------------------------------------------ queue
-    def submit(self, template: str, request_id: str, now: float, payload: P | None = None,
-               steps: int | None = None) -> None:
-        """Queue a request (``steps``: its own denoising steps, None: the template's; its deadline is
-        the SLO scaled to them, ``DispatchPlan.for_steps``). Raises KeyError for an unplanned
-        template, OverflowError when full."""
+    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int) -> None:
+        """Queue a request (``steps``: the denoising steps it runs, resolved where the request met its
+        template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``). Raises
+        KeyError for an unplanned template, OverflowError when full."""
         if template not in self.plans:
             raise KeyError(template)
         if self.admission is not None and template in self.admission.refused:
@@ -85,8 +84,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
         plan = self.plans[template].for_steps(steps)
-        steps = None if steps == self.plans[template].steps else steps
-        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, payload, steps))
+        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, steps, payload))
 
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""

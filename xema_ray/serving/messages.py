@@ -114,8 +114,8 @@ class GroupRequest(BaseModel):
                                           "at its template's reference size, checked by the API)")
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt")
-    steps: int | None = Field(default=None, description="denoising steps; None: the template's (the Router checked "
-                                                        "the model's range: ``xema_ray.models.options``)")
+    steps: int = Field(description="the denoising steps it runs, resolved by the API (its own or its template's; "
+                                   "the Router checked the model's range: ``xema_ray.models.options``)")
 
     def check_references(self, wants: int) -> None:
         """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's
@@ -130,7 +130,7 @@ class GroupRequest(BaseModel):
         g = self.guidance_scale
         if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
             raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
-        if self.steps is not None and not (isinstance(self.steps, int) and 1 <= self.steps <= STEPS_MAX):
+        if not (isinstance(self.steps, int) and 1 <= self.steps <= STEPS_MAX):
             raise InvalidRequest(f"num_inference_steps must be in [1, {STEPS_MAX}], got {self.steps!r}",
                                  "num_inference_steps")
         try:

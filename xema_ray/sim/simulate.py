@@ -286,7 +286,10 @@ def simulate(
                 st.failed += 1
             else:
                 try:
-                    disps[model_of[arr.template]].submit(arr.template, arr.request_id, now, steps=arr.steps)
+                    d = disps[model_of[arr.template]]
+                    # the trace's front door, as the API for an HTTP request: no steps, its plan's own
+                    steps = d.plans[arr.template].steps if arr.steps is None else arr.steps
+                    d.submit(arr.template, arr.request_id, now, steps=steps)
                 except Refused:
                     shed += 1
         else:

@@ -142,7 +142,8 @@ def test_overload_gets_json_503_with_retry_after(app: FastAPI) -> None:
 
 # ---------------------------------------------------------------------------- per-request checks
 def _request(seed: int, guidance_scale: float | None) -> GroupRequest:
-    return GroupRequest(template="tiny-flux2-64x64", request_id="r1", prompt="x", seed=seed, guidance_scale=guidance_scale)
+    return GroupRequest(template="tiny-flux2-64x64", request_id="r1", prompt="x", seed=seed, guidance_scale=guidance_scale,
+                        steps=2)
 
 
 def test_error_raised_if_a_request_cannot_join_a_batch() -> None:

@@ -251,7 +251,10 @@ def test_qwen_guidance_and_true_cfg_are_one_scale() -> None:
     with pytest.raises(OptionRefused, match="same scale") as e:
         resolve_options(QWEN, served, req(guidance_scale=3.0, true_cfg_scale=4.0))
     assert e.value.param == "true_cfg_scale"
-    assert resolve_options(QWEN, served, req(num_inference_steps=QWEN.steps)).steps is None  # the template's own
+    assert resolve_options(QWEN, served, req(num_inference_steps=QWEN.steps)).steps == QWEN.steps
+    # not given: resolved here, once, to the template's own count (every layer below carries the int)
+    assert resolve_options(QWEN, served, req()).steps == QWEN.steps
+    assert resolve_options(QWEN, served, req(num_inference_steps=5)).steps == 5
 
 
 def test_an_edit_through_the_real_router_takes_the_options_and_a_bad_image_fails_alone(served: RouterHarness) -> None:

@@ -87,7 +87,7 @@ def test_error_raised_if_seconds_is_not_a_duration(seconds: object) -> None:
 
 
 def _rec(**kw: object) -> JobRecord:
-    base = {"id": "video_1", "model": "m", "template": "m/64x64x9", "prompt": "p", "seed": 1, "size": "64x64",
+    base = {"id": "video_1", "model": "m", "template": "m/64x64x9", "prompt": "p", "seed": 1, "steps": 4, "size": "64x64",
             "seconds": "1", "frames": 9, "predicted_s": 10.0, "created_at": time.time()}
     return JobRecord.model_validate({**base, **kw})
 

@@ -34,14 +34,14 @@ def group(jobs_cfg: JobStoreConfig) -> Iterator[Harness]:
 def _job(store: JobStore, seed: int) -> JobRecord:
     return store.create(JobRecord(id=new_job_id(), model="tiny-cogvideox", template=COG.shape_key, prompt="waves",
                                   seed=seed, size="64x64", seconds="1", frames=COG.frames, predicted_s=3.0,
-                                  created_at=time.time()))
+                                  created_at=time.time(), steps=COG.steps))
 
 
 def test_draining_hands_queued_jobs_back_and_finishes_the_running_batch(group: Harness, jobs_cfg: JobStoreConfig) -> None:
     store = open_store(jobs_cfg)
     first, second = _job(store, 1), _job(store, 2)
-    assert group.call(lambda g: g.submit_job(request(first.template, first.id, first.prompt, first.seed)))
-    assert group.call(lambda g: g.submit_job(request(second.template, second.id, second.prompt, second.seed)))
+    assert group.call(lambda g: g.submit_job(request(first.template, first.id, first.prompt, first.seed, steps=first.steps)))
+    assert group.call(lambda g: g.submit_job(request(second.template, second.id, second.prompt, second.seed, steps=second.steps)))
     deadline = time.time() + 60
     while (store.get(first.id).status != "in_progress") and time.time() < deadline:  # type: ignore[union-attr]
         time.sleep(0.02)

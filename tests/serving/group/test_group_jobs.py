@@ -61,11 +61,12 @@ def store(jobs_cfg: JobStoreConfig) -> JobStore:
 
 def _job(store: JobStore, prompt: str = "waves", seed: int = 1) -> JobRecord:
     return store.create(JobRecord(id=new_job_id(), model="tiny-cogvideox", template=COG.shape_key, prompt=prompt, seed=seed,
-                                  size="64x64", seconds="1", frames=COG.frames, predicted_s=4.0, created_at=time.time()))
+                                  size="64x64", seconds="1", frames=COG.frames, predicted_s=4.0, created_at=time.time(),
+                                  steps=COG.steps))
 
 
 def _submit(h: Harness, rec: JobRecord) -> bool:
-    return h.call(lambda g: g.submit_job(request(rec.template, rec.id, rec.prompt, rec.seed)))
+    return h.call(lambda g: g.submit_job(request(rec.template, rec.id, rec.prompt, rec.seed, steps=rec.steps)))
 
 
 def _wait(store: JobStore, job_id: str, until: Callable[[JobRecord], bool], timeout: float = 120.0) -> JobRecord:

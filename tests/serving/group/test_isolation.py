@@ -31,7 +31,7 @@ from xema_ray.templates import RequestTemplate
 
 
 def _reqs(n: int) -> list[Pending[None]]:
-    return [Pending(float(i), i, "t", 0.0, f"r{i}") for i in range(n)]
+    return [Pending(float(i), i, "t", 0.0, f"r{i}", steps=1) for i in range(n)]
 
 
 class StandIn:
@@ -183,7 +183,7 @@ def test_the_dispatcher_holds_a_re_running_batch_its_predicted_time() -> None:
     d: Dispatcher[None] = Dispatcher({"t": DispatchPlan(batch=4, sp=1, slo_s=60, latency_s=4.0, min_latency_s=1.0)}, 1,
                                      wait_window_s=0.0)
     for i in range(4):
-        d.submit("t", f"r{i}", 0.0)
+        d.submit("t", f"r{i}", 0.0, steps=d.plans["t"].steps)
     (a,) = d.dispatch(0.0)
     assert d.remaining_s(a.batch_id, 10.0) == 0.0  # it overran its prediction
     d.extend(a.batch_id, 2.5, 10.0)
@@ -199,7 +199,7 @@ def test_a_re_run_jobs_progress_never_goes_back_and_its_eta_is_the_re_runs(tmp_p
 
     store = open_store(JobStoreConfig(path=tmp_path))
     rec = store.create(JobRecord(id=new_job_id(), model="m", template="t", prompt="p", seed=1, size="64x64",
-                                 seconds="1", frames=9, predicted_s=10.0, created_at=time.time()))
+                                 seconds="1", frames=9, predicted_s=10.0, created_at=time.time(), steps=4))
     assert store.accept(rec.id, "me") is not None and store.start(rec.id, "me", 10.0)
     store.set_progress(rec.id, 0.6, 3)  # then a neighbour failed the batch
     assert store.rerun(rec.id, "me", 8.0) == pytest.approx(0.6)
@@ -236,7 +236,7 @@ def test_a_group_serves_the_neighbours_of_a_request_whose_denoising_fails(monkey
         monkeypatch.setattr(h.group.metrics.load, "observe_missed", lambda t, n=1: missed.append((t, n)))
         with planted_denoise_fault(monkeypatch, lambda prompts: POISON in prompts,
                                    lambda: RuntimeError("planted denoise fault")) as fault:
-            futs = [h.submit(lambda g, i=i: g.generate(request(FLUX.shape_key, f"q{i}", POISON if i == 2 else f"a fox {i}", i)))
+            futs = [h.submit(lambda g, i=i: g.generate(request(FLUX.shape_key, f"q{i}", POISON if i == 2 else f"a fox {i}", i, steps=FLUX.steps)))
                     for i in range(4)]
             results: list[Any] = []
             for f in futs:
@@ -252,7 +252,7 @@ def test_a_group_serves_the_neighbours_of_a_request_whose_denoising_fails(monkey
         assert fault.batches[0] == ["a fox 0", "a fox 1", POISON, "a fox 3"] and len(fault.batches) == 5
         assert reruns == [{"n": 4, "template": FLUX.shape_key, "reason": "split"}]
         assert missed == [(FLUX.shape_key, 1)]
-        ok = h.call(lambda g: g.generate(request(FLUX.shape_key, "after", "a fox", 9)))  # and the group serves on
+        ok = h.call(lambda g: g.generate(request(FLUX.shape_key, "after", "a fox", 9, steps=FLUX.steps)))  # and the group serves on
         assert ok.media_type == "image/png"
 
 
@@ -280,7 +280,7 @@ def test_a_re_run_holds_the_workers_for_the_sub_batches_still_to_come_too(monkey
         monkeypatch.setattr(h.group.dispatcher, "extend", lambda b, more_s, now: (told.append(more_s), real(b, more_s, now)))
         with planted_denoise_fault(monkeypatch, lambda prompts: POISON in prompts, lambda: RuntimeError("planted")):
             asks = [(POISON, 3.0), ("a fox 1", 3.0), ("a fox 2", 5.0), ("a fox 3", 5.0)]
-            futs = [h.submit(lambda g, i=i, p=p, gs=gs: g.generate(request(FLUX.shape_key, f"q{i}", p, i, guidance_scale=gs)))
+            futs = [h.submit(lambda g, i=i, p=p, gs=gs: g.generate(request(FLUX.shape_key, f"q{i}", p, i, guidance_scale=gs, steps=FLUX.steps)))
                     for i, (p, gs) in enumerate(asks)]
             outcomes = []
             for f in futs:

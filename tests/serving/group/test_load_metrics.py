@@ -60,7 +60,7 @@ def test_predicted_wait_is_the_replay_of_the_queue_and_rises_with_it(load: LoadM
     waits = []
     for queued in (0, 2, 6, 12):
         while d.queue_depth(IMG.shape_key) < queued:
-            d.submit(IMG.shape_key, f"r{d.queue_depth()}", now=90.0)  # earlier deadlines than a new request's
+            d.submit(IMG.shape_key, f"r{d.queue_depth()}", now=90.0, steps=d.plans[IMG.shape_key].steps)  # earlier deadlines than a new request's
         load.refresh(summarize(d, "replica", now=100.0, wall=5000.0), now=100.0)
         waits.append(load.queue_wait.last(template=IMG.shape_key))
     # idle: a lone request waits the window for its batch of 2 to fill; then a batch of 2 s per
@@ -98,14 +98,16 @@ def _result(rank: int, peak: int, current: int, denoise_s: float, total_s: float
 
 def test_memory_headroom_per_worker_step_seconds_and_realtime_factor(load: LoadMetrics) -> None:
     results = [_result(0, 70 * 10**6, 20 * 10**6, 2.0, 3.0), _result(1, 100 * 10**6, 30 * 10**6, 2.0, 3.0)]
-    load.observe_batch(VID.shape_key, (2, 3), results, requests=1, batch_seconds=4.0)  # ranks 0, 1 on workers 2, 3
+    load.observe_batch(VID.shape_key, (2, 3), results, requests=1, batch_seconds=4.0,
+                       steps=VID.steps)  # ranks 0, 1 on workers 2, 3
     assert load.peak.last(worker="3") == 100 * 10**6 and load.in_use.last(worker="2") == 20 * 10**6
     assert load.headroom.last(worker="2") == BUDGET - 70 * 10**6
     assert load.headroom.last(worker="3") == BUDGET - 100 * 10**6 < 0  # over the budget: said, not hidden
     assert load.budget.last() == BUDGET and load.plan_peak.last(template=VID.shape_key) == 80 * 10**6
     assert load.step_seconds.last(template=VID.shape_key) == pytest.approx(2.0 / VID.steps)
     assert load.realtime.last(template=VID.shape_key) == pytest.approx((VID.frames - 1) / video_fps(VID) / 4.0)
-    load.observe_batch(IMG.shape_key, (0,), [_result(0, 50 * 10**6, 10**6, 1.0, 1.5)], requests=2, batch_seconds=1.5)
+    load.observe_batch(IMG.shape_key, (0,), [_result(0, 50 * 10**6, 10**6, 1.0, 1.5)], requests=2, batch_seconds=1.5,
+                       steps=IMG.steps)
     assert IMG.shape_key not in {dict(k).get("template") for k in load.realtime.values}  # images have none
     load.set_plans(load._entries, 200 * 10**6)  # a new plan table with a larger budget: headroom follows
     assert load.headroom.last(worker="3") == 100 * 10**6
@@ -115,9 +117,10 @@ def test_the_snapshot_carries_the_gauges_figures(load: LoadMetrics) -> None:
     entries = load._entries
     kept = LoadMetrics("tiny-cogvideox", lambda: (entries, BUDGET))  # real gauges: the snapshot reads what they hold
     kept.observe_batch(VID.shape_key, (0, 1), [_result(0, 70 * 10**6, 10**6, 2.0, 3.0),
-                                               _result(1, 80 * 10**6, 10**6, 2.0, 3.0)], requests=1, batch_seconds=4.0)
+                                               _result(1, 80 * 10**6, 10**6, 2.0, 3.0)], requests=1, batch_seconds=4.0,
+                       steps=VID.steps)
     d = _dispatcher(kept)
-    d.submit(VID.shape_key, "v1", now=0.0)
+    d.submit(VID.shape_key, "v1", now=0.0, steps=d.plans[VID.shape_key].steps)
     kept.refresh(summarize(d, "r", now=0.0, wall=0.0), now=0.0)
     snap = GroupLoad.model_validate_json(kept.snapshot().model_dump_json())  # crosses to the Router as JSON
     assert snap.budget_bytes == BUDGET and snap.workers[1].headroom_bytes == BUDGET - 80 * 10**6

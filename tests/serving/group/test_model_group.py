@@ -36,7 +36,7 @@ def flux() -> Iterator[Harness]:
 
 
 def _generate(h: Harness, seed: int, t: RequestTemplate = FLUX_S, rid: str | None = None) -> Any:
-    return h.submit(lambda g: g.generate(request(t.shape_key, rid or f"r{seed}", "a red fox", seed)))
+    return h.submit(lambda g: g.generate(request(t.shape_key, rid or f"r{seed}", "a red fox", seed, steps=t.steps)))
 
 
 def test_a_request_gets_its_png_and_where_it_ran(flux: Harness) -> None:
@@ -116,13 +116,13 @@ def test_a_request_that_cannot_run_never_joins_a_batch(flux: Harness) -> None:
 def test_error_raised_if_template_unknown_or_guidance_not_finite(flux: Harness, template: str, guidance: float | None,
                                                                   param: str) -> None:
     with pytest.raises(InvalidRequest) as e:
-        flux.call(lambda g: g.generate(request(template, "x", "a fox", 1, guidance)))
+        flux.call(lambda g: g.generate(request(template, "x", "a fox", 1, guidance, steps=FLUX_S.steps)))
     assert e.value.param == param
 
 
 def test_error_raised_if_a_request_brings_images_its_template_does_not_take(flux: Harness) -> None:
     """Refused on arrival, naming ``image``: a batch's rows all carry the template's count."""
-    req = request(FLUX_S.shape_key, "imgs", "a fox", 1).model_copy(update={"references": (b"png",)})
+    req = request(FLUX_S.shape_key, "imgs", "a fox", 1, steps=FLUX_S.steps).model_copy(update={"references": (b"png",)})
     with pytest.raises(InvalidRequest, match="takes 0 reference image") as e:
         flux.call(lambda g: g.generate(req))
     assert e.value.param == "image"

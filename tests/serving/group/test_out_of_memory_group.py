@@ -48,7 +48,7 @@ def _front(h: Harness) -> FastAPI:
 
     @app.post("/generate", response_model=None)
     async def generate(body: Body) -> dict[str, str] | JSONResponse:
-        fut = h.submit(lambda g: g.generate(request(body.template, f"http-{body.template}", "a red fox", 3)))
+        fut = h.submit(lambda g: g.generate(request(body.template, f"http-{body.template}", "a red fox", 3, steps=SMALL.steps)))
         try:  # as Router._guarded: a replica's error becomes its HTTP status
             out = await asyncio.wrap_future(fut)
         except Exception as e:
@@ -67,7 +67,7 @@ def test_a_batch_out_of_device_memory_is_a_json_503_and_the_group_serves_on(monk
         counted: list[dict[str, Any]] = []
         monkeypatch.setattr(h.group.metrics.out_of_memory, "inc", lambda *a, **k: counted.append(k.get("tags", {})))
         with pytest.raises(DeviceOutOfMemory) as e:
-            h.call(lambda g: g.generate(request(LARGE.shape_key, "big", "a red fox", 1)))
+            h.call(lambda g: g.generate(request(LARGE.shape_key, "big", "a red fox", 1, steps=LARGE.steps)))
         oom = e.value
         assert oom.entry == LARGE.key and oom.requested_bytes > oom.free_bytes > 0
 
@@ -80,7 +80,7 @@ def test_a_batch_out_of_device_memory_is_a_json_503_and_the_group_serves_on(monk
         assert (err["entry"], err["requested_bytes"], err["free_bytes"]) == (LARGE.key, oom.requested_bytes, oom.free_bytes)
         assert f"asked {oom.requested_bytes} bytes" in err["message"]
 
-        ok = h.call(lambda g: g.generate(request(SMALL.shape_key, "next", "a red fox", 2)))  # the same worker
+        ok = h.call(lambda g: g.generate(request(SMALL.shape_key, "next", "a red fox", 2, steps=SMALL.steps)))  # the same worker
         assert ok.media_type == "image/png" and ok.workers == (0,)
         stats = h.call(lambda g: g.layout_stats())
         assert stats.templates[LARGE.shape_key].out_of_memory == 1

@@ -26,12 +26,12 @@ def _plans(batch: int) -> dict:
 def test_a_new_table_is_swapped_in_under_load_and_nothing_accepted_is_lost() -> None:
     with running_group("tiny-flux2", _plans(batch=1), wait_window_s=0.05, max_queue=64) as h:
         before = h.call(lambda g: g.status())
-        futs = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"a{i}", "a fox", i))) for i in range(6)]
+        futs = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"a{i}", "a fox", i, steps=FLUX_S.steps))) for i in range(6)]
         while not h.call(lambda g: g.status())["running"]:  # a batch is running when the table arrives
             time.sleep(0.01)
         new = GroupPlans(plans=_plans(batch=2), source="test")
         h.call(lambda g: g.reconfigure(new.model_dump(mode="json")))  # returns at once: Serve sees it RUNNING
-        during = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"b{i}", "a fox", 100 + i)))
+        during = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"b{i}", "a fox", 100 + i, steps=FLUX_S.steps)))
                   for i in range(4)]
         results = [f.result(120) for f in futs + during]
         assert [r.request_id for r in results] == [f"a{i}" for i in range(6)] + [f"b{i}" for i in range(4)]
@@ -42,7 +42,7 @@ def test_a_new_table_is_swapped_in_under_load_and_nothing_accepted_is_lost() -> 
         assert s["plans_hash"] == new.hash != before["plans_hash"] and s["plans_swapped"] == 1
         assert s["generation"] == before["generation"] + 1 and s["status"] == "ok"  # the workers, replaced once
         # the new plan serves: two concurrent requests share a batch of 2 (the old plan ran batches of 1)
-        a, b = (f.result(120) for f in [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"c{i}", "x", i)))
+        a, b = (f.result(120) for f in [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"c{i}", "x", i, steps=FLUX_S.steps)))
                                         for i in range(2)])
         assert a.batch_id == b.batch_id and a.batch_size == 2
         # the same table again is nothing to do: no swap, no new workers
@@ -80,7 +80,7 @@ def test_a_table_the_workers_cannot_load_leaves_the_group_on_its_previous_plans(
     monkeypatch.setitem(WORKER_KINDS, "picky", WorkerKind(_PickyWorker, platform="cpu", backend="inprocess"))
     with running_group("tiny-flux2", _plans(batch=1), device="picky", wait_window_s=0.05, worker_set=worker_set_for) as h:
         before = h.call(lambda g: g.status())
-        queued = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"q{i}", "x", i))) for i in range(3)]
+        queued = [h.submit(lambda g, i=i: g.generate(request(FLUX_S.shape_key, f"q{i}", "x", i, steps=FLUX_S.steps))) for i in range(3)]
         new = GroupPlans(plans=_plans(batch=2))
         h.call(lambda g: g.reconfigure(new.model_dump(mode="json")))
         assert all(f.result(120).media_type == "image/png" for f in queued)  # nothing accepted is lost
@@ -89,5 +89,5 @@ def test_a_table_the_workers_cannot_load_leaves_the_group_on_its_previous_plans(
             time.sleep(0.05)
         assert s["plans_hash"] == before["plans_hash"] and s["status"] == "ok", s  # the previous plans, loaded again
         assert new.hash in s["plans_reload_error"] and "is missing" in s["plans_reload_error"]
-        a = h.submit(lambda g: g.generate(request(FLUX_S.shape_key, "after", "x", 9))).result(120)
+        a = h.submit(lambda g: g.generate(request(FLUX_S.shape_key, "after", "x", 9, steps=FLUX_S.steps))).result(120)
         assert a.batch_size == 1

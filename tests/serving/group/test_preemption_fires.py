@@ -20,9 +20,9 @@ def _run(long: DispatchPlan, short_at: float, short: DispatchPlan = SHORT,
                                      preemption=PreemptionPolicy(budget_bytes=48 * GB))
     if phases is not None:
         d.set_phases("long", *phases)
-    d.submit("long", "L", 0.0)
+    d.submit("long", "L", 0.0, steps=d.plans["long"].steps)
     assert [a.template for a in d.dispatch(0.0)] == ["long"]
-    d.submit("short", "S", short_at)
+    d.submit("short", "S", short_at, steps=d.plans["short"].steps)
     return d, d.dispatch(short_at)
 
 

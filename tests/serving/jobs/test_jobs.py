@@ -32,7 +32,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> JobStore:
 
 
 def _job(**kw: object) -> JobRecord:
-    base = {"id": new_job_id(), "model": "m", "template": "m/64x64x9", "prompt": "p", "seed": 1, "size": "64x64",
+    base = {"id": new_job_id(), "model": "m", "template": "m/64x64x9", "prompt": "p", "seed": 1, "steps": 4, "size": "64x64",
             "seconds": "1", "frames": 9, "predicted_s": 2.0, "created_at": time.time()}
     return JobRecord.model_validate({**base, **kw})
 

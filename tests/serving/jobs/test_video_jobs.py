@@ -246,7 +246,7 @@ def test_a_job_no_group_holds_is_dispatched_again(client: Any, store: JobStore) 
     def orphan(**kw: Any) -> JobRecord:
         return store.create(JobRecord(id=new_job_id(), model="tiny-cogvideox", template=COG.shape_key, prompt="orphan",
                                       seed=5, size="64x64", seconds="1", frames=9, predicted_s=4.0,
-                                      created_at=time.time(), **kw))
+                                      created_at=time.time(), steps=COG.steps, **kw))
 
     # what a router replica that died between storing a job and handing it over leaves behind
     unsent = orphan()

@@ -8,7 +8,7 @@ from typing import Any
 from xema_ray.serving.messages import GroupRequest
 from xema_ray.serving.scale.replica_router import request_template
 
-REQ = GroupRequest(template="tiny-flux2-64x64-s2", request_id="r1", prompt="a fox", seed=1)
+REQ = GroupRequest(template="tiny-flux2-64x64-s2", request_id="r1", prompt="a fox", seed=1, steps=2)
 
 
 def _pending(method: str, *args: Any, **kwargs: Any) -> Any:

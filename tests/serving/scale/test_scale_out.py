@@ -83,7 +83,7 @@ def test_a_load_step_adds_a_replica_on_another_node_and_the_group_drains_back(cl
     async def send(rate: float, until) -> list:  # type: ignore[no-untyped-def, type-arg]
         calls, i = [], 0
         while not until():
-            req = GroupRequest(template="img", request_id=f"r{rate}-{i}", prompt="", seed=0)
+            req = GroupRequest(template="img", request_id=f"r{rate}-{i}", prompt="", seed=0, steps=PLANS["img"]["steps"])
             calls.append(asyncio.ensure_future(handle.generate.remote(req)))
             i += 1
             await asyncio.sleep(1 / rate)

@@ -75,7 +75,7 @@ def run(plan: DispatchPlan, work: dict[int, float], rate: float, seconds: float 
             met += sum(now <= r.deadline + 1e-9 for r in a.requests)
         elif arrival == now:
             if d.queue_depth(TEMPLATE) < d.max_queue:
-                d.submit(TEMPLATE, f"r{n}", now)
+                d.submit(TEMPLATE, f"r{n}", now, steps=d.plans[TEMPLATE].steps)
                 meter.add(TEMPLATE, now)
             n += 1
             arrival = now + rng.expovariate(rate)

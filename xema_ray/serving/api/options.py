@@ -21,13 +21,14 @@ from xema_ray.templates import RequestTemplate
 
 
 class RequestOptions(BaseModel):
-    """A request's options as its model group runs them (None: the template's / model's default)."""
+    """A request's options as its model group runs them (None: the model's default). The step count
+    is resolved here, once: every layer below carries it as an ``int``."""
 
     model_config = ConfigDict(frozen=True)
 
     guidance_scale: float | None = Field(default=None, description="the guidance (Qwen-Image: the true CFG scale)")
     negative_prompt: str | None = Field(default=None, description="replaces the model's default negative prompt")
-    steps: int | None = Field(default=None, description="denoising steps; None: the template's")
+    steps: int = Field(ge=1, description="the denoising steps the request runs: its own, else its template's")
 
 
 def takers(served: dict[str, RequestTemplate]) -> dict[str, list[str]]:
@@ -68,8 +69,8 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
             raise OptionRefused(f"{t.model}: guidance_scale ({guidance!r}) and true_cfg_scale ({true_cfg!r}) are the "
                                 "same scale for this model; give one, or the same value", "true_cfg_scale")
         guidance = true_cfg
-    return RequestOptions(guidance_scale=guidance, negative_prompt=negative,
-                          steps=None if steps is None or steps == t.steps else steps)
+    # the one place "not given" means the template's steps: below the API every layer carries the int
+    return RequestOptions(guidance_scale=guidance, negative_prompt=negative, steps=t.steps if steps is None else steps)
 
 
 def option_error(e: OptionRefused) -> dict[str, Any]:
@@ -78,10 +79,10 @@ def option_error(e: OptionRefused) -> dict[str, Any]:
             "code": "unsupported_option" if e.status == 400 else "out_of_range"}
 
 
-def scaled_to_steps(seconds: float, t: RequestTemplate, steps: int | None) -> float:
-    """A prediction for ``t`` at its own step count, scaled to ``steps`` (None: unchanged): the
+def scaled_to_steps(seconds: float, t: RequestTemplate, steps: int) -> float:
+    """A prediction for ``t`` at its own step count, scaled to ``steps`` (its own: unchanged): the
     denoising share (``fallback_shares``) scales with the steps, the rest does not."""
-    if steps is None or steps == t.steps:
+    if steps == t.steps:
         return seconds
     d = fallback_shares(t.spec.kind == "video").denoise
     plan = DispatchPlan(batch=1, sp=1, slo_s=seconds, latency_s=seconds, steps=t.steps, denoise_frac=d,

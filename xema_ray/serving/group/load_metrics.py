@@ -252,10 +252,9 @@ class LoadMetrics:
         self._changed = True
 
     def observe_batch(self, template: str, workers: Sequence[int], results: Sequence[BatchResult],
-                      requests: int, batch_seconds: float, steps: int | None = None) -> None:
+                      requests: int, batch_seconds: float, steps: int) -> None:
         """A (sub-)batch of ``requests`` ran on ``workers`` (ranks in SP order) in ``batch_seconds``
-        with ``steps`` denoising steps (None: the template's); ``results`` has one per rank (its
-        memory and timings)."""
+        with ``steps`` denoising steps; ``results`` has one per rank (its memory and timings)."""
         t = {"template": template}
         entry = self._entries.get(template)
         for r in results:
@@ -272,7 +271,7 @@ class LoadMetrics:
         if entry is None or lead is None:
             return
         tpl = entry.config.template
-        self.step_seconds.set(lead.timings.denoise_s / (steps or tpl.steps), tags=t)
+        self.step_seconds.set(lead.timings.denoise_s / steps, tags=t)
         if tpl.spec.kind == "video" and batch_seconds > 0:
             self.realtime.set(realtime_factor((tpl.frames - 1) / video_fps(tpl), requests, batch_seconds), tags=t)
         self._changed = True

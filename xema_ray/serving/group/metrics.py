@@ -151,7 +151,7 @@ class ServingMetrics:
         self.load.observe_request(template, met)
 
     def observe_batch(self, template: str, size: int, result: BatchResult, workers: Sequence[int] = (),
-                      results: Sequence[BatchResult] = (), seconds: float = 0.0, steps: int | None = None) -> None:
+                      results: Sequence[BatchResult] = (), seconds: float = 0.0, *, steps: int) -> None:
         """A (sub-)batch of ``size`` ran: ``result`` its SP rank 0's; ``workers``, ``results`` (every
         rank's), ``seconds``, ``steps`` for the load figures (``LoadMetrics.observe_batch``)."""
         t = {"template": template}

@@ -373,7 +373,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
-                      guidance_scale=guidance, steps=None if steps == entry.config.template.steps else steps)
+                      guidance_scale=guidance, steps=steps)
         t0 = time.monotonic()
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)
@@ -381,7 +381,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             return False  # every member was deleted: the workers stopped at a step boundary
         seconds = time.monotonic() - t0
         lead = next(r for r in results if r.sp_rank == 0)
-        self.metrics.observe_batch(a.template, len(reqs), lead, a.workers, results, seconds, steps)
+        self.metrics.observe_batch(a.template, len(reqs), lead, a.workers, results, seconds, steps=steps)
         self.layout_counters.observe(a.template, lead, dict(zip(a.workers, results, strict=False)))
         # measured at the batch's step count, kept at the template's (the time per step is the same)
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),

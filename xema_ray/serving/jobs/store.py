@@ -86,7 +86,7 @@ class JobRecord(BaseModel):
     seed: int
     guidance_scale: float | None = None
     negative_prompt: str | None = Field(default=None, description="None: the model's default")
-    steps: int | None = Field(default=None, description="denoising steps; None: the template's")
+    steps: int = Field(ge=1, description="the denoising steps it runs (resolved by the API: its own or its template's)")
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
     references: int = Field(default=0, ge=0, description="input images, stored as files (``reference_name``) "
                             "beside the record")
