@@ -88,6 +88,9 @@ PLAN: tuple[PlannedTest, ...] = (
                      "(stream-ordered frees): caching run + recording, layout, armed run (2 builds; 102 s + the copies)"),
     PlannedTest(match="tests/gpu/test_out_of_memory_cuda.py::", part=1, expected_s=25, timeout_s=150, needs=_ALLOC,
                 device_gb=4, what="an over-budget request raises instead of faulting (static allocator); the next batch runs"),
+    PlannedTest(match="tests/gpu/test_streams_cuda.py::", part=1, expected_s=15, timeout_s=90, needs=_ALLOC,
+                device_gb=4, what="a deferred free polled while its stream is busy leaves no CUDA error for the next "
+                                  "kernel launch; block offload's steady state makes no driver allocation"),
     PlannedTest(match=_A + "test_flux2_1024_offload_plan_under_48gb_with_the_layout_armed", part=1,
                 expected_s=83, timeout_s=180, files=("device-allocs-flux2_1024x1024.json",), needs=(*_ALLOC, "shm"),
                 device_gb=48, what="Flux.2 1024², 1 step, 48 GB offload plan (18 blocks in a 23.8 GiB shared segment): "

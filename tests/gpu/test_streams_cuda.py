@@ -114,3 +114,25 @@ def test_stream_ordered_frees_leave_no_cuda_error_and_block_offload_reuses_its_m
     assert report["steady_driver_allocs"] == report["warm_driver_allocs"], report
     assert report["deferred"][1] > report["deferred"][0], report
     assert report["same"] and report["close"], report
+
+
+def test_a_failed_host_register_leaves_no_cuda_error_for_the_next_kernel() -> None:
+    """``cudaHostRegister`` refused (a range already registered) is an error the platform handles
+    (``RuntimeError`` naming it); the runtime's last error it set is cleared, so torch's next
+    kernel-launch check does not report it as the kernel's failure."""
+    from xema_ray.platforms.cuda import CudaPlatform, _loaded_cudart
+
+    platform = CudaPlatform()
+    host = torch.empty(1 << 20, dtype=torch.uint8)
+    assert platform.register_host(host.data_ptr(), host.numel())
+    try:
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            platform.register_host(host.data_ptr(), host.numel())  # already registered
+        lib = _loaded_cudart()
+        assert lib is not None, "torch's libcudart was not found among the process's mappings"
+        assert lib.cudaPeekAtLastError() == 0
+        x = torch.ones(1024, device="cuda")
+        torch.cuda.synchronize()
+        assert float((x * 2).sum()) == 2048.0
+    finally:
+        platform.unregister_host(host.data_ptr())
