@@ -131,8 +131,8 @@ bench-tenancy: install
 	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 80 --rate 1.0
 	PYTHONPATH=$(CURDIR) $(PY) bench/preemption_live.py --n 60 --rate 1.0 --steps 100
 
-# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the remote GPU
-# runner carries, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
+# Here (registry reachable): the cp312 wheels the GPU machine lacks, into the ignored .whl/ the
+# device calls carry, with .whl/manifest.json (kit <= 48 MiB, tree + kit <= 64 MiB). docs/gpu-check.md.
 gpu-kit: install
 	$(PY) gpu_check/gpu_kit.py
 

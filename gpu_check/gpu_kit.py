@@ -1,5 +1,5 @@
 """`make gpu-kit`: the wheels the GPU machine lacks, fetched here (where the registry is) into an
-ignored ``.whl/`` that the remote GPU runner carries, with a manifest.
+ignored ``.whl/`` that each device call carries, with a manifest.
 
 Pins come from gpu_check/gpu-kit.txt (one version each; a stale wheel of another version is removed:
 two versions stop the machine's whole offline install). Each is fetched ``--no-deps`` as a cp312
@@ -11,7 +11,7 @@ was never read there is listed ``unverified`` (gpu_prep.sh's kit step checks eve
 there, against what is installed). The project's own requirements on those packages
 (pyproject.toml) are checked the same way. The kit is at most
 48 MiB and the tree that travels (tracked and untracked-not-ignored files) plus the kit at most
-the remote GPU runner's 64 MiB; the kit installs offline for cp312 (as gpu_prep.sh will). Writes ``.whl/manifest.json`` (``KitManifest``); exits 1 naming what
+the 64 MiB a call carries; the kit installs offline for cp312 (as gpu_prep.sh will). Writes ``.whl/manifest.json`` (``KitManifest``); exits 1 naming what
 failed.
 
 Example:
@@ -53,7 +53,7 @@ class Wheel(BaseModel):
 
 
 class KitManifest(BaseModel):
-    """``.whl/manifest.json``: what the kit holds and the sizes checked against the remote GPU runner's limits."""
+    """``.whl/manifest.json``: what the kit holds and the sizes checked against what a call carries."""
 
     python: str = "cp312"
     platforms: list[str] = list(PLATFORMS)
@@ -65,6 +65,7 @@ class KitManifest(BaseModel):
     travel_limit_bytes: int = TRAVEL_LIMIT
     unmet_requirements: list[str]
     unverified_requirements: list[str] = []
+    waived_requirements: list[str] = []
     ok: bool
 
 
@@ -107,8 +108,25 @@ def requirement_name(req: str) -> str:
 DEVICE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_system": "Linux",
                   "sys_platform": "linux", "platform_machine": "x86_64", "implementation_name": "cpython",
                   "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
-#: listed by a wheel but never imported on the machine's Python (diffusers: importlib_metadata on < 3.8)
-NOT_IMPORTED = frozenset({"importlib-metadata"})
+WAIVERS = REPO / "gpu_check" / "gpu-kit-waivers.txt"
+
+
+def waivers(path: Path = WAIVERS) -> dict[tuple[str, str], str]:
+    """gpu_check/gpu-kit-waivers.txt: (owner, requirement name) -> why the machine needs neither.
+
+    Lines are ``owner: name  # reason``; a waiver without a reason is refused (a waived requirement
+    is one the prep's kit step on the machine skips too, so each needs its argument).
+    """
+    out: dict[tuple[str, str], str] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        body, _, reason = line.partition("#")
+        if not body.strip():
+            continue
+        owner, sep, name = body.partition(":")
+        if not sep or not name.strip() or not reason.strip():
+            raise ValueError(f"{path}:{n}: a waiver is `owner: requirement-name  # reason`, got {line!r}")
+        out[(norm(owner.strip()), norm(name.strip()))] = reason.strip()
+    return out
 
 
 def device_packages(path: Path) -> dict[str, str | None]:
@@ -122,9 +140,11 @@ def device_packages(path: Path) -> dict[str, str | None]:
     return out
 
 
-def check_requirement(req: str, kit: dict[str, str], device: dict[str, str | None]) -> tuple[str, str | None]:
-    """("ok" | "unmet" | "unverified" | "not-needed", why) of one requirement against the kit's pinned
-    versions, then the machine's known ones, by specifier."""
+def check_requirement(req: str, kit: dict[str, str], device: dict[str, str | None], owner: str = "",
+                      waived: dict[tuple[str, str], str] | None = None) -> tuple[str, str | None]:
+    """("ok" | "unmet" | "unverified" | "not-needed" | "waived", why) of one requirement of ``owner``
+    against the kit's pinned versions, then the machine's known ones, by specifier; a requirement
+    gpu_check/gpu-kit-waivers.txt waives for ``owner`` is "waived" with its reason."""
     try:
         r = Requirement(req)
     except InvalidRequirement as e:
@@ -132,8 +152,8 @@ def check_requirement(req: str, kit: dict[str, str], device: dict[str, str | Non
     if r.marker is not None and not r.marker.evaluate(DEVICE_MARKERS):
         return "not-needed", None
     name = norm(r.name)
-    if name in NOT_IMPORTED:
-        return "not-needed", None
+    if (norm(owner), name) in (waived or {}):
+        return "waived", (waived or {})[(norm(owner), name)]
     have = kit.get(name) or device.get(name)
     if have is None:
         return ("unverified", f"{req}: {name} is on the machine, its version not read") if name in device else (
@@ -166,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pins", type=Path, default=REPO / "gpu_check" / "gpu-kit.txt")
     p.add_argument("--device-packages", type=Path, default=REPO / "gpu_check" / "gpu_device_packages.txt")
+    p.add_argument("--waivers", type=Path, default=WAIVERS)
     p.add_argument("--dir", type=Path, default=REPO / ".whl")
     p.add_argument("--record", type=Path, default=None, help="also write the manifest here (a committed copy)")
     args = p.parse_args(argv)
@@ -192,16 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     device = device_packages(args.device_packages)
     kit_versions = {w.name: w.version for w in wheels}
     kit = set(kit_versions)
-    unmet, unverified = set(), set()
+    waived = waivers(args.waivers)
+    unmet, unverified, waived_here = set(), set(), set()
     checks = [(w.name, r) for w in wheels for r in w.requires]
     # the project's requirements on what the machine has (the serving stack's, absent there, are not the GPU tests')
     checks += [("xema-ray", r) for r in project_requirements() if requirement_name(r) in device or requirement_name(r) in kit]
     for owner, r in checks:
-        verdict, why = check_requirement(r, kit_versions, device)
+        verdict, why = check_requirement(r, kit_versions, device, owner, waived)
         if verdict == "unmet":
             unmet.add(f"{owner}: {why}")
         elif verdict == "unverified":
             unverified.add(f"{owner}: {why}")
+        elif verdict == "waived":
+            waived_here.add(f"{owner}: {r} ({why})")
     kit_b, tree_b = sum(w.bytes for w in wheels), tree_bytes()
     problems = []
     if kit != set(wanted):
@@ -213,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     problems += [f"unmet requirement {u}" for u in sorted(unmet)]
     problems += offline_install_problems(args.dir)
     manifest = KitManifest(wheels=wheels, kit_bytes=kit_b, tree_bytes=tree_b, total_bytes=kit_b + tree_b,
-                           unmet_requirements=sorted(unmet), unverified_requirements=sorted(unverified), ok=not problems)
+                           unmet_requirements=sorted(unmet), unverified_requirements=sorted(unverified),
+                           waived_requirements=sorted(waived_here),
+                           ok=not problems)
     text = manifest.model_dump_json(indent=1)
     (args.dir / "manifest.json").write_text(text)
     if args.record is not None:

@@ -12,11 +12,17 @@
 #   allocator         allocator_ext built (cmake + ninja, plain g++) into xema_ray/allocator/ and loadable
 #                     (needs headers, toolchain)
 #   project           this tree importable (a .pth naming it; needs machine_packages, kit)
+#   shm               the tmpfs shared weight segments live in ($XEMA_SHM_DIR, else /dev/shm): its size
+#                     recorded, and enlarged (remount) where it is below $XEMA_GPU_SHM_BYTES (32 GiB: the
+#                     largest segment a GPU test makes is 23.8 GiB, Flux.2's 18 offloaded blocks); fails
+#                     only when it stays below that
 # Writes $XEMA_GPU_PREP (/tmp/xema-gpu-prep.json): status (ok / failed), reason (the first failure),
-# steps [{name, status, reason, seconds}], site, versions, nvidia_smi. Exits 1 if a step failed (run.py
+# steps [{name, status, reason, seconds}], site, versions, nvidia_smi, shm {dir, size_bytes_before,
+# size_bytes, free_bytes}. Exits 1 if a step failed (run.py
 # still runs: call it with `;`, not `&&`). Idempotent: on a warm machine every step finds its work done.
 # Rehearsals (tests/test_gpu_check.py): XEMA_GPU_PREP_PLANT=<step> makes that step fail; XEMA_GPU_KIT_PINS
-# names another pins file than gpu_check/gpu-kit.txt (the CPU venv's versions). Budget: <= 90 s.
+# names another pins file than gpu_check/gpu-kit.txt (the CPU venv's versions), XEMA_GPU_KIT_WAIVERS another
+# waivers file than gpu_check/gpu-kit-waivers.txt. Budget: <= 90 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
@@ -25,6 +31,10 @@ PY=${PYTHON:-python3}
 BUILD=build/gpu
 STEPS_FILE=$(mktemp /tmp/xema-prep-steps.XXXXXX)
 SITE=""
+SHM_DIR=${XEMA_SHM_DIR:-/dev/shm}
+SHM_BEFORE=""
+SHM_SIZE=""
+SHM_FREE=""
 declare -A STATE=()
 
 emit() {  # name status reason seconds
@@ -106,11 +116,19 @@ EOF
         || { echo "offline install of .whl/*.whl into $SITE failed" >&2; return 1; }
     fi
   fi
-  # every kit wheel's own requirements, by specifier, against what is installed here now
+  # every kit wheel's own requirements, by specifier, against what is installed here now; a requirement
+  # gpu_check/gpu-kit-waivers.txt waives (with its reason) is skipped here as `make gpu-kit` skips it
   PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
-import os, pathlib, sys
+import os, pathlib, re, sys
 from importlib.metadata import PackageNotFoundError, requires, version
 from packaging.requirements import Requirement
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+waived = set()
+for line in pathlib.Path(os.environ.get("XEMA_GPU_KIT_WAIVERS", "gpu_check/gpu-kit-waivers.txt")).read_text().splitlines():
+    body, _, reason = line.partition("#")
+    owner, sep, dep = body.partition(":")
+    if sep and dep.strip() and reason.strip():
+        waived.add((norm(owner.strip()), norm(dep.strip())))
 bad = []
 for line in pathlib.Path(os.environ.get("XEMA_GPU_KIT_PINS", "gpu_check/gpu-kit.txt")).read_text().splitlines():
     name = line.split("#", 1)[0].split("==")[0].strip()
@@ -118,6 +136,8 @@ for line in pathlib.Path(os.environ.get("XEMA_GPU_KIT_PINS", "gpu_check/gpu-kit.
         continue
     for r in map(Requirement, requires(name) or []):
         if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+            continue
+        if (norm(name), norm(r.name)) in waived:
             continue
         try:
             have = version(r.name)
@@ -174,17 +194,35 @@ project() {
   PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import xema_ray, planner, xema_ray.runtime.worker'
 }
 
+shm_bytes() {  # size|avail of the file system holding $1, in bytes
+  df -B1 --output="$2" "$1" 2>/dev/null | tail -1 | tr -d ' '
+}
+
+shm() {
+  local want=${XEMA_GPU_SHM_BYTES:-34359738368}
+  SHM_BEFORE=$(shm_bytes "$SHM_DIR" size)
+  [ -n "$SHM_BEFORE" ] || { echo "$SHM_DIR: no file system to read a size from" >&2; return 1; }
+  # tmpfs's size is a limit, not memory taken: raising it reserves nothing
+  if [ "$SHM_BEFORE" -lt "$want" ]; then
+    mount -o remount,size="$want" "$SHM_DIR" >/dev/null 2>&1 || true
+  fi
+  SHM_SIZE=$(shm_bytes "$SHM_DIR" size)
+  SHM_FREE=$(shm_bytes "$SHM_DIR" avail)
+  [ "$SHM_SIZE" -ge "$want" ] || { echo "$SHM_DIR is $SHM_SIZE bytes, below the $want a GPU test's shared segment needs, and could not be enlarged (mount -o remount,size=$want $SHM_DIR)" >&2; return 1; }
+}
+
 run_step machine_packages "" machine_packages
 run_step kit "" kit
 run_step headers "" headers
 run_step toolchain "" toolchain
 run_step allocator "headers toolchain" allocator
 run_step project "machine_packages kit" project
+run_step shm "" shm
 
-"$PY" - "$REC" "$((SECONDS - T0))" "$SITE" "$STEPS_FILE" <<'EOF'
+"$PY" - "$REC" "$((SECONDS - T0))" "$SITE" "$STEPS_FILE" "$SHM_DIR" "$SHM_BEFORE" "$SHM_SIZE" "$SHM_FREE" <<'EOF'
 import json, pathlib, platform, shutil, subprocess, sys
 from importlib.metadata import PackageNotFoundError, version
-path, seconds, site, steps_file = sys.argv[1:]
+path, seconds, site, steps_file, shm_dir, *shm_figures = sys.argv[1:]
 steps = [json.loads(line) for line in pathlib.Path(steps_file).read_text().splitlines() if line.strip()]
 failed = [s for s in steps if s["status"] == "failed"]
 def v(name):
@@ -214,7 +252,9 @@ rec = {"status": "failed" if failed else "ok",
        "reason": "; ".join(f"{s['name']}: {s['reason']}" for s in failed) or None,
        "seconds": int(seconds), "site": site or None, "steps": steps, "python": platform.python_version(),
        "versions": {n: v(n) for n in names}, "project_requirements_unmet": project_unmet(),
-       "nvidia_smi": (smi.stdout.strip() or smi.stderr.strip()) if smi else "no nvidia-smi"}
+       "nvidia_smi": (smi.stdout.strip() or smi.stderr.strip()) if smi else "no nvidia-smi",
+       "shm": {"dir": shm_dir, **{k: int(x) if x.isdigit() else None for k, x in
+                                  zip(("size_bytes_before", "size_bytes", "free_bytes"), shm_figures)}}}
 pathlib.Path(path).write_text(json.dumps(rec, indent=1))
 print(json.dumps({k: rec[k] for k in ("status", "reason", "seconds", "site")}))
 EOF

@@ -64,6 +64,8 @@ class TestRecord:
     phases: list[ReportPhase] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    device_gb: float = 0.0
+    shm_left: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class GpuCheckRecord:
     started: str
     python: str
     finished: str | None = None
-    part: Literal["1", "2", "all"] = "all"
+    part: Literal["1", "2", "3", "all"] = "all"
     budget_s: float | None = None
     until: float | None = None
     clock_at_start: float | None = None
@@ -83,6 +85,7 @@ class GpuCheckRecord:
     torch: str | None = None
     cuda: bool = False
     device: str | None = None
+    device_memory_bytes: int | None = None
     skipped: str | None = None
     prep: dict[str, Any] | None = None
     prep_steps: list[PrepStep] = field(default_factory=list)

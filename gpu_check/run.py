@@ -16,7 +16,7 @@ and every test's output is appended to ``gpu-check.log``: at most 8 files come b
 On a machine without CUDA it writes a "no CUDA GPU" record and exits 0 (nothing run), unless
 ``--dry-run``: then it collects as the GPU machine would (exit 1 on a collection error).
 ``--list`` prints the plan laid out in the device time and both device calls, ready to
-send to the remote GPU runner. docs/gpu-check.md.
+send. docs/gpu-check.md.
 
 Examples:
     python3 gpu_check/run.py --list
@@ -43,7 +43,8 @@ KIT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(KIT_DIR))
 from gpu_collect import REPO, child_env, collect, events, modules, pytest_cmd  # noqa: E402  (not a package)
 from gpu_plan import (  # noqa: E402
-    BASE_NEEDS, DEVICE_RAM_BYTES, DEVICE_S, HOST_PIN_SHARE, MAX_OUT_FILES, PLAN, Timeline, plan_for)
+    BASE_NEEDS, COLLECT_S, DEVICE_RAM_BYTES, DEVICE_S, HOST_PIN_SHARE, MACHINE_KIND, MAX_OUT_FILES, PLAN, PREP_COLD_S,
+    PREP_WARM_S, Timeline, plan_for)
 from gpu_record import (  # noqa: E402
     CollectionError, GpuCheckRecord, ReportPhase, TestRecord, prep_steps, write_record)
 
@@ -82,7 +83,8 @@ def _versions() -> dict[str, str | None]:
 def plan(collected: list[str], markers: dict[str, dict]) -> list[TestRecord]:
     ordered = sorted(((plan_for(n, markers.get(n)), n) for n in collected), key=lambda x: x[0][0])
     return [TestRecord(nodeid=n, order=i, part=e.part, expected_s=e.expected_s, timeout_s=e.timeout_s,
-                       planned=priority < len(PLAN), needs=[*BASE_NEEDS, *e.needs], files=list(e.files))
+                       planned=priority < len(PLAN), needs=[*BASE_NEEDS, *e.needs], files=list(e.files),
+                       device_gb=e.device_gb)
             for i, ((priority, e), n) in enumerate(ordered)]
 
 
@@ -93,6 +95,45 @@ def _held_back(rec: TestRecord, steps: dict[str, tuple[str, str | None]]) -> str
         if status != "ok":
             return f"prep step {need} {status}: {reason}"
     return None
+
+
+def _short_of_memory(rec: TestRecord, device_bytes: int | None) -> str | None:
+    """Why the device is too small for ``rec`` (None: it fits, or its memory was not read)."""
+    if device_bytes is None or rec.device_gb * 1e9 <= device_bytes:
+        return None
+    return f"needs {rec.device_gb:.0f} GB of device memory, the device has {device_bytes / 1e9:.1f} GB"
+
+
+def device_memory_bytes() -> int | None:
+    """GPU 0's memory as nvidia-smi reports it (no CUDA context in this process), None if unread."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return int(float(out.splitlines()[0])) * 2**20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def shm_dir() -> Path:
+    """Where the tests' shared weight segments live (xema_ray/platforms/host_memory.py's rule)."""
+    return Path(os.environ.get("XEMA_SHM_DIR") or "/dev/shm")
+
+
+def sweep_segments(directory: Path) -> list[str]:
+    """Remove the ``xema-*`` files a test left in ``directory`` (a killed test's segments stay in RAM
+    otherwise, and the next test finds the tmpfs full): ``name (bytes)`` for each."""
+    left = []
+    for path in sorted(directory.glob("xema-*")) if directory.is_dir() else []:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+        left.append(f"{path.name} ({size:,} bytes)")
+    return left
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -157,6 +198,7 @@ def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float,
             timed_out = True
         _kill_group(proc)  # a hang, or children the test left behind
     rec.seconds = time.perf_counter() - t0
+    rec.shm_left = sweep_segments(shm_dir())  # every process of the test is gone: nothing maps them
     rec.returncode = None if timed_out else proc.returncode
     if rec.returncode is not None and rec.returncode < 0:
         rec.signal = signal.Signals(-rec.returncode).name
@@ -184,6 +226,8 @@ def run_one(rec: TestRecord, work: Path, out: Path, log: Path, timeout_s: float,
     with log.open("a") as f:
         f.write(f"\n===== [{rec.order}] {rec.nodeid}: {rec.status} in {rec.seconds:.1f} s "
                 f"(rc={rec.returncode}, signal={rec.signal}) =====\n")
+        if rec.shm_left:
+            f.write(f"removed from {shm_dir()}: {', '.join(rec.shm_left)}\n")
         f.write(stdout.read_bytes().decode(errors="replace"))
         if err:
             f.write("----- stderr -----\n" + err)
@@ -221,40 +265,51 @@ def _torch_facts(record: GpuCheckRecord) -> bool:
 
 
 def print_list(tests: list[TestRecord], errors: list[CollectionError], start: float) -> None:
-    """Both parts laid out in the device time (machine start counted) and the two calls."""
-    t1 = sum(t.expected_s for t in tests if t.part == 1)
-    t2 = sum(t.expected_s for t in tests if t.part == 2)
+    """Both parts laid out in the device time (machine start counted) and the two calls; part 3,
+    what the device time leaves out, listed for a later run."""
     start = int(start)
-    line = Timeline(start=start, part1_expected_s=t1, part2_expected_s=t2)
+    line = Timeline(start=start, part1_expected_s=sum(t.expected_s for t in tests if t.part == 1),
+                    part2_expected_s=sum(t.expected_s for t in tests if t.part == 2))
     print(f"device session of {DEVICE_S} s from the first call (unix {start}), machine start counted:")
     for what, a, b in line.rows():
         print(f"  {a:4.0f} - {b:4.0f} s  {what}")
-    windows = {1: (line.part1_tests_from, line.until1), 2: (line.part2_tests_from, line.until2)}
-    for part in (1, 2):
+    untils = {1: line.until1, 2: line.until2}
+    for part in (1, 2, 3):
         rows = [t for t in tests if t.part == part]
-        begin, until = windows[part]
-        print(f"part {part}: {sum(t.expected_s for t in rows):.0f} s expected, {until - begin:.0f} s until --until "
-              f"{until}" + (f" ({line.part2_window_cold_s:.0f} s if call 2 finds the machine gone)" if part == 2 else ""))
-        clock = begin
+        if part == 3:
+            print(f"part 3: {sum(t.expected_s for t in rows):.0f} s of tests outside the {DEVICE_S} s "
+                  "(a later run: --part 3)")
+            clock, until = 0.0, float("inf")
+        else:
+            expected, window = line.expected_s(part), line.window_s(part)
+            prep = PREP_COLD_S if part == 1 else PREP_WARM_S
+            print(f"part {part}: {expected:.0f} s expected, {window:.0f} s until --until {untils[part]} "
+                  f"(prep {prep} s + collection {COLLECT_S} s + tests {expected - prep - COLLECT_S:.0f} s)"
+                  + ("" if expected <= window else f"  OVER its window by {expected - window:.0f} s")
+                  + ("" if part == 1 else f"; {max(line.part2_window_cold_s, 0):.0f} s of tests if call 2 "
+                                          "finds the machine gone"))
+            clock, until = (line.call1_from if part == 1 else line.call2_from) + prep + COLLECT_S, untils[part]
         for t in rows:
             fits = clock + t.expected_s <= until
             clock += t.expected_s if fits else 0
             print(f"  {t.order:2d}  {t.expected_s:5.0f} s  (timeout {t.timeout_s:3.0f} s)  {t.nodeid}"
                   + ("" if t.planned else "  [unplanned]")
                   + ("" if t.needs == list(BASE_NEEDS) else f"  needs {','.join(t.needs[len(BASE_NEEDS):])}")
+                  + (f"  {t.device_gb:.0f} GB" if t.device_gb else "")
                   + ("" if fits else "  [expected not run: past --until]"))
     for e in errors:
         print(f"COLLECTION ERROR {e.nodeid}: {e.message.splitlines()[-1] if e.message else ''}")
-    print("the two device calls (send call 2 verbatim as soon as call 1 returns; then give_back):")
-    for part, until in ((1, line.until1), (2, line.until2)):
-        print(f'  run(carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; PYTHONUNBUFFERED=1 '
-              f'python3 gpu_check/run.py --part {part} --until {until} --out $OUT")')
+    print("the two device calls (send call 2 verbatim as soon as call 1 returns):")
+    for part, until in untils.items():
+        print(f'  run(kind="{MACHINE_KIND}", carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; '
+              f'PYTHONUNBUFFERED=1 python3 gpu_check/run.py --part {part} --until {until} --out $OUT")')
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    p.add_argument("--part", choices=["1", "2", "all"], default="all", help="which part of the plan to run")
+    p.add_argument("--part", choices=["1", "2", "3", "all"], default="all",
+                   help="which part of the plan to run (3: what the two calls leave out, for a later run)")
     p.add_argument("--until", type=float, default=None,
                    help="unix time: no test starts that is not expected to finish by then (those are recorded "
                         "not_run); a running test's timeout is cut to it. --list prints both calls' values")
@@ -268,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="override every test's own timeout (seconds)")
     p.add_argument("--host-ram-bytes", type=int, default=DEVICE_RAM_BYTES,
                    help=f"the machine's RAM; each test may pin {HOST_PIN_SHARE:.0%} of it")
+    p.add_argument("--device-memory-bytes", type=int, default=None,
+                   help="the GPU's memory (default: nvidia-smi's); a test that needs more is skipped")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start, clock = time.perf_counter(), time.time()
@@ -283,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                             env={"PYTHONHASHSEED": "0", "XEMA_GPU_HOST_BUDGET_BYTES": str(host_budget)})
     write(record, args.out)  # first: nothing beyond the standard library imported yet
     cuda = _torch_facts(record)
+    record.device_memory_bytes = args.device_memory_bytes if args.device_memory_bytes is not None else (
+        device_memory_bytes() if cuda else None)
     if mode == "run" and not cuda and not args.run_without_cuda:
         record.mode = "no-gpu"
         record.skipped = record.skipped or "no CUDA GPU on this machine: the -m gpu tests were not run"
@@ -336,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         deadlines = [d for d in (args.until, None if args.budget is None else time.time() + args.budget) if d is not None]
         deadline = min(deadlines) if deadlines else None
         for rec in tests:
-            held = _held_back(rec, steps)
+            held = _held_back(rec, steps) or _short_of_memory(rec, record.device_memory_bytes)
             if held is not None:
                 rec.status, rec.message = "skipped", held
                 continue

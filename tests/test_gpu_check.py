@@ -61,12 +61,16 @@ ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_m
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
 BLOCKER = '''
-"""Rehearsal of the GPU machine (tests/test_gpu_check.py): the modules it lacks do not import."""
+"""Rehearsal of the GPU machine (tests/test_gpu_check.py): the modules it lacks do not import, and
+importlib.metadata sees only the distributions it has (its list and the kit), as pip's checks there do."""
 import os
+import re
 import sys
 from importlib.abc import MetaPathFinder
+from importlib.machinery import PathFinder
 
 _BLOCKED = frozenset(filter(None, os.environ.get("XEMA_BLOCK_MODULES", "").split(",")))
+_VISIBLE = os.environ.get("XEMA_VISIBLE_DISTRIBUTIONS")
 
 
 class _NotOnTheGpuMachine(MetaPathFinder):
@@ -77,6 +81,17 @@ class _NotOnTheGpuMachine(MetaPathFinder):
 
 
 sys.meta_path.insert(0, _NotOnTheGpuMachine())
+
+if _VISIBLE is not None:
+    _KEEP = frozenset(_VISIBLE.split(","))
+    _find = PathFinder.find_distributions
+
+    def _only_the_machines(*args, **kwargs):
+        for dist in _find(*args, **kwargs):
+            if re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower() in _KEEP:
+                yield dist
+
+    PathFinder.find_distributions = staticmethod(_only_the_machines)
 '''
 
 
@@ -89,18 +104,27 @@ def _names(path: Path) -> set[str]:
     return {_norm(line.split("==")[0]) for line in lines if line}
 
 
+def _machine_and_kit() -> set[str]:
+    """The distributions the GPU machine has once the kit is installed: its list and the kit's pins."""
+    return _names(ROOT / "gpu_check" / "gpu_device_packages.txt") | _names(ROOT / "gpu_check" / "gpu-kit.txt")
+
+
 def _needed_by(kept: set[str]) -> set[str]:
-    """Distributions installed here that the kept ones need, transitively: a package of another
-    version here (huggingface_hub 2.x needs httpx2; the GPU machine's 1.33 does not) keeps what
-    its version imports, so the rehearsal blocks only what the GPU machine really lacks."""
+    """Distributions installed here that the machine's own packages need, transitively: a package of
+    another version here (huggingface_hub 2.x needs httpx2; the GPU machine's 1.33 does not) keeps what
+    its version imports, so the rehearsal blocks only what the GPU machine really lacks. The kit's
+    wheels are the versions carried: what they need is not followed (the prep's kit step checks it)."""
     from packaging.requirements import Requirement
 
+    kit = _names(ROOT / "gpu_check" / "gpu-kit.txt")
     seen, todo = set(), list(kept)
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
+        if name in kit:
+            continue
         try:
             requires = importlib.metadata.requires(name) or []
         except importlib.metadata.PackageNotFoundError:
@@ -114,8 +138,7 @@ def _needed_by(kept: set[str]) -> set[str]:
 def _blocked_modules() -> list[str]:
     """Top-level modules installed here whose every distribution is absent from the GPU machine
     (neither there, nor in the kit, nor needed by what is) and the issue's named ones."""
-    keep = _names(ROOT / "gpu_check" / "gpu_device_packages.txt") | _names(ROOT / "gpu_check" / "gpu-kit.txt")
-    keep = _needed_by(keep) | {"xema-ray"}  # the project itself: its dependencies are the question
+    keep = _needed_by(_machine_and_kit()) | {"xema-ray"}  # the project itself: its dependencies are the question
     blocked = {m for m, dists in importlib.metadata.packages_distributions().items()
                if m not in sys.stdlib_module_names and all(_norm(d) not in keep for d in dists)}
     return sorted(blocked | set(NAMED))
@@ -127,6 +150,7 @@ def _rehearsal_env(tmp_path: Path) -> dict[str, str]:
     (site / "sitecustomize.py").write_text(BLOCKER)
     path = os.pathsep.join(p for p in [str(site), os.environ.get("PYTHONPATH", "")] if p)
     return {**os.environ, "PYTHONPATH": path, "XEMA_BLOCK_MODULES": ",".join(_blocked_modules()),
+            "XEMA_VISIBLE_DISTRIBUTIONS": ",".join(sorted(_needed_by(_machine_and_kit()))),
             "XEMA_GPU_PREP": str(tmp_path / "no-prep.json")}
 
 
@@ -157,10 +181,12 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     # found by marker: every module collected marks a test gpu, and no CPU test module is imported
     gpu_modules = set(gpu_collect.discover())
     assert {n.split("::")[0] for n in record["collected"]} == gpu_modules
-    # the cheap, high-value checks first; only the allocator's tests need the allocator's build
+    # the stream-ordered frees (the armed CogVideoX-5B check), out of memory and the armed Flux.2 layout
+    # first; only the allocator's tests need the allocator's build
     first = [t["nodeid"] for t in record["tests"][:3]]
-    assert [("analyzer" in n, "vae_chain" in n, "fingerprint" in n) for n in first] == [
-        (True, False, False), (False, True, False), (False, False, True)], first
+    assert [("cogvideox_720x480_armed" in n, "out_of_memory" in n, "flux2_1024_offload_plan" in n and "armed" in n)
+            for n in first] == [(True, False, False), (False, True, False), (False, False, True)], first
+    assert all(t["device_gb"] >= 80 for t in record["tests"] if "flux2/1024x1024x1" in t["nodeid"]), record["tests"]
     needs_allocator = {t["nodeid"].split("::")[0] for t in record["tests"] if "allocator" in t["needs"]}
     assert needs_allocator <= set(ALLOCATOR_MODULES) and "tests/gpu/test_allocator_gpu.py" in needs_allocator
     assert sum(n.startswith("tests/gpu/test_allocator_gpu.py::") for n in record["collected"]) == 4
@@ -170,7 +196,14 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     untils = [int(u) for u in re.findall(r"--until (\d+) --out", text)]
     assert len(untils) == 2 and start + gpu_plan.MACHINE_START_S < untils[0] < untils[1] <= start + gpu_plan.DEVICE_S
     assert untils[0] - start <= gpu_plan.MACHINE_START_S + gpu_plan.COMMAND_LIMIT_S  # call 1 within its command limit
-    assert 'run(carry=[".whl"], timeout_s=600, command="bash gpu_check/gpu_prep.sh; ' in text
+    calls = re.findall(r"^  run\(.*\)$", text, re.M)
+    assert len(calls) == 2 and all(c.startswith('  run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, '
+                                                'command="bash gpu_check/gpu_prep.sh; ') for c in calls), calls
+    # each part's prep, collection and tests within its window (issue #47: part 2 had 186 s for 491 s)
+    parts = {int(n): (int(x), int(y)) for n, x, y in re.findall(r"^part (\d): (\d+) s expected, (\d+) s until", text, re.M)}
+    assert set(parts) == {1, 2} and all(x <= y for x, y in parts.values()), parts
+    assert parts[1][0] >= gpu_plan.PREP_COLD_S + gpu_plan.COLLECT_S + sum(
+        t["expected_s"] for t in record["tests"] if t["part"] == 1)
 
 
 PLANTED = '''
@@ -283,6 +316,17 @@ def test_b_needs_the_allocator():
 @pytest.mark.gpu(expected_s=3600, timeout_s=60)
 def test_c_cannot_finish_by_until():
     raise AssertionError("must not start: it cannot finish by --until")
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60, device_gb=200)
+def test_d_needs_more_device_memory():
+    raise AssertionError("must not start: the device is smaller than it needs")
+
+
+@pytest.mark.gpu(expected_s=1, timeout_s=60)
+def test_e_leaves_a_segment():
+    from pathlib import Path
+    Path(os.environ["XEMA_SHM_DIR"], "xema-planted").write_bytes(b"x" * 4096)
 '''
 
 
@@ -297,7 +341,7 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     prep = tmp_path / "prep.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # the check must seed its children itself
     env |= {"PYTHON": sys.executable, "XEMA_GPU_PREP": str(prep), "XEMA_GPU_PREP_PLANT": "headers",
-            "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt"))}
+            "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt")), "XEMA_GPU_SHM_BYTES": "1"}
     bash = subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_prep.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert bash.returncode == 1, bash.stdout + bash.stderr
@@ -309,9 +353,12 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     planted.mkdir()
     (planted / "test_prep_gpu.py").write_text(PLANTED_PREP)
     out = tmp_path / "out"
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env["XEMA_SHM_DIR"] = str(shm)
     proc = subprocess.run([sys.executable, str(CHECK), "--modules", str(planted / "test_*_gpu.py"), "--run-without-cuda",
-                           "--until", str(time.time() + 600), "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=180)
+                           "--until", str(time.time() + 600), "--device-memory-bytes", str(141 * 10**9),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the prep failed: the check says so
     record = read_record(out)
     assert {s["name"]: s["status"] for s in record["prep_steps"]}["headers"] == "failed"
@@ -321,7 +368,45 @@ def test_a_planted_prep_failure_skips_only_the_tests_that_need_it_and_children_a
     assert skipped["status"] == "skipped" and "allocator" in skipped["message"] and "headers" in skipped["message"]
     late = by_name["test_c_cannot_finish_by_until"]
     assert late["status"] == "not_run" and "--until" in late["message"]
-    assert record["counts"] == {"passed": 1, "skipped": 1, "not_run": 1}
+    small = by_name["test_d_needs_more_device_memory"]
+    assert small["status"] == "skipped" and small["message"] == (
+        "needs 200 GB of device memory, the device has 141.0 GB"), small
+    assert by_name["test_e_leaves_a_segment"]["shm_left"] == ["xema-planted (4,096 bytes)"] and not list(shm.iterdir())
+    assert record["counts"] == {"passed": 2, "skipped": 2, "not_run": 1}
+
+
+def _prep_under_rehearsal(tmp_path: Path, waivers: Path) -> dict[str, Any]:
+    """gpu_prep.sh with what the GPU machine lacks hidden (modules and distributions), the kit at the
+    versions installed here, ``waivers`` as the waivers file; its steps by name."""
+    tmp_path.mkdir()
+    prep = tmp_path / "prep.json"
+    env = _rehearsal_env(tmp_path) | {
+        "PYTHON": sys.executable, "XEMA_GPU_PREP": str(prep), "XEMA_GPU_PREP_PLANT": "headers",
+        "XEMA_GPU_KIT_PINS": str(_kit_pins_here(tmp_path / "pins.txt")), "XEMA_GPU_KIT_WAIVERS": str(waivers),
+        "XEMA_GPU_SHM_BYTES": "1"}  # never enlarge this machine's /dev/shm
+    subprocess.run(["bash", str(ROOT / "gpu_check" / "gpu_prep.sh")], env=env, capture_output=True, text=True,
+                   timeout=180)
+    return {s["name"]: s for s in json.loads(prep.read_text())["steps"]}
+
+
+def test_the_preps_kit_step_passes_with_only_the_machines_distributions_and_fails_without_the_waiver(
+        tmp_path: Path) -> None:
+    """Issue #47: diffusers requires importlib_metadata (no marker), which the machine lacks. With
+    importlib.metadata limited to the machine's list and the kit, the prep's kit step passes with
+    gpu_check/gpu-kit-waivers.txt, and fails naming it without."""
+    env = _rehearsal_env(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "from importlib.metadata import version, PackageNotFoundError\n"
+                            "try:\n    version('importlib_metadata'); print('seen')\n"
+                            "except PackageNotFoundError:\n    print('hidden', version('diffusers'))"],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["hidden", "0.42.1"], probe.stdout + probe.stderr  # installed here, hidden
+    steps = _prep_under_rehearsal(tmp_path / "waived", ROOT / "gpu_check" / "gpu-kit-waivers.txt")
+    assert steps["kit"]["status"] == "ok" and steps["project"]["status"] == "ok", steps
+    no_waiver = tmp_path / "no-waivers.txt"
+    no_waiver.write_text("# none\n")
+    steps = _prep_under_rehearsal(tmp_path / "unwaived", no_waiver)
+    assert steps["kit"]["status"] == "failed", steps
+    assert "diffusers needs importlib_metadata: not installed" in steps["kit"]["reason"], steps["kit"]
 
 
 def test_the_record_is_written_before_pydantic_is_imported(tmp_path: Path) -> None:
@@ -364,6 +449,12 @@ def test_the_kit_is_checked_against_version_specifiers() -> None:
     assert kit.check_requirement("pillow>=10", pins, device)[0] == "unverified"  # there, version never read here
     assert kit.check_requirement("ray>=2.40", pins, device)[0] == "unmet"
     assert kit.check_requirement('tomli>=1.1; python_version < "3.11"', pins, device)[0] == "not-needed"
+    # diffusers' unconditional importlib_metadata: unmet on the machine unless gpu-kit-waivers.txt waives it
+    verdict, why = kit.check_requirement("importlib_metadata", pins, device, "diffusers")
+    assert verdict == "unmet" and "importlib-metadata is neither on the machine nor in the kit" in why
+    verdict, why = kit.check_requirement("importlib_metadata", pins, device, "diffusers", kit.waivers())
+    assert verdict == "waived" and "Python < 3.8" in why
+    assert kit.check_requirement("importlib_metadata", pins, device, "pydantic", kit.waivers())[0] == "unmet"
 
 
 def test_the_residency_check_pins_within_its_stated_share() -> None:

@@ -95,6 +95,11 @@ class NodeHost(BaseModel):
     def fits(self) -> bool:
         return self.budget_bytes is None or self.load_peak_bytes <= self.budget_bytes
 
+    @property
+    def shared_bytes(self) -> int:
+        """The node's shared weight segments (one copy per group): what its tmpfs must hold."""
+        return sum(g.worker.shared_bytes for g in self.groups)
+
     @classmethod
     def of(cls, groups: list[GroupHost], budget_bytes: int | None = None) -> NodeHost:
         resident = sum(g.resident_bytes for g in groups)

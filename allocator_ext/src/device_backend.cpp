@@ -20,22 +20,32 @@ constexpr const char* kCudartNames[] = {"libcudart.so.13", "libcudart.so.12", "l
                                         "libcudart.so"};
 
 // Restores the caller's current device: torch passes `device` explicitly and expects the
-// thread's current device to be unchanged afterwards.
+// thread's current device to be unchanged afterwards. A refused get/set is cleared from the
+// thread's last error (`clear`: cudaGetLastError) like every other failed call here.
 class DeviceGuard {
  public:
-  DeviceGuard(int (*get)(int*), int (*set)(int), int device) : set_(set) {
-    if (get(&previous_) == 0 && previous_ != device) {
+  DeviceGuard(int (*get)(int*), int (*set)(int), int (*clear)(), int device) : set_(set), clear_(clear) {
+    if (get(&previous_) != 0) {
+      forget();
+      return;
+    }
+    if (previous_ != device) {
       switched_ = set(device) == 0;
+      if (!switched_) forget();
     }
   }
   ~DeviceGuard() {
-    if (switched_) set_(previous_);
+    if (switched_ && set_(previous_) != 0) forget();
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  void forget() noexcept {
+    if (clear_ != nullptr) (void)clear_();
+  }
   int (*set_)(int);
+  int (*clear_)();
   int previous_ = -1;
   bool switched_ = false;
 };
@@ -153,17 +163,18 @@ std::string CudaBackend::describe(int code) const noexcept {
   }
 }
 
+int CudaBackend::cleared(int rc) const noexcept {
+  if (rc != 0 && get_last_error_ != nullptr) (void)get_last_error_();
+  return rc;
+}
+
 void* CudaBackend::allocate(std::size_t bytes, int device, std::string& error) noexcept {
   if (!ensure_loaded(error)) return nullptr;
-  DeviceGuard guard(get_device_, set_device_, device);
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
   void* p = nullptr;
-  const int rc = malloc_(&p, bytes);
+  // Out of memory is not a sticky error: cleared, the context stays usable.
+  const int rc = cleared(malloc_(&p, bytes));
   if (rc != 0) {
-    // A refused cudaMalloc leaves its error as the thread's last error, which the next kernel
-    // launch's check (C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError) would report as its own,
-    // so it is cleared here (as ggml's CUDA pool does, llama.cpp #7376). Out of memory is not a
-    // sticky error: the context stays usable.
-    if (get_last_error_ != nullptr) (void)get_last_error_();
     try {
       error = "cudaMalloc(" + std::to_string(bytes) + ") on device " + std::to_string(device) +
               " failed: " + describe(rc);
@@ -176,8 +187,8 @@ void* CudaBackend::allocate(std::size_t bytes, int device, std::string& error) n
 
 bool CudaBackend::deallocate(void* ptr, int device, std::string& error) noexcept {
   if (!ensure_loaded(error)) return false;
-  DeviceGuard guard(get_device_, set_device_, device);
-  const int rc = free_(ptr);
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
+  const int rc = cleared(free_(ptr));
   if (rc != 0) {
     try {
       error = "cudaFree on device " + std::to_string(device) + " failed: " + describe(rc);
@@ -225,12 +236,12 @@ bool CudaBackend::record_event(uintptr_t stream, int device, StreamEvent& out,
     error = "libcudart lacks the cudaEvent functions";
     return false;
   }
-  DeviceGuard guard(get_device_, set_device_, device);
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
   void* ev = nullptr;
-  int rc = event_create_(&ev, kEventDisableTiming);
+  int rc = cleared(event_create_(&ev, kEventDisableTiming));
   if (rc == 0) {
-    rc = event_record_(ev, reinterpret_cast<void*>(stream));
-    if (rc != 0) event_destroy_(ev);
+    rc = cleared(event_record_(ev, reinterpret_cast<void*>(stream)));
+    if (rc != 0) (void)cleared(event_destroy_(ev));
   }
   if (rc != 0) {
     try {
@@ -247,22 +258,25 @@ bool CudaBackend::record_event(uintptr_t stream, int device, StreamEvent& out,
 
 int CudaBackend::query_event(const StreamEvent& event, int device) noexcept {
   if (event.handle == nullptr || event_query_ == nullptr) return -1;
-  DeviceGuard guard(get_device_, set_device_, device);
-  const int rc = event_query_(event.handle);
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
+  // cudaErrorNotReady is an answer, not a failure, but the runtime still records it as the
+  // thread's last error: cleared, as torch's own event query does (c10/cuda/CUDAEvent.h), or the
+  // next kernel launch's check reports "device not ready".
+  const int rc = cleared(event_query_(event.handle));
   if (rc == 0) return 1;
   return rc == kCudaNotReady ? 0 : -1;
 }
 
 int CudaBackend::wait_event(const StreamEvent& event, int device) noexcept {
   if (event.handle == nullptr || event_synchronize_ == nullptr) return query_event(event, device);
-  DeviceGuard guard(get_device_, set_device_, device);
-  return event_synchronize_(event.handle) == 0 ? 1 : -1;
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
+  return cleared(event_synchronize_(event.handle)) == 0 ? 1 : -1;
 }
 
 void CudaBackend::destroy_event(StreamEvent& event, int device) noexcept {
   if (event.handle == nullptr || event_destroy_ == nullptr) return;
-  DeviceGuard guard(get_device_, set_device_, device);
-  event_destroy_(event.handle);
+  DeviceGuard guard(get_device_, set_device_, get_last_error_, device);
+  (void)cleared(event_destroy_(event.handle));
   event.handle = nullptr;
 }
 

@@ -90,6 +90,11 @@ class CudaBackend final : public Backend {
 
   bool ensure_loaded(std::string& error) noexcept;
   std::string describe(int code) const noexcept;
+  // Every runtime call goes through this: a failed call (cudaErrorNotReady from an event query
+  // included) leaves its code as the calling thread's last error, which torch's next
+  // kernel-launch check (cudaGetLastError) would raise as its own; so it is read back here and
+  // the code returned. The allocator reports failures through its return values instead.
+  int cleared(int rc) const noexcept;
 
   std::mutex load_mutex_;
   void* handle_ = nullptr;

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.host_arena import alloc, device  # noqa: F401 - fixtures
 from xema_ray.allocator import solve_arrays
-from xema_ray.allocator.oom import ArenaOutOfMemory
+from xema_ray.allocator.oom import ArenaOutOfMemory, out_of_memory_errors
 from xema_ray.allocator.runtime import AllocatorError, StaticAllocator, default_library_path
 
 #: issue #35: CUDA's out-of-memory semantics, modelled on the CPU (with the stream tests: ``-m streams``)
@@ -33,9 +34,10 @@ def test_error_raised_if_every_region_and_the_limit_refuse(alloc: StaticAllocato
     assert alloc.out_of_memory(device=device).events == 0
     with alloc.armed(layout.replay_plan(), device=device):
         a = alloc.malloc(64 * KIB, device=device)  # planned: the static region
-        with pytest.raises(ArenaOutOfMemory) as e:
+        with pytest.raises(torch.cuda.OutOfMemoryError) as e:  # the class users' code catches, on the host arena too
             alloc.malloc(200 * KIB, device=device)  # a planned index of the wrong size: dynamic 32 KiB, driver 16 KiB
         b = alloc.malloc(24 * KIB, device=device)  # the next allocation is served (the dynamic region)
+    assert isinstance(e.value, ArenaOutOfMemory) and isinstance(e.value, MemoryError)
     rec = e.value.record
     assert rec.events == 1 and rec.requested_bytes == 200 * KIB and rec.rounded_bytes == 200 * KIB
     assert rec.static_region_bytes == layout.reserved_bytes
@@ -56,6 +58,27 @@ def test_error_raised_if_every_region_and_the_limit_refuse(alloc: StaticAllocato
     alloc.free(c, device=device)
     alloc.free(d, device=device)
     assert alloc.out_of_memory(device=device).events == 1
+
+
+def test_error_raised_if_torch_reports_a_refusal_as_a_runtime_error(alloc: StaticAllocator, device: int) -> None:
+    """What torch raises for a refusal of ``xema_torch_malloc`` (a plain ``RuntimeError`` with the
+    library's message) becomes ``ArenaOutOfMemory`` with the record inside
+    ``out_of_memory_errors``; a RuntimeError with no refusal behind it passes unchanged."""
+    alloc.reserve(0, 16 * KIB, device=device)
+    alloc.set_limit(alloc.stats(device=device).reserved_bytes, device=device)
+
+    def torch_op() -> None:  # the op's allocation refused: torch raises the library's message
+        if not alloc._lib.c.xema_malloc(64 * KIB, device, None):
+            raise RuntimeError("xema_alloc: " + alloc._lib.c.xema_last_error().decode())
+
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e, out_of_memory_errors(alloc, device):
+        torch_op()
+    assert isinstance(e.value, ArenaOutOfMemory) and isinstance(e.value.__cause__, RuntimeError)
+    assert e.value.record == alloc.out_of_memory(device=device) and e.value.record.requested_bytes == 64 * KIB
+    assert str(e.value).startswith("xema_alloc: ")
+    with pytest.raises(RuntimeError, match="not memory") as other, out_of_memory_errors(alloc, device):
+        raise RuntimeError("not memory")
+    assert not isinstance(other.value, torch.cuda.OutOfMemoryError)
 
 
 def test_error_raised_if_a_reserve_or_resize_exceeds_the_limit(alloc: StaticAllocator, device: int) -> None:

@@ -5,14 +5,15 @@ the first kernel as an illegal address and lose the CUDA context. The allocator 
 ``xema_torch_malloc``, throws instead; this checks, in one child process with the allocator
 installed by the serving worker's constructor, that
 
-* a request larger than the GPU (1 TiB) raises a ``RuntimeError`` naming the sizes, and the next
-  kernel runs (the context lives);
+* a request larger than the GPU (1 TiB) raises a ``RuntimeError`` naming the sizes (inside
+  ``xema_ray.allocator.oom.out_of_memory_errors``: an ``ArenaOutOfMemory``, a ``torch.cuda.OutOfMemoryError``
+  carrying the record), and the next kernel runs (the context lives);
 * two armed batches of one template both arm with the same hits (nothing of the first is left in
   the static region);
 * an over-budget batch (the device capped with ``set_limit`` just above what the worker held at
-  its peak, as a budget-sized GPU would be) fails as ``DeviceOutOfMemory`` naming the entry, the
-  bytes asked and the bytes free, and the next batch on the same worker runs armed and gives the
-  same image as the first.
+  its peak, as a budget-sized GPU would be) fails as ``DeviceOutOfMemory`` (a
+  ``torch.cuda.OutOfMemoryError`` with the record) naming the entry, the bytes asked and the bytes
+  free, and the next batch on the same worker runs armed and gives the same image as the first.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import torch
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime.engine import Batch, GenerationRequest
-from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 
 small, large = (ExecutionConfig.model_validate_json(a) for a in sys.argv[2:4])
 w.init_device(ParallelConfig(rank=0, world_size=1))
@@ -59,6 +59,13 @@ try:
     report["huge"] = "no error"
 except RuntimeError as e:
     report["huge"] = str(e)[:400]
+try:
+    from xema_ray.allocator.oom import out_of_memory_errors
+    with out_of_memory_errors(alloc, dev):  # torch's RuntimeError as torch.cuda.OutOfMemoryError
+        torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
+    report["huge_class"] = "no error"
+except torch.cuda.OutOfMemoryError as e:
+    report["huge_class"] = [type(e).__name__, e.record.requested_bytes]
 x = torch.ones(1 << 20, device="cuda")
 report["after_huge"] = float(x.sum().item())
 del x
@@ -76,8 +83,9 @@ alloc.set_limit(s.peak_reserved_bytes + (1 << 20), device=dev)
 try:
     run(large, "b")
     report["large"] = "no error"
-except DeviceOutOfMemory as e:
-    report["large"] = {"message": str(e), "entry": e.entry, "requested": e.requested_bytes, "free": e.free_bytes}
+except torch.cuda.OutOfMemoryError as e:  # DeviceOutOfMemory is one, carrying the arena's record
+    report["large"] = {"message": str(e), "entry": e.entry, "requested": e.requested_bytes, "free": e.free_bytes,
+                       "class": type(e).__name__, "record_requested": e.record.requested_bytes}
 torch.cuda.synchronize()
 again = run(small, "c")
 torch.cuda.synchronize()
@@ -109,11 +117,13 @@ def test_an_over_budget_request_raises_instead_of_faulting_and_the_next_batch_ru
     report = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["huge"].startswith("xema_alloc: device 0 out of memory: asked 1099511627776 bytes"), report
     assert report["after_huge"] == float(1 << 20)  # the context lives
+    assert report["huge_class"] == ["ArenaOutOfMemory", 1 << 40], report
     big = report["large"]
     assert isinstance(big, dict), report
     # free may exceed the request when it is in pieces (the message names the largest block)
     assert big["entry"] == large.template.key and big["requested"] > 0 and big["free"] >= 0
     assert "out of device memory on cuda" in big["message"]
+    assert big["class"] == "DeviceOutOfMemory" and big["record_requested"] == big["requested"], big
     assert report["first_armed"] and report["second_armed"] and report["again_armed"] and report["same_image"], report
     assert report["hits"][0] > 0 and len(set(report["hits"])) == 1, report
     assert report["oom_events"] >= 2 and report["static_active_after"] == 0, report

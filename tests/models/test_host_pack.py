@@ -7,8 +7,10 @@ the pinned bytes (tests/gpu/test_host_memory_gpu.py).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from xema_ray.models.host_pack import plan_pack
 from xema_ray.models.loading import build_on_meta
 from xema_ray.parallel.groups import ParallelConfig
 from xema_ray.placement import HOST_BUFFER_ATTR, PLACEMENT_ATTR, WeightHome
-from xema_ray.platforms.host_memory import HostBuffer, SharedSegments, torch_pinned_bytes
+from xema_ray.platforms.host_memory import HostBuffer, SharedSegments, process_owner, torch_pinned_bytes
 from xema_ray.runtime.residency import Residency
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 
@@ -39,7 +41,7 @@ def _transformer(host: tuple[str, ...] = HOST, share: bool = False):  # type: ig
 
 
 def _segments(d: Path) -> list[str]:
-    return sorted(p.name for p in d.glob("xema-*") if not p.name.endswith((".lock", ".partial"))) if d.exists() else []
+    return sorted(p.name for p in d.glob("xema-*") if not p.name.endswith((".lock", ".partial", ".owner"))) if d.exists() else []
 
 
 def test_power_of_two_rounding_is_torchs() -> None:
@@ -145,7 +147,7 @@ def test_another_process_maps_the_same_segment(shm: Path) -> None:
             "print(int(b.view(0, (256,), torch.float32).sum())); b.close()")
     out = subprocess.run([sys.executable, "-c", code, str(shm)], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(sum(range(256)))
-    assert _segments(shm) == ["xema-cross"]  # this process still holds it
+    assert _segments(shm) == ["xema-default-cross"]  # this process still holds it
     buf.close()
     assert _segments(shm) == []
 
@@ -160,6 +162,107 @@ def test_a_segment_larger_than_the_shm_folder_is_refused_before_writing(shm: Pat
     with pytest.raises(HostMemoryError, match=r"bytes free, a shared weight segment needs"):
         SharedSegments(shm).open("huge", st.f_blocks * st.f_frsize * 2)
     assert _segments(shm) == [] and not list(shm.glob("*.partial"))
+
+
+def test_error_raised_if_a_second_segment_does_not_fit_beside_the_first_enospc_injected(shm: Path) -> None:
+    """Two segments that together exceed the tmpfs: the second's ``posix_fallocate`` answers ENOSPC,
+    a HostMemoryError naming the bytes, before any page is written (a sparse file would have passed
+    the free-bytes check and died of SIGBUS at the write past the tmpfs's end). Here ENOSPC comes from
+    a stand-in fallocate that grants 64 KiB in all; test_..._on_a_tiny_tmpfs below mounts a real one."""
+    import errno
+
+    from xema_ray.platforms.host_memory import HostMemoryError
+
+    granted = []
+
+    def tiny_tmpfs(fd: int, offset: int, length: int) -> None:
+        if sum(granted) + length > 64 << 10:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        granted.append(length)
+        os.posix_fallocate(fd, offset, length)
+
+    segs = SharedSegments(shm, app="a", fallocate=tiny_tmpfs)
+    first = segs.open("first", 48 << 10)
+    with pytest.raises(HostMemoryError, match=r"a shared weight segment needs 32,768 .*No space left on device"):
+        SharedSegments(shm, app="b", fallocate=tiny_tmpfs).open("second", 32 << 10)
+    assert [p.name for p in shm.glob("xema-b-*")] == ["xema-b-second.lock"]  # no segment, no pages left behind
+    SharedSegments.publish(first)
+    assert _segments(shm) == ["xema-a-first"]
+    first.close()
+
+
+_TINY_TMPFS = """
+import sys
+import time
+from pathlib import Path
+from xema_ray.platforms.host_memory import HostMemoryError, SharedSegments
+d = Path(sys.argv[1])
+a = SharedSegments(d, app="a").open("first", 3 << 20)
+a.data.fill_(1)
+try:
+    SharedSegments(d, app="b").open("second", 3 << 20)  # 6 MiB on a 4 MiB tmpfs
+except HostMemoryError as e:
+    print("refused:", e)
+else:
+    print("granted")
+"""
+
+
+def test_error_raised_if_two_segments_together_exceed_a_tiny_tmpfs(tmp_path: Path) -> None:
+    """The same on a real 4 MiB tmpfs, mounted in a private mount namespace (``unshare -rm``): the
+    second segment is refused with ENOSPC naming its bytes; the process exits normally (no SIGBUS)."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) here: the tmpfs cannot be mounted (the injected-ENOSPC test covers the path)")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    script = tmp_path / "two.py"
+    script.write_text(_TINY_TMPFS)
+    probe = subprocess.run([unshare, "-rm", "sh", "-c", f"mount -t tmpfs -o size=4m none {mnt}"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here ({probe.stderr.strip()}): the injected-ENOSPC "
+                    "test covers the path")
+    proc = subprocess.run([unshare, "-rm", "sh", "-c",
+                           f'mount -t tmpfs -o size=4m none {mnt} && exec "$0" "$1" "$2"',
+                           sys.executable, str(script), str(mnt)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # -7 would be SIGBUS
+    assert proc.stdout.startswith("refused:") and "needs 3,145,728" in proc.stdout, proc.stdout + proc.stderr
+    assert "No space left on device" in proc.stdout or "bytes free" in proc.stdout
+
+
+def test_error_raised_if_the_creator_holds_the_segment_longer_than_the_wait(shm: Path) -> None:
+    from xema_ray.platforms.host_memory import HostMemoryError
+
+    creating = SharedSegments(shm, app="a").open("slow", 4096)  # never published: a stuck creator
+    t0 = time.monotonic()
+    with pytest.raises(HostMemoryError, match=r"creating this shared weight segment for over 0 s \(owner \{'pid': "):
+        SharedSegments(shm, app="a", wait_s=0.3).open("slow", 4096)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    SharedSegments.abandon(creating)
+    creating.close()
+
+
+def test_segments_are_swept_only_when_their_owner_is_gone(shm: Path) -> None:
+    """A killed worker's segment (owner gone, nobody maps it) is swept at the next open; a live
+    holder's kept segment survives its last worker's close and every sweep; another app's is not
+    this app's to sweep."""
+    killed = ("import os, sys; from pathlib import Path; from xema_ray.platforms.host_memory import SharedSegments as S;"
+              "[S.publish(S(Path(sys.argv[1]), app=app).open(key, 4096)) for app, key in (('a', 'stale'), ('b', 'other'))];"
+              "os._exit(0)")  # killed: no close, no clean-up
+    holder = process_owner(os.getppid()) | {"keep": True}  # a live process of the node holds it
+    kept = SharedSegments(shm, app="a", owner=holder).open("kept", 4096)
+    SharedSegments.publish(kept)
+    kept.close()  # the group scaled to zero: its host copy stays for the next worker
+    subprocess.run([sys.executable, "-c", killed, str(shm)], check=True, timeout=120)
+    assert _segments(shm) == ["xema-a-kept", "xema-a-stale", "xema-b-other"]
+    assert SharedSegments(shm, app="a").sweep() == ["xema-a-stale"]
+    again = SharedSegments(shm, app="a").open("kept", 4096)
+    assert again.filled  # mapped, not made anew
+    again.close()
+    assert _segments(shm) == ["xema-a-kept", "xema-b-other"]
 
 
 def test_the_gpu_checks_block_pins_the_plans_bytes_rehearsed_on_meta() -> None:

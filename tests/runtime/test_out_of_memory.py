@@ -12,11 +12,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from xema_ray import hash_seed
 from xema_ray.allocator.artifact import save_artifact
@@ -72,11 +74,13 @@ def test_error_raised_if_a_batch_outgrows_the_host_arena_and_the_next_batch_runs
     first = w.execute(_batch(small))
     assert first.layout_armed and first.layout_hits > 0 and first.outputs[0].media_type == "image/png"
 
-    with pytest.raises(DeviceOutOfMemory) as e:
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e:  # what users' code catches, on the host arena too
         w.execute(_batch(large))
     oom = e.value
+    assert isinstance(oom, DeviceOutOfMemory) and isinstance(oom, MemoryError)
     record = alloc.out_of_memory(device=dev)
-    assert record.events == 1
+    assert record.events == 1 and oom.record == record  # the arena's record travels with the error
+    assert pickle.loads(pickle.dumps(oom)).record == record  # across Ray's process boundary too
     assert oom.entry == f"{LARGE.key} (layout {large.layout_ref})" and oom.device == "cpu"
     assert oom.requested_bytes == record.requested_bytes > oom.free_bytes == record.free_bytes
     assert str(oom).startswith(f"{oom.entry}: out of device memory on cpu: asked {oom.requested_bytes} bytes; "

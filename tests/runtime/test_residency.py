@@ -223,3 +223,52 @@ def test_residency_of_config() -> None:
     t = TEMPLATES["tiny-flux2"]
     c = ExecutionConfig(template=t, ulysses=2, mitigations=(_offload((0,)), Mitigation(kind="hsdp", blocks=(2,), intensity=1)))
     assert Residency.of_config(c).host_blocks == (0, 2)
+
+
+class _RecordingPlatform:
+    """Stands for the CUDA platform's page-locking (``cudaHostRegister``): records the order."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def register_host(self, ptr: int, nbytes: int) -> bool:
+        self.calls.append("register")
+        return True
+
+    def unregister_host(self, ptr: int) -> None:
+        self.calls.append("unregister")
+
+
+def test_a_switch_back_to_the_device_waits_for_its_copies_before_freeing_their_host_buffer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block an earlier switch sent to the host lives in a registered (page-locked) buffer; its
+    copies back to the device are non_blocking, so the buffer may be unregistered and freed only
+    after the CPU waited on an event recorded behind them."""
+    from xema_ray.placement import HOST_BUFFER_ATTR
+    from xema_ray.platforms import streams
+    from xema_ray.platforms.host_memory import HostBuffer, align
+    from xema_ray.runtime.residency import ResidencyManager
+
+    spec = get_model_spec("tiny-flux2")
+    transformer = spec.build_pipeline(BuildOptions()).transformer
+    calls: list[str] = []
+    manager = ResidencyManager(spec, transformer, Residency(host_blocks=(0,)))
+    block = manager.blocks[0][1]
+    tensors = [*block.parameters(), *block.buffers()]
+    buf = HostBuffer.private(sum(align(t.numel() * t.element_size()) for t in tensors))
+    buf.register(_RecordingPlatform(calls))  # what a switch to the host makes on CUDA
+    setattr(block, HOST_BUFFER_ATTR, buf)
+    manager._load_host.pop(0)  # homed by that switch, not by the load
+
+    def copy(host: torch.Tensor, device: torch.device, stream: object, pending: object = None) -> torch.Tensor:
+        calls.append("copy")
+        return host.clone()
+
+    monkeypatch.setattr(streams, "to_device", copy)
+    monkeypatch.setattr(streams, "compute_done", lambda device: calls.append("record") or "event")
+    monkeypatch.setattr(streams, "host_ready", lambda event: calls.append(f"wait {event}"))
+    report = manager.switch(Residency())
+    assert report.to_device == (0,)
+    n = len(tensors)
+    assert calls == ["register", *["copy"] * n, "record", "wait event", "unregister"], calls
+    assert not hasattr(block, HOST_BUFFER_ATTR) and not buf.registered

@@ -13,9 +13,10 @@ import yaml
 from xema_ray.plan import PlanTable
 from xema_ray.serving import startup
 from xema_ray.serving.config import ServeConfig
-from xema_ray.serving.startup import PlanNotRunnable, check_runnable, node_host, served_templates
+from xema_ray.serving.startup import PlanNotRunnable, ShmSpace, check_runnable, node_host, served_templates
 
 ROOT = Path(__file__).resolve().parents[2]
+BIG_SHM = ShmSpace(directory=Path("/dev/shm"), free_bytes=10**12)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_the_reference_box_fits_its_stated_ram_with_one_copy_per_model(reference
     cfg, table, templates = reference
     assert cfg.host_memory == "512GB"
     monkeypatch.setattr(startup, "node_memory_bytes", lambda: 10**12)  # a box with more RAM than it states
-    spare = check_runnable(table, cfg, templates)
+    spare = check_runnable(table, cfg, templates, shm=ShmSpace(directory=Path("/dev/shm"), free_bytes=256 * 10**9))
     node = node_host(table, cfg, templates, 512 * 10**9)
     assert spare == 512 * 10**9 - node.resident_bytes and node.fits
     # four Flux.2 workers hold one copy: the first pays its host-homed blocks and encoder, the others nothing more
@@ -43,9 +44,32 @@ def test_a_node_that_would_not_fit_is_refused_naming_the_bytes(reference, monkey
     with pytest.raises(PlanNotRunnable, match=r"host memory: the node's workers hold [0-9.]+ GB of weights on the host, "
                                               r"[0-9.]+ GB while loading \(.*flux2: 4 workers.*\); the node "
                                               r"\(host_memory\) has 128.0 GB"):
-        check_runnable(table, cfg.model_copy(update={"host_memory": "128GB"}), templates)
+        check_runnable(table, cfg.model_copy(update={"host_memory": "128GB"}), templates, shm=BIG_SHM)
     # a machine with less RAM than the YAML states: its own RAM counts, and the error says so
     monkeypatch.setattr(startup, "node_memory_bytes", lambda: 100 * 10**9)
     with pytest.raises(PlanNotRunnable, match=r"this machine \(the deployment states host_memory 512.0 GB, but it\) "
                                               r"has 100.0 GB"):
-        check_runnable(table, cfg, templates)
+        check_runnable(table, cfg, templates, shm=BIG_SHM)
+
+
+def test_error_raised_if_the_shared_segments_exceed_dev_shms_free_bytes(reference, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue #47: the planned shared segments (beside Ray's object store on the same tmpfs) against
+    the tmpfs's free bytes, refused at start-up naming both, not found when each worker loads; a
+    deployment that pins nothing (CPU: no shared segments) starts on a container's 64 MB."""
+    cfg, table, templates = reference
+    monkeypatch.setattr(startup, "node_memory_bytes", lambda: 10**12)
+    shared = node_host(table, cfg, templates).shared_bytes
+    assert shared > 100 * 10**9
+    container = ShmSpace(directory=Path("/dev/shm"), free_bytes=64 * 2**20)
+    with pytest.raises(PlanNotRunnable, match=rf"/dev/shm: 67,108,864 bytes free, the node's workers plan "
+                                              rf"{shared / 1e9:.1f} GB of shared weight segments there \(enlarge it"):
+        check_runnable(table, cfg, templates, shm=container)
+    # room for the segments, not for them and Ray's object store on the same tmpfs
+    beside = ShmSpace(directory=Path("/dev/shm"), free_bytes=shared + 10**9, object_store_bytes=30 * 10**9)
+    with pytest.raises(PlanNotRunnable, match=r"shared weight segments there beside Ray's object store of 30.0 GB on "
+                                              r"the same tmpfs"):
+        check_runnable(table, cfg, templates, shm=beside)
+    assert beside.model_copy(update={"object_store_bytes": 0}).problem(shared) is None
+    # the CPU demo and CI: no segment planned, so a 64 MB /dev/shm is enough
+    cpu = cfg.model_copy(update={"device": "cpu"})
+    assert node_host(table, cpu, templates).shared_bytes == 0 and container.problem(0) is None

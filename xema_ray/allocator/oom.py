@@ -7,16 +7,29 @@ per device (``xema_get_oom``: the bytes asked, what each region had free) and:
 * ``xema_malloc`` (the C ABI, ctypes) returns NULL, which ``StaticAllocator.malloc`` raises as
   ``ArenaOutOfMemory``;
 * ``xema_torch_malloc`` (what torch's ``CUDAPluggableAllocator`` is given) throws, and torch raises
-  a ``RuntimeError`` in the op that asked (torch wraps a NULL from a pluggable allocator unchecked,
-  so returning one would fault the first kernel and lose the CUDA context).
+  a plain ``RuntimeError`` in the op that asked (torch wraps a NULL from a pluggable allocator
+  unchecked, so returning one would fault the first kernel and lose the CUDA context; and only
+  its own ``c10::OutOfMemoryError`` becomes ``torch.OutOfMemoryError``).
+  ``out_of_memory_errors`` turns that ``RuntimeError`` into ``ArenaOutOfMemory`` when the
+  record shows a refusal.
 
-Either way the caller learns which allocation failed from the record's ``events`` count, not from
-a message: ``OutOfMemoryRecord.since(before)`` is the refusal that happened during a batch.
+``ArenaOutOfMemory`` is a ``torch.cuda.OutOfMemoryError`` (what users' code and serving frameworks
+catch) and a ``MemoryError``, on the CUDA and the host backend alike, and carries the record. The
+caller learns which allocation failed from the record's ``events`` count, not from a message:
+``OutOfMemoryRecord.since(before)`` is the refusal that happened during a batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from xema_ray.allocator.runtime import StaticAllocator
 
 
 class OutOfMemoryRecord(BaseModel):
@@ -64,8 +77,11 @@ class OutOfMemoryRecord(BaseModel):
                    else "") + ")")
 
 
-class ArenaOutOfMemory(MemoryError):
-    """``xema_malloc`` refused an allocation (the ctypes path); ``record`` says what was free."""
+class ArenaOutOfMemory(torch.cuda.OutOfMemoryError, MemoryError):
+    """The static allocator refused an allocation; ``record`` says what was free.
+
+    A ``torch.cuda.OutOfMemoryError`` (so ``except torch.cuda.OutOfMemoryError`` catches it as it
+    catches the caching allocator's) and a ``MemoryError`` (what the host arena always raised)."""
 
     def __init__(self, message: str, record: OutOfMemoryRecord) -> None:
         super().__init__(message, record)  # both in args: it pickles
@@ -73,3 +89,32 @@ class ArenaOutOfMemory(MemoryError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+@contextmanager
+def out_of_memory_errors(allocator: StaticAllocator, device: int = 0) -> Iterator[None]:
+    """Inside the block, an allocation ``allocator`` refused on ``device`` raises ``ArenaOutOfMemory``
+    (a ``torch.cuda.OutOfMemoryError`` carrying the record) where torch raised a plain
+    ``RuntimeError`` (``xema_torch_malloc``'s refusal, see the module docstring). Other errors, and
+    a refusal on another device, pass unchanged.
+
+    Args:
+        allocator: the installed static allocator.
+        device: the device whose refusals become ``ArenaOutOfMemory``.
+
+    Example (GPU only):
+        >>> with out_of_memory_errors(alloc):          # doctest: +SKIP
+        ...     torch.empty(1 << 40, device="cuda")
+        Traceback (most recent call last):
+        ArenaOutOfMemory: xema_alloc: device 0 out of memory: asked 1099511627776 bytes; ...
+    """
+    before = allocator.out_of_memory(device=device)
+    try:
+        yield
+    except ArenaOutOfMemory:
+        raise
+    except RuntimeError as e:
+        record = allocator.out_of_memory(device=device).since(before)
+        if record is None:
+            raise
+        raise ArenaOutOfMemory(str(e), record) from e

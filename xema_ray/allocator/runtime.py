@@ -422,7 +422,7 @@ class StaticAllocator:
     def malloc(self, size: int, *, device: int = 0, stream: int = 0) -> int:
         """Call ``xema_malloc`` directly (what torch does per tensor); returns the address.
 
-        Raises ``ArenaOutOfMemory`` (a ``MemoryError``) when the allocator returns NULL for a
+        Raises ``ArenaOutOfMemory`` (a ``torch.cuda.OutOfMemoryError``) when the allocator returns NULL for a
         non-zero size: every region and the driver refused it (``out_of_memory`` has the record).
         """
         if size < 0:

@@ -68,12 +68,16 @@ class _OffloadedBlock:
         self.onloaded = False
 
     def onload(self) -> None:
-        """Issue the copies (on the side stream on CUDA); ``wait`` before use."""
+        """Issue the copies (on the side stream on CUDA); ``wait`` before use.
+
+        Called on the compute stream: each copy is allocated and issued on the side stream, which
+        ``to_device`` first orders after the compute issued so far. That ordering is what gives
+        the weights an earlier block released (read by compute, so their free waits for it) back
+        to the side stream's pool for these copies, instead of new memory from the driver."""
         if self.onloaded:
             return
-        with self.stream.context():
-            for t, host in self.tensors:
-                t.data = host.to_device(self.stream)
+        for t, host in self.tensors:
+            t.data = host.to_device(self.stream)
         self.event = self.stream.record()
         self.onloaded = True
 

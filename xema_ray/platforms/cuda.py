@@ -4,6 +4,9 @@ touches ``torch.cuda``."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 from xema_ray.platforms.base import MemoryStats, Platform
@@ -126,12 +129,14 @@ class CudaPlatform(Platform):
         to a power of two. Several processes may register the same shared pages."""
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
         if err != 0:
+            clear_last_cuda_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err} (host memory "
                                "locked-page limits: ulimit -l, or not enough RAM)")
         return True
 
     def unregister_host(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            clear_last_cuda_error()  # not registered (a failed register): nothing to undo
 
     def memory_stats(self) -> MemoryStats:
         try:
@@ -161,3 +166,25 @@ class CudaPlatform(Platform):
             props = torch.cuda.get_device_properties(local_index)
             bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         return _norm_bus_id(bus), _nvlink_peers(bus)
+
+
+@functools.cache
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (its last error is per thread and per library), found
+    among this process's mappings; None where torch links it statically."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(None, 1)[-1]
+            if "/libcudart.so" in path:
+                return ctypes.CDLL(path)
+    return None
+
+
+def clear_last_cuda_error() -> None:
+    """Reset the thread's last CUDA error after a runtime call whose failure was handled here.
+    torch's bindings of ``cudaHostRegister``/``cudaHostUnregister`` return the error and leave it
+    set (``C10_CUDA_ERROR_HANDLED``); left set, torch's next kernel-launch check raises it as the
+    kernel's own failure. The allocator's backend does the same for the calls it makes."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()

@@ -11,12 +11,21 @@ is page-locked where it lies (``Platform.register_host``: ``cudaHostRegister`` o
 elsewhere), so the process pins exactly what it holds.
 
 Workers of one model on one node hold the same host-homed weights. ``SharedSegments`` keeps one
-copy per node: a file in ``/dev/shm`` (tmpfs: RAM, no disk) named by the content's key. The first
-worker creates it under a lock and fills it; every further worker maps the same pages and
-registers them in its own process (page-locking already-resident pages allocates nothing). A
-worker holds a shared ``flock`` on the segment while it maps it; the last one to close it removes
-the file. A segment whose writer died before finishing is never used: it is written under a
-``.partial`` name and renamed when complete.
+copy per node: a file in ``/dev/shm`` (tmpfs: RAM, no disk) named by its app and the content's key
+(``xema-<app>-<key>``). The first worker creates it under a lock and fills it; every further worker
+maps the same pages and registers them in its own process (page-locking already-resident pages
+allocates nothing). A worker holds a shared ``flock`` on the segment while it maps it; the last one
+to close it removes the file, unless its owner keeps it (a node-level holder: a group scaled to
+zero keeps its host copy). A segment whose writer died before finishing is never used: it is
+written under a ``.partial`` name and renamed when complete.
+
+The segment's pages are allocated when it is created (``posix_fallocate``): a tmpfs too small for
+it, or for it beside another group's, answers ENOSPC there, a ``HostMemoryError`` naming both
+sizes, instead of a SIGBUS at the first write past its end (tmpfs allocates a sparse file's pages
+as they are touched). A worker waits for another one creating the same segment at most
+``wait_s``; a stuck creator is named, not waited on forever. Every segment records its owner's
+process (``.owner``); ``sweep`` removes the ones whose owner is gone and which no process maps (a
+killed worker's or test's segment), never a live owner's.
 
 Example:
     >>> buf = HostBuffer.private(1000)
@@ -28,10 +37,15 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import mmap
 import os
+import re
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +59,11 @@ if TYPE_CHECKING:
 ALIGN = 256
 #: where shared segments live unless ``XEMA_SHM_DIR`` says otherwise (tmpfs on Linux)
 DEFAULT_SHM_DIR = Path("/dev/shm")
+#: how long a worker waits for another one creating the same segment (filling a Flux.2 offload
+#: plan's 23.8 GiB from a checkpoint takes minutes; beyond this the creator is stuck)
+CREATOR_WAIT_S = 900.0
+#: the app a segment belongs to when none is named
+DEFAULT_APP = "default"
 
 
 class HostMemoryError(OSError):
@@ -131,8 +150,60 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+def _owner_path(path: Path) -> Path:
+    return path.with_name(path.name + ".owner")
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks (/proc/<pid>/stat field 22): a pid and this pair name
+    one process, never a later one the kernel gave the same pid. None: no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_owner(pid: int | None = None) -> dict[str, int | str | None]:
+    """The owner record of a process (default: this one): pid and start time."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "start": _process_start(pid)}
+
+
+def owner_alive(owner: dict[str, object]) -> bool:
+    pid = owner.get("pid")
+    return isinstance(pid, int) and _process_start(pid) is not None and _process_start(pid) == owner.get("start")
+
+
+def _lock_within(lock: int, wait_s: float, path: Path) -> None:
+    """``flock(lock, LOCK_EX)``, waiting at most ``wait_s`` for the worker holding it."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.01
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise HostMemoryError(
+                    f"{path}: another process has been creating this shared weight segment for over {wait_s:.0f} s "
+                    f"(owner {_read_owner(path)}): it is stuck or dead; remove {path}.partial and {path}.lock if no "
+                    "worker of this app runs") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def _read_owner(path: Path) -> dict[str, object]:
+    try:
+        owner = json.loads(_owner_path(path).read_text())
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def _release(path: Path, fd: int) -> None:
-    """Drop this process's hold on a segment; remove the file when no other process holds it."""
+    """Drop this process's hold on a segment; remove the file when no other process holds it and
+    its owner does not keep it (a live node-level holder other than this process)."""
     lock = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # no worker attaches while we decide
@@ -141,7 +212,12 @@ def _release(path: Path, fd: int) -> None:
         except BlockingIOError:
             pass
         else:
-            path.unlink(missing_ok=True)
+            owner = _read_owner(path)
+            if not (owner.get("keep") and owner.get("pid") != os.getpid() and owner_alive(owner)):
+                path.unlink(missing_ok=True)
+                _owner_path(path).unlink(missing_ok=True)
+            else:  # kept: drop the exclusive hold (the mapping shares this descriptor's lock) for the next worker
+                fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
         fcntl.flock(lock, fcntl.LOCK_UN)
@@ -149,23 +225,48 @@ def _release(path: Path, fd: int) -> None:
 
 
 class SharedSegments:
-    """Named host segments one node's workers share (see the module docstring)."""
+    """Named host segments one node's workers share (see the module docstring).
 
-    def __init__(self, directory: Path | None = None) -> None:
+    Args:
+        directory: where segments live (default ``shm_dir()``).
+        app: the app they belong to (their names start ``xema-<app>-``): two apps on one node never
+            share or sweep each other's segments.
+        owner: the process that owns new segments (``process_owner()``; default this worker). A
+            node-level holder's record with ``keep`` keeps a segment after its last worker closes it,
+            until the holder is gone.
+        wait_s: the longest wait for another worker creating the same segment.
+        fallocate: allocates a new segment's pages (``os.posix_fallocate``; tests inject ENOSPC).
+    """
+
+    def __init__(self, directory: Path | None = None, app: str = DEFAULT_APP,
+                 owner: dict[str, int | str | None] | None = None, wait_s: float = CREATOR_WAIT_S,
+                 fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.]+", app):
+            raise ValueError(f"app {app!r}: a segment's app is letters, digits, '_' and '.' (it names files)")
         self.directory = directory or shm_dir()
+        self.app = app
+        self.owner = owner
+        self.wait_s = wait_s
+        self._fallocate = fallocate
 
     def path(self, key: str) -> Path:
-        return self.directory / f"xema-{key}"
+        return self.directory / f"xema-{self.app}-{key}"
 
     def open(self, key: str, nbytes: int) -> HostBuffer:
         """The segment named ``key``: mapped as it is when another worker made it (``filled``),
-        else created empty for this worker to fill; call ``publish`` once it is filled."""
+        else created empty for this worker to fill; call ``publish`` once it is filled.
+
+        Raises:
+            HostMemoryError: the file system cannot hold the segment (named with its free bytes), or
+                another worker has been creating it for over ``wait_s``.
+        """
         path = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.sweep()
         lock = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            # held while this worker creates and fills the segment: the others wait, then map it
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            # held while this worker creates and fills the segment: the others wait (bounded), then map it
+            _lock_within(lock, self.wait_s, path)
             if path.exists():
                 fd = os.open(path, os.O_RDWR)
                 if os.fstat(fd).st_size != nbytes:
@@ -178,16 +279,19 @@ class SharedSegments:
                 fcntl.flock(lock, fcntl.LOCK_UN)
                 os.close(lock)
                 return buf
-            st = os.statvfs(self.directory)
-            free = st.f_bavail * st.f_frsize
-            if free < nbytes:  # tmpfs pages are allocated as they are written: past its size, a SIGBUS
-                raise HostMemoryError(
-                    f"{self.directory}: {free:,} bytes free, a shared weight segment needs {nbytes:,} (enlarge it, "
-                    "e.g. docker --shm-size, or point XEMA_SHM_DIR at a larger tmpfs; or share_host_weights: off)")
+            free = self.free_bytes()
+            if free < nbytes:
+                raise HostMemoryError(self._too_small(nbytes, free))
             partial = path.with_name(path.name + ".partial")
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, nbytes)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # first: a sweep never takes a segment being made
+            try:
+                self._allocate(fd, nbytes)
+            except BaseException:
+                os.close(fd)
+                partial.unlink(missing_ok=True)
+                raise
+            _owner_path(path).write_text(json.dumps(self.owner or process_owner()))
             buf = self._mapped(path, fd, nbytes)
             buf._creating = lock  # released by publish / abandon
             return buf
@@ -195,6 +299,54 @@ class SharedSegments:
             fcntl.flock(lock, fcntl.LOCK_UN)
             os.close(lock)
             raise
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize
+
+    def _too_small(self, nbytes: int, free: int) -> str:
+        return (f"{self.directory}: {free:,} bytes free, a shared weight segment needs {nbytes:,} (enlarge it, e.g. "
+                "docker --shm-size or mount -o remount,size=..., or point XEMA_SHM_DIR at a larger tmpfs; or "
+                "share_host_weights: off)")
+
+    def _allocate(self, fd: int, nbytes: int) -> None:
+        """Every page of the new segment now: a full tmpfs answers ENOSPC here, not SIGBUS at a write."""
+        if not nbytes:
+            return
+        try:
+            self._fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                raise HostMemoryError(self._too_small(nbytes, self.free_bytes()) + f" [{os.strerror(e.errno)}]") from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, nbytes)  # no fallocate on this file system: sparse, as checked by free_bytes
+
+    def sweep(self) -> list[str]:
+        """Remove this app's segments whose owner is gone and that no process maps (a killed
+        worker's); a live owner's segment, in use or kept, stays. Returns the names removed."""
+        removed = []
+        for path in sorted(self.directory.glob(f"xema-{self.app}-*")):
+            if path.suffix in (".lock", ".owner") or not path.is_file():
+                continue
+            segment = path.with_name(path.name.removesuffix(".partial"))
+            if owner_alive(_read_owner(segment)):
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no process maps it
+            except BlockingIOError:
+                continue
+            finally:
+                os.close(fd)
+            path.unlink(missing_ok=True)
+            if path == segment:
+                _owner_path(segment).unlink(missing_ok=True)
+            removed.append(path.name)
+        return removed
 
     @staticmethod
     def _mapped(path: Path, fd: int, nbytes: int) -> HostBuffer:
@@ -220,6 +372,7 @@ class SharedSegments:
         if lock is None or buf.path is None:
             return
         buf.path.with_name(buf.path.name + ".partial").unlink(missing_ok=True)
+        _owner_path(buf.path).unlink(missing_ok=True)
         buf._creating = None
         if buf._fd is not None:
             os.close(buf._fd)

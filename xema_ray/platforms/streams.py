@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -126,17 +126,38 @@ class TransferStream:
         if device.type == "meta":
             _META_STREAMS.add(self)
         self._last: Any = None  # the latest event recorded: waiting on it orders after everything issued
+        #: the streams that were current when ``context()`` was entered (innermost last): inside
+        #: it the current stream is this side stream, and compute is the one it was entered from
+        self._outer: list[Any] = []
         if self.emulated is not None:
             self.stream: Any = self.emulated.new_stream()
         else:
             self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
-    def context(self):  # type: ignore[no-untyped-def]
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Make the side stream the current one (a no-op where there is none)."""
         if self.stream is None:
-            return contextlib.nullcontext()
-        if self.emulated is not None:
-            return self.emulated.stream(self.stream)
-        return torch.cuda.stream(self.stream)
+            yield
+            return
+        self._outer.append(self._current())
+        try:
+            with self.emulated.stream(self.stream) if self.emulated is not None else torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self._outer.pop()
+
+    def _current(self) -> Any:
+        return self.emulated.current_stream() if self.emulated is not None else torch.cuda.current_stream(self.device)
+
+    def compute_stream(self) -> Any:
+        """The stream compute issues on: the current stream, or inside this side stream's own
+        ``context()`` the one that was current when it was entered (ordering the side stream after
+        the current one there would order it after itself: nothing)."""
+        current = self._current()
+        if current == self.stream and self._outer:
+            return self._outer[-1]
+        return current
 
     def hold(self, t: torch.Tensor) -> None:
         """Meta: a copy on this stream reads ``t`` (see ``_held``)."""
@@ -158,10 +179,10 @@ class TransferStream:
         wrote, and write memory it may still be reading (a block freed to this stream)."""
         if self.stream is None:
             return
+        compute = self.compute_stream()
         if self.emulated is not None:
-            self.emulated.wait_stream(self.stream, self.emulated.compute)
+            self.emulated.wait_stream(self.stream, compute)
         else:
-            compute = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(compute)
             _ordered(self.stream, compute, self.device)
 
@@ -219,6 +240,20 @@ def to_host(t: torch.Tensor, pin: bool, stream: TransferStream | None = None) ->
         host.copy_(t.detach(), non_blocking=True)
     mark_used(t, stream.stream)
     return host, stream.record()
+
+
+def compute_done(device: torch.device) -> object | None:
+    """An event after the work issued so far on ``device``'s current (compute) stream, for the CPU
+    to wait on with ``host_ready`` before it frees host memory an asynchronous copy there reads;
+    None where copies are synchronous (CPU, meta)."""
+    emu = _emulated(device)
+    if emu is not None:
+        return emu.record(emu.current_stream())
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def host_ready(event: object | None) -> None:

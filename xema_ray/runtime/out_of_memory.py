@@ -4,9 +4,12 @@ Under the static allocator an allocation that the static region, the dynamic reg
 driver all refuse raises in the op that asked (``xema_ray.allocator.oom``): a ``RuntimeError``
 from torch on CUDA, an ``ArenaOutOfMemory`` from the host arena on a CPU worker. The worker then
 reads the allocator's out-of-memory record; if a refusal happened during the batch, the batch's
-error becomes a ``DeviceOutOfMemory`` naming the entry, the bytes asked and the bytes free (the
-serving layer answers it with a JSON 503 and Retry-After). Under PyTorch's caching allocator its
-own ``torch.OutOfMemoryError`` becomes one too, with the figures its message gives.
+error becomes a ``DeviceOutOfMemory`` naming the entry, the bytes asked and the bytes free, and
+carrying the record (the serving layer answers it with a JSON 503 and Retry-After). Under
+PyTorch's caching allocator its own ``torch.OutOfMemoryError`` becomes one too, with the figures
+its message gives. ``DeviceOutOfMemory`` is a ``torch.OutOfMemoryError`` (the class torch's CUDA
+module exports under the same name), as the caching allocator's error is, so code that catches
+that catches this one on every platform.
 
 Nothing of the batch may outlive it: the original error's traceback holds the frames of the
 pipeline and with them the batch's tensors (static-region blocks the next armed batch needs), so
@@ -16,16 +19,19 @@ pipeline and with them the batch's tensors (static-region blocks the next armed 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from xema_ray.allocator.oom import OutOfMemoryRecord
+import torch
+
+from xema_ray.allocator.oom import OutOfMemoryRecord
 
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-class DeviceOutOfMemory(MemoryError):
+class DeviceOutOfMemory(torch.OutOfMemoryError, MemoryError):
     """One batch asked for more device memory than was free; the worker and its arena are fine.
+
+    A ``torch.OutOfMemoryError`` (what users' code catches) and a ``MemoryError`` (what the
+    serving layer's fault checks read).
 
     Args:
         message: what failed, with the figures.
@@ -33,14 +39,17 @@ class DeviceOutOfMemory(MemoryError):
         requested_bytes: bytes the refused allocation asked for.
         free_bytes: bytes the allocator could still hand out then.
         device: the worker's device.
+        record: the static allocator's out-of-memory record (None under PyTorch's caching allocator).
     """
 
-    def __init__(self, message: str, entry: str, requested_bytes: int, free_bytes: int, device: str) -> None:
-        super().__init__(message, entry, requested_bytes, free_bytes, device)  # all in args: it pickles
+    def __init__(self, message: str, entry: str, requested_bytes: int, free_bytes: int, device: str,
+                 record: OutOfMemoryRecord | None = None) -> None:
+        super().__init__(message, entry, requested_bytes, free_bytes, device, record)  # all in args: it pickles
         self.entry = entry
         self.requested_bytes = requested_bytes
         self.free_bytes = free_bytes
         self.device = device
+        self.record = record
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -74,7 +83,7 @@ def device_out_of_memory(error: BaseException, entry: str, device: str, record: 
     if record is not None:
         failure = DeviceOutOfMemory(
             f"{entry}: out of device memory on {device}: {record.describe()}; the batch failed, the worker "
-            "is unharmed", entry, record.requested_bytes, record.free_bytes, device)
+            "is unharmed", entry, record.requested_bytes, record.free_bytes, device, record)
     elif type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: the caching allocator's own
         text = str(error)
         asked = _torch_figure(text, r"Tried to allocate") or 0

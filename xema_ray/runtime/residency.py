@@ -209,9 +209,9 @@ class ResidencyManager:
         elif home is WeightHome.DEVICE:
             for t in tensors:
                 # on the compute stream, allocated there (platforms.streams: the arena on the
-                # emulated device), ordered after the work issued so far
+                # emulated device), ordered after the work issued so far; asynchronous from a
+                # registered buffer, which ``switch`` frees only once the copies have read it
                 t.data = _device.to_device(t.data.detach(), self.device, None)
-            close_host_buffers([block])  # a buffer a switch made for it (the load's stays with the component)
         elif index in self._load_host:
             for t, host in zip(tensors, self._load_host[index], strict=True):
                 t.data = host  # its load-time host copy: no new host memory, no copy back
@@ -252,6 +252,19 @@ class ResidencyManager:
             buf.register(get_platform("cuda"))
         setattr(block, HOST_BUFFER_ATTR, buf)
 
+    def _free_switch_buffers(self, blocks: list[nn.Module]) -> None:
+        """Unregister and free the host buffers an earlier switch made for ``blocks``, which just
+        came back to the device (the load's buffers stay with their component)."""
+        from xema_ray.placement import HOST_BUFFER_ATTR
+
+        made = [b for b in blocks if getattr(b, HOST_BUFFER_ATTR, None) is not None]
+        if not made:
+            return
+        # the host->device copies from these page-locked buffers are non_blocking: the CPU waits
+        # for them before the pages are unregistered and freed under the DMA still reading them
+        _device.host_ready(_device.compute_done(self.device))
+        close_host_buffers(made)
+
     def switch(self, target: Residency) -> SwitchReport:
         """Make ``target`` the residency, moving only the blocks whose home changes. Blocks
         leave the device before others arrive, so the switch never holds both."""
@@ -261,6 +274,7 @@ class ResidencyManager:
             report.bytes_moved += self._move(i, WeightHome.HOST)
         for i in up:
             report.bytes_moved += self._move(i, WeightHome.DEVICE)
+        self._free_switch_buffers([self.blocks[i][1] for i in up])
         if report.moved:
             self.switches += 1
             self.bytes_moved += report.bytes_moved

@@ -8,9 +8,15 @@ imports ``planner``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from xema_ray import deployment
 from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
 from xema_ray.plan import PlanTable
+from xema_ray.platforms.host_memory import DEFAULT_SHM_DIR, shm_dir
 from xema_ray.serving.config import ServeConfig
 from xema_ray.templates import RequestTemplate
 
@@ -20,16 +26,62 @@ def served_templates(cfg: ServeConfig) -> list[RequestTemplate]:
     return deployment.served_templates(list(cfg.models))
 
 
+class ShmSpace(BaseModel):
+    """The tmpfs the node's shared weight segments go to, and what else plans to use it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    directory: Path
+    free_bytes: int = Field(ge=0, description="its free bytes now (statvfs)")
+    object_store_bytes: int = Field(default=0, ge=0, description="Ray's object store where it lies on this tmpfs "
+                                                                 "(its pages are taken as objects arrive), else 0")
+
+    @classmethod
+    def here(cls) -> ShmSpace:
+        """This node's: the segments' directory (``XEMA_SHM_DIR`` or /dev/shm), and Ray's object store
+        when Ray has put it there (Ray's rule: /dev/shm when the store fits its size, else /tmp)."""
+        directory = shm_dir()
+        st = os.statvfs(directory)
+        store = ray_object_store_bytes()
+        on_it = directory == DEFAULT_SHM_DIR and 0 < store <= st.f_blocks * st.f_frsize
+        return cls(directory=directory, free_bytes=st.f_bavail * st.f_frsize, object_store_bytes=store if on_it else 0)
+
+    def problem(self, shared_bytes: int) -> str | None:
+        """None when ``shared_bytes`` of segments fit beside the object store; else both, named. A
+        node that plans no segment (the CPU demo, CI: nothing pinned) starts on a 64 MB /dev/shm."""
+        if shared_bytes == 0 or shared_bytes + self.object_store_bytes <= self.free_bytes:
+            return None
+        beside = (f" beside Ray's object store of {fmt_bytes(self.object_store_bytes)} on the same tmpfs"
+                  if self.object_store_bytes else "")
+        return (f"{self.directory}: {fmt_bytes(self.free_bytes)} free, the node's workers plan "
+                f"{fmt_bytes(shared_bytes)} of shared weight segments there{beside} (enlarge it: docker --shm-size, "
+                "mount -o remount,size=...; or point XEMA_SHM_DIR at a larger tmpfs; or share_host_weights: off)")
+
+
+def ray_object_store_bytes() -> int:
+    """This node's Ray object store (0 when Ray is not started here)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return int(node.get("Resources", {}).get("object_store_memory", 0))
+    return 0
+
+
 class PlanNotRunnable(ValueError):
     """A plan table asks for a layout a model group cannot run, or more host memory than the node has."""
 
 
 def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate],
-                   host_memory_bytes: int | None = None) -> int:
+                   host_memory_bytes: int | None = None, shm: ShmSpace | None = None) -> int:
     """Refuse, before anything starts, a plan a model group cannot run: its SP degree must divide
     the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
-    it; and the host memory the node's workers hold for their weights (``node_host``) must fit
-    the node, while loading too.
+    it; the host memory the node's workers hold for their weights (``node_host``) must fit
+    the node, while loading too; and their shared weight segments, beside Ray's object store where
+    it lies on the same tmpfs, must fit that tmpfs's free bytes (``shm``: default ``ShmSpace.here()``).
 
     Returns:
         the host memory the node has left beyond those weights (for paused batches' state).
@@ -58,6 +110,11 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
         problems.append(f"host memory: the node's workers hold {fmt_bytes(node.resident_bytes)} of weights on the "
                         f"host, {fmt_bytes(node.load_peak_bytes)} while loading ({node.describe()}); {where} has "
                         f"{fmt_bytes(total)}")
+    if cfg.device != "emulated":  # an emulated box's workers make no segments
+        space = shm if shm is not None else ShmSpace.here()
+        problem = space.problem(node.shared_bytes)
+        if problem is not None:
+            problems.append(problem)
     if problems:
         raise PlanNotRunnable("plan table cannot run on this deployment:\n  " + "\n  ".join(problems))
     return total - node.resident_bytes

@@ -102,7 +102,9 @@ class GlobalGroupNormHook(ModelHook):
             try:
                 y = F.batch_norm(x.reshape(1, b * c, *x.shape[2:]), mean_c, var_c, w, bias, False, 0.0, module.eps)
                 return y.reshape(x.shape)
-            except RuntimeError:  # a backend without mixed-dtype batch norm: same formula, fp32 temporaries
+            except RuntimeError as e:  # a backend without mixed-dtype batch norm: same formula, fp32 temporaries
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise  # out of memory is not a missing kernel (the fallback would only ask for more)
                 view = (b, c) + (1,) * (x.ndim - 2)
                 scale = torch.rsqrt(var_c + module.eps) * (w if w is not None else 1.0)
                 shift = (bias if bias is not None else 0.0) - mean_c * scale
