@@ -183,4 +183,5 @@ def build_app(args: dict[str, Any]) -> Application:
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
-                       emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view)
+                       emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,
+                       adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None})

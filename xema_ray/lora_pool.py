@@ -38,6 +38,9 @@ class LoraPoolConfig(BaseModel):
 
     dir: Path | None = Field(default=None, description="folder of .safetensors adapters loaded at start-up (each "
                                                       "named by its file's stem); more arrive through POST /v1/adapters")
+    roots: tuple[Path, ...] | None = Field(
+        default=None, description="folders POST /v1/adapters may read adapter files from (a path outside them, or a "
+                                  "symlink resolving outside, is a 403); default: `dir` alone, and without `dir` none")
     slots: int = Field(default=4, ge=1, le=256, description="adapters resident on the device at once")
     max_rank: int = Field(default=64, ge=1, le=1024, description="the stacks' padded rank; a larger adapter is refused")
     max_per_request: int = Field(default=4, ge=1, le=16, description="adapters one request may stack")
@@ -51,6 +54,24 @@ class LoraPoolConfig(BaseModel):
         if isinstance(data, dict) and "max_per_request" not in data and isinstance(data.get("slots"), int):
             return {**data, "max_per_request": max(1, min(4, data["slots"]))}
         return data
+
+    def allowed_roots(self) -> tuple[Path, ...]:
+        """The folders an adapter file may come from, resolved (``roots``, or ``dir``)."""
+        roots = self.roots if self.roots is not None else ((self.dir,) if self.dir is not None else ())
+        return tuple(Path(r).expanduser().resolve() for r in roots)
+
+    def permits(self, path: Path | str) -> bool:
+        """Whether ``path`` (symlinks resolved, existing or not) lies under one of ``allowed_roots``.
+
+        Example:
+            >>> LoraPoolConfig(roots=("/srv/adapters",)).permits("/srv/adapters/../../etc/passwd")
+            False
+        """
+        try:
+            real = Path(path).expanduser().resolve()
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte: nothing to permit
+            return False
+        return any(real == root or real.is_relative_to(root) for root in self.allowed_roots())
 
     @model_validator(mode="after")
     def _stack_fits_the_pool(self) -> LoraPoolConfig:

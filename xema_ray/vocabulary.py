@@ -188,3 +188,19 @@ EstimateSource = Literal[LatencySource.MEASURED, LatencySource.PROFILED, Latency
 PlanLatencySource = Literal[LatencySource.MEASURED, LatencySource.ESTIMATED, LatencySource.MEASURED_ESTIMATED]
 #: the timed sources, in the order a look-up prefers them (a whole request before its segments)
 TIMED_SOURCES: tuple[LatencySource, ...] = (LatencySource.MEASURED, LatencySource.PROFILED)
+
+
+# ---------------------------------------------------------------------------- quality tiers
+class QualityTier(StrEnum):
+    """How far a request's plan may trade exactness for speed; the API's ``quality`` resolves to one
+    (``serving/api/quality.py``). ``lossless`` runs the unmitigated model's math (bitwise where the
+    math is the same); ``balanced`` and ``fast`` name the lossy tiers a deployment may serve;
+    ``auto`` leaves the choice to the server."""
+
+    LOSSLESS = "lossless"
+    BALANCED = "balanced"
+    FAST = "fast"
+    AUTO = "auto"
+
+    def __repr__(self) -> str:
+        return repr(self.value)

@@ -53,7 +53,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def group(files: dict[str, Path]) -> Iterator[Harness]:
-    pool = LoraPoolConfig(dir=files["A"].parent / "bad", slots=2, max_rank=8)
+    pool = LoraPoolConfig(dir=files["A"].parent / "bad", roots=(files["A"].parent, files["C"].parent), slots=2,
+                          max_rank=8)
     with running_group("tiny-flux2", {T.shape_key: entry(T, batch=4)}, wait_window_s=1.0, max_queue=16,
                        adapters=pool) as h:
         yield h

@@ -34,12 +34,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     c = write_adapter(hot / "c.safetensors", dit, rank=4, seed=3, layout="ai-toolkit-flux2")
     bad = hot / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    return {"folder": folder, "C": c, "bad": bad}
+    return {"folder": folder, "hot": hot, "C": c, "bad": bad}
 
 
 @contextlib.contextmanager
 def replica(files: dict[str, Path], registry: LocalDeployment) -> Iterator[Harness]:
-    pool = LoraPoolConfig(dir=files["folder"], slots=2, max_rank=8)
+    pool = LoraPoolConfig(dir=files["folder"], roots=(files["folder"], files["hot"]), slots=2, max_rank=8)
     with running_group("tiny-flux2", {T.shape_key: entry(T, batch=1)}, wait_window_s=0.05, max_queue=8,
                        adapters=pool, adapter_registry=registry) as h:
         yield h
@@ -125,7 +125,7 @@ def test_adapters_changed_at_run_time_survive_a_new_plan_table(files: dict[str, 
     """A plan swap loads a new worker set: with the adapters served now, not the YAML folder's."""
     from xema_ray.serving.group.plan_reload import GroupPlans
 
-    pool = LoraPoolConfig(dir=files["folder"], slots=2, max_rank=8)
+    pool = LoraPoolConfig(dir=files["folder"], roots=(files["folder"], files["hot"]), slots=2, max_rank=8)
     with running_group("tiny-flux2", {T.shape_key: entry(T, batch=1)}, wait_window_s=0.05, adapters=pool) as h:
         _until(lambda: _names(h) == {"A"})
         h.call(lambda g: g.add_adapter(AdapterSource(name="C", model="tiny-flux2", path=files["C"])))

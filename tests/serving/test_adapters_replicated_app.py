@@ -38,7 +38,7 @@ def app(tmp_path_factory):  # type: ignore[no-untyped-def]
         "device": "cpu", "worker_cpus": 0.25, "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
         "models": [{"model": "tiny-flux2", "workers": 1, "replicas": 2, "wait_window_s": 0.05, "max_queue": 16,
                     "templates": [{"width": 64, "height": 64, "steps": 2}],
-                    "adapters": {"dir": str(folder), "slots": 2, "max_rank": 8}}],
+                    "adapters": {"dir": str(folder), "roots": [str(folder), str(hot)], "slots": 2, "max_rank": 8}}],
     }
     table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 2), gpus=2, budget_bytes=10**9,
                       entries={T.shape_key: plan_entry(T, batch=1)})
@@ -85,5 +85,5 @@ def test_a_hot_added_adapter_is_served_by_every_replica_then_by_none(app) -> Non
     assert requests.delete(f"{url}/v1/adapters/C", timeout=120).status_code == 200
     for lora in ("A", "C"):
         refused = _burst(url, [{"name": lora, "scale": 1.0}])
-        assert all(r.status_code == 422 and f"unknown adapter '{lora}'" in r.text for r in refused), \
+        assert all(r.status_code == 404 and f"unknown adapter '{lora}'" in r.text for r in refused), \
             [(r.status_code, r.text[:200]) for r in refused]

@@ -52,7 +52,7 @@ def adapter_files(tmp_path_factory):  # type: ignore[no-untyped-def]
     dit = get_model_spec("tiny-flux2").build_pipeline(BuildOptions(device="meta")).transformer  # shapes only
     write_adapter(folder / "A.safetensors", dit, rank=4, seed=1)
     write_adapter(folder / "B.safetensors", dit, rank=8, seed=2, layout="ai-toolkit-flux2")
-    return {"folder": folder, "C": write_adapter(hot / "c.safetensors", dit, rank=4, seed=3, layout="ai-toolkit-flux2")}
+    return {"folder": folder, "hot": hot, "C": write_adapter(hot / "c.safetensors", dit, rank=4, seed=3, layout="ai-toolkit-flux2")}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,8 @@ def server(tmp_path_factory, adapter_files):  # type: ignore[no-untyped-def]
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.5, "max_queue": 3,
              "templates": [{"width": 64, "height": 64, "steps": 2}, {"width": 128, "height": 128, "steps": 2}],
-             "adapters": {"dir": str(adapter_files["folder"]), "slots": 2, "max_rank": 8}},
+             "adapters": {"dir": str(adapter_files["folder"]), "slots": 2, "max_rank": 8,
+                          "roots": [str(adapter_files["folder"]), str(adapter_files["hot"])]}},
             {"model": "tiny-cogvideox", "workers": 2, "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2}]},
         ],
     }
@@ -175,7 +176,7 @@ def test_openai_client_with_a_hot_added_adapter_then_removed(server: str, adapte
     import openai
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     args = {"model": "tiny-flux2", "prompt": "a lighthouse", "size": "64x64", "response_format": "b64_json"}
-    with pytest.raises(openai.UnprocessableEntityError, match="unknown adapter 'C'"):
+    with pytest.raises(openai.NotFoundError, match="unknown adapter 'C'"):
         client.images.generate(**args, extra_body={"lora": [{"name": "C", "scale": 1.0}], "seed": 5})  # type: ignore[arg-type]
     bad = requests.post(f"{server}/v1/adapters", json={"name": "D", "model": "tiny-flux2",
                                                        "path": str(adapter_files["folder"] / "missing.safetensors")}, timeout=60)
@@ -188,7 +189,7 @@ def test_openai_client_with_a_hot_added_adapter_then_removed(server: str, adapte
     plain = client.images.generate(**args, extra_body={"seed": 5})  # type: ignore[arg-type]
     assert resp.data[0].b64_json != plain.data[0].b64_json
     assert requests.delete(f"{server}/v1/adapters/C", timeout=60).json()["deleted"] is True
-    with pytest.raises(openai.UnprocessableEntityError, match="unknown adapter 'C'"):
+    with pytest.raises(openai.NotFoundError, match="unknown adapter 'C'"):
         client.images.generate(**args, extra_body={"lora": [{"name": "C", "scale": 1.0}], "seed": 5})  # type: ignore[arg-type]
 
 

@@ -11,11 +11,11 @@
 """
 
 from xema_ray.lora_pool import LoraPoolConfig
-from xema_ray.lora.adapter import AdapterRejected, AdapterSource, LoraAdapter, LoraUse, read_adapter
+from xema_ray.lora.adapter import AdapterPathRefused, AdapterRejected, AdapterSource, LoraAdapter, LoraUse, read_adapter
 from xema_ray.lora.layers import MultiLoraConfig, apply_multi_lora
 from xema_ray.lora.pool import AdapterInfo, AdapterPool, PoolStats
 
 __all__ = [
-    "AdapterInfo", "AdapterPool", "AdapterRejected", "AdapterSource", "LoraAdapter", "LoraPoolConfig", "LoraUse",
+    "AdapterInfo", "AdapterPathRefused", "AdapterPool", "AdapterRejected", "AdapterSource", "LoraAdapter", "LoraPoolConfig", "LoraUse",
     "MultiLoraConfig", "PoolStats", "apply_multi_lora", "read_adapter",
 ]

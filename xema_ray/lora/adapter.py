@@ -56,6 +56,19 @@ class AdapterRejected(ValueError):
         return str(self.args[0])
 
 
+class AdapterPathRefused(PermissionError):
+    """An adapter path outside the group's ``adapters.roots`` (HTTP 403). The message is the same
+    whether or not the file exists: the answer tells nothing about the server's files."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(adapter)  # args: (adapter,): it crosses the group -> router boundary by pickle
+        self.adapter = adapter
+
+    def __str__(self) -> str:
+        return (f"adapter {self.adapter!r}: path is not under this deployment's adapter roots (adapters.roots, "
+                "default adapters.dir); copy the file there")
+
+
 @dataclass(frozen=True)
 class LoraLayer:
     """One target layer's factors: ``delta(x) = scale * (x @ a.T) @ b.T``."""

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from xema_ray.lora import LoraUse
 from xema_ray.models.options import STEPS_MAX
 from xema_ray.runtime.engine import GenerationRequest, RequestOutput
+from xema_ray.vocabulary import QualityTier
 
 
 class TemplateLayoutStats(BaseModel):
@@ -62,11 +63,13 @@ class GroupUnavailable(RuntimeError):
 
 
 class InvalidRequest(ValueError):
-    """A request that cannot run (HTTP 422 naming the field); refused before it joins a batch."""
+    """A request that cannot run (HTTP 422 naming the field; 404 where the field names something
+    that is not there, e.g. an adapter not loaded); refused before it joins a batch."""
 
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message, param)  # both in args: it crosses the replica -> router boundary by pickle
+    def __init__(self, message: str, param: str | None, status: int = 422) -> None:
+        super().__init__(message, param, status)  # all in args: it crosses the replica -> router boundary by pickle
         self.param = param
+        self.status = status
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -116,6 +119,8 @@ class GroupRequest(BaseModel):
     negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt")
     steps: int = Field(description="the denoising steps it runs, resolved by the API (its own or its template's; "
                                    "the Router checked the model's range: ``xema_ray.models.options``)")
+    quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the quality tier the request runs at "
+                                 "(the API's ``quality`` resolved against the template's served tiers)")
 
     def check_references(self, wants: int) -> None:
         """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's

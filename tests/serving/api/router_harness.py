@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.scenarios.group_harness import group_config
 from tests.serving.api.asgi_client import AsgiResponse, call
+from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.group.model_group import GroupSettings, ModelGroup
@@ -64,6 +65,27 @@ class RouterHarness:
     def get(self, path: str) -> AsgiResponse:
         return self.run(call(self.app, "GET", path))
 
+    def asgi_app(self) -> Any:
+        """The app as an ASGI callable for a caller on any event loop (schemathesis' ``from_asgi``
+        runs it on loops of its own): each request runs on the harness's loop, where the groups
+        live, its ``receive`` / ``send`` back on the caller's."""
+        app, loop = self.app, self.loop
+
+        async def bridged(scope: Any, receive: Any, send: Any) -> None:
+            caller = asyncio.get_running_loop()
+
+            async def on_caller(coro: Any) -> Any:
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, caller))
+
+            async def recv() -> Any:
+                return await on_caller(receive())
+
+            async def snd(message: Any) -> None:
+                await on_caller(send(message))
+
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(app(scope, recv, snd), loop))
+        return bridged
+
     def serve_http(self) -> str:
         """Serve the app over HTTP on 127.0.0.1 (uvicorn on the harness's loop, stopped with it);
         returns the base URL (for clients that need a socket, e.g. schemathesis)."""
@@ -82,9 +104,9 @@ class RouterHarness:
 
 @contextmanager
 def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs: JobStoreConfig | None = None,
-                   **router_kwargs: Any) -> Iterator[RouterHarness]:
+                   adapters: dict[str, LoraPoolConfig] | None = None, **router_kwargs: Any) -> Iterator[RouterHarness]:
     """The Router serving ``plans`` (one group of one in-process worker per model; ``jobs``: the
-    job store of the video job API)."""
+    job store of the video job API; ``adapters``: the adapter pool of each model that has one)."""
     from ray.serve import context as serve_context
 
     from xema_ray.serving.api import router as router_module
@@ -95,15 +117,17 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     by_model: dict[str, dict[str, PlanEntry]] = {}
     for key, e in plans.items():
         by_model.setdefault(e.config.template.model, {})[key] = e
-    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s), ps, GroupSettings(jobs=jobs),
-                            worker_set=InProcessWorkerSet) for m, ps in by_model.items()}
+    adapters = adapters or {}
+    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s, adapters=adapters.get(m)), ps,
+                            GroupSettings(jobs=jobs), worker_set=InProcessWorkerSet) for m, ps in by_model.items()}
     templates: list[RequestTemplate] = [e.config.template for e in plans.values()]
     table = PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=dict(plans))
     cls = router_module.Router.__mro__[1]  # the class under serve.ingress's wrapper
     router = object.__new__(cls)  # the class itself: its wrapper's (async) __init__ and __del__ are Serve's
 
     async def build() -> None:
-        cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs, **router_kwargs)
+        cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs,
+                     adapter_pools={m: a for m, a in adapters.items() if m in groups}, **router_kwargs)
     saved = serve_context._INTERNAL_REPLICA_CONTEXT
     try:
         asyncio.run_coroutine_threadsafe(build(), loop).result(60)  # outside a replica: no Serve controller asked

@@ -4,7 +4,9 @@
 The Router mixes ``AdapterEndpoints`` in (Serve's class-based view finds inherited routes) and
 includes ``adapters_api``. A file is loaded on every worker of the model's group or on none
 (``xema_ray.serving.group.adapters``); a refusal is a 422 naming the adapter and the first
-offending key, a name already loaded a 409, a non-admin key a 403.
+offending key, a name already loaded a 409, a non-admin key a 403, and a path outside the
+group's ``adapters.roots`` (default its ``adapters.dir``; symlinks resolved) a 403 with one
+message whether or not the file exists.
 """
 
 # no `from __future__ import annotations`: FastAPI must see the request models as real classes
@@ -16,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, PoolStats
+from xema_ray.lora import AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, PoolStats
 from xema_ray.serving.api.auth import admin_of
 from xema_ray.serving.api.errors import ErrorResponse, cause_of, error_response, exception_response
 from xema_ray.serving.api.validation import parse_request, request_body_doc
@@ -46,6 +48,8 @@ class AdapterList(BaseModel):
 def _refused(e: BaseException) -> JSONResponse | None:
     cause = cause_of(e)
     cause = getattr(cause, "cause", None) or cause
+    if isinstance(cause, AdapterPathRefused):
+        return error_response(403, str(cause), "permission_error", param="path", code="adapter_path_refused")
     if isinstance(cause, AdapterConflict):
         return error_response(409, str(cause), param="name", code="adapter_exists")
     if isinstance(cause, AdapterRejected):
@@ -83,7 +87,8 @@ class AdapterEndpoints:
 
     @adapters_api.post("/v1/adapters", response_model=None, status_code=201, openapi_extra=request_body_doc(AdapterSource),
                        responses={201: {"model": AdapterInfo, "description": "loaded on every worker of the group"},
-                                  **_errors(s403=_ADMIN, s409="an adapter of that name is loaded (DELETE it first)",
+                                  **_errors(s403=_ADMIN + "; or path is outside adapters.roots (one answer whether or not the file "
+                                                      "exists)", s409="an adapter of that name is loaded (DELETE it first)",
                                             s422="a field is bad, or the file cannot serve the model: names the "
                                                  "adapter and the first offending key")})
     async def add_adapter(self, request: Request) -> Any:

@@ -29,7 +29,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from xema_ray.runtime.references import encode_reference
 from xema_ray.serving.api.schemas import ImageRequest, UnsupportedTemplate, _check_text, current_limits, parse_size
-from xema_ray.serving.api.uploads import MAX_IMAGE_PIXELS, ImageRefused, Upload, fit_reference, open_image
+from xema_ray.serving.api.uploads import ImageRefused, Upload, fit_reference, open_image
 from xema_ray.templates import RequestTemplate
 
 
@@ -51,7 +51,7 @@ class ImageEditRequest(ImageRequest):
             parse_size(v)
         return v
 
-    @field_validator("quality", "style", "moderation", "user", "input_fidelity")
+    @field_validator("style", "moderation", "user", "input_fidelity")
     @classmethod
     def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _check_text(v, info, current_limits().max_text_chars)
@@ -137,15 +137,8 @@ async def edit_inputs(req: ImageRequest, uploads: list[Upload], served: dict[str
     return t, await asyncio.to_thread(reference_images, uploads, t)
 
 
-_BINARY = {"type": "string", "format": "binary"}
-
-
 def edit_body_doc() -> dict[str, Any]:
-    """The ``openapi_extra`` of ``/v1/images/edits``: a multipart body of ``ImageEditRequest``'s
-    fields and the ``image`` file(s)."""
-    files = {"type": "object", "required": ["image"], "properties": {
-        "image": {"anyOf": [_BINARY, {"type": "array", "items": _BINARY, "minItems": 1}],
-                  "description": "the reference image(s): PNG, JPEG or WebP, each at most "
-                                 f"{MAX_IMAGE_PIXELS} pixels ('image[]' per file also works)"}}}
-    ref = {"$ref": "#/components/schemas/ImageEditRequest"}
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {"allOf": [ref, files]}}}}}
+    """The ``openapi_extra`` of ``/v1/images/edits``: a multipart body (``ImageEditRequestForm``:
+    ``ImageEditRequest``'s fields and the ``image`` file parts, ``served_schemas.narrow``)."""
+    ref = {"$ref": "#/components/schemas/ImageEditRequestForm"}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": ref}}}}

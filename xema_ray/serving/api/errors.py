@@ -6,7 +6,7 @@ this deployment does not serve, ``supported_templates``. Status codes:
 | status | type | when |
 | --- | --- | --- |
 | 400 | invalid_request_error | a well-formed request for a template this deployment does not serve, or with an option its model does not take (``code: unsupported_option``) |
-| 404 / 405 | not_found_error | no such path / method |
+| 404 / 405 | not_found_error | no such path / method (a 405 carries ``Allow``: the path's methods, RFC 9110 §15.5.6) |
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
 | 422 | invalid_request_error | a field is missing, malformed or out of range — the model's own range too (``param`` names it); a request that failed inside its batch for its own input (named by the worker, or failing alone with a ``ValueError`` / ``TypeError`` while its neighbours were served: ``serving/group/isolation.py``) |
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from ray.exceptions import RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.serving.api.schemas import UnsupportedTemplate
@@ -125,7 +126,9 @@ def exception_response(e: BaseException) -> JSONResponse | None:
         return error_response(400, str(cause), param=cause.param, code="unsupported_template",
                               supported_templates=cause.supported)
     if isinstance(cause, InvalidRequest):
-        return error_response(422, str(cause), param=cause.param, code="invalid_value")
+        return error_response(cause.status, str(cause), "not_found_error" if cause.status == 404 else
+                              "invalid_request_error", param=cause.param,
+                              code="not_found" if cause.status == 404 else "invalid_value")
     if isinstance(cause, QueueFull):
         return error_response(503, str(cause), "service_unavailable", code="queue_full",
                               retry_after_s=cause.retry_after_s, limit="models[].max_queue")
@@ -183,6 +186,37 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
     return error_response(422, message, param=param, code="invalid_value")
 
 
+#: the methods a 405's ``Allow`` may name
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
+
+
+def _flat(routes: Any) -> Any:
+    """``routes`` with each included router's own routes in its place (FastAPI includes lazily)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None and not getattr(included, "prefix", ""):
+            yield from _flat(included.routes)
+        else:
+            yield route
+
+
+def allowed_methods(app: Any, scope: Any) -> list[str]:
+    """The methods ``app`` serves at ``scope``'s path (the ``Allow`` of a 405), asked of the routes
+    themselves (included routers too): Starlette's own 405 names only the first matching route's
+    methods, and FastAPI makes one route per method. A path that is a route of its own
+    (``/v1/videos/sync``) names that route's methods, not those of a template it also fits
+    (``/v1/videos/{video_id}``)."""
+    matched: dict[str, bool] = {}  # method -> matched by a path without parameters
+    routes = list(_flat(app.routes))
+    for m in _METHODS:
+        for route in routes:
+            match, child = route.matches({**scope, "method": m, "path_params": {}})  # none from the 405 route
+            if match == Match.FULL:
+                matched[m] = matched.get(m, False) or not child.get("path_params")
+    static = [m for m, exact in matched.items() if exact]
+    return static or list(matched)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception of ``app`` into the JSON shape (call once per app)."""
 
@@ -198,6 +232,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code in (404, 405) else (
             "invalid_request_error" if exc.status_code < 500 else "server_error")
+        if exc.status_code == 405:
+            allowed = allowed_methods(request.app, request.scope)  # the app serving it (Serve copies ours)
+            response = error_response(405, f"{request.method} is not allowed on {request.url.path}; allowed: "
+                                           f"{', '.join(allowed)}", type_, code="method_not_allowed")
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
         return error_response(exc.status_code, str(exc.detail), type_)
 
     @app.exception_handler(Exception)

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.models.options import OptionRefused, OptionRules
 from xema_ray.profiling.phases import fallback_shares
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.serving.api.quality import resolve_quality, served_tiers
 from xema_ray.templates import RequestTemplate
+from xema_ray.vocabulary import QualityTier
 
 
 class RequestOptions(BaseModel):
@@ -29,6 +31,8 @@ class RequestOptions(BaseModel):
     guidance_scale: float | None = Field(default=None, description="the guidance (Qwen-Image: the true CFG scale)")
     negative_prompt: str | None = Field(default=None, description="replaces the model's default negative prompt")
     steps: int = Field(ge=1, description="the denoising steps the request runs: its own, else its template's")
+    quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the tier the request's quality resolved "
+                                                                           "to (``quality.resolve_quality``)")
 
 
 def takers(served: dict[str, RequestTemplate]) -> dict[str, list[str]]:
@@ -56,7 +60,7 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
         t: the template the request maps to.
         served: every served template (for the models named in a 400).
         req: the parsed request (``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``,
-            ``num_inference_steps``; a missing attribute counts as not given).
+            ``num_inference_steps``, ``quality``; a missing attribute counts as not given).
     """
     guidance = getattr(req, "guidance_scale", None)
     negative = getattr(req, "negative_prompt", None)
@@ -70,7 +74,8 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
                                 "same scale for this model; give one, or the same value", "true_cfg_scale")
         guidance = true_cfg
     # the one place "not given" means the template's steps: below the API every layer carries the int
-    return RequestOptions(guidance_scale=guidance, negative_prompt=negative, steps=t.steps if steps is None else steps)
+    return RequestOptions(guidance_scale=guidance, negative_prompt=negative, steps=t.steps if steps is None else steps,
+                          quality=resolve_quality(getattr(req, "quality", None), served_tiers(t)))
 
 
 def option_error(e: OptionRefused) -> dict[str, Any]:

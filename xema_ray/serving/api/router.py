@@ -23,7 +23,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from xema_ray.lora import LoraUse
+from xema_ray.lora import LoraPoolConfig, LoraUse
 from xema_ray.plan import PlanTable
 from xema_ray.serving.api.adapters import AdapterEndpoints, adapters_api
 from xema_ray.serving.api.schemas import (
@@ -113,7 +113,8 @@ class Router(AdapterEndpoints):
     def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None,
-                 console_traces: Callable[[str, Any, int], TraceView] | None = None) -> None:
+                 console_traces: Callable[[str, Any, int], TraceView] | None = None,
+                 adapter_pools: dict[str, LoraPoolConfig] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups = groups
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
@@ -133,7 +134,9 @@ class Router(AdapterEndpoints):
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
         self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
-        install_openapi(app, self.served, self.limits)
+        # the document states this deployment: its templates, planned batches, adapter pools, job store
+        install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
+                        adapter_pools or {}, url_images=jobs is not None)
         self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
@@ -176,6 +179,7 @@ class Router(AdapterEndpoints):
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
                                                        seed=seed, guidance_scale=opts.guidance_scale,
                                                        negative_prompt=opts.negative_prompt, steps=opts.steps,
+                                                       quality=opts.quality,
                                                        references=references, lora=tuple(lora or ())))
 
         async def result() -> GenerateResult:
@@ -313,7 +317,7 @@ class Router(AdapterEndpoints):
         self._count_received()
         return await self._job_api(lambda j: j.create(request, tenant_of(request)))
 
-    @app.get("/v1/videos", response_model=None, responses=_documented(400))
+    @app.get("/v1/videos", response_model=None, responses=_documented(400, 404))
     async def list_videos(self, request: Request, after: str | None = None,
                           limit: int = Query(default=20, ge=1, le=100),
                           order: Literal["asc", "desc"] = "desc") -> Response:

@@ -12,11 +12,14 @@ deployment's limits in its process with ``set_limits`` (each Router replica is i
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xema_ray.lora.adapter import LoraUse
+from xema_ray.serving.api.quality import QualityValue
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
@@ -61,6 +64,20 @@ def _check_text(v: str | None, info: ValidationInfo, limit: int) -> str | None:
     return v
 
 
+def _takes_int(annotation: object) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return int in args
+
+
+def integral_floats(model: type[BaseModel], data: object) -> object:
+    """``data`` with a whole float (``121.0``) as an int in ``model``'s int fields: JSON Schema counts
+    it an integer, so the document's integers take it; a fractional one stays and is refused."""
+    if not isinstance(data, dict):
+        return data
+    return {k: int(v) if isinstance(v, float) and v.is_integer() and k in model.model_fields
+            and _takes_int(model.model_fields[k].annotation) else v for k, v in data.items()}
+
+
 def parse_size(size: str) -> tuple[int, int]:
     """'1024x768' -> (width, height)."""
     m = _SIZE.match(size)
@@ -84,6 +101,11 @@ class _Common(BaseModel):
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
                                          description="Qwen-Image's true classifier-free guidance scale (the same "
                                                      "value as its guidance_scale); other models refuse it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_numbers(cls, data: object) -> object:
+        return integral_floats(cls, data)
 
     @field_validator("negative_prompt")
     @classmethod
@@ -122,12 +144,15 @@ class ImageRequest(_Common):
     background: Literal["auto", "opaque"] | None = Field(default=None, description="transparent backgrounds are not generated")
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
-    quality: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
+    quality: QualityValue | None = Field(
+        default=None, description="OpenAI's values (high, hd, standard: lossless; medium: balanced where served, else "
+                                  "lossless; low: fast where served, else the fastest served; auto) or a tier name "
+                                  "(lossless, balanced, fast); docs/api.md 'Quality'")
     style: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     moderation: str | None = Field(default=None, description="accepted for OpenAI-client compatibility; ignored")
     user: str | None = None
 
-    @field_validator("quality", "style", "moderation", "user")
+    @field_validator("style", "moderation", "user")
     @classmethod
     def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _check_text(v, info, _limits.max_text_chars)

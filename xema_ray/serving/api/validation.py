@@ -68,8 +68,8 @@ class _FormRows(list):  # type: ignore[type-arg]
 
 def _list_item(out: dict[str, Any], model: type[BaseModel], key: str, value: str) -> bool:
     """Take ``key=value`` into a list field of ``out`` if it is one: ``NAME[][FIELD]`` (each item's
-    fields in turn; a field seen again starts the next item) or ``NAME`` holding the list as JSON
-    text. False: not a list field."""
+    fields in turn; a field seen again starts the next item) or ``NAME`` holding JSON text: the list,
+    or one item per field when repeated. False: not a list field."""
     m = _LIST_ITEM.match(key)
     if m is not None and _takes_list(model, m.group(1)):
         name = m.group(1)
@@ -82,14 +82,19 @@ def _list_item(out: dict[str, Any], model: type[BaseModel], key: str, value: str
         rows[-1][m.group(2)] = value
         return True
     if _takes_list(model, key):
-        if key in out:
-            raise BodyError(422, f"{key}: sent more than once (or both as JSON and as {key}[][...] fields); send it "
-                                 "once", param=key)
         try:
-            out[key] = json.loads(value)
+            value_json = json.loads(value)
         except json.JSONDecodeError:
-            raise BodyError(422, f"{key}: in a form, a JSON list (e.g. {key}=[{{\"name\": \"a\", \"scale\": 0.8}}]) "
-                                 f"or {key}[][name]=... fields, as the OpenAI client sends them", param=key) from None
+            raise BodyError(422, f"{key}: in a form, a JSON list or one JSON object per {key} field (e.g. "
+                                 f"{key}={{\"name\": \"a\", \"scale\": 0.8}}) or {key}[][name]=... fields, as the "
+                                 "OpenAI client sends them", param=key) from None
+        rows = out.setdefault(key, [])
+        if isinstance(rows, _FormRows):
+            raise BodyError(422, f"{key}: sent both as JSON and as {key}[][...] fields; send one of them", param=key)
+        if isinstance(value_json, list):  # the whole list in one field
+            rows.extend(value_json)
+        else:  # one item per field (a form's repeated parts)
+            rows.append(value_json)
         return True
     return False
 
@@ -168,12 +173,9 @@ async def parse_request(request: Request, model: type[M], uploads: list[Upload] 
 
 
 def request_body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """The ``openapi_extra`` of an endpoint that takes ``model`` as JSON or a form."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    form: dict[str, Any] = ref
-    files: tuple[str, ...] = getattr(model, "file_fields", ())
-    if files:  # in a form, those fields are files
-        form = {"allOf": [ref, {"type": "object", "properties": {f: {"type": "string", "format": "binary"}
-                                                                  for f in files}}]}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref},
-                                                          "multipart/form-data": {"schema": form}}}}
+    """The ``openapi_extra`` of an endpoint that takes ``model`` as JSON or a form (the form's
+    schema is ``<Name>Form``, made by ``served_schemas.narrow``: no nulls, files as parts)."""
+    name = model.__name__
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
+        "multipart/form-data": {"schema": {"$ref": f"#/components/schemas/{name}Form"}}}}}

@@ -192,7 +192,7 @@ class VideoJobs:
         try:
             recs, more = await self._call(self.store().list, after, limit, order, tenant)
         except KeyError:
-            raise ApiError(400, f"after={after!r} names no video", param="after") from None
+            raise ApiError(404, f"after={after!r} names no video", param="after") from None  # an id of nothing
         views = [video_view(r, self.emulated) for r in recs]
         body = VideoList(data=views, first_id=views[0].id if views else None, last_id=views[-1].id if views else None,
                          has_more=more).model_dump(mode="json")

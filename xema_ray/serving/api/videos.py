@@ -15,10 +15,10 @@ import math
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xema_ray.lora.adapter import LoraUse
-from xema_ray.serving.api.schemas import MAX_SEED, UnsupportedTemplate, current_limits, parse_size
+from xema_ray.serving.api.schemas import MAX_SEED, UnsupportedTemplate, current_limits, integral_floats, parse_size
 from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig
 from xema_ray.templates import RequestTemplate
@@ -52,6 +52,11 @@ class VideoCreate(BaseModel):
 
     #: form fields that carry files (``validation.read_body``)
     file_fields: ClassVar[tuple[str, ...]] = ("input_reference",)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_numbers(cls, data: Any) -> Any:
+        return integral_floats(cls, data)
 
     @field_validator("seconds", mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from xema_ray.lora_pool import LoraPoolConfig
-from xema_ray.lora import AdapterInfo, AdapterRejected, AdapterSource, LoraUse, PoolStats
+from xema_ray.lora import AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, LoraUse, PoolStats
 from xema_ray.serving.group.adapter_registry import RegistryState
 from xema_ray.serving.messages import InvalidRequest
 
@@ -142,7 +142,7 @@ class GroupAdapters:
 
     def check_lora(self, request: R) -> R:
         """A request's adapters (``request.lora``), checked on arrival (``InvalidRequest``, HTTP 422,
-        naming the first bad one); returns the request."""
+        naming the first bad one; 404 for a name no loaded adapter has); returns the request."""
         uses: Sequence[LoraUse] = request.lora  # type: ignore[attr-defined]
         if not uses:
             return request
@@ -156,7 +156,7 @@ class GroupAdapters:
             if u.name not in self.adapter_names:
                 known = ", ".join(sorted(self.adapter_names)) or "none"
                 raise InvalidRequest(f"lora[{i}].name: unknown adapter {u.name!r} for {self.model} (loaded: {known})",
-                                     f"lora[{i}].name")
+                                     f"lora[{i}].name", status=404)  # a name of nothing loaded, as an unknown id
         if len({u.name for u in uses}) != len(uses):
             raise InvalidRequest("lora: an adapter is named twice; give it one scale", "lora")
         return request
@@ -167,13 +167,16 @@ class GroupAdapters:
 
     async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
         """Load ``source`` on every worker (all or none), and with a registry on every replica of the
-        group (``adapter_registry``). Raises ``AdapterRejected`` (HTTP 422) or ``AdapterConflict`` (409)."""
+        group (``adapter_registry``). Raises ``AdapterPathRefused`` (HTTP 403: a path outside
+        ``adapters.roots``), ``AdapterRejected`` (422) or ``AdapterConflict`` (409)."""
         if self.pool_config is None:
             raise AdapterRejected(f"adapter {source.name!r}: {self.model} serves no adapters (its group has no "
                                   "`adapters:` in the serve YAML)", source.name)
         if source.model != self.model:
             raise AdapterRejected(f"adapter {source.name!r} is for {source.model!r}, this group serves {self.model!r}",
                                   source.name)
+        if not self.pool_config.permits(source.path):  # before anything looks at the file
+            raise AdapterPathRefused(source.name)
         registry = self.adapter_registry
         if registry is None:
             return await self._load(source)
