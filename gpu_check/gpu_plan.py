@@ -109,17 +109,17 @@ PLAN: tuple[PlannedTest, ...] = (
                 expected_s=7, timeout_s=60, what="the CUDA platform's NVML fingerprint"),
     PlannedTest(match=_Z + "cogvideox-5b/", part=1, expected_s=40, timeout_s=120, device_gb=40,
                 what="analyzer vs max_memory_allocated, CogVideoX-5B 2 steps (analyzer peak 27.4 GB)"),
-    # part 2 (after a warm prep): the reference-image analyzer, seeded weights, residency, SP
+    # part 2 (after a warm prep): the reference-image analyzer, residency
     PlannedTest(match=_Z + "flux2/1024x1024x1/ref", part=2, expected_s=16, timeout_s=90, device_gb=FLUX2_WHOLE_GB,
                 what="analyzer vs max_memory_allocated, Flux.2 1024² with one 1024² reference image, 2 steps"),
-    PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=2, expected_s=13, timeout_s=60, device_gb=8,
-                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),
     PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220, needs=("shm",),
                 device_gb=FLUX2_WHOLE_GB,
                 what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
-    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=2, expected_s=6,
-                timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU)"),
     # part 3: what the 900 s leave out (a later run: `--part 3`)
+    PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=3, expected_s=13, timeout_s=60, device_gb=8,
+                what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),
+    PlannedTest(match="tests/parallel/test_sp_gpu.py::test_sp2_matches_sp1_over_nccl", part=3, expected_s=6,
+                timeout_s=120, what="SP=2 vs SP=1 over NCCL (skips on one GPU: the check's machine has one)"),
     PlannedTest(match=_Z + "cogvideox-5b-i2v", part=3, expected_s=40, timeout_s=120, device_gb=40,
                 what="analyzer vs max_memory_allocated, CogVideoX-5B-I2V 720x480x49 + first frame, 2 steps"),
     PlannedTest(match="tests/mitigation/test_offload_gpu.py::", part=3, expected_s=36, timeout_s=120,

@@ -56,7 +56,7 @@ def read_record(out: Path) -> dict[str, Any]:
     return json.loads(text)
 #: the modules whose tests need allocator_ext built (the armed allocator, stream-ordered frees in its CogVideoX
 #: check; out of memory under it)
-ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_memory_cuda.py")
+ALLOCATOR_MODULES = ("tests/gpu/test_allocator_gpu.py", "tests/gpu/test_out_of_memory_cuda.py", "tests/gpu/test_streams_cuda.py")
 #: named by the issue; every other package the GPU machine lacks is blocked too
 NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis")
 
@@ -181,11 +181,15 @@ def test_dry_run_without_ray_and_co_collects_every_gpu_test_and_lists_both_calls
     # found by marker: every module collected marks a test gpu, and no CPU test module is imported
     gpu_modules = set(gpu_collect.discover())
     assert {n.split("::")[0] for n in record["collected"]} == gpu_modules
-    # the stream-ordered frees (the armed CogVideoX-5B check), out of memory and the armed Flux.2 layout
-    # first; only the allocator's tests need the allocator's build
-    first = [t["nodeid"] for t in record["tests"][:3]]
-    assert [("cogvideox_720x480_armed" in n, "out_of_memory" in n, "flux2_1024_offload_plan" in n and "armed" in n)
-            for n in first] == [(True, False, False), (False, True, False), (False, False, True)], first
+    # the stream-ordered frees (the armed CogVideoX-5B check), out of memory, the CUDA error state after
+    # stream-ordered frees and failed host registrations, then the armed Flux.2 layout first; only the
+    # allocator's tests need the allocator's build
+    streams = sum(n.startswith("tests/gpu/test_streams_cuda.py::") for n in record["collected"])
+    first = [t["nodeid"] for t in record["tests"][:3 + streams]]
+    kinds = ["cogvideox" if "cogvideox_720x480_armed" in n else "oom" if "out_of_memory" in n else
+             "streams" if "test_streams_cuda.py" in n else "flux2" if "flux2_1024_offload_plan" in n and "armed" in n
+             else n for n in first]
+    assert streams >= 2 and kinds == ["cogvideox", "oom", *["streams"] * streams, "flux2"], first
     assert all(t["device_gb"] >= 80 for t in record["tests"] if "flux2/1024x1024x1" in t["nodeid"]), record["tests"]
     needs_allocator = {t["nodeid"].split("::")[0] for t in record["tests"] if "allocator" in t["needs"]}
     assert needs_allocator <= set(ALLOCATOR_MODULES) and "tests/gpu/test_allocator_gpu.py" in needs_allocator
