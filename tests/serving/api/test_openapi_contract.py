@@ -52,8 +52,8 @@ def _doc(served: RouterHarness) -> dict:
 
 
 def test_schemathesis_checks_all_finds_no_failure(served: RouterHarness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every phase schemathesis runs (examples, coverage, fuzzing; stateful has no links here) with
-    every check (``--checks all``: positive data accepted, negative data rejected, undeclared
+    """Every phase schemathesis runs (examples, coverage, fuzzing, stateful over the links it infers)
+    with every check (``--checks all``: positive data accepted, negative data rejected, undeclared
     methods 405 with Allow, statuses, headers and bodies as documented, ...): 0 failures."""
     import schemathesis
     from schemathesis.config import SchemathesisConfig
@@ -77,10 +77,12 @@ def test_schemathesis_checks_all_finds_no_failure(served: RouterHarness, monkeyp
         if isinstance(steps, int) and not isinstance(steps, bool) and FUZZ_MAX_STEPS < steps <= 200:
             body["num_inference_steps"] = FUZZ_MAX_STEPS  # still valid: the case stays what it was
 
+    doc = _doc(served)
     try:
         schema = schemathesis.openapi.from_asgi("/openapi.json", served.asgi_app(), config=config)
         failures: list[str] = []
         unmutated: list[str] = []  # schemathesis' own false positive (_unmutated_negative)
+        mislabelled: list[str] = []  # labelled positive, rejected by the document itself (_document_rejects)
         errors: list[str] = []
         cases = 0
         for event in from_schema(schema).execute():
@@ -92,14 +94,20 @@ def test_schemathesis_checks_all_finds_no_failure(served: RouterHarness, monkeyp
                             continue
                         line = (f"{event.label} {event.phase} [{case_id}] {c.name}: {c.failure_info.failure.title}: "
                                 f"{c.failure_info.failure.message[:300]} <- {c.failure_info.code_sample[:3000]}")
-                        meta = event.recorder.cases[case_id].value.meta
-                        (unmutated if _unmutated_negative(c.name, meta) else failures).append(line)
+                        case = event.recorder.cases[case_id].value
+                        if _unmutated_negative(c.name, case.meta):
+                            unmutated.append(line)
+                        elif c.name == "positive_data_acceptance" and _document_rejects(doc, case):
+                            mislabelled.append(line)
+                        else:
+                            failures.append(line)
             elif isinstance(event, events.NonFatalError | events.FatalError):
                 errors.append(str(getattr(event, "info", event)))
     finally:
         schemathesis.hooks.unregister(before_call)
     print(f"\nschemathesis --checks all in process: {cases} cases, {len(failures)} failures, {len(errors)} errors, "
-          f"{len(unmutated)} cases labelled negative with nothing negated", *unmutated, sep="\n")
+          f"{len(unmutated)} cases labelled negative with nothing negated, {len(mislabelled)} cases labelled "
+          "positive that the document rejects", *unmutated, *mislabelled, sep="\n")
     assert not errors, errors
     assert cases > 50 and failures == [], "\n".join(sorted(set(failures)))
 
@@ -115,6 +123,102 @@ def _unmutated_negative(check: str, meta) -> bool:  # type: ignore[no-untyped-de
     data = getattr(getattr(meta, "phase", None), "data", None)
     return (check == "negative_data_rejection" and getattr(data, "mutations", None) == ()
             and getattr(data, "description", None) == "Positive test case")
+
+
+def _as_sent(value: object) -> object:
+    """A generated body as JSON Schema sees it: a file part (``Binary``) is a string."""
+    from schemathesis.generation.value import Binary
+
+    if isinstance(value, Binary):
+        return ""
+    if isinstance(value, dict):
+        return {k: _as_sent(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_sent(v) for v in value]
+    return value
+
+
+def _document_rejects(doc: dict, case) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the case's body is invalid against the operation's own request schema in ``doc``.
+    schemathesis' stateful phase overlays literals it found in the application's source
+    ("constants", e.g. ``"redis"`` into a form's ``num_inference_steps``) onto a positive case,
+    checking each against the property's schema in the one ``anyOf`` branch it came from, which
+    leaves the base schema's ``type`` out; its whole-body re-check cannot read a file part and
+    passes. Such a case is not valid data, and the server is right to refuse it: counted and
+    printed, not failed. So is a form whose file field holds a text part or bytes that are not a
+    PNG, JPEG or WebP (an overlaid literal in place of the hooks' images): the document's schema
+    says ``format: binary`` and its description names the formats. A case the document accepts
+    that the server refuses still fails."""
+    import jsonschema_rs
+
+    op = doc["paths"].get(case.operation.path, {}).get(case.method.lower(), {})
+    content = op.get("requestBody", {}).get("content", {})
+    media = case.media_type or next(iter(content), None)
+    schema = content.get(media, {}).get("schema") if media else None
+    body = getattr(case.body, "body", case.body)  # a form with content types wraps its fields
+    if schema is None or not isinstance(body, dict):
+        return False
+    validator = jsonschema_rs.Draft202012Validator({**schema, "components": doc["components"]})
+    return not validator.is_valid(_as_sent(body)) or not all(_is_image_file(v) for v in _file_parts(doc, schema, body))
+
+
+def _file_parts(doc: dict, schema: dict, body: dict) -> list[object]:
+    """The values of a form's file fields (``format: binary``, or an array of them)."""
+    name = schema.get("$ref", "").rsplit("/", 1)[-1]
+    props = doc["components"]["schemas"].get(name, {}).get("properties", {})
+    out: list[object] = []
+    for field, prop in props.items():
+        if field not in body:
+            continue
+        if prop.get("format") == "binary":
+            out.append(body[field])
+        elif prop.get("items", {}).get("format") == "binary":
+            out += body[field] if isinstance(body[field], list) else [body[field]]
+    return out
+
+
+def _is_image_file(value: object) -> bool:
+    """A file part the document describes: bytes of a PNG, JPEG or WebP (what a JSON Schema cannot
+    say; the descriptions do). A text part, or bytes of anything else, is not one."""
+    import io
+
+    from PIL import Image
+    from schemathesis.generation.value import Binary
+
+    if not isinstance(value, Binary):
+        return False
+    try:
+        with Image.open(io.BytesIO(value.data)) as im:
+            return im.format in ("PNG", "JPEG", "WEBP")
+    except Exception:
+        return False
+
+
+def test_a_case_the_document_rejects_is_told_apart_from_one_it_accepts(served: RouterHarness) -> None:
+    """The filter above names only schema-invalid bodies: the CI run's case (a form's
+    ``num_inference_steps: "redis"``) is rejected by the document; the same form with an integer is not."""
+    import io
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from schemathesis.generation.value import Binary
+
+    doc = _doc(served)
+    op = SimpleNamespace(path="/v1/images/edits")
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(png, format="PNG")
+    form = {"model": "tiny-flux2", "prompt": "a fox", "size": "64x64", "image": [Binary(png.getvalue())],
+            "num_inference_steps": 4}
+    ok = SimpleNamespace(operation=op, method="POST", media_type="multipart/form-data", body=form)
+    bad = SimpleNamespace(operation=op, method="POST", media_type="multipart/form-data",
+                          body={**form, "num_inference_steps": "redis"})
+    assert not _document_rejects(doc, ok) and _document_rejects(doc, bad)
+    for not_an_image in (["mitigations"], [Binary(b"\x89PNG")]):  # a text part; bytes that decode as nothing
+        assert _document_rejects(doc, SimpleNamespace(**{**vars(ok), "body": {**form, "image": not_an_image}}))
+    ltx = SimpleNamespace(operation=SimpleNamespace(path="/v1/videos"), method="POST", media_type="application/json",
+                          body={"model": "tiny-ltx2", "prompt": "p", "size": "64x64"})
+    assert not _document_rejects(doc, ltx)
+    assert _document_rejects(doc, SimpleNamespace(**{**vars(ltx), "body": {**ltx.body, "input_reference": "mitigations"}}))
 
 
 def test_an_undeclared_method_is_405_with_allow(served: RouterHarness) -> None:
