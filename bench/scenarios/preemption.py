@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from bench.scenarios.serve_app import running_app
 from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
 
@@ -240,5 +240,5 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
 def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:
     """The simulator's decisions on the same trace, in the live run's terms (request ids differ
     between the two: the router names live requests)."""
-    res = simulate(table, trace, preemption=True)
+    res = simulate(table, trace, SimulationConfig(preemption=True))
     return [(d.kind, d.template, len(d.by)) for d in res.decisions]

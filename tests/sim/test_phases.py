@@ -17,7 +17,7 @@ from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def _sim(short_at: float, phases: dict[str, PhaseShares] | None, table: PlanTabl
          park_overhead_s: float = 0.0) -> dict[str, float]:
     arrivals = [Arrival(t=0.0, template=LONG.shape_key, request_id="L"),
                 Arrival(t=short_at, template=SHORT.shape_key, request_id="S")]
-    r = simulate(table or _table(), arrivals, preemption=True, phases=phases, park_overhead_s=park_overhead_s)
+    r = simulate(table or _table(), arrivals,
+                 SimulationConfig(preemption=True, phases=phases, park_overhead_s=park_overhead_s))
     assert r.preemptions == (1 if r.latency_by_request["S"] < 20 else 0)
     return {k: v.latencies_s[0] for k, v in r.per_template.items()}
 

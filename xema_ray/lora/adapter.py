@@ -164,6 +164,61 @@ def _alpha(meta: dict[str, Any], comp: str, module: str, rank: int) -> float | N
     return float(alpha) / rank if alpha is not None else None
 
 
+def _factor_pairs(state: dict[str, torch.Tensor],
+                  components: dict[str, nn.Module]) -> tuple[dict[tuple[str, str], dict[str, torch.Tensor]], list[str]]:
+    """The converted keys grouped per (component, module path) into ``lora_A`` / ``lora_B`` /
+    ``alpha``; and the keys that name no adapted component or are no such factor, in key order."""
+    pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    unknown: list[str] = []
+    for key in sorted(state):
+        comp, _, rest = key.partition(".")
+        if comp not in components or not rest:
+            unknown.append(key)
+            continue
+        for part in ("lora_A", "lora_B"):
+            if rest.endswith(f".{part}.weight"):
+                pairs.setdefault((comp, rest.removesuffix(f".{part}.weight")), {})[part] = state[key]
+                break
+        else:
+            if rest.endswith(".alpha"):
+                pairs.setdefault((comp, rest.removesuffix(".alpha")), {})["alpha"] = state[key]
+            else:
+                unknown.append(key)  # lora_magnitude (DoRA), lokr factors, biases: not served
+    return pairs, unknown
+
+
+def _checked_layer(name: str, comp: str, module: str, parts: dict[str, torch.Tensor], layer: nn.Module,
+                   max_rank: int, meta: dict[str, Any], dtype: torch.dtype) -> LoraLayer:
+    """One layer's factors, checked against the model's ``layer`` (a linear one, both factors, the
+    shapes, the rank, finite values), and its scale (the file's alpha / rank, else 1)."""
+    key = f"{comp}.{module}.lora_A.weight"
+    if not isinstance(layer, nn.Linear):
+        raise AdapterRejected(f"adapter {name!r}: key {key!r} targets a {type(layer).__name__}; only linear "
+                              "layers are adapted", name, key)
+    if "lora_A" not in parts or "lora_B" not in parts:
+        missing = "lora_B" if "lora_A" in parts else "lora_A"
+        raise AdapterRejected(f"adapter {name!r}: key {key!r} has no {missing} partner", name, key)
+    a, b = parts["lora_A"], parts["lora_B"]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != layer.in_features or b.shape[0] != layer.out_features \
+            or a.shape[0] != b.shape[1]:
+        raise AdapterRejected(
+            f"adapter {name!r}: key {key!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; layer {comp}.{module} "
+            f"needs A [r, {layer.in_features}] and B [{layer.out_features}, r] (an adapter for another model or size?)",
+            name, key)
+    rank = int(a.shape[0])
+    if rank > max_rank:
+        raise AdapterRejected(f"adapter {name!r}: key {key!r} has rank {rank}, above the pool's max_rank {max_rank}",
+                              name, key)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterRejected(f"adapter {name!r}: key {key!r} holds non-finite values", name, key)
+    if "alpha" in parts:
+        scale = float(parts["alpha"].float().item()) / rank
+    else:
+        found = _alpha(meta, comp, module, rank)
+        scale = 1.0 if found is None else found
+    return LoraLayer(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
+
+
 def read_adapter(source: AdapterSource, pipe_cls: type, components: dict[str, nn.Module], max_rank: int,
                  max_unknown_keys: int = 0, dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Read ``source``'s file and check it against the loaded model.
@@ -191,55 +246,15 @@ def read_adapter(source: AdapterSource, pipe_cls: type, components: dict[str, nn
     if not tensors:
         raise AdapterRejected(f"adapter {name!r}: {p.name} holds no tensors", name)
     state = _convert(source, pipe_cls, tensors)
-    pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    unknown: list[str] = []
-    for key in sorted(state):
-        comp, _, rest = key.partition(".")
-        if comp not in components or not rest:
-            unknown.append(key)
-            continue
-        for part in ("lora_A", "lora_B"):
-            if rest.endswith(f".{part}.weight"):
-                pairs.setdefault((comp, rest.removesuffix(f".{part}.weight")), {})[part] = state[key]
-                break
-        else:
-            if rest.endswith(".alpha"):
-                pairs.setdefault((comp, rest.removesuffix(".alpha")), {})["alpha"] = state[key]
-            else:
-                unknown.append(key)  # lora_magnitude (DoRA), lokr factors, biases: not served
+    pairs, unknown = _factor_pairs(state, components)
     adapter = LoraAdapter(name=name, model=source.model)
     modules = {c: dict(m.named_modules()) for c, m in components.items()}
     for (comp, module), parts in sorted(pairs.items()):
-        key = f"{comp}.{module}.lora_A.weight"
         layer = modules[comp].get(module)
         if layer is None:
-            unknown.append(key)
+            unknown.append(f"{comp}.{module}.lora_A.weight")
             continue
-        if not isinstance(layer, nn.Linear):
-            raise AdapterRejected(f"adapter {name!r}: key {key!r} targets a {type(layer).__name__}; only linear "
-                                  "layers are adapted", name, key)
-        if "lora_A" not in parts or "lora_B" not in parts:
-            missing = "lora_B" if "lora_A" in parts else "lora_A"
-            raise AdapterRejected(f"adapter {name!r}: key {key!r} has no {missing} partner", name, key)
-        a, b = parts["lora_A"], parts["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != layer.in_features or b.shape[0] != layer.out_features \
-                or a.shape[0] != b.shape[1]:
-            raise AdapterRejected(
-                f"adapter {name!r}: key {key!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; layer {comp}.{module} "
-                f"needs A [r, {layer.in_features}] and B [{layer.out_features}, r] (an adapter for another model or size?)",
-                name, key)
-        rank = int(a.shape[0])
-        if rank > max_rank:
-            raise AdapterRejected(f"adapter {name!r}: key {key!r} has rank {rank}, above the pool's max_rank {max_rank}",
-                                  name, key)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterRejected(f"adapter {name!r}: key {key!r} holds non-finite values", name, key)
-        if "alpha" in parts:
-            scale = float(parts["alpha"].float().item()) / rank
-        else:
-            found = _alpha(meta, comp, module, rank)
-            scale = 1.0 if found is None else found
-        adapter.layers[f"{comp}.{module}"] = LoraLayer(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
+        adapter.layers[f"{comp}.{module}"] = _checked_layer(name, comp, module, parts, layer, max_rank, meta, dtype)
     if len(unknown) > max_unknown_keys:
         first = unknown[0]
         raise AdapterRejected(

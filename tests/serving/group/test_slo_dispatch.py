@@ -8,7 +8,7 @@ from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPredi
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 
 ONE = DispatchPlan(batch=1, sp=1, slo_s=12, latency_s=10)
@@ -104,7 +104,7 @@ def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
     r = simulate(table, arrivals)
     assert (r.sent, r.met, r.shed) == (4, 2, 2)  # r2 shed, r4 refused; r1 and r3 meet their SLO
     assert r.attainment == 0.5
-    plain = simulate(table, arrivals, admission=False)
+    plain = simulate(table, arrivals, SimulationConfig(admission=False))
     assert plain.shed == 0 and plain.met == 1  # r1 only: r2 runs late and makes r4 and r3 miss
 
 
