@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.scenarios.factories import plan_entry
 from xema_ray.host_budget import HostBytes, NodeHost
-from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanPrediction, PlanTable, TextEncoderChoice
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
 from planner.cli import main as planner
@@ -51,9 +52,8 @@ def _entry(blocks: tuple[int, ...], goodput: float, encoder: str = "streamed") -
     from xema_ray.plan import Mitigation
 
     mit = (Mitigation(kind="block_offload", blocks=blocks, intensity=len(blocks)),) if blocks else ()
-    return PlanEntry(config=ExecutionConfig(template=T, mitigations=mit, text_encoder=encoder),  # type: ignore[arg-type]
-                     prediction=PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=goodput, slo_s=10.0,
-                                               latency_source="estimated"))
+    return plan_entry(T, mitigations=mit, text_encoder=encoder, peak_bytes=1, latency_s=1.0, goodput_rps=goodput,
+                      slo_s=10.0, latency_source="estimated")
 
 
 def _refinish(device_fits: bool):  # type: ignore[no-untyped-def]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
@@ -106,11 +107,10 @@ def _table() -> PlanTable:
     short_t = RequestTemplate(model="cogvideox-5b", width=1280, height=720, frames=49, steps=50)
 
     def entry(t: RequestTemplate, latency: float, slo: float, pause: int | None) -> PlanEntry:
-        return PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-            peak_bytes=40 * GB, latency_s=latency, goodput_rps=1 / latency, slo_s=slo, latency_source="estimated",
-            pause_bytes=pause))
-    return PlanTable(hardware="sim", gpus=1, budget_bytes=48 * GB, entries={
-        long_t.shape_key: entry(long_t, 1000.0, 5000.0, 2 * GB), short_t.shape_key: entry(short_t, 60.0, 180.0, 1 * GB)})
+        return plan_entry(t, peak_bytes=40 * GB, latency_s=latency, goodput_rps=1 / latency, slo_s=slo,
+                          latency_source="estimated", pause_bytes=pause)
+    return plan_table([entry(long_t, 1000.0, 5000.0, 2 * GB), entry(short_t, 60.0, 180.0, 1 * GB)],
+                      hardware="sim", budget_bytes=48 * GB)
 
 
 @settings(max_examples=40, deadline=None)

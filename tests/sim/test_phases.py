@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.scenarios.factories import plan_entry, plan_table
 from bench.scenarios.group_harness import entry, running_group
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.scheduling.batch import DispatchPlan
@@ -66,11 +67,9 @@ LONG_SHARES = PhaseShares(text=0.1, denoise=0.5, decode_encode=0.4)
 
 def _table(budget: int = 48 * GB, pause_bytes: int = GB) -> PlanTable:
     def e(t: RequestTemplate, latency: float, slo: float) -> PlanEntry:
-        return PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-            peak_bytes=10 * GB, pause_bytes=pause_bytes, latency_s=latency, goodput_rps=1.0, slo_s=slo,
-            latency_source="estimated"))
-    return PlanTable(hardware="cpu", gpus=1, budget_bytes=budget,
-                     entries={LONG.shape_key: e(LONG, 100.0, 1000.0), SHORT.shape_key: e(SHORT, 5.0, 12.0)})
+        return plan_entry(t, peak_bytes=10 * GB, pause_bytes=pause_bytes, latency_s=latency, slo_s=slo,
+                          latency_source="estimated")
+    return plan_table([e(LONG, 100.0, 1000.0), e(SHORT, 5.0, 12.0)], budget_bytes=budget)
 
 
 def _sim(short_at: float, phases: dict[str, PhaseShares] | None, table: PlanTable | None = None,

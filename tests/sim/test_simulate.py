@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import PlanTable
 from xema_ray.sim.simulate import Arrival, SimulationConfig, poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate
 
@@ -11,11 +12,8 @@ B = RequestTemplate(model="tiny-flux2", height=128, width=128, steps=4)
 
 
 def table(batch: int = 1, sp: int = 1, gpus: int = 2, latency: float = 1.0, slo: float = 2.5) -> PlanTable:
-    def entry(t: RequestTemplate) -> PlanEntry:
-        cfg = ExecutionConfig(template=t, ulysses=sp, dp=gpus // sp, batch=batch)
-        return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=1, latency_s=latency, goodput_rps=1,
-                                                                slo_s=slo, latency_source="estimated"))
-    return PlanTable(hardware="cpu", gpus=gpus, budget_bytes=10**9, entries={A.shape_key: entry(A)})
+    return plan_table([plan_entry(A, ulysses=sp, dp=gpus // sp, batch=batch, peak_bytes=1, latency_s=latency,
+                                  slo_s=slo, latency_source="estimated")], gpus=gpus)
 
 
 def test_light_load_meets_every_slo() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
@@ -95,10 +96,9 @@ def test_refused_templates_are_refused_at_submit_as_overflow() -> None:
 def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
     t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4)
     u = t.with_(height=128, width=128)
-    entry = {x.shape_key: PlanEntry(config=ExecutionConfig(template=x), prediction=PlanPrediction(
-        peak_bytes=1, latency_s=10, goodput_rps=0.1, slo_s=12, latency_source="estimated")) for x in (t, u)}
-    table = PlanTable(hardware="cpu:1", gpus=1, budget_bytes=10**9, entries=entry,
-                      admission={"tiny-flux2": AdmissionPolicy(late="shed", refused=(u.shape_key,))})
+    table = plan_table([plan_entry(x, peak_bytes=1, latency_s=10, goodput_rps=0.1, slo_s=12, latency_source="estimated")
+                        for x in (t, u)], hardware="cpu:1",
+                       admission={"tiny-flux2": AdmissionPolicy(late="shed", refused=(u.shape_key,))})
     arrivals = [Arrival(t=0.0, template=t.shape_key, request_id="r1"), Arrival(t=1.0, template=t.shape_key, request_id="r2"),
                 Arrival(t=9.5, template=t.shape_key, request_id="r3"), Arrival(t=2.0, template=u.shape_key, request_id="r4")]
     r = simulate(table, arrivals)
