@@ -2,8 +2,9 @@
 (``--host-budget``, per node).
 
 Once every group is finished (residency, text-encoder placement), the node's host memory is added
-up the way the workers will hold it (``xema_ray.runtime.host_bytes``: the loader's own exact
-buffers; one shared segment per group where workers share them, on GPUs): one replica of each
+up the way the workers will hold it (``xema_ray.runtime.host_bytes.config_host_bytes``: the loader's
+own exact buffers for every pass that pins, the expert switch included; one shared segment per
+group where workers share them, on GPUs): one replica of each
 group on one node, every worker loading at once. Within the budget the table is kept as it is.
 Over it, the planner gives up the least goodput per byte saved, one change at a time:
 
@@ -21,8 +22,7 @@ from collections.abc import Callable
 
 from xema_ray.host_budget import GroupHost, HostBytes, NodeHost, fmt_bytes
 from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
-from xema_ray.runtime.host_bytes import worker_host_bytes
-from xema_ray.runtime.residency import Residency
+from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
 
 
 class HostBudgetError(ValueError):
@@ -38,14 +38,8 @@ def node_host(entries: dict[str, PlanEntry], residency: dict[str, GroupResidency
         by_model.setdefault(e.config.template.model, []).append(e)
     groups = []
     for model, es in sorted(by_model.items()):
-        res = [Residency.of_config(e.config) for e in es]
-        if model in residency and residency[model].policy == "shared":
-            res = [Residency.union(res)]
-        worker: HostBytes | None = None
-        for r in res:
-            for e in es:
-                h = worker_host_bytes(e.config.template.spec, r, e.config.text_encoder, share)
-                worker = h if worker is None else worker.max(h)
+        shared = model in residency and residency[model].policy == "shared"
+        worker = group_worker_host_bytes([e.config for e in es], shared, share)
         assert worker is not None
         groups.append(GroupHost(model=model, workers=group_gpus.get(model, gpus), worker=worker))
     return NodeHost.of(groups, budget_bytes)
@@ -55,7 +49,7 @@ def with_host(entries: dict[str, PlanEntry], share: bool = True) -> dict[str, Pl
     """The entries with their workers' host figures recorded in their predictions."""
     out = {}
     for k, e in entries.items():
-        h = worker_host_bytes(e.config.template.spec, Residency.of_config(e.config), e.config.text_encoder, share)
+        h = config_host_bytes(e.config, share)
         out[k] = e.model_copy(update={"prediction": e.prediction.model_copy(update={"host": h})})
     return out
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -183,16 +183,19 @@ class WanSpec(ModelSpec):
                 "final_sigmas_type": "zero", "timestep_spacing": "linspace", "beta_schedule": "linear",
                 "beta_start": 0.0001, "beta_end": 0.02}
 
-    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
+    def expert_stages(self, t: RequestTemplate, scheduler_config: Mapping[str, Any] | None = None
+                      ) -> tuple[ExpertStage, ...]:
         """Which transformer runs which denoising steps: the pipeline's own rule (``t >= boundary``
-        runs ``transformer``), on the schedule the scheduler makes for ``t.steps`` (UniPC at
-        the spec's shift; a checkpoint with another shift moves the switch, which the worker's
-        swap follows: it switches at the low-noise expert's first call)."""
+        runs ``transformer``), on the schedule the scheduler makes for ``t.steps``: UniPC at
+        ``scheduler_config``'s shift (the scheduler the pipeline loaded: a checkpoint's own
+        ``scheduler_config.json`` wins, e.g. the published repository's ``flow_shift`` 3.0), else at
+        the spec's. The worker's swap places its prefetch and switch on the loaded scheduler's split
+        at the batch's step count (``xema_ray.mitigation.expert_swap.apply_expert_swap``)."""
         if not self.two_experts:
             return super().expert_stages(t)
         from diffusers import UniPCMultistepScheduler
 
-        sched = UniPCMultistepScheduler.from_config(self.scheduler_config)
+        sched = UniPCMultistepScheduler.from_config(dict(scheduler_config or self.scheduler_config))
         sched.set_timesteps(t.steps, device="cpu")
         boundary = self.sampling.boundary_ratio * sched.config.num_train_timesteps  # type: ignore[operator]
         high = int(sum(1 for ts in sched.timesteps.tolist() if ts >= boundary))

@@ -357,7 +357,9 @@ class ExecutionEngine:
             if config.experts is not None:
                 from xema_ray.mitigation.expert_swap import apply_expert_swap
 
-                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
+                # the switch and the prefetch at the batch's own step count, on the loaded scheduler
+                at_steps = config.template.model_copy(update={"steps": steps})
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, at_steps, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 layout = env.enter_context(self.arm_layout(config.layout_ref, steps))
