@@ -19,10 +19,14 @@ found needs, per group, against the budget.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xema_ray.host_budget import GroupHost, HostBytes, NodeHost, fmt_bytes
-from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
 from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
+
+if TYPE_CHECKING:
+    from planner.finishing import GroupState as Finished
 
 
 class HostBudgetError(ValueError):
@@ -61,10 +65,9 @@ def with_node_host(table: PlanTable, share: bool, budget_bytes: int | None) -> P
     return table.model_copy(update={"entries": entries, "host": node})
 
 
-#: a model group's planned entries finished (residency, text encoders), each template's encoder
-#: limited to the placements given for it: (entries to serve, the group's residency)
-Finished = tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]
-Refinish = Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], Finished]
+#: a model group's planned entries finished (``planner.finishing.GROUP_PASSES``: residency, text
+#: encoders, expert switch), each template's encoder limited to the placements given for it
+Refinish = Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], "Finished"]
 
 
 def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[PlanEntry]], refinish: Refinish,
@@ -84,8 +87,8 @@ def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[Pl
         return refinish(model, group, {k: v for k, v in allowed_.items() if k in group})
 
     def node_of(fin: dict[str, Finished]) -> NodeHost:
-        entries = {k: e for es, _, _ in fin.values() for k, e in es.items()}
-        res = {m: r for m, (_, r, _) in fin.items() if r is not None}
+        entries = {k: e for f in fin.values() for k, e in f.entries.items()}
+        res = {m: f.residency for m, f in fin.items() if f.residency is not None}
         return node_host(entries, res, group_gpus, gpus, budget_bytes, share)
 
     for m in models:
@@ -99,7 +102,7 @@ def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[Pl
         for k, e in raw.items():
             model = e.config.template.model
             moves: list[tuple[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]]] = []
-            if finished[model][0][k].config.text_encoder in ("streamed", "cpu"):
+            if finished[model].entries[k].config.text_encoder in ("streamed", "cpu"):
                 moves.append(("encoder", raw, {**allowed, k: ("device",)}))
             for i, c in enumerate(candidates.get(k, [])):
                 if c.config != e.config:
@@ -112,8 +115,8 @@ def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[Pl
                 saved = node.load_peak_bytes - n.load_peak_bytes
                 if saved <= 0:
                     continue
-                lost = (sum(x.prediction.goodput_rps for x in finished[model][0].values())
-                        - sum(x.prediction.goodput_rps for x in trial[model][0].values()))
+                lost = (sum(x.prediction.goodput_rps for x in finished[model].entries.values())
+                        - sum(x.prediction.goodput_rps for x in trial[model].entries.values()))
                 score = max(lost, 0.0) / saved
                 if best is None or score < best[0]:
                     best = (score, (k, name), raw_, allowed_, trial, n)
