@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from xema_ray.models.base import BuildOptions, ExpertStage, ModelSize, ModelSpec
+from xema_ray.models.options import OptionRules
 from xema_ray.models.text_encoders import EncoderChoice
 from xema_ray.models.cost import BlockCost
 
@@ -296,8 +297,16 @@ class WanSpec(ModelSpec):
             "max_sequence_length": self.text_tokens,
         }
         if self.two_experts:
-            kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2
+            # the low-noise expert's: the Wan team's default, or the request's guidance_scale where it
+            # gives one (diffusers' WanPipeline defaults guidance_scale_2 to guidance_scale); a
+            # request's own guidance_scale_2 replaces it (``ExecutionEngine.run_pipeline``)
+            kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2 if guidance_scale is None else guidance_scale
         return kwargs
+
+    def option_rules(self) -> OptionRules:
+        """The base rules; a two-expert model (A14B) also takes ``guidance_scale_2``, the low-noise
+        expert's guidance, in the same range."""
+        return super().option_rules().model_copy(update={"guidance_scale_2": self.two_experts})
 
     def vae_decoder_levels(self) -> tuple[list[int], list[int]]:
         """The Wan VAE decoder: ``base_dim x dim_mult`` channels from the lowest resolution up,

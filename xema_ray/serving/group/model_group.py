@@ -330,9 +330,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         """Run an assignment on its workers (requests with different guidance as sub-batches): the
         outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
-        by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
-        for r in a.requests:
-            by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
+        by_guidance: dict[tuple[float | None, float | None], list[Pending[_Ticket]]] = {}
+        for r in a.requests:  # both experts' guidance (guidance_scale_2: a two-expert model's)
+            by_guidance.setdefault((_ticket(r).guidance_scale, _ticket(r).request.guidance_scale_2), []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
         parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
@@ -351,7 +351,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
-    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry,
+                                 guidance: tuple[float | None, float | None], reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
         """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
         before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
@@ -373,7 +374,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
-                      guidance_scale=guidance, steps=steps)
+                      guidance_scale=guidance[0], guidance_scale_2=guidance[1], steps=steps)
         t0 = time.monotonic()
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)
