@@ -70,6 +70,7 @@ class _Ticket:
     guidance_scale: float | None
     future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
+    guidance_scale_2: float | None = None  # a two-expert model's low-noise expert guidance
 
 
 def _ticket(r: Pending[_Ticket]) -> _Ticket:
@@ -248,7 +249,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut), steps=req.steps)
+                                   _Ticket(request, req.guidance_scale, fut, guidance_scale_2=req.guidance_scale_2),
+                                   steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -263,7 +265,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             return True
         await self.adapters_for(req.lora)
         request = self._admit(req)
-        ticket = _Ticket(request, req.guidance_scale, None, job_id)
+        ticket = _Ticket(request, req.guidance_scale, None, job_id, req.guidance_scale_2)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
                                                                                  ticket, steps=req.steps)):
@@ -332,7 +334,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
         by_guidance: dict[tuple[float | None, float | None], list[Pending[_Ticket]]] = {}
         for r in a.requests:  # both experts' guidance (guidance_scale_2: a two-expert model's)
-            by_guidance.setdefault((_ticket(r).guidance_scale, _ticket(r).request.guidance_scale_2), []).append(r)
+            by_guidance.setdefault((_ticket(r).guidance_scale, _ticket(r).guidance_scale_2), []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
         parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
