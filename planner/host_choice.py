@@ -19,14 +19,11 @@ found needs, per group, against the budget.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from xema_ray.host_budget import GroupHost, HostBytes, NodeHost, fmt_bytes
 from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
 from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
-
-if TYPE_CHECKING:
-    from planner.finishing import GroupState as Finished
 
 
 class HostBudgetError(ValueError):
@@ -65,28 +62,39 @@ def with_node_host(table: PlanTable, share: bool, budget_bytes: int | None) -> P
     return table.model_copy(update={"entries": entries, "host": node})
 
 
-#: a model group's planned entries finished (``planner.finishing.GROUP_PASSES``: residency, text
-#: encoders, expert switch), each template's encoder limited to the placements given for it
-Refinish = Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], "Finished"]
+class Finished(Protocol):
+    """A model group's planned entries finished (``planner.finishing.GroupState``: by its
+    ``GROUP_PASSES``, residency, text encoders, expert switch)."""
+
+    @property
+    def entries(self) -> dict[str, PlanEntry]: ...
+
+    @property
+    def residency(self) -> GroupResidency | None: ...
 
 
-def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[PlanEntry]], refinish: Refinish,
+F = TypeVar("F", bound=Finished)
+
+
+def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[PlanEntry]],
+                    refinish: Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], F],
                     group_gpus: dict[str, int], gpus: int, budget_bytes: int, share: bool = True,
-                    max_changes: int = 64) -> tuple[dict[str, Finished], NodeHost]:
+                    max_changes: int = 64) -> tuple[dict[str, F], NodeHost]:
     """The finished entries and residencies of the plans whose node fits ``budget_bytes``, from
     the tasks' choices (``planned``) and their other candidates, giving up the least goodput per
-    byte saved (per model: what ``refinish`` made of the kept plans); raises ``HostBudgetError``
+    byte saved (per model: what ``refinish`` made of the kept plans, each template's encoder
+    limited to the placements given for it); raises ``HostBudgetError``
     when no change brings the node within."""
     raw = dict(planned)
     allowed: dict[str, tuple[str, ...]] = {}
     models = sorted({e.config.template.model for e in raw.values()})
-    finished: dict[str, Finished] = {}
+    finished: dict[str, F] = {}
 
-    def finish(model: str, raw_: dict[str, PlanEntry], allowed_: dict[str, tuple[str, ...]]) -> Finished:
+    def finish(model: str, raw_: dict[str, PlanEntry], allowed_: dict[str, tuple[str, ...]]) -> F:
         group = {k: e for k, e in raw_.items() if e.config.template.model == model}
         return refinish(model, group, {k: v for k, v in allowed_.items() if k in group})
 
-    def node_of(fin: dict[str, Finished]) -> NodeHost:
+    def node_of(fin: dict[str, F]) -> NodeHost:
         entries = {k: e for f in fin.values() for k, e in f.entries.items()}
         res = {m: f.residency for m, f in fin.items() if f.residency is not None}
         return node_host(entries, res, group_gpus, gpus, budget_bytes, share)

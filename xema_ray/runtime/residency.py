@@ -146,9 +146,12 @@ def _block_sizes(model: str) -> tuple[int, ...]:
 
 
 def residency_host_bytes(spec: ModelSpec, residency: Residency) -> int:
-    """Host memory a worker of ``spec`` holds for ``residency`` (pinned on CUDA)."""
+    """Host memory a worker of ``spec`` holds for ``residency``'s blocks (pinned on CUDA): its
+    host blocks and the expert switch's leading blocks of both experts (tensor bytes; the loader's
+    exact buffers: ``xema_ray.runtime.host_bytes``)."""
     sizes = block_sizes(spec)
-    return sum(sizes[i] for i in residency.host_blocks)
+    first = set(residency.host_blocks) | set(range(residency.expert_blocks))
+    return sum(sizes[i] for i in first) + sum(sizes[:residency.expert_blocks])
 
 
 def switch_bytes(sizes: list[int], current: Residency, target: Residency) -> int:

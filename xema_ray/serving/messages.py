@@ -100,6 +100,11 @@ class QueueFull(RuntimeError):
         return str(self.args[0])
 
 
+#: a request's guidance scales: ``guidance_scale`` and a two-expert model's ``guidance_scale_2``
+#: (its model group batches requests of one pair together)
+Guidance = tuple[float | None, float | None]
+
+
 class GroupRequest(BaseModel):
     """One request for a model group: the Router's ``generate`` (a synchronous request) or the job
     reconciler's ``submit_job`` (a video job: ``request_id`` is the job's id). Its values are
@@ -123,6 +128,11 @@ class GroupRequest(BaseModel):
                                    "the Router checked the model's range: ``xema_ray.models.options``)")
     quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the quality tier the request runs at "
                                  "(the API's ``quality`` resolved against the template's served tiers)")
+
+    @property
+    def guidance(self) -> Guidance:
+        """Both experts' guidance scales (None: the model's default; the second: the first's)."""
+        return self.guidance_scale, self.guidance_scale_2
 
     def check_references(self, wants: int) -> None:
         """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's

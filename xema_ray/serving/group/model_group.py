@@ -44,7 +44,7 @@ from xema_ray.serving.group.adapters import GroupAdapters
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
-                                       InvalidRequest, QueueFull)
+                                       Guidance, InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
@@ -67,10 +67,9 @@ WORKER_CONCURRENCY = 4
 @dataclass
 class _Ticket:
     request: GenerationRequest  # validated on arrival
-    guidance_scale: float | None
+    guidance: Guidance  # both experts' scales (``GroupRequest.guidance``)
     future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
-    guidance_scale_2: float | None = None  # a two-expert model's low-noise expert guidance
 
 
 def _ticket(r: Pending[_Ticket]) -> _Ticket:
@@ -249,8 +248,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut, guidance_scale_2=req.guidance_scale_2),
-                                   steps=req.steps)
+                                   _Ticket(request, req.guidance, fut), steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -265,7 +263,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             return True
         await self.adapters_for(req.lora)
         request = self._admit(req)
-        ticket = _Ticket(request, req.guidance_scale, None, job_id, req.guidance_scale_2)
+        ticket = _Ticket(request, req.guidance, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
                                                                                  ticket, steps=req.steps)):
@@ -332,9 +330,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         """Run an assignment on its workers (requests with different guidance as sub-batches): the
         outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
-        by_guidance: dict[tuple[float | None, float | None], list[Pending[_Ticket]]] = {}
-        for r in a.requests:  # both experts' guidance (guidance_scale_2: a two-expert model's)
-            by_guidance.setdefault((_ticket(r).guidance_scale, _ticket(r).guidance_scale_2), []).append(r)
+        by_guidance: dict[Guidance, list[Pending[_Ticket]]] = {}
+        for r in a.requests:
+            by_guidance.setdefault(_ticket(r).guidance, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
         parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
@@ -353,8 +351,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
-    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry,
-                                 guidance: tuple[float | None, float | None], reqs: list[
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: Guidance, reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
         """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
         before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
