@@ -25,6 +25,10 @@ request's start.
 Compute times are the roofline cost model's (``xema_ray.profiling.costmodel``), memory is the
 trace's with the runtime allocator's margins (``xema_ray.allocator.margins``); every figure here
 is a prediction.
+
+The planner makes the choice a template's entry in its model group's last group pass
+(``switch_group``, ``planner.finishing``), so the static layout, the residency and the node's host
+memory (both experts pinned: ``xema_ray.runtime.host_bytes.config_host_bytes``) are the switch's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
 from xema_ray.memory.analysis import ExpertUse, expert_uses
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation, PlanEntry, PlanPrediction
 from xema_ray.profiling.costmodel import cost_model_estimate
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.runtime.residency import block_sizes

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from xema_ray.host_budget import GroupHost, HostBytes, NodeHost, fmt_bytes
+from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
 from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
 from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
 
