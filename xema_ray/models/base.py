@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -400,8 +400,10 @@ class ModelSpec(ReferenceInputs, ABC):
         """``settling_steps`` for ``t`` (a model whose image path settles later says so per template)."""
         return self.settling_steps
 
-    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
-        """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""
+    def expert_stages(self, t: RequestTemplate, scheduler_config: Mapping[str, Any] | None = None
+                      ) -> tuple[ExpertStage, ...]:
+        """Which transformer component runs which denoising steps (one stage: ``transformer``, all);
+        ``scheduler_config``: the scheduler the pipeline loaded (None: the spec's own)."""
         return (ExpertStage(component="transformer", first_step=0, last_step=t.steps - 1),)
 
     def one_expert_call(self, pipe: Any) -> contextlib.AbstractContextManager[None]:

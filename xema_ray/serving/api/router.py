@@ -178,6 +178,7 @@ class Router(AdapterEndpoints):
         # error, or Serve's controller reporting no running replica) — never because it is slow
         response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
                                                        seed=seed, guidance_scale=opts.guidance_scale,
+                                                       guidance_scale_2=opts.guidance_scale_2,
                                                        negative_prompt=opts.negative_prompt, steps=opts.steps,
                                                        quality=opts.quality,
                                                        references=references, lora=tuple(lora or ())))

@@ -156,7 +156,8 @@ class VideoJobs:
         store = self.store()
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
-                        guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
+                        guidance_scale=opts.guidance_scale, guidance_scale_2=opts.guidance_scale_2,
+                        negative_prompt=opts.negative_prompt, steps=opts.steps,
                         size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
                         references=len(references), lora=tuple(req.lora or ()))
@@ -265,7 +266,8 @@ class VideoJobs:
             references.append(got[0])
         return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps,
+            guidance_scale=rec.guidance_scale, guidance_scale_2=rec.guidance_scale_2,
+            negative_prompt=rec.negative_prompt, steps=rec.steps,
             references=tuple(references), lora=rec.lora)))
 
     async def reconcile(self) -> int:

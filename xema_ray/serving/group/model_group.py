@@ -44,7 +44,7 @@ from xema_ray.serving.group.adapters import GroupAdapters
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
-                                       InvalidRequest, QueueFull)
+                                       Guidance, InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
@@ -67,7 +67,7 @@ WORKER_CONCURRENCY = 4
 @dataclass
 class _Ticket:
     request: GenerationRequest  # validated on arrival
-    guidance_scale: float | None
+    guidance: Guidance  # both experts' scales (``GroupRequest.guidance``)
     future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
 
@@ -248,7 +248,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut), steps=req.steps)
+                                   _Ticket(request, req.guidance, fut), steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -263,7 +263,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             return True
         await self.adapters_for(req.lora)
         request = self._admit(req)
-        ticket = _Ticket(request, req.guidance_scale, None, job_id)
+        ticket = _Ticket(request, req.guidance, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
                                                                                  ticket, steps=req.steps)):
@@ -330,9 +330,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         """Run an assignment on its workers (requests with different guidance as sub-batches): the
         outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
-        by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
+        by_guidance: dict[Guidance, list[Pending[_Ticket]]] = {}
         for r in a.requests:
-            by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
+            by_guidance.setdefault(_ticket(r).guidance, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
         parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
@@ -351,7 +351,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
-    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: Guidance, reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
         """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
         before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
@@ -373,7 +373,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
-                      guidance_scale=guidance, steps=steps)
+                      guidance_scale=guidance[0], guidance_scale_2=guidance[1], steps=steps)
         t0 = time.monotonic()
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)
