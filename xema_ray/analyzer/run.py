@@ -112,7 +112,7 @@ def trace_template(
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     # reference images (placeholders of the template's size): their preprocessing, VAE encode and
     # the longer sequence are part of the trace
-    call = {**spec.call_kwargs(run_template), **spec.reference_kwargs(run_template)}
+    call = {**spec.call_kwargs(run_template), **spec.reference_inputs().kwargs(run_template)}
     stages = spec.expert_stages(template)
     # replicated steps must be alike: one expert runs them all, the others' steps are named after
     one_expert = len(stages) > 1 and traced_steps < template.steps
