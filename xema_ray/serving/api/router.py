@@ -125,10 +125,9 @@ class Router:
                  adapter_pools: dict[str, LoraPoolConfig] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups: dict[str, GroupHandle] = {m: GroupHandle(h) for m, h in groups.items()}
-        groups = self.groups
-        self.adapter_admin = AdapterAdmin(groups)
+        self.adapter_admin = AdapterAdmin(self.groups)
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
-        self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
+        self.health = GroupHealth(self.groups, replica_counts=_replica_counter(sorted(self.groups)))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
             self.health.ensure_started()
         except RuntimeError:  # no running loop here: the first request starts them
@@ -148,7 +147,7 @@ class Router:
         install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
                         adapter_pools or {}, url_images=jobs is not None)
         self.jobs_cfg = jobs
-        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
+        self.jobs = VideoJobs(self.jobs_cfg, self.groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
