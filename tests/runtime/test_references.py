@@ -90,7 +90,7 @@ def test_error_raised_if_a_request_brings_another_count() -> None:
     spec = t.spec
     img = Image.new("RGB", (t.reference_width, t.reference_height))
     with pytest.raises(ValueError, match="takes 2 reference"):
-        spec.reference_kwargs(t, [[img]])
+        spec.reference_inputs().kwargs(t, [[img]])
 
 
 def test_error_raised_if_ltx2_image_to_video_asks_for_sequence_parallelism() -> None:

@@ -136,7 +136,7 @@ def _traced_call(
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     # reference images (placeholders of the template's size): their preprocessing, VAE encode and
     # the longer sequence are part of the trace
-    call = {**spec.call_kwargs(run_template), **spec.reference_kwargs(run_template)}
+    call = {**spec.call_kwargs(run_template), **spec.reference_inputs().kwargs(run_template)}
     extra = prepare(pipe, tracer) if prepare is not None else contextlib.nullcontext()
     try:
         with (

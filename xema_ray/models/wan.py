@@ -40,6 +40,7 @@ from xema_ray.models.base import BuildOptions, ExpertStage, ModelSize, ModelSpec
 from xema_ray.models.options import OptionRules
 from xema_ray.models.text_encoders import EncoderChoice
 from xema_ray.models.cost import BlockCost
+from xema_ray.models.references import ReferenceInputs
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -127,10 +128,6 @@ class WanSpec(ModelSpec):
         else:
             self.reference_sizes = ((64, 64, 9), (128, 96, 17))
             self.reference_steps = 4
-        if sampling.expand_timesteps:
-            # TI2V-5B is text-and-image-to-video: an optional first frame, which replaces latent
-            # frame 0 through a mask (templates with references=1 run ``WanI2VPipeline``)
-            self.max_references = 1
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -235,6 +232,11 @@ class WanSpec(ModelSpec):
         from diffusers import WanPipeline
 
         return WanPipeline
+
+    def reference_inputs(self) -> ReferenceInputs:
+        # TI2V-5B is text-and-image-to-video: an optional first frame, which replaces latent
+        # frame 0 through a mask (templates with references=1 run ``WanI2VPipeline``)
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=1 if self.sampling.expand_timesteps else 0)
 
     def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
         """TI2V-5B's first-frame templates run ``WanI2VPipeline`` over the same modules."""
@@ -349,17 +351,15 @@ class WanI2VSpec(WanSpec):
     """Wan2.2-I2V-A14B: image-to-video only (``WanI2VPipeline``): every template takes the first
     frame, encoded at the output size as the first of ``frames`` pixel frames (the rest black)."""
 
-    max_references = 1
-    required_references = 1
-
     @property
     def published_layout(self) -> str:
         return "wan-i2v-a14b"  # its own repository: model_index.json names the image-to-video pipeline
 
-    def reference_encode_frames(self, t: RequestTemplate) -> int:
-        """The whole video: diffusers encodes the first frame followed by ``frames - 1`` black ones
-        (``WanImageToVideoPipeline.prepare_latents``; TI2V-5B encodes the image alone)."""
-        return t.frames
+    def reference_inputs(self) -> ReferenceInputs:
+        # the whole video is encoded: diffusers encodes the first frame followed by ``frames - 1``
+        # black ones (``WanImageToVideoPipeline.prepare_latents``; TI2V-5B encodes the image alone)
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=1, required_references=1,
+                               encodes_whole_video=True)
 
     def pipeline_class(self) -> type[DiffusionPipeline]:
         from xema_ray.models.wan_i2v import WanI2VPipeline

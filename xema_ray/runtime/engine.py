@@ -337,7 +337,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.spec.pipeline_for(self.pipe, template)(  # references: xema_ray.models.references
-                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)), **inputs,
+                    **call_kwargs, **self.spec.reference_inputs().kwargs(template, references, len(prompts)), **inputs,
                     generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
