@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 # an adapter's name (URL-safe) and what a request asks for: the request-side schemas, light to import
@@ -34,23 +34,82 @@ from xema_ray.lora_pool import NAME_PATTERN, LoraUse  # noqa: F401  (re-exported
 ADAPTED_COMPONENTS = ("transformer", "transformer_2")
 
 
+#: an ``experts`` key -> the pipeline component (expert) its file adapts, whatever the file's key prefix
+#: (diffusers: a plain load adapts ``transformer``, ``load_into_transformer_2=True`` adapts ``transformer_2``)
+EXPERT_COMPONENTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+
+
+class ExpertFiles(BaseModel):
+    """A two-expert model's LoRA pair (Wan2.2 A14B): one file per expert, either may be omitted."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    high_noise: Path | None = Field(default=None, description="the high-noise expert's file (transformer; the "
+                                                              "file of a pair diffusers loads plainly)")
+    low_noise: Path | None = Field(default=None, description="the low-noise expert's file (transformer_2; the file "
+                                                             "diffusers loads with load_into_transformer_2=True)")
+
+    @model_validator(mode="after")
+    def _one_at_least(self) -> ExpertFiles:
+        if self.high_noise is None and self.low_noise is None:
+            raise ValueError("name a file for high_noise, low_noise or both")
+        return self
+
+    def files(self) -> dict[str, Path]:
+        """``experts`` key -> file, for the keys given."""
+        return {k: p for k in EXPERT_COMPONENTS if (p := getattr(self, k)) is not None}
+
+
 class AdapterSource(BaseModel):
-    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder)."""
+    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder):
+    one file (``path``), or a two-expert model's pair (``experts``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
     model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
-    path: Path = Field(description="a .safetensors file (or a folder holding exactly one), readable by the workers")
+    path: Path | None = Field(default=None, description="a .safetensors file (or a folder holding exactly one), readable "
+                                                        "by the workers; on a two-expert model it adapts the high-noise "
+                                                        "expert, or both when it holds transformer. and transformer_2. keys")
+    experts: ExpertFiles | None = Field(default=None, description="a two-expert model's LoRA pair (Wan2.2 A14B), one "
+                                                                  "file per expert, instead of path: the slot decides "
+                                                                  "the expert whatever the file's key prefix")
+
+    @field_validator("experts")
+    @classmethod
+    def _not_with_path(cls, v: ExpertFiles | None, info: ValidationInfo) -> ExpertFiles | None:
+        if v is not None and info.data.get("path") is not None:
+            raise ValueError("give path (one file) or experts (one file per expert), not both")
+        return v
+
+    @model_validator(mode="after")
+    def _a_file(self) -> AdapterSource:
+        if self.path is None and self.experts is None:
+            raise ValueError("path (one file) or experts (one file per expert) is required")
+        return self
+
+    def files(self) -> list[tuple[str | None, Path]]:
+        """The files to read: ``(None, path)``, or ``(experts key, file)`` per expert given."""
+        if self.experts is not None:
+            return list(self.experts.files().items())
+        assert self.path is not None  # one of the two (validated)
+        return [(None, self.path)]
+
+    def paths(self) -> dict[str, Path]:
+        """Every file it names, by its field (``path``, ``experts.<key>``): each must lie under the
+        group's adapter roots."""
+        return {"path" if k is None else f"experts.{k}": p for k, p in self.files()}
 
 
 class AdapterRejected(ValueError):
-    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key)."""
+    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key,
+    or the request's field ``param`` where one is at fault, e.g. ``experts``)."""
 
-    def __init__(self, message: str, adapter: str, key: str | None = None) -> None:
-        super().__init__(message, adapter, key)  # in args: crosses the worker -> group -> router boundary by pickle
+    def __init__(self, message: str, adapter: str, key: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, adapter, key, param)  # in args: crosses the worker -> group -> router boundary by pickle
         self.adapter = adapter
         self.key = key
+        self.param = param
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -60,12 +119,13 @@ class AdapterPathRefused(PermissionError):
     """An adapter path outside the group's ``adapters.roots`` (HTTP 403). The message is the same
     whether or not the file exists: the answer tells nothing about the server's files."""
 
-    def __init__(self, adapter: str) -> None:
-        super().__init__(adapter)  # args: (adapter,): it crosses the group -> router boundary by pickle
+    def __init__(self, adapter: str, param: str = "path") -> None:
+        super().__init__(adapter, param)  # args: it crosses the group -> router boundary by pickle
         self.adapter = adapter
+        self.param = param  # the field naming the file: path, or experts.<key>
 
     def __str__(self) -> str:
-        return (f"adapter {self.adapter!r}: path is not under this deployment's adapter roots (adapters.roots, "
+        return (f"adapter {self.adapter!r}: {self.param} is not under this deployment's adapter roots (adapters.roots, "
                 "default adapters.dir); copy the file there")
 
 
@@ -100,25 +160,32 @@ class LoraAdapter:
         return sum(lay.a.numel() * lay.a.element_size() + lay.b.numel() * lay.b.element_size()
                    for lay in self.layers.values())
 
+    def layers_per_component(self) -> dict[str, int]:
+        """Layers it adapts per component (``transformer``, ``transformer_2``: the expert each adapts)."""
+        out: dict[str, int] = {}
+        for p in self.layers:
+            comp = p.partition(".")[0]
+            out[comp] = out.get(comp, 0) + 1
+        return out
 
-def _resolve_file(source: AdapterSource) -> Path:
-    p = source.path
+
+def _resolve_file(name: str, p: Path) -> Path:
     if not p.exists():
-        raise AdapterRejected(f"adapter {source.name!r}: {p} does not exist (the path must be readable by the "
-                              "model's workers)", source.name)
+        raise AdapterRejected(f"adapter {name!r}: {p} does not exist (the path must be readable by the "
+                              "model's workers)", name)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if len(files) != 1:
-            raise AdapterRejected(f"adapter {source.name!r}: folder {p} must hold exactly one .safetensors file, "
-                                  f"found {len(files)}", source.name)
+            raise AdapterRejected(f"adapter {name!r}: folder {p} must hold exactly one .safetensors file, "
+                                  f"found {len(files)}", name)
         p = files[0]
     if p.suffix != ".safetensors":
-        raise AdapterRejected(f"adapter {source.name!r}: {p.name} is not a .safetensors file (pickled checkpoints "
-                              "are never loaded)", source.name)
+        raise AdapterRejected(f"adapter {name!r}: {p.name} is not a .safetensors file (pickled checkpoints "
+                              "are never loaded)", name)
     return p
 
 
-def _read_safetensors(source: AdapterSource, p: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _read_safetensors(name: str, p: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -128,28 +195,28 @@ def _read_safetensors(source: AdapterSource, p: Path) -> tuple[dict[str, torch.T
             for k in f.keys():
                 tensors[k] = f.get_tensor(k)
     except (SafetensorError, OSError, ValueError) as e:
-        raise AdapterRejected(f"adapter {source.name!r}: {p.name} is not a readable safetensors file ({e})",
-                              source.name) from None
+        raise AdapterRejected(f"adapter {name!r}: {p.name} is not a readable safetensors file ({e})",
+                              name) from None
     raw = meta.get("lora_adapter_metadata")
     try:
         lora_meta = json.loads(raw) if raw else {}
     except json.JSONDecodeError:
-        raise AdapterRejected(f"adapter {source.name!r}: its lora_adapter_metadata is not JSON", source.name) from None
+        raise AdapterRejected(f"adapter {name!r}: its lora_adapter_metadata is not JSON", name) from None
     return tensors, lora_meta if isinstance(lora_meta, dict) else {}
 
 
-def _convert(source: AdapterSource, pipe_cls: type, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _convert(name: str, pipe_cls: type, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers' own key conversion for the model's pipeline (``<Pipeline>.lora_state_dict``)."""
     convert = getattr(pipe_cls, "lora_state_dict", None)
     if convert is None:
-        raise AdapterRejected(f"adapter {source.name!r}: {pipe_cls.__name__} has no LoRA loader in diffusers",
-                              source.name)
+        raise AdapterRejected(f"adapter {name!r}: {pipe_cls.__name__} has no LoRA loader in diffusers",
+                              name)
     try:
         out = convert(dict(tensors))
     except (ValueError, KeyError, IndexError, RuntimeError) as e:  # a converter that met keys it does not know
         first = next(iter(tensors), None)
-        raise AdapterRejected(f"adapter {source.name!r}: diffusers' {pipe_cls.__name__} LoRA conversion refused the "
-                              f"file ({e})", source.name, first) from None
+        raise AdapterRejected(f"adapter {name!r}: diffusers' {pipe_cls.__name__} LoRA conversion refused the "
+                              f"file ({e})", name, first) from None
     if isinstance(out, tuple):  # some loaders return (state_dict, network_alphas)
         out = out[0]
     return dict(out)
@@ -219,12 +286,67 @@ def _checked_layer(name: str, comp: str, module: str, parts: dict[str, torch.Ten
     return LoraLayer(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
 
 
+def _to_expert(name: str, where: str, p: Path, state: dict[str, torch.Tensor], meta: dict[str, Any],
+               component: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An expert slot's file: its converted keys (``transformer.``, ``transformer_2.``; diffusers'
+    converter turned ``diffusion_model.`` into ``transformer.``) and metadata moved onto ``component``,
+    as diffusers' ``load_into_transformer_2=True`` does. A file holding keys of both experts is refused
+    (given as ``path``, it is split per expert)."""
+    prefixes = {k.partition(".")[0] for k in state} & set(ADAPTED_COMPONENTS)
+    if len(prefixes) > 1:
+        raise AdapterRejected(f"adapter {name!r}: {where}: {p.name} holds keys of both experts (transformer. and "
+                              "transformer_2.); give it as path to split it per expert", name, param=where)
+
+    def moved(key: str) -> str:
+        comp, dot, rest = key.partition(".")
+        return f"{component}{dot}{rest}" if comp in ADAPTED_COMPONENTS else key
+
+    return {moved(k): v for k, v in state.items()}, {moved(k): v for k, v in meta.items()}
+
+
+def _read_file(source: AdapterSource, slot: str | None, path: Path, pipe_cls: type, components: dict[str, nn.Module],
+               max_rank: int, dtype: torch.dtype) -> tuple[dict[str, LoraLayer], list[str]]:
+    """One file of ``source`` (``slot``: its ``experts`` key, None for ``path``): its checked layers
+    (``<component>.<module>``) and the keys naming no adapted layer."""
+    name = source.name
+    where = "path" if slot is None else f"experts.{slot}"
+    if slot is not None and EXPERT_COMPONENTS[slot] not in components:
+        raise AdapterRejected(f"adapter {name!r}: {where}: {source.model} has one expert (transformer), not a pair; "
+                              "give its file as path", name, param="experts")
+    p = _resolve_file(name, path)
+    tensors, meta = _read_safetensors(name, p)
+    if not tensors:
+        raise AdapterRejected(f"adapter {name!r}: {p.name} holds no tensors", name)
+    state = _convert(name, pipe_cls, tensors)
+    if slot is not None:
+        state, meta = _to_expert(name, where, p, state, meta, EXPERT_COMPONENTS[slot])
+    pairs, unknown = _factor_pairs(state, components)
+    modules = {c: dict(m.named_modules()) for c, m in components.items()}
+    layers: dict[str, LoraLayer] = {}
+    for (comp, module), parts in sorted(pairs.items()):
+        layer = modules[comp].get(module)
+        if layer is None:
+            unknown.append(f"{comp}.{module}.lora_A.weight")
+            continue
+        layers[f"{comp}.{module}"] = _checked_layer(name, comp, module, parts, layer, max_rank, meta, dtype)
+    if not layers:
+        target = f"the {slot.replace('_', '-')} expert ({EXPERT_COMPONENTS[slot]}) of " if slot is not None else ""
+        first = unknown[0] if unknown else next(iter(state), None)
+        raise AdapterRejected(f"adapter {name!r}: {where}: no LoRA layer of {p.name} matches {target}{source.model} "
+                              f"(first key {first!r}: an adapter for another model?)", name, first)
+    return layers, unknown
+
+
 def read_adapter(source: AdapterSource, pipe_cls: type, components: dict[str, nn.Module], max_rank: int,
                  max_unknown_keys: int = 0, dtype: torch.dtype = torch.float32) -> LoraAdapter:
-    """Read ``source``'s file and check it against the loaded model.
+    """Read ``source``'s file(s) and check them against the loaded model.
+
+    ``path``: one file, its keys landing where they name (``transformer.`` and ``diffusion_model.``:
+    the high-noise expert; a file holding ``transformer.`` and ``transformer_2.`` keys is split per
+    expert). ``experts``: each file adapts its slot's expert whatever its keys' prefix.
 
     Args:
-        source: name, model and path.
+        source: name, model and file(s).
         pipe_cls: the model's diffusers pipeline class (its ``lora_state_dict`` converts the keys).
         components: the model's adapted components by name (``transformer``, ``transformer_2``).
         max_rank: the pool's padded rank; a larger adapter is refused.
@@ -234,35 +356,25 @@ def read_adapter(source: AdapterSource, pipe_cls: type, components: dict[str, nn
 
     Raises:
         AdapterRejected: missing, not safetensors, a conversion diffusers refuses, unknown keys beyond
-            the tolerance, a target that is not a linear layer, wrong shapes, a rank above ``max_rank``.
+            the tolerance, a target that is not a linear layer, wrong shapes, a rank above ``max_rank``,
+            a file fitting no layer of its expert, ``experts`` on a one-expert model (``param``).
 
     Example:
         >>> read_adapter(AdapterSource(name="style", model="tiny-flux2", path="style.safetensors"),
         ...              type(pipe), {"transformer": pipe.transformer}, max_rank=64)  # doctest: +SKIP
     """
     name = source.name
-    p = _resolve_file(source)
-    tensors, meta = _read_safetensors(source, p)
-    if not tensors:
-        raise AdapterRejected(f"adapter {name!r}: {p.name} holds no tensors", name)
-    state = _convert(source, pipe_cls, tensors)
-    pairs, unknown = _factor_pairs(state, components)
     adapter = LoraAdapter(name=name, model=source.model)
-    modules = {c: dict(m.named_modules()) for c, m in components.items()}
-    for (comp, module), parts in sorted(pairs.items()):
-        layer = modules[comp].get(module)
-        if layer is None:
-            unknown.append(f"{comp}.{module}.lora_A.weight")
-            continue
-        adapter.layers[f"{comp}.{module}"] = _checked_layer(name, comp, module, parts, layer, max_rank, meta, dtype)
+    unknown: list[str] = []
+    for slot, path in source.files():
+        layers, skipped = _read_file(source, slot, path, pipe_cls, components, max_rank, dtype)
+        adapter.layers.update(layers)
+        unknown += skipped
     if len(unknown) > max_unknown_keys:
         first = unknown[0]
         raise AdapterRejected(
             f"adapter {name!r}: {len(unknown)} key(s) name no adapted layer of {source.model} (tolerance "
             f"{max_unknown_keys}), the first {first!r} (an adapter for another model, or a text-encoder LoRA?)",
             name, first)
-    if not adapter.layers:
-        raise AdapterRejected(f"adapter {name!r}: no LoRA layer of {p.name} matches {source.model}", name,
-                              next(iter(state), None))
     adapter.skipped = tuple(unknown)
     return adapter

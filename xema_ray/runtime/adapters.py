@@ -71,7 +71,8 @@ class WorkerAdapters:
         cfg = pool.config
         adapter = read_adapter(source, type(engine.pipe), pool.components, max_rank=cfg.max_rank,
                                max_unknown_keys=cfg.max_unknown_keys, dtype=engine.dtype)
-        pool.add(adapter, str(source.path))
+        pool.add(adapter, str(source.path) if source.path is not None else "",
+                 {k: str(v) for k, v in source.experts.files().items()} if source.experts is not None else None)
         return next(i for i in pool.info() if i.name == source.name)
 
     def remove(self, name: str) -> bool:

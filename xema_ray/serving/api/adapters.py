@@ -50,7 +50,9 @@ def _refused(e: BaseException) -> JSONResponse | None:
     cause = cause_of(e)
     cause = getattr(cause, "cause", None) or cause
     if isinstance(cause, AdapterPathRefused):
-        return error_response(403, str(cause), "permission_error", param="path", code="adapter_path_refused")
+        return error_response(403, str(cause), "permission_error", param=cause.param, code="adapter_path_refused")
+    if isinstance(cause, AdapterRejected) and cause.param is not None:  # a request field at fault (e.g. experts)
+        return error_response(422, str(cause), param=cause.param, code="adapter_rejected")
     if isinstance(cause, AdapterConflict):
         return error_response(409, str(cause), param="name", code="adapter_exists")
     if isinstance(cause, AdapterRejected):
@@ -130,7 +132,7 @@ class AdapterAdmin:
         # a group still starting (or being rebuilt) has no workers to ask: its adapters are listed once it serves
         data = [i for infos in lists if not isinstance(infos, BaseException) for i in infos]
         if not admin_of(request):  # a tenant sees what it may ask for, not where the server keeps it
-            data = [i.model_copy(update={"path": ""}) for i in data]
+            data = [i.model_copy(update={"path": "", "experts": {k: "" for k in i.experts}}) for i in data]
         body = AdapterList(data=data, pools=pools)
         return JSONResponse(content=body.model_dump(mode="json"))
 

@@ -192,8 +192,9 @@ class GroupAdapters:
         if source.model != self.model:
             raise AdapterRejected(f"adapter {source.name!r} is for {source.model!r}, this group serves {self.model!r}",
                                   source.name)
-        if not self.pool_config.permits(source.path):  # before anything looks at the file
-            raise AdapterPathRefused(source.name)
+        for field, path in source.paths().items():  # before anything looks at a file
+            if not self.pool_config.permits(path):
+                raise AdapterPathRefused(source.name, field)
         registry = self.registry
         if registry is None:
             return await self._load(source)
