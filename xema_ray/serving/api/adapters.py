@@ -1,4 +1,4 @@
-"""The adapter admin API: ``POST /v1/adapters`` ``{name, model, path}``, ``GET /v1/adapters``,
+"""The adapter admin API: ``POST /v1/adapters`` ``{name, model, path}`` (or ``experts``: a LoRA pair), ``GET /v1/adapters``,
 ``DELETE /v1/adapters/{name}`` (an admin key when keys are set: ``auth.api_keys[].admin``).
 
 The Router's three routes (``ADD_ROUTE``, ``LIST_ROUTE``, ``DELETE_ROUTE``: their documentation)
