@@ -39,21 +39,44 @@ ADAPTED_COMPONENTS = ("transformer", "transformer_2")
 EXPERT_COMPONENTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
+def _optional_not_null(schema: dict[str, Any], required: list[str] | None = None, min_properties: int = 0) -> None:
+    """The JSON schema of a model whose optional fields are left out, never null (``_not_null``):
+    each ``anyOf [X, null]`` property becomes ``X``; ``required``: one of these fields must be
+    given; ``min_properties``: at least that many fields must be."""
+    for prop in schema.get("properties", {}).values():
+        branches = prop.get("anyOf")
+        if branches is not None and {"type": "null"} in branches:
+            kept = [b for b in branches if b != {"type": "null"}]
+            if len(kept) == 1:
+                prop.pop("anyOf")
+                prop.update(kept[0])
+            prop.pop("default", None)
+    if required:
+        schema["oneOf"] = [{"required": [f]} for f in required]
+    if min_properties:
+        schema["minProperties"] = min_properties
+
+
+def _not_null(v: object, info: ValidationInfo) -> object:
+    """An optional file field given as null is refused (leave it out instead): the document says so."""
+    if v is None:
+        raise ValueError(f"{info.field_name} may be left out, not null")
+    return v
+
+
 class ExpertFiles(BaseModel):
     """A two-expert model's LoRA pair (Wan2.2 A14B): one file per expert, either may be omitted."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid",
+                              json_schema_extra=lambda s, _: _optional_not_null(s, min_properties=1))
 
-    high_noise: Path | None = Field(default=None, description="the high-noise expert's file (transformer; the "
-                                                              "file of a pair diffusers loads plainly)")
-    low_noise: Path | None = Field(default=None, description="the low-noise expert's file (transformer_2; the file "
-                                                             "diffusers loads with load_into_transformer_2=True)")
+    high_noise: Path | None = Field(
+        default=None, description="the high-noise expert's file (transformer; the file of a pair diffusers loads plainly)")
+    low_noise: Path | None = Field(
+        default=None, description="the low-noise expert's file (transformer_2; the file diffusers loads with "
+                                  "load_into_transformer_2=True)")
 
-    @model_validator(mode="after")
-    def _one_at_least(self) -> ExpertFiles:
-        if self.high_noise is None and self.low_noise is None:
-            raise ValueError("name a file for high_noise, low_noise or both")
-        return self
+    _no_null = field_validator("high_noise", "low_noise", mode="before")(_not_null)
 
     def files(self) -> dict[str, Path]:
         """``experts`` key -> file, for the keys given."""
@@ -64,22 +87,28 @@ class AdapterSource(BaseModel):
     """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder):
     one file (``path``), or a two-expert model's pair (``experts``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid",
+                              json_schema_extra=lambda s, _: _optional_not_null(s, ["path", "experts"]))
 
     name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
     model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
-    path: Path | None = Field(default=None, description="a .safetensors file (or a folder holding exactly one), readable "
-                                                        "by the workers; on a two-expert model it adapts the high-noise "
-                                                        "expert, or both when it holds transformer. and transformer_2. keys")
-    experts: ExpertFiles | None = Field(default=None, description="a two-expert model's LoRA pair (Wan2.2 A14B), one "
-                                                                  "file per expert, instead of path: the slot decides "
-                                                                  "the expert whatever the file's key prefix")
+    path: Path | None = Field(
+        default=None, description="a .safetensors file (or a folder holding exactly one), readable by the workers; on "
+                                  "a two-expert model it adapts the high-noise expert, or both when it holds "
+                                  "transformer. and transformer_2. keys (one of path and experts)")
+    experts: ExpertFiles | None = Field(
+        default=None, description="a two-expert model's LoRA pair (Wan2.2 A14B), one file per expert (one of path and "
+                                  "experts): the slot decides the expert whatever the file's key prefix")
+
+    _no_null = field_validator("path", "experts", mode="before")(_not_null)
 
     @field_validator("experts")
     @classmethod
     def _not_with_path(cls, v: ExpertFiles | None, info: ValidationInfo) -> ExpertFiles | None:
         if v is not None and info.data.get("path") is not None:
             raise ValueError("give path (one file) or experts (one file per expert), not both")
+        if v is not None and not v.files():
+            raise ValueError("name a file for high_noise, low_noise or both")
         return v
 
     @model_validator(mode="after")
