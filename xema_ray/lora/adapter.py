@@ -71,7 +71,8 @@ class ExpertFiles(BaseModel):
                               json_schema_extra=lambda s, _: _optional_not_null(s, min_properties=1))
 
     high_noise: Path | None = Field(
-        default=None, description="the high-noise expert's file (transformer; the file of a pair diffusers loads plainly)")
+        default=None, description="the high-noise expert's file (transformer; the file of a pair diffusers loads "
+                                  "plainly)")
     low_noise: Path | None = Field(
         default=None, description="the low-noise expert's file (transformer_2; the file diffusers loads with "
                                   "load_into_transformer_2=True)")
@@ -135,7 +136,8 @@ class AdapterRejected(ValueError):
     or the request's field ``param`` where one is at fault, e.g. ``experts``)."""
 
     def __init__(self, message: str, adapter: str, key: str | None = None, param: str | None = None) -> None:
-        super().__init__(message, adapter, key, param)  # in args: crosses the worker -> group -> router boundary by pickle
+        # in args: it crosses the worker -> group -> router boundary by pickle
+        super().__init__(message, adapter, key, param)
         self.adapter = adapter
         self.key = key
         self.param = param

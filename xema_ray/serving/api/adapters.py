@@ -1,5 +1,5 @@
-"""The adapter admin API: ``POST /v1/adapters`` ``{name, model, path}`` (or ``experts``: a LoRA pair), ``GET /v1/adapters``,
-``DELETE /v1/adapters/{name}`` (an admin key when keys are set: ``auth.api_keys[].admin``).
+"""The adapter admin API: ``POST /v1/adapters`` ``{name, model, path}`` (or ``experts``: a LoRA
+pair), ``GET /v1/adapters``, ``DELETE /v1/adapters/{name}`` (an admin key when keys are set: ``auth.api_keys[].admin``).
 
 The Router's three routes (``ADD_ROUTE``, ``LIST_ROUTE``, ``DELETE_ROUTE``: their documentation)
 hand each call to its ``AdapterAdmin``, which holds the groups' handles. A file is loaded on every worker of the model's group or on none
