@@ -72,6 +72,63 @@ class Mitigation(BaseModel):
         return "blocks" if self.blocks is not None else "modules" if self.modules is not None else "events"
 
 
+class StepCacheSchedule(BaseModel):
+    """A fixed-budget step cache (the ``fast`` tier's ``cache``): which denoising steps run the
+    transformer and which reuse its last computed output. A fraction of the request's steps, so
+    it scales with ``num_inference_steps``: ``warmup`` of them computed first, then one step in
+    ``compute_every``, and the last ``final`` computed; the budget depends on the step count only,
+    never on the input (a threshold cache's latency would). Each expert stage (Wan2.2) starts its
+    own warm-up: the cache resets at the switch. ``xema_ray.mitigation.step_cache`` runs it.
+
+    Example:
+        >>> s = StepCacheSchedule()
+        >>> s.computed_steps(50), s.computed_steps(4)
+        (24, 3)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    warmup: float = Field(default=0.2, ge=0, le=1, description="fraction of a stage's steps computed first")
+    min_warmup: int = Field(default=2, ge=1, description="warm-up steps at least (a short request computes them all)")
+    compute_every: int = Field(default=3, ge=2, description="after warm-up, one step in this many is computed; "
+                                                             "the others reuse the cached output")
+    final: int = Field(default=1, ge=0, description="last steps of a stage always computed")
+
+    def stage_mask(self, steps: int) -> tuple[int, ...]:
+        """1: computed, 0: reused, for a stage of ``steps`` steps."""
+        warm = min(steps, max(self.min_warmup, math.ceil(self.warmup * steps)))
+        tail = min(self.final, steps - warm)
+        middle = steps - warm - tail
+        return (1,) * warm + tuple(1 if i % self.compute_every == self.compute_every - 1 else 0
+                                   for i in range(middle)) + (1,) * tail
+
+    def mask(self, steps: int, resets: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The request's mask over ``steps`` steps; ``resets``: steps where a new stage begins
+        (an expert switch), each starting its own warm-up."""
+        bounds = [0, *sorted(r for r in set(resets) if 0 < r < steps), steps]
+        return tuple(m for a, b in zip(bounds, bounds[1:], strict=False) for m in self.stage_mask(b - a))
+
+    def computed_steps(self, steps: int, resets: tuple[int, ...] = ()) -> int:
+        """Steps that run the transformer (the latency the planner prices)."""
+        return sum(self.mask(steps, resets))
+
+    def describe(self) -> str:
+        return f"step_cache(warmup {self.warmup:g}, 1/{self.compute_every}, final {self.final})"
+
+
+class TierPlan(BaseModel):
+    """One quality tier of a template as planned (``PlanEntry.tiers``): its schedule and what the
+    planner predicts for it (the entry's own config otherwise)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    cache: StepCacheSchedule | None = Field(default=None, description="the step cache; None: every step computed")
+    weights: str = Field(default="model", description="weight format ('model': the model's own dtype)")
+    latency_s: float = Field(ge=0, description="predicted latency of one batch at the template's steps")
+    peak_bytes: int = Field(ge=0, description="predicted peak per GPU, the cached outputs included")
+    cache_bytes: int = Field(default=0, ge=0, description="device bytes the cached outputs hold (in the peak)")
+
+
 class ExecutionConfig(BaseModel):
     """How one batch of a template runs on a group of ``sp`` GPUs; ``dp`` such groups serve in parallel.
 
@@ -99,6 +156,8 @@ class ExecutionConfig(BaseModel):
     experts: ExpertSwap | None = Field(
         default=None, description="a two-expert model's expert switch as planned; None: both experts as the "
                                   "pipeline holds them (on the device)")
+    step_cache: StepCacheSchedule | None = Field(
+        default=None, description="the quality tier's fixed-budget step cache (None: lossless, every step computed)")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
@@ -167,7 +226,8 @@ class ExecutionConfig(BaseModel):
     def config_hash(self) -> str:
         """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
         # a config without an expert switch hashes as before the field existed (stored profiles, layouts)
-        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | ({"experts"} if self.experts is None else set()))
+        skip = ({"experts"} if self.experts is None else set()) | ({"step_cache"} if self.step_cache is None else set())
+        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | skip)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -177,6 +237,8 @@ class ExecutionConfig(BaseModel):
         parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
         if self.experts is not None:
             parts.append(self.experts.describe())
+        if self.step_cache is not None:
+            parts.append(self.step_cache.describe())
         return " + ".join(parts)
 
 
@@ -237,6 +299,16 @@ class PlanEntry(BaseModel):
     prediction: PlanPrediction
     runner_up: str | None = Field(default=None, description="the next-best configuration and why it lost")
     candidates_profiled: int = Field(default=0, ge=0)
+    tiers: dict[str, TierPlan] = Field(
+        default_factory=dict, description="quality tier -> its plan (the planner's tier pass); empty: lossless only, "
+                                          "the entry's own config and prediction")
+
+    def tier_config(self, tier: str) -> ExecutionConfig:
+        """The entry's config run at quality ``tier`` (lossless: the config itself)."""
+        plan = self.tiers.get(tier)
+        if plan is None or plan.cache is None:
+            return self.config
+        return self.config.model_copy(update={"step_cache": plan.cache})
 
 
 class GroupResidency(BaseModel):
