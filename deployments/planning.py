@@ -62,6 +62,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     from planner.latency import LatencyModel
     from planner.pause_state import with_pause_bytes
     from planner.stages import plan_template
+    from planner.tiers import price_tiers
     from planner.trace_model import TracePlannerModel
     from planner.traces import TraceCache
 
@@ -89,5 +90,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
             "raise the budget, add workers or drop these templates"
         )
     gpus = max(gpus_of.values())
-    return PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
-                     group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+    table = PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
+                      group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+    # each template's quality tiers priced (the planner's tiers pass): the groups serve what is priced
+    return price_tiers(table, {g.model: g.quality_tiers for g in cfg.models if g.quality_tiers})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 # Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
@@ -80,6 +80,13 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
+def deployment_tiers(path: Path) -> dict[str, Any]:
+    """``model -> its quality tiers`` of a ``serve run`` YAML (groups with ``quality_tiers:``)."""
+    from xema_ray.deployment import DeploymentShape
+
+    return {g.model: g.quality_tiers for g in DeploymentShape.from_serve_yaml(path).models if g.quality_tiers}
+
+
 def recorded_command(argv: list[str], root: Path = ROOT) -> str:
     """The command as the table's provenance records it: relative to the checkout, so the record
     reads the same on every machine (``python -m planner plan ...``, ``xema plan ...``; a path
@@ -109,11 +116,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
+    tiers: dict[str, Any] = {}
     stated: str | None = None
     try:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
             pools = deployment_adapter_pools(Path(args.deployment))
+            tiers = deployment_tiers(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
             if outside:
@@ -140,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        host_budget=host_budget, adapter_pools=pools)
     request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
                           layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,
-                          command=recorded_command(sys.argv))
+                          command=recorded_command(sys.argv), tiers=tiers, quality=args.quality)
     try:
         result = plan(request, on_event=say_event)
     except PlanError as e:
@@ -165,6 +174,19 @@ def say_event(event: PlanEvent) -> None:
               f"{event.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
 
 
+def say_tiers(result: PlanResult) -> None:
+    """Each entry's quality tiers beside its lossless plan (``planner.tiers``)."""
+    lossless = {r.template: r.entry.prediction for r in result.results if r.entry is not None}
+    for key, e in result.table.entries.items():
+        base = lossless.get(key)
+        for name, tier in e.tiers.items():
+            if name == "lossless" or base is None or base.latency_s <= 0:
+                continue
+            print(f"quality {name} {key}: latency {tier.latency_s:.2f} s ({tier.latency_s / base.latency_s:.2f}x "
+                  f"lossless {base.latency_s:.2f} s), peak {tier.peak_bytes / 1e9:.2f} GB (cached outputs "
+                  f"{tier.cache_bytes / 1e6:.1f} MB), {tier.cache.describe() if tier.cache else 'no cache'}")
+
+
 def say_result(result: PlanResult) -> None:
     """The run's summary, in the order the passes made it: layouts, plans, groups, the node's host
     memory, the expert switches, the times, the files written."""
@@ -184,6 +206,7 @@ def say_result(result: PlanResult) -> None:
         print(describe(p))
     if result.written.experts is not None:
         print(f"wrote {result.written.experts}")
+    say_tiers(result)
     for key in result.switched:
         e = table.entries[key]
         print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
@@ -276,6 +299,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help='expected load per model group (traffic profile JSON: {"MODEL": {"rate_per_min": R, "mix": '
                         '{"TEMPLATE": W}, "slo_scale": S}}): its plans and admission policy maximise the simulated '
                         "SLO attainment there (planner.load_aware); without it, isolated goodput")
+    p.add_argument("--quality", choices=("lossless", "balanced", "fast"), default=None,
+                   help="plan one quality tier: each entry's config and prediction are the tier's (default: every "
+                        "tier the models serve priced beside lossless, PlanEntry.tiers; docs/quality.md)")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

@@ -116,6 +116,43 @@ class StepCacheSchedule(BaseModel):
         return f"step_cache(warmup {self.warmup:g}, 1/{self.compute_every}, final {self.final})"
 
 
+#: the tier names a deployment may define (``auto`` is a choice among them, not a tier of its own)
+TierName = Literal["lossless", "balanced", "fast"]
+
+
+class QualityTierSpec(BaseModel):
+    """What a quality tier runs: ``{cache, weights}`` (the deployment YAML's ``quality_tiers``).
+
+    Example:
+        >>> sorted(DEFAULT_TIERS), DEFAULT_TIERS["lossless"].cache is None
+        (['fast', 'lossless'], True)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cache: StepCacheSchedule | None = Field(default=None, description="a fixed-budget step cache; None: every step")
+    weights: Literal["model"] = Field(default="model", description="the weights' format: 'model', the model's own "
+                                                                   "dtype (quantized formats are a tier of their own)")
+
+
+#: the tiers every model serves unless its group defines its own: lossless and the default step cache
+DEFAULT_TIERS: dict[str, QualityTierSpec] = {"lossless": QualityTierSpec(),
+                                             "fast": QualityTierSpec(cache=StepCacheSchedule())}
+
+
+def check_tiers(tiers: dict[str, QualityTierSpec]) -> dict[str, QualityTierSpec]:
+    """Raise ValueError unless ``tiers`` holds ``lossless`` as every step in the model's weights
+    and only tier names (``TierName``)."""
+    names = TierName.__args__  # type: ignore[attr-defined]
+    bad = sorted(set(tiers) - set(names))
+    if bad:
+        raise ValueError(f"quality_tiers: unknown tier(s) {bad}; a tier is one of {', '.join(names)}")
+    if tiers.get("lossless") != QualityTierSpec():
+        raise ValueError("quality_tiers: lossless must be served, with no cache and the model's weights "
+                         "(it is the default every request gets)")
+    return tiers
+
+
 class TierPlan(BaseModel):
     """One quality tier of a template as planned (``PlanEntry.tiers``): its schedule and what the
     planner predicts for it (the entry's own config otherwise)."""
@@ -308,7 +345,8 @@ class PlanEntry(BaseModel):
         plan = self.tiers.get(tier)
         if plan is None or plan.cache is None:
             return self.config
-        return self.config.model_copy(update={"step_cache": plan.cache})
+        # a step-cached batch skips steps the static layout's order expects: it runs on the dynamic region
+        return self.config.model_copy(update={"step_cache": plan.cache, "layout_ref": None})
 
 
 class GroupResidency(BaseModel):

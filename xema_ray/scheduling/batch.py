@@ -92,18 +92,25 @@ class Pending(Generic[P]):
     request_id: str = field(compare=False)
     steps: int = field(compare=False)  # the denoising steps it runs (resolved by the API: its own or its template's)
     payload: P | None = field(default=None, compare=False)
+    quality: str = field(default="lossless", compare=False)  # its quality tier: tiers never share a batch
+
+    @property
+    def batch_key(self) -> tuple[int, str]:
+        """What requests of one batch share beyond the template: the step count and the quality
+        tier (a batch runs one mask over one step count)."""
+        return self.steps, self.quality
 
 
 def pop_batch(q: list[Pending[P]], size: int) -> tuple[Pending[P], ...]:
     """Up to ``size`` requests off the heap ``q`` for one batch, earliest deadline first: the head's
-    and those of its step count only (a batch runs one step count; the others stay queued for a
-    batch of their own)."""
-    steps = q[0].steps
+    and those of its step count and quality tier only (``Pending.batch_key``: a batch runs one
+    step count and one tier; the others stay queued for a batch of their own)."""
+    key = q[0].batch_key
     taken: list[Pending[P]] = []
     kept: list[Pending[P]] = []
     while q and len(taken) < size:
         r = heapq.heappop(q)
-        (taken if r.steps == steps else kept).append(r)
+        (taken if r.batch_key == key else kept).append(r)
     for r in kept:
         heapq.heappush(q, r)
     return tuple(taken)

@@ -115,7 +115,8 @@ class Dispatcher(Generic[P]):
         return self.slo_admission.take_shed()
 
     # ------------------------------------------------------------------ queue
-    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int) -> None:
+    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int,
+               quality: str = "lossless") -> None:
         """Queue a request (``steps``: the denoising steps it runs, resolved where the request met its
         template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``). Raises
         KeyError for an unplanned template, OverflowError when full."""
@@ -127,7 +128,7 @@ class Dispatcher(Generic[P]):
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
         plan = self.plans[template].for_steps(steps)
-        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, steps, payload))
+        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, steps, payload, quality))
 
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""
@@ -179,7 +180,7 @@ class Dispatcher(Generic[P]):
         oldest = min(r.arrival for r in q)
         # ``now >= oldest + window``, the very sum ``next_wakeup`` returns: ``now - oldest >= window``
         # can be False at that wake-up by rounding, and the partial batch then waited for the next event
-        if sum(r.steps == q[0].steps for r in q) >= plan.batch or now >= oldest + self.wait_window_s:
+        if sum(r.batch_key == q[0].batch_key for r in q) >= plan.batch or now >= oldest + self.wait_window_s:
             return True
         # waiting out the window would make the head request miss: start the partial batch now
         adm = self.admission

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xema_ray.lora.adapter import LoraUse
-from xema_ray.serving.api.quality import QualityValue
+from xema_ray.serving.api.quality import QualityTierInfo, QualityValue
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
@@ -212,6 +212,8 @@ class TemplateInfo(BaseModel):
     predicted_latency_s: float
     predicted_peak_gb: float
     slo_s: float
+    quality_tiers: list[QualityTierInfo] = Field(default_factory=list, description="the tiers served, lossless "
+                                                 "first, each with its predictions (docs/quality.md)")
 
 
 class UnsupportedTemplate(ValueError):

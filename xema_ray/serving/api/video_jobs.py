@@ -143,7 +143,7 @@ class VideoJobs:
             if len(uploads) > 1:
                 raise ImageRefused(f"input_reference: one image is taken, got {len(uploads)}", "input_reference", 400)
             t = map_video_request(req, self.served, len(uploads))
-            opts = resolve_options(t, self.served, req)
+            opts = resolve_options(t, self.served, req, self.table)
             references = await asyncio.to_thread(reference_images, uploads, t) if uploads else ()
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
