@@ -74,3 +74,14 @@ def test_plan_with_quality_fast_predicts_the_tiers_latency(tmp_path: Path) -> No
     with pytest.raises(PlanRefused, match="serves"):
         plan(PlanRequest((t,), OPTS, layouts=False, use_ray=False, quality="fast",
                          tiers={"tiny-flux2": {"lossless": QualityTierSpec()}}))
+
+
+def test_verify_counts_the_cached_outputs() -> None:
+    """``xema verify`` runs a step-cached entry's worker with the cache's buffers (meta device)."""
+    from xema_ray.measure.verify import verify_config
+
+    t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=20)
+    plain = verify_config(ExecutionConfig(template=t), budget_bytes=2**30)
+    fast = verify_config(ExecutionConfig(template=t, step_cache=DEFAULT_TIERS["fast"].cache), budget_bytes=2**30)
+    assert plain.error is None and fast.error is None
+    assert 0 < fast.device_peak_bytes - plain.device_peak_bytes <= cache_bytes(_entry(t)) + 512

@@ -357,7 +357,9 @@ class ExecutionEngine:
     def step_cache_for(self, config: ExecutionConfig, steps: int) -> Any:
         """The batch's step mask (``xema_ray.mitigation.step_cache.StepCacheConfig``) where its
         config carries a quality tier's schedule and the batch is long enough to skip a step;
-        None: every step computed (lossless). A two-expert model's switch restarts the warm-up."""
+        None: every step computed (lossless). A two-expert model's switch restarts the warm-up.
+        On the meta device the cache is installed whatever the mask, so that ``xema verify``
+        counts its buffers over the few steps it runs."""
         if config.step_cache is None:
             return None
         from xema_ray.mitigation.step_cache import StepCacheConfig
@@ -366,7 +368,8 @@ class ExecutionEngine:
         scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
         resets = tuple(s.first_step for s in self.spec.expert_stages(at_steps, scheduler_config)[1:])
         cache = StepCacheConfig.for_request(config.step_cache, steps, resets)
-        return cache if cache.skips else None
+        # shape-only (``xema verify``): the few steps it runs skip none, but the buffers count
+        return cache if cache.skips or self.shape_only else None
 
     def _batch_env(self, config: ExecutionConfig, group: Any, steps: int, arm: bool,
                    adapters: Any = None) -> tuple[contextlib.ExitStack, RequestReport | None]:
