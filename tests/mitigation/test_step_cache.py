@@ -124,3 +124,26 @@ def test_cached_output_bytes_counts_every_pass() -> None:
     spec = get_model_spec("tiny-flux2")
     assert cached_output_bytes(spec, latent_elements=1000, rows=2, itemsize=4) == 2 * 1000 * 4 * sum(
         spec.transformer_passes_per_step())
+
+
+@pytest.mark.parametrize(("model", "frames", "computed"), [
+    ("tiny-flux2", 1, 4), ("tiny-qwen-image", 1, 4), ("tiny-cogvideox", 9, 4),
+    ("tiny-ltx2", 9, 4),  # CFG, STG and modality passes of different batches in one step
+    ("tiny-wan2.2", 9, 6),  # two experts: the warm-up restarts at the switch
+])
+def test_every_family_runs_the_fast_tier_through_the_engine(model: str, frames: int, computed: int) -> None:
+    from xema_ray.plan import ExecutionConfig
+    from xema_ray.runtime.engine import Batch, ExecutionEngine, GenerationRequest
+    from xema_ray.templates import RequestTemplate
+
+    spec = get_model_spec(model)
+    engine = ExecutionEngine(_pipe(model), spec, torch.device("cpu"), torch.float32)
+    t = RequestTemplate(model=model, height=64, width=64, frames=frames, steps=8)
+    req = (GenerationRequest(request_id="r", prompt="a cat", seed=1),)
+    lossless = engine.execute(Batch(config=ExecutionConfig(template=t), requests=req, steps=8))
+    fast = engine.execute(Batch(config=ExecutionConfig(template=t, step_cache=StepCacheSchedule()), requests=req,
+                                steps=8))
+    assert (lossless.steps_computed, fast.steps_computed) == (8, computed)
+    assert fast.outputs[0].data != lossless.outputs[0].data
+    again = engine.execute(Batch(config=ExecutionConfig(template=t), requests=req, steps=8))
+    assert again.outputs[0].data == lossless.outputs[0].data  # the cache left nothing behind

@@ -86,7 +86,8 @@ class _State:
 
     mask: tuple[int, ...]
     step: int = -1
-    last_timestep: Any = None  # weakref to the step's timestep tensor
+    last_value: float | None = None  # the step's timestep value
+    last_timestep: Any = None  # weakref to the step's timestep tensor (meta device: no values)
     expert: int | None = None  # id of the expert that computed the cached outputs
     passes: int = 0  # calls made in the current step
     cached: dict[int, tuple[list[torch.Tensor], Any]] = field(default_factory=dict)  # pass -> (leaves, spec)
@@ -94,12 +95,20 @@ class _State:
     reused: int = 0
 
     def begin_call(self, timestep: Any) -> int:
-        """The pass index of this call within its step (a new step when the timestep is new)."""
-        alive = self.last_timestep() if self.last_timestep is not None else None
-        if alive is None or alive is not timestep:
+        """The pass index of this call within its step: a new step when the timestep's value is
+        new (a step's passes share it; LTX-2 expands it per pass, so identity would not do); on
+        the meta device, where there are no values, when the timestep tensor is another object."""
+        if isinstance(timestep, torch.Tensor) and timestep.device.type != "meta":
+            value = float(timestep.reshape(-1)[0])  # one read per call: steps' timesteps differ, a step's passes' do not
+            new = value != self.last_value
+            self.last_value = value
+        else:
+            alive = self.last_timestep() if self.last_timestep is not None else None
+            new = alive is None or alive is not timestep
+            self.last_timestep = weakref.ref(timestep) if isinstance(timestep, torch.Tensor) else None
+        if new:
             self.step += 1
             self.passes = 0
-            self.last_timestep = weakref.ref(timestep) if isinstance(timestep, torch.Tensor) else None
         index = self.passes
         self.passes += 1
         return index
@@ -126,7 +135,7 @@ class StepCacheHook(ModelHook):
         if s.computes() or kept is None:
             out = self.fn_ref.original_forward(*args, **kwargs)
             leaves, spec = tree_flatten(out)
-            if kept is None or len(kept[0]) != len(leaves):
+            if kept is None or [getattr(t, "shape", None) for t in kept[0]] != [getattr(t, "shape", None) for t in leaves]:
                 # allocated once, at the first computed step: the buffers the trace carries across the loop
                 s.cached[index] = ([t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
             else:
