@@ -19,11 +19,12 @@ from xema_ray.templates import RequestTemplate
 
 FLUX = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=6)
 QWEN = RequestTemplate(model="tiny-qwen-image", width=64, height=64, steps=2)
+LTX = RequestTemplate(model="tiny-ltx2", width=64, height=64, frames=9, steps=6)
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[RouterHarness]:
-    plans = {t.shape_key: plan_entry(t, batch=2, latency_s=0.5, slo_s=60.0) for t in (FLUX, QWEN)}
+    plans = {t.shape_key: plan_entry(t, batch=2, latency_s=0.5, slo_s=60.0) for t in (FLUX, QWEN, LTX)}
     # tiny-flux2 priced at the default tiers; tiny-qwen-image defines lossless only
     table = price_tiers(PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=plans),
                         {"tiny-qwen-image": {"lossless": QualityTierSpec()}})
@@ -101,3 +102,14 @@ def test_stats_count_the_tiers_served_and_templates_list_them(served: RouterHarn
     assert tiers["fast"]["predicted_latency_s"] < tiers["lossless"]["predicted_latency_s"]
     assert tiers["fast"]["predicted_peak_gb"] > tiers["lossless"]["predicted_peak_gb"]
     assert [q["name"] for q in info[QWEN.shape_key]["quality_tiers"]] == ["lossless"]
+
+
+def test_videos_take_quality_too(served: RouterHarness) -> None:
+    body = {"model": "tiny-ltx2", "prompt": "a red fox", "size": "64x64", "num_frames": 9, "seed": 3}
+    fast, lossless = served.post("/v1/videos/sync", {**body, "quality": "fast"}), served.post("/v1/videos/sync", body)
+    assert (fast.status, lossless.status) == (200, 200)
+    assert {k.lower(): v for k, v in fast.headers.items()}["x-xema-quality"] == "fast"
+    assert {k.lower(): v for k, v in lossless.headers.items()}["x-xema-quality"] == "lossless"
+    assert fast.body != lossless.body
+    bogus = served.post("/v1/videos/sync", {**body, "quality": "ultra"})
+    assert bogus.status == 422 and bogus.json()["error"]["param"] == "quality"

@@ -176,6 +176,9 @@ class VideoRequest(_Common):
                                            description="a two-expert model's low-noise expert guidance (Wan2.2 "
                                                        "A14B; default: guidance_scale, as diffusers); models of one "
                                                        "expert refuse it")
+    quality: QualityValue | None = Field(
+        default=None, description="the quality tier (lossless, the default; fast; auto) or OpenAI's image values, "
+                                  "as on images; a tier the template does not serve is a 422; docs/quality.md")
 
 
 class ImageData(BaseModel):
