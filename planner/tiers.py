@@ -80,6 +80,7 @@ def price_tiers(table: PlanTable, tiers: Mapping[str, Mapping[str, QualityTierSp
     """
     shares = phase_shares(table)
     entries = {}
+    not_armed = dict(table.provenance.layouts_not_armed)
     for key, e in table.entries.items():
         defined = (tiers or {}).get(e.config.template.model, DEFAULT_TIERS)
         if only is not None and only not in defined:
@@ -87,7 +88,11 @@ def price_tiers(table: PlanTable, tiers: Mapping[str, Mapping[str, QualityTierSp
         names = [only] if only is not None else sorted(defined)
         priced = {n: tier_plan(e, defined[n], shares[key].denoise) for n in names}
         entries[key] = e.model_copy(update={"tiers": priced}) if only is None else _as_tier(e, only, priced[only])
-    return table.model_copy(update={"entries": entries})
+        if only is not None and priced[only].cache is not None:
+            not_armed[key] = (f"quality {only}: a step-cached batch runs on the dynamic region (its reused steps "
+                              "allocate less, in another order, than a static layout is solved for)")
+    provenance = table.provenance.model_copy(update={"layouts_not_armed": not_armed})
+    return table.model_copy(update={"entries": entries, "provenance": provenance})
 
 
 def _as_tier(e: PlanEntry, name: str, tier: TierPlan) -> PlanEntry:
