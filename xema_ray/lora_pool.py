@@ -1,6 +1,8 @@
 """A model group's LoRA adapter pool as configured and planned (``adapters:`` of a group in the
-serve YAML, ``PlanTable.adapter_pools``) and what a request asks of it (``LoraUse``): the schemas
-only, light to import (job store, API); the pool itself is ``xema_ray.lora``."""
+serve YAML, ``PlanTable.adapter_pools``) and what a request asks of it (``LoraUse``), where an adapter comes from
+(``AdapterSource``), why one is refused (``AdapterRejected``, ``AdapterPathRefused``) and what the
+pool reports (``AdapterInfo``, ``PoolStats``): the schemas only, light to import (job store, API,
+the Router's and Stats' processes, which run no model); the pool itself is ``xema_ray.lora``."""
 
 from __future__ import annotations
 
@@ -79,3 +81,69 @@ class LoraPoolConfig(BaseModel):
             raise ValueError(f"max_per_request ({self.max_per_request}) must be at most slots ({self.slots}): "
                              "one request's adapters are on the device together")
         return self
+
+
+class AdapterSource(BaseModel):
+    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
+    model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
+    path: Path = Field(description="a .safetensors file (or a folder holding exactly one), readable by the workers")
+
+
+class AdapterRejected(ValueError):
+    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key)."""
+
+    def __init__(self, message: str, adapter: str, key: str | None = None) -> None:
+        super().__init__(message, adapter, key)  # in args: crosses the worker -> group -> router boundary by pickle
+        self.adapter = adapter
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class AdapterPathRefused(PermissionError):
+    """An adapter path outside the group's ``adapters.roots`` (HTTP 403). The message is the same
+    whether or not the file exists: the answer tells nothing about the server's files."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(adapter)  # args: (adapter,): it crosses the group -> router boundary by pickle
+        self.adapter = adapter
+
+    def __str__(self) -> str:
+        return (f"adapter {self.adapter!r}: path is not under this deployment's adapter roots (adapters.roots, "
+                "default adapters.dir); copy the file there")
+
+
+class AdapterInfo(BaseModel):
+    """One loaded adapter (``GET /v1/adapters``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    model: str
+    path: str = ""
+    rank: int
+    layers: int = Field(description="linear layers it adapts")
+    bytes: int = Field(description="its factors' bytes (host copy; a device slot holds them rank-padded)")
+    resident: bool = Field(description="in a device slot now")
+    skipped_keys: int = Field(default=0, description="keys the stated tolerance let through unapplied")
+
+
+class PoolStats(BaseModel):
+    """The pool's counters (``/v1/stats``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    slots: int
+    max_rank: int
+    device_bytes: int = Field(description="the stacks' bytes on the device (fixed at load)")
+    adapters: int = Field(description="adapters known (on the host)")
+    resident: int
+    copies: int = Field(description="adapters copied into a slot since load")
+    evictions: int = Field(description="resident adapters moved out for another (least recently used)")
+    bytes_copied: int
+    wait_s: float = Field(description="seconds batches waited for adapter copies")

@@ -24,49 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 # an adapter's name (URL-safe) and what a request asks for: the request-side schemas, light to import
-from xema_ray.lora_pool import NAME_PATTERN, LoraUse  # noqa: F401  (re-exported: xema_ray.lora.LoraUse)
+from xema_ray.lora_pool import LoraUse  # noqa: F401  (re-exported: xema_ray.lora.LoraUse)
+# what crosses the API and the worker boundary about an adapter: light schemas and errors (re-exported here)
+from xema_ray.lora_pool import AdapterPathRefused, AdapterRejected, AdapterSource  # noqa: F401
 
 #: the pipeline components an adapter may adapt (Wan2.2 A14B has two experts)
 ADAPTED_COMPONENTS = ("transformer", "transformer_2")
-
-
-class AdapterSource(BaseModel):
-    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
-    model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
-    path: Path = Field(description="a .safetensors file (or a folder holding exactly one), readable by the workers")
-
-
-class AdapterRejected(ValueError):
-    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key)."""
-
-    def __init__(self, message: str, adapter: str, key: str | None = None) -> None:
-        super().__init__(message, adapter, key)  # in args: crosses the worker -> group -> router boundary by pickle
-        self.adapter = adapter
-        self.key = key
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class AdapterPathRefused(PermissionError):
-    """An adapter path outside the group's ``adapters.roots`` (HTTP 403). The message is the same
-    whether or not the file exists: the answer tells nothing about the server's files."""
-
-    def __init__(self, adapter: str) -> None:
-        super().__init__(adapter)  # args: (adapter,): it crosses the group -> router boundary by pickle
-        self.adapter = adapter
-
-    def __str__(self) -> str:
-        return (f"adapter {self.adapter!r}: path is not under this deployment's adapter roots (adapters.roots, "
-                "default adapters.dir); copy the file there")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import time
 
 from pydantic import BaseModel, Field
 
-from xema_ray.lora import AdapterSource
+from xema_ray.lora_pool import AdapterSource
 
 #: a replica that acknowledged within this many seconds is waited for
 LIVE_S = 5.0
