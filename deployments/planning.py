@@ -58,7 +58,9 @@ def group_dtypes(cfg: ServeConfig) -> dict[str, Any]:
             for g in cfg.models if not g.default_dtypes}
 
 
-def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
+def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: float = 0.0) -> PlanTable:
+    """Plan ``templates`` for ``cfg`` now (the cost model, calibrated on this machine for ``cpu``);
+    ``overhead_s`` is added to every candidate's latency (what serving adds per batch)."""
     from planner.latency import LatencyModel
     from planner.pause_state import with_pause_bytes
     from planner.stages import plan_template
@@ -76,7 +78,8 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     infeasible = []
     gpus_of = {g.model: g.workers for g in cfg.models}
     for t in templates:
-        model = TracePlannerModel(t, latency.seconds, cache)
+        seconds = latency.seconds if not overhead_s else (lambda c, f=latency.seconds: f(c) + overhead_s)
+        model = TracePlannerModel(t, seconds, cache)
         plan = plan_template(model, t, gpus_of[t.model], budget, slo_scale=cfg.slo_scale, latency_source=latency.source)
         if plan.entry is None:
             infeasible.append(t.shape_key)
@@ -91,3 +94,54 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     gpus = max(gpus_of.values())
     return PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
                      group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+
+
+def demo_table(config: str, out: str, overhead_s: float = 0.0) -> PlanTable:
+    """Plan what ``config``'s first application serves, as start-up would without a plan table
+    (``plan_now``, calibrated on this machine, no cache kept), with ``overhead_s`` — the serving
+    path's seconds per batch on this machine, measured by ``bench/serving_path.py`` — added to every
+    candidate's latency (so the SLOs and the simulator price what a request pays end to end),
+    and write it to ``out``: the committed table ``make serve`` starts from without planning."""
+    import time
+    from datetime import UTC, datetime
+
+    import yaml
+
+    raw = yaml.safe_load(open(config))["applications"][0]["args"]
+    args = {k: v for k, v in raw.items() if k not in ("plan_table", "cache_dir")}
+    cfg = ServeConfig.model_validate({**args, "cache_dir": None})
+    from xema_ray.serving.startup import served_templates
+
+    start = time.monotonic()
+    table = plan_now(cfg, served_templates(cfg), overhead_s=overhead_s)
+    table = table.model_copy(update={"provenance": table.provenance.model_copy(update={
+        "command": f"python -m deployments.planning {config} --out {out} --overhead-s {overhead_s:g}",
+        "planned": f"as start-up plans {config}, the serving path's {overhead_s * 1000:.0f} ms per batch added "
+                   "to every latency (bench/serving_path.py)",
+        "planned_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "wall_s": round(time.monotonic() - start, 1),
+        "notes": {"serving_overhead_s": f"{overhead_s:.4f}"}})})
+    table.save(out)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m deployments.planning",
+                                description="write the plan table a serve YAML's start-up would plan (the demo's "
+                                            "committed table: make demo-plan)")
+    p.add_argument("config", help="a serve YAML, e.g. deployments/xema.yaml")
+    p.add_argument("--out", required=True, help="the table to write, e.g. plans/demo-cpu.json")
+    p.add_argument("--overhead-s", type=float, default=0.0,
+                   help="seconds the serving path adds per batch on this machine (bench/serving_path.py), added to "
+                        "every candidate's latency")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    table = demo_table(a.config, a.out, a.overhead_s)
+    for k, e in sorted(table.entries.items()):
+        print(f"{k}: {e.config.describe()} latency {e.prediction.latency_s:.3f} s, SLO {e.prediction.slo_s:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
