@@ -41,7 +41,7 @@ serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
 # The demo's committed plan table, planned as start-up would plan deployments/xema.yaml (calibrated on this
-# machine, no cache kept); OVERHEAD_S: the serving path's seconds per batch (bench/serving_path.py) added to every latency.
+# machine, no cache kept); OVERHEAD_S: the serving path's seconds per batch (BENCHMARKS.md "Serving overhead") added to every latency.
 demo-plan: install
 	PYTHONPATH=$(CURDIR) $(PY) -m deployments.planning deployments/xema.yaml --out plans/demo-cpu.json --overhead-s $(or $(OVERHEAD_S),0)
 

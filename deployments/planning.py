@@ -99,7 +99,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
 def demo_table(config: str, out: str, overhead_s: float = 0.0) -> PlanTable:
     """Plan what ``config``'s first application serves, as start-up would without a plan table
     (``plan_now``, calibrated on this machine, no cache kept), with ``overhead_s`` — the serving
-    path's seconds per batch on this machine, measured by ``bench/serving_path.py`` — added to every
+    path's seconds per batch on this machine (BENCHMARKS.md "Serving overhead") — added to every
     candidate's latency (so the SLOs and the simulator price what a request pays end to end),
     and write it to ``out``: the committed table ``make serve`` starts from without planning."""
     import time
@@ -117,7 +117,7 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0) -> PlanTable:
     table = table.model_copy(update={"provenance": table.provenance.model_copy(update={
         "command": f"python -m deployments.planning {config} --out {out} --overhead-s {overhead_s:g}",
         "planned": f"as start-up plans {config}, the serving path's {overhead_s * 1000:.0f} ms per batch added "
-                   "to every latency (bench/serving_path.py)",
+                   "to every latency",
         "planned_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "wall_s": round(time.monotonic() - start, 1),
         "notes": {"serving_overhead_s": f"{overhead_s:.4f}"}})})
     table.save(out)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="a serve YAML, e.g. deployments/xema.yaml")
     p.add_argument("--out", required=True, help="the table to write, e.g. plans/demo-cpu.json")
     p.add_argument("--overhead-s", type=float, default=0.0,
-                   help="seconds the serving path adds per batch on this machine (bench/serving_path.py), added to "
+                   help="seconds the serving path adds per batch on this machine (BENCHMARKS.md \"Serving overhead\"), added to "
                         "every candidate's latency")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
