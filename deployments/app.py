@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.console_traces import trace_view
-from deployments.planning import load_or_plan
+from deployments.planning import load_or_plan, resolve_plan_table
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
@@ -146,7 +146,7 @@ def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, Pla
 
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
-    cfg = ServeConfig.model_validate(args)
+    cfg = resolve_plan_table(ServeConfig.model_validate(args))
     exposed = exposed_ports_warning()
     if exposed is not None:  # Ray is already bound: tell, loudly (docs/serving.md "Ports")
         logger.warning(exposed)

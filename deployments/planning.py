@@ -27,6 +27,18 @@ def machine_fingerprint(cfg: ServeConfig, gpus: int) -> str:
     return LatencyModel(hardware).fingerprint(gpus)
 
 
+def resolve_plan_table(cfg: ServeConfig) -> ServeConfig:
+    """``cfg`` with a relative ``plan_table`` that is not under the working directory taken from
+    the repository root instead (``deployments/xema.yaml`` names ``plans/demo-cpu.json``)."""
+    from pathlib import Path
+
+    p = cfg.plan_table
+    if p is None or p.is_absolute() or p.exists():
+        return cfg
+    in_repo = Path(__file__).resolve().parents[1] / p
+    return cfg.model_copy(update={"plan_table": in_repo}) if in_repo.exists() else cfg
+
+
 def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[PlanTable, int]:
     """The plan table covering ``templates`` (loaded and checked, or planned now) and the host
     memory the node has beyond its residencies (``check_runnable``)."""

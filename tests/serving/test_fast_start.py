@@ -82,3 +82,13 @@ def test_inprocess_workers_refuse_sp2_plans_and_gpus() -> None:
     with pytest.raises(ValueError, match="worker_set: inprocess runs on device: cpu only"):
         ServeConfig.model_validate({"device": "cuda", "worker_set": "inprocess",
                                     "models": [{"model": "tiny-flux2", "templates": [{"width": 64, "height": 64}]}]})
+
+
+def test_a_relative_plan_table_is_found_from_another_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from deployments.planning import resolve_plan_table
+
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_plan_table(_demo())
+    assert cfg.plan_table == ROOT / "plans" / "demo-cpu.json"
+    missing = _demo().model_copy(update={"plan_table": Path("plans/no-such.json")})
+    assert resolve_plan_table(missing).plan_table == Path("plans/no-such.json")  # left to fail, naming it
