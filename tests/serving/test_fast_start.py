@@ -92,3 +92,24 @@ def test_a_relative_plan_table_is_found_from_another_directory(monkeypatch: pyte
     assert cfg.plan_table == ROOT / "plans" / "demo-cpu.json"
     missing = _demo().model_copy(update={"plan_table": Path("plans/no-such.json")})
     assert resolve_plan_table(missing).plan_table == Path("plans/no-such.json")  # left to fail, naming it
+
+
+def test_make_demo_plan_writes_what_start_up_plans_with_the_overhead_recorded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from deployments import planning
+
+    seen: dict[str, object] = {}
+
+    def fake_plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: float = 0.0) -> PlanTable:
+        seen.update(plan_table=cfg.plan_table, cache_dir=cfg.cache_dir, overhead_s=overhead_s, n=len(templates))
+        return PlanTable(hardware="2x cpu", gpus=2, budget_bytes=96 * 10**6,
+                         entries={t.shape_key: plan_entry(t) for t in templates})
+
+    monkeypatch.setattr(planning, "plan_now", fake_plan_now)
+    out = tmp_path / "demo.json"
+    assert planning.main([str(ROOT / "deployments" / "xema.yaml"), "--out", str(out), "--overhead-s", "0.12"]) == 0
+    # planned as start-up would (no table given, no cache kept), the serving path's seconds passed on
+    assert seen == {"plan_table": None, "cache_dir": None, "overhead_s": 0.12, "n": 17}
+    table = PlanTable.load(str(out))
+    assert table.provenance.notes["serving_overhead_s"] == "0.1200"
+    assert "--overhead-s 0.12" in (table.provenance.command or "")
