@@ -100,8 +100,10 @@ def test_make_demo_plan_writes_what_start_up_plans_with_the_overhead_recorded(
 
     seen: dict[str, object] = {}
 
-    def fake_plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: float = 0.0) -> PlanTable:
-        seen.update(plan_table=cfg.plan_table, cache_dir=cfg.cache_dir, overhead_s=overhead_s, n=len(templates))
+    def fake_plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: float = 0.0,
+                      video_overhead_s: float | None = None) -> PlanTable:
+        seen.update(plan_table=cfg.plan_table, cache_dir=cfg.cache_dir, overhead_s=overhead_s, video=video_overhead_s,
+                    n=len(templates))
         return PlanTable(hardware="2x cpu", gpus=2, budget_bytes=96 * 10**6,
                          entries={t.shape_key: plan_entry(t) for t in templates})
 
@@ -109,7 +111,7 @@ def test_make_demo_plan_writes_what_start_up_plans_with_the_overhead_recorded(
     out = tmp_path / "demo.json"
     assert planning.main([str(ROOT / "deployments" / "xema.yaml"), "--out", str(out), "--overhead-s", "0.12"]) == 0
     # planned as start-up would (no table given, no cache kept), the serving path's seconds passed on
-    assert seen == {"plan_table": None, "cache_dir": None, "overhead_s": 0.12, "n": 17}
+    assert seen == {"plan_table": None, "cache_dir": None, "overhead_s": 0.12, "video": 0.12, "n": 17}
     table = PlanTable.load(str(out))
     assert table.provenance.notes["serving_overhead_s"] == "0.1200"
     assert "--overhead-s 0.12" in (table.provenance.command or "")
