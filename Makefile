@@ -41,9 +41,10 @@ serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
 # The demo's committed plan table, planned as start-up would plan deployments/xema.yaml (calibrated on this
-# machine, no cache kept); OVERHEAD_S: the serving path's seconds per batch (BENCHMARKS.md "Serving overhead") added to every latency.
+# machine, no cache kept); OVERHEAD_S / VIDEO_OVERHEAD_S: the serving path's seconds per image request / video job, measured on
+# the 2-core VM (BENCHMARKS.md "Start-up"), added to every latency: the demo's SLOs price what a request pays.
 demo-plan: install
-	PYTHONPATH=$(CURDIR) $(PY) -m deployments.planning deployments/xema.yaml --out plans/demo-cpu.json --overhead-s $(or $(OVERHEAD_S),0)
+	PYTHONPATH=$(CURDIR) $(PY) -m deployments.planning deployments/xema.yaml --out plans/demo-cpu.json --overhead-s $(or $(OVERHEAD_S),0.033) --video-overhead-s $(or $(VIDEO_OVERHEAD_S),0.2)
 
 # The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
 # declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.
