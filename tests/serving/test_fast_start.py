@@ -115,3 +115,15 @@ def test_make_demo_plan_writes_what_start_up_plans_with_the_overhead_recorded(
     table = PlanTable.load(str(out))
     assert table.provenance.notes["serving_overhead_s"] == "0.1200"
     assert "--overhead-s 0.12" in (table.provenance.command or "")
+
+
+def test_the_load_test_simulator_adds_only_the_overhead_a_table_does_not_price() -> None:
+    from loadtests.run import unpriced_overhead
+
+    demo = PlanTable.load(str(ROOT / "plans" / "demo-cpu.json"))
+    priced = float(demo.provenance.notes["serving_overhead_s"])
+    assert priced > 0  # the demo's table prices the serving path
+    assert unpriced_overhead(demo, priced + 0.02) == pytest.approx(0.02)
+    assert unpriced_overhead(demo, priced / 2) == 0.0
+    plain = demo.model_copy(update={"provenance": demo.provenance.model_copy(update={"notes": {}})})
+    assert unpriced_overhead(plain, 0.05) == 0.05  # a table planned without it: the simulator adds it all
