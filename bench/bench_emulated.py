@@ -42,7 +42,7 @@ from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulated import DEFAULT_HOST_BANDWIDTH, scale_table
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.group.preemption import ParkOverhead
-from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate, template_weights
+from xema_ray.sim.simulate import Arrival, SimulationConfig, poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,10 +158,10 @@ def _point(model: str, paper_rate: float, rate: float, ts: float, table: PlanTab
     park = statistics.median(parks) if parks else 0.0
 
     def run(per_request: dict[str, float] | None) -> Any:
-        return simulate(sub, arrivals, overhead_s=charged, request_overhead_s=per_request,
-                        batch_latency=lambda k, n: _planned(sub, k, n) + batch_over,
-                        preemption=max_preemptions > 0, max_preemptions=max(1, max_preemptions), host_bytes=host_bytes,
-                        host_bandwidth=DEFAULT_HOST_BANDWIDTH * ts, park_overhead_s=park)
+        return simulate(sub, arrivals, SimulationConfig(
+            overhead_s=charged, request_overhead_s=per_request, batch_latency=lambda k, n: _planned(sub, k, n) + batch_over,
+            preemption=max_preemptions > 0, max_preemptions=max(1, max_preemptions), host_bytes=host_bytes,
+            host_bandwidth=DEFAULT_HOST_BANDWIDTH * ts, park_overhead_s=park))
     # each request is charged the front end it measured (a loaded front end's tail, not only its
     # mean: near an SLO the tail decides); the per-template mean alone is reported beside it
     sim, sim_mean = run(own), run(None)

@@ -32,7 +32,6 @@ import requests
 
 from xema_ray.net import free_port
 from xema_ray.serving.api.ready import wait_ready
-from xema_ray.vocabulary import LatencySource
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +77,7 @@ def main() -> None:
     from ray import serve
 
     from deployments.app import build_app
-    from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+    from bench.scenarios.factories import plan_entry, plan_table
     from xema_ray.serving.config import ServeConfig
     from deployments.planning import machine_fingerprint
     from xema_ray.templates import RequestTemplate
@@ -88,9 +87,8 @@ def main() -> None:
     serve_args = {"device": "cpu", "worker_cpus": 0.5, "jobs": {"path": str(tmp / "jobs")},
                   "models": [{"model": t.model, "workers": 1, "wait_window_s": 0.0, "max_queue": 1000,
                               "templates": [{"width": 64, "height": 64, "frames": 9, "steps": args.steps}]}]}
-    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1), gpus=1, budget_bytes=10**9,
-                      entries={t.shape_key: PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-                          peak_bytes=0, latency_s=3.0, goodput_rps=0, slo_s=120, latency_source=LatencySource.MEASURED))})
+    table = plan_table([plan_entry(t, peak_bytes=0, latency_s=3.0, goodput_rps=0, slo_s=120)],
+                       hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1))
     table.save(str(tmp / "plans.json"))
     serve_args["plan_table"] = str(tmp / "plans.json")
     port = free_port()

@@ -93,12 +93,13 @@ def throughput(model: str, rounds: int, rank: int) -> dict[str, Any]:
 def cost_model(model: str) -> list[dict[str, Any]]:
     spec = get_model_spec(model)
     t = REAL[model]
-    dit = spec.build_pipeline(BuildOptions(device="meta", dtype=torch.bfloat16)).transformer
+    pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=torch.bfloat16))
+    dit = pipe.transformer
     rows = spec.dit_batch_multiplier()
     tokens = sum(spec.token_counts(t).values())
     out = []
     for rank in (16, 64):
-        c = lora_cost(model, dit, rank, slots=4, rows=rows)
+        c = lora_cost(model, dit, rank, slots=4, rows=rows, transformer_2=getattr(pipe, "transformer_2", None))
         row: dict[str, Any] = {"model": model, "template": t.key, "rank": rank, "targets": c.targets,
                                "pool4_bytes": c.pool_bytes, "adapter_bytes": c.adapter_bytes,
                                "linear_flop_ratio": c.flop_ratio, "rows": rows, "tokens": tokens}

@@ -30,7 +30,7 @@ from pathlib import Path
 from planner.pause_state import with_pause_bytes
 from planner.traces import TraceCache
 from xema_ray.plan import PlanTable
-from xema_ray.sim.simulate import poisson_arrivals, simulate
+from xema_ray.sim.simulate import SimulationConfig, poisson_arrivals, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = "cogvideox-5b/1280x720x49"
@@ -60,7 +60,7 @@ def simulated(table: PlanTable, requests: int, seeds: int) -> dict:
         for seed in range(seeds):
             arr = poisson_arrivals(rate, hours * 3600, weights, seed=seed)
             for name, on in (("with_preemption", True), ("without_preemption", False)):
-                r = simulate(table, arr, preemption=on)
+                r = simulate(table, arr, SimulationConfig(preemption=on))
                 short = r.per_template.get(SHORT)
                 runs[name].append({"attainment": r.attainment, "sent": r.sent, "preemptions": r.preemptions,
                                    "short_attainment": short.met / short.sent if short and short.sent else None})
@@ -156,7 +156,7 @@ def live_emulated(plan_table: Path, time_scale: float = EMULATED_SCALE) -> dict:
                                      "residency": {k: v for k, v in table.residency.items() if k == "cogvideox-5b"}})
     recorded = [Arrival(t=out["with_sent_at"][a.request_id], template=a.template, request_id=a.request_id) for a in trace]
     for name, on in (("with", True), ("without", False)):
-        r = simulate(table, recorded, preemption=on, host_bandwidth=DEFAULT_HOST_BANDWIDTH * time_scale)
+        r = simulate(table, recorded, SimulationConfig(preemption=on, host_bandwidth=DEFAULT_HOST_BANDWIDTH * time_scale))
         out[f"simulated_{name}"] = {k: v.latencies_s for k, v in r.per_template.items()}
         out[f"simulated_{name}_preemptions"] = r.preemptions
     out["short_slo_s"] = table.entries[SHORT].prediction.slo_s

@@ -25,7 +25,6 @@ import torch
 from xema_ray.serving.ray_env import apply_ray_env
 from xema_ray.net import free_port
 from xema_ray.serving.api.ready import wait_ready
-from xema_ray.vocabulary import LatencySource
 
 
 
@@ -41,7 +40,8 @@ def main() -> None:
 
     from deployments.app import build_app
     from xema_ray.models import BuildOptions
-    from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+    from bench.scenarios.factories import plan_entry, plan_table
+    from xema_ray.plan import ExecutionConfig
     from xema_ray.runtime.engine import Batch, ExecutionEngine, GenerationRequest
     from xema_ray.serving.config import ServeConfig
     from deployments.planning import machine_fingerprint
@@ -65,9 +65,8 @@ def main() -> None:
     serve_args = {"device": "cpu", "worker_cpus": 0.5,
                   "models": [{"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.0, "max_queue": 1000,
                               "templates": [{"width": 64, "height": 64, "steps": 4}]}]}
-    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1), gpus=1, budget_bytes=10**9,
-                      entries={t.shape_key: PlanEntry(config=cfg, prediction=PlanPrediction(
-                          peak_bytes=0, latency_s=float(np.median(direct)), goodput_rps=0, slo_s=60, latency_source=LatencySource.MEASURED))})
+    table = plan_table([plan_entry(cfg, peak_bytes=0, latency_s=float(np.median(direct)), goodput_rps=0, slo_s=60)],
+                       hardware=machine_fingerprint(ServeConfig.model_validate(serve_args), 1))
     path = Path(tempfile.mkdtemp()) / "plans.json"
     table.save(str(path))
     serve_args["plan_table"] = str(path)

@@ -42,7 +42,7 @@ from planner.trace_model import TracePlannerModel
 from planner.traces import TraceCache
 from xema_ray.memory.analysis import parse_bytes
 from xema_ray.plan import PlanEntry, PlanTable
-from xema_ray.sim.simulate import poisson_arrivals, simulate, template_weights
+from xema_ray.sim.simulate import SimulationConfig, poisson_arrivals, simulate, template_weights
 from xema_ray.templates import RequestTemplate, paper_templates
 
 MODELS = {"flux2": "Flux.2", "ltx2": "LTX-2", "cogvideox-5b": "CogVideoX-5B"}
@@ -200,7 +200,7 @@ def attainment(table: PlanTable, slos: dict[str, float], keys: list[str], rate: 
         arr = poisson_arrivals(rate, duration_s, w, seed=seed)
         # templates no planner can serve still get requests; give them an SLO so they count as failed
         all_slos = {k: slos.get(k, 1.0) for k in keys}
-        out.append(simulate(table, arr, slo_scale=slo_scale, slos=all_slos).attainment)
+        out.append(simulate(table, arr, SimulationConfig(slo_scale=slo_scale, slos=all_slos)).attainment)
     return 100 * float(np.mean(out))
 
 

@@ -25,23 +25,21 @@ import redis
 import requests
 from ray import serve
 
+from bench.scenarios.factories import plan_entry
 from deployments.app import build_app
 from deployments.planning import machine_fingerprint
 from xema_ray.net import free_port
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.templates import RequestTemplate
-from xema_ray.vocabulary import LatencySource
 
 SYNC = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=4)
 JOB = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, steps=4)
 
 
 def _entry(t: RequestTemplate, latency_s: float) -> PlanEntry:
-    return PlanEntry(config=ExecutionConfig(template=t, batch=2),
-                     prediction=PlanPrediction(peak_bytes=10**7, latency_s=latency_s, goodput_rps=1.0, slo_s=60.0,
-                                               latency_source=LatencySource.MEASURED))
+    return plan_entry(t, batch=2, latency_s=latency_s, slo_s=60.0)
 
 
 def main() -> None:

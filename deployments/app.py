@@ -60,7 +60,7 @@ def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int,
 class ServedModelGroup(ModelGroup):
     """ModelGroup as Serve runs it: on scale-down Serve stops routing to the replica, waits for
     its ongoing requests (every synchronous request it accepted), then calls ``__del__``, which
-    drains what is left (``PublishesSummary.drain``: queued jobs handed back, running batches
+    drains what is left (``SummaryPublisher.drain``: queued jobs handed back, running batches
     finished within the budget)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

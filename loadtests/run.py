@@ -23,7 +23,7 @@ import yaml
 from xema_ray.plan import PlanTable
 from xema_ray.serving.ray_env import ray_env
 from xema_ray.serving.api.ready import NotReady, poll_health, wait_ready
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,8 +156,8 @@ def main() -> int:
     arrivals = [Arrival.model_validate(a) for a in json.loads((args.out / "arrivals.json").read_text())]
     # the app's "GPUs" are logical workers sharing this machine's cores: simulate that sharing
     cores = float(os.cpu_count() or 1) if "CPU" in table.hardware else None
-    sim = simulate(table, arrivals, slo_scale=args.slo_scale, overhead_s=unpriced_overhead(table, overhead),
-                   shared_cores=cores, preemption=preemption)
+    sim = simulate(table, arrivals, SimulationConfig(slo_scale=args.slo_scale, overhead_s=unpriced_overhead(table, overhead),
+                                                 shared_cores=cores, preemption=preemption))
     comparison = {"live_attainment": live["attainment"], "simulated_attainment": sim.attainment, "preemption": preemption,
                   "preemptions_simulated": sim.preemptions,
                   "front_end_overhead_s": overhead, "shared_cores": cores,

@@ -25,11 +25,16 @@ request's start.
 Compute times are the roofline cost model's (``xema_ray.profiling.costmodel``), memory is the
 trace's with the runtime allocator's margins (``xema_ray.allocator.margins``); every figure here
 is a prediction.
+
+The planner makes the choice a template's entry in its model group's last group pass
+(``switch_group``, ``planner.finishing``), so the static layout, the residency and the node's host
+memory (both experts pinned: ``xema_ray.runtime.host_bytes.config_host_bytes``) are the switch's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xema_ray.allocator.margins import DYNAMIC_FRACTION, LAYOUT_OVERHEAD
 from xema_ray.memory.analysis import ExpertUse, expert_uses
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import ExecutionConfig, ExpertSwap, Mitigation, PlanEntry, PlanPrediction
 from xema_ray.profiling.costmodel import cost_model_estimate
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.runtime.residency import block_sizes
@@ -115,9 +120,144 @@ def _streamed_stall(prefetched_blocks: int, n_blocks: int, block_s: float, block
     return max(0.0, t - n_blocks * block_compute_s)
 
 
+@dataclass(frozen=True)
+class _Stages:
+    """What every strategy is priced from: the trace's experts, stages and activations on ``gpus``,
+    and the cost model's times of one request."""
+
+    template: RequestTemplate
+    experts: list[ExpertUse]
+    budget: int
+    gpus: int
+    weights: int  # every weight of the trace
+    act_hi: float  # activations above the weights, per GPU, while each stage runs
+    act_lo: float
+    act_decode: int  # one rank decodes
+    act_text: int
+    bw: float  # host->device bytes per second
+    n_blocks: int
+    base: ExecutionConfig
+    total_s: float
+    step_s: float
+    passes: int
+    decode_s: float
+    high_steps: int
+
+    @property
+    def block_compute_s(self) -> float:
+        return self.step_s / self.passes / self.n_blocks
+
+    @property
+    def block_bytes(self) -> list[float]:
+        return [e.weight_bytes / self.n_blocks for e in self.experts]  # the blocks hold ~all of an expert
+
+
+def _stages(template: RequestTemplate, trace: MemoryTrace, budget: int, hw: HardwareProfile, gpus: int) -> _Stages:
+    experts = expert_uses(trace)
+    if len(experts) != 2:
+        raise ValueError(f"{template.key}: the trace shows {len(experts)} experts; the switch plan is for two")
+    hi, lo = experts
+    curve = trace.active_curve()
+    base = ExecutionConfig(template=template, ulysses=gpus)
+    est = cost_model_estimate(base, hw)
+    return _Stages(
+        template=template, experts=experts, budget=budget, gpus=gpus,
+        weights=int(trace.size[trace.category == Category.WEIGHT].sum()),
+        act_hi=_stage_activation_peak(trace, hi.first_event, hi.last_event, curve) / gpus,
+        act_lo=_stage_activation_peak(trace, lo.first_event, lo.last_event, curve) / gpus,
+        act_decode=_stage_activation_peak(trace, lo.last_event + 1, trace.n_events - 1, curve),
+        act_text=_stage_activation_peak(trace, 0, hi.first_event, curve), bw=hw.h2d_gbps * 1e9,
+        n_blocks=template.spec.num_dit_blocks, base=base, total_s=est.total_s,
+        step_s=est.per_step_s or est.per_phase.get("denoise", 0.0) / template.steps,
+        passes=len(template.spec.transformer_passes_per_step()), decode_s=float(est.per_phase.get("decode", 0.0)),
+        high_steps=hi.last_step - hi.first_step + 1)
+
+
+def _hold_both(f: _Stages) -> StrategyCost:
+    """Both experts stay on the device: nothing moves."""
+    both = max(_reserved(f.weights, max(f.act_hi, f.act_lo)), _reserved(f.weights, f.act_decode))
+    return StrategyCost(strategy="hold_both", fits=both <= f.budget, peak_bytes=both, switch_peak_bytes=both,
+                        latency_s=f.total_s, stall_s=0.0, h2d_bytes=0)
+
+
+def _swap_prefetched(f: _Stages) -> StrategyCost:
+    """One expert on the device at a time, as ``xema_ray.mitigation.expert_swap`` runs it (both
+    experts' DiT blocks homed on pinned host memory; their other layers stay on the device)."""
+    expert_blocks = sum(block_sizes(f.template.spec))
+    blk, n = expert_blocks / f.n_blocks, f.n_blocks
+    kept = f.weights - 2 * expert_blocks  # encoder, VAE, both experts' embeddings and heads
+    stage_hi = _reserved(kept + expert_blocks, max(f.act_hi, f.act_text))
+    pre_blocks = min(n, int(max(0, f.budget - stage_hi) // blk))
+    pre_bytes = int(pre_blocks * blk)
+    pre_steps = min(f.high_steps, max(1, math.ceil(pre_bytes / f.bw / f.step_s))) if pre_bytes else 0
+    stall_switch = _streamed_stall(pre_blocks, n, blk / f.bw, f.block_compute_s)
+    # the low-noise expert leaves when the decode starts; as many high-noise blocks as the decode
+    # leaves room for return under it, the rest after the request (the next one's first forward
+    # waits for each just before it runs it)
+    dec_blocks = min(n, int(max(0, f.budget - _reserved(kept, f.act_decode)) // blk))
+    stall_back = (max(0.0, dec_blocks * blk / f.bw - f.decode_s)
+                  + _streamed_stall(dec_blocks, n, blk / f.bw, f.block_compute_s))
+    live = (kept + expert_blocks + pre_bytes + max(f.act_hi, f.act_text), kept + expert_blocks + f.act_lo,
+            kept + dec_blocks * blk + f.act_decode)  # the prefetch, the switch, the decode
+    peak = max(_reserved(kept + expert_blocks + pre_bytes, max(f.act_hi, f.act_text)),
+               _reserved(kept + expert_blocks, f.act_lo), _reserved(kept + dec_blocks * blk, f.act_decode))
+    return StrategyCost(
+        strategy="swap_prefetched", fits=peak <= f.budget, peak_bytes=peak, live_peak_bytes=int(max(live)),
+        switch_peak_bytes=_reserved(kept + expert_blocks + pre_bytes, f.act_hi),
+        latency_s=f.total_s + stall_switch + stall_back, stall_s=stall_switch + stall_back,
+        h2d_bytes=2 * expert_blocks, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
+        prefetch_blocks=pre_blocks, decode_blocks=dec_blocks,
+        note=f"{pre_blocks} of {n} low-noise blocks prefetched during the last {pre_steps} high-noise step(s); "
+             f"the other {n - pre_blocks} stream in under the first low-noise forward; "
+             f"{dec_blocks} high-noise blocks return under the VAE decode, the rest under the next request's "
+             f"first forward")
+
+
+def _split_blocks(f: _Stages, hw: HardwareProfile) -> StrategyCost | None:
+    """K blocks of each expert on the host, streamed every forward: the smallest K that fits
+    (None: none does)."""
+    bb = f.block_bytes
+
+    def peak_of(k: int) -> int:  # two blocks in flight while K of each expert stream
+        left = f.weights - k * (bb[0] + bb[1])
+        return max(_reserved(left + 2 * max(bb), max(f.act_hi, f.act_lo)), _reserved(left, f.act_decode))
+
+    k = next((k for k in range(f.n_blocks + 1) if peak_of(k) <= f.budget), None)
+    if k is None:
+        return None
+    cfg = f.base if k == 0 else f.base.model_copy(update={"mitigations": (
+        Mitigation(kind="block_offload", blocks=tuple(range(k)), intensity=k),)})
+    split_s = cost_model_estimate(cfg, hw).total_s
+    steps = f.template.steps
+    return StrategyCost(
+        strategy="split_blocks", fits=True, peak_bytes=peak_of(k), switch_peak_bytes=peak_of(k),
+        latency_s=split_s, stall_s=max(0.0, split_s - f.total_s),
+        h2d_bytes=int(k * (bb[0] * f.high_steps + bb[1] * (steps - f.high_steps)) * f.passes),
+        host_blocks_per_expert=k, note=f"{k} blocks of each expert stream through the device in every forward")
+
+
+def _offload_whole_expert(f: _Stages) -> StrategyCost:
+    """The baseline: the whole inactive expert offloaded and the active one loaded, blocking, at
+    both switches."""
+    hi, lo = f.experts
+    expert_blocks = sum(block_sizes(f.template.spec))
+    kept = f.weights - 2 * expert_blocks
+    whole = (hi.weight_bytes + lo.weight_bytes) * 2 / f.bw
+    peak = max(_reserved(kept + expert_blocks, max(f.act_hi, f.act_text)), _reserved(kept + expert_blocks, f.act_lo),
+               _reserved(f.weights - hi.weight_bytes - lo.weight_bytes, f.act_decode))
+    return StrategyCost(
+        strategy="offload_whole_expert", fits=peak <= f.budget, peak_bytes=peak, switch_peak_bytes=peak,
+        latency_s=f.total_s + whole, stall_s=whole, h2d_bytes=hi.weight_bytes + lo.weight_bytes,
+        note="baseline: at the switch and at the next request's start the departing expert is copied to the host "
+             "and the arriving one to the device, blocking (diffusers' model CPU offload of the two transformers)")
+
+
 def plan_expert_switch(template: RequestTemplate, trace: MemoryTrace, budget: int, hw: HardwareProfile,
                        gpus: int = 1) -> ExpertSwitchPlan:
     """Price every way of holding a two-expert model's experts and choose one.
+
+    The stage split priced is the trace's (``ModelSpec.expert_stages`` at the template's steps, on
+    the spec's scheduler: the one a worker loads without a checkpoint of its own).
 
     Args:
         template: the template (batch 1), of a model with two expert stages.
@@ -134,102 +274,17 @@ def plan_expert_switch(template: RequestTemplate, trace: MemoryTrace, budget: in
         >>> p.chosen
         'hold_both'
     """
-    experts = expert_uses(trace)
-    if len(experts) != 2:
-        raise ValueError(f"{template.key}: the trace shows {len(experts)} experts; the switch plan is for two")
-    hi, lo = experts
-    spec = template.spec
-    curve = trace.active_curve()
-    weights = int(trace.size[trace.category == Category.WEIGHT].sum())
-    others = weights - hi.weight_bytes - lo.weight_bytes
-    act_hi = _stage_activation_peak(trace, hi.first_event, hi.last_event, curve) / gpus
-    act_lo = _stage_activation_peak(trace, lo.first_event, lo.last_event, curve) / gpus
-    act_decode = _stage_activation_peak(trace, lo.last_event + 1, trace.n_events - 1, curve)  # one rank decodes
-    bw = hw.h2d_gbps * 1e9
-    n_blocks = spec.num_dit_blocks
-    block_bytes = [e.weight_bytes / n_blocks for e in experts]  # the blocks hold ~all of an expert
-
-    base = ExecutionConfig(template=template, ulysses=gpus)
-    est = cost_model_estimate(base, hw)
-    step_s = est.per_step_s or est.per_phase.get("denoise", 0.0) / template.steps
-    passes = len(spec.transformer_passes_per_step())
-    block_compute_s = step_s / passes / n_blocks
-    decode_s = float(est.per_phase.get("decode", 0.0))
-    high_steps = hi.last_step - hi.first_step + 1
-    out: list[StrategyCost] = []
-
-    # hold both: nothing moves
-    both = max(_reserved(weights, max(act_hi, act_lo)), _reserved(weights, act_decode))
-    out.append(StrategyCost(strategy="hold_both", fits=both <= budget, peak_bytes=both, switch_peak_bytes=both,
-                            latency_s=est.total_s, stall_s=0.0, h2d_bytes=0))
-
-    # swap with prefetch: one expert on the device at a time, as xema_ray.mitigation.expert_swap runs it
-    # (both experts' DiT blocks homed on pinned host memory; their other layers stay on the device)
-    expert_blocks = sum(block_sizes(spec))
-    blk = expert_blocks / n_blocks
-    kept = weights - 2 * expert_blocks  # encoder, VAE, both experts' embeddings and heads
-    act_text = _stage_activation_peak(trace, 0, hi.first_event, curve)
-    stage_hi = _reserved(kept + expert_blocks, max(act_hi, act_text))
-    stage_lo = _reserved(kept + expert_blocks, act_lo)
-    pre_blocks = min(n_blocks, int(max(0, budget - stage_hi) // blk))
-    pre_bytes = int(pre_blocks * blk)
-    pre_steps = min(high_steps, max(1, math.ceil(pre_bytes / bw / step_s))) if pre_bytes else 0
-    stall_switch = _streamed_stall(pre_blocks, n_blocks, blk / bw, block_compute_s)
-    # the low-noise expert leaves when the decode starts; as many high-noise blocks as the decode
-    # leaves room for return under it, the rest after the request (the next one's first forward
-    # waits for each just before it runs it)
-    dec_blocks = min(n_blocks, int(max(0, budget - _reserved(kept, act_decode)) // blk))
-    stall_back = (max(0.0, dec_blocks * blk / bw - decode_s)
-                  + _streamed_stall(dec_blocks, n_blocks, blk / bw, block_compute_s))
-    live = {"prefetch": kept + expert_blocks + pre_bytes + max(act_hi, act_text), "switch": kept + expert_blocks + act_lo,
-            "decode": kept + dec_blocks * blk + act_decode}
-    swap_peak = max(_reserved(kept + expert_blocks + pre_bytes, max(act_hi, act_text)), stage_lo,
-                    _reserved(kept + dec_blocks * blk, act_decode))
-    out.append(StrategyCost(
-        strategy="swap_prefetched", fits=swap_peak <= budget, peak_bytes=swap_peak,
-        live_peak_bytes=int(max(live.values())),
-        switch_peak_bytes=_reserved(kept + expert_blocks + pre_bytes, act_hi),
-        latency_s=est.total_s + stall_switch + stall_back, stall_s=stall_switch + stall_back,
-        h2d_bytes=2 * expert_blocks, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
-        prefetch_blocks=pre_blocks, decode_blocks=dec_blocks,
-        note=f"{pre_blocks} of {n_blocks} low-noise blocks prefetched during the last {pre_steps} high-noise step(s); "
-             f"the other {n_blocks - pre_blocks} stream in under the first low-noise forward; "
-             f"{dec_blocks} high-noise blocks return under the VAE decode, the rest under the next request's "
-             f"first forward"))
-
-    # split: K blocks of each expert on the host, streamed every forward
-    def split_peak_of(k: int) -> int:  # two blocks in flight while K of each expert stream
-        left = weights - k * (block_bytes[0] + block_bytes[1])
-        return max(_reserved(left + 2 * max(block_bytes), max(act_hi, act_lo)), _reserved(left, act_decode))
-
-    k = next((k for k in range(n_blocks + 1) if split_peak_of(k) <= budget), n_blocks + 1)
-    if k <= n_blocks:
-        cfg = base if k == 0 else base.model_copy(update={"mitigations": (
-            Mitigation(kind="block_offload", blocks=tuple(range(k)), intensity=k),)})
-        split_est = cost_model_estimate(cfg, hw)
-        split_peak = split_peak_of(k)
-        out.append(StrategyCost(
-            strategy="split_blocks", fits=split_peak <= budget, peak_bytes=split_peak, switch_peak_bytes=split_peak,
-            latency_s=split_est.total_s, stall_s=max(0.0, split_est.total_s - est.total_s),
-            h2d_bytes=int(k * (block_bytes[0] * high_steps + block_bytes[1] * (template.steps - high_steps)) * passes),
-            host_blocks_per_expert=k, note=f"{k} blocks of each expert stream through the device in every forward"))
-
-    # baseline: the whole inactive expert offloaded and the active one loaded, blocking, at both switches
-    whole = (hi.weight_bytes + lo.weight_bytes) * 2 / bw
-    base_peak = max(stage_hi, stage_lo, _reserved(others, act_decode))
-    out.append(StrategyCost(
-        strategy="offload_whole_expert", fits=base_peak <= budget, peak_bytes=base_peak, switch_peak_bytes=base_peak,
-        latency_s=est.total_s + whole, stall_s=whole, h2d_bytes=hi.weight_bytes + lo.weight_bytes,
-        note="baseline: at the switch and at the next request's start the departing expert is copied to the host "
-             "and the arriving one to the device, blocking (diffusers' model CPU offload of the two transformers)"))
-
+    f = _stages(template, trace, budget, hw, gpus)
+    split = _split_blocks(f, hw)
+    out = [_hold_both(f), _swap_prefetched(f), *([split] if split is not None else []), _offload_whole_expert(f)]
     planned = [s for s in out if s.fits and s.strategy != "offload_whole_expert"]
     if not planned:
-        raise ValueError(f"{template.key}: no way of holding the experts fits {budget / 1e9:.1f} GB per GPU on {gpus} GPU(s) "
-                         f"(one expert alone needs {stage_hi / 1e9:.1f} GB)")
+        one = _reserved(f.weights - sum(block_sizes(template.spec)), max(f.act_hi, f.act_text))
+        raise ValueError(f"{template.key}: no way of holding the experts fits {budget / 1e9:.1f} GB per GPU on {gpus} "
+                         f"GPU(s) (one expert alone needs {one / 1e9:.1f} GB)")
     chosen = min(planned, key=lambda s: (s.latency_s, s.h2d_bytes)).strategy
-    return ExpertSwitchPlan(template=template.key, gpus=gpus, budget_bytes=budget, hardware=hw.name, experts=experts,
-                            chosen=chosen, strategies=out)
+    return ExpertSwitchPlan(template=template.key, gpus=gpus, budget_bytes=budget, hardware=hw.name,
+                            experts=f.experts, chosen=chosen, strategies=out)
 
 
 def describe(plan: ExpertSwitchPlan) -> str:
@@ -272,27 +327,50 @@ def switch_config(template: RequestTemplate, plan: ExpertSwitchPlan, text_encode
                            text_encoder=text_encoder)  # type: ignore[arg-type]
 
 
-def with_switch_entries(table: PlanTable, plans: list[ExpertSwitchPlan], templates: list[RequestTemplate]) -> PlanTable:
-    """``table`` with each two-expert template's entry replaced by its switch plan's config and
-    prediction; the search's entry (on a trace that holds both experts) is kept as the runner-up."""
-    by_key = {t.key: t for t in templates}
-    entries = dict(table.entries)
-    for p in plans:
-        t = by_key[p.template]
-        c = p.cost(p.chosen)
-        old = entries.get(t.shape_key)
-        if old is None:  # not planned (the search found nothing): nothing to replace
+def switched_entry(old: PlanEntry, plan: ExpertSwitchPlan) -> PlanEntry:
+    """The entry that runs ``plan``'s choice (config and prediction) in place of ``old``, the
+    search's entry (on a trace that holds both experts), kept as the runner-up."""
+    t, c = old.config.template, plan.cost(plan.chosen)
+    slo = old.prediction.slo_s
+    runner = (f"{old.config.describe()} on a trace holding both experts: {old.prediction.latency_s:.1f} s per "
+              f"batch of {old.config.batch}, {old.prediction.peak_bytes / 1e9:.2f} GB")
+    return PlanEntry(
+        config=switch_config(t, plan, old.config.text_encoder if old.config.text_encoder != "device" else "streamed"),
+        prediction=PlanPrediction(peak_bytes=c.peak_bytes, latency_s=c.latency_s,
+                                  goodput_rps=plan.replicas / c.latency_s if c.latency_s <= slo else 0.0,
+                                  slo_s=slo, latency_source="estimated"),
+        runner_up=runner)
+
+
+#: switch plans made in this process, by (template, budget, hardware, group GPUs, SLO): a group is
+#: finished again while the host budget is fitted, and its switch plans do not change
+_PLANS: dict[tuple[str, int, str, int, float], ExpertSwitchPlan] = {}
+_TRACES: dict[str, MemoryTrace] = {}
+
+
+def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile, gpus: int
+                 ) -> tuple[dict[str, PlanEntry], list[ExpertSwitchPlan]]:
+    """One model group's entries (shape key -> entry, after its text-encoder placement) with each
+    two-expert template's switch plan made its entry (``switched_entry``), and those plans; a group
+    of one-expert models comes back as it is. What a group's ``expert_switch`` pass runs
+    (``planner.finishing``), so the layouts, the residency and the node's host memory are those
+    of the entries the worker will run."""
+    from xema_ray.analyzer.run import trace_template
+
+    out, plans = dict(entries), []
+    for k, e in entries.items():
+        t = e.config.template
+        if e.config.experts is not None or len(t.spec.expert_stages(t)) != 2:
             continue
-        slo = old.prediction.slo_s
-        runner = (f"{old.config.describe()} on a trace holding both experts: {old.prediction.latency_s:.1f} s per "
-                  f"batch of {old.config.batch}, {old.prediction.peak_bytes / 1e9:.2f} GB")
-        entries[t.shape_key] = PlanEntry(
-            config=switch_config(t, p, old.config.text_encoder if old.config.text_encoder != "device" else "streamed"),
-            prediction=PlanPrediction(peak_bytes=c.peak_bytes, latency_s=c.latency_s,
-                                      goodput_rps=p.replicas / c.latency_s if c.latency_s <= slo else 0.0,
-                                      slo_s=slo, latency_source="estimated"),
-            runner_up=runner)
-    return table.model_copy(update={"entries": entries})
+        key = (t.key, budget, hw.name, gpus, e.prediction.slo_s)
+        if key not in _PLANS:
+            if t.key not in _TRACES:
+                _TRACES[t.key] = trace_template(t)
+            (_PLANS[key],) = expert_switch_plans([t], budget, hw, {}, gpus, slo_of={t.shape_key: e.prediction.slo_s},
+                                                 traces=_TRACES)
+        plans.append(_PLANS[key])
+        out[k] = switched_entry(e, _PLANS[key])
+    return out, plans
 
 
 class ExpertSwitchFile(BaseModel):

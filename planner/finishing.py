@@ -1,4 +1,4 @@
-"""The group passes (``GROUP_PASSES``: residency, then text encoder) and who runs them: each model
+"""The group passes (``GROUP_PASSES``: residency, text encoder, expert switch) and who runs them: each model
 group's plans made final once its templates are planned, its layouts started (``GroupFinisher``);
 under an expected load (``finish_every_group``) or a host budget's second pass
 (``GroupFinisher.fit_host``) all groups together."""
@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from xema_ray.host_budget import NodeHost
+from planner.expert_switch import ExpertSwitchPlan
 from xema_ray.plan import GroupResidency, PlanEntry, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
@@ -41,16 +42,20 @@ class GroupInputs:
     latency: LatencyModel
     budget: int
     allowed: dict[str, tuple[str, ...]] | None = None
+    #: the GPUs of the group (each split into SP x replicas by the expert switch)
+    gpus: int = 1
 
 
 @dataclass(frozen=True)
 class GroupState:
     """What one group pass hands the next: the group's entries, its residency (None: not chosen:
-    a baseline or no entry), the text-encoder placement chosen per entry (for the summary)."""
+    a baseline or no entry), the text-encoder placement chosen per entry (for the summary), the
+    switch plans of its two-expert templates (``planner.expert_switch``)."""
 
     entries: dict[str, PlanEntry]
     residency: GroupResidency | None = None
     encoders: dict[str, TextEncoderChoice] = field(default_factory=dict)
+    switches: tuple[ExpertSwitchPlan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,24 +94,38 @@ def text_encoder_pass(group: GroupInputs, state: GroupState) -> GroupState:
     return replace(state, entries=entries, encoders=encoders)
 
 
+def expert_switch_pass(group: GroupInputs, state: GroupState) -> GroupState:
+    """Two-expert models (Wan2.2-A14B): each template's plan at the expert switch made its entry
+    (``planner.expert_switch.switch_group``; after the text encoder, whose placement it keeps off
+    the device), and the group's residency chosen again on those entries. Its layouts, its
+    residency and the node's host memory (``planner.host_choice``) are then the switch's."""
+    from planner.expert_switch import switch_group
+
+    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus)
+    if not plans:
+        return state
+    return residency_pass(group, replace(state, entries=entries, switches=tuple(plans)))
+
+
 #: the passes over one model group's plans, in order; a new per-group choice is one more pass here
 GROUP_PASSES: tuple[GroupPass, ...] = (
     GroupPass("residency", residency_pass),
     GroupPass("text_encoder", text_encoder_pass),
+    GroupPass("expert_switch", expert_switch_pass),
 )
 
 
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
-                 ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
-    """One model group's planned entries made final by ``GROUP_PASSES``. Returns the entries to
-    serve with, the residency (None: a baseline or no entry) and the placement chosen per entry,
-    for the summary."""
-    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed)
+                 gpus: int = 1) -> GroupState:
+    """One model group's planned entries made final by ``GROUP_PASSES``: the entries to serve
+    with, the residency (None: a baseline or no entry), the placement chosen per entry (for the
+    summary) and the expert-switch plans. ``gpus``: the group's GPUs."""
+    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus)
     state = GroupState(entries)
     for p in GROUP_PASSES:
         state = p.run(group, state)
-    return state.entries, state.residency, state.encoders
+    return state
 
 
 class GroupFinisher:
@@ -122,6 +141,7 @@ class GroupFinisher:
         self.entries: dict[str, PlanEntry] = {}
         self.residency: dict[str, GroupResidency] = {}
         self.encoders: dict[str, TextEncoderChoice] = {}
+        self.switches: dict[str, tuple[ExpertSwitchPlan, ...]] = {}  # model -> its templates' switch plans
         self.planned: dict[str, PlanEntry] = {}  # the tasks' (or the load's) choices, before finishing
         self.results: dict[str, list[TemplateResult]] = {}
 
@@ -136,21 +156,22 @@ class GroupFinisher:
         self.results[model] = group
         if self.defer:
             return
-        self._keep(model, *self._finish(model, entries))
+        self._keep(model, self._finish(model, entries))
 
     def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
-                ) -> tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]:
+                ) -> GroupState:
         return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                            self.opts.budget, allowed)
+                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus))
 
-    def _keep(self, model: str, served: dict[str, PlanEntry], chosen: GroupResidency | None,
-              placed: dict[str, TextEncoderChoice]) -> None:
-        self.entries.update(served)
-        self.encoders.update(placed)
-        if chosen is not None:
-            self.residency[model] = chosen
+    def _keep(self, model: str, finished: GroupState) -> None:
+        self.entries.update(finished.entries)
+        self.encoders.update(finished.encoders)
+        if finished.residency is not None:
+            self.residency[model] = finished.residency
+        if finished.switches:
+            self.switches[model] = finished.switches
         if self.wave is not None:
-            self.wave.submit(served)
+            self.wave.submit(finished.entries)
 
     def fit_host(self, results: list[TemplateResult]) -> NodeHost:
         """Finish every deferred group with plans whose node fits the host budget
@@ -161,8 +182,8 @@ class GroupFinisher:
         candidates = {r.template: list(r.candidates) for r in results}
         finished, node = fit_host_budget(self.planned, candidates, self._finish, self.opts.group_gpus,
                                          self.opts.gpus, self.opts.host_budget, share=self.opts.hardware != "cpu")
-        for model, (served, chosen, placed) in finished.items():
-            self._keep(model, served, chosen, placed)
+        for model, state in finished.items():
+            self._keep(model, state)
         return node
 
 

@@ -2,8 +2,9 @@
 (``--host-budget``, per node).
 
 Once every group is finished (residency, text-encoder placement), the node's host memory is added
-up the way the workers will hold it (``xema_ray.runtime.host_bytes``: the loader's own exact
-buffers; one shared segment per group where workers share them, on GPUs): one replica of each
+up the way the workers will hold it (``xema_ray.runtime.host_bytes.config_host_bytes``: the loader's
+own exact buffers for every pass that pins, the expert switch included; one shared segment per
+group where workers share them, on GPUs): one replica of each
 group on one node, every worker loading at once. Within the budget the table is kept as it is.
 Over it, the planner gives up the least goodput per byte saved, one change at a time:
 
@@ -18,11 +19,11 @@ found needs, per group, against the budget.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, TypeVar
 
-from xema_ray.host_budget import GroupHost, HostBytes, NodeHost, fmt_bytes
-from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
-from xema_ray.runtime.host_bytes import worker_host_bytes
-from xema_ray.runtime.residency import Residency
+from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
+from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
 
 
 class HostBudgetError(ValueError):
@@ -38,14 +39,8 @@ def node_host(entries: dict[str, PlanEntry], residency: dict[str, GroupResidency
         by_model.setdefault(e.config.template.model, []).append(e)
     groups = []
     for model, es in sorted(by_model.items()):
-        res = [Residency.of_config(e.config) for e in es]
-        if model in residency and residency[model].policy == "shared":
-            res = [Residency.union(res)]
-        worker: HostBytes | None = None
-        for r in res:
-            for e in es:
-                h = worker_host_bytes(e.config.template.spec, r, e.config.text_encoder, share)
-                worker = h if worker is None else worker.max(h)
+        shared = model in residency and residency[model].policy == "shared"
+        worker = group_worker_host_bytes([e.config for e in es], shared, share)
         assert worker is not None
         groups.append(GroupHost(model=model, workers=group_gpus.get(model, gpus), worker=worker))
     return NodeHost.of(groups, budget_bytes)
@@ -55,7 +50,7 @@ def with_host(entries: dict[str, PlanEntry], share: bool = True) -> dict[str, Pl
     """The entries with their workers' host figures recorded in their predictions."""
     out = {}
     for k, e in entries.items():
-        h = worker_host_bytes(e.config.template.spec, Residency.of_config(e.config), e.config.text_encoder, share)
+        h = config_host_bytes(e.config, share)
         out[k] = e.model_copy(update={"prediction": e.prediction.model_copy(update={"host": h})})
     return out
 
@@ -67,31 +62,41 @@ def with_node_host(table: PlanTable, share: bool, budget_bytes: int | None) -> P
     return table.model_copy(update={"entries": entries, "host": node})
 
 
-#: a model group's planned entries finished (residency, text encoders), each template's encoder
-#: limited to the placements given for it: (entries to serve, the group's residency)
-Finished = tuple[dict[str, PlanEntry], GroupResidency | None, dict[str, TextEncoderChoice]]
-Refinish = Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], Finished]
+class Finished(Protocol):
+    """A model group's planned entries finished (``planner.finishing.GroupState``: by its
+    ``GROUP_PASSES``, residency, text encoders, expert switch)."""
+
+    @property
+    def entries(self) -> dict[str, PlanEntry]: ...
+
+    @property
+    def residency(self) -> GroupResidency | None: ...
 
 
-def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[PlanEntry]], refinish: Refinish,
+F = TypeVar("F", bound=Finished)
+
+
+def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[PlanEntry]],
+                    refinish: Callable[[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]], F],
                     group_gpus: dict[str, int], gpus: int, budget_bytes: int, share: bool = True,
-                    max_changes: int = 64) -> tuple[dict[str, Finished], NodeHost]:
+                    max_changes: int = 64) -> tuple[dict[str, F], NodeHost]:
     """The finished entries and residencies of the plans whose node fits ``budget_bytes``, from
     the tasks' choices (``planned``) and their other candidates, giving up the least goodput per
-    byte saved (per model: what ``refinish`` made of the kept plans); raises ``HostBudgetError``
+    byte saved (per model: what ``refinish`` made of the kept plans, each template's encoder
+    limited to the placements given for it); raises ``HostBudgetError``
     when no change brings the node within."""
     raw = dict(planned)
     allowed: dict[str, tuple[str, ...]] = {}
     models = sorted({e.config.template.model for e in raw.values()})
-    finished: dict[str, Finished] = {}
+    finished: dict[str, F] = {}
 
-    def finish(model: str, raw_: dict[str, PlanEntry], allowed_: dict[str, tuple[str, ...]]) -> Finished:
+    def finish(model: str, raw_: dict[str, PlanEntry], allowed_: dict[str, tuple[str, ...]]) -> F:
         group = {k: e for k, e in raw_.items() if e.config.template.model == model}
         return refinish(model, group, {k: v for k, v in allowed_.items() if k in group})
 
-    def node_of(fin: dict[str, Finished]) -> NodeHost:
-        entries = {k: e for es, _, _ in fin.values() for k, e in es.items()}
-        res = {m: r for m, (_, r, _) in fin.items() if r is not None}
+    def node_of(fin: dict[str, F]) -> NodeHost:
+        entries = {k: e for f in fin.values() for k, e in f.entries.items()}
+        res = {m: f.residency for m, f in fin.items() if f.residency is not None}
         return node_host(entries, res, group_gpus, gpus, budget_bytes, share)
 
     for m in models:
@@ -105,7 +110,7 @@ def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[Pl
         for k, e in raw.items():
             model = e.config.template.model
             moves: list[tuple[str, dict[str, PlanEntry], dict[str, tuple[str, ...]]]] = []
-            if finished[model][0][k].config.text_encoder in ("streamed", "cpu"):
+            if finished[model].entries[k].config.text_encoder in ("streamed", "cpu"):
                 moves.append(("encoder", raw, {**allowed, k: ("device",)}))
             for i, c in enumerate(candidates.get(k, [])):
                 if c.config != e.config:
@@ -118,8 +123,8 @@ def fit_host_budget(planned: dict[str, PlanEntry], candidates: dict[str, list[Pl
                 saved = node.load_peak_bytes - n.load_peak_bytes
                 if saved <= 0:
                     continue
-                lost = (sum(x.prediction.goodput_rps for x in finished[model][0].values())
-                        - sum(x.prediction.goodput_rps for x in trial[model][0].values()))
+                lost = (sum(x.prediction.goodput_rps for x in finished[model].entries.values())
+                        - sum(x.prediction.goodput_rps for x in trial[model].entries.values()))
                 score = max(lost, 0.0) / saved
                 if best is None or score < best[0]:
                     best = (score, (k, name), raw_, allowed_, trial, n)

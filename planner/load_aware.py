@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import AdmissionPolicy, PlanEntry, PlannedLoad, PlanPrediction, PlanTable
 from xema_ray.vocabulary import PlanLatencySource
-from xema_ray.sim.simulate import Arrival, poisson_arrivals, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, poisson_arrivals, simulate
 
 from planner.stages import CountingModel, Scored, StageLog, confirmed, partial_batch_latencies, why_lost
 
@@ -157,7 +157,7 @@ def choose_under_load(table: PlanTable, candidates: dict[str, list[PlanEntry]], 
         nonlocal evaluations
         evaluations += 1
         t = table.model_copy(update={"entries": entries, "admission": {model: adm} if adm is not None else {}})
-        return sum(simulate(t, a, slo_scale=load.slo_scale, slos=slos).attainment for a in arrivals) / len(arrivals)
+        return sum(simulate(t, a, SimulationConfig(slo_scale=load.slo_scale, slos=slos)).attainment for a in arrivals) / len(arrivals)
 
     current = {k: c[0] for k, c in cands.items() if c}
     goodput_att = score(dict(current), None)

@@ -10,16 +10,20 @@ the state with its own (``Pass.reads`` / ``Pass.writes``, checked as it runs):
   interval, the choice by goodput confirmed by a mitigated trace (``planner.stages``).
 - ``load_aware``: with an expected load (``--load``), the configurations that load is served best
   with (``planner.load_aware``).
-- ``groups``: each model group's ``GROUP_PASSES`` (residency, text-encoder placement;
-  ``planner.finishing``), then its layouts start (``planner.layouts.LayoutWave``). No pass
-  between ``templates`` and this one couples the groups without a load, so each group is then
-  finished inside ``templates``, as soon as its last template is planned, while the others still
-  plan; this pass has nothing left to do.
-- ``host_memory``: with a host budget, plans whose node fits it (``planner.host_choice``).
+- ``groups``: each model group's ``GROUP_PASSES`` (residency, text-encoder placement, and for a
+  two-expert model (Wan2.2-A14B) its plan at the expert switch made the template's entry:
+  ``planner.finishing``, ``planner.expert_switch``), then its layouts start
+  (``planner.layouts.LayoutWave``: solved for the entries the worker will run, the swap
+  included). No pass between ``templates`` and this one couples the groups without a load, so
+  each group is then finished inside ``templates``, as soon as its last template is planned,
+  while the others still plan; this pass has nothing left to do.
+- ``expert_switch``: the finished groups' switch plans gathered for the summary and
+  ``<table>.experts.json``.
+- ``host_memory``: with a host budget, plans whose node fits it (``planner.host_choice``), the
+  node counted from the finished entries, the expert switch's pinned experts included
+  (``xema_ray.runtime.host_bytes.config_host_bytes``).
 - ``table``: the plan table, its provenance and the node's host memory.
 - ``layouts``: the static layouts solved, each entry pointing at its own.
-- ``expert_switch``: two-expert models (Wan2.2-A14B), their plan at the expert switch made the
-  template's entry (``planner.expert_switch``).
 - ``write``: the table, the expert-switch plans and the statistics written.
 
 A new pass (quality tiers, weight formats, a decode stage) is one more ``Pass`` in ``PASSES``,
@@ -81,7 +85,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class LayoutReport:
-    """What the ``layouts`` pass solved: the entries with their layouts (before the expert switch),
+    """What the ``layouts`` pass solved: the entries with their layouts (the expert switch's included),
     each entry's reserved bytes over the lower bound, the dynamic region per model, the entries
     left without a layout (why), and the time the layouts added."""
 
@@ -286,7 +290,8 @@ def host_memory_pass(run: PlanRun, state: PlanState) -> PlanState:
         groups.defer = True
         finish_every_group(results, list(req.templates), groups)
     groups.fit_host(results)
-    return dataclasses.replace(state, results=tuple(results), groups=_snapshot(groups))
+    # a group finished here (deferred, or planned again) makes its switch plans here
+    return _with_switches(run, dataclasses.replace(state, results=tuple(results), groups=_snapshot(groups)))
 
 
 def table_pass(run: PlanRun, state: PlanState) -> PlanState:
@@ -322,7 +327,7 @@ def layouts_pass(run: PlanRun, state: PlanState) -> PlanState:
     table, wave = state.table, run.wave
     assert table is not None  # the table pass ran
     if wave is None:
-        return state
+        return dataclasses.replace(state, total_s=time.perf_counter() - run.started)
     budget = table.budget_bytes
     solved, ratios, layout_cpu = wave.collect(budget)
     # the wall time the layouts add after the last template is planned (they start while others plan)
@@ -335,24 +340,26 @@ def layouts_pass(run: PlanRun, state: PlanState) -> PlanState:
                                          layouts_not_armed=dict(sorted(wave.not_armed.items()))))})
     report = LayoutReport(entries=dict(table.entries), ratios=dict(ratios), dynamic_bytes=dict(wave.dynamic_bytes),
                           not_armed=dict(wave.not_armed), budget_bytes=budget, wall_s=layout_wall, cpu_s=layout_cpu)
-    return dataclasses.replace(state, table=table, layouts=report)
+    return dataclasses.replace(state, table=table, layouts=report, total_s=time.perf_counter() - run.started)
 
 
 def expert_switch_pass(run: PlanRun, state: PlanState) -> PlanState:
-    """Two-expert models (Wan2.2-A14B): what each template's plan does at the expert switch, made
-    the template's entry (``ExecutionConfig.experts``: the worker executes it)."""
-    from planner.expert_switch import expert_switch_plans, with_switch_entries
+    """Two-expert models (Wan2.2-A14B): the switch plans the groups' ``expert_switch`` pass made
+    their templates' entries (``ExecutionConfig.experts``: the worker executes it), in the
+    templates' order, and the shape keys of those entries."""
+    assert state.groups is not None  # the groups pass ran
+    return _with_switches(run, state)
 
-    req, table = run.request, state.table
-    assert table is not None  # the table pass ran
-    opts, templates = req.opts, list(req.templates)
-    slos = {k: e.prediction.slo_s for k, e in table.entries.items()}
-    plans = expert_switch_plans(templates, opts.budget, run.latency.hardware, opts.group_gpus, opts.gpus, slo_of=slos)
-    if not plans:
-        return dataclasses.replace(state, total_s=time.perf_counter() - run.started)
-    switched = tuple(next(t.shape_key for t in templates if t.key == p.template) for p in plans)
-    return dataclasses.replace(state, table=with_switch_entries(table, plans, templates), switches=tuple(plans),
-                               switched=switched, total_s=time.perf_counter() - run.started)
+
+def _with_switches(run: PlanRun, state: PlanState) -> PlanState:
+    """``state`` with the switch plans of its finished groups (``GroupFinisher.switches``)."""
+    groups = state.groups
+    by_key = {p.template: p for plans in run.finisher.switches.values() for p in plans}
+    templates = [t for t in run.request.templates if t.key in by_key and groups and t.shape_key in groups.entries]
+    switches, switched = tuple(by_key[t.key] for t in templates), tuple(t.shape_key for t in templates)
+    if (switches, switched) == (state.switches, state.switched):
+        return state
+    return dataclasses.replace(state, switches=switches, switched=switched)
 
 
 def write_pass(run: PlanRun, state: PlanState) -> PlanState:
@@ -380,10 +387,11 @@ PASSES: tuple[Pass, ...] = (
     Pass("templates", templates_pass, reads=(), writes=("results", "planned_s")),
     Pass("load_aware", load_aware_pass, reads=("results",), writes=("loaded",), refuses=True),
     Pass("groups", groups_pass, reads=("results", "loaded"), writes=("groups",), refuses=True),
-    Pass("host_memory", host_memory_pass, reads=("results", "groups"), writes=("results", "groups"), refuses=True),
+    Pass("expert_switch", expert_switch_pass, reads=("groups",), writes=("switches", "switched")),
+    Pass("host_memory", host_memory_pass, reads=("results", "groups", "switches"),
+         writes=("results", "groups", "switches", "switched"), refuses=True),
     Pass("table", table_pass, reads=("results", "planned_s", "loaded", "groups"), writes=("table",)),
-    Pass("layouts", layouts_pass, reads=("table", "planned_s"), writes=("table", "layouts")),
-    Pass("expert_switch", expert_switch_pass, reads=("table",), writes=("table", "switches", "switched", "total_s")),
+    Pass("layouts", layouts_pass, reads=("table", "planned_s"), writes=("table", "layouts", "total_s")),
     Pass("write", write_pass, reads=("table", "switches", "total_s", "planned_s", "results"), writes=("written",)),
 )
 

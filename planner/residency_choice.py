@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry
-from xema_ray.runtime.residency import Residency, block_sizes, switch_seconds, with_residency
+from xema_ray.runtime.residency import Residency, block_sizes, residency_host_bytes, switch_seconds, with_residency
 
 
 def _goodput(config: ExecutionConfig, latency_s: float, slo_s: float) -> float:
@@ -43,7 +43,7 @@ def choose_group_residency(
     sizes = block_sizes(spec)
     res = {k: Residency.of_config(e.config) for k, e in entries.items()}
     union = Residency.union(res.values())
-    host_per_worker = sum(sizes[i] for i in union.host_blocks)
+    host_per_worker = residency_host_bytes(spec, union)
     switch = {a: {b: switch_seconds(sizes, res[a], res[b], h2d_gbps) for b in entries if b != a} for a in entries}
     weight = 1.0 / len(entries)
     per_template = 0.0

@@ -10,6 +10,8 @@ import os
 # test call ``ray.init`` explicitly, so auto-init is off for the whole run (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -21,3 +23,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: a folder named gpu matches that
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every tiny model's checkpoint as its repository publishes it (``xema_ray.checkpoints.write_published``:
+    model_index.json classes, bf16 shards with their index), one folder per model, written once per module."""
+    from xema_ray.checkpoints import TINY_MODELS, write_published
+
+    out = tmp_path_factory.mktemp("published")
+    for m in TINY_MODELS:
+        write_published(m, out)
+    return out

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from xema_ray.plan import (PLAN_TABLE_SCHEMA_VERSION, ExecutionConfig, PlanEntry, PlanPrediction, PlanProvenance, PlanTable,
-                           TextEncoderChoice)
+from bench.scenarios.factories import plan_entry
+from xema_ray.plan import PLAN_TABLE_SCHEMA_VERSION, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,9 +18,7 @@ B = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
 
 
 def _entry(t: RequestTemplate, ulysses: int = 1, dp: int = 1, **prediction: float) -> PlanEntry:
-    p = {"peak_bytes": 10**7, "latency_s": 0.5, "goodput_rps": 1.0, "slo_s": 30.0, **prediction}
-    return PlanEntry(config=ExecutionConfig(template=t, ulysses=ulysses, dp=dp),
-                     prediction=PlanPrediction(latency_source="measured", **p))  # type: ignore[arg-type]
+    return plan_entry(t, ulysses=ulysses, dp=dp, **prediction)  # type: ignore[arg-type]
 
 
 def _table(**overrides: object) -> dict:

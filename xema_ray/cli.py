@@ -228,7 +228,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{(e.static_reserved_bytes or 0) / max(1, e.lower_bound_bytes or 0):.3f} x the lower bound "
               f"{gb(e.lower_bound_bytes or 0)}, {e.layout_misses} misses replaying the worker's stream\n")
         elif e.error is None:
-            w("    static layout: none (the entry names no layout: planned with --no-layouts)\n")
+            w(f"    static layout: {_no_layout(table, e.template)}\n")
         if e.host is not None and e.host_before is not None:
             h, b = e.host, e.host_before
             w(f"    host: resident {gb(h.resident_bytes)}, pinned {gb(h.pinned_bytes)} ({gb(h.shared_bytes)} shared per "
@@ -244,6 +244,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.json.write_text(report.model_dump_json(indent=1))
         print(f"wrote {args.json}")
     return 0 if report.all_fit else 1
+
+
+def _no_layout(table, key: str) -> str:  # type: ignore[no-untyped-def]
+    """Why an entry names no static layout, as the table's provenance records it: solved but not
+    kept (the reason), planned with --no-layouts, or neither recorded."""
+    prov = table.provenance
+    if key in prov.layouts_not_armed:
+        return f"none kept (solved; {prov.layouts_not_armed[key]}: the worker runs it on the dynamic region)"
+    if prov.layouts_wall_s is None:
+        return "none (the entry names no layout: planned with --no-layouts)"
+    return "none (the entry names no layout; the table records no reason)"
 
 
 def _print_node(report) -> None:  # type: ignore[no-untyped-def]
@@ -302,7 +313,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     for key, e in sorted(table.entries.items()):
         ref = e.config.layout_ref
         if ref is None:
-            print(f"{key:<32} no layout (planned with --no-layouts)")
+            print(f"{key:<32} no layout: {_no_layout(table, key)}")
             continue
         try:
             load_artifact(folder, ref, gpu=gpu)

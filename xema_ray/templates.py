@@ -80,7 +80,7 @@ class RequestTemplate(BaseModel):
         if self.references == 0 and (self.reference_width or self.reference_height):
             raise ValueError(f"reference_width/reference_height ({self.reference_width}x{self.reference_height}) "
                              "need references >= 1")
-        spec.validate_references(self)
+        spec.reference_inputs().validate(self)
         return self
 
     @property
@@ -236,7 +236,8 @@ def model_templates(model: str, steps: int | None = None) -> list[RequestTemplat
 
     spec = get_model_spec(model)
     n = spec.reference_steps if steps is None else steps
-    refs = {"references": spec.required_references} if spec.required_references else {}
+    required = spec.reference_inputs().required_references
+    refs = {"references": required} if required else {}
     return [RequestTemplate(model=model, width=w, height=h, frames=f, steps=n, **refs) for w, h, f in spec.reference_sizes]
 
 

@@ -23,11 +23,11 @@ import requests
 import torch
 from pydantic import BaseModel
 
+from bench.scenarios.factories import plan_entry
 from bench.scenarios.serve_app import running_app
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.plan import ExecutionConfig, PlanTable
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
-from xema_ray.vocabulary import LatencySource
 
 LONG = RequestTemplate(model="tiny-cogvideox", width=128, height=96, frames=17, steps=200)
 SHORT = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
@@ -78,8 +78,7 @@ def plan_table(latency: dict[str, float], hardware: str) -> PlanTable:
     for t, slo in ((SHORT, 2 * latency[SHORT.shape_key] + 0.5), (LONG, 10 * latency[LONG.shape_key])):
         lat = latency[t.shape_key]
         ref = solve_entry_layout(ExecutionConfig(template=t), gpu="any").layout_id if t is SHORT else None
-        e = PlanEntry(config=ExecutionConfig(template=t, layout_ref=ref), prediction=PlanPrediction(
-            peak_bytes=50 * 2**20, latency_s=lat, goodput_rps=1 / lat, slo_s=slo, latency_source=LatencySource.MEASURED))
+        e = plan_entry(t, layout_ref=ref, peak_bytes=50 * 2**20, latency_s=lat, goodput_rps=1 / lat, slo_s=slo)
         entries[t.shape_key] = with_pause_bytes(e, cache)
     return PlanTable(hardware=hardware, gpus=1, budget_bytes=2**30, entries=entries)
 
@@ -240,5 +239,5 @@ def run_group(table: PlanTable, trace: list[Arrival], plans_dir: Path, max_preem
 def simulated_decisions(table: PlanTable, trace: list[Arrival]) -> list[tuple[str, str, int]]:
     """The simulator's decisions on the same trace, in the live run's terms (request ids differ
     between the two: the router names live requests)."""
-    res = simulate(table, trace, preemption=True)
+    res = simulate(table, trace, SimulationConfig(preemption=True))
     return [(d.kind, d.template, len(d.by)) for d in res.decisions]

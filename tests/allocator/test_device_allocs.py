@@ -11,6 +11,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.allocator.device_allocs import (
     DeviceAllocMismatch,
     DeviceAllocRecord,
@@ -28,7 +29,7 @@ from xema_ray.allocator.layout_replay import replay
 from xema_ray.allocator.solver import solve_layout
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import ExecutionConfig, PlanTable
 from xema_ray.allocator.artifact import layouts_dir, save_artifact
 from xema_ray.measure.layout_solve import solve_entry_layout
 from xema_ray.measure.verify import verify_table, worker_trace
@@ -182,10 +183,8 @@ def test_plan_entry_layout_includes_the_record_of_its_gpu_and_verify_replays_it(
     assert art.reserved_bytes >= plain.reserved_bytes and len(art.layout.size) == len(plain.layout.size) + len(entry.extra) - len(entry.absent)
     assert len(art.replay_plan()) == np.count_nonzero(np.asarray(art.layout.size) > 0)
     save_artifact(art, folder)
-    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="estimated")
-    PlanTable(hardware="x", gpus=1, budget_bytes=10**9,
-              entries={cfg.template.shape_key: PlanEntry(config=cfg.model_copy(update={"layout_ref": art.layout_id}),
-                                                         prediction=pred)}).save(str(table))
+    plan_table([plan_entry(cfg, layout_ref=art.layout_id, peak_bytes=1, latency_s=1.0, slo_s=10.0,
+                           latency_source="estimated")], hardware="x").save(str(table))
     (e,) = verify_table(PlanTable.load(str(table)), path=str(table)).entries
     assert e.error is None and e.layout_misses == 0 and e.static_reserved_bytes == art.reserved_bytes
     assert e.device_peak_bytes >= stream.loaded_bytes + WORKSPACE

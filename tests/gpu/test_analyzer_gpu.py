@@ -42,7 +42,7 @@ def test_predicted_active_peak_within_1pct_of_cuda(template: RequestTemplate) ->
     try:
         pipe = spec.build_pipeline(BuildOptions(device="cuda", dtype=torch.bfloat16))
         inputs = spec.prompt_embeddings(["a photo of a cat"] * template.batch, "cuda", torch.bfloat16)
-        call = {**spec.call_kwargs(template), **spec.reference_kwargs(template)}  # placeholders, as traced
+        call = {**spec.call_kwargs(template), **spec.reference_inputs().kwargs(template)}  # placeholders, as traced
         pipe = spec.pipeline_for(pipe, template)
         gen = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():

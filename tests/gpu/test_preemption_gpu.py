@@ -52,7 +52,7 @@ def _batch(t: RequestTemplate, seed: int) -> Batch:
 def test_pause_resume_on_the_gpu_is_bitwise_and_frees_the_state_when_offloaded() -> None:
     from planner.pause_state import with_pause_bytes
     from planner.traces import TraceCache
-    from xema_ray.plan import PlanEntry, PlanPrediction
+    from bench.scenarios.factories import plan_entry
 
     torch.cuda.set_per_process_memory_fraction(min(1.0, 48e9 / torch.cuda.get_device_properties(0).total_memory))
     try:
@@ -86,8 +86,7 @@ def test_pause_resume_on_the_gpu_is_bitwise_and_frees_the_state_when_offloaded()
                 "total_with_short_batch_s": total_s, "short_batch_s": between.timings.total_s}
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    entry = PlanEntry(config=ExecutionConfig(template=LONG), prediction=PlanPrediction(
-        peak_bytes=0, latency_s=1, goodput_rps=0, slo_s=10, latency_source="estimated"))
+    entry = plan_entry(LONG, peak_bytes=0, latency_s=1, goodput_rps=0, slo_s=10, latency_source="estimated")
     results["planned_pause_bytes"] = with_pause_bytes(entry, TraceCache()).prediction.pause_bytes
     out = Path(os.environ.get("XEMA_GPU_OUT", "."))
     out.mkdir(parents=True, exist_ok=True)

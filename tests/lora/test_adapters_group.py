@@ -131,7 +131,7 @@ def test_hot_added_adapter_serves_then_is_removed(group: Harness, files: dict[st
 def test_a_request_whose_adapter_was_deleted_while_it_waited_fails_alone(group: Harness) -> None:
     failed: dict[str, InvalidRequest] = {}
     reqs = [_req("w0", 1, (("A", 1.0),)), _req("w1", 2, (("gone", 1.0),)), _req("w2", 3)]
-    runs = group.group.fit_pool({None: reqs}, lambda r: r.lora, failed, lambda r: r.request_id)
+    runs = group.group.adapters.fit_pool({None: reqs}, lambda r: r.lora, failed, lambda r: r.request_id)
     assert runs == [(None, [reqs[0], reqs[2]])] and list(failed) == ["w1"] and "'gone'" in str(failed["w1"])
 
 
@@ -166,21 +166,17 @@ def test_deleting_an_adapter_a_paused_batch_uses_waits_for_that_batch() -> None:
             calls.append((method, args))
             return [True]
 
-    def paused_batch(*names: str) -> Any:
-        req = types.SimpleNamespace(lora=tuple(LoraUse(name=n) for n in names))
-        return types.SimpleNamespace(requests=[types.SimpleNamespace(payload=types.SimpleNamespace(request=req))])
-
-    g = GroupAdapters()
-    g.model, g.workers = "tiny-flux2", Workers()
-    g.adapter_names, g._adapter_lock, g._dropping = {"A", "B"}, asyncio.Lock(), {}
+    paused = [{"B"}, {"A"}]  # the adapters each paused batch's requests stack
+    g = GroupAdapters("tiny-flux2", "replica", LoraPoolConfig(slots=2), Workers(),  # type: ignore[arg-type]
+                      in_use=lambda name: any(name in names for names in paused))
+    g.names = {"A", "B"}
     g._set_sources = lambda sources: None  # type: ignore[method-assign]
-    g.dispatcher = types.SimpleNamespace(paused=[paused_batch("B"), paused_batch("A")])
 
     async def scenario() -> None:
-        removing = asyncio.ensure_future(g.remove_adapter("A"))
+        removing = asyncio.ensure_future(g.remove("A"))
         await asyncio.sleep(0.2)
-        assert "A" not in g.adapter_names and not removing.done() and calls == []  # held by the paused batch
-        g.dispatcher.paused = [paused_batch("B")]  # it resumed and finished
+        assert "A" not in g.names and not removing.done() and calls == []  # held by the paused batch
+        paused.pop()  # it resumed and finished
         assert await asyncio.wait_for(removing, 2.0) is True
         assert calls == [("remove_adapter", ("A",))]
 

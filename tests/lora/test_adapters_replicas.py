@@ -77,7 +77,7 @@ def _until(ok: Callable[[], bool], timeout_s: float = 120.0) -> None:
 
 
 def _names(h: Harness) -> set[str]:
-    return set(h.group.adapter_names)
+    return set(h.group.adapters.names)
 
 
 def test_a_change_taken_by_one_replica_is_served_by_every_replica_and_by_one_started_later(
@@ -237,8 +237,8 @@ def test_a_drop_waiting_for_a_batch_blocks_no_other_change(files: dict[str, Path
             assert r1.call(lambda g: g.remove_adapter("A")) is True
             assert "A" not in _names(r2) and removes  # refused there at once; the workers still hold it
             r1.call(lambda g: g.add_adapter(AdapterSource(name="C", model="tiny-flux2", path=files["C"])), timeout=60)
-            assert _names(r2) == {"C"} and "A" in r2.group._dropping  # applied beside the waiting drop
+            assert _names(r2) == {"C"} and "A" in r2.group.adapters._dropping  # applied beside the waiting drop
             busy.clear()
-            _until(lambda: "A" not in r2.group._dropping, timeout_s=30)
+            _until(lambda: "A" not in r2.group.adapters._dropping, timeout_s=30)
     finally:
         registry.close()

@@ -51,3 +51,19 @@ def test_every_linear_layer_of_the_video_models_takes_per_sample_deltas(model: s
     t = RequestTemplate(model=model, width=64, height=64, frames=9, steps=2, batch=2)
     adapted = trace_with_adapters(t, POOL)
     assert adapted.resident_bytes() > trace_template(t).resident_bytes()
+
+
+def test_a_two_expert_models_pool_is_planned_per_expert() -> None:
+    """Wan2.2 A14B: the pool holds stacks on both experts (as the worker allocates them); one file
+    of a pair counts toward its own expert only."""
+    from xema_ray.lora.pool import AdapterPool, adapted_components
+
+    pipe = get_model_spec("tiny-wan2.2").build_pipeline(BuildOptions(device="meta"))
+    c = lora_cost("tiny-wan2.2", pipe.transformer, POOL.max_rank, POOL.slots, dtype=torch.float32,
+                  transformer_2=pipe.transformer_2)
+    pool = AdapterPool(POOL, adapted_components(pipe), torch.device("meta"), torch.float32)
+    assert c.pool_bytes == pool.device_bytes == sum(c.expert_pool_bytes.values())
+    assert set(c.expert_pool_bytes) == {"transformer", "transformer_2"}
+    one = lora_cost("tiny-wan2.2", pipe.transformer, POOL.max_rank, POOL.slots, dtype=torch.float32)
+    assert one.adapter_bytes == c.expert_adapter_bytes["transformer"] < c.adapter_bytes
+    assert one.flop_ratio == c.flop_ratio  # a step runs one expert's deltas

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanTable
 from xema_ray.templates import RequestTemplate
 
 T = RequestTemplate(model="tiny-ltx2", height=64, width=64, frames=9, steps=4)
@@ -71,7 +72,6 @@ def test_layout_solved_under_one_seed_replays_under_another_with_no_miss(tmp_pat
     table = tmp_path / "table.json"
     folder = tmp_path / "table.layouts"
     ref = _run(_SOLVE, SEEDS[1], CFG.model_dump_json(), str(folder))
-    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="estimated")
-    entry = PlanEntry(config=CFG.model_copy(update={"layout_ref": ref}), prediction=pred)
-    PlanTable(hardware="x", gpus=1, budget_bytes=10**9, entries={T.shape_key: entry}).save(str(table))
+    plan_table([plan_entry(CFG, layout_ref=ref, peak_bytes=1, latency_s=1.0, slo_s=10.0, latency_source="estimated")],
+               hardware="x").save(str(table))
     assert _run(_VERIFY, SEEDS[0], str(table)) == "None 0"

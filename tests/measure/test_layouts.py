@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.allocator.solver import solve_layout
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.parallel.groups import ParallelConfig
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.allocator.layout_replay import replay
 from xema_ray.allocator.artifact import LayoutMismatch, layouts_dir, load_artifact, save_artifact
@@ -29,9 +30,8 @@ def table_path(tmp_path_factory):  # type: ignore[no-untyped-def]
     path = tmp_path_factory.mktemp("plans") / "table.json"
     art = solve_entry_layout(CFG, gpu="NVIDIA RTX A6000")
     save_artifact(art, layouts_dir(path))
-    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="estimated")
-    cfg = CFG.model_copy(update={"layout_ref": art.layout_id})
-    PlanTable(hardware="x", gpus=1, budget_bytes=10**9, entries={T.shape_key: PlanEntry(config=cfg, prediction=pred)}).save(str(path))
+    plan_table([plan_entry(CFG, layout_ref=art.layout_id, peak_bytes=1, latency_s=1.0, slo_s=10.0,
+                           latency_source="estimated")], hardware="x").save(str(path))
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +30,16 @@ def run_pipeline(pipe: Any, model: str, batch: int = 1) -> torch.Tensor:
         out = pipe(**spec.call_kwargs(t), **spec.prompt_embeddings(prompts, "cpu", torch.float32),
                    generator=generator, output_type="pt")
     return out[0]
+
+
+@pytest.fixture(scope="module")
+def no_onednn() -> Iterator[None]:
+    """oneDNN off for the whole module (reference and mitigated runs alike): it picks a convolution
+    algorithm by batch size, so a sub-batch would take another (equally correct) kernel than the
+    whole batch and the last bits would differ. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("no_onednn")``."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ the whole sequence, so the last bits can differ; each query row's softmax reads 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,10 +24,7 @@ from xema_ray.models import BuildOptions, get_model_spec
 CHUNK_ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_onednn() -> Iterator[None]:
-    with torch.backends.mkldnn.flags(enabled=False):  # same kernel per sample (see test_lossless)
-        yield
+pytestmark = pytest.mark.usefixtures("no_onednn")  # same kernel per sample (tests/mitigation/conftest.py)
 
 
 @pytest.mark.parametrize("model", TINY_MODELS)

@@ -12,7 +12,6 @@ With it off, every convolution runs the same kernel per sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,10 +26,7 @@ from xema_ray.plan import Mitigation
 CHUNK_ATOL = 1e-4  # outputs are pixels in [0, 1]; observed differences are ~5e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_onednn() -> Iterator[None]:
-    with torch.backends.mkldnn.flags(enabled=False):
-        yield
+pytestmark = pytest.mark.usefixtures("no_onednn")  # tests/mitigation/conftest.py
 
 
 def _up_blocks(pipe: Any) -> list[str]:

@@ -5,7 +5,6 @@ test_lossless.py (``vae-chain-*`` cases)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,10 +27,7 @@ from xema_ray.templates import RequestTemplate
 CHUNK_ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_onednn() -> Iterator[None]:
-    with torch.backends.mkldnn.flags(enabled=False):
-        yield
+pytestmark = pytest.mark.usefixtures("no_onednn")  # tests/mitigation/conftest.py
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from xema_ray.analyzer.run import TraceOptions, trace_template
-from xema_ray.checkpoints import TINY_MODELS, write_published
+from xema_ray.checkpoints import TINY_MODELS
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.base import model_dtypes
 from xema_ray.models.loading import CheckpointError
@@ -29,14 +29,6 @@ from xema_ray.runtime.worker import ModelLoadConfig, Worker
 from xema_ray.templates import RequestTemplate
 
 _NAMES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    out = tmp_path_factory.mktemp("published")
-    for m in TINY_MODELS:
-        write_published(m, out)
-    return out
 
 
 def _stored(folder: Path) -> set[str]:

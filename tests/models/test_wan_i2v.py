@@ -29,15 +29,17 @@ def test_registered_with_their_published_configs() -> None:
     s = i2v.sampling
     assert (s.boundary_ratio, s.flow_shift, s.guidance_scale, s.guidance_scale_2) == (0.9, 5.0, 3.5, 3.5)
     assert i2v.frame_rate == 16.0 and i2v.pipeline_class().__name__ == "WanI2VPipeline"
-    assert (i2v.max_references, i2v.required_references, i2v.published_layout) == (1, 1, "wan-i2v-a14b")
+    refs = i2v.reference_inputs()
+    assert (refs.max_references, refs.required_references, i2v.published_layout) == (1, 1, "wan-i2v-a14b")
     assert [t.shape_key for t in named_templates("wan2.2-i2v-a14b")] == [
         "wan2.2-i2v-a14b/832x480x81/ref1@832x480", "wan2.2-i2v-a14b/1280x720x81/ref1@1280x720"]
     # TI2V-5B: text-to-video or a first frame, one name; its tiny twin the same
     for name in ("wan2.2-ti2v-5b", "tiny-wan2.2-ti2v"):
         ti2v = get_model_spec(name)
-        assert (ti2v.max_references, ti2v.required_references, ti2v.published_layout) == (1, 0, "wan-ti2v-5b")
+        refs = ti2v.reference_inputs()
+        assert (refs.max_references, refs.required_references, ti2v.published_layout) == (1, 0, "wan-ti2v-5b")
         assert ti2v.sampling.expand_timesteps and ti2v.vae_scale_factor == 16
-    assert (t2v.max_references, get_model_spec("tiny-wan2.2").max_references) == (0, 0)
+    assert (t2v.reference_inputs().max_references, get_model_spec("tiny-wan2.2").reference_inputs().max_references) == (0, 0)
 
 
 def test_error_raised_if_an_i2v_template_has_no_first_frame_or_another_size() -> None:

@@ -139,3 +139,75 @@ def test_the_worker_runs_the_chosen_switch_and_verify_counts_it(tiny) -> None:  
     (den, whole), (den0, whole0) = _denoise_and_whole_peaks(config), _denoise_and_whole_peaks(quiet)
     assert den - den0 == sum(blocks[:chosen.prefetch_blocks])
     assert whole - whole0 == sum(blocks[:chosen.decode_blocks])
+
+
+def test_the_host_memory_of_a_swap_is_both_experts_as_the_worker_pins_them(tiny) -> None:  # type: ignore[no-untyped-def]
+    """One function of the plan entry (``config_host_bytes``) counts the swap's pinned experts; the
+    serving worker's load on meta (xema verify) pins exactly that; a plan that holds both pins none."""
+    from planner.expert_switch import switch_config
+    from xema_ray.measure.verify import verify_config
+    from xema_ray.runtime.host_bytes import config_host_bytes
+    from xema_ray.runtime.residency import Residency, block_sizes
+
+    t, trace = tiny
+    budget = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes - 1
+    swap = switch_config(t, plan_expert_switch(t, trace, budget, A6000), text_encoder=None)
+    held = switch_config(t, plan_expert_switch(t, trace, 64 * 2**20, A6000), text_encoder=None)
+    assert Residency.of_config(swap).expert_blocks == t.spec.num_dit_blocks and Residency.of_config(held).expert_blocks == 0
+    planned = config_host_bytes(swap)
+    assert planned.pinned_bytes >= 2 * sum(block_sizes(t.spec)) and config_host_bytes(held).pinned_bytes == 0
+    v = verify_config(swap, budget)
+    assert v.error is None and v.host is not None
+    assert v.host.pinned_bytes == planned.pinned_bytes and v.host.resident_bytes == planned.resident_bytes
+
+
+@pytest.mark.parametrize(("shift", "expected"), [(None, {4: 3, 16: 11, 40: 26}), (3.0, {4: 2, 16: 5, 40: 13})])
+def test_the_switch_step_is_the_batchs_on_the_loaded_scheduler(shift: float | None, expected: dict[int, int]) -> None:
+    """The swap places its switch (and the prefetch before it) at the batch's own step count on the
+    scheduler the pipeline loaded: the spec's shift 12, or a checkpoint's (the published
+    repository's ``flow_shift`` 3.0 switches a 40-step run at step 13, not 26)."""
+    from types import SimpleNamespace
+
+    from diffusers import UniPCMultistepScheduler
+
+    from xema_ray.mitigation.expert_swap import high_noise_steps
+
+    t = RequestTemplate(model="wan2.2-t2v-a14b", height=720, width=1280, frames=81, steps=8)
+    config = dict(t.spec.scheduler_config) | ({"flow_shift": shift} if shift is not None else {})
+    pipe = SimpleNamespace(scheduler=UniPCMultistepScheduler.from_config(config))
+    assert {n: high_noise_steps(pipe, t.spec, t.with_(steps=n)) for n in expected} == expected
+
+
+def test_a_batch_at_another_step_count_switches_at_its_own_step(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A plan made for 6 steps, run by the serving worker (meta) in batches of 4 and of 16 steps
+    (the request's, as the API resolved them; the batch's config keeps the template's 6): the
+    swap is placed on the batch's step count, not the template's."""
+    import xema_ray.mitigation.expert_swap as es
+    from planner.expert_switch import switch_config
+    from xema_ray.runtime.engine import Batch, GenerationRequest
+    from xema_ray.runtime.worker import ModelLoadConfig, Worker
+
+    t, trace = tiny
+    budget = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes - 1
+    config = switch_config(t, plan_expert_switch(t, trace, budget, A6000), text_encoder=None)
+    seen: list[tuple[int, int]] = []
+    real = es.high_noise_steps
+
+    def spy(pipe, spec, template):  # type: ignore[no-untyped-def]
+        seen.append((template.steps, real(pipe, spec, template)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(es, "high_noise_steps", spy)
+    worker = Worker(platform="meta")
+    try:
+        from xema_ray.parallel.groups import ParallelConfig
+
+        worker.init_device(ParallelConfig(rank=0, world_size=1))
+        worker.load_model(ModelLoadConfig(model=t.model, plans=(config,)))
+        for steps in (4, 16):
+            seen.clear()
+            worker.execute(Batch(config=config, requests=(GenerationRequest(request_id="r", prompt="a cat", seed=0),),
+                                 steps=steps))
+            assert seen == [(steps, t.spec.expert_stages(t.with_(steps=steps))[0].steps)]
+    finally:
+        worker.shutdown()

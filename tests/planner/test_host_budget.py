@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.scenarios.factories import plan_entry
 from xema_ray.host_budget import HostBytes, NodeHost
-from xema_ray.plan import ExecutionConfig, GroupResidency, PlanEntry, PlanPrediction, PlanTable, TextEncoderChoice
+from xema_ray.plan import GroupResidency, PlanEntry, PlanTable, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
 from planner.cli import main as planner
+from planner.finishing import GroupState
 from planner.host_choice import HostBudgetError, fit_host_budget
 
 FLUX = ["plan", "--templates", "flux2:1024x1024", "--gpus", "1", "--budget", "48GB", "--hardware", "a6000",
@@ -51,9 +53,8 @@ def _entry(blocks: tuple[int, ...], goodput: float, encoder: str = "streamed") -
     from xema_ray.plan import Mitigation
 
     mit = (Mitigation(kind="block_offload", blocks=blocks, intensity=len(blocks)),) if blocks else ()
-    return PlanEntry(config=ExecutionConfig(template=T, mitigations=mit, text_encoder=encoder),  # type: ignore[arg-type]
-                     prediction=PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=goodput, slo_s=10.0,
-                                               latency_source="estimated"))
+    return plan_entry(T, mitigations=mit, text_encoder=encoder, peak_bytes=1, latency_s=1.0, goodput_rps=goodput,
+                      slo_s=10.0, latency_source="estimated")
 
 
 def _refinish(device_fits: bool):  # type: ignore[no-untyped-def]
@@ -66,9 +67,9 @@ def _refinish(device_fits: bool):  # type: ignore[no-untyped-def]
             out[k] = e.model_copy(update={"config": e.config.model_copy(update={"text_encoder": enc}),
                                           "prediction": e.prediction.model_copy(
                                               update={"goodput_rps": e.prediction.goodput_rps - lost})})
-        return out, GroupResidency(policy="per_template"), {k: TextEncoderChoice(placement=e.config.text_encoder,
-                                                                                  seconds_per_batch=0.0)
-                                                           for k, e in out.items()}
+        return GroupState(out, GroupResidency(policy="per_template"),
+                          {k: TextEncoderChoice(placement=e.config.text_encoder, seconds_per_batch=0.0)
+                           for k, e in out.items()})
     return refinish
 
 
@@ -83,13 +84,13 @@ def test_over_budget_the_least_goodput_per_byte_is_given_up() -> None:
     budget = full.resident_bytes + small.resident_bytes + 2 * full.transient_bytes
     finished, node = fit_host_budget({T.shape_key: chosen}, {T.shape_key: [fewer]}, _refinish(False), {}, 2,
                                      budget, share=False)
-    (entries, _, _), = finished.values()
+    entries = next(iter(finished.values())).entries
     assert entries[T.shape_key].config == fewer.config  # the candidate with fewer host blocks
     assert node.fits and node.load_peak_bytes <= budget
     # the encoder on the device where it fits: cheaper in goodput here than the candidate, so taken first
     finished, node = fit_host_budget({T.shape_key: chosen}, {T.shape_key: [_entry((0,), 1.0)]}, _refinish(True), {},
                                      1, full.resident_bytes + full.transient_bytes - 1, share=False)
-    (entries, _, _), = finished.values()
+    entries = next(iter(finished.values())).entries
     assert entries[T.shape_key].config.text_encoder == "device" and node.fits
     with pytest.raises(HostBudgetError, match=r"within --host-budget 1,000 bytes: the smallest found needs [0-9,]+ bytes"):
         fit_host_budget({T.shape_key: chosen}, {T.shape_key: [fewer]}, _refinish(True), {}, 2, 1000, share=False)

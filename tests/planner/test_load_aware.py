@@ -11,7 +11,7 @@ import pytest
 from planner.load_aware import GroupLoad, apply_choice, choose_under_load, load_candidates
 from planner.stages import CountingModel, plan_template
 from xema_ray.plan import PlanTable
-from xema_ray.sim.simulate import poisson_arrivals, simulate
+from xema_ray.sim.simulate import SimulationConfig, poisson_arrivals, simulate
 from tests.planner.synthetic import GB, Synthetic
 from xema_ray.templates import RequestTemplate
 
@@ -36,7 +36,8 @@ def group() -> tuple[PlanTable, dict, dict]:
 
 def _evaluate(table: PlanTable, slos: dict[str, float], rate: float) -> float:
     """Attainment on the seeds the figures use (never the planner's own)."""
-    runs = [simulate(table, poisson_arrivals(rate, 400 / rate * 60, dict.fromkeys(slos, 1.0), seed=s), slos=slos)
+    runs = [simulate(table, poisson_arrivals(rate, 400 / rate * 60, dict.fromkeys(slos, 1.0), seed=s),
+                     SimulationConfig(slos=slos))
             for s in range(3)]
     return sum(r.attainment for r in runs) / len(runs)
 

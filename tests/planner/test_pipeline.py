@@ -59,9 +59,9 @@ def test_error_raised_if_a_pass_changes_what_it_does_not_write() -> None:
 
 
 def test_the_passes_keep_todays_order() -> None:
-    # moving host_memory after expert_switch changes Wan2.2's figures: another change's decision
-    assert [p.name for p in PASSES] == ["templates", "load_aware", "groups", "host_memory", "table", "layouts",
-                                        "expert_switch", "write"]
+    # the host memory is counted after the expert switch (a two-expert model pins both experts)
+    assert [p.name for p in PASSES] == ["templates", "load_aware", "groups", "expert_switch", "host_memory", "table",
+                                        "layouts", "write"]
 
 
 @pytest.mark.parametrize(("argv", "recorded"), [
@@ -74,3 +74,29 @@ def test_the_passes_keep_todays_order() -> None:
 ])
 def test_the_command_is_recorded_relative_to_the_checkout(argv: list[str], recorded: str) -> None:
     assert recorded_command(argv) == recorded
+
+
+@pytest.mark.slow
+def test_a_two_expert_template_is_planned_as_its_switch_with_its_layout_and_host_memory(tmp_path: Path) -> None:
+    """Under the hold-both peak tiny-wan2.2's entry is the expert swap: its static layout is solved
+    for that entry (not the search's), the node's host memory counts both pinned experts (what
+    the worker pins, ``config_host_bytes``), and a host budget below it refuses naming the bytes."""
+    from planner.expert_switch import plan_expert_switch
+    from xema_ray.analyzer.run import trace_template
+    from xema_ray.profiling.hardware import get_hardware
+    from xema_ray.runtime.host_bytes import config_host_bytes
+
+    t = RequestTemplate(model="tiny-wan2.2", height=64, width=64, frames=9, steps=6)
+    budget = plan_expert_switch(t, trace_template(t), 64 * 2**20, get_hardware("a6000x8")).cost("hold_both").peak_bytes - 1
+    opts = PlanOptions(hardware="a6000", budget=budget, gpus=1, measure="never", text_encoder="plan")
+    result = plan(PlanRequest((t,), opts, out=str(tmp_path / "t.json"), use_ray=False))
+    e = result.table.entries[t.shape_key]
+    assert e.config.experts is not None and e.config.experts.strategy == "swap_prefetched"
+    assert result.switched == (t.shape_key,) and result.written.experts is not None
+    assert e.config.layout_ref is not None and t.shape_key not in result.table.provenance.layouts_not_armed
+    host = result.table.host
+    assert host is not None and host.pinned_bytes == config_host_bytes(e.config).pinned_bytes > 0
+    with pytest.raises(PlanRefused, match=r"host memory within --host-budget .* pinned") as refused:
+        plan(PlanRequest((t,), opts.model_copy(update={"host_budget": host.pinned_bytes // 2}), layouts=False,
+                         use_ray=False))
+    assert refused.value.exit_code == 2

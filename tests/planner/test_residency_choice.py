@@ -3,7 +3,8 @@ charging the switches the planner costed."""
 
 from __future__ import annotations
 
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry
+from xema_ray.plan import Mitigation, PlanEntry, PlanTable
 from xema_ray.runtime.residency import block_sizes
 from xema_ray.sim.simulate import Arrival, simulate
 from xema_ray.templates import RequestTemplate
@@ -15,9 +16,8 @@ B = RequestTemplate(model="tiny-flux2", width=128, height=128, steps=2)
 
 
 def _entry(t: RequestTemplate, blocks: tuple[int, ...], latency: float = 1.0, slo: float = 100.0) -> PlanEntry:
-    cfg = ExecutionConfig(template=t, mitigations=(Mitigation(kind="block_offload", blocks=blocks, intensity=len(blocks)),))
-    return PlanEntry(config=cfg, prediction=PlanPrediction(peak_bytes=1, latency_s=latency, goodput_rps=1 / latency,
-                                                           slo_s=slo, latency_source="estimated"))
+    return plan_entry(t, mitigations=(Mitigation(kind="block_offload", blocks=blocks, intensity=len(blocks)),),
+                      peak_bytes=1, latency_s=latency, goodput_rps=1 / latency, slo_s=slo, latency_source="estimated")
 
 
 def test_slow_link_prefers_shared_residency() -> None:

@@ -31,11 +31,8 @@ TEMPLATES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(TEMPLATES))
-def engine(request: pytest.FixtureRequest) -> ExecutionEngine:
-    spec = get_model_spec(request.param)
-    pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32))
-    return ExecutionEngine(pipe, spec, torch.device("cpu"), torch.float32)
+#: the models of the module's engine (tests/runtime/conftest.py)
+ENGINE_MODELS = list(TEMPLATES)
 
 
 def _batch(template: RequestTemplate, seeds: list[int], **config: object) -> Batch:

@@ -4,9 +4,7 @@ decode after the last one, and an observer's stop ends the batch at that step bo
 from __future__ import annotations
 
 import pytest
-import torch
 
-from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
 from xema_ray.runtime.progress import BatchCancelled, step_callback
@@ -28,11 +26,8 @@ class Recorder:
         self.events.append("decoded")
 
 
-@pytest.fixture(scope="module")
-def engine() -> ExecutionEngine:
-    spec = get_model_spec(T.model)
-    return ExecutionEngine(spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32)), spec,
-                           torch.device("cpu"), torch.float32)
+#: the model of the module's engine (tests/runtime/conftest.py)
+ENGINE_MODELS = [T.model]
 
 
 def _batch(seed: int) -> Batch:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from xema_ray.analyzer.run import TraceOptions, trace_template
-from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
 from xema_ray.runtime.references import encode_reference
@@ -38,11 +36,8 @@ def _image(seed: int, size: tuple[int, int]) -> bytes:
     return encode_reference(Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)))
 
 
-@pytest.fixture(scope="module", params=list(TEMPLATES))
-def engine(request: pytest.FixtureRequest) -> ExecutionEngine:
-    spec = get_model_spec(request.param)
-    return ExecutionEngine(spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32)), spec,
-                           torch.device("cpu"), torch.float32)
+#: the models of the module's engine (tests/runtime/conftest.py)
+ENGINE_MODELS = list(TEMPLATES)
 
 
 def _batch(t: RequestTemplate, reqs: list[tuple[int, tuple[int, ...]]]) -> Batch:
@@ -95,7 +90,7 @@ def test_error_raised_if_a_request_brings_another_count() -> None:
     spec = t.spec
     img = Image.new("RGB", (t.reference_width, t.reference_height))
     with pytest.raises(ValueError, match="takes 2 reference"):
-        spec.reference_kwargs(t, [[img]])
+        spec.reference_inputs().kwargs(t, [[img]])
 
 
 def test_error_raised_if_ltx2_image_to_video_asks_for_sequence_parallelism() -> None:

@@ -14,10 +14,11 @@ import logging
 import pytest
 import torch
 
+from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.loading import CheckpointError
 from xema_ray.parallel.groups import ParallelConfig
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import ExecutionConfig, Mitigation, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.runtime.residency import Residency, block_sizes
 from xema_ray.measure.verify import verify_config
@@ -116,9 +117,8 @@ def test_shared_residency_streams_every_host_block() -> None:
 
 
 def _table(entries: dict[RequestTemplate, ExecutionConfig], gpus: int = 2) -> PlanTable:
-    pred = PlanPrediction(peak_bytes=1, latency_s=1.0, goodput_rps=1.0, slo_s=10.0, latency_source="estimated")
-    return PlanTable(hardware="x", gpus=gpus, budget_bytes=10**9,
-                     entries={t.shape_key: PlanEntry(config=c, prediction=pred) for t, c in entries.items()})
+    return plan_table([plan_entry(c, peak_bytes=1, latency_s=1.0, slo_s=10.0, latency_source="estimated")
+                       for c in entries.values()], hardware="x", gpus=gpus)
 
 
 def test_error_raised_if_group_cannot_run_plan() -> None:

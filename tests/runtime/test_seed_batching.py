@@ -9,10 +9,7 @@ bound of ``tests/batch_sizes.py`` at these small CI shapes. At 128x96x17, 4 step
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 
-from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime import Batch, ExecutionEngine, GenerationRequest
 from xema_ray.templates import RequestTemplate
@@ -25,11 +22,8 @@ TEMPLATES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(TEMPLATES))
-def engine(request: pytest.FixtureRequest) -> ExecutionEngine:
-    spec = get_model_spec(request.param)
-    pipe = spec.build_pipeline(BuildOptions(device="cpu", dtype=torch.float32))
-    return ExecutionEngine(pipe, spec, torch.device("cpu"), torch.float32)
+#: the models of the module's engine (tests/runtime/conftest.py)
+ENGINE_MODELS = list(TEMPLATES)
 
 
 def _run(engine: ExecutionEngine, members: list[tuple[str, int]]) -> list[np.ndarray]:

@@ -10,13 +10,14 @@ import shutil
 import pytest
 import torch
 
+from bench.scenarios.factories import plan_entry
 from xema_ray.checkpoints import write_checkpoint
 from xema_ray.memory.analysis import summarize
 from xema_ray.analyzer.run import TraceOptions, trace_template
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.loading import CheckpointError
 from xema_ray.parallel.groups import ParallelConfig
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+from xema_ray.plan import ExecutionConfig
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.measure.verify import verify_config
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
@@ -115,8 +116,7 @@ def test_planner_places_encoder_by_fit_then_speed() -> None:
 
     # real size (meta only): Flux.2's 46.7 GB Mistral-3 on a 48 GB card
     t = RequestTemplate(model="flux2", height=1024, width=1024)
-    pred = PlanPrediction(peak_bytes=40 * 10**9, latency_s=1.0, goodput_rps=1.0, slo_s=100.0, latency_source="estimated")
-    entry = PlanEntry(config=ExecutionConfig(template=t), prediction=pred)
+    entry = plan_entry(t, peak_bytes=40 * 10**9, latency_s=1.0, slo_s=100.0, latency_source="estimated")
     hw = LatencyModel("a6000").hardware
     need = {c.placement: max(c.peak_bytes, c.text_peak_bytes) for c in placement_costs(entry, hw)}
     speed = {c.placement: c.seconds for c in placement_costs(entry, hw)}
@@ -136,8 +136,7 @@ def test_encoder_facts_sent_as_json_place_as_measured_here(model: str) -> None:
     from planner.text_encoder import EncoderFacts, encoder_facts, place_text_encoder, placement_costs
 
     t = RequestTemplate(model=model, height=64, width=64, frames=1 if model == "tiny-flux2" else 9)
-    pred = PlanPrediction(peak_bytes=10**6, latency_s=1.0, goodput_rps=1.0, slo_s=100.0, latency_source="estimated")
-    entry = PlanEntry(config=ExecutionConfig(template=t, batch=2), prediction=pred)
+    entry = plan_entry(t, batch=2, peak_bytes=10**6, latency_s=1.0, slo_s=100.0, latency_source="estimated")
     hw = LatencyModel("a6000").hardware
     facts = EncoderFacts.model_validate_json(encoder_facts(entry.config).model_dump_json())
     assert facts.activation_bytes and all(v > 0 for v in facts.activation_bytes.values())

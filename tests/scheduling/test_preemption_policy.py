@@ -7,11 +7,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 
 GB = 10**9
@@ -106,11 +107,10 @@ def _table() -> PlanTable:
     short_t = RequestTemplate(model="cogvideox-5b", width=1280, height=720, frames=49, steps=50)
 
     def entry(t: RequestTemplate, latency: float, slo: float, pause: int | None) -> PlanEntry:
-        return PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-            peak_bytes=40 * GB, latency_s=latency, goodput_rps=1 / latency, slo_s=slo, latency_source="estimated",
-            pause_bytes=pause))
-    return PlanTable(hardware="sim", gpus=1, budget_bytes=48 * GB, entries={
-        long_t.shape_key: entry(long_t, 1000.0, 5000.0, 2 * GB), short_t.shape_key: entry(short_t, 60.0, 180.0, 1 * GB)})
+        return plan_entry(t, peak_bytes=40 * GB, latency_s=latency, goodput_rps=1 / latency, slo_s=slo,
+                          latency_source="estimated", pause_bytes=pause)
+    return plan_table([entry(long_t, 1000.0, 5000.0, 2 * GB), entry(short_t, 60.0, 180.0, 1 * GB)],
+                      hardware="sim", budget_bytes=48 * GB)
 
 
 @settings(max_examples=40, deadline=None)
@@ -119,7 +119,7 @@ def test_simulated_runs_respect_the_bound_and_finish_every_request(reqs: list[tu
     table = _table()
     long_k, short_k = sorted(table.entries, key=lambda k: -table.entries[k].prediction.latency_s)
     arrivals = [Arrival(t=t, template=short_k if short else long_k, request_id=f"r{i}") for i, (t, short) in enumerate(reqs)]
-    res = simulate(table, arrivals, preemption=True, max_preemptions=bound)
+    res = simulate(table, arrivals, SimulationConfig(preemption=True, max_preemptions=bound))
     counts: dict[str, int] = {}
     for d in res.decisions:
         if d.kind == "preempt":
@@ -138,7 +138,7 @@ def test_preemption_raises_attainment_on_a_short_behind_long_mix() -> None:
     arrivals = [Arrival(t=0.0, template=long_k, request_id="L")] + [
         Arrival(t=100.0 + 300 * i, template=short_k, request_id=f"s{i}") for i in range(3)]
     without = simulate(table, arrivals)
-    with_p = simulate(table, arrivals, preemption=True, max_preemptions=3)
+    with_p = simulate(table, arrivals, SimulationConfig(preemption=True, max_preemptions=3))
     assert without.attainment == 0.25 and with_p.attainment == 1.0  # every short one missed waiting
     assert with_p.preemptions == 3
 

@@ -16,10 +16,10 @@ from PIL import Image
 
 import ray
 import openai
+from bench.scenarios.factories import plan_entry, plan_table
 from bench.scenarios.serve_app import running_app
 
 from xema_ray.checkpoints import TINY_MODELS, write_checkpoint
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.serving.config import ServeConfig
 from deployments.planning import machine_fingerprint
 from xema_ray.templates import RequestTemplate
@@ -40,13 +40,9 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
         write_checkpoint(m, ckpt)
     args = {"device": "cpu", "worker_cpus": 0.25,
             "models": [{"model": m, "workers": 1, "weights_dir": str(ckpt / m), "templates": [t]} for m, t in TEMPLATES.items()]}
-    pred = PlanPrediction(peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=60.0, latency_source="estimated")
-    entries = {}
-    for m, t in TEMPLATES.items():
-        tpl = RequestTemplate(model=m, **t)
-        entries[tpl.shape_key] = PlanEntry(config=ExecutionConfig(template=tpl, text_encoder="device"), prediction=pred)
-    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 1), gpus=1, budget_bytes=10**9,
-                      entries=entries)
+    table = plan_table([plan_entry(RequestTemplate(model=m, **t), text_encoder="device", slo_s=60.0,
+                                   latency_source="estimated") for m, t in TEMPLATES.items()],
+                       hardware=machine_fingerprint(ServeConfig.model_validate(args), 1))
     with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
         yield url
 

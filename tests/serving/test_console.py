@@ -20,6 +20,7 @@ from xema_ray.serving.api.auth import AuthConfig, TenantGuard, set_auth
 from xema_ray.serving.api.health import GroupHealth
 from xema_ray.serving.stats import StatsResponse
 from xema_ray.serving.console.operator import attainment_of, operator_view
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics
 from xema_ray.serving.console.static import CSP, STATIC, install_ui
 
@@ -95,7 +96,7 @@ def test_the_operator_view_from_a_routers_state() -> None:
                 load.observe_request(COG.shape_key, met=True)
                 return load.snapshot().model_copy(update={"replica": "r1"})
 
-    router = types.SimpleNamespace(groups={FLUX.model: Handle(), COG.model: Handle()}, table=table,
+    router = types.SimpleNamespace(groups={FLUX.model: GroupHandle(Handle()), COG.model: GroupHandle(Handle())}, table=table,  # type: ignore[arg-type]
                                    served={FLUX.shape_key: FLUX, COG.shape_key: COG})
     router.health = GroupHealth(router.groups)
     view = asyncio.run(operator_view(router, StatsResponse(received=3)))

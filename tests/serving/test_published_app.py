@@ -18,12 +18,11 @@ from PIL import Image
 
 import ray
 import openai
+from bench.scenarios.factories import plan_entry, plan_table
 from bench.scenarios.serve_app import running_app
 
 from deployments.planning import machine_fingerprint
-from xema_ray.checkpoints import TINY_MODELS, write_published
 from xema_ray.net import free_port
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.startup import StartupError, preflight
 from xema_ray.templates import RequestTemplate
@@ -35,14 +34,6 @@ TEMPLATES = {
 }
 
 
-@pytest.fixture(scope="module")
-def published(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    out = tmp_path_factory.mktemp("published")
-    for m in TINY_MODELS:
-        write_published(m, out)
-    return out
-
-
 def _args(published: Path) -> dict:  # type: ignore[type-arg]
     return {"device": "cpu", "worker_cpus": 0.25,
             "models": [{"model": m, "workers": 1, "weights_dir": str(published / m), "templates": [t]}
@@ -52,13 +43,9 @@ def _args(published: Path) -> dict:  # type: ignore[type-arg]
 @pytest.fixture(scope="module")
 def server(published: Path, tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     args = _args(published)
-    pred = PlanPrediction(peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=60.0, latency_source="estimated")
-    entries = {}
-    for m, t in TEMPLATES.items():
-        tpl = RequestTemplate(model=m, **t)
-        entries[tpl.shape_key] = PlanEntry(config=ExecutionConfig(template=tpl, text_encoder="device"), prediction=pred)
-    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 1), gpus=1, budget_bytes=10**9,
-                      entries=entries)
+    table = plan_table([plan_entry(RequestTemplate(model=m, **t), text_encoder="device", slo_s=60.0,
+                                   latency_source="estimated") for m, t in TEMPLATES.items()],
+                       hardware=machine_fingerprint(ServeConfig.model_validate(args), 1))
     with running_app(args, table, tmp_path_factory.mktemp("plans")) as url:
         yield url
 

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.scenarios.factories import plan_entry, plan_table
 from bench.scenarios.group_harness import entry, running_group
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,18 +67,17 @@ LONG_SHARES = PhaseShares(text=0.1, denoise=0.5, decode_encode=0.4)
 
 def _table(budget: int = 48 * GB, pause_bytes: int = GB) -> PlanTable:
     def e(t: RequestTemplate, latency: float, slo: float) -> PlanEntry:
-        return PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-            peak_bytes=10 * GB, pause_bytes=pause_bytes, latency_s=latency, goodput_rps=1.0, slo_s=slo,
-            latency_source="estimated"))
-    return PlanTable(hardware="cpu", gpus=1, budget_bytes=budget,
-                     entries={LONG.shape_key: e(LONG, 100.0, 1000.0), SHORT.shape_key: e(SHORT, 5.0, 12.0)})
+        return plan_entry(t, peak_bytes=10 * GB, pause_bytes=pause_bytes, latency_s=latency, slo_s=slo,
+                          latency_source="estimated")
+    return plan_table([e(LONG, 100.0, 1000.0), e(SHORT, 5.0, 12.0)], budget_bytes=budget)
 
 
 def _sim(short_at: float, phases: dict[str, PhaseShares] | None, table: PlanTable | None = None,
          park_overhead_s: float = 0.0) -> dict[str, float]:
     arrivals = [Arrival(t=0.0, template=LONG.shape_key, request_id="L"),
                 Arrival(t=short_at, template=SHORT.shape_key, request_id="S")]
-    r = simulate(table or _table(), arrivals, preemption=True, phases=phases, park_overhead_s=park_overhead_s)
+    r = simulate(table or _table(), arrivals,
+                 SimulationConfig(preemption=True, phases=phases, park_overhead_s=park_overhead_s))
     assert r.preemptions == (1 if r.latency_by_request["S"] < 20 else 0)
     return {k: v.latencies_s[0] for k, v in r.per_template.items()}
 

@@ -19,6 +19,7 @@ import numpy as np
 from xema_ray.memory.trace import Category, MemoryTrace
 
 _BLOCK = 512
+_BF16 = 2  # bytes per element of the activations and weights
 
 
 def _round(nbytes: int) -> int:
@@ -98,65 +99,98 @@ def diffusion_like_trace(
             raise ValueError(f"{name} must be >= 1, got {value}")
     rng = np.random.default_rng(seed)
     rec = _Recorder()
-    bf16 = 2
-    act = batch * tokens * hidden * bf16
+    act = batch * tokens * hidden * _BF16
+    _weights(rec, blocks, hidden)
+    rec.alloc(batch * 226 * hidden * _BF16, Category.INPUT, 0)  # the prompt embedding: live to the end
+    latent = rec.alloc(act // 4, Category.INPUT, 0)
+    for _ in range(steps):
+        latent = _denoising_step(rec, rng, latent, blocks=blocks, act=act, batch=batch, hidden=hidden,
+                                 heads=heads, tokens=tokens)
+    _vae_decode(rec, act, vae_stages, vae_chunks)
+    rec.free(latent)
+    return rec.trace(
+        ["load", "denoise", "decode"],
+        {
+            "generator": "diffusion_like_trace",
+            "seed": str(seed),
+            "blocks": str(blocks),
+            "steps": str(steps),
+            "vae_chunks": str(vae_chunks),
+        },
+    )
 
-    # Weights: per block qkv/out/mlp matrices and small biases and norms; resident.
+
+def _weights(rec: _Recorder, blocks: int, hidden: int) -> None:
+    """Per block qkv/out/mlp matrices and small biases and norms; resident."""
     for _ in range(blocks):
         for shape in ((hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)):
-            rec.alloc(shape[0] * shape[1] * bf16, Category.WEIGHT, 0)
+            rec.alloc(shape[0] * shape[1] * _BF16, Category.WEIGHT, 0)
         for width in (3 * hidden, hidden, 4 * hidden, hidden, hidden, hidden):
-            rec.alloc(width * bf16, Category.WEIGHT, 0)
-    text = rec.alloc(batch * 226 * hidden * bf16, Category.INPUT, 0)
-    latent = rec.alloc(act // 4, Category.INPUT, 0)
+            rec.alloc(width * _BF16, Category.WEIGHT, 0)
 
-    for _ in range(steps):
-        hidden_state = rec.alloc(act, Category.ACTIVATION, 1)
-        temb = rec.alloc(batch * hidden * 4, Category.ACTIVATION, 1)
-        for _ in range(blocks):
-            norm = rec.alloc(act, Category.ACTIVATION, 1)
-            qkv = rec.alloc(3 * act, Category.ACTIVATION, 1)
-            rec.free(norm)
-            q, k, v = (rec.alloc(act, Category.ACTIVATION, 1) for _ in range(3))
-            rec.free(qkv)
-            out = rec.alloc(act, Category.ACTIVATION, 1)
-            lse = rec.alloc(batch * heads * tokens * 4, Category.ACTIVATION, 1)
-            rec.free(lse)
-            for x in (q, k, v):
-                rec.free(x)
-            proj = rec.alloc(act, Category.ACTIVATION, 1)
-            rec.free(out)
-            new_hidden = rec.alloc(act, Category.ACTIVATION, 1)
-            rec.free(proj)
-            rec.free(hidden_state)
-            hidden_state = new_hidden
-            norm2 = rec.alloc(act, Category.ACTIVATION, 1)
-            up = rec.alloc(4 * act, Category.ACTIVATION, 1)
-            rec.free(norm2)
-            gelu = rec.alloc(4 * act, Category.ACTIVATION, 1)
-            rec.free(up)
-            if rng.random() < 0.5:  # an occasional dtype-cast temporary
-                cast = rec.alloc(int(rng.integers(1, 64)) * 4096, Category.ACTIVATION, 1)
-                rec.free(cast)
-            down = rec.alloc(act, Category.ACTIVATION, 1)
-            rec.free(gelu)
-            new_hidden = rec.alloc(act, Category.ACTIVATION, 1)
-            rec.free(down)
-            rec.free(hidden_state)
-            hidden_state = new_hidden
-        noise_pred = rec.alloc(act // 4, Category.ACTIVATION, 1)
-        rec.free(hidden_state)
-        rec.free(temb)
-        new_latent = rec.alloc(act // 4, Category.ACTIVATION, 1)
-        rec.free(noise_pred)
-        rec.free(latent)
-        latent = new_latent
 
-    # VAE decode in temporal chunks (CogVideoX-style): every stage doubles height and width and
-    # runs two convs; each conv keeps a cache of its input's last frames for the next chunk (a new
-    # cache is made during the chunk, the previous chunk's caches are dropped when it ends).
+def _denoising_step(rec: _Recorder, rng: np.random.Generator, latent: int, *, blocks: int, act: int, batch: int,
+                    hidden: int, heads: int, tokens: int) -> int:
+    """One step: the blocks over a hidden state, then the new latent (the row that replaces ``latent``)."""
+    hidden_state = rec.alloc(act, Category.ACTIVATION, 1)
+    temb = rec.alloc(batch * hidden * 4, Category.ACTIVATION, 1)
+    for _ in range(blocks):
+        hidden_state = _attention(rec, hidden_state, act=act, batch=batch, heads=heads, tokens=tokens)
+        hidden_state = _mlp(rec, rng, hidden_state, act)
+    noise_pred = rec.alloc(act // 4, Category.ACTIVATION, 1)
+    rec.free(hidden_state)
+    rec.free(temb)
+    new_latent = rec.alloc(act // 4, Category.ACTIVATION, 1)
+    rec.free(noise_pred)
+    rec.free(latent)
+    return new_latent
+
+
+def _attention(rec: _Recorder, hidden_state: int, *, act: int, batch: int, heads: int, tokens: int) -> int:
+    """A block's attention half: norm, q/k/v, attention (its fp32 logsumexp freed at once), projection,
+    residual; the new hidden state's row."""
+    norm = rec.alloc(act, Category.ACTIVATION, 1)
+    qkv = rec.alloc(3 * act, Category.ACTIVATION, 1)
+    rec.free(norm)
+    q, k, v = (rec.alloc(act, Category.ACTIVATION, 1) for _ in range(3))
+    rec.free(qkv)
+    out = rec.alloc(act, Category.ACTIVATION, 1)
+    lse = rec.alloc(batch * heads * tokens * 4, Category.ACTIVATION, 1)
+    rec.free(lse)
+    for x in (q, k, v):
+        rec.free(x)
+    proj = rec.alloc(act, Category.ACTIVATION, 1)
+    rec.free(out)
+    new_hidden = rec.alloc(act, Category.ACTIVATION, 1)
+    rec.free(proj)
+    rec.free(hidden_state)
+    return new_hidden
+
+
+def _mlp(rec: _Recorder, rng: np.random.Generator, hidden_state: int, act: int) -> int:
+    """A block's MLP half: norm, up projection, GELU, down projection, residual; the new hidden state's row."""
+    norm2 = rec.alloc(act, Category.ACTIVATION, 1)
+    up = rec.alloc(4 * act, Category.ACTIVATION, 1)
+    rec.free(norm2)
+    gelu = rec.alloc(4 * act, Category.ACTIVATION, 1)
+    rec.free(up)
+    if rng.random() < 0.5:  # an occasional dtype-cast temporary
+        cast = rec.alloc(int(rng.integers(1, 64)) * 4096, Category.ACTIVATION, 1)
+        rec.free(cast)
+    down = rec.alloc(act, Category.ACTIVATION, 1)
+    rec.free(gelu)
+    new_hidden = rec.alloc(act, Category.ACTIVATION, 1)
+    rec.free(down)
+    rec.free(hidden_state)
+    return new_hidden
+
+
+def _vae_decode(rec: _Recorder, act: int, vae_stages: int, vae_chunks: int) -> None:
+    """VAE decode in temporal chunks (CogVideoX-style): every stage doubles height and width and runs
+    two convs; each conv keeps a cache of its input's last frames for the next chunk (a new cache is
+    made during the chunk, the previous chunk's caches are dropped when it ends). The output chunks
+    stay live to the end."""
     previous: list[int] = []
-    outputs: list[int] = []
     for _ in range(vae_chunks):
         x = rec.alloc(act // 4 // vae_chunks, Category.ACTIVATION, 2)
         size = act // 4
@@ -172,25 +206,13 @@ def diffusion_like_trace(
                     current.append(rec.alloc(size // 8, Category.ACTIVATION, 2))
                 rec.free(x)
                 x = y
-        outputs.append(rec.alloc(size // 2 // vae_chunks, Category.ACTIVATION, 2))
+        rec.alloc(size // 2 // vae_chunks, Category.ACTIVATION, 2)  # the chunk's output
         rec.free(x)
         for cache in previous:
             rec.free(cache)
         previous = current
     for cache in previous:
         rec.free(cache)
-    rec.free(latent)
-    del text, outputs  # the prompt embedding and the output chunks stay live to the end
-    return rec.trace(
-        ["load", "denoise", "decode"],
-        {
-            "generator": "diffusion_like_trace",
-            "seed": str(seed),
-            "blocks": str(blocks),
-            "steps": str(steps),
-            "vae_chunks": str(vae_chunks),
-        },
-    )
 
 
 def random_trace(

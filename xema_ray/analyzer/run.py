@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from xema_ray.analyzer.assembly import assembled, components, module_names
+from xema_ray.analyzer.block_replay import BlockReplay
 from xema_ray.analyzer.experts import label_experts
 from xema_ray.analyzer.steps import expand_steps, steps_to_trace
 from xema_ray.analyzer.tracer import AllocationTracer
@@ -97,8 +98,31 @@ def trace_template(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
     traced = steps_to_trace(spec.settling_steps_for(template), spec.step_lifetime)
     traced_steps = min(template.steps, traced) if opts.replicate else template.steps
-    run_template = template.with_(steps=traced_steps)
+    stages = spec.expert_stages(template)
+    # replicated steps must be alike: one expert runs them all, the others' steps are named after
+    one_expert = len(stages) > 1 and traced_steps < template.steps
+    tracer, replay = _traced_call(pipe, spec, template, traced_steps, opts, dtype, prepare=prepare,
+                                  one_expert=one_expert)
+    raw = tracer.raw()
+    raw.meta.update(_trace_meta(template, opts, dtype, traced_steps, replay, tracer))
+    trace = expand_steps(raw, template.steps, spec.step_lifetime)
+    return label_experts(trace, stages) if one_expert else trace
 
+
+def _traced_call(
+    pipe: Any,
+    spec: ModelSpec,
+    template: RequestTemplate,
+    traced_steps: int,
+    opts: TraceOptions,
+    dtype: torch.dtype,
+    *,
+    prepare: Callable[[Any, AllocationTracer], contextlib.AbstractContextManager[None]] | None,
+    one_expert: bool,
+) -> tuple[AllocationTracer, BlockReplay | None]:
+    """One pipeline call of ``template`` for its ``traced_steps`` under a tracer that knows the
+    pipeline's modules: the tracer, and the block replay the assembly used (None: none)."""
+    run_template = template.with_(steps=traced_steps)
     prompts = [opts.prompt] * template.batch
     encoder = _attach_text_encoder(pipe, spec, opts, dtype)
     names = module_names(pipe)
@@ -112,10 +136,7 @@ def trace_template(
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     # reference images (placeholders of the template's size): their preprocessing, VAE encode and
     # the longer sequence are part of the trace
-    call = {**spec.call_kwargs(run_template), **spec.reference_kwargs(run_template)}
-    stages = spec.expert_stages(template)
-    # replicated steps must be alike: one expert runs them all, the others' steps are named after
-    one_expert = len(stages) > 1 and traced_steps < template.steps
+    call = {**spec.call_kwargs(run_template), **spec.reference_inputs().kwargs(run_template)}
     extra = prepare(pipe, tracer) if prepare is not None else contextlib.nullcontext()
     try:
         with (
@@ -133,26 +154,28 @@ def trace_template(
     finally:
         if encoder is not None:
             encoder.detach()
-    raw = tracer.raw()
-    raw.meta.update(
-        {
-            "template": template.key,
-            "device": opts.device,
-            "dtype": str(dtype).removeprefix("torch."),
-            "tracer_version": TRACER_VERSION,
-            "traced_steps": str(traced_steps),
-            "text_encoder": opts.text_encoder or "none",
-        }
-    )
+    return tracer, replay
+
+
+def _trace_meta(template: RequestTemplate, opts: TraceOptions, dtype: torch.dtype, traced_steps: int,
+                replay: BlockReplay | None, tracer: AllocationTracer) -> dict[str, str]:
+    """What a trace records of how it was made (template, device, dtypes, tracer, replay, memo)."""
+    meta = {
+        "template": template.key,
+        "device": opts.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tracer_version": TRACER_VERSION,
+        "traced_steps": str(traced_steps),
+        "text_encoder": opts.text_encoder or "none",
+    }
     if opts.component_dtypes:
-        raw.meta["component_dtypes"] = ",".join(f"{c}={str(d).removeprefix('torch.')}" for c, d in opts.component_dtypes)
+        meta["component_dtypes"] = ",".join(f"{c}={str(d).removeprefix('torch.')}" for c, d in opts.component_dtypes)
     if replay is not None:
-        raw.meta["block_replay"] = (f"{replay.replayed} replayed ({replay.replayed_hooked} beneath mitigation hooks)"
-                                    f" / {replay.recorded} recorded")
+        meta["block_replay"] = (f"{replay.replayed} replayed ({replay.replayed_hooked} beneath mitigation hooks)"
+                                f" / {replay.recorded} recorded")
     if tracer.memo is not None:
-        raw.meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
-    trace = expand_steps(raw, template.steps, spec.step_lifetime)
-    return label_experts(trace, stages) if one_expert else trace
+        meta["meta_kernel_memo"] = f"{tracer.memo.hits} hits / {tracer.memo.misses} misses"
+    return meta
 
 
 @dataclass

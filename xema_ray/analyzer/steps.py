@@ -102,6 +102,26 @@ def expand_steps(raw: RawTrace, steps: int, lifetime: int = 1) -> MemoryTrace:
     # differ traces more: ``ModelSpec.settling_steps``); region j = [starts[j], starts[j + 1]) for
     # j = 0 .. lifetime, the last (j = lifetime) is the pattern, the tail = [bounds[-1], end)
     starts = bounds[-lifetime - 2:]
+    _check_steady_regions_alike(kinds, allocs, starts, arrays, traced, lifetime)
+    _check_steps_self_contained(kinds, allocs, starts, arrays["begin"], lifetime)
+    extra = steps - traced  # copies of region 2 beyond the traced one
+    copies = _Copies(kinds, allocs, starts, lifetime, n_orig=len(raw.records))
+    kinds_n, allocs_n = _replicated_events(kinds, allocs, starts, copies, extra)
+    cols = {
+        name: np.concatenate([col, np.tile(col[copies.pattern], extra)])
+        for name, col in arrays.items()
+        if name not in ("begin", "end")
+    }
+    begin_n, end_n = _lifetimes(kinds_n, allocs_n, copies.n_orig + extra * copies.per_step)
+    s_pat, s_end = starts[-2], starts[-1]
+    step_len = s_end - s_pat
+    new_bounds = [*bounds] + [s_end + i * step_len for i in range(1, extra + 1)]
+    return _memory_trace(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
+
+
+def _check_steady_regions_alike(kinds: np.ndarray, allocs: np.ndarray, starts: list[int],
+                                arrays: dict[str, np.ndarray], traced: int, lifetime: int) -> None:
+    """Raise ``StepPatternError`` naming the first event where two neighbouring steady regions differ."""
     sigs = [_event_signature(kinds, allocs, starts[j], starts[j + 1], arrays) for j in range(lifetime + 1)]
     for j in range(lifetime):
         sig1, sig2 = sigs[j], sigs[j + 1]
@@ -121,7 +141,12 @@ def expand_steps(raw: RawTrace, steps: int, lifetime: int = 1) -> MemoryTrace:
             f"denoising steps 1 and 2 differ ({len(sig1)} vs {len(sig2)} events; first difference at event "
             f"{where} of the step: {row(sig1)} vs {row(sig2)})"
         )
-    begin = arrays["begin"]
+
+
+def _check_steps_self_contained(kinds: np.ndarray, allocs: np.ndarray, starts: list[int], begin: np.ndarray,
+                                lifetime: int) -> None:
+    """Raise ``StepPatternError`` where an allocation outlives ``lifetime + 1`` regions: the pattern
+    frees one made before the steady regions, or one of the first steady region's is alive after the loop."""
     s_first, s_pat, s_end = starts[0], starts[-2], starts[-1]
     freed_in_pat = allocs[s_pat:s_end][kinds[s_pat:s_end] == FREE]
     if np.any(begin[freed_in_pat] < s_first):
@@ -129,69 +154,73 @@ def expand_steps(raw: RawTrace, steps: int, lifetime: int = 1) -> MemoryTrace:
                                "self-contained" if lifetime == 1 else
                                f"a steady step frees an allocation made more than {lifetime} steps before it; it "
                                "accumulates across steps")
-    tail_kinds, tail_allocs = kinds[s_end:], allocs[s_end:]
-    tail_freed = tail_allocs[tail_kinds == FREE]
+    tail_freed = allocs[s_end:][kinds[s_end:] == FREE]
     if np.any((begin[tail_freed] >= s_first) & (begin[tail_freed] < starts[1])):
         raise StepPatternError("an allocation of step 1 is still alive after step 2; it accumulates across steps"
                                if lifetime == 1 else
                                f"an allocation of a steady step is still alive {lifetime + 1} steps later; it "
                                "accumulates across steps")
 
-    n_orig = len(raw.records)
-    region_allocs = [allocs[starts[j]:starts[j + 1]][kinds[starts[j]:starts[j + 1]] == ALLOC]
-                     for j in range(lifetime + 1)]
-    pat_allocs = region_allocs[-1]
-    per_step = len(pat_allocs)
-    extra = steps - traced  # copies of region 2 beyond the traced one
 
-    def ids_of_copy(c: int) -> np.ndarray:
+class _Copies:
+    """Allocation ids of the pattern region's copies, and events remapped into a copy: a free in a
+    copy of an allocation born ``d`` steady regions earlier goes to the copy ``d`` before it."""
+
+    def __init__(self, kinds: np.ndarray, allocs: np.ndarray, starts: list[int], lifetime: int, n_orig: int) -> None:
+        self.lifetime = lifetime
+        self.n_orig = n_orig
+        self.region_allocs = [allocs[starts[j]:starts[j + 1]][kinds[starts[j]:starts[j + 1]] == ALLOC]
+                              for j in range(self.lifetime + 1)]
+        self.pattern = self.region_allocs[-1]
+        self.per_step = len(self.pattern)
+        # where each allocation of the steady regions was born: d regions before the pattern, at idx
+        self.born_d = np.full(n_orig, -1, dtype=np.int64)
+        self.born_idx = np.full(n_orig, -1, dtype=np.int64)
+        for j, region in enumerate(self.region_allocs):
+            self.born_d[region] = self.lifetime - j
+            self.born_idx[region] = np.arange(len(region), dtype=np.int64)
+
+    def ids_of_copy(self, c: int) -> np.ndarray:
         """Allocation ids of copy c of region 2: c = 0 the traced region 2, c < 0 the traced
         regions before it, c > 0 the new copies."""
         if c <= 0:
-            return region_allocs[lifetime + c]
-        return n_orig + (c - 1) * per_step + np.arange(per_step, dtype=np.int64)
+            return self.region_allocs[self.lifetime + c]
+        return self.n_orig + (c - 1) * self.per_step + np.arange(self.per_step, dtype=np.int64)
 
-    # where each allocation of the steady regions was born: d regions before the pattern, at idx
-    born_d = np.full(n_orig, -1, dtype=np.int64)
-    born_idx = np.full(n_orig, -1, dtype=np.int64)
-    for j in range(lifetime + 1):
-        born_d[region_allocs[j]] = lifetime - j
-        born_idx[region_allocs[j]] = np.arange(len(region_allocs[j]), dtype=np.int64)
-
-    def remapped(events: np.ndarray, c: int) -> np.ndarray:
+    def remapped(self, events: np.ndarray, c: int) -> np.ndarray:
         """``events``' allocation ids as copy ``c`` sees them (steady-region ones d copies back)."""
         out = events.copy()
-        d, idx = born_d[events], born_idx[events]
+        d, idx = self.born_d[events], self.born_idx[events]
         for dist in np.unique(d[d >= 0]):
             sel = d == dist
-            out[sel] = ids_of_copy(c - int(dist))[idx[sel]]
+            out[sel] = self.ids_of_copy(c - int(dist))[idx[sel]]
         return out
 
+
+def _replicated_events(kinds: np.ndarray, allocs: np.ndarray, starts: list[int], copies: _Copies,
+                       extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """The event stream (kinds, allocation ids) with ``extra`` copies of the pattern region between
+    the traced steps and the tail, the tail's frees remapped to the last copies."""
+    s_pat, s_end = starts[-2], starts[-1]
     pat_kind, pat_alloc = kinds[s_pat:s_end], allocs[s_pat:s_end]
     out_kind, out_alloc = [kinds[:s_end]], [allocs[:s_end]]
     for c in range(1, extra + 1):
         out_kind.append(pat_kind)
-        out_alloc.append(remapped(pat_alloc, c))
-    out_kind.append(tail_kinds)
-    out_alloc.append(remapped(tail_allocs, extra))
-    kinds_n = np.concatenate(out_kind)
-    allocs_n = np.concatenate(out_alloc)
+        out_alloc.append(copies.remapped(pat_alloc, c))
+    out_kind.append(kinds[s_end:])
+    out_alloc.append(copies.remapped(allocs[s_end:], extra))
+    return np.concatenate(out_kind), np.concatenate(out_alloc)
 
-    cols = {
-        name: np.concatenate([col, np.tile(col[pat_allocs], extra)])
-        for name, col in arrays.items()
-        if name not in ("begin", "end")
-    }
-    n_total = n_orig + extra * per_step
-    is_alloc = kinds_n == ALLOC
-    begin_n = np.full(n_total, -1, dtype=np.int64)
-    end_n = np.full(n_total, len(kinds_n), dtype=np.int64)
-    begin_n[allocs_n[is_alloc]] = np.flatnonzero(is_alloc)
+
+def _lifetimes(kinds: np.ndarray, allocs: np.ndarray, n_total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each allocation's begin and end event in the replicated event stream (never freed: the end)."""
+    is_alloc = kinds == ALLOC
+    begin = np.full(n_total, -1, dtype=np.int64)
+    end = np.full(n_total, len(kinds), dtype=np.int64)
+    begin[allocs[is_alloc]] = np.flatnonzero(is_alloc)
     is_free = ~is_alloc
-    end_n[allocs_n[is_free]] = np.flatnonzero(is_free)
-    step_len = s_end - s_pat
-    new_bounds = [*bounds] + [s_end + i * step_len for i in range(1, extra + 1)]
-    return _memory_trace(raw, cols, begin_n, end_n, len(kinds_n), new_bounds)
+    end[allocs[is_free]] = np.flatnonzero(is_free)
+    return begin, end
 
 
 def _memory_trace(

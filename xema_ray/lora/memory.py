@@ -19,7 +19,9 @@ from xema_ray.lora_pool import LoraPoolConfig
 
 
 class LoraCost(BaseModel):
-    """A pool's cost on one model (bytes in the model's dtype)."""
+    """A pool's cost on one model (bytes in the model's dtype). A two-expert model (Wan2.2 A14B) holds
+    stacks on both experts' layers; an adapter counts toward the expert(s) it adapts (one file of a
+    pair: ``expert_adapter_bytes`` of its expert), and a step runs one expert's deltas."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -27,30 +29,43 @@ class LoraCost(BaseModel):
     rank: int
     slots: int
     stacked: int = Field(description="adapters one sample stacks (the loop over them in each layer)")
-    targets: int = Field(description="linear layers carrying a delta")
-    pool_bytes: int = Field(description="the device stacks: slots x rank x sum(in + out) x dtype bytes")
-    adapter_bytes: int = Field(description="one adapter at this rank on every target (its host copy, and one slot)")
+    targets: int = Field(description="linear layers carrying a delta (both experts' on a two-expert model)")
+    pool_bytes: int = Field(description="the device stacks: slots x rank x sum(in + out) x dtype bytes, every expert")
+    expert_pool_bytes: dict[str, int] = Field(default_factory=dict, description="the stacks per expert "
+                                                                                "(transformer, transformer_2)")
+    adapter_bytes: int = Field(description="one adapter at this rank on every target of every expert (a pair's "
+                                           "host copy, and one slot)")
+    expert_adapter_bytes: dict[str, int] = Field(default_factory=dict, description="one expert's file of a pair "
+                                                                                   "at this rank")
     gather_peak_bytes: int = Field(description="the largest per-layer transient at `rows` rows: gathered A and B "
                                                "for one stacked adapter (h, [rows, tokens, rank], is extra)")
     flop_ratio: float = Field(description="extra FLOPs of the deltas over the target layers' own, per token: "
-                                          "stacked x rank x (in + out) / (in x out), weighted by each layer's FLOPs")
+                                          "stacked x rank x (in + out) / (in x out), weighted by each layer's FLOPs "
+                                          "(of the expert a step runs)")
 
 
 def lora_cost(model: str, transformer: nn.Module, rank: int, slots: int, stacked: int = 1, rows: int = 1,
-              dtype: torch.dtype = torch.bfloat16) -> LoraCost:
-    """The closed-form cost of a pool of ``slots`` adapters at ``rank`` on ``transformer`` (meta is fine).
+              dtype: torch.dtype = torch.bfloat16, transformer_2: nn.Module | None = None) -> LoraCost:
+    """The closed-form cost of a pool of ``slots`` adapters at ``rank`` on ``transformer`` (meta is
+    fine), and on ``transformer_2`` for a two-expert model (its low-noise expert): the pool holds
+    stacks on both, as ``AdapterPool`` allocates them.
 
     Example:
         >>> lora_cost("flux2-dev", meta_transformer, rank=16, slots=4).pool_bytes  # doctest: +SKIP
     """
-    layers = target_layers({"transformer": transformer})
+    experts = {"transformer": transformer} | ({"transformer_2": transformer_2} if transformer_2 is not None else {})
     width = torch.empty((), dtype=dtype).element_size()
-    sum_io = sum(m.in_features + m.out_features for m in layers.values())
+    sum_io = {c: sum(m.in_features + m.out_features for m in target_layers({c: comp}).values())
+              for c, comp in experts.items()}
+    layers = target_layers({"transformer": transformer})  # a step runs one expert (the experts are alike in shape)
     base = sum(m.in_features * m.out_features for m in layers.values())
     extra = sum(stacked * rank * (m.in_features + m.out_features) for m in layers.values())
     gather = max((rows * rank * (m.in_features + m.out_features) * width for m in layers.values()), default=0)
-    return LoraCost(model=model, rank=rank, slots=slots, stacked=stacked, targets=len(layers),
-                    pool_bytes=slots * rank * sum_io * width, adapter_bytes=rank * sum_io * width,
+    per_adapter = {c: rank * io * width for c, io in sum_io.items()}
+    return LoraCost(model=model, rank=rank, slots=slots, stacked=stacked, targets=len(target_layers(experts)),
+                    pool_bytes=slots * sum(per_adapter.values()),
+                    expert_pool_bytes={c: slots * b for c, b in per_adapter.items()},
+                    adapter_bytes=sum(per_adapter.values()), expert_adapter_bytes=per_adapter,
                     gather_peak_bytes=gather, flop_ratio=extra / base if base else 0.0)
 
 

@@ -72,6 +72,7 @@ class AdapterPool:
         self.b = {p: torch.zeros(s, m.out_features, r, device=device, dtype=dtype) for p, m in self.targets.items()}
         self.host: dict[str, LoraAdapter] = {}
         self.paths: dict[str, str] = {}
+        self.expert_paths: dict[str, dict[str, str]] = {}
         self.slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently used first
         self.active: Activation | None = None
         self._names: set[str] = set()  # the running batch's adapters (not removable meanwhile)
@@ -84,13 +85,14 @@ class AdapterPool:
         return sum(t.numel() * t.element_size() for t in [*self.a.values(), *self.b.values()])
 
     # ------------------------------------------------------------------ adapters known
-    def add(self, adapter: LoraAdapter, path: str = "") -> None:
-        """Know ``adapter`` (on the host; a device slot when a batch asks for it). Replacing one
-        of the same name drops the old copy from its slot."""
+    def add(self, adapter: LoraAdapter, path: str = "", experts: dict[str, str] | None = None) -> None:
+        """Know ``adapter`` (on the host; a device slot when a batch asks for it), read from ``path``
+        or from a pair's ``experts`` files. Replacing one of the same name drops the old copy from its slot."""
         with self._lock:
             self.remove(adapter.name, missing_ok=True)
             self.host[adapter.name] = adapter
             self.paths[adapter.name] = path
+            self.expert_paths[adapter.name] = dict(experts or {})
 
     def remove(self, name: str, missing_ok: bool = False) -> bool:
         with self._lock:
@@ -102,6 +104,7 @@ class AdapterPool:
                 raise AdapterRejected(f"adapter {name!r} is in use by the running batch; retry", name)
             self.host.pop(name)
             self.paths.pop(name, None)
+            self.expert_paths.pop(name, None)
             self.slot_of.pop(name, None)
             return True
 
@@ -109,7 +112,9 @@ class AdapterPool:
         with self._lock:
             return [AdapterInfo(name=a.name, model=a.model, path=self.paths.get(n, ""), rank=a.rank,
                                 layers=len(a.layers), bytes=a.nbytes, resident=n in self.slot_of,
-                                skipped_keys=len(a.skipped)) for n, a in sorted(self.host.items())]
+                                skipped_keys=len(a.skipped), experts=self.expert_paths.get(n, {}),
+                                expert_layers=a.layers_per_component())
+                    for n, a in sorted(self.host.items())]
 
     def stats(self) -> PoolStats:
         return PoolStats(slots=self.config.slots, max_rank=self.config.max_rank, device_bytes=self.device_bytes,

@@ -59,7 +59,9 @@ def solve_entry_layout(config: ExecutionConfig, gpu: str, layouts_dir: Path | No
     from xema_ray.measure.verify import worker_streams
 
     steps = config.template.steps
-    repeat = steps >= MIN_STEPS
+    # an expert swap's steps differ by design (the prefetch, the switch): its full stream is solved
+    swap = config.experts is not None and config.experts.strategy == "swap_prefetched"
+    repeat = steps >= MIN_STEPS and not swap
     traces = worker_streams(config, (steps, solved_steps(steps)) if repeat else (steps,))
     trace = traces[0]
     entry, note, _ = lookup(layouts_dir, gpu, trace) if gpu != "any" else (None, "CPU table: no GPU model", None)

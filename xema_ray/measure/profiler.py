@@ -228,6 +228,37 @@ class _Timeline:
         return dict(out)
 
 
+def _calibration_samples(calib_sigs: dict[UnitPhase, str],
+                         times: dict[UnitPhase, float]) -> list[tuple[str, str, list[float]]]:
+    """(signature, unit, seconds samples) of a calibration run: per signature, per (unit, phase
+    kind), and per phase kind for the time no unit claimed. A traced unit that did not execute
+    (resident weights registered at set-up) takes 0 s."""
+    by_sig: dict[str, list[float]] = defaultdict(list)
+    by_unit: dict[str, list[float]] = defaultdict(list)
+    units: dict[str, str] = {}
+    untraced: dict[str, list[float]] = defaultdict(list)
+    for (unit, phase), seconds in times.items():
+        sig = calib_sigs.get((unit, phase))
+        if sig is None:
+            untraced[_phase_kind(phase)].append(seconds)  # a unit that allocated nothing
+        else:
+            by_sig[sig].append(seconds)
+            by_unit[_unit_key(unit, phase)].append(seconds)
+            units.setdefault(sig, unit)
+    for (unit, phase), sig in calib_sigs.items():
+        if (unit, phase) not in times:
+            # allocations with no execution time: resident weights registered at set-up
+            by_sig[sig].append(0.0)
+            by_unit[_unit_key(unit, phase)].append(0.0)
+            units.setdefault(sig, unit)
+    for phase in {_phase_kind(p) for _, p in calib_sigs}:
+        untraced.setdefault(phase, [0.0])
+    records = [(sig, units.get(sig, "?"), vals) for sig, vals in by_sig.items()]
+    records += [(k, k, vals) for k, vals in by_unit.items()]
+    records += [(f"untraced:{k}", "untraced", vals) for k, vals in untraced.items()]
+    return records
+
+
 class LatencyProfiler:
     """Segment-reuse latency profiling on one worker's engine.
 
@@ -278,9 +309,43 @@ class LatencyProfiler:
         t0 = time.perf_counter()
         steps = config.template.steps
         full_sigs, n_segments = group_signatures(self._trace(config, steps), self._classes)
-        key = self.exec_key(config)
-        model = config.template.model
         wanted = set(full_sigs.values())
+        missing = self._missing(config, full_sigs)
+        calib_steps = min(steps, CALIBRATION_STEPS)
+        profiled = 0
+        measured: set[str] = set()
+        if missing:
+            profiled, measured = self._calibrate_into_store(config, calib_steps, missing)
+        per_phase, by_unit_fallbacks = self._per_phase(config, full_sigs, calib_steps)
+        estimate = sum(per_phase.values())
+        report = ProfileReport(
+            template=config.template.key,
+            config_hash=config.config_hash(),
+            fingerprint=self.fingerprint,
+            estimate_s=estimate,
+            per_phase=dict(per_phase),
+            segments_estimated=n_segments,
+            segments_profiled=profiled,
+            signatures=len(wanted),
+            signatures_measured=len(measured & wanted),
+            signatures_reused=len(wanted - measured),
+            matched_by_unit=by_unit_fallbacks,
+            calibration_steps=calib_steps if missing else 0,
+            profiling_s=time.perf_counter() - t0,
+        )
+        self.store.put_request(
+            RequestRecord(
+                fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
+                config_hash=config.config_hash(), source=LatencySource.PROFILED, total_s=estimate,
+                per_phase=dict(per_phase), steps=steps, measured_at=now(), config=config,
+            )
+        )
+        return report
+
+    def _missing(self, config: ExecutionConfig, full_sigs: dict[UnitPhase, str]) -> set[str]:
+        """The request's signatures (and untraced phase kinds) the store has no segment for, by
+        signature nor by unit."""
+        key, model = self.exec_key(config), config.template.model
         phase_kinds = {_phase_kind(p) for _, p in full_sigs}
         missing = {
             s for (unit, phase), s in full_sigs.items()
@@ -288,45 +353,33 @@ class LatencyProfiler:
             and self.store.get_segment(self.fingerprint, model, key, _unit_key(unit, phase)) is None
         }
         missing |= {f"untraced:{k}" for k in phase_kinds if self.store.get_segment(self.fingerprint, model, key, f"untraced:{k}") is None}
-        calib_steps = min(steps, CALIBRATION_STEPS)
-        profiled = 0
+        return missing
+
+    def _calibrate_into_store(self, config: ExecutionConfig, calib_steps: int,
+                              missing: set[str]) -> tuple[int, set[str]]:
+        """Run the calibration request and store a segment per signature, per unit and per untraced
+        phase kind: (trace segments it executed, the missing signatures it measured)."""
+        key, model = self.exec_key(config), config.template.model
+        calib_sigs, profiled = group_signatures(self._trace(config, calib_steps), self._classes)
+        times = self.calibrate(config, calib_steps)
         measured: set[str] = set()
-        if missing:
-            calib_sigs, profiled = group_signatures(self._trace(config, calib_steps), self._classes)
-            times = self.calibrate(config, calib_steps)
-            by_sig: dict[str, list[float]] = defaultdict(list)
-            by_unit: dict[str, list[float]] = defaultdict(list)
-            units: dict[str, str] = {}
-            untraced: dict[str, list[float]] = defaultdict(list)
-            for (unit, phase), seconds in times.items():
-                sig = calib_sigs.get((unit, phase))
-                if sig is None:
-                    untraced[_phase_kind(phase)].append(seconds)  # a unit that allocated nothing
-                else:
-                    by_sig[sig].append(seconds)
-                    by_unit[_unit_key(unit, phase)].append(seconds)
-                    units.setdefault(sig, unit)
-            for (unit, phase), sig in calib_sigs.items():
-                if (unit, phase) not in times:
-                    # allocations with no execution time: resident weights registered at set-up
-                    by_sig[sig].append(0.0)
-                    by_unit[_unit_key(unit, phase)].append(0.0)
-                    units.setdefault(sig, unit)
-            for phase in {_phase_kind(p) for _, p in calib_sigs}:
-                untraced.setdefault(phase, [0.0])
-            records = [(sig, units.get(sig, "?"), vals) for sig, vals in by_sig.items()]
-            records += [(k, k, vals) for k, vals in by_unit.items()]
-            records += [(f"untraced:{k}", "untraced", vals) for k, vals in untraced.items()]
-            for sig, unit, vals in records:
-                if sig in missing:
-                    measured.add(sig)
-                self.store.put_segment(
-                    SegmentRecord(
-                        fingerprint=self.fingerprint, model=model, exec_key=key, signature=sig, unit=unit,
-                        seconds=statistics.median(vals), samples=len(vals), config_hash=config.config_hash(),
-                        measured_at=now(),
-                    )
+        for sig, unit, vals in _calibration_samples(calib_sigs, times):
+            if sig in missing:
+                measured.add(sig)
+            self.store.put_segment(
+                SegmentRecord(
+                    fingerprint=self.fingerprint, model=model, exec_key=key, signature=sig, unit=unit,
+                    seconds=statistics.median(vals), samples=len(vals), config_hash=config.config_hash(),
+                    measured_at=now(),
                 )
+            )
+        return profiled, measured
+
+    def _per_phase(self, config: ExecutionConfig, full_sigs: dict[UnitPhase, str],
+                   calib_steps: int) -> tuple[dict[Phase, float], int]:
+        """Seconds by latency phase from the store's segments of every (unit, phase) of the full
+        request, plus the untraced time per phase; and how many runs were timed by their unit."""
+        key, model = self.exec_key(config), config.template.model
         per_phase: dict[Phase, float] = defaultdict(float)
         by_unit_fallbacks = 0
         for (unit, phase), sig in full_sigs.items():
@@ -349,30 +402,7 @@ class LatencyProfiler:
             rec = self.store.get_segment(self.fingerprint, model, key, f"untraced:{kind}")
             if rec is not None:
                 per_phase[latency_phase(kind)] += rec.seconds * count
-        estimate = sum(per_phase.values())
-        report = ProfileReport(
-            template=config.template.key,
-            config_hash=config.config_hash(),
-            fingerprint=self.fingerprint,
-            estimate_s=estimate,
-            per_phase=dict(per_phase),
-            segments_estimated=n_segments,
-            segments_profiled=profiled,
-            signatures=len(wanted),
-            signatures_measured=len(measured & wanted),
-            signatures_reused=len(wanted - measured),
-            matched_by_unit=by_unit_fallbacks,
-            calibration_steps=calib_steps if missing else 0,
-            profiling_s=time.perf_counter() - t0,
-        )
-        self.store.put_request(
-            RequestRecord(
-                fingerprint=self.fingerprint, model=model, template=config.template.key, config_hash=config.config_hash(),
-                source=LatencySource.PROFILED, total_s=estimate, per_phase=dict(per_phase), steps=steps, measured_at=now(),
-                config=config,
-            )
-        )
-        return report
+        return per_phase, by_unit_fallbacks
 
     def measure(self, config: ExecutionConfig, repeats: int = 1) -> RequestRecord:
         """Run the full request ``repeats`` times and record the median pipeline latency as "measured"."""

@@ -188,6 +188,15 @@ def _on_decode(pipe: Any, handle: MitigationHandle, fn: Callable[[], None]) -> N
     handle.add_undo(undo)
 
 
+def high_noise_steps(pipe: Any, spec: ModelSpec, template: RequestTemplate) -> int:
+    """The steps the high-noise expert runs in a batch of ``template`` (its step count: the
+    batch's, as the API resolved it), on the scheduler ``pipe`` loaded (a checkpoint's own
+    ``scheduler_config.json`` moves the switch: ``ModelSpec.expert_stages``)."""
+    config = getattr(getattr(pipe, "scheduler", None), "config", None)
+    stages = spec.expert_stages(template, dict(config) if config is not None else None)
+    return stages[0].last_step + 1 if stages[0].component == EXPERTS[0] else 0
+
+
 def apply_expert_swap(pipe: Any, spec: ModelSpec, template: RequestTemplate, swap: ExpertSwap,
                       swapper: ExpertSwapper | None) -> MitigationHandle:
     """Install ``swap`` on ``pipe`` for one batch of ``template``; the handle's ``remove()`` takes
@@ -197,7 +206,9 @@ def apply_expert_swap(pipe: Any, spec: ModelSpec, template: RequestTemplate, swa
     Args:
         pipe: the pipeline (both experts).
         spec: its spec (``dit_blocks``, ``expert_stages``).
-        template: the batch's template (its step count places the switch).
+        template: the batch's template at the batch's own step count (the engine passes the
+            request's steps, not the plan's): with the loaded scheduler it places the prefetch,
+            ``swap.prefetch_steps`` before the switch (``high_noise_steps``).
         swap: what the plan does at the switch.
         swapper: the worker's expert state (``swap_prefetched`` only; None otherwise).
     """
@@ -212,8 +223,7 @@ def apply_expert_swap(pipe: Any, spec: ModelSpec, template: RequestTemplate, swa
         return handle
     if swapper is None:
         raise ValueError("expert_swap swap_prefetched: the worker loaded no expert swapper (its plans hold both experts)")
-    stages = spec.expert_stages(template)
-    high_steps = stages[0].last_step + 1 if stages[0].component == EXPERTS[0] else 0
+    high_steps = high_noise_steps(pipe, spec, template)
     for e in EXPERTS:
         for (_, block), group in zip(spec.dit_blocks(getattr(pipe, e)), swapper.blocks[e], strict=True):
             hook_module(handle, block, _WaitHook(group), HOOK_NAMES["expert_swap_block"])

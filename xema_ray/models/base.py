@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -75,7 +75,7 @@ class ExpertStage:
         return self.last_step - self.first_step + 1
 
 
-class ModelSpec(ReferenceInputs, ABC):
+class ModelSpec(ABC):
     """One servable model (real size or tiny), as the registry hands it out."""
 
     #: registry name, e.g. "cogvideox-5b" or "tiny-cogvideox"
@@ -107,6 +107,17 @@ class ModelSpec(ReferenceInputs, ABC):
 
         return TextEncoderSpec(self.encoder.family, self.encoder.config_file, self.text_tokens,
                                out_layers=self.encoder.out_layers)
+
+    def reference_inputs(self) -> ReferenceInputs:
+        """What the model takes as reference images (``xema_ray.models.references``): none here;
+        a model that conditions on images returns its own."""
+        return ReferenceInputs(self.name, self.spatial_multiple)
+
+    def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
+        """The pipeline object that runs ``t``: ``pipe``, or for a model whose image-to-video runs
+        through another diffusers pipeline over the same components (LTX-2), that one (made once
+        per ``pipe``, sharing every module: no weight is loaded twice)."""
+        return pipe
 
     def shares_measurements_with(self, other: ModelSpec) -> bool:
         """Whether measured latencies of ``other`` calibrate this model's cost model (one
@@ -400,8 +411,10 @@ class ModelSpec(ReferenceInputs, ABC):
         """``settling_steps`` for ``t`` (a model whose image path settles later says so per template)."""
         return self.settling_steps
 
-    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
-        """Which transformer component runs which denoising steps (one stage: ``transformer``, all)."""
+    def expert_stages(self, t: RequestTemplate, scheduler_config: Mapping[str, Any] | None = None
+                      ) -> tuple[ExpertStage, ...]:
+        """Which transformer component runs which denoising steps (one stage: ``transformer``, all);
+        ``scheduler_config``: the scheduler the pipeline loaded (None: the spec's own)."""
         return (ExpertStage(component="transformer", first_step=0, last_step=t.steps - 1),)
 
     def one_expert_call(self, pipe: Any) -> contextlib.AbstractContextManager[None]:

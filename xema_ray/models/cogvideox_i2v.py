@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from xema_ray.models.base import ModelSpec
 from xema_ray.models.cogvideox import CogVideoXSpec
+from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.text_encoders import EncoderChoice
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 class CogVideoXI2VSpec(CogVideoXSpec):
     """CogVideoX with the image-to-video transformer and pipeline."""
 
-    max_references = 1
-    #: the pipeline conditions every request on its first frame: a template without one is not servable
-    required_references = 1
+    def reference_inputs(self) -> ReferenceInputs:
+        # the pipeline conditions every request on its first frame: a template without one is not servable
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=1, required_references=1)
     def sequence_parallel_split(self) -> type[SPPlan] | None:
         return None  # untried: the SP split has not been checked with learned positional embeddings
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from xema_ray.models.options import OptionRules
 from xema_ray.models.base import BuildOptions, ModelSpec
+from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.text_encoders import EncoderChoice
 from xema_ray.models.cost import BYTES, BlockCost
 
@@ -66,10 +67,6 @@ def edit_pipeline_class() -> type[Any]:
 class Flux2Spec(ModelSpec):
     family = "flux2"
     kind = "image"
-    #: FLUX.2 [dev] conditions on up to 10 reference images (Black Forest Labs' model card); each
-    #: adds its latent tokens to the sequence the DiT attends over
-    max_references = 10
-    references_at_output_size = False
 
     def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int,
                  encoder: EncoderChoice | None = None) -> None:
@@ -88,6 +85,12 @@ class Flux2Spec(ModelSpec):
     def spatial_multiple(self) -> int:
         # the VAE downsamples by 8 and the pipeline packs 2x2 latent patches
         return self.vae_scale_factor * 2
+
+    def reference_inputs(self) -> ReferenceInputs:
+        # FLUX.2 [dev] conditions on up to 10 reference images (Black Forest Labs' model card),
+        # each at a size of the template's own; each adds its latent tokens to the sequence the
+        # DiT attends over
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=10, references_at_output_size=False)
 
     def latent_shape(self, t: RequestTemplate) -> tuple[int, ...]:
         tokens = (t.height // self.spatial_multiple) * (t.width // self.spatial_multiple)

@@ -37,13 +37,17 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from xema_ray.models.meta_build import build_on_meta, no_init_on_meta, parameters_on_meta  # noqa: F401 (read from here too)
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, PlacementReport, WeightHome, placeholder
+
+if TYPE_CHECKING:
+    from xema_ray.models.host_pack import HostSlot
+    from xema_ray.platforms.host_memory import HostBuffer
 
 
 class CheckpointError(ValueError):
@@ -368,74 +372,20 @@ def materialize(
     """
     from xema_ray.models.host_pack import open_host_buffer, plan_pack, release_host_buffer
 
-    report = PlacementReport()
     pack = plan_pack(module, dtype, home_of)
     pinned = device.type in ("cuda", "meta") if pinned is None else pinned
+    key = None if share is None else pack.key(f"{share}|{source.identity()}|{dtype}")
+    buf = open_host_buffer(pack, device, key)
+    placer = _Placer(device, dtype, source, buf, {(s.path, s.name): s for s in pack.slots})
+    report = placer.report
     report.host_buffer_bytes = pack.nbytes
     report.host_pinned_bytes = pack.nbytes if pinned else 0
     report.host_pow2_bytes = pack.pow2_bytes if pinned else 0
-    key = None if share is None else pack.key(f"{share}|{source.identity()}|{dtype}")
-    buf = open_host_buffer(pack, device, key)
     report.host_shared_bytes = pack.nbytes if key is not None else 0  # on meta too: it stands for a GPU worker
     report.host_attached_bytes = pack.nbytes if buf is not None and buf.filled else 0
-    slots = {(s.path, s.name): s for s in pack.slots}
-    placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
     try:
         for path, sub in _modules_in_order(module):
-            own = dict(sub.named_parameters(recurse=False)) | dict(sub.named_buffers(recurse=False))
-            if not own:
-                continue
-            home = home_of(path)
-            for name in [n for n, p in sub._parameters.items() if p is not None and id(p) in placed]:
-                sub._parameters[name] = placed[id(own.pop(name))]
-            if not own:
-                continue
-            views = ({n: buf.view(s.offset, s.shape, s.dtype) for n in own if (s := slots.get((path, n))) is not None}
-                     if buf is not None and home is WeightHome.HOST else {})
-            if device.type == "meta":
-                values: dict[str, torch.Tensor] = {}
-                # at most one module's values are held outside their home at once (any source)
-                report.transient_bytes = max(report.transient_bytes, sum(
-                    t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in own.values()))
-            elif views and buf is not None and buf.filled:
-                values = {}
-                source.mark_used(path, list(own))  # another worker of this node filled the segment
-            else:
-                values = _source_values(source, path, sub, dtype, device, home, views or None)
-                report.transient_bytes = max(report.transient_bytes, source.transient_bytes)
-            for name, meta in own.items():
-                as_dtype = meta.is_floating_point() and name in sub._parameters
-                nbytes = meta.numel() * (dtype.itemsize if as_dtype else meta.element_size())
-                if device.type == "meta":
-                    t_dtype = dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
-                    t = (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
-                         else placeholder(meta.shape, t_dtype, torch.device("meta")))
-                elif name in views:
-                    t = views[name]
-                    if not buf.filled:  # type: ignore[union-attr]
-                        v = values.get(name)
-                        if v is None and not meta.is_meta:
-                            v = meta  # a buffer the constructor computed (not in a checkpoint, not seeded)
-                        if v is None:
-                            continue
-                        if v.data_ptr() != t.data_ptr():
-                            t.copy_(v)  # into its slot (a source casting a stored dtype made one copy first)
-                else:
-                    v = values.get(name)
-                    if v is None and not meta.is_meta:
-                        v = meta
-                    if v is None:
-                        continue
-                    t = v.to(device) if home is WeightHome.DEVICE else v
-                if name in sub._parameters:
-                    placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
-                else:
-                    sub._buffers[name] = t
-                report.tensors += 1
-                if home is WeightHome.DEVICE:
-                    report.device_bytes += nbytes
-                else:
-                    report.host_bytes += nbytes
+            placer.place(path, sub, home_of)
     except BaseException:
         if buf is not None:
             release_host_buffer(buf, failed=True)
@@ -448,3 +398,82 @@ def materialize(
         source.finish()
     setattr(module, COMPUTE_DEVICE_ATTR, device)
     return report
+
+
+class _Placer:
+    """Places one module's own tensors at a time at their home, counting them in ``report``;
+    host-homed ones go into their slots of ``buf`` (None: no host buffer)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, source: WeightSource, buf: HostBuffer | None,
+                 slots: dict[tuple[str, str], HostSlot]) -> None:
+        self.device, self.dtype, self.source, self.buf, self.slots = device, dtype, source, buf, slots
+        self.report = PlacementReport()
+        self.placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
+
+    def place(self, path: str, sub: nn.Module, home_of: Callable[[str], WeightHome]) -> None:
+        """Give ``sub``'s own parameters and buffers (not its children's) their values at ``home_of(path)``."""
+        own = dict(sub.named_parameters(recurse=False)) | dict(sub.named_buffers(recurse=False))
+        if not own:
+            return
+        home = home_of(path)
+        for name in [n for n, p in sub._parameters.items() if p is not None and id(p) in self.placed]:
+            sub._parameters[name] = self.placed[id(own.pop(name))]
+        if not own:
+            return
+        buf = self.buf
+        views = ({n: buf.view(s.offset, s.shape, s.dtype) for n in own if (s := self.slots.get((path, n))) is not None}
+                 if buf is not None and home is WeightHome.HOST else {})
+        values = self._values(path, sub, own, home, views)
+        for name, meta in own.items():
+            t = self._tensor(name, meta, sub, home, views, values)
+            if t is None:
+                continue
+            if name in sub._parameters:
+                self.placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
+            else:
+                sub._buffers[name] = t
+            self.report.tensors += 1
+            as_dtype = meta.is_floating_point() and name in sub._parameters
+            nbytes = meta.numel() * (self.dtype.itemsize if as_dtype else meta.element_size())
+            if home is WeightHome.DEVICE:
+                self.report.device_bytes += nbytes
+            else:
+                self.report.host_bytes += nbytes
+
+    def _values(self, path: str, sub: nn.Module, own: dict[str, torch.Tensor], home: WeightHome,
+                views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The source's values for ``sub``'s tensors (none on meta, or where another worker of this
+        node filled the shared segment already)."""
+        if self.device.type == "meta":
+            # at most one module's values are held outside their home at once (any source)
+            self.report.transient_bytes = max(self.report.transient_bytes, sum(
+                t.numel() * (self.dtype.itemsize if t.is_floating_point() else t.element_size()) for t in own.values()))
+            return {}
+        if views and self.buf is not None and self.buf.filled:
+            self.source.mark_used(path, list(own))  # another worker of this node filled the segment
+            return {}
+        values = _source_values(self.source, path, sub, self.dtype, self.device, home, views or None)
+        self.report.transient_bytes = max(self.report.transient_bytes, self.source.transient_bytes)
+        return values
+
+    def _tensor(self, name: str, meta: torch.Tensor, sub: nn.Module, home: WeightHome,
+                views: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The tensor ``name`` becomes at its home (None: the source has no value for it; it stays as built)."""
+        if self.device.type == "meta":
+            t_dtype = self.dtype if meta.is_floating_point() and name in sub._parameters else meta.dtype
+            return (torch.empty(meta.shape, dtype=t_dtype, device="meta") if home is WeightHome.DEVICE
+                    else placeholder(meta.shape, t_dtype, torch.device("meta")))
+        v = values.get(name)
+        if v is None and not meta.is_meta:
+            v = meta  # a buffer the constructor computed (not in a checkpoint, not seeded)
+        if name in views:
+            t = views[name]
+            if not self.buf.filled:  # type: ignore[union-attr]
+                if v is None:
+                    return None
+                if v.data_ptr() != t.data_ptr():
+                    t.copy_(v)  # into its slot (a source casting a stored dtype made one copy first)
+            return t
+        if v is None:
+            return None
+        return v.to(self.device) if home is WeightHome.DEVICE else v

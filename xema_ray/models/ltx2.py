@@ -36,6 +36,7 @@ from xema_ray.models.cost import BYTES, BlockCost
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
+    from xema_ray.models.ltx2_i2v import FirstFrameReferences
     from xema_ray.parallel.plans import SPPlan
     from xema_ray.templates import RequestTemplate
 
@@ -451,9 +452,12 @@ class LTX2Spec(ModelSpec):
         return [BlockCost(f"block.{i}", 2 * (video + audio + cross) * rows, attn * rows, params * BYTES, [(sv, d), (sa, da)])
                 for i in range(cfg["num_layers"])]
 
-    #: image-to-video: the first frame, encoded by the video VAE at the output size and kept clean
-    #: by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
-    max_references = 1
+    def reference_inputs(self) -> FirstFrameReferences:
+        # image-to-video: the first frame, encoded by the video VAE at the output size and kept clean
+        # by the conditioning mask (diffusers' ``LTX2ImageToVideoPipeline``: ``xema_ray.models.ltx2_i2v``)
+        from xema_ray.models.ltx2_i2v import FirstFrameReferences
+
+        return FirstFrameReferences(self.name, self.spatial_multiple, max_references=1)
 
     def sequence_parallel_for(self, t: RequestTemplate) -> bool:
         # image-to-video hands the transformer a timestep per video token (the conditioning mask):
@@ -469,11 +473,6 @@ class LTX2Spec(ModelSpec):
         from xema_ray.models.ltx2_i2v import image_to_video_pipeline
 
         return image_to_video_pipeline(pipe) if t.references else pipe
-
-    def reference_kwargs(self, t: RequestTemplate, images: Any = None, rows: int | None = None) -> dict[str, Any]:
-        from xema_ray.models.ltx2_i2v import first_frames
-
-        return first_frames(super().reference_kwargs(t, images, rows), images is not None)
 
     def tracing_shims(self, t: RequestTemplate) -> contextlib.AbstractContextManager[None]:
         from xema_ray.models.ltx2_i2v import host_operands_on_meta

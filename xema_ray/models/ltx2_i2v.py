@@ -13,10 +13,15 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from xema_ray.models.references import ReferenceInputs
+
+if TYPE_CHECKING:
+    from xema_ray.templates import RequestTemplate
 
 #: where ``image_to_video_pipeline`` keeps a pipeline's image-to-video twin
 _I2V_ATTR = "_xema_image_to_video"
@@ -35,6 +40,14 @@ def image_to_video_pipeline(pipe: Any) -> Any:
         i2v.set_progress_bar_config(disable=True)
         pipe.__dict__[_I2V_ATTR] = i2v  # a plain attribute: not a pipeline component
     return i2v
+
+
+class FirstFrameReferences(ReferenceInputs):
+    """LTX-2's reference: the first frame, handed to its image-to-video pipeline as that pipeline
+    takes it (``first_frames``)."""
+
+    def kwargs(self, t: RequestTemplate, images: Any = None, rows: int | None = None) -> dict[str, Any]:
+        return first_frames(super().kwargs(t, images, rows), images is not None)
 
 
 def first_frames(kwargs: dict[str, Any], real: bool) -> dict[str, Any]:

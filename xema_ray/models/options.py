@@ -4,13 +4,13 @@ naming the field and the range, and never reaches (and fails) the batch it would
 
 Each ``ModelSpec`` answers ``option_rules()`` from what its diffusers pipeline does:
 
-| model | guidance_scale | negative_prompt | true_cfg_scale |
-| --- | --- | --- | --- |
-| Flux.2 | guidance-distilled: an embedding input, any value in [0, 50] | no (no CFG pass) | no |
-| CogVideoX | CFG when > 1 (``do_classifier_free_guidance = guidance_scale > 1``) | yes | no |
-| LTX-2 | >= 1 (1 disables video CFG; audio CFG keeps running) | yes | no |
-| Wan2.2 | CFG when > 1 | yes | no |
-| Qwen-Image | is the true CFG scale (true CFG when > 1 and a negative prompt is given) | yes | yes |
+| model | guidance_scale | negative_prompt | true_cfg_scale | guidance_scale_2 |
+| --- | --- | --- | --- | --- |
+| Flux.2 | guidance-distilled: an embedding input, any value in [0, 50] | no (no CFG pass) | no | no |
+| CogVideoX | CFG when > 1 (``do_classifier_free_guidance = guidance_scale > 1``) | yes | no | no |
+| LTX-2 | >= 1 (1 disables video CFG; audio CFG keeps running) | yes | no | no |
+| Wan2.2 | CFG when > 1 (A14B: the high-noise expert's) | yes | no | A14B: the low-noise expert's (default: ``guidance_scale``) |
+| Qwen-Image | is the true CFG scale (true CFG when > 1 and a negative prompt is given) | yes | yes | no |
 
 Memory: a model that runs CFG is traced with its negative prompt already in the batch (the
 spec's ``prompt_embeddings`` carry ``negative_prompt_embeds`` at the template's shape: CFG
@@ -64,6 +64,9 @@ class OptionRules(BaseModel):
     guidance_note: str = Field(default="", description="what guidance_scale means for this model")
     negative_prompt: bool = Field(default=False, description="runs classifier-free guidance: takes a negative prompt")
     true_cfg_scale: bool = Field(default=False, description="the pipeline has a true_cfg_scale (Qwen-Image)")
+    guidance_scale_2: bool = Field(default=False, description="the pipeline has a second expert with its own "
+                                                              "guidance_scale_2 (Wan2.2 A14B; same range as "
+                                                              "guidance_scale, default guidance_scale)")
     steps_min: int = Field(default=1, ge=1, description="fewest denoising steps a request may ask for")
     steps_max: int = Field(default=STEPS_MAX, ge=1, le=STEPS_MAX, description="most denoising steps")
 
@@ -72,29 +75,33 @@ class OptionRules(BaseModel):
         g = f"guidance_scale in [{_fmt(self.guidance_min)}, {_fmt(self.guidance_max)}]"
         if self.guidance_note:
             g += f" ({self.guidance_note})"
-        takes = [n for n, ok in (("negative_prompt", self.negative_prompt), ("true_cfg_scale", self.true_cfg_scale)) if ok]
+        takes = [n for n, ok in (("negative_prompt", self.negative_prompt), ("true_cfg_scale", self.true_cfg_scale),
+                                 ("guidance_scale_2", self.guidance_scale_2)) if ok]
         return (f"{g}; num_inference_steps in [{self.steps_min}, {self.steps_max}]; "
                 + (f"takes {', '.join(takes)}" if takes else "no negative_prompt (no classifier-free guidance pass)"))
 
     def check(self, model: str, guidance_scale: float | None = None, negative_prompt: str | None = None,
               true_cfg_scale: float | None = None, steps: int | None = None,
-              takers: dict[str, list[str]] | None = None) -> None:
+              takers: dict[str, list[str]] | None = None, guidance_scale_2: float | None = None) -> None:
         """Raise ``OptionRefused`` naming the first option ``model`` cannot take as given.
 
         Args:
             model: the model's name (for the message).
-            guidance_scale, negative_prompt, true_cfg_scale, steps: the request's values (None: not given).
+            guidance_scale, negative_prompt, true_cfg_scale, steps, guidance_scale_2: the request's
+                values (None: not given).
             takers: option -> the served models that take it, for the message of a 400.
         """
         takers = takers or {}
         for name, given, ok in (("negative_prompt", negative_prompt, self.negative_prompt),
-                                ("true_cfg_scale", true_cfg_scale, self.true_cfg_scale)):
+                                ("true_cfg_scale", true_cfg_scale, self.true_cfg_scale),
+                                ("guidance_scale_2", guidance_scale_2, self.guidance_scale_2)):
             if given is not None and not ok:
                 who = takers.get(name)
                 raise OptionRefused(f"{model} does not take {name}"
                                     + (f"; served models that do: {', '.join(who)}" if who else
                                        "; no served model takes it"), name, 400)
-        for name, value in (("guidance_scale", guidance_scale), ("true_cfg_scale", true_cfg_scale)):
+        for name, value in (("guidance_scale", guidance_scale), ("true_cfg_scale", true_cfg_scale),
+                            ("guidance_scale_2", guidance_scale_2)):
             if value is not None and not (self.guidance_min <= value <= self.guidance_max):
                 note = f" ({self.guidance_note})" if self.guidance_note else ""
                 raise OptionRefused(f"{name}={value!r} is out of range for {model}: accepted "

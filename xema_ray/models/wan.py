@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +37,10 @@ import torch
 from torch import nn
 
 from xema_ray.models.base import BuildOptions, ExpertStage, ModelSize, ModelSpec
+from xema_ray.models.options import OptionRules
 from xema_ray.models.text_encoders import EncoderChoice
 from xema_ray.models.cost import BlockCost
+from xema_ray.models.references import ReferenceInputs
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -126,10 +128,6 @@ class WanSpec(ModelSpec):
         else:
             self.reference_sizes = ((64, 64, 9), (128, 96, 17))
             self.reference_steps = 4
-        if sampling.expand_timesteps:
-            # TI2V-5B is text-and-image-to-video: an optional first frame, which replaces latent
-            # frame 0 through a mask (templates with references=1 run ``WanI2VPipeline``)
-            self.max_references = 1
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -183,16 +181,19 @@ class WanSpec(ModelSpec):
                 "final_sigmas_type": "zero", "timestep_spacing": "linspace", "beta_schedule": "linear",
                 "beta_start": 0.0001, "beta_end": 0.02}
 
-    def expert_stages(self, t: RequestTemplate) -> tuple[ExpertStage, ...]:
+    def expert_stages(self, t: RequestTemplate, scheduler_config: Mapping[str, Any] | None = None
+                      ) -> tuple[ExpertStage, ...]:
         """Which transformer runs which denoising steps: the pipeline's own rule (``t >= boundary``
-        runs ``transformer``), on the schedule the scheduler makes for ``t.steps`` (UniPC at
-        the spec's shift; a checkpoint with another shift moves the switch, which the worker's
-        swap follows: it switches at the low-noise expert's first call)."""
+        runs ``transformer``), on the schedule the scheduler makes for ``t.steps``: UniPC at
+        ``scheduler_config``'s shift (the scheduler the pipeline loaded: a checkpoint's own
+        ``scheduler_config.json`` wins, e.g. the published repository's ``flow_shift`` 3.0), else at
+        the spec's. The worker's swap places its prefetch and switch on the loaded scheduler's split
+        at the batch's step count (``xema_ray.mitigation.expert_swap.apply_expert_swap``)."""
         if not self.two_experts:
             return super().expert_stages(t)
         from diffusers import UniPCMultistepScheduler
 
-        sched = UniPCMultistepScheduler.from_config(self.scheduler_config)
+        sched = UniPCMultistepScheduler.from_config(dict(scheduler_config or self.scheduler_config))
         sched.set_timesteps(t.steps, device="cpu")
         boundary = self.sampling.boundary_ratio * sched.config.num_train_timesteps  # type: ignore[operator]
         high = int(sum(1 for ts in sched.timesteps.tolist() if ts >= boundary))
@@ -231,6 +232,11 @@ class WanSpec(ModelSpec):
         from diffusers import WanPipeline
 
         return WanPipeline
+
+    def reference_inputs(self) -> ReferenceInputs:
+        # TI2V-5B is text-and-image-to-video: an optional first frame, which replaces latent
+        # frame 0 through a mask (templates with references=1 run ``WanI2VPipeline``)
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=1 if self.sampling.expand_timesteps else 0)
 
     def pipeline_for(self, pipe: Any, t: RequestTemplate) -> Any:
         """TI2V-5B's first-frame templates run ``WanI2VPipeline`` over the same modules."""
@@ -293,8 +299,16 @@ class WanSpec(ModelSpec):
             "max_sequence_length": self.text_tokens,
         }
         if self.two_experts:
-            kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2
+            # the low-noise expert's: the Wan team's default, or the request's guidance_scale where it
+            # gives one (diffusers' WanPipeline defaults guidance_scale_2 to guidance_scale); a
+            # request's own guidance_scale_2 replaces it (``ExecutionEngine.run_pipeline``)
+            kwargs["guidance_scale_2"] = self.sampling.guidance_scale_2 if guidance_scale is None else guidance_scale
         return kwargs
+
+    def option_rules(self) -> OptionRules:
+        """The base rules; a two-expert model (A14B) also takes ``guidance_scale_2``, the low-noise
+        expert's guidance, in the same range."""
+        return super().option_rules().model_copy(update={"guidance_scale_2": self.two_experts})
 
     def vae_decoder_levels(self) -> tuple[list[int], list[int]]:
         """The Wan VAE decoder: ``base_dim x dim_mult`` channels from the lowest resolution up,
@@ -337,17 +351,15 @@ class WanI2VSpec(WanSpec):
     """Wan2.2-I2V-A14B: image-to-video only (``WanI2VPipeline``): every template takes the first
     frame, encoded at the output size as the first of ``frames`` pixel frames (the rest black)."""
 
-    max_references = 1
-    required_references = 1
-
     @property
     def published_layout(self) -> str:
         return "wan-i2v-a14b"  # its own repository: model_index.json names the image-to-video pipeline
 
-    def reference_encode_frames(self, t: RequestTemplate) -> int:
-        """The whole video: diffusers encodes the first frame followed by ``frames - 1`` black ones
-        (``WanImageToVideoPipeline.prepare_latents``; TI2V-5B encodes the image alone)."""
-        return t.frames
+    def reference_inputs(self) -> ReferenceInputs:
+        # the whole video is encoded: diffusers encodes the first frame followed by ``frames - 1``
+        # black ones (``WanImageToVideoPipeline.prepare_latents``; TI2V-5B encodes the image alone)
+        return ReferenceInputs(self.name, self.spatial_multiple, max_references=1, required_references=1,
+                               encodes_whole_video=True)
 
     def pipeline_class(self) -> type[DiffusionPipeline]:
         from xema_ray.models.wan_i2v import WanI2VPipeline

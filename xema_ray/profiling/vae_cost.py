@@ -125,11 +125,11 @@ def vae_encode_flops(spec: ModelSpec, width: int, height: int, frames: int, inpu
 def vae_encode_s(spec: ModelSpec, template: RequestTemplate, batch: int, hw: HardwareProfile) -> float:
     """Seconds of the VAE encode of the template's reference images, before the first step (the
     ``text`` phase, where the trace has it): each of ``batch`` requests' ``references``, at the
-    reference size, as ``spec.reference_encode_frames`` frames (1: an image; Wan2.2 A14B
+    reference size, as ``ReferenceInputs.encode_frames`` frames (1: an image; Wan2.2 A14B
     image-to-video encodes its first frame padded to the whole video). 0 without references."""
     if not template.references:
         return 0.0
-    frames = spec.reference_encode_frames(template)
+    frames = spec.reference_inputs().encode_frames(template)
     flops = vae_encode_flops(spec, template.reference_width, template.reference_height, frames, batch * template.references)
     return flops / (hw.bf16_tflops * 1e12 * hw.conv_efficiency)
 

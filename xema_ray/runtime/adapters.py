@@ -1,17 +1,19 @@
 """A worker's LoRA adapters (``xema_ray.lora``): the pool loaded with the model, files added and
 removed at run time without a restart.
 
-``Worker`` mixes this in. ``install_adapters`` runs at load when the group serves adapters: it
-makes the pool (its device stacks at the planned size), hooks every target layer once (the hooks
-add nothing while no batch names an adapter) and reads the load config's files; a file that is
-refused there is reported, not fatal (``LoadedModel.adapters_refused``). ``add_adapter`` reads and
-checks a file completely before the pool knows it, so a refused file changes nothing served.
+``Worker`` holds a ``WorkerAdapters`` (its ``adapters``, None when the group serves none) and
+answers the worker set's adapter calls through it. ``install_adapters`` makes one at load when the
+group serves adapters: the pool (its device stacks at the planned size), every target layer hooked
+once (the hooks add nothing while no batch names an adapter) and the load config's files read; a
+file that is refused there is reported, not fatal (``LoadedModel.adapters_refused``). ``add``
+reads and checks a file completely before the pool knows it, so a refused file changes nothing served.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xema_ray.lora import AdapterInfo, AdapterPool, AdapterRejected, AdapterSource, LoraUse, PoolStats, read_adapter
 from xema_ray.lora.layers import MultiLoraConfig, apply_multi_lora
@@ -20,6 +22,7 @@ from xema_ray.lora.pool import adapted_components
 from xema_ray.lora_pool import LoraPoolConfig
 
 if TYPE_CHECKING:
+    from xema_ray.mitigation.hooks import MitigationHandle
     from xema_ray.runtime.engine import ExecutionEngine
 
 
@@ -34,65 +37,68 @@ def enter_adapters(env: contextlib.ExitStack, engine: ExecutionEngine, adapters:
     env.enter_context(engine.adapters.activate(adapters))
 
 
+#: the refusal of an adapter call on a worker whose group serves none
+NO_POOL = "this model group serves no adapters (give it `adapters:` in the serve YAML)"
+
+
 class WorkerAdapters:
-    """Adapter calls of a worker (the worker set reaches them through ``collective_rpc``)."""
+    """One worker's adapter pool, hooked into its loaded pipeline (the worker set reaches it
+    through the worker's ``add_adapter`` / ``remove_adapter`` / ... and ``collective_rpc``).
 
-    engine: ExecutionEngine | None
-    platform: Any
-    _lora_handle: Any = None
+    Args:
+        engine: the worker's engine, its pipeline loaded (the pool becomes its ``adapters``).
+        config: the pool's size and limits.
+        synchronize: the platform's device synchronisation (the pool's copies wait on it).
+    """
 
-    def install_adapters(self, pool_config: LoraPoolConfig | None, sources: tuple[AdapterSource, ...]) -> list[str]:
-        """Make the pool and read ``sources``; returns why each refused file was refused."""
-        self._lora_handle = None
-        if pool_config is None:
-            if sources:
-                raise ValueError("adapters were given but the group has no adapter pool (adapters: in its YAML)")
-            return []
-        assert self.engine is not None
-        pipe = self.engine.pipe
-        pool = AdapterPool(pool_config, adapted_components(pipe), self.engine.device, self.engine.dtype,
-                           synchronize=self.platform.synchronize)
-        self._lora_handle = apply_multi_lora(pool, MultiLoraConfig())
-        self.engine.adapters = pool
-        refused = []
-        for s in sources:
-            try:
-                self.add_adapter(s)
-            except AdapterRejected as e:
-                refused.append(str(e))
-        return refused
+    def __init__(self, engine: ExecutionEngine, config: LoraPoolConfig, synchronize: Callable[[], None]) -> None:
+        self.engine = engine
+        self.pool = AdapterPool(config, adapted_components(engine.pipe), engine.device, engine.dtype,
+                                synchronize=synchronize)
+        self.hooks: MitigationHandle = apply_multi_lora(self.pool, MultiLoraConfig())
+        engine.adapters = self.pool
 
-    def _pool(self) -> AdapterPool:
-        pool = self.engine.adapters if self.engine is not None else None
-        if pool is None:
-            raise AdapterRejected("this model group serves no adapters (give it `adapters:` in the serve YAML)", "")
-        return pool
-
-    def add_adapter(self, source: AdapterSource) -> AdapterInfo:
+    def add(self, source: AdapterSource) -> AdapterInfo:
         """Read, check and add ``source`` (replacing one of the same name only once the new one passed).
 
         Raises:
             AdapterRejected: the file cannot serve this model (nothing changed).
         """
-        pool = self._pool()
-        assert self.engine is not None
-        if source.model != self.engine.spec.name:
+        engine, pool = self.engine, self.pool
+        if source.model != engine.spec.name:
             raise AdapterRejected(f"adapter {source.name!r} is for model {source.model!r}; this group serves "
-                                  f"{self.engine.spec.name!r}", source.name)
+                                  f"{engine.spec.name!r}", source.name)
         cfg = pool.config
-        adapter = read_adapter(source, type(self.engine.pipe), pool.components, max_rank=cfg.max_rank,
-                               max_unknown_keys=cfg.max_unknown_keys, dtype=self.engine.dtype)
-        pool.add(adapter, str(source.path))
+        adapter = read_adapter(source, type(engine.pipe), pool.components, max_rank=cfg.max_rank,
+                               max_unknown_keys=cfg.max_unknown_keys, dtype=engine.dtype)
+        pool.add(adapter, str(source.path) if source.path is not None else "",
+                 {k: str(v) for k, v in source.experts.files().items()} if source.experts is not None else None)
         return next(i for i in pool.info() if i.name == source.name)
 
-    def remove_adapter(self, name: str) -> bool:
+    def remove(self, name: str) -> bool:
         """Forget ``name`` (False: not loaded here)."""
-        return self._pool().remove(name, missing_ok=True)
+        return self.pool.remove(name, missing_ok=True)
 
-    def list_adapters(self) -> list[AdapterInfo]:
-        pool = self.engine.adapters if self.engine is not None else None
-        return pool.info() if pool is not None else []
+    def info(self) -> list[AdapterInfo]:
+        return self.pool.info()
 
-    def adapter_stats(self) -> PoolStats | None:
-        pool = self.engine.adapters if self.engine is not None else None
-        return pool.stats() if pool is not None else None
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+
+def install_adapters(engine: ExecutionEngine, config: LoraPoolConfig | None, sources: tuple[AdapterSource, ...],
+                     synchronize: Callable[[], None]) -> tuple[WorkerAdapters | None, list[str]]:
+    """The worker's adapters for a load (None: the group serves none) with ``sources`` read, and
+    why each refused file was refused."""
+    if config is None:
+        if sources:
+            raise ValueError("adapters were given but the group has no adapter pool (adapters: in its YAML)")
+        return None, []
+    adapters = WorkerAdapters(engine, config, synchronize)
+    refused = []
+    for s in sources:
+        try:
+            adapters.add(s)
+        except AdapterRejected as e:
+            refused.append(str(e))
+    return adapters, refused

@@ -86,6 +86,8 @@ class Batch(BaseModel):
     config: ExecutionConfig
     requests: tuple[GenerationRequest, ...] = Field(min_length=1)
     guidance_scale: float | None = Field(default=None, description="None = the model's default")
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert "
+                                                                     "guidance (None: guidance_scale's, as diffusers)")
     steps: int = Field(ge=1, description="denoising steps it runs (resolved by the API: the request's own or its "
                        "template's; the same plan serves any: memory does not depend on the step count)")
 
@@ -245,6 +247,7 @@ class ExecutionEngine:
         request_ids: list[str] | None = None,
         references: list[list[Any]] | None = None,
         adapters: list[tuple[LoraUse, ...]] | None = None,
+        guidance_scale_2: float | None = None,
     ) -> PipelineRun:
         """One pipeline call under ``config`` at ``steps`` denoising steps (``adapters``: per sample).
         ``output_type="latent"`` stops before the decoders. ``observer`` hears each
@@ -254,7 +257,9 @@ class ExecutionEngine:
         the model's default. ``steps``: the batch's denoising steps (a caller with a template
         only passes ``config.template.steps``; at another count the static layout is armed
         repeated to them, or not at all). ``request_ids``: to name the
-        requests at fault in a ``RequestFailed``. ``references``: each request's images; None: placeholders."""
+        requests at fault in a ``RequestFailed``. ``references``: each request's images; None: placeholders.
+        ``guidance_scale_2``: a two-expert model's low-noise expert guidance (the API lets only such a
+        model's requests name it; None: the spec's default, ``guidance_scale`` where that is given)."""
         self._check(config)
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -267,6 +272,8 @@ class ExecutionEngine:
         armed = config.layout_ref is not None and self.arm_layout is not None
         with attributed(ids, "guidance_scale"):  # the pipeline's own range check: the sub-batch's guidance
             call_kwargs = self.spec.call_kwargs(template, guidance_scale)
+            if guidance_scale_2 is not None:
+                call_kwargs["guidance_scale_2"] = guidance_scale_2
         if control is not None:
             control.must_offload = armed  # its state would lie in the arena the next armed batch reuses
         with self.platform.running():  # before the layout is armed: the solved stream has only the default's
@@ -297,7 +304,7 @@ class ExecutionEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 out = self.spec.pipeline_for(self.pipe, template)(  # references: xema_ray.models.references
-                    **call_kwargs, **self.spec.reference_kwargs(template, references, len(prompts)), **inputs,
+                    **call_kwargs, **self.spec.reference_inputs().kwargs(template, references, len(prompts)), **inputs,
                     generator=generators, output_type=output_type,
                     **step_callback(self.pipe, observer, template.steps, group, group is None or group.rank == 0, self.device,
                                     control, (detach, attach)),
@@ -324,7 +331,9 @@ class ExecutionEngine:
             if config.experts is not None:
                 from xema_ray.mitigation.expert_swap import apply_expert_swap
 
-                env.enter_context(apply_expert_swap(self.pipe, self.spec, config.template, config.experts, self.experts))
+                # the switch and the prefetch at the batch's own step count, on the loaded scheduler
+                at_steps = config.template.model_copy(update={"steps": steps})
+                env.enter_context(apply_expert_swap(self.pipe, self.spec, at_steps, config.experts, self.experts))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 layout = env.enter_context(self.arm_layout(config.layout_ref, steps))
@@ -356,7 +365,7 @@ class ExecutionEngine:
                 config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent",
                 observer=observer, control=control, negative_prompts=[r.negative_prompt for r in batch.requests],
                 steps=batch.steps, request_ids=[r.request_id for r in batch.requests],
-                adapters=[r.lora for r in batch.requests],
+                adapters=[r.lora for r in batch.requests], guidance_scale_2=batch.guidance_scale_2,
                 references=batch_references(config.template.references, batch.requests, self.shape_only),
             )
         except BaseException:

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 
 import torch
@@ -58,11 +59,17 @@ def _under(prefixes: tuple[str, ...]):  # type: ignore[no-untyped-def]
 
 
 @cache
-def _packs(model: str, host_blocks: tuple[int, ...], encoder: str | None) -> tuple[HostPack, HostPack, int]:
-    """(the DiT's host pack, the encoder's, the largest module's own bytes: the load's transient bound)."""
+def _packs(model: str, host_blocks: tuple[int, ...], encoder: str | None,
+           expert_blocks: int = 0) -> tuple[HostPack, HostPack, HostPack, int]:
+    """(the DiT's host pack, the second expert's, the encoder's, the largest module's own bytes:
+    the load's transient bound). A two-expert model's experts share one architecture, so the
+    second expert's pack is the first's laid out for its ``expert_blocks`` leading blocks."""
     spec = get_model_spec(model)
     paths = block_paths(spec)
-    dit = plan_pack(_transformer(model), _dtype(spec), _under(tuple(paths[i] for i in host_blocks)))
+    homed = sorted({*host_blocks, *range(expert_blocks)})
+    dit = plan_pack(_transformer(model), _dtype(spec), _under(tuple(paths[i] for i in homed)))
+    second = (plan_pack(_transformer(model), _dtype(spec), _under(tuple(paths[:expert_blocks])))
+              if expert_blocks else HostPack())
     enc_tree = _encoder(model)
     enc = HostPack()
     if enc_tree is not None and encoder in ("streamed", "cpu") and spec.text_encoder is not None:
@@ -71,17 +78,19 @@ def _packs(model: str, host_blocks: tuple[int, ...], encoder: str | None) -> tup
     trees = [_transformer(model)] + ([enc_tree] if enc_tree is not None and encoder is not None else [])
     largest = max(sum(t.numel() * t.element_size() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
                   for tree in trees for m in tree.modules())
-    return dit, enc, largest
+    return dit, second, enc, largest
 
 
 def worker_host_bytes(spec: ModelSpec, residency: Residency, encoder: str | None, share: bool = True) -> HostBytes:
-    """One worker's host memory with ``residency``'s DiT blocks and its text encoder placed at
-    ``encoder`` (device, streamed, cpu, or None for none); ``share``: in the node's segments."""
-    dit, enc, largest = _packs(spec.name, residency.host_blocks, encoder)
+    """One worker's host memory with ``residency``'s DiT blocks (and both experts' switch blocks)
+    and its text encoder placed at ``encoder`` (device, streamed, cpu, or None for none);
+    ``share``: in the node's segments."""
+    dit_pack, second, enc, largest = _packs(spec.name, residency.host_blocks, encoder, residency.expert_blocks)
+    dit = dit_pack.nbytes + second.nbytes
     pinned_enc = enc.nbytes if encoder == "streamed" else 0
-    resident = dit.nbytes + enc.nbytes
-    return HostBytes(resident_bytes=resident, pinned_bytes=dit.nbytes + pinned_enc,
-                     shared_bytes=resident if share else 0, shared_pinned_bytes=dit.nbytes + pinned_enc if share else 0,
+    resident = dit + enc.nbytes
+    return HostBytes(resident_bytes=resident, pinned_bytes=dit + pinned_enc,
+                     shared_bytes=resident if share else 0, shared_pinned_bytes=dit + pinned_enc if share else 0,
                      transient_bytes=largest if resident or encoder else 0)
 
 
@@ -90,16 +99,38 @@ def before_host_bytes(spec: ModelSpec, residency: Residency, encoder: str | None
     tensors one by one (power-of-two blocks), nothing shared, and with a checkpoint the whole
     text encoder read onto the CPU by ``from_pretrained`` before it was placed on the device or
     pinned (the CPU copy was dropped only once every tensor was placed)."""
-    dit, enc, largest = _packs(spec.name, residency.host_blocks, encoder)
+    dit_pack, second, enc, largest = _packs(spec.name, residency.host_blocks, encoder, residency.expert_blocks)
+    dit_pow2 = dit_pack.pow2_bytes + second.pow2_bytes
     enc_pinned = enc.pow2_bytes if encoder == "streamed" else 0
     enc_resident = enc_pinned if encoder == "streamed" else enc.tensor_bytes
     whole_encoder = 0  # a CPU-placed encoder computed on from_pretrained's own tensors: no second copy
     if from_checkpoint and encoder in ("device", "streamed") and _encoder(spec.name) is not None:
         whole_encoder = sum(t.numel() * t.element_size() for t in _encoder(spec.name).parameters())  # type: ignore[union-attr]
-    return HostBytes(resident_bytes=dit.pow2_bytes + enc_resident, pinned_bytes=dit.pow2_bytes + enc_pinned,
+    return HostBytes(resident_bytes=dit_pow2 + enc_resident, pinned_bytes=dit_pow2 + enc_pinned,
                      transient_bytes=whole_encoder + largest)
 
 
-def config_host_bytes(config: ExecutionConfig, share: bool = True) -> HostBytes:
-    """``worker_host_bytes`` of a plan: its offloaded / HSDP blocks and its encoder placement."""
-    return worker_host_bytes(config.template.spec, Residency.of_config(config), config.text_encoder, share)
+def config_host_bytes(config: ExecutionConfig, share: bool = True, residency: Residency | None = None) -> HostBytes:
+    """The host memory of one worker serving a plan entry: every pass that pins counted (its
+    offloaded / HSDP blocks, both experts' switch blocks, its text encoder streamed or on the CPU).
+    ``residency``: the group's shared one in place of the entry's own. The planner's host pass,
+    its table, ``xema serve``'s start-up check and ``xema verify``'s planned figure all count it
+    here, as the worker's loader will place it."""
+    return worker_host_bytes(config.template.spec, residency or Residency.of_config(config), config.text_encoder, share)
+
+
+def group_worker_host_bytes(configs: Iterable[ExecutionConfig], shared: bool, share: bool = True) -> HostBytes | None:
+    """One worker of a model group serving ``configs``: the largest ``config_host_bytes`` of any of
+    their residencies (the union of them where the group's residency is ``shared``) with any of
+    their encoder placements (the worker loads one encoder placement for all of them); None for
+    no config."""
+    configs = list(configs)
+    residencies = [Residency.of_config(c) for c in configs]
+    if shared:
+        residencies = [Residency.union(residencies)]
+    worker: HostBytes | None = None
+    for r in residencies:
+        for c in configs:
+            h = config_host_bytes(c, share, r)
+            worker = h if worker is None else worker.max(h)
+    return worker

@@ -43,24 +43,31 @@ class Residency(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     host_blocks: tuple[int, ...] = Field(default=(), description="sorted DiT block indices homed on host memory")
+    expert_blocks: int = Field(default=0, ge=0, description="a two-expert model's expert switch "
+                                                            "(``ExecutionConfig.experts``): the leading DiT blocks of "
+                                                            "each expert homed on host memory at load (all of them "
+                                                            "for a swap, the split's for a split)")
 
     @classmethod
     def of_config(cls, config: ExecutionConfig) -> Residency:
-        """What ``config``'s weight mitigations keep off the device (block offload and HSDP blocks:
-        the device holds an HSDP block only as this rank's shard and, while it runs, gathered)."""
+        """What ``config`` keeps off the device: its weight mitigations' blocks (block offload and
+        HSDP: the device holds an HSDP block only as this rank's shard and, while it runs,
+        gathered) and its expert switch's blocks of both experts (``expert_host_blocks``)."""
         blocks: set[int] = set()
         for m in config.mitigations:
             if m.kind in ("block_offload", "hsdp") and m.blocks is not None:
                 blocks.update(m.blocks)
-        return cls(host_blocks=tuple(sorted(blocks)))
+        return cls(host_blocks=tuple(sorted(blocks)), expert_blocks=expert_host_blocks(config))
 
     @classmethod
     def union(cls, residencies: Iterable[Residency]) -> Residency:
         """One residency that serves every template of a group without switching."""
         blocks: set[int] = set()
+        experts = 0
         for r in residencies:
             blocks.update(r.host_blocks)
-        return cls(host_blocks=tuple(sorted(blocks)))
+            experts = max(experts, r.expert_blocks)
+        return cls(host_blocks=tuple(sorted(blocks)), expert_blocks=experts)
 
     def difference(self, target: Residency) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(blocks to bring to the device, blocks to send to the host) to go from self to ``target``."""
@@ -71,6 +78,16 @@ class Residency(BaseModel):
         """``BuildOptions.host_modules`` paths of the host-homed blocks."""
         paths = block_paths(spec)
         return tuple(f"transformer.{paths[i]}" for i in self.host_blocks)
+
+
+def expert_host_blocks(config: ExecutionConfig) -> int:
+    """Leading DiT blocks of each expert ``config``'s expert switch homes on the host (the load's
+    ``xema_ray.mitigation.expert_swap.expert_host_modules``): every block for a swap, the split's
+    for a split, none to hold both or without a switch."""
+    swap = config.experts
+    if swap is None or swap.strategy == "hold_both":
+        return 0
+    return len(block_paths(config.template.spec)) if swap.strategy == "swap_prefetched" else swap.host_blocks
 
 
 def block_paths(spec: ModelSpec) -> list[str]:
@@ -129,9 +146,12 @@ def _block_sizes(model: str) -> tuple[int, ...]:
 
 
 def residency_host_bytes(spec: ModelSpec, residency: Residency) -> int:
-    """Host memory a worker of ``spec`` holds for ``residency`` (pinned on CUDA)."""
+    """Host memory a worker of ``spec`` holds for ``residency``'s blocks (pinned on CUDA): its
+    host blocks and the expert switch's leading blocks of both experts (tensor bytes; the loader's
+    exact buffers: ``xema_ray.runtime.host_bytes``)."""
     sizes = block_sizes(spec)
-    return sum(sizes[i] for i in residency.host_blocks)
+    first = set(residency.host_blocks) | set(range(residency.expert_blocks))
+    return sum(sizes[i] for i in first) + sum(sizes[:residency.expert_blocks])
 
 
 def switch_bytes(sizes: list[int], current: Residency, target: Residency) -> int:

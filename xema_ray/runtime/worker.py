@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.lora import AdapterInfo, AdapterRejected, PoolStats
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.base import DTypeName, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
@@ -34,7 +35,7 @@ from xema_ray.parallel.sp import SPBackend
 from xema_ray.plan import ExecutionConfig, ExpertSwap
 from xema_ray.platforms import Platform, current_platform, get_platform
 from xema_ray.runtime.emulation import EmulationConfig
-from xema_ray.runtime.adapters import AdapterSource, LoraPoolConfig, WorkerAdapters
+from xema_ray.runtime.adapters import NO_POOL, AdapterSource, LoraPoolConfig, WorkerAdapters, install_adapters
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
 from xema_ray.runtime.out_of_memory import device_out_of_memory
 from xema_ray.runtime.pause import PreemptibleRun
@@ -143,7 +144,7 @@ class LoadedModel(BaseModel):
     adapters_refused: tuple[str, ...] = Field(default=(), description="adapter files refused at load, each with why")
 
 
-class Worker(WorkerAdapters, WorkerBase):
+class Worker(WorkerBase):
     """One GPU (or CPU slot) of a worker set.
 
     Example (SP = 1, one process)::
@@ -157,6 +158,9 @@ class Worker(WorkerAdapters, WorkerBase):
     touches CUDA) and arm the plans' layouts; on a CPU, the same library's host arena stands in
     for the device (each batch's tensors mirrored into it, its limit the budget less the weights),
     so layouts arm and a batch that outgrows it fails as ``DeviceOutOfMemory`` as on a GPU.
+
+    ``adapters``: the loaded model's LoRA adapter pool (``WorkerAdapters``; None when its group
+    serves none), which the worker set's adapter calls reach.
     """
 
     def __init__(self, platform: Platform | str | None = None, sp_backend: SPBackend = "auto", arm_layout: ArmLayout | None = None,
@@ -209,6 +213,7 @@ class Worker(WorkerAdapters, WorkerBase):
         self.groups: ProcessGroups | None = None
         self.device: torch.device | None = None
         self.engine: ExecutionEngine | None = None
+        self.adapters: WorkerAdapters | None = None
         self.residency: ResidencyManager | None = None
         self.load_config: ModelLoadConfig | None = None
         #: how many times a model was built: SP switches must leave it at 1
@@ -282,7 +287,8 @@ class Worker(WorkerAdapters, WorkerBase):
             from xema_ray.runtime.text import EmbeddingCache
 
             self.engine.prompts.cache = EmbeddingCache(0)
-        refused = self.install_adapters(load.adapters, load.adapter_sources)
+        self.adapters, refused = install_adapters(self.engine, load.adapters, load.adapter_sources,
+                                                  self.platform.synchronize)
         self._load_layouts(load)
         self.load_config = load
         self.load_count += 1
@@ -296,6 +302,25 @@ class Worker(WorkerAdapters, WorkerBase):
                            host_blocks=residency.host_blocks, text_encoder=placement,
                            layout_status=self.layout_status, adapters_refused=tuple(refused),
                            adapters=tuple(i.name for i in self.list_adapters()))
+
+    # ------------------------------------------------------------------ adapters (the worker set's collective_rpc)
+    def _pool(self) -> WorkerAdapters:
+        if self.adapters is None:
+            raise AdapterRejected(NO_POOL, "")
+        return self.adapters
+
+    def add_adapter(self, source: AdapterSource) -> AdapterInfo:
+        """``WorkerAdapters.add``; raises ``AdapterRejected`` (nothing changed)."""
+        return self._pool().add(source)
+
+    def remove_adapter(self, name: str) -> bool:
+        return self._pool().remove(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.info() if self.adapters is not None else []
+
+    def adapter_stats(self) -> PoolStats | None:
+        return self.adapters.stats() if self.adapters is not None else None
 
     def _load_layouts(self, load: ModelLoadConfig) -> None:
         """Read and check every plan's layout (version, content hash, GPU model); on CUDA with the
@@ -490,6 +515,7 @@ class Worker(WorkerAdapters, WorkerBase):
             close_host_buffers(comps)
         self.engine = None
         self.residency = None
+        self.adapters = None
 
     def shutdown(self) -> None:
         """Drop the model and leave the worker set."""

@@ -1,5 +1,5 @@
 """SLO-aware admission, the dispatcher's part of it (with an ``AdmissionPolicy``, chosen by the
-load-aware planner per group).
+load-aware planner per group; the ``Dispatcher`` holds an ``SloAdmission`` over its ``DispatchState``).
 
 A partial batch starts at once when waiting for it to fill would make its oldest request miss
 (``Dispatcher._ready``); a queued request that can no longer meet its SLO even if started now alone
@@ -12,12 +12,10 @@ request that still can is waiting), or shed when others wait (``take_shed``; the
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Callable
 from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending, pop_batch
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchState, P, Pending, pop_batch
 
 
 class Refused(OverflowError):
@@ -25,60 +23,57 @@ class Refused(OverflowError):
 
 
 class SloAdmission(Generic[P]):
-    """The late queues and the shed requests of ``Dispatcher`` (a part of it, not used alone)."""
+    """The late queues and the shed requests of a ``Dispatcher`` (which holds one).
 
-    # the dispatcher's state this part reads (``Dispatcher.__init__``)
-    plans: dict[str, DispatchPlan]
-    _queues: dict[str, list[Pending[P]]]
-    _busy: dict[int, int]
-    _running: dict[int, Assignment[P]]
-    _progress: dict[int, BatchProgress]
-    _batch_ids: itertools.count[int]
-    _free_group: Callable[[int], tuple[int, ...] | None]
+    Args:
+        state: the dispatcher's state (plans, queues, which workers run which batch).
+        policy: what happens to late requests and which templates are refused (None: plain EDF).
+    """
 
-    def _init_admission(self, admission: AdmissionPolicy | None) -> None:
-        self.admission = admission
-        self._late: dict[str, list[Pending[P]]] = {k: [] for k in self.plans}  # can no longer meet their SLO
+    def __init__(self, state: DispatchState[P], policy: AdmissionPolicy | None) -> None:
+        self.state = state
+        self.policy = policy
+        self.late: dict[str, list[Pending[P]]] = {k: [] for k in state.plans}  # can no longer meet their SLO
         self._shed: list[Pending[P]] = []  # dropped, for the caller to answer (take_shed)
         self.shed_total = 0
 
-    def _set_aside_late(self, now: float) -> None:
+    def set_aside_late(self, now: float) -> None:
         """Move queued requests that can no longer meet their SLO (even started now, alone) to the
         late queues; under ``shed``, drop them instead while requests that still can are waiting."""
-        for template, q in self._queues.items():
+        for template, q in self.state.queues.items():
             def fastest(r: Pending[P], template: str = template) -> float:  # alone, at its own step count
-                plan = self.plans[template].for_steps(r.steps)
+                plan = self.state.plans[template].for_steps(r.steps)
                 return plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
             if not q or all(now + fastest(r) <= r.deadline + 1e-9 for r in q):
                 continue
             keep = [r for r in q if now + fastest(r) <= r.deadline + 1e-9]
             for r in q:
                 if now + fastest(r) > r.deadline + 1e-9:
-                    heapq.heappush(self._late[template], r)
+                    heapq.heappush(self.late[template], r)
             heapq.heapify(keep)
-            self._queues[template] = keep
-        if self.admission is not None and self.admission.late == "shed" and any(self._queues.values()):
-            for template, late in self._late.items():
+            self.state.queues[template] = keep
+        if self.policy is not None and self.policy.late == "shed" and any(self.state.queues.values()):
+            for template, late in self.late.items():
                 self._shed += late
                 self.shed_total += len(late)
-                self._late[template] = []
+                self.late[template] = []
 
-    def _start_late(self, now: float) -> list[Assignment[P]]:
+    def start_late(self, now: float) -> list[Assignment[P]]:
         """Late requests on free groups, earliest deadline first (no waiting, no preemption)."""
         out: list[Assignment[P]] = []
-        for _, template in sorted((q[0].deadline, t) for t, q in self._late.items() if q):
-            q = self._late[template]
+        for _, template in sorted((q[0].deadline, t) for t, q in self.late.items() if q):
+            q = self.late[template]
             while q:
-                plan = self.plans[template].for_steps(q[0].steps)
-                group = self._free_group(plan.sp)
+                plan = self.state.plans[template].for_steps(q[0].steps)
+                group = self.state.free_group(plan.sp)
                 if group is None:
                     break
                 reqs = pop_batch(q, plan.batch)
-                a = Assignment(next(self._batch_ids), template, group, reqs, plan)
+                a = Assignment(next(self.state.batch_ids), template, group, reqs, plan)
                 for w in group:
-                    self._busy[w] = a.batch_id
-                self._running[a.batch_id] = a
-                self._progress[a.batch_id] = BatchProgress(since=now)
+                    self.state.busy[w] = a.batch_id
+                self.state.running[a.batch_id] = a
+                self.state.progress[a.batch_id] = BatchProgress(since=now)
                 out.append(a)
         return out
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -133,3 +134,27 @@ class BatchProgress:
     def remaining(self, latency_s: float, now: float) -> float:
         ran = self.ran_s + (now - self.since if self.since is not None else 0.0)
         return max(0.0, latency_s - ran)
+
+
+@dataclass
+class DispatchState(Generic[P]):
+    """What the dispatcher and its two parts (step-level preemption, SLO admission) read and
+    write: the plans, the queues, which workers run or hold which batch. One object, held by
+    each of them (``Dispatcher``, ``StepPreemption``, ``SloAdmission``)."""
+
+    plans: dict[str, DispatchPlan]
+    workers: int
+    queues: dict[str, list[Pending[P]]] = field(default_factory=dict)
+    busy: dict[int, int] = field(default_factory=dict)  # worker -> batch id running on it
+    held: dict[int, int] = field(default_factory=dict)  # worker -> paused batch whose state it holds
+    running: dict[int, Assignment[P]] = field(default_factory=dict)
+    progress: dict[int, BatchProgress] = field(default_factory=dict)
+    batch_ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def free_group(self, sp: int) -> tuple[int, ...] | None:
+        """The first aligned group of ``sp`` workers that runs and holds nothing (None: none is free)."""
+        for start in range(0, self.workers - sp + 1, sp):
+            group = tuple(range(start, start + sp))
+            if not any(w in self.busy or w in self.held for w in group):
+                return group
+        return None

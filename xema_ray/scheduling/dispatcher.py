@@ -10,26 +10,29 @@ such groups run at once.
 The live ModelGroup deployment drives it with wall-clock time and the cluster simulator
 (``xema_ray.sim``) with virtual time: the same code decides in both.
 
-Its two optional parts live beside it, each with the state it keeps: step-level preemption (with a
-``PreemptionPolicy``: running batches paused at a step boundary for a more urgent one,
-``preemption_policy.py``) and SLO-aware admission (with an ``AdmissionPolicy``: late requests set
-aside or shed, ``admission.py``). What it works with — plans, queued requests, assignments — is
-``batch.py``'s.
+It holds its two optional parts, each with the state it keeps: step-level preemption
+(``step_preemption``, with a ``PreemptionPolicy``: running batches paused at a step boundary for a
+more urgent one, ``preemption_policy.py``) and SLO-aware admission (``slo_admission``, with an
+``AdmissionPolicy``: late requests set aside or shed, ``admission.py``). All three read and write
+one ``DispatchState`` (plans, queues, which workers run or hold which batch). What it works with —
+plans, queued requests, assignments — is ``batch.py``'s.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
+from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused, SloAdmission
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending, pop_batch
-from xema_ray.scheduling.preemption_policy import Preemption, PreemptionPolicy, StepPreemption
+from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, DispatchState, P, Pending, pop_batch
+from xema_ray.scheduling.preemption_policy import Decision, Preemption, PreemptionPolicy, StepPreemption
 
 
-class Dispatcher(StepPreemption[P], SloAdmission[P]):
+class Dispatcher(Generic[P]):
     """Batching + EDF + SP-group placement for one model's workers.
 
     Args:
@@ -58,18 +61,58 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
                 raise ValueError(f"{key}: batch and sp must be >= 1, got batch={p.batch} sp={p.sp}")
             if p.sp > workers:
                 raise ValueError(f"{key}: plan needs SP {p.sp} but the group has {workers} workers")
-        self.plans = dict(plans)
         self.workers = workers
         self.wait_window_s = wait_window_s
         self.max_queue = max_queue
-        self._queues: dict[str, list[Pending[P]]] = {k: [] for k in plans}
-        self._busy: dict[int, int] = {}  # worker -> batch id
-        self._running: dict[int, Assignment[P]] = {}
+        self.state: DispatchState[P] = DispatchState(dict(plans), workers, queues={k: [] for k in plans})
         self._seq = itertools.count()
-        self._batch_ids = itertools.count()
-        self._progress: dict[int, BatchProgress] = {}
-        self._init_preemption(preemption)
-        self._init_admission(admission)
+        self.step_preemption: StepPreemption[P] = StepPreemption(self.state, preemption)
+        self.slo_admission: SloAdmission[P] = SloAdmission(self.state, admission)
+
+    # ------------------------------------------------------------------ the state and the parts' answers
+    @property
+    def plans(self) -> dict[str, DispatchPlan]:
+        return self.state.plans
+
+    @property
+    def preemption(self) -> PreemptionPolicy | None:
+        return self.step_preemption.policy
+
+    @property
+    def admission(self) -> AdmissionPolicy | None:
+        return self.slo_admission.policy
+
+    @property
+    def decisions(self) -> collections.deque[Decision]:
+        """The latest preemption decisions (``StepPreemption.decisions``)."""
+        return self.step_preemption.decisions
+
+    @property
+    def preemptions_total(self) -> int:
+        return self.step_preemption.preemptions_total
+
+    @property
+    def shed_total(self) -> int:
+        return self.slo_admission.shed_total
+
+    @property
+    def paused(self) -> list[Assignment[P]]:
+        return self.step_preemption.paused
+
+    def assignment(self, batch_id: int) -> Assignment[P]:
+        """A running or paused batch's assignment."""
+        return self.step_preemption.assignment(batch_id)
+
+    def remaining_s(self, batch_id: int, now: float) -> float:
+        """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
+        return self.step_preemption.remaining_s(batch_id, now)
+
+    def preempted_count(self, request_id: str) -> int:
+        return self.step_preemption.preempted_count(request_id)
+
+    def take_shed(self) -> list[Pending[P]]:
+        """The requests shed since the last call (the caller answers them: 503, missed)."""
+        return self.slo_admission.take_shed()
 
     # ------------------------------------------------------------------ queue
     def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int) -> None:
@@ -80,7 +123,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
             raise KeyError(template)
         if self.admission is not None and template in self.admission.refused:
             raise Refused(f"{template}: not admitted at this group's planned load (admission policy)")
-        q = self._queues[template]
+        q = self.state.queues[template]
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
         plan = self.plans[template].for_steps(steps)
@@ -89,11 +132,11 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""
         for r in assignment.requests:
-            heapq.heappush(self._queues[r.template], r)
+            heapq.heappush(self.state.queues[r.template], r)
 
     def cancel(self, request_id: str) -> bool:
         """Remove a queued request (False: it is not queued — running, finished or unknown)."""
-        for q in (*self._queues.values(), *self._late.values()):
+        for q in (*self.state.queues.values(), *self.slo_admission.late.values()):
             for i, r in enumerate(q):
                 if r.request_id == request_id:
                     q.pop(i)
@@ -119,23 +162,17 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
 
     def queued(self, template: str) -> list[Pending[P]]:
         """A template's queued requests, earliest deadline first (a copy: for summaries)."""
-        return sorted(self._queues.get(template, ()))
+        return sorted(self.state.queues.get(template, ()))
 
     def queue_depth(self, template: str | None = None) -> int:
+        queues, late = self.state.queues, self.slo_admission.late
         if template is not None:
-            return len(self._queues.get(template, ())) + len(self._late.get(template, ()))
-        return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._late.values())
+            return len(queues.get(template, ())) + len(late.get(template, ()))
+        return sum(len(q) for q in queues.values()) + sum(len(q) for q in late.values())
 
     # ------------------------------------------------------------------ placement
-    def _free_group(self, sp: int) -> tuple[int, ...] | None:
-        for start in range(0, self.workers - sp + 1, sp):
-            group = tuple(range(start, start + sp))
-            if not any(w in self._busy or w in self._held for w in group):
-                return group
-        return None
-
     def _ready(self, template: str, now: float) -> bool:
-        q = self._queues[template]
+        q = self.state.queues[template]
         if not q:
             return False
         plan = self.plans[template].for_steps(q[0].steps)
@@ -153,63 +190,61 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         (its deadline as it was). Call with no batch running or paused."""
         if set(plans) != set(self.plans):
             raise ValueError(f"new plans must cover the same templates: {sorted(self.plans)}, got {sorted(plans)}")
-        if self._running or self._paused:
-            raise RuntimeError(f"{len(self._running)} batches running and {len(self._paused)} paused: finish them first")
+        if self.state.running or self.step_preemption.holds():
+            raise RuntimeError(f"{len(self.state.running)} batches running and {len(self.paused)} paused: finish them first")
         for key, p in plans.items():
             if p.batch < 1 or p.sp < 1 or p.sp > self.workers:
                 raise ValueError(f"{key}: batch and sp must be >= 1 and sp <= {self.workers}, got batch={p.batch} sp={p.sp}")
-        self.plans = dict(plans)
-        self.admission = admission  # requests it set aside as late stay where they are
+        self.state.plans = dict(plans)
+        self.slo_admission.policy = admission  # requests it set aside as late stay where they are
 
     def dispatch(self, now: float, start_new: bool = True) -> list[Assignment[P]]:
         """Batches to start now: paused ones whose workers are free first, then templates by
         earliest head deadline, each on a free SP group, or by preempting (``preemption_policy.py``).
         ``start_new`` False: only the paused ones (new batches are held)."""
-        started: list[Assignment[P]] = self._resumable(now)
+        st, late = self.state, self.slo_admission
+        started: list[Assignment[P]] = self.step_preemption.resumable(now)
         if not start_new:
             return started
         if self.admission is not None and self.admission.late != "serve":
-            self._set_aside_late(now)
-        order = sorted((q[0].deadline, t) for t, q in self._queues.items() if q)
+            late.set_aside_late(now)
+        order = sorted((q[0].deadline, t) for t, q in st.queues.items() if q)
         for _, template in order:
             while self._ready(template, now):
-                plan = self.plans[template].for_steps(self._queues[template][0].steps)
-                group = self._free_group(plan.sp)
+                plan = st.plans[template].for_steps(st.queues[template][0].steps)
+                group = st.free_group(plan.sp)
                 preempts: tuple[Preemption, ...] = ()
                 park_wait = 0.0
                 if group is None:
-                    chosen = self._preemptible_group(template, now)
+                    chosen = self.step_preemption.preemptible_group(template, now)
                     if chosen is None:
                         break
                     group, preempts, park_wait = chosen
-                reqs = pop_batch(self._queues[template], plan.batch)
-                a = Assignment(next(self._batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
+                reqs = pop_batch(st.queues[template], plan.batch)
+                a = Assignment(next(st.batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
                 for p in preempts:
-                    self._pause(p, a, now)
+                    self.step_preemption.pause(p, a, now)
                 for w in group:
-                    self._busy[w] = a.batch_id
-                self._running[a.batch_id] = a
-                self._progress[a.batch_id] = BatchProgress(since=now)
+                    st.busy[w] = a.batch_id
+                st.running[a.batch_id] = a
+                st.progress[a.batch_id] = BatchProgress(since=now)
                 started.append(a)
-        if any(self._late.values()) and not any(self._queues.values()):
-            started += self._start_late(now)  # nothing that can still meet its SLO waits
+        if any(late.late.values()) and not any(st.queues.values()):
+            started += late.start_late(now)  # nothing that can still meet its SLO waits
         return started
 
     def complete(self, batch_id: int) -> Assignment[P]:
         """Free the batch's workers (success or failure) and return its assignment. A batch the
         dispatcher paused may finish instead (its last step was already running): it is done."""
-        self._progress.pop(batch_id, None)
-        if batch_id in self._paused:
-            a = self._paused.pop(batch_id)
-            owner = self._held
-        else:
-            a = self._running.pop(batch_id)
-            owner = self._busy
-        for w in a.workers:
-            if owner.get(w) == batch_id:
-                del owner[w]
-        for r in a.requests:
-            self._times_preempted.pop(r.request_id, None)
+        st = self.state
+        st.progress.pop(batch_id, None)
+        a = self.step_preemption.finished(batch_id)  # paused: its workers hold it no longer
+        if a is None:
+            a = st.running.pop(batch_id)
+            for w in a.workers:
+                if st.busy.get(w) == batch_id:
+                    del st.busy[w]
+        self.step_preemption.forget(a)
         return a
 
     def extend(self, batch_id: int, more_s: float, now: float) -> None:
@@ -218,7 +253,7 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         end moves there, so the preemption policy and the replica's summary see the workers busy
         that long. Counted, as every running batch is, against the plan's full-batch latency: a
         partial batch keeps the difference on top (``DispatchPlan.latency_for``)."""
-        prog = self._progress.get(batch_id)
+        prog = self.state.progress.get(batch_id)
         if prog is None:
             return
         a = self.assignment(batch_id)
@@ -232,10 +267,10 @@ class Dispatcher(StepPreemption[P], SloAdmission[P]):
         waits for the next event instead (a batch ends, a request arrives), in the live group as
         in the simulator: a dispatch loop woken again at once would spin while it waits (and, on
         the replica's event loop, starve the threads that run the batches)."""
-        times = [t for q in self._queues.values() if q and (t := min(r.arrival for r in q) + self.wait_window_s) > now]
+        times = [t for q in self.state.queues.values() if q and (t := min(r.arrival for r in q) + self.wait_window_s) > now]
         return min(times) if times else None
 
     @property
     def running(self) -> list[Assignment[P]]:
-        return list(self._running.values())
+        return list(self.state.running.values())
 

@@ -1,4 +1,5 @@
-"""Step-level preemption, the dispatcher's part of it (with a ``PreemptionPolicy``).
+"""Step-level preemption, the dispatcher's part of it (with a ``PreemptionPolicy``; the
+``Dispatcher`` holds a ``StepPreemption`` over its ``DispatchState``).
 
 A waiting batch whose head request would miss its deadline by waiting for a free group, but meets
 it if it starts now, may take the workers of running batches that are paused at their next
@@ -20,7 +21,7 @@ from typing import Generic, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, P, Pending
+from xema_ray.scheduling.batch import Assignment, DispatchPlan, DispatchState, P
 
 MAX_DECISIONS_KEPT = 10_000
 
@@ -66,50 +67,47 @@ class Decision:
 
 
 class StepPreemption(Generic[P]):
-    """The paused batches and the preemption decisions of ``Dispatcher`` (a part of it, not used alone)."""
+    """The paused batches and the preemption decisions of a ``Dispatcher`` (which holds one).
 
-    # the dispatcher's state this part reads and writes (``Dispatcher.__init__``)
-    plans: dict[str, DispatchPlan]
-    workers: int
-    _queues: dict[str, list[Pending[P]]]
-    _busy: dict[int, int]  # worker -> batch id
-    _running: dict[int, Assignment[P]]
-    _progress: dict[int, BatchProgress]
+    Args:
+        state: the dispatcher's state (plans, queues, which workers run or hold which batch).
+        policy: when running batches may be paused (None: never).
+    """
 
-    def _init_preemption(self, preemption: PreemptionPolicy | None) -> None:
-        self.preemption = preemption
+    def __init__(self, state: DispatchState[P], policy: PreemptionPolicy | None) -> None:
+        self.state = state
+        self.policy = policy
         self._paused: dict[int, Assignment[P]] = {}
-        self._held: dict[int, int] = {}  # worker -> paused batch whose state it holds
         self._times_preempted: dict[str, int] = {}  # request id -> pauses so far
         #: the latest decisions (bounded: a server runs for months), and how many there were
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS_KEPT)
         self.preemptions_total = 0
 
-    def _resumable(self, now: float) -> list[Assignment[P]]:
+    def resumable(self, now: float) -> list[Assignment[P]]:
         out = []
         for bid, a in sorted(self._paused.items(), key=lambda kv: _deadline(kv[1])):
-            if any(w in self._busy for w in a.workers):
+            if any(w in self.state.busy for w in a.workers):
                 continue
             del self._paused[bid]
             for w in a.workers:
-                self._held.pop(w, None)
-                self._busy[w] = bid
-            self._running[bid] = a
-            self._progress[bid].since = now
+                self.state.held.pop(w, None)
+                self.state.busy[w] = bid
+            self.state.running[bid] = a
+            self.state.progress[bid].since = now
             self.decisions.append(Decision(now, "resume", bid, a.template, _ids(a)))
             out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True))
         return out
 
-    def _pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
-        a = self._running.pop(p.batch_id)
-        prog = self._progress[p.batch_id]
+    def pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
+        a = self.state.running.pop(p.batch_id)
+        prog = self.state.progress[p.batch_id]
         prog.ran_s += now - (prog.since if prog.since is not None else now)
         prog.since, prog.offloaded = None, p.offload
         self._paused[p.batch_id] = a
         for w in a.workers:
-            if self._busy.get(w) == p.batch_id:
-                del self._busy[w]
-            self._held[w] = p.batch_id
+            if self.state.busy.get(w) == p.batch_id:
+                del self.state.busy[w]
+            self.state.held[w] = p.batch_id
         for r in a.requests:
             self._times_preempted[r.request_id] = self._times_preempted.get(r.request_id, 0) + 1
         self.decisions.append(Decision(now, "preempt", p.batch_id, a.template, _ids(a), _ids(by), p.offload))
@@ -117,26 +115,26 @@ class StepPreemption(Generic[P]):
 
     def assignment(self, batch_id: int) -> Assignment[P]:
         """A running or paused batch's assignment."""
-        a = self._running.get(batch_id)
+        a = self.state.running.get(batch_id)
         return a if a is not None else self._paused[batch_id]
 
     def remaining_s(self, batch_id: int, now: float) -> float:
         """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
-        return self._progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
+        return self.state.progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
 
     def _expected_end(self, bid: int, now: float) -> float:
         a = self.assignment(bid)
-        prog = self._progress[bid]
+        prog = self.state.progress[bid]
         return now + prog.remaining(a.plan.latency_s, now)
 
     def _to_boundary(self, bid: int, now: float) -> float | None:
         """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
         done, it is in its decode tail). Counted back from its expected end, so the tail (often
         most of a tiny video's time) is not spread over the steps."""
-        a = self._running[bid]
-        v = self.plans[a.template]
+        a = self.state.running[bid]
+        v = self.state.plans[a.template]
         step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
-        denoise_left = self._progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.decode_encode_frac
+        denoise_left = self.state.progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.decode_encode_frac
         # the boundary after the last step is none: a worker pauses only between steps (step < total)
         if step <= 0 or denoise_left <= step * (1 + 1e-9):
             return None
@@ -147,33 +145,33 @@ class StepPreemption(Generic[P]):
         resume after them and end)."""
         t = now
         for w in group:
-            if w in self._busy:
-                t = max(t, self._expected_end(self._busy[w], now))
-        for held in {self._held[w] for w in group if w in self._held}:
-            t += self._progress[held].remaining(self._paused[held].plan.latency_s, now)
+            if w in self.state.busy:
+                t = max(t, self._expected_end(self.state.busy[w], now))
+        for held in {self.state.held[w] for w in group if w in self.state.held}:
+            t += self.state.progress[held].remaining(self._paused[held].plan.latency_s, now)
         return t
 
     def _switch_s(self, a: str, b: str) -> float:
-        assert self.preemption is not None
-        return self.preemption.switch_s.get(a, {}).get(b, 0.0) if a != b else 0.0
+        assert self.policy is not None
+        return self.policy.switch_s.get(a, {}).get(b, 0.0) if a != b else 0.0
 
-    def _preemptible_group(self, template: str, now: float
-                           ) -> tuple[tuple[int, ...], tuple[Preemption, ...], float] | None:
+    def preemptible_group(self, template: str, now: float
+                          ) -> tuple[tuple[int, ...], tuple[Preemption, ...], float] | None:
         """A group for ``template``'s next batch by pausing running batches, the pauses, and the
         seconds until they have parked; or None."""
-        pol = self.preemption
-        head = self._queues[template][0]
-        plan = self.plans[template].for_steps(head.steps)  # the next batch runs the head's step count
+        pol = self.policy
+        head = self.state.queues[template][0]
+        plan = self.state.plans[template].for_steps(head.steps)  # the next batch runs the head's step count
         if pol is None or plan.peak_bytes is None:
             return None
-        groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.workers - plan.sp + 1, plan.sp)]
+        groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.state.workers - plan.sp + 1, plan.sp)]
         if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
             return None  # waiting costs it nothing
         best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...], float] | None = None
         for g in groups:
-            if any(w in self._held for w in g):
+            if any(w in self.state.held for w in g):
                 continue  # a worker already holds a paused batch
-            victims = sorted({self._busy[w] for w in g if w in self._busy})
+            victims = sorted({self.state.busy[w] for w in g if w in self.state.busy})
             pauses = []
             wait = 0.0
             for bid in victims:
@@ -184,12 +182,12 @@ class StepPreemption(Generic[P]):
                 boundary = self._to_boundary(bid, now)
                 assert boundary is not None  # _pause_for refuses a batch with no boundary left
                 # the state leaves the device before the preempting batch may start (it is moved back on resume)
-                move = pol.move_s(self.plans[self._running[bid].template].pause_bytes) if p.offload else 0.0
-                wait = max(wait, boundary + self._switch_s(self._running[bid].template, template) + move)
+                move = pol.move_s(self.state.plans[self.state.running[bid].template].pause_bytes) if p.offload else 0.0
+                wait = max(wait, boundary + self._switch_s(self.state.running[bid].template, template) + move)
             else:
                 if now + wait + plan.latency_s > head.deadline:
                     continue  # preempting does not save it either
-                slack = min((_deadline(self._running[b]) for b in victims), default=float("inf"))
+                slack = min((_deadline(self.state.running[b]) for b in victims), default=float("inf"))
                 key = (len(victims), -slack)
                 if best is None or key < best[0]:
                     best = (key, g, tuple(pauses), wait)
@@ -197,10 +195,10 @@ class StepPreemption(Generic[P]):
 
     def _pause_for(self, bid: int, template: str, plan: DispatchPlan, deadline: float, now: float) -> Preemption | None:
         """How running batch ``bid`` would pause for a batch of ``template``, or None if it may not."""
-        pol = self.preemption
+        pol = self.policy
         assert pol is not None and plan.peak_bytes is not None
-        a = self._running[bid]
-        v = self.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
+        a = self.state.running[bid]
+        v = self.state.plans[a.template]  # its pause_bytes may have been raised to what the workers measured
         lost = self._expected_end(bid, now) > _deadline(a)  # it misses its deadline whatever happens now
         if v.pause_bytes is None or a.template == template or (_deadline(a) <= deadline and not lost):
             return None  # unknown state size; same template (EDF already orders it); more urgent and still on time
@@ -226,6 +224,25 @@ class StepPreemption(Generic[P]):
     @property
     def paused(self) -> list[Assignment[P]]:
         return list(self._paused.values())
+
+    def holds(self) -> bool:
+        """Whether a batch is paused."""
+        return bool(self._paused)
+
+    def finished(self, batch_id: int) -> Assignment[P] | None:
+        """A batch ended: its assignment if it was paused (its workers no longer hold it), else
+        None; either way its requests' pause counts are forgotten by ``forget``."""
+        a = self._paused.pop(batch_id, None)
+        if a is not None:
+            for w in a.workers:
+                if self.state.held.get(w) == batch_id:
+                    del self.state.held[w]
+        return a
+
+    def forget(self, a: Assignment[P]) -> None:
+        """``a``'s requests are done: their pause counts go."""
+        for r in a.requests:
+            self._times_preempted.pop(r.request_id, None)
 
 
 def _deadline(a: Assignment[P]) -> float:

@@ -100,6 +100,11 @@ class QueueFull(RuntimeError):
         return str(self.args[0])
 
 
+#: a request's guidance scales: ``guidance_scale`` and a two-expert model's ``guidance_scale_2``
+#: (its model group batches requests of one pair together)
+Guidance = tuple[float | None, float | None]
+
+
 class GroupRequest(BaseModel):
     """One request for a model group: the Router's ``generate`` (a synchronous request) or the job
     reconciler's ``submit_job`` (a video job: ``request_id`` is the job's id). Its values are
@@ -113,6 +118,8 @@ class GroupRequest(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert "
+                                                                     "guidance (None: guidance_scale's)")
     references: tuple[bytes, ...] = Field(default=(), repr=False, description="the request's reference images (PNG "
                                           "at its template's reference size, checked by the API)")
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
@@ -121,6 +128,11 @@ class GroupRequest(BaseModel):
                                    "the Router checked the model's range: ``xema_ray.models.options``)")
     quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the quality tier the request runs at "
                                  "(the API's ``quality`` resolved against the template's served tiers)")
+
+    @property
+    def guidance(self) -> Guidance:
+        """Both experts' guidance scales (None: the model's default; the second: the first's)."""
+        return self.guidance_scale, self.guidance_scale_2
 
     def check_references(self, wants: int) -> None:
         """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's
@@ -132,9 +144,9 @@ class GroupRequest(BaseModel):
     def validated(self) -> GenerationRequest:
         """The request as the batch builder will see it, checked now. Raises ``InvalidRequest``
         (HTTP 422) naming the field."""
-        g = self.guidance_scale
-        if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
-            raise InvalidRequest(f"guidance_scale must be a finite number, got {g!r}", "guidance_scale")
+        for name, g in (("guidance_scale", self.guidance_scale), ("guidance_scale_2", self.guidance_scale_2)):
+            if g is not None and not (isinstance(g, int | float) and math.isfinite(g)):
+                raise InvalidRequest(f"{name} must be a finite number, got {g!r}", name)
         if not (isinstance(self.steps, int) and 1 <= self.steps <= STEPS_MAX):
             raise InvalidRequest(f"num_inference_steps must be in [1, {STEPS_MAX}], got {self.steps!r}",
                                  "num_inference_steps")

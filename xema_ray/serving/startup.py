@@ -143,8 +143,7 @@ def node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplat
     """The host memory of one replica of every group on one node: each worker holds the largest of
     its templates' plans (all of their blocks under a shared residency), one copy of its shared
     segments per node where workers share them (CUDA and emulated GPUs)."""
-    from xema_ray.runtime.host_bytes import worker_host_bytes
-    from xema_ray.runtime.residency import Residency
+    from xema_ray.runtime.host_bytes import group_worker_host_bytes
 
     groups = []
     for g in cfg.models:
@@ -153,14 +152,7 @@ def node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplat
         if not configs:
             continue
         policy = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
-        residencies = [Residency.of_config(c) for c in configs]
-        if policy == "shared":
-            residencies = [Residency.union(residencies)]
-        per_worker = None
-        for r in residencies:
-            for c in configs:
-                h = worker_host_bytes(c.template.spec, r, c.text_encoder, share)
-                per_worker = h if per_worker is None else per_worker.max(h)
+        per_worker = group_worker_host_bytes(configs, policy == "shared", share)
         assert per_worker is not None
         groups.append(GroupHost(model=g.model, workers=g.workers, worker=per_worker))
     return NodeHost.of(groups, budget_bytes)

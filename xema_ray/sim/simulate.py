@@ -22,6 +22,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
@@ -105,199 +106,225 @@ def poisson_arrivals(rate_per_min: float, duration_s: float, weights: dict[str, 
         i += 1
 
 
-def simulate(
-    table: PlanTable,
-    arrivals: Sequence[Arrival],
-    slo_scale: float = 1.0,
-    slos: dict[str, float] | None = None,
-    wait_window_s: float = 0.05,
-    batch_latency: Callable[[str, int], float] | None = None,
-    overhead_s: float | dict[str, float] = 0.0,
-    shared_cores: float | None = None,
-    preemption: bool = False,
-    max_preemptions: int = 2,
-    host_bytes: int | None = None,
-    host_bandwidth: float | None = None,
-    request_overhead_s: dict[str, float] | None = None,
-    admission: bool = True,
-    phases: Mapping[str, PhaseShares] | None = None,
-    park_overhead_s: float = 0.0,
-) -> SimResult:
+@dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    """How ``simulate`` runs a trace: every field's default is an ideal front end on real GPUs,
+    without preemption, under the table's admission policies."""
+
+    #: the SLO is ``slo_scale`` x each template's base SLO
+    slo_scale: float = 1.0
+    #: base SLO per template (default: from the table); requests of templates missing from the
+    #: table still need an SLO to count (they fail)
+    slos: dict[str, float] | None = None
+    #: the dispatcher's wait window for a partial batch
+    wait_window_s: float = 0.05
+    #: ``(template, n) -> seconds`` for a batch of n (default: the plan's prediction,
+    #: ``latency_by_batch[n]`` for a partial batch)
+    batch_latency: Callable[[str, int], float] | None = None
+    #: fixed time each request spends outside its batch (HTTP, router, handles), measured on the live
+    #: system; 0 models an ideal front end. A dict gives it per template (a video's bytes cost the
+    #: front end more than an image's); templates it does not name get 0.
+    overhead_s: float | dict[str, float] = 0.0
+    #: None for real GPUs (each worker runs at full speed). On a CPU the workers are logical and share
+    #: the cores: running batches then progress at ``min(1, shared_cores / busy workers)`` of full
+    #: speed (processor sharing).
+    shared_cores: float | None = None
+    #: let the dispatcher pause running batches (``PreemptionPolicy`` with the table's budget and
+    #: residency switch costs, ``max_preemptions`` per request, ``host_bytes`` of host memory per
+    #: worker for paused state, None: unbounded)
+    preemption: bool = False
+    max_preemptions: int = 2
+    host_bytes: int | None = None
+    #: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default); an emulated box's clock
+    #: runs ``time_scale`` times faster, and so do its moves
+    host_bandwidth: float | None = None
+    #: request id -> its own front-end time, measured live (replaces ``overhead_s`` for the requests it
+    #: names): a loaded front end's tail, not its mean
+    request_overhead_s: dict[str, float] | None = None
+    #: apply the table's per-group admission policies (``PlanTable.admission``; refused and shed
+    #: requests count as missed)
+    admission: bool = True
+    #: each template's phase shares (text, denoise, decode_encode), which the dispatcher's preemption
+    #: and the paused batches' step boundaries follow, as the live model group's (default, with
+    #: preemption: ``phase_shares(table)``)
+    phases: Mapping[str, PhaseShares] | None = None
+    #: seconds a preempting batch waits beyond its victims' step boundaries and state moves (the pause
+    #: handshake: the pause call, the parked run's return, the group's event loop), measured live
+    #: (``/v1/stats`` ``preemption.<model>.park_overhead``); 0: none
+    park_overhead_s: float = 0.0
+
+
+def simulate(table: PlanTable, arrivals: Sequence[Arrival], config: SimulationConfig = SimulationConfig()) -> SimResult:
     """Run ``arrivals`` through the table's plans, each model on its group's workers
     (``table.group_gpus``, else ``table.gpus``), residency switches charged where the table's
-    group residency is per template.
+    group residency is per template."""
+    return _Simulation(table, config).run(arrivals)
 
-    Args:
-        slos: base SLO per template (default: from the table); requests of templates missing
-            from the table still need an SLO to count (they fail).
-        batch_latency: ``(template, n) -> seconds`` for a batch of n (default: the plan's
-            prediction, ``latency_by_batch[n]`` for a partial batch).
-        overhead_s: fixed time each request spends outside its batch (HTTP, router, handles),
-            measured on the live system; 0 models an ideal front end. A dict gives it per
-            template (a video's bytes cost the front end more than an image's); templates it
-            does not name get 0.
-        shared_cores: None for real GPUs (each worker runs at full speed). On a CPU the workers
-            are logical and share the cores: running batches then progress at
-            ``min(1, shared_cores / busy workers)`` of full speed (processor sharing).
-        preemption: let the dispatcher pause running batches (``PreemptionPolicy`` with the
-            table's budget and residency switch costs, ``max_preemptions`` per request,
-            ``host_bytes`` of host memory per worker for paused state, None: unbounded).
-        request_overhead_s: request id -> its own front-end time, measured live (replaces
-            ``overhead_s`` for the requests it names): a loaded front end's tail, not its mean.
-        host_bandwidth: bytes/s of a paused state's move (None: ``PreemptionPolicy``'s default);
-            an emulated box's clock runs ``time_scale`` times faster, and so do its moves.
-        admission: apply the table's per-group admission policies (``PlanTable.admission``;
-            refused and shed requests count as missed).
-        phases: each template's phase shares (text, denoise, decode_encode), which the dispatcher's
-            preemption and the paused batches' step boundaries follow, as the live model group's
-            (default, with preemption: ``phase_shares(table)``).
-        park_overhead_s: seconds a preempting batch waits beyond its victims' step boundaries and
-            state moves (the pause handshake: the pause call, the parked run's return, the group's
-            event loop), measured live (``/v1/stats`` ``preemption.<model>.park_overhead``); 0: none.
-    """
-    def predicted(template: str, n: int) -> float:
-        p = table.entries[template].prediction
-        return p.latency_by_batch.get(n, p.latency_s)
 
-    batch_latency = batch_latency or predicted
-    slos = dict(slos or base_slos(table))
+def _dispatchers(table: PlanTable, config: SimulationConfig,
+                 shares: Mapping[str, PhaseShares]) -> dict[str, Dispatcher[None]]:
+    """One dispatcher per model group, over its templates' dispatch plans, as the live groups'."""
+    slos = dict(config.slos or base_slos(table))
     by_model: dict[str, dict[str, DispatchPlan]] = {}
-    # where each template's step boundaries fall: only a preempting dispatcher asks
-    shares = dict(phases) if phases is not None else phase_shares(table) if preemption else {}
     for k, e in table.entries.items():
         by_model.setdefault(e.config.template.model, {})[k] = DispatchPlan.of_entry(
-            e, slo_s=slos[k] * slo_scale, shares=shares.get(k))
+            e, slo_s=slos[k] * config.slo_scale, shares=shares.get(k))
 
     def policy(model: str) -> PreemptionPolicy | None:
-        if not preemption:
+        if not config.preemption:
             return None
         r = table.residency.get(model)
-        return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=host_bytes, max_preemptions=max_preemptions,
+        return PreemptionPolicy(budget_bytes=table.budget_bytes, host_bytes=config.host_bytes,
+                                max_preemptions=config.max_preemptions,
                                 switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {},
-                                **({"host_bandwidth": host_bandwidth} if host_bandwidth is not None else {}))
-    disps: dict[str, Dispatcher[None]] = {
-        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=wait_window_s, max_queue=10**9,
-                      preemption=policy(m), admission=table.admission.get(m) if admission else None)
+                                **({"host_bandwidth": config.host_bandwidth} if config.host_bandwidth is not None else {}))
+    return {
+        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=config.wait_window_s,
+                      max_queue=10**9, preemption=policy(m),
+                      admission=table.admission.get(m) if config.admission else None)
         for m, p in by_model.items()
     }
-    # per-template residency: a worker whose last batch was another template first moves the
-    # blocks whose home differs (the planner's switch costs); a shared residency never switches
-    last_template: dict[tuple[str, int], str] = {}
 
-    def switch_cost(model: str, template: str, workers: tuple[int, ...]) -> float:
-        r = table.residency.get(model)
+
+class _ResidencySwitches:
+    """Per-template residency: a worker whose last batch was another template first moves the
+    blocks whose home differs (the planner's switch costs); a shared residency never switches."""
+
+    def __init__(self, table: PlanTable) -> None:
+        self._residency = table.residency
+        self._last_template: dict[tuple[str, int], str] = {}
+
+    def cost(self, model: str, template: str, workers: tuple[int, ...]) -> float:
+        """Seconds before a batch of ``template`` may start on ``workers`` (the slowest worker's switch)."""
+        r = self._residency.get(model)
         if r is None or r.policy != "per_template" or not r.switch_s:
             return 0.0
         cost = 0.0
         for w in workers:
-            prev = last_template.get((model, w))
+            prev = self._last_template.get((model, w))
             if prev is not None and prev != template:
                 cost = max(cost, r.switch_s.get(prev, {}).get(template, 0.0))
-            last_template[(model, w)] = template
+            self._last_template[(model, w)] = template
         return cost
-    model_of = {k: e.config.template.model for k, e in table.entries.items()}
-    # a batch's own latency, and what was left of it when it (re)started: the work before that
-    # (waiting for its victims to park, residency switches, state moves) runs first
-    own: dict[tuple[str, int], tuple[float, float]] = {}
-    paused_left: dict[tuple[str, int], float] = {}
 
-    def boundary_of(template: str, steps: int, latency: float, ran: float) -> float | None:
+
+class _Simulation:
+    """One run's state: the dispatchers, the batches running and paused, and the tally."""
+
+    def __init__(self, table: PlanTable, config: SimulationConfig) -> None:
+        self.table = table
+        self.config = config
+        self.batch_latency = config.batch_latency or self._predicted
+        # where each template's step boundaries fall: only a preempting dispatcher asks
+        self.shares = (dict(config.phases) if config.phases is not None
+                       else phase_shares(table) if config.preemption else {})
+        self.disps = _dispatchers(table, config, self.shares)
+        self.switches = _ResidencySwitches(table)
+        self.model_of = {k: e.config.template.model for k, e in table.entries.items()}
+        # a batch's own latency, and what was left of it when it (re)started: the work before that
+        # (waiting for its victims to park, residency switches, state moves) runs first
+        self.own: dict[tuple[str, int], tuple[float, float]] = {}
+        self.paused_left: dict[tuple[str, int], float] = {}
+        self.offloaded: dict[tuple[str, int], bool] = {}
+        self.running: dict[tuple[str, int], tuple[float, int]] = {}  # (model, batch id) -> (work left s, workers)
+        self.stats: dict[str, TemplateStats] = {}
+        self.by_request: dict[str, float] = {}
+        self.shed = 0
+
+    def _predicted(self, template: str, n: int) -> float:
+        p = self.table.entries[template].prediction
+        return p.latency_by_batch.get(n, p.latency_s)
+
+    def _boundary_of(self, template: str, steps: int, latency: float, ran: float) -> float | None:
         """Where (seconds into its latency) a batch that ran ``ran`` parks: after its next step, if that
         step is not its last (a worker pauses only between steps); None: it finishes instead."""
-        sh = shares.get(template, _NO_PHASES)
+        sh = self.shares.get(template, _NO_PHASES)
         text, step_s = latency * sh.text, latency * sh.denoise / steps
         k = 1 if ran < text else math.floor((ran - text) / step_s + 1e-9) + 1
         return text + k * step_s if k < steps else None
 
-    def move_s(d: Dispatcher[None], template: str) -> float:
+    @staticmethod
+    def _move_s(d: Dispatcher[None], template: str) -> float:
         assert d.preemption is not None
         return d.preemption.move_s(d.plans[template].pause_bytes)
 
-    def start(m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
+    def _start(self, m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
         """Work (seconds at full speed) of a batch starting or resuming now."""
         key = (m, a.batch_id)
         if a.resume:  # its residency back, then its state from the host where it was moved there
-            rest = paused_left.pop(key)
-            own[key] = (own[key][0], rest)
-            return rest + switch_cost(m, a.template, a.workers) + (move_s(d, a.template) if offloaded.pop(key, False) else 0.0)
+            rest = self.paused_left.pop(key)
+            self.own[key] = (self.own[key][0], rest)
+            return (rest + self.switches.cost(m, a.template, a.workers)
+                    + (self._move_s(d, a.template) if self.offloaded.pop(key, False) else 0.0))
+        wait = self._park_victims(m, a, d)
+        base = d.plans[a.template].latency_s  # a batch at its own step count: the dispatcher's scaling
+        latency = self.batch_latency(a.template, len(a.requests)) * (a.plan.latency_s / base if base > 0 else 1.0)
+        self.own[key] = (latency, latency)
+        return wait + latency + self.switches.cost(m, a.template, a.workers)
+
+    def _park_victims(self, m: str, a: Assignment[None], d: Dispatcher[None]) -> float:
+        """Park the batches ``a`` preempts; the seconds until the last of them is out of its way:
+        each runs on to its next step boundary, then parks (its state moved out first)."""
         wait = 0.0
-        for pre in a.preempts:  # each runs on to its next step boundary, then parks (its state moved out first)
+        for pre in a.preempts:
             vkey = (m, pre.batch_id)
-            left, _ = running[vkey]
-            latency, at_start = own[vkey]
+            left, _ = self.running[vkey]
+            latency, at_start = self.own[vkey]
             victim = d.assignment(pre.batch_id)
-            boundary = boundary_of(victim.template, max(1, victim.plan.steps), latency, latency - min(left, at_start))
+            boundary = self._boundary_of(victim.template, max(1, victim.plan.steps), latency,
+                                         latency - min(left, at_start))
             if boundary is None:
                 wait = max(wait, left)  # already in its last step: it finishes instead
                 continue
-            wait = max(wait, left - latency + boundary + park_overhead_s
-                       + (move_s(d, victim.template) if pre.offload else 0.0))
-            del running[vkey]
-            paused_left[vkey] = latency - boundary
-            offloaded[vkey] = pre.offload
-        base = d.plans[a.template].latency_s  # a batch at its own step count: the dispatcher's scaling
-        latency = batch_latency(a.template, len(a.requests)) * (a.plan.latency_s / base if base > 0 else 1.0)
-        own[key] = (latency, latency)
-        return wait + latency + switch_cost(m, a.template, a.workers)
-    offloaded: dict[tuple[str, int], bool] = {}
-    stats: dict[str, TemplateStats] = {}
-    by_request: dict[str, float] = {}
-    shed = 0
-    pending = sorted(arrivals, key=lambda a: a.t)
-    nxt = 0
-    running: dict[tuple[str, int], tuple[float, int]] = {}  # (model, batch id) -> (work left s, workers)
-    wakes: list[float] = []
-    now = 0.0
-    inf = float("inf")
-    while True:
-        busy = sum(w for _, w in running.values())
-        rate = 1.0 if shared_cores is None else min(1.0, shared_cores / max(1, busy))
-        t_done = min((now + left / rate for left, _ in running.values()), default=inf)
-        t_arr = pending[nxt].t if nxt < len(pending) else inf
-        t_wake = wakes[0] if wakes else inf
-        t = min(t_done, t_arr, t_wake)
-        if t == inf:
-            break
-        for key, (left, w) in list(running.items()):
-            running[key] = (left - (t - now) * rate, w)
-        now = t
-        if t == t_done:
-            for key, (left, _) in list(running.items()):
-                if left <= 1e-9:
-                    del running[key]
-                    own.pop(key, None)
-                    a = disps[key[0]].complete(key[1])
-                    for r in a.requests:
-                        st = stats[r.template]
-                        if request_overhead_s is not None and r.request_id in request_overhead_s:
-                            extra = request_overhead_s[r.request_id]
-                        else:
-                            extra = overhead_s.get(r.template, 0.0) if isinstance(overhead_s, dict) else overhead_s
-                        lat = now - r.arrival + extra
-                        st.latencies_s.append(lat)
-                        by_request[r.request_id] = lat
-                        st.met += lat <= r.deadline - r.arrival + 1e-9
-        elif t == t_arr:
-            arr = pending[nxt]
-            nxt += 1
-            st = stats.setdefault(arr.template, TemplateStats())
-            st.sent += 1
-            if arr.template not in model_of:
-                st.failed += 1
-            else:
-                try:
-                    d = disps[model_of[arr.template]]
-                    # the trace's front door, as the API for an HTTP request: no steps, its plan's own
-                    steps = d.plans[arr.template].steps if arr.steps is None else arr.steps
-                    d.submit(arr.template, arr.request_id, now, steps=steps)
-                except Refused:
-                    shed += 1
-        else:
-            heapq.heappop(wakes)
-        for m, d in disps.items():
+            wait = max(wait, left - latency + boundary + self.config.park_overhead_s
+                       + (self._move_s(d, victim.template) if pre.offload else 0.0))
+            del self.running[vkey]
+            self.paused_left[vkey] = latency - boundary
+            self.offloaded[vkey] = pre.offload
+        return wait
+
+    def _front_end_s(self, template: str, request_id: str) -> float:
+        """Time a request spends outside its batch: its own, measured, else its template's."""
+        c = self.config
+        if c.request_overhead_s is not None and request_id in c.request_overhead_s:
+            return c.request_overhead_s[request_id]
+        return c.overhead_s.get(template, 0.0) if isinstance(c.overhead_s, dict) else c.overhead_s
+
+    def _finish_done(self, now: float) -> None:
+        """Complete every batch whose work is done, and count its requests' latencies."""
+        for key, (left, _) in list(self.running.items()):
+            if left <= 1e-9:
+                del self.running[key]
+                self.own.pop(key, None)
+                a = self.disps[key[0]].complete(key[1])
+                for r in a.requests:
+                    st = self.stats[r.template]
+                    lat = now - r.arrival + self._front_end_s(r.template, r.request_id)
+                    st.latencies_s.append(lat)
+                    self.by_request[r.request_id] = lat
+                    st.met += lat <= r.deadline - r.arrival + 1e-9
+
+    def _arrive(self, arr: Arrival, now: float) -> None:
+        """Submit one arrival to its model's dispatcher (a template with no plan fails it)."""
+        st = self.stats.setdefault(arr.template, TemplateStats())
+        st.sent += 1
+        if arr.template not in self.model_of:
+            st.failed += 1
+            return
+        try:
+            d = self.disps[self.model_of[arr.template]]
+            # the trace's front door, as the API for an HTTP request: no steps, its plan's own
+            steps = d.plans[arr.template].steps if arr.steps is None else arr.steps
+            d.submit(arr.template, arr.request_id, now, steps=steps)
+        except Refused:
+            self.shed += 1
+
+    def _dispatch(self, now: float, wakes: list[float]) -> None:
+        """Start what every dispatcher releases now, and set its next wake-up."""
+        for m, d in self.disps.items():
             for a in d.dispatch(now):
-                running[(m, a.batch_id)] = (start(m, a, d), len(a.workers))
-            shed += len(d.take_shed())
+                self.running[(m, a.batch_id)] = (self._start(m, a, d), len(a.workers))
+            self.shed += len(d.take_shed())
             w = d.next_wakeup(now)
             if w is not None:
                 # a hair past the window's end: arrival + window can round below the sum the
@@ -306,12 +333,44 @@ def simulate(
                 w += _WAKE_EPS
                 if w > now and w not in wakes:
                     heapq.heappush(wakes, w)
-    sent = sum(s.sent for s in stats.values())
-    met = sum(s.met for s in stats.values())
-    duration = max((a.t for a in arrivals), default=0.0) or 1.0
-    return SimResult(
-        duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
-        attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
-        shed=shed, preemptions=sum(d.preemptions_total for d in disps.values()),
-        decisions=[x for d in disps.values() for x in d.decisions], latency_by_request=by_request,
-    )
+
+    def run(self, arrivals: Sequence[Arrival]) -> SimResult:
+        """The event loop: to the next batch end, arrival or wake-up, until none is left."""
+        pending = sorted(arrivals, key=lambda a: a.t)
+        nxt = 0
+        wakes: list[float] = []
+        now = 0.0
+        inf = float("inf")
+        while True:
+            busy = sum(w for _, w in self.running.values())
+            rate = 1.0 if self.config.shared_cores is None else min(1.0, self.config.shared_cores / max(1, busy))
+            t_done = min((now + left / rate for left, _ in self.running.values()), default=inf)
+            t_arr = pending[nxt].t if nxt < len(pending) else inf
+            t_wake = wakes[0] if wakes else inf
+            t = min(t_done, t_arr, t_wake)
+            if t == inf:
+                break
+            for key, (left, w) in list(self.running.items()):
+                self.running[key] = (left - (t - now) * rate, w)
+            now = t
+            if t == t_done:
+                self._finish_done(now)
+            elif t == t_arr:
+                self._arrive(pending[nxt], now)
+                nxt += 1
+            else:
+                heapq.heappop(wakes)
+            self._dispatch(now, wakes)
+        return self._result(arrivals, now)
+
+    def _result(self, arrivals: Sequence[Arrival], now: float) -> SimResult:
+        stats = self.stats
+        sent = sum(s.sent for s in stats.values())
+        met = sum(s.met for s in stats.values())
+        duration = max((a.t for a in arrivals), default=0.0) or 1.0
+        return SimResult(
+            duration_s=now, sent=sent, met=met, failed=sum(s.failed for s in stats.values()),
+            attainment=met / sent if sent else 0.0, goodput_rpm=met / duration * 60.0, per_template=stats,
+            shed=self.shed, preemptions=sum(d.preemptions_total for d in self.disps.values()),
+            decisions=[x for d in self.disps.values() for x in d.decisions], latency_by_request=self.by_request,
+        )

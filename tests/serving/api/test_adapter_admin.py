@@ -11,15 +11,16 @@ import pytest
 from starlette.requests import Request
 
 from tests.serving.api.asgi_client import call
-from xema_ray.serving.api.adapters import AdapterEndpoints
+from xema_ray.serving.api.adapters import AdapterAdmin, _forbidden
 from xema_ray.serving.api.auth import ApiKey, AuthConfig, TenantGuard, set_auth
+from xema_ray.serving.group.handle import GroupHandle
 
 ADMIN, USER = "sk-admin-0123456789abcdef", "sk-user-0123456789abcdef"
 
 
 async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """What the endpoints see: the admin API's answer for this request (None: allowed)."""
-    denied = AdapterEndpoints()._forbidden(Request(scope))
+    denied = _forbidden(Request(scope))
     body = json.dumps({"status": None if denied is None else denied.status_code}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
@@ -65,14 +66,14 @@ def test_the_list_shows_file_paths_only_to_an_admin_key(keys: None) -> None:
         list_adapters = _Remote([AdapterInfo(name="style", model="tiny-flux2", rank=4, layers=2, bytes=64, resident=False,
                                              path="/srv/adapters/style.safetensors")])
 
-    class _Endpoints(AdapterEndpoints):
-        groups = {"tiny-flux2": _Group()}
-
-        async def adapter_pool_stats(self, timeout_s: float) -> Any:
+    class _Admin(AdapterAdmin):
+        async def pool_stats(self, timeout_s: float) -> Any:
             return {}
 
+    admin = _Admin({"tiny-flux2": GroupHandle(_Group())})  # type: ignore[arg-type]
+
     async def _list(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        r = await _Endpoints().list_adapters(Request(scope))
+        r = await admin.list_adapters(Request(scope))
         await r(scope, receive, send)
 
     def paths(key: str) -> list[str]:

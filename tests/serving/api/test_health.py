@@ -11,6 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from xema_ray.serving.api.health import GroupHealth
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.messages import GroupUnavailable
 
 
@@ -37,6 +38,11 @@ class _Group:
         return dict(self.own)
 
 
+def _health(groups: dict[str, _Group], **kwargs: Any) -> GroupHealth:
+    """GroupHealth over the stand-ins, each behind the typed handle the Router gives it."""
+    return GroupHealth({m: GroupHandle(g) for m, g in groups.items()}, **kwargs)  # type: ignore[arg-type]
+
+
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -48,7 +54,7 @@ def test_a_group_that_answers_slowly_is_not_declared_dead() -> None:
     async def replicas() -> dict[str, int]:
         return counts
 
-    health = GroupHealth({"m": slow}, replica_counts=replicas, interval_s=0.01, pending_check_s=0.05)
+    health = _health({"m": slow}, replica_counts=replicas, interval_s=0.01, pending_check_s=0.05)
 
     async def run() -> list[str]:
         health.ensure_started()
@@ -68,7 +74,7 @@ def test_a_group_that_answers_slowly_is_not_declared_dead() -> None:
 
 def test_a_dead_replica_refuses_new_requests_until_a_new_one_answers() -> None:
     group = _Group()
-    health = GroupHealth({"m": group}, interval_s=0.02, pending_check_s=0.05)
+    health = _health({"m": group}, interval_s=0.02, pending_check_s=0.05)
 
     async def run() -> None:
         health.ensure_started()
@@ -96,7 +102,7 @@ def test_no_running_replica_reported_by_serve_is_a_fact() -> None:
     async def replicas() -> dict[str, int]:
         return counts
 
-    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.05)
+    health = _health({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.05)
 
     async def run() -> None:
         health.ensure_started()
@@ -119,7 +125,7 @@ def test_a_controller_that_does_not_answer_decides_nothing() -> None:
     async def replicas() -> dict[str, int]:
         raise TimeoutError("controller busy")
 
-    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.02)
+    health = _health({"m": group}, replica_counts=replicas, interval_s=0.02, pending_check_s=0.02)
 
     async def run() -> str:
         health.ensure_started()
@@ -134,7 +140,7 @@ def test_a_controller_that_does_not_answer_decides_nothing() -> None:
 def test_a_group_that_never_answered_is_starting_not_ready_but_requests_are_forwarded() -> None:
     group = _Group()
     group.hang = True  # Serve holds the probe until the replica has loaded its model
-    health = GroupHealth({"m": group, "n": _Group()}, interval_s=0.02, pending_check_s=0.05)
+    health = _health({"m": group, "n": _Group()}, interval_s=0.02, pending_check_s=0.05)
 
     async def run() -> None:
         health.ensure_started()
@@ -152,7 +158,7 @@ def test_a_group_that_says_it_is_starting_refuses_and_a_degraded_one_still_serve
     starting, degraded = _Group(), _Group()
     starting.own = {"status": "starting", "reason": "loading weights"}
     degraded.own = {"status": "degraded", "reason": "rebuilding the worker set"}
-    health = GroupHealth({"s": starting, "d": degraded}, interval_s=0.02)
+    health = _health({"s": starting, "d": degraded}, interval_s=0.02)
 
     async def run() -> None:
         health.ensure_started()
@@ -169,7 +175,7 @@ def test_a_group_that_says_it_is_starting_refuses_and_a_degraded_one_still_serve
 def test_probes_are_one_at_a_time_and_never_cancelled() -> None:
     group = _Group()
     group.hang = True  # saturated: the answer does not come
-    health = GroupHealth({"m": group}, interval_s=0.0, pending_check_s=0.01)
+    health = _health({"m": group}, interval_s=0.0, pending_check_s=0.01)
 
     async def run() -> None:
         health.ensure_started()
@@ -182,7 +188,7 @@ def test_probes_are_one_at_a_time_and_never_cancelled() -> None:
 
 def test_healthz_probes_now_and_sees_a_death_at_once() -> None:
     group = _Group()
-    health = GroupHealth({"m": group}, interval_s=60.0)  # the next turn is a minute away
+    health = _health({"m": group}, interval_s=60.0)  # the next turn is a minute away
 
     async def run() -> tuple[str, float]:
         health.ensure_started()
@@ -199,7 +205,7 @@ def test_healthz_probes_now_and_sees_a_death_at_once() -> None:
 
 def test_healthz_does_not_wait_long_for_a_busy_group() -> None:
     group = _Group()
-    health = GroupHealth({"m": group}, interval_s=60.0)
+    health = _health({"m": group}, interval_s=60.0)
 
     async def run() -> tuple[str, float]:
         health.ensure_started()
@@ -221,7 +227,7 @@ def test_healthz_asks_serve_at_once_when_the_handle_holds_the_probe() -> None:
         return counts
 
     # the probe's own controller check is far away: only /healthz's own question can tell
-    health = GroupHealth({"m": group}, replica_counts=replicas, interval_s=60.0, pending_check_s=60.0)
+    health = _health({"m": group}, replica_counts=replicas, interval_s=60.0, pending_check_s=60.0)
 
     async def run() -> tuple[str, float]:
         health.ensure_started()
@@ -255,7 +261,7 @@ class _KilledAfterAnswering(_Group):
 
 def test_healthz_does_not_take_an_answer_sent_before_it_asked_for_news() -> None:
     group = _KilledAfterAnswering(delay_s=0.3)
-    health = GroupHealth({"m": group}, interval_s=0.01, pending_check_s=5.0)
+    health = _health({"m": group}, interval_s=0.01, pending_check_s=5.0)
 
     async def run() -> str:
         health.ensure_started()

@@ -24,6 +24,7 @@ from tests.serving.api.asgi_client import AsgiResponse, call
 from xema_ray.plan import PlanTable
 from xema_ray.serving.api.edits import ImageEditRequest, edit_inputs
 from xema_ray.serving.api.errors import error_response, install_error_handlers
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.api.openapi import build_openapi
 from xema_ray.serving.api.schemas import RequestLimits, UnsupportedTemplate, set_limits
@@ -107,7 +108,7 @@ def api(tmp_path: Path) -> Any:
     group = _Group()
     table = PlanTable(hardware="test", gpus=1, budget_bytes=10**9,
                       entries={k: plan_entry(t) for k, t in SERVED.items()})
-    jobs = VideoJobs(cfg, {"tiny-cogvideox-i2v": group, "tiny-ltx2": group}, SERVED, table)
+    jobs = VideoJobs(cfg, {"tiny-cogvideox-i2v": GroupHandle(group), "tiny-ltx2": GroupHandle(group)}, SERVED, table)
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(RequestGuard)
@@ -233,7 +234,7 @@ def test_an_orphaned_job_whose_image_is_gone_fails_once_instead_of_waiting_for_i
     cfg = JobStoreConfig(path=tmp_path / "jobs", ttl_s=600, lease_s=0.01)
     group = _Group()
     table = PlanTable(hardware="test", gpus=1, budget_bytes=10**9, entries={k: plan_entry(t) for k, t in SERVED.items()})
-    jobs = VideoJobs(cfg, {"tiny-cogvideox-i2v": group}, SERVED, table)
+    jobs = VideoJobs(cfg, {"tiny-cogvideox-i2v": GroupHandle(group)}, SERVED, table)
     app = FastAPI()
 
     @app.post("/v1/videos")
@@ -322,7 +323,7 @@ def test_wan_first_frames_map_to_their_templates_and_i2v_refuses_text_only(tmp_p
     cfg = JobStoreConfig(path=tmp_path / "jobs", ttl_s=600)
     group = _Group()
     table = PlanTable(hardware="test", gpus=1, budget_bytes=10**9, entries={k: plan_entry(t) for k, t in WAN.items()})
-    jobs = VideoJobs(cfg, {"tiny-wan2.2-i2v": group, "tiny-wan2.2-ti2v": group}, WAN, table)
+    jobs = VideoJobs(cfg, {"tiny-wan2.2-i2v": GroupHandle(group), "tiny-wan2.2-ti2v": GroupHandle(group)}, WAN, table)
     app = FastAPI()
 
     _video_route(app, jobs)

@@ -33,7 +33,7 @@ def test_the_short_request_preempts_the_long_one(scenario: tuple[sc.PlanTable, l
     st = live.stats["per_template"][sc.LONG.shape_key]
     assert st["preemptions"] >= 1 and st["paused_s"] > 0 and st["paused_now"] == 0
     # the short one did not wait for the long one to finish (as it does without preemption)
-    waited = sc.simulate(table, trace, preemption=False).per_template[sc.SHORT.shape_key].latencies_s[0]
+    waited = sc.simulate(table, trace, sc.SimulationConfig(preemption=False)).per_template[sc.SHORT.shape_key].latencies_s[0]
     assert live.latencies_s["3"] < 0.6 * waited
 
 

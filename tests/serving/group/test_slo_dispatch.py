@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from xema_ray.plan import AdmissionPolicy, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from bench.scenarios.factories import plan_entry, plan_table
+from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.sim.simulate import Arrival, simulate
+from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
 
 ONE = DispatchPlan(batch=1, sp=1, slo_s=12, latency_s=10)
@@ -95,16 +96,15 @@ def test_refused_templates_are_refused_at_submit_as_overflow() -> None:
 def test_the_simulator_counts_shed_and_refused_requests_as_missed() -> None:
     t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4)
     u = t.with_(height=128, width=128)
-    entry = {x.shape_key: PlanEntry(config=ExecutionConfig(template=x), prediction=PlanPrediction(
-        peak_bytes=1, latency_s=10, goodput_rps=0.1, slo_s=12, latency_source="estimated")) for x in (t, u)}
-    table = PlanTable(hardware="cpu:1", gpus=1, budget_bytes=10**9, entries=entry,
-                      admission={"tiny-flux2": AdmissionPolicy(late="shed", refused=(u.shape_key,))})
+    table = plan_table([plan_entry(x, peak_bytes=1, latency_s=10, goodput_rps=0.1, slo_s=12, latency_source="estimated")
+                        for x in (t, u)], hardware="cpu:1",
+                       admission={"tiny-flux2": AdmissionPolicy(late="shed", refused=(u.shape_key,))})
     arrivals = [Arrival(t=0.0, template=t.shape_key, request_id="r1"), Arrival(t=1.0, template=t.shape_key, request_id="r2"),
                 Arrival(t=9.5, template=t.shape_key, request_id="r3"), Arrival(t=2.0, template=u.shape_key, request_id="r4")]
     r = simulate(table, arrivals)
     assert (r.sent, r.met, r.shed) == (4, 2, 2)  # r2 shed, r4 refused; r1 and r3 meet their SLO
     assert r.attainment == 0.5
-    plain = simulate(table, arrivals, admission=False)
+    plain = simulate(table, arrivals, SimulationConfig(admission=False))
     assert plain.shed == 0 and plain.met == 1  # r1 only: r2 runs late and makes r4 and r3 miss
 
 

@@ -5,30 +5,12 @@ compare-and-set that keeps two model groups from running one job."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.serving.jobs.redis_server import redis_server
 from xema_ray.serving.jobs.store import JobRecord, JobStore, JobStoreConfig, new_job_id
 from xema_ray.serving.jobs.sqlite_store import SQLiteJobStore
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> JobStore:
-    if request.param == "sqlite":
-        return SQLiteJobStore(JobStoreConfig(path=tmp_path, ttl_s=60, lease_s=0.5))
-    from xema_ray.serving.jobs.redis_store import RedisJobStore
-
-    url = request.getfixturevalue("redis_url")
-    return RedisJobStore(JobStoreConfig(backend="redis", redis_url=url, prefix=f"t{time.time_ns()}", ttl_s=60, lease_s=0.5))
 
 
 def _job(**kw: object) -> JobRecord:

@@ -1,5 +1,5 @@
 """A model group for scale-out tests without workers: the ModelGroup's dispatcher and summary
-publishing (``PublishesSummary``), each batch taking its plan's latency on the event loop. It
+publishing (``SummaryPublisher``), each batch taking its plan's latency on the event loop. It
 holds its placement group's GPUs like a real group, so Serve places, routes, autoscales and
 drains it as it does ModelGroup; what it leaves out is the worker set (tested elsewhere)."""
 
@@ -13,10 +13,10 @@ from typing import Any
 from xema_ray.scheduling.batch import Assignment, DispatchPlan
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.messages import GroupRequest
-from xema_ray.serving.group.replica_stats import PublishesSummary
+from xema_ray.serving.group.replica_stats import SummaryPublisher
 
 
-class DispatchOnlyGroup(PublishesSummary):
+class DispatchOnlyGroup:
     def __init__(self, plans: dict[str, dict[str, Any]], workers: int, wait_window_s: float = 0.01) -> None:
         import ray
 
@@ -27,10 +27,20 @@ class DispatchOnlyGroup(PublishesSummary):
         self.dispatcher: Dispatcher[asyncio.Future] = Dispatcher(
             {k: DispatchPlan(**v) for k, v in plans.items()}, workers, wait_window_s)
         self._wake: asyncio.Event | None = None
+        self.publisher = SummaryPublisher(self.model, self.owner, self.dispatcher, None)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return self.publisher.routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.publisher.autoscaling_stats()
+
+    async def replica_summary(self) -> dict[str, Any]:
+        return self.publisher.summary().model_dump(mode="json")
 
     async def generate(self, req: GroupRequest) -> dict[str, Any]:
         template, request_id = req.template, req.request_id
-        self.note_arrival(template)
+        self.publisher.note_arrival(template)
         loop = asyncio.get_running_loop()
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -64,4 +74,4 @@ class DispatchOnlyGroup(PublishesSummary):
         self._wake.set()
 
     async def __del__(self) -> None:
-        await self.drain(10.0)
+        await self.publisher.drain(10.0)

@@ -72,16 +72,13 @@ def cluster():  # type: ignore[no-untyped-def]
 
 
 def _plan_table(args: dict, path) -> str:  # type: ignore[no-untyped-def]
-    from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+    from bench.scenarios.factories import plan_entry, plan_table
     from xema_ray.serving.config import ServeConfig
     from deployments.planning import machine_fingerprint
     from xema_ray.serving.startup import served_templates
 
     cfg = ServeConfig.model_validate(args)
-    entries = {t.shape_key: PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
-        peak_bytes=10**7, latency_s=0.5, goodput_rps=1.0, slo_s=30.0, latency_source="measured"))
-        for t in served_templates(cfg)}
-    PlanTable(hardware=machine_fingerprint(cfg, 1), gpus=1, budget_bytes=10**9, entries=entries).save(str(path))
+    plan_table([plan_entry(t) for t in served_templates(cfg)], hardware=machine_fingerprint(cfg, 1)).save(str(path))
     return str(path)
 
 

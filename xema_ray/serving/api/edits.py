@@ -82,7 +82,8 @@ def edit_template(model: str, size: str, count: int, first: tuple[int, int], ser
                                   "image")
     matching = [t for t in ours if t.references == count]
     if not matching:
-        limit = f"; the model takes at most {spec.max_references}" if count > spec.max_references else ""
+        most = spec.reference_inputs().max_references
+        limit = f"; the model takes at most {most}" if count > most else ""
         raise UnsupportedTemplate(f"{model} is served with {' or '.join(map(str, counts))} reference image(s), got "
                                   f"{count}{limit}", sorted(t.shape_key for t in ours), "image")
     keys = sorted(t.shape_key for t in matching)

@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.serving.messages import GroupUnavailable
+
+if TYPE_CHECKING:
+    from xema_ray.serving.group.handle import GroupHandle
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -103,14 +106,14 @@ class GroupHealth:
     """Every model group's state, kept by background probes (``/healthz`` and request admission).
 
     Args:
-        groups: model name -> Serve deployment handle of its ModelGroup (with a ``status`` method).
+        groups: model name -> its ModelGroup's handle (``status`` is what a probe calls).
         replica_counts: asks Serve's controller for the running replicas of every group (None:
             no such fact is consulted).
         interval_s: pause between two probes of one group.
         pending_check_s: a probe pending this long makes it consult ``replica_counts``.
     """
 
-    def __init__(self, groups: dict[str, Any], replica_counts: ReplicaCounter | None = None,
+    def __init__(self, groups: Mapping[str, GroupHandle], replica_counts: ReplicaCounter | None = None,
                  interval_s: float = PROBE_INTERVAL_S, pending_check_s: float = PENDING_CHECK_S) -> None:
         self.groups = groups
         self.replica_counts = replica_counts
@@ -185,7 +188,7 @@ class GroupHealth:
                 raise RuntimeError(f"{m}: the health probe died: {task.exception()!r}")
 
     async def _status(self, model: str) -> dict[str, Any]:
-        return await self.groups[model].status.remote()
+        return await self.groups[model].status()
 
     async def _probe_loop(self, model: str) -> None:
         wake = self._wake[model]

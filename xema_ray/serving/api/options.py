@@ -1,5 +1,5 @@
 """The per-request options (``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``,
-``num_inference_steps``) checked against the model's own rules before admission, and resolved into
+``guidance_scale_2``, ``num_inference_steps``) checked against the model's own rules before admission, and resolved into
 what the model group runs (``RequestOptions``).
 
 Every generation endpoint calls ``resolve_options`` after it has matched the template: a value the
@@ -29,6 +29,8 @@ class RequestOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     guidance_scale: float | None = Field(default=None, description="the guidance (Qwen-Image: the true CFG scale)")
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert's "
+                                                                     "guidance (None: guidance_scale's, as diffusers)")
     negative_prompt: str | None = Field(default=None, description="replaces the model's default negative prompt")
     steps: int = Field(ge=1, description="the denoising steps the request runs: its own, else its template's")
     quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the tier the request's quality resolved "
@@ -37,13 +39,12 @@ class RequestOptions(BaseModel):
 
 def takers(served: dict[str, RequestTemplate]) -> dict[str, list[str]]:
     """Option -> the served models whose pipeline takes it (for a 400's message)."""
-    out: dict[str, list[str]] = {"negative_prompt": [], "true_cfg_scale": []}
+    out: dict[str, list[str]] = {"negative_prompt": [], "true_cfg_scale": [], "guidance_scale_2": []}
     for model in sorted({t.model for t in served.values()}):
         rules = rules_of(model, served)
-        if rules.negative_prompt:
-            out["negative_prompt"].append(model)
-        if rules.true_cfg_scale:
-            out["true_cfg_scale"].append(model)
+        for option in out:
+            if getattr(rules, option):
+                out[option].append(model)
     return out
 
 
@@ -66,15 +67,17 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
     negative = getattr(req, "negative_prompt", None)
     true_cfg = getattr(req, "true_cfg_scale", None)
     steps = getattr(req, "num_inference_steps", None)
+    guidance_2 = getattr(req, "guidance_scale_2", None)
     rules = t.spec.option_rules()
-    rules.check(t.model, guidance, negative, true_cfg, steps, takers(served))
+    rules.check(t.model, guidance, negative, true_cfg, steps, takers(served), guidance_scale_2=guidance_2)
     if true_cfg is not None:  # the model's guidance is its true CFG scale (OptionRules.true_cfg_scale)
         if guidance is not None and guidance != true_cfg:
             raise OptionRefused(f"{t.model}: guidance_scale ({guidance!r}) and true_cfg_scale ({true_cfg!r}) are the "
                                 "same scale for this model; give one, or the same value", "true_cfg_scale")
         guidance = true_cfg
     # the one place "not given" means the template's steps: below the API every layer carries the int
-    return RequestOptions(guidance_scale=guidance, negative_prompt=negative, steps=t.steps if steps is None else steps,
+    return RequestOptions(guidance_scale=guidance, guidance_scale_2=guidance_2, negative_prompt=negative,
+                          steps=t.steps if steps is None else steps,
                           quality=resolve_quality(getattr(req, "quality", None), served_tiers(t)))
 
 
@@ -111,10 +114,11 @@ def document_options(components: dict[str, Any], served: dict[str, RequestTempla
             continue
         schema["x-model-options"] = {m: {"guidance_scale": {"minimum": r.guidance_min, "maximum": r.guidance_max},
                                          "num_inference_steps": {"minimum": r.steps_min, "maximum": r.steps_max},
-                                         "negative_prompt": r.negative_prompt, "true_cfg_scale": r.true_cfg_scale}
+                                         "negative_prompt": r.negative_prompt, "true_cfg_scale": r.true_cfg_scale,
+                                         "guidance_scale_2": r.guidance_scale_2}
                                      for m, r in rules.items()}
         per_model = "; ".join(f"{m}: {r.describe()}" for m, r in rules.items())
-        for option in ("guidance_scale", "num_inference_steps", "negative_prompt", "true_cfg_scale"):
+        for option in ("guidance_scale", "num_inference_steps", "negative_prompt", "true_cfg_scale", "guidance_scale_2"):
             if option in props:
                 base = props[option].get("description", "")
                 props[option]["description"] = (base + ". " if base else "") + f"Per model (x-model-options): {per_model}"

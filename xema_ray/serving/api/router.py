@@ -16,8 +16,8 @@ import base64
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +25,7 @@ from ray import serve
 
 from xema_ray.lora_pool import LoraPoolConfig, LoraUse
 from xema_ray.plan import PlanTable
-from xema_ray.serving.api.adapters import AdapterEndpoints, adapters_api
+from xema_ray.serving.api.adapters import ADD_ROUTE, DELETE_ROUTE, LIST_ROUTE, AdapterAdmin
 from xema_ray.serving.api.schemas import (
     ImageData,
     ImageRequest,
@@ -50,6 +50,7 @@ from xema_ray.serving.api.health import (
     HealthResponse,
     serve_replica_counts,
 )
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.stats import BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
@@ -70,13 +71,15 @@ from xema_ray.serving.api.videos import VideoCreate
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.templates import RequestTemplate
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
 app.add_middleware(RequestGuard)
 app.add_middleware(TenantGuard)  # runs before RequestGuard: no key, no body read
 app.add_middleware(RefusalMeter)  # added last, so it runs first: it sees every refusal, the 401s too
 install_ui(app)  # /ui: the console's static pages (docs/console.md)
-app.include_router(adapters_api)  # POST / GET / DELETE /v1/adapters (AdapterEndpoints, mixed into the Router)
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -107,18 +110,24 @@ STATS_TIMEOUT_S = 5.0
 
 
 @serve.ingress(app)
-class Router(AdapterEndpoints):
-    """Maps requests to templates, looks up the plan, forwards to the model's group."""
+class Router:
+    """Maps requests to templates, looks up the plan, forwards to the model's group.
 
-    def __init__(self, groups: dict[str, Any], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
+    ``groups`` (model name -> its group's deployment handle) are held as typed ``GroupHandle``s;
+    the adapter admin endpoints hand their work to ``adapter_admin`` (``AdapterAdmin``), the
+    groups' state to ``health`` (``GroupHealth``), the video job API to ``jobs`` (``VideoJobs``).
+    """
+
+    def __init__(self, groups: Mapping[str, "DeploymentHandle"], table: PlanTable, templates: list[RequestTemplate], stats: Any = None,
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None,
                  console_traces: Callable[[str, Any, int], TraceView] | None = None,
                  adapter_pools: dict[str, LoraPoolConfig] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        self.groups = groups
+        self.groups: dict[str, GroupHandle] = {m: GroupHandle(h) for m, h in groups.items()}
+        self.adapter_admin = AdapterAdmin(self.groups)
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
-        self.health = GroupHealth(groups, replica_counts=_replica_counter(sorted(groups)))
+        self.health = GroupHealth(self.groups, replica_counts=_replica_counter(sorted(self.groups)))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
             self.health.ensure_started()
         except RuntimeError:  # no running loop here: the first request starts them
@@ -138,7 +147,7 @@ class Router(AdapterEndpoints):
         install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
                         adapter_pools or {}, url_images=jobs is not None)
         self.jobs_cfg = jobs
-        self.jobs = VideoJobs(self.jobs_cfg, groups, self.served, self.table, emulated,
+        self.jobs = VideoJobs(self.jobs_cfg, self.groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
         if self.jobs is not None:
             try:  # re-dispatch orphaned jobs from start-up on, not only once a request arrives
@@ -153,6 +162,23 @@ class Router(AdapterEndpoints):
         self.table = RouterPlans.model_validate(user_config).table
         if self.jobs is not None:
             self.jobs.table = self.table
+
+    # ------------------------------------------------------------------ adapters (api/adapters.py)
+    @app.post("/v1/adapters", **ADD_ROUTE)
+    async def add_adapter(self, request: Request) -> Any:
+        """Load an adapter file on every worker of its model's group, without a restart."""
+        return await self.adapter_admin.add_adapter(request)
+
+    @app.get("/v1/adapters", **LIST_ROUTE)
+    async def list_adapters(self, request: Request) -> Any:
+        """Every model's loaded adapters and its pools' residency (behind API keys, each adapter's
+        server-side file path only for an admin key)."""
+        return await self.adapter_admin.list_adapters(request)
+
+    @app.delete("/v1/adapters/{name}", **DELETE_ROUTE)
+    async def delete_adapter(self, name: str, request: Request, model: str | None = None) -> Any:
+        """Unload ``name`` (of ``?model=``, or of every model that has it)."""
+        return await self.adapter_admin.delete_adapter(name, request, model)
 
     def _count_received(self) -> None:
         """One generation request arrived: counted here and, without waiting, in Stats (in one
@@ -176,8 +202,9 @@ class Router(AdapterEndpoints):
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
-        response = handle.generate.remote(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
+        response = handle.generate(GroupRequest(template=t.shape_key, request_id=self._request_id(), prompt=prompt,
                                                        seed=seed, guidance_scale=opts.guidance_scale,
+                                                       guidance_scale_2=opts.guidance_scale_2,
                                                        negative_prompt=opts.negative_prompt, steps=opts.steps,
                                                        quality=opts.quality,
                                                        references=references, lora=tuple(lora or ())))
@@ -403,7 +430,7 @@ class Router(AdapterEndpoints):
             except Exception:
                 pass
         layouts, preemption, adapters = await asyncio.gather(self._layout_stats(), self._preemption_stats(),
-                                                             self.adapter_pool_stats(STATS_TIMEOUT_S))
+                                                             self.adapter_admin.pool_stats(STATS_TIMEOUT_S))
         return StatsResponse(received=received, static_layouts=layouts, preemption=preemption, adapters=adapters)
 
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
@@ -416,8 +443,8 @@ class Router(AdapterEndpoints):
         models = sorted(self.groups)
         return dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
 
-    async def _group_layout_stats(self, model: str) -> dict[str, Any]:
-        return await self.groups[model].layout_stats.remote()
+    async def _group_layout_stats(self, model: str) -> GroupLayoutStats:
+        return await self.groups[model].layout_stats()
 
     async def _preemption_stats(self) -> dict[str, PreemptionReport]:
         async def ask(model: str) -> PreemptionReport | None:
@@ -430,8 +457,8 @@ class Router(AdapterEndpoints):
         answers = await asyncio.gather(*(ask(m) for m in models))
         return {m: r for m, r in zip(models, answers, strict=True) if r is not None}
 
-    async def _group_preemption_stats(self, model: str) -> dict[str, Any]:
-        return await self.groups[model].preemption_stats.remote()
+    async def _group_preemption_stats(self, model: str) -> PreemptionReport:
+        return await self.groups[model].preemption_stats()
 
     async def _stats_add(self, name: str, n: int = 1) -> None:
         await self.stats.add.remote(name, n)

@@ -172,6 +172,10 @@ class VideoRequest(_Common):
     num_frames: int = Field(ge=1, le=1024)
     num_inference_steps: int | None = Field(default=None, ge=1, le=200)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False)
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                           description="a two-expert model's low-noise expert guidance (Wan2.2 "
+                                                       "A14B; default: guidance_scale, as diffusers); models of one "
+                                                       "expert refuse it")
 
 
 class ImageData(BaseModel):

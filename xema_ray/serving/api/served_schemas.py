@@ -68,6 +68,9 @@ def _options(rules: OptionRules, props: dict[str, Any], pool: LoraPoolConfig | N
         out["negative_prompt"] = _NULL
     if "true_cfg_scale" in props and not rules.true_cfg_scale:
         out["true_cfg_scale"] = _NULL
+    if "guidance_scale_2" in props:
+        out["guidance_scale_2"] = ({"minimum": rules.guidance_min, "maximum": rules.guidance_max}
+                                   if rules.guidance_scale_2 else _NULL)
     if "lora" in props:
         out["lora"] = _NULL if pool is None else {"maxItems": pool.max_per_request}
     return out

@@ -58,6 +58,16 @@ def _takes_list(model: type[BaseModel], name: str) -> bool:
     return any(typing.get_origin(a) is list for a in args)
 
 
+def _takes_object(model: type[BaseModel], name: str) -> bool:
+    """``name`` is an object field of ``model`` (e.g. ``experts: ExpertFiles | None``): a form sends it as JSON text."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return False
+    ann = field.annotation
+    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in args)
+
+
 #: a form field of a list of objects as the OpenAI client writes one (``lora[][name]``, ``lora[][scale]``)
 _LIST_ITEM = re.compile(r"^([A-Za-z_]+)\[\]\[([A-Za-z_]+)\]$")
 
@@ -129,6 +139,13 @@ async def read_body(request: Request, model: type[BaseModel], uploads: list[Uplo
                                      f"(file {getattr(v, 'filename', '')!r}); no field of this endpoint takes a file",
                                 param=k)
             if _list_item(out, model, k, v):
+                continue
+            if _takes_object(model, k):
+                try:
+                    out[k] = json.loads(v)
+                except json.JSONDecodeError:
+                    raise BodyError(422, f"{k}: in a form, a JSON object (e.g. {k}={{\"low_noise\": \"...\"}})",
+                                    param=k) from None
                 continue
             kinds = _number_kinds(model, k)
             out[k] = _from_form(v, kinds) if kinds else v

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -38,6 +39,7 @@ from xema_ray.serving.jobs.store import (
 )
 from xema_ray.serving.api.media import first_frame_png
 from xema_ray.serving.api.errors import cause_of
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.messages import GroupRequest, InvalidRequest, QueueFull
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import option_error, resolve_options, scaled_to_steps
@@ -81,12 +83,12 @@ class VideoJobs:
 
     Args:
         cfg: the job store.
-        groups: model name -> the model group's deployment handle.
+        groups: model name -> the model group's handle.
         served: shape key -> served template.
         table: the plan table (predicted latency per template).
     """
 
-    def __init__(self, cfg: JobStoreConfig, groups: dict[str, Any], served: dict[str, RequestTemplate],
+    def __init__(self, cfg: JobStoreConfig, groups: Mapping[str, GroupHandle], served: dict[str, RequestTemplate],
                  table: PlanTable, emulated: bool = False, max_jobs_in_flight: int | None = None) -> None:
         self.cfg = cfg
         self.emulated = emulated  # the box is emulated: every video object says so
@@ -156,7 +158,8 @@ class VideoJobs:
         store = self.store()
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
-                        guidance_scale=opts.guidance_scale, negative_prompt=opts.negative_prompt, steps=opts.steps,
+                        guidance_scale=opts.guidance_scale, guidance_scale_2=opts.guidance_scale_2,
+                        negative_prompt=opts.negative_prompt, steps=opts.steps,
                         size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
                         references=len(references), lora=tuple(req.lora or ()))
@@ -210,7 +213,7 @@ class VideoJobs:
                            type="not_found_error", param="video_id")
         if before.status == "queued" and before.model in self.groups:
             try:
-                await self.groups[before.model].cancel_job.remote(video_id)
+                await self.groups[before.model].cancel_job(video_id)
             except Exception:  # the group drops it anyway when it finds the tombstone at start
                 logger.exception("cancel_job(%s) failed", video_id)
         return JSONResponse(VideoDeleted(id=video_id).model_dump(), headers=self._headers())
@@ -249,7 +252,7 @@ class VideoJobs:
         if cached is not None and time.monotonic() - cached[1] < ESTIMATE_TTL_S:
             return cached[0]
         try:
-            value = float(await self.groups[t.model].estimate.remote(t.shape_key))
+            value = await self.groups[t.model].estimate(t.shape_key)
         except Exception:  # the group is unreachable: the plan's prediction
             value = max(1e-3, self.table.entries[t.shape_key].prediction.latency_s)
         self._estimates[t.shape_key] = (value, time.monotonic())
@@ -263,10 +266,11 @@ class VideoJobs:
                 raise MissingReference(f"{rec.id}: its reference image {i} is missing from the job store (expired "
                                        "or deleted); create the job again")
             references.append(got[0])
-        return bool(await self.groups[rec.model].submit_job.remote(GroupRequest(
+        return await self.groups[rec.model].submit_job(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
-            guidance_scale=rec.guidance_scale, negative_prompt=rec.negative_prompt, steps=rec.steps,
-            references=tuple(references), lora=rec.lora)))
+            guidance_scale=rec.guidance_scale, guidance_scale_2=rec.guidance_scale_2,
+            negative_prompt=rec.negative_prompt, steps=rec.steps,
+            references=tuple(references), lora=rec.lora))
 
     async def reconcile(self) -> int:
         """Dispatch the jobs no live model group holds; returns how many were dispatched."""

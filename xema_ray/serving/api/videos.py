@@ -46,6 +46,10 @@ class VideoCreate(BaseModel):
                                        "/v1/adapters) stacked on this job, each {name, scale} (a JSON body)")
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
                                          description="Qwen-Image only (no video model takes it)")
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=50.0, allow_inf_nan=False,
+                                           description="a two-expert model's low-noise expert guidance (Wan2.2 "
+                                                       "A14B; default: guidance_scale, as diffusers); models of one "
+                                                       "expert refuse it")
     input_reference: Any = Field(default=None, description="image-to-video: the first frame, as a file "
                                  "(multipart/form-data) or a 'data:image/png;base64,...' URL (JSON); PNG, JPEG or "
                                  "WebP, scaled to cover the served size and centre-cropped (docs/api.md 'Image inputs')")

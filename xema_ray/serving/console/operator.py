@@ -16,6 +16,7 @@ from typing import Any
 
 from xema_ray.plan import PlanTable
 from xema_ray.serving.console.schemas import Attainment, GroupView, OperatorView, PlanRow, mitigation_label
+from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.group.load_metrics import GroupLoad
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.messages import GroupLayoutStats
@@ -79,10 +80,10 @@ async def _ask(call: Callable[[], Awaitable[Any]]) -> Any:
         return None
 
 
-async def replica_summaries(handle: Any, replicas: int) -> list[ReplicaSummary]:
+async def replica_summaries(handle: GroupHandle, replicas: int) -> list[ReplicaSummary]:
     """Each replica's summary: ``2 × replicas`` calls through the handle (Serve spreads them over
     the replicas), one kept per replica (with one replica: exactly its summary)."""
-    answers = await asyncio.gather(*(_ask(lambda: handle.replica_summary.remote()) for _ in range(max(1, 2 * replicas))))
+    answers = await asyncio.gather(*(_ask(handle.replica_summary) for _ in range(max(1, 2 * replicas))))
     out: dict[str, ReplicaSummary] = {}
     for a in answers:
         if a is not None:
@@ -92,10 +93,10 @@ async def replica_summaries(handle: Any, replicas: int) -> list[ReplicaSummary]:
     return [out[k] for k in sorted(out)]
 
 
-async def replica_loads(handle: Any, replicas: int) -> list[GroupLoad]:
+async def replica_loads(handle: GroupHandle, replicas: int) -> list[GroupLoad]:
     """Each replica's load figures (``load_stats``), asked as ``replica_summaries`` asks: one kept
     per replica."""
-    answers = await asyncio.gather(*(_ask(lambda: handle.load_stats.remote()) for _ in range(max(1, 2 * replicas))))
+    answers = await asyncio.gather(*(_ask(handle.load_stats) for _ in range(max(1, 2 * replicas))))
     out: dict[str, GroupLoad] = {}
     for a in answers:
         if a is not None:

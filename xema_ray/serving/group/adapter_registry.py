@@ -9,9 +9,9 @@ such groups share an ``AdapterRegistry`` (one small Serve deployment, ``deployme
   folder is a 409 on every replica), loads it on its own workers, and only then commits it (a
   refused file changes nothing anywhere); a delete is recorded first; either then waits until
   every live replica says it has the change;
-- every replica, on each routing-stats tick (``PublishesSummary``, every 0.5 s) and before it
-  checks a request naming adapters, makes its adapters what the registry says
-  (``GroupAdapters.sync_adapters``) and acknowledges the version it reached.
+- every replica, on each routing-stats tick (``ModelGroup.record_routing_stats``, every 0.5 s)
+  and before it checks a request naming adapters, makes its adapters what the registry says
+  (``GroupAdapters.sync``, through a ``RegistryClient``) and acknowledges the version it reached.
 
 State is ``RegistryState`` per model: adapters added at run time, and the YAML folder's adapters
 deleted at run time. It lives in this deployment's memory. A replica counts as live while it
@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
 from xema_ray.lora_pool import AdapterSource
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 #: a replica that acknowledged within this many seconds is waited for
 LIVE_S = 5.0
@@ -141,3 +145,42 @@ class AdapterRegistry:
                 except TimeoutError:
                     pass
         return late
+
+
+class RegistryClient:
+    """The registry as a group replica calls it: the deployment's handle (Serve's, or an
+    in-process stand-in answering ``handle.method.remote(...)`` alike) behind typed calls, one
+    per ``AdapterRegistry`` method a replica uses."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    async def state(self, model: str) -> RegistryState:
+        out: RegistryState = await self.handle.state.remote(model)
+        return out
+
+    async def reserve(self, model: str, name: str, in_folder: bool) -> bool:
+        return bool(await self.handle.reserve.remote(model, name, in_folder))
+
+    async def release(self, model: str, name: str) -> None:
+        await self.handle.release.remote(model, name)
+
+    async def commit(self, source: AdapterSource) -> int:
+        return int(await self.handle.commit.remote(source))
+
+    async def remove(self, model: str, name: str, from_folder: bool) -> int:
+        return int(await self.handle.remove.remote(model, name, from_folder))
+
+    async def restore(self, model: str, applied: RegistryState) -> RegistryState:
+        out: RegistryState = await self.handle.restore.remote(model, applied)
+        return out
+
+    async def ack(self, model: str, replica: str, version: int) -> None:
+        await self.handle.ack.remote(model, replica, version)
+
+    async def poll(self, model: str, replica: str, version: int, epoch: int) -> RegistryState | None:
+        out: RegistryState | None = await self.handle.poll.remote(model, replica, version, epoch)
+        return out
+
+    async def wait_synced(self, model: str, version: int, timeout_s: float) -> list[str]:
+        return list(await self.handle.wait_synced.remote(model, version, timeout_s))

@@ -2,7 +2,8 @@
 run time (``POST`` / ``DELETE /v1/adapters``) on every worker at once, requests checked against
 what is loaded, and batches split so that no sub-batch needs more adapters than the pool's slots.
 
-``ModelGroup`` mixes this in. A file is added on all of the group's workers or on none: a worker
+``ModelGroup`` holds a ``GroupAdapters`` (its ``adapters``) and answers the Router's admin calls
+through it. A file is added on all of the group's workers or on none: a worker
 that refuses it makes the others drop it again, so a refused adapter changes nothing served. An
 added file joins the worker set's load config, so a rebuilt set (a worker died) loads it again.
 A name already loaded is refused (409): replacing an adapter in place would change the outputs of
@@ -14,13 +15,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from xema_ray.lora_pool import (AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, LoraPoolConfig, LoraUse,
                                 PoolStats)
-from xema_ray.serving.group.adapter_registry import RegistryState
+from xema_ray.serving.group.adapter_registry import RegistryClient, RegistryState
 from xema_ray.serving.messages import InvalidRequest
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.worker import LoadedModel
+    from xema_ray.serving.group.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
 #: longest an adapter change waits for the group's other replicas to apply it
@@ -28,7 +33,17 @@ SYNC_TIMEOUT_S = 60.0
 #: longest a request naming adapters waits for its replica's sync with the registry
 REQUEST_SYNC_S = 10.0
 T = TypeVar("T")
-R = TypeVar("R")
+K = TypeVar("K")
+
+
+class NamesAdapters(Protocol):
+    """A request as ``GroupAdapters.check`` reads it (``GenerationRequest``)."""
+
+    @property
+    def lora(self) -> Sequence[LoraUse]: ...
+
+
+R = TypeVar("R", bound=NamesAdapters)
 
 
 class AdapterConflict(AdapterRejected):
@@ -76,22 +91,33 @@ def _cause(e: BaseException) -> BaseException:
 
 
 class GroupAdapters:
-    """Adapter calls of a model group (the Router's admin endpoints reach them through the handle)."""
+    """A model group's adapters: what its workers load, what requests may name, the admin calls
+    (the Router's endpoints reach them through the group's handle) and, with a registry, the
+    replicas' sync.
 
-    model: str
-    owner: str  # this replica
-    config: Any  # ModelGroupConfig
-    workers: Any  # WorkerSet
-    dispatcher: Any  # Dispatcher of tickets (``payload.request.lora``)
-    adapter_registry: Any = None  # set by ``_init_adapters``
+    Args:
+        model: the group's model.
+        owner: this replica (as the registry knows it).
+        pool: the group's adapter pool (``adapters:`` in its YAML; None: it serves none).
+        workers: the group's worker set (adapters are loaded on each of its workers; an added
+            file joins its load config, so a rebuilt set loads it again).
+        in_use: whether a paused batch (step-level preemption) has a request stacking a name: the
+            workers forget a deleted adapter only once none has.
+        registry: the app's ``AdapterRegistry`` where the group has several replicas (ignored
+            without a pool).
+    """
 
-    def _init_adapters(self, previous: Callable[[Any], None] | None, registry: Any = None) -> None:
-        """Set the worker set's ``on_loaded`` to ``previous`` and, after it, note the adapters loaded.
-        ``registry``: the app's ``AdapterRegistry`` handle where the group has several replicas."""
-        self.adapter_names: set[str] = set()
-        self._adapter_lock = asyncio.Lock()
-        self.adapter_registry = registry if self.pool_config is not None else None
-        self._folder = folder_sources(self.model, self.pool_config)  # as at start-up, on every replica
+    def __init__(self, model: str, owner: str, pool: LoraPoolConfig | None, workers: WorkerSet[Any],
+                 in_use: Callable[[str], bool], registry: RegistryClient | None = None) -> None:
+        self.model = model
+        self.owner = owner
+        self.pool_config = pool
+        self.workers = workers
+        self._in_use = in_use
+        self.registry = registry if pool is not None else None
+        self.names: set[str] = set()  # loaded on every worker of this replica
+        self.lock = asyncio.Lock()  # held while the workers' adapters (or the set itself) change
+        self._folder = folder_sources(model, pool)  # as at start-up, on every replica
         self._folder_names = {s.name for s in self._folder}
         self._claiming: collections.Counter[str] = collections.Counter()  # names this replica adds or deletes itself
         self._dropping: dict[str, asyncio.Event] = {}  # names the workers have yet to forget -> set once they did
@@ -102,37 +128,28 @@ class GroupAdapters:
         self._sync_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-        def loaded(result: Any) -> None:
-            if previous is not None:
-                previous(result)
-            self.adapter_names = set(getattr(result, "adapters", ()))
-            self._synced_version = 0  # a new worker set: the next sync compares everything again
-            for why in getattr(result, "adapters_refused", ()):
-                logger.warning("%s: %s", self.model, why)
+    def loaded(self, result: LoadedModel) -> None:
+        """A new worker set loaded (the set's ``on_loaded``): note the adapters its workers hold."""
+        self.names = set(result.adapters)
+        self._synced_version = 0  # a new worker set: the next sync compares everything again
+        for why in result.adapters_refused:
+            logger.warning("%s: %s", self.model, why)
 
-        self.workers.on_loaded = loaded
+    def sources(self) -> tuple[AdapterSource, ...]:
+        """The adapters a new worker set loads (e.g. for new plans): what the workers serve now."""
+        sources: tuple[AdapterSource, ...] = self.workers.spec.load.adapter_sources
+        return sources
 
-    @property
-    def pool_config(self) -> LoraPoolConfig | None:
-        return self.config.adapters
-
-    def adapter_load(self) -> dict[str, Any]:
-        """The worker load config's adapter fields: the pool and the adapters to load (the YAML
-        folder's files at start-up; what the workers serve now for a new set, e.g. new plans)."""
-        workers = getattr(self, "workers", None)
-        sources = workers.spec.load.adapter_sources if workers is not None else folder_sources(self.model, self.pool_config)
-        return {"adapters": self.pool_config, "adapter_sources": sources}
-
-    def fit_pool(self, groups: dict[Any, list[T]], uses: Callable[[T], Sequence[LoraUse]],
-                 failed: dict[str, Exception], rid: Callable[[T], str]) -> list[tuple[Any, list[T]]]:
+    def fit_pool(self, groups: dict[K, list[T]], uses: Callable[[T], Sequence[LoraUse]],
+                 failed: dict[str, Exception], rid: Callable[[T], str]) -> list[tuple[K, list[T]]]:
         """Each group's requests cut into runs that fit the pool's slots (one run per group when they
         do): requests with different adapters share a batch. A request naming an adapter deleted
         while it waited goes to ``failed`` (HTTP 422 naming it) instead of failing its batch."""
         slots = self.pool_config.slots if self.pool_config is not None else 1
-        kept: dict[Any, list[T]] = {}
+        kept: dict[K, list[T]] = {}
         for key, items in groups.items():
             for it in items:
-                gone = [u.name for u in uses(it) if u.name not in self.adapter_names]
+                gone = [u.name for u in uses(it) if u.name not in self.names]
                 if gone:
                     failed[rid(it)] = InvalidRequest(f"lora: adapter {gone[0]!r} was deleted while the request "
                                                      "waited; it is no longer loaded", "lora")
@@ -140,10 +157,10 @@ class GroupAdapters:
                     kept.setdefault(key, []).append(it)
         return [(key, run) for key, items in kept.items() for run in split_for_pool(items, uses, slots)]
 
-    def check_lora(self, request: R) -> R:
+    def check(self, request: R) -> R:
         """A request's adapters (``request.lora``), checked on arrival (``InvalidRequest``, HTTP 422,
         naming the first bad one; 404 for a name no loaded adapter has); returns the request."""
-        uses: Sequence[LoraUse] = request.lora  # type: ignore[attr-defined]
+        uses = request.lora
         if not uses:
             return request
         cfg = self.pool_config
@@ -153,8 +170,8 @@ class GroupAdapters:
             raise InvalidRequest(f"lora: {len(uses)} adapters stacked; {self.model} allows {cfg.max_per_request} "
                                  "per request", "lora")
         for i, u in enumerate(uses):
-            if u.name not in self.adapter_names:
-                known = ", ".join(sorted(self.adapter_names)) or "none"
+            if u.name not in self.names:
+                known = ", ".join(sorted(self.names)) or "none"
                 raise InvalidRequest(f"lora[{i}].name: unknown adapter {u.name!r} for {self.model} (loaded: {known})",
                                      f"lora[{i}].name", status=404)  # a name of nothing loaded, as an unknown id
         if len({u.name for u in uses}) != len(uses):
@@ -165,9 +182,9 @@ class GroupAdapters:
         spec = self.workers.spec
         self.workers.spec = spec.model_copy(update={"load": spec.load.model_copy(update={"adapter_sources": sources})})
 
-    async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
+    async def add(self, source: AdapterSource) -> AdapterInfo:
         """Load ``source`` on every worker (all or none), and with a registry on every replica of the
-        group (``adapter_registry``). Raises ``AdapterPathRefused`` (HTTP 403: a path outside
+        group (``registry``). Raises ``AdapterPathRefused`` (HTTP 403: a path outside
         ``adapters.roots``), ``AdapterRejected`` (422) or ``AdapterConflict`` (409)."""
         if self.pool_config is None:
             raise AdapterRejected(f"adapter {source.name!r}: {self.model} serves no adapters (its group has no "
@@ -175,22 +192,23 @@ class GroupAdapters:
         if source.model != self.model:
             raise AdapterRejected(f"adapter {source.name!r} is for {source.model!r}, this group serves {self.model!r}",
                                   source.name)
-        if not self.pool_config.permits(source.path):  # before anything looks at the file
-            raise AdapterPathRefused(source.name)
-        registry = self.adapter_registry
+        for field, path in source.paths().items():  # before anything looks at a file
+            if not self.pool_config.permits(path):
+                raise AdapterPathRefused(source.name, field)
+        registry = self.registry
         if registry is None:
             return await self._load(source)
         name = source.name
         self._claiming[name] += 1  # this replica's own sync leaves the name alone meanwhile
         try:
-            if name in self.adapter_names or not await registry.reserve.remote(self.model, name, name in self._folder_names):
+            if name in self.names or not await registry.reserve(self.model, name, name in self._folder_names):
                 raise self._conflict(name)  # loaded here, or taken on another replica
             try:
                 info = await self._load(source)
             except BaseException:
-                await registry.release.remote(self.model, name)  # refused: nothing changes anywhere
+                await registry.release(self.model, name)  # refused: nothing changes anywhere
                 raise
-            await self._synced_everywhere(await registry.commit.remote(source))
+            await self._synced_everywhere(await registry.commit(source))
             return info
         finally:
             self._claiming[name] -= 1
@@ -203,8 +221,8 @@ class GroupAdapters:
         dropping = self._dropping.get(source.name)
         if dropping is not None:  # deleted a moment ago: loaded again once the workers forgot it
             await dropping.wait()
-        async with self._adapter_lock:
-            if source.name in self.adapter_names:
+        async with self.lock:
+            if source.name in self.names:
                 raise self._conflict(source.name)
             results = await asyncio.gather(*(self.workers.collective_rpc("add_adapter", ranks=[r], args=(source,))
                                              for r in range(self.workers.size)), return_exceptions=True)
@@ -214,25 +232,25 @@ class GroupAdapters:
                 if accepted:  # all or none: the workers that took it drop it again
                     await self.workers.collective_rpc("remove_adapter", ranks=accepted, args=(source.name,))
                 raise _cause(failed[0])
-            self.adapter_names.add(source.name)
+            self.names.add(source.name)
             self._set_sources((*self.workers.spec.load.adapter_sources, source))
             info: AdapterInfo = results[0][0]  # type: ignore[index]
             return info
 
-    async def remove_adapter(self, name: str) -> bool:
+    async def remove(self, name: str) -> bool:
         """Forget ``name`` on every worker (and with a registry, on every replica); False: not loaded.
         Requests that name it afterwards get a 422; batches running or paused with it keep it until
         they end (the call returns then)."""
-        registry = self.adapter_registry
+        registry = self.registry
         if registry is None:
             return await self._unload(name)
         self._claiming[name] += 1
         try:
-            state: RegistryState = await registry.state.remote(self.model)
+            state: RegistryState = await registry.state(self.model)
             served = name in state.added or (name in self._folder_names and name not in state.removed)
-            if name not in self.adapter_names and not served:
+            if name not in self.names and not served:
                 return False
-            version = await registry.remove.remote(self.model, name, name in self._folder_names)
+            version = await registry.remove(self.model, name, name in self._folder_names)
             await self._unload(name)
             await self._synced_everywhere(version)
             return True
@@ -240,8 +258,8 @@ class GroupAdapters:
             self._claiming[name] -= 1
 
     async def _unload(self, name: str) -> bool:
-        async with self._adapter_lock:
-            if name not in self.adapter_names:
+        async with self.lock:
+            if name not in self.names:
                 return False
             self._forget(name)
         await self._drop(name)
@@ -250,19 +268,19 @@ class GroupAdapters:
     def _forget(self, name: str) -> None:
         """New requests naming ``name`` are refused, queued ones fail alone (``fit_pool``), and a
         worker set loaded from now on (a rebuild, new plans) leaves it out; ``_drop`` tells the workers."""
-        self.adapter_names.discard(name)
+        self.names.discard(name)
         self._set_sources(tuple(s for s in self.workers.spec.load.adapter_sources if s.name != name))
         self._dropping.setdefault(name, asyncio.Event())
 
     async def _drop(self, name: str) -> None:
         """The workers forget ``name`` once no batch uses it: a paused batch resumes with it and a
-        running one keeps it until it ends. Waits without holding ``_adapter_lock``, so adding
+        running one keeps it until it ends. Waits without holding ``lock``, so adding
         other adapters (and syncing) goes on meanwhile."""
         try:
             while True:
-                while self._paused_with(name):
+                while self._in_use(name):
                     await asyncio.sleep(0.05)
-                async with self._adapter_lock:
+                async with self.lock:
                     try:
                         await self.workers.collective_rpc("remove_adapter", args=(name,))
                         return
@@ -280,33 +298,34 @@ class GroupAdapters:
         """After this replica's own change (``version``): catch up with the registry (changes other
         replicas made meanwhile included) and wait (``SYNC_TIMEOUT_S`` at most) for the group's
         other live replicas to apply it; one that does not is logged (it follows on a later sync)."""
-        await self.sync_adapters()
-        late = await self.adapter_registry.wait_synced.remote(self.model, version, SYNC_TIMEOUT_S)
+        assert self.registry is not None  # only a change made through the registry waits for it
+        await self.sync()
+        late = await self.registry.wait_synced(self.model, version, SYNC_TIMEOUT_S)
         if late:
             logger.warning("%s: replicas %s did not apply adapter change %d within %.0f s; they apply it on "
                            "their next sync", self.model, ", ".join(late), version, SYNC_TIMEOUT_S)
 
-    def _background(self, coro: Any) -> asyncio.Task[None]:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_log_failure)
         return task
 
-    def tick_adapters(self) -> asyncio.Task[None] | None:
+    def tick(self) -> asyncio.Task[None] | None:
         """A sync with the registry, started unless one runs (the replica's routing-stats tick)."""
-        if self.adapter_registry is None:
+        if self.registry is None:
             return None
         if self._sync_task is None or self._sync_task.done():
-            self._sync_task = self._background(self.sync_adapters())
+            self._sync_task = self._background(self.sync())
         return self._sync_task
 
-    async def adapters_for(self, uses: Sequence[LoraUse]) -> None:
+    async def synced_for(self, uses: Sequence[LoraUse]) -> None:
         """Before a request naming adapters is checked: a sync with the registry (the running one, or
         one started now; at most ``REQUEST_SYNC_S``), so that a replica started since a change, or
         one whose ticks are late, checks it against the changes callers were answered for. Never
         fails the request: past the wait, or with the registry unreachable, it is checked as things are."""
-        task = self.tick_adapters() if uses else None
+        task = self.tick() if uses else None
         if task is None:
             return
         try:
@@ -315,56 +334,49 @@ class GroupAdapters:
             logger.warning("%s: adapter registry not synced within %.0f s (%r); the request is checked against "
                            "this replica's adapters", self.model, REQUEST_SYNC_S, e)
 
-    async def sync_adapters(self) -> None:
+    async def sync(self) -> None:
         """Make this replica's adapters what the registry says: the YAML folder's, less those deleted
         at run time, plus those added; then acknowledge the version. A file this replica refuses
         (``AdapterRejected``: unreadable on its node, ...) is logged and left out (requests naming
         it here get the usual 422); any other failure leaves the version unacknowledged, so the
         next sync tries again."""
-        registry = self.adapter_registry
+        registry = self.registry
         if registry is None:
             return
         async with self._sync_lock:
-            state: RegistryState | None = await registry.poll.remote(self.model, self.owner, self._synced_version,
-                                                                     self._epoch)
+            state: RegistryState | None = await registry.poll(self.model, self.owner, self._synced_version, self._epoch)
             if state is None:
                 return
             if state.epoch != self._epoch:
                 if self._applied is not None:  # the registry was replaced: it gets back what was served
-                    state = await registry.restore.remote(self.model, self._applied)
+                    state = await registry.restore(self.model, self._applied)
                 self._epoch = state.epoch
             wanted = {s.name: s for s in self._folder if s.name not in state.removed}
             wanted.update(state.added)
             complete = True
             for name, source in wanted.items():
-                if name not in self.adapter_names and not self._claiming[name]:
+                if name not in self.names and not self._claiming[name]:
                     try:
                         await self._load(source)
                     except Exception as e:  # noqa: BLE001 — one replica's refusal is logged, never fatal
                         complete = complete and isinstance(_cause(e), AdapterRejected)
                         logger.warning("%s: adapter %s not loaded on this replica: %s", self.model, name, _cause(e))
-            for name in sorted(self.adapter_names - set(wanted)):
+            for name in sorted(self.names - set(wanted)):
                 if not self._claiming[name]:
                     self._forget(name)
                     self._background(self._drop(name))
             self._applied = state
             if complete:
                 self._synced_version = state.version
-                await registry.ack.remote(self.model, self.owner, state.version)
+                await registry.ack(self.model, self.owner, state.version)
 
-    def _paused_with(self, name: str) -> bool:
-        """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""
-        paused = getattr(self.dispatcher, "paused", None) or ()
-        return any(u.name == name for a in paused for r in a.requests
-                   for u in (getattr(getattr(r.payload, "request", None), "lora", None) or ()))
-
-    async def list_adapters(self) -> list[AdapterInfo]:
+    async def info(self) -> list[AdapterInfo]:
         """The adapters loaded (as worker 0 holds them: every worker holds the same)."""
         if self.pool_config is None:
             return []
         return list((await self.workers.collective_rpc("list_adapters", ranks=[0]))[0])
 
-    async def adapter_stats(self) -> list[PoolStats]:
+    async def pool_stats(self) -> list[PoolStats]:
         """Each worker's pool: residency, copies, evictions and the seconds batches waited for copies."""
         if self.pool_config is None:
             return []

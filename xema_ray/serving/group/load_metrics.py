@@ -178,7 +178,7 @@ class LoadMetrics:
             headroom is exported then); read at every refresh (a new plan table is taken up).
         window_s / window_requests: the attainment window.
         keep: other gauges of the group to republish with these (``ServingMetrics.gauges``).
-        summary: the replica's summary now (``PublishesSummary.summary``), refreshed from on the
+        summary: the replica's summary now (``SummaryPublisher.summary``), refreshed from on the
             running loop (``start``; None: ``refresh`` is called by hand, as in tests).
     """
 

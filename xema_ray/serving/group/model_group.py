@@ -40,11 +40,13 @@ from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.dispatcher import Dispatcher
-from xema_ray.serving.group.adapters import GroupAdapters
+from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
+from xema_ray.serving.group.adapter_registry import RegistryClient
+from xema_ray.serving.group.adapters import GroupAdapters, folder_sources
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
-                                       InvalidRequest, QueueFull)
+                                       Guidance, InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
@@ -52,10 +54,15 @@ from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
 from xema_ray.serving.group.worker_set import RebuildFailed, WorkerDied, WorkerSetFactory, WorkerSetSpec, worker_set_for
 from xema_ray.serving.jobs.lifecycle import JobLifecycle
 from xema_ray.serving.jobs.progress import PhaseEstimate
-from xema_ray.serving.group.replica_stats import PublishesSummary
+from xema_ray.serving.group.replica_stats import SummaryPublisher
+from xema_ray.serving.scale.replica_summary import ReplicaSummary
 
 if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
     from xema_ray.runtime.engine import GenerationRequest
+    from xema_ray.runtime.worker import LoadedModel
+    from xema_ray.serving.group.load_metrics import GroupLoad
 
 __all__ = ["GroupSettings", "ModelGroup"]  # GroupSettings: group/settings.py
 
@@ -67,7 +74,7 @@ WORKER_CONCURRENCY = 4
 @dataclass
 class _Ticket:
     request: GenerationRequest  # validated on arrival
-    guidance_scale: float | None
+    guidance: Guidance  # both experts' scales (``GroupRequest.guidance``)
     future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
 
@@ -77,7 +84,7 @@ def _ticket(r: Pending[_Ticket]) -> _Ticket:
     return r.payload
 
 
-class ModelGroup(GroupAdapters, PublishesSummary):
+class ModelGroup:
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
     Args:
@@ -88,14 +95,17 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         settings: the app's settings and the plan table's choices for the group (``GroupSettings``).
         worker_set: makes the worker set from its spec (default: the device's own, Ray actors
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
-        adapter_registry: the app's ``AdapterRegistry`` (replicated groups with adapters follow it).
+        adapter_registry: the handle of the app's ``AdapterRegistry`` (replicated groups with adapters
+            follow it).
 
-    Each replica publishes a summary of its dispatcher for the request router and the autoscaler
-    (``PublishesSummary``: ``record_routing_stats``, ``record_autoscaling_stats``, ``drain``).
+    Its collaborators: ``adapters`` (``GroupAdapters``: the LoRA adapters, the admin calls, the
+    replicas' sync) and ``publisher`` (``SummaryPublisher``: the replica's summary for the request
+    router and the autoscaler, and its drain); the methods Serve and the Router call by name
+    (``record_routing_stats``, ``add_adapter``, ``drain``, ...) hand over to them.
     """
 
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
-                 worker_set: WorkerSetFactory = worker_set_for, adapter_registry: Any = None) -> None:
+                 worker_set: WorkerSetFactory = worker_set_for, adapter_registry: DeploymentHandle | None = None) -> None:
         s = settings if settings is not None else GroupSettings()
         self._settings = s
         self.config = config
@@ -108,9 +118,10 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, config.wait_window_s,
                                                           config.max_queue, self.policy, admission=s.admission)
-        self.metrics = ServingMetrics(model, lambda: (self.entries, self._settings.budget_bytes), self.summary)
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self.jobs = JobLifecycle(model, self.owner, s.jobs)  # video jobs: accepted, started, stored, failed
+        self.publisher = SummaryPublisher(model, self.owner, self.dispatcher, self.jobs)
+        self.metrics = ServingMetrics(model, lambda: (self.entries, self._settings.budget_bytes), self.publisher.summary)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         phases = s.phases
@@ -123,15 +134,22 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             self._tell_phases(k, est)
         self.plans_hash = plans_hash(self.entries)
         self.reload = PlanReload()
-        self.workers = worker_set(self._worker_spec(self.entries, s))
-        self._init_adapters(lambda loaded: self.layout_counters.loaded(loaded.layout_status),  # workers.on_loaded
-                            adapter_registry)
+        self.workers = worker_set(self._worker_spec(self.entries, s, folder_sources(model, config.adapters)))
+        self.adapters = GroupAdapters(model, self.owner, config.adapters, self.workers, self._paused_with,
+                                      RegistryClient(adapter_registry) if adapter_registry is not None else None)
+        self.workers.on_loaded = self._loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
         self.workers.start()
 
-    def _worker_spec(self, entries: dict[str, PlanEntry], s: GroupSettings) -> WorkerSetSpec:
+    def _loaded(self, loaded: LoadedModel) -> None:
+        """A worker set loaded (its ``on_loaded``): its layouts' status, the adapters it holds."""
+        self.layout_counters.loaded(loaded.layout_status)
+        self.adapters.loaded(loaded)
+
+    def _worker_spec(self, entries: dict[str, PlanEntry], s: GroupSettings,
+                     adapters: tuple[AdapterSource, ...]) -> WorkerSetSpec:
         """The worker set that runs ``entries`` (every weight placed once, at load, where the plans
-        keep it; never whole on the device)."""
+        keep it; never whole on the device) and loads ``adapters``."""
         from xema_ray.runtime.worker import ModelLoadConfig
 
         c = self.config
@@ -139,7 +157,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
-                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes, **self.adapter_load())
+                               layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
+                               adapters=c.adapters, adapter_sources=adapters)
         return WorkerSetSpec(
             device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus, backend=s.worker_set,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
@@ -178,8 +197,8 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             old_spec, old_counters = self.workers.spec, self.layout_counters
             self.layout_counters = LayoutCounters({k: e.config.layout_ref for k, e in new.plans.items()})
             try:
-                async with self._adapter_lock:  # an adapter added meanwhile is in the spec the new set loads
-                    await self.workers.replace(self._worker_spec(new.plans, settings))
+                async with self.adapters.lock:  # an adapter added meanwhile is in the spec the new set loads
+                    await self.workers.replace(self._worker_spec(new.plans, settings, self.adapters.sources()))
             except RebuildFailed:
                 # the new plans cannot load (a layout file missing, ...): back to the plans it served,
                 # so that the queued requests run; the failure is reported (/healthz plans_reload_error)
@@ -224,11 +243,11 @@ class ModelGroup(GroupAdapters, PublishesSummary):
 
     def _admit(self, req: GroupRequest) -> GenerationRequest:
         """``req`` checked (``InvalidRequest``, HTTP 422, if it cannot run here) and counted as an arrival."""
-        request = self.check_lora(req.validated())
+        request = self.adapters.check(req.validated())
         if req.template not in self.dispatcher.plans:
             raise InvalidRequest(f"{self.model} has no plan for template {req.template!r}", "size")
         req.check_references(self.entries[req.template].config.template.references)
-        self.note_arrival(req.template)
+        self.publisher.note_arrival(req.template)
         return request
 
     def _queue_full(self, template: str, e: OverflowError) -> QueueFull:
@@ -243,12 +262,12 @@ class ModelGroup(GroupAdapters, PublishesSummary):
     async def generate(self, req: GroupRequest) -> GenerateResult:
         """Queue one request and wait for its encoded output and where it ran."""
         self._ensure_loop()
-        await self.adapters_for(req.lora)
+        await self.adapters.synced_for(req.lora)
         request = self._admit(req)
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance_scale, fut), steps=req.steps)
+                                   _Ticket(request, req.guidance, fut), steps=req.steps)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -261,9 +280,9 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         job_id = req.request_id
         if await self.jobs.reclaim(job_id):  # ours already
             return True
-        await self.adapters_for(req.lora)
+        await self.adapters.synced_for(req.lora)
         request = self._admit(req)
-        ticket = _Ticket(request, req.guidance_scale, None, job_id)
+        ticket = _Ticket(request, req.guidance, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
                                                                                  ticket, steps=req.steps)):
@@ -330,12 +349,12 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         """Run an assignment on its workers (requests with different guidance as sub-batches): the
         outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
-        by_guidance: dict[float | None, list[Pending[_Ticket]]] = {}
+        by_guidance: dict[Guidance, list[Pending[_Ticket]]] = {}
         for r in a.requests:
-            by_guidance.setdefault(_ticket(r).guidance_scale, []).append(r)
+            by_guidance.setdefault(_ticket(r).guidance, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
-        parts = self.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
+        parts = self.adapters.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
         for i, (guidance, reqs) in enumerate(parts):
             later_s = sum(a.plan.latency_for(len(rs)) for _, rs in parts[i + 1:])  # a re-run holds the workers for these too
             failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
@@ -351,7 +370,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
-    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: float | None, reqs: list[
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: Guidance, reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
         """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
         before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
@@ -373,7 +392,7 @@ class ModelGroup(GroupAdapters, PublishesSummary):
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
-                      guidance_scale=guidance, steps=steps)
+                      guidance_scale=guidance[0], guidance_scale_2=guidance[1], steps=steps)
         t0 = time.monotonic()
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)
@@ -452,11 +471,51 @@ class ModelGroup(GroupAdapters, PublishesSummary):
             if self._wake is not None:
                 self._wake.set()
 
-    # ------------------------------------------------------------------ introspection
+    def _paused_with(self, name: str) -> bool:
+        """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""
+        return any(u.name == name for a in self.dispatcher.paused for r in a.requests for u in _ticket(r).request.lora)
+
+    # ------------------------------------------------------------------ adapters (the Router's admin endpoints)
+    async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
+        """``GroupAdapters.add``: on every worker (and replica), or on none."""
+        return await self.adapters.add(source)
+
+    async def remove_adapter(self, name: str) -> bool:
+        """``GroupAdapters.remove``; False: not loaded."""
+        return await self.adapters.remove(name)
+
+    async def list_adapters(self) -> list[AdapterInfo]:
+        return await self.adapters.info()
+
+    async def adapter_stats(self) -> list[PoolStats]:
+        return await self.adapters.pool_stats()
+
+    # ------------------------------------------------------------------ the replica's summary (scale/)
+    def summary(self) -> ReplicaSummary:
+        return self.publisher.summary()
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's tick (0.5 s, replicated groups): also when the other replicas' adapter changes are followed."""
-        self.tick_adapters()
-        return await super().record_routing_stats()
+        self.adapters.tick()
+        return self.publisher.routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.publisher.autoscaling_stats()
+
+    async def replica_summary(self) -> dict[str, Any]:
+        """The summary as JSON (for ``/v1/stats``, tests and the bench)."""
+        return self.summary().model_dump(mode="json")
+
+    async def load_stats(self) -> GroupLoad:
+        """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``:
+        predicted waits, attainment, memory per worker), for JSON readers such as the operator view."""
+        return self.metrics.load.snapshot().model_copy(update={"replica": self.owner})
+
+    async def drain(self, budget_s: float) -> dict[str, int]:
+        """``SummaryPublisher.drain`` (Serve scales the replica down)."""
+        return await self.publisher.drain(budget_s)
+
+    # ------------------------------------------------------------------ introspection
 
     async def status(self) -> dict[str, Any]:
         """The group's state for ``/healthz`` (a ``GroupStatus``): ``ok``, or ``degraded`` while its

@@ -8,7 +8,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +16,16 @@ from xema_ray.scheduling.batch import Assignment
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.worker_set import WorkerSet
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.engine import Batch, BatchResult
+    from xema_ray.runtime.pause import PausedRun
+    from xema_ray.runtime.progress import StepObserver
+
+
+def _finished(results: list[BatchResult | PausedRun]) -> list[BatchResult]:
+    """The ranks' results of a batch that ran to its end (not preemptible, or every pause resumed)."""
+    return cast("list[BatchResult]", results)
 
 
 class TemplatePreemption(BaseModel):
@@ -169,13 +179,14 @@ class PreemptibleRunner:
         if run_id is not None:
             self.workers.pause(self.dispatcher.assignment(batch_id).workers, run_id, offload)
 
-    async def run_sub_batch(self, a: Assignment[Any], batch: Any, observer: Any, run_id: str) -> list[Any]:
+    async def run_sub_batch(self, a: Assignment[Any], batch: Batch, observer: StepObserver | None,
+                            run_id: str) -> list[BatchResult]:
         """One sub-batch on the assignment's workers; its ``BatchResult`` per rank."""
         from xema_ray.runtime.pause import PausedRun
 
         bid = a.batch_id
         if self.policy is None:
-            return await self.workers.execute(a.workers, batch, observer)
+            return _finished(await self.workers.execute(a.workers, batch, observer))
         if self.state.wanted(bid):  # a pause that lands between two sub-batches holds nothing
             await self._parked(a, 0, False)
         self.state.current_run[bid] = run_id
@@ -187,7 +198,7 @@ class PreemptibleRunner:
                     raise RuntimeError(f"{self.model}: batch {bid}'s SP ranks disagree about a pause ({results})")
                 resumed = await self._parked(a, max(r.state_bytes for r in paused), paused[0].offloaded)
                 results = await self.workers.resume(resumed, run_id)
-            return results
+            return _finished(results)
         finally:
             self.state.current_run.pop(bid, None)
 

@@ -1,10 +1,10 @@
 """What a ModelGroup replica publishes for the request router and the autoscaler, and how it
-drains when Serve scales it down.
+drains when Serve scales it down (``SummaryPublisher``, held by the group as ``publisher``).
 
-* ``record_routing_stats``: Serve's controller polls it every ``request_routing_stats_period_s``
-  and hands the result to every handle's request router (``scale/replica_router.SloRequestRouter``):
-  the replica's ``ReplicaSummary`` as JSON.
-* ``record_autoscaling_stats``: the same summary as flat numbers, pushed to the controller for the
+* routing stats: Serve's controller polls the group's ``record_routing_stats`` every
+  ``request_routing_stats_period_s`` and hands the result to every handle's request router
+  (``scale/replica_router.SloRequestRouter``): the replica's ``ReplicaSummary`` as JSON.
+* autoscaling stats: the same summary as flat numbers, pushed to the controller for the
   custom autoscaling policy (``scale/scaling.SloAutoscalingPolicy``).
 * ``drain`` (from the deployment's ``__del__``, which Serve calls once the replica's ongoing
   requests — every synchronous request it accepted — have finished): its queued video jobs go
@@ -25,8 +25,7 @@ from xema_ray.serving.scale.replica_summary import ArrivalMeter, ReplicaSummary,
 from xema_ray.serving.scale.scaling import summary_metrics
 
 if TYPE_CHECKING:
-    from xema_ray.serving.group.load_metrics import GroupLoad
-    from xema_ray.serving.group.metrics import ServingMetrics
+    from xema_ray.scheduling.dispatcher import Dispatcher
     from xema_ray.serving.jobs.lifecycle import JobLifecycle
 
 logger = logging.getLogger("xema_ray.serving")
@@ -35,50 +34,44 @@ logger = logging.getLogger("xema_ray.serving")
 ARRIVAL_WINDOW_S = 30.0
 
 
-class PublishesSummary:
-    """Mixin for ModelGroup: needs ``dispatcher``, ``owner``, ``model``, ``jobs``, the video
-    jobs' ``JobLifecycle`` (None: a group without jobs), and ``metrics``."""
+class SummaryPublisher:
+    """One replica's summary of its dispatcher, its arrival rates and its drain.
 
-    dispatcher: Any
-    owner: str
-    model: str
-    jobs: JobLifecycle | None
-    metrics: ServingMetrics
+    Args:
+        model: the group's model (for the drain's log line).
+        owner: this replica (as job owner and in its summary).
+        dispatcher: the group's dispatcher, summarised and drained.
+        jobs: the video jobs' ``JobLifecycle`` (None: a group without jobs).
+    """
 
-    def _arrivals(self) -> ArrivalMeter:
-        meter = getattr(self, "_arrival_meter", None)
-        if meter is None:
-            meter = self._arrival_meter = ArrivalMeter(ARRIVAL_WINDOW_S)
-        return meter
+    def __init__(self, model: str, owner: str, dispatcher: Dispatcher[Any], jobs: JobLifecycle | None) -> None:
+        self.model = model
+        self.owner = owner
+        self.dispatcher = dispatcher
+        self.jobs = jobs
+        self.arrivals = ArrivalMeter(ARRIVAL_WINDOW_S)
+        self.draining = False
 
     def note_arrival(self, template: str) -> None:
         """A request of ``template`` arrived (for the arrival rate the autoscaler extrapolates)."""
-        self._arrivals().add(template, time.monotonic())
+        self.arrivals.add(template, time.monotonic())
 
     def summary(self) -> ReplicaSummary:
         now = time.monotonic()
-        return summarize(self.dispatcher, self.owner, now, time.time(), self._arrivals().rates(now),
-                         draining=getattr(self, "_draining", False))
+        return summarize(self.dispatcher, self.owner, now, time.time(), self.arrivals.rates(now), draining=self.draining)
 
-    async def record_routing_stats(self) -> dict[str, Any]:
+    def routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router gets (``record_routing_stats``): the summary as JSON."""
         return {SUMMARY_KEY: self.summary().model_dump(mode="json")}
 
-    async def record_autoscaling_stats(self) -> dict[str, float]:
+    def autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler gets (``record_autoscaling_stats``): the summary's flat numbers."""
         return summary_metrics(self.summary())
-
-    async def load_stats(self) -> GroupLoad:
-        """The load figures of the Prometheus endpoint as one typed answer (``LoadMetrics.snapshot``:
-        predicted waits, attainment, memory per worker), for JSON readers such as the operator view."""
-        return self.metrics.load.snapshot().model_copy(update={"replica": self.owner})
-
-    async def replica_summary(self) -> dict[str, Any]:
-        """The summary as JSON (for ``/v1/stats``, tests and the bench)."""
-        return self.summary().model_dump(mode="json")
 
     async def drain(self, budget_s: float) -> dict[str, int]:
         """Hand back queued jobs, let running batches finish within ``budget_s``, hand back the rest.
         Returns how many jobs were handed back and how many batches were still running at the end."""
-        self._draining = True
+        self.draining = True
         handed = 0
         deadline = time.monotonic() + budget_s
         if self.jobs is not None:

@@ -35,6 +35,10 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
+    from xema_ray.runtime.engine import Batch, BatchResult
+    from xema_ray.runtime.pause import PausedRun
+    from xema_ray.runtime.progress import StepObserver
+    from xema_ray.runtime.worker import LoadedModel
     from xema_ray.runtime.worker_base import WorkerBase
 
 logger = logging.getLogger("xema_ray.serving")
@@ -167,7 +171,7 @@ class WorkerSet(ABC, Generic[H]):
         self._reason: str | None = None
         self._lock = asyncio.Lock()
         #: called on the loop with each new generation's LoadedModel (the group's layout status)
-        self.on_loaded: Callable[[Any], None] | None = None
+        self.on_loaded: Callable[[LoadedModel], None] | None = None
 
     # ------------------------------------------------------------------ what an implementation provides
     @abstractmethod
@@ -316,7 +320,8 @@ class WorkerSet(ABC, Generic[H]):
                 self._state, self._reason = "failed", str(e)
             raise
 
-    async def execute(self, ranks: Sequence[int], batch: Any, observer: Any = None, run_id: str | None = None) -> list[Any]:
+    async def execute(self, ranks: Sequence[int], batch: Batch, observer: StepObserver | None = None,
+                      run_id: str | None = None) -> list[BatchResult | PausedRun]:
         """One batch on its SP group's ranks: ``BatchResult`` or, when it parked, ``PausedRun`` per rank."""
         args = (batch, observer) if run_id is None else (batch, observer, run_id)
         return await self.collective_rpc("execute", ranks, args)
@@ -327,7 +332,7 @@ class WorkerSet(ABC, Generic[H]):
         if self._current is not None:
             self._send(self._current, "pause", self._ranks(ranks), (run_id, offload))
 
-    async def resume(self, ranks: Sequence[int], run_id: str) -> list[Any]:
+    async def resume(self, ranks: Sequence[int], run_id: str) -> list[BatchResult | PausedRun]:
         """Continue a parked batch on the ranks it paused on."""
         return await self.collective_rpc("resume", ranks, (run_id,))
 

@@ -85,6 +85,8 @@ class JobRecord(BaseModel):
     prompt: str
     seed: int
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert "
+                                                                     "guidance (None: guidance_scale's)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default")
     steps: int = Field(ge=1, description="the denoising steps it runs (resolved by the API: its own or its template's)")
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
