@@ -18,7 +18,7 @@ Example:
     ...     peak_bytes=10**6, latency_s=1.0, goodput_rps=1.0, slo_s=2.0, latency_source="estimated"))
     >>> fast = tier_plan(e, DEFAULT_TIERS["fast"], denoise_share=0.95)
     >>> round(fast.latency_s, 3), fast.peak_bytes - 10**6
-    (0.506, 1024)
+    (0.316, 1024)
 """
 
 from __future__ import annotations

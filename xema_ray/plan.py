@@ -82,15 +82,15 @@ class StepCacheSchedule(BaseModel):
 
     Example:
         >>> s = StepCacheSchedule()
-        >>> s.computed_steps(50), s.computed_steps(4)
-        (24, 3)
+        >>> s.computed_steps(50), s.computed_steps(28), s.computed_steps(3)
+        (14, 8, 3)
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    warmup: float = Field(default=0.2, ge=0, le=1, description="fraction of a stage's steps computed first")
+    warmup: float = Field(default=0.1, ge=0, le=1, description="fraction of a stage's steps computed first")
     min_warmup: int = Field(default=2, ge=1, description="warm-up steps at least (a short request computes them all)")
-    compute_every: int = Field(default=3, ge=2, description="after warm-up, one step in this many is computed; "
+    compute_every: int = Field(default=5, ge=2, description="after warm-up, one step in this many is computed; "
                                                              "the others reuse the cached output")
     final: int = Field(default=1, ge=0, description="last steps of a stage always computed")
 
