@@ -1,4 +1,4 @@
-"""The group passes (``GROUP_PASSES``: residency, text encoder, expert switch) and who runs them: each model
+"""The group passes (``GROUP_PASSES``: residency, text encoder, expert switch, decode stage) and who runs them: each model
 group's plans made final once its templates are planned, its layouts started (``GroupFinisher``);
 under an expected load (``finish_every_group``) or a host budget's second pass
 (``GroupFinisher.fit_host``) all groups together."""

@@ -12,7 +12,8 @@ the state with its own (``Pass.reads`` / ``Pass.writes``, checked as it runs):
   with (``planner.load_aware``).
 - ``groups``: each model group's ``GROUP_PASSES`` (residency, text-encoder placement, and for a
   two-expert model (Wan2.2-A14B) its plan at the expert switch made the template's entry:
-  ``planner.finishing``, ``planner.expert_switch``), then its layouts start
+  ``planner.finishing``, ``planner.expert_switch``; with ``--stages split|auto`` each video
+  template's decode in place or on a pool of its own, ``planner.decode_stage``), then its layouts start
   (``planner.layouts.LayoutWave``: solved for the entries the worker will run, the swap
   included). No pass between ``templates`` and this one couples the groups without a load, so
   each group is then finished inside ``templates``, as soon as its last template is planned,
