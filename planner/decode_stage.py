@@ -241,10 +241,11 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
                 decode_peak_bytes=best.decode_peak_bytes, dit_peak_bytes=best.dit_peak_bytes)
     wins = _better(pooled, in_place)
     if stages == "auto" and not wins:
-        lose = ("more" if best.goodput_rps > pred.goodput_rps else "less")
+        lose = ("the GPUs it takes from the DiT cost more goodput than the decode it frees them of"
+                if pooled[0] < in_place[0] else "it serves as much but is no faster")
         why = (f"in place serves {in_place[0] * 60:.2f}/min at {in_place[1]:.1f} s; the best pool "
-               f"({best.pool.describe()}, DiT SP{best.dit.sp} DP{best.dp}) serves {pooled[0] * 60:.2f}/min at {pooled[1]:.1f} s: "
-               f"the GPUs it takes from the DiT cost {lose} than the decode it frees them of")
+               f"({best.pool.describe()}, DiT SP{best.dit.sp} DP{best.dp}) serves {pooled[0] * 60:.2f}/min at "
+               f"{pooled[1]:.1f} s: {lose}")
         return entry, DecodeChoice(stage="in_place", reason=why, **base)
     why = (f"the pool ({best.pool.describe()}, DiT SP{best.dit.sp} DP{best.dp}) serves {pooled[0] * 60:.2f}/min at {pooled[1]:.1f} s "
            f"against {in_place[0] * 60:.2f}/min at {in_place[1]:.1f} s in place" + ("" if wins else " (asked: split)"))
