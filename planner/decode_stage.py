@@ -256,3 +256,22 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
     note = f"decode in place: {pred.latency_s:.1f} s, {pred.goodput_rps * 60:.2f}/min"
     return entry.model_copy(update={"config": config, "prediction": prediction, "runner_up": note}), \
         DecodeChoice(stage="pool", reason=why, **base)
+
+
+def one_pool(before: dict[str, PlanEntry], after: dict[str, PlanEntry], decodes: dict[str, DecodeChoice],
+             gpus: int) -> tuple[dict[str, PlanEntry], dict[str, DecodeChoice]]:
+    """A model group holds one decode pool, of the largest size its templates chose; the group's
+    other GPUs are its DiT workers, which every template's SP group must still fit. Where one does
+    not, the group keeps every decode in place (its choices say why)."""
+    pool_gpus = max((e.config.decode.gpus for e in after.values() if e.config.decode is not None), default=0)
+    if not pool_gpus:
+        return after, decodes
+    left = gpus - pool_gpus
+    wide = sorted(k for k, e in after.items() if e.config.sp > left)
+    if not wide:
+        return after, decodes
+    why = (f"the group's pool of {pool_gpus} GPU(s) would leave {left} for the DiT workers, fewer than "
+           f"{', '.join(f'{k} (SP {after[k].config.sp})' for k in wide)} needs: every decode stays in place")
+    back = {k: d.model_copy(update={"stage": "in_place", "reason": why}) if d.stage == "pool" else d
+            for k, d in decodes.items()}
+    return dict(before), back

@@ -119,6 +119,8 @@ def decode_stage_pass(group: GroupInputs, state: GroupState) -> GroupState:
 
     if group.stages == "joint" or group.planner != "xema":
         return state
+    from planner.decode_stage import one_pool
+
     facts = {r.template: r.decode_facts for r in group.results if r.decode_facts is not None}
     entries, decodes = dict(state.entries), dict(state.decodes)
     for k, e in state.entries.items():
@@ -126,6 +128,7 @@ def decode_stage_pass(group: GroupInputs, state: GroupState) -> GroupState:
                                            group.stages, group.loads.get(k))  # type: ignore[arg-type]
         if choice is not None:
             decodes[k] = choice
+    entries, decodes = one_pool(state.entries, entries, decodes, group.gpus)
     return replace(state, entries=entries, decodes=decodes)
 
 
