@@ -6,9 +6,11 @@ Each video group of ``deployments/xema-a6000x8.yaml`` (the groups ``plans/a6000x
 for: CogVideoX-5B and LTX-2 on 2 GPUs each, RTX A6000 48 GB) is planned three times with the cost
 model (``planner.pipeline.plan``, no layouts: the simulator reads latencies), at the templates' own
 50 steps and at 8 steps (the few-step regime, where the decode is a larger share of a request).
-Each table then serves the same Poisson arrivals in the simulator (``xema_ray.sim``: the serving
-dispatcher in virtual time; a pooled template runs as two stages with the same dispatcher code),
-at ``--load`` x the in-place plans' capacity (uniform mix over the group's templates), 3 seeds.
+The rate is ``--load`` x the in-place plans' capacity (uniform mix over the group's templates);
+``auto`` is planned for that rate (each template's share of it, as ``--load`` hands the planner:
+both sides simulated there). Each table then serves the same Poisson arrivals in the simulator
+(``xema_ray.sim``: the serving dispatcher in virtual time; a pooled template runs as two stages with
+the same dispatcher code), 3 seeds.
 
 Example:
     python bench/bench_decode_stage.py --out bench/results/decode_stage.json
@@ -35,14 +37,23 @@ STAGES = ("joint", "split", "auto")
 SEEDS = (0, 1, 2)
 
 
-def tables(steps: int) -> dict[str, PlanTable]:
-    """The video groups' tables at ``steps`` denoising steps, one per ``--stages``."""
+def tables(steps: int, load: float) -> dict[str, PlanTable]:
+    """The video groups' tables at ``steps`` denoising steps, one per ``--stages`` (``auto`` planned
+    for ``load`` x each group's in-place capacity)."""
     group_gpus, served, _ = deployment_groups(DEPLOYMENT)
     video = tuple(t.with_(steps=steps) for t in served if t.spec.decode_components())
     opts = PlanOptions(hardware="a6000", budget=48 * 10**9, gpus=sum(group_gpus.values()), group_gpus=group_gpus,
                        measure="never", text_encoder="plan")
-    return {s: plan(PlanRequest(video, opts.model_copy(update={"stages": s}), layouts=False, use_ray=False)).table
-            for s in STAGES}
+    out = {s: plan(PlanRequest(video, opts.model_copy(update={"stages": s}), layouts=False, use_ray=False)).table
+           for s in ("joint", "split")}
+    rates = {}
+    for model in {t.model for t in video}:
+        g = group_table(out["joint"], model)
+        for k in g.entries:
+            rates[k] = load * capacity_per_min(g) / 60 / len(g.entries)
+    loaded = opts.model_copy(update={"stages": "auto", "template_loads": rates})
+    out["auto"] = plan(PlanRequest(video, loaded, layouts=False, use_ray=False)).table
+    return out
 
 
 def group_table(table: PlanTable, model: str) -> PlanTable:
@@ -57,7 +68,7 @@ def capacity_per_min(table: PlanTable) -> float:
 
 
 def run(steps: int, load: float, horizon: int) -> list[dict[str, object]]:
-    planned = tables(steps)
+    planned = tables(steps, load)
     rows = []
     for model in sorted({e.config.template.model for e in planned["joint"].entries.values()}):
         per = {s: group_table(planned[s], model) for s in STAGES}
@@ -72,8 +83,8 @@ def run(steps: int, load: float, horizon: int) -> list[dict[str, object]]:
             rows.append({
                 "steps": steps, "model": model, "stages": s, "rate_per_min": round(rate, 3),
                 "plans": {k: e.config.describe() for k, e in t.entries.items()},
-                "choices": {k: d.stage for k, d in t.provenance.decode_stages.items()},
-                "reasons": {k: d.reason for k, d in t.provenance.decode_stages.items()},
+                "choices": {k: d.stage for k, d in t.provenance.decode_stages.items() if k in t.entries},
+                "reasons": {k: d.reason for k, d in t.provenance.decode_stages.items() if k in t.entries},
                 "capacity_per_min": round(capacity_per_min(t), 3),
                 "attainment": round(statistics.mean(r.attainment for r in results), 4),
                 "goodput_per_min": round(statistics.mean(r.goodput_rpm for r in results), 3),

@@ -16,10 +16,12 @@ hand-over per request, and a decode of its own per request. What is compared, pe
 - the pool's size and placement: ``p`` of the group's GPUs for the pool (the DiT keeps
   ``(gpus - p) // sp`` data-parallel groups), its workers on whole GPUs or on fractions that divide
   one (``DECODE_GPU_FRACTIONS``) where a decode fits the fraction's memory;
-- goodput at the template's load: the two-stage pipeline's throughput is the slower stage's
-  (``dp * batch / dit_s`` against ``workers * fraction / decode_s``), 0 over the SLO; with an
-  expected load (``--load``) both sides are capped at the template's share of it, and a tie goes
-  to the lower latency, then to in place.
+- goodput at the template's load: without a load, the two-stage pipeline's capacity is the slower
+  stage's (``dp * batch / dit_s`` against ``workers * fraction / decode_s``), 0 over the SLO; with
+  an expected load (``--load``) each side serves the template's share of it in the simulator
+  (``xema_ray.sim``: the serving dispatcher, a pooled plan as two stages), so queueing counts: the
+  goodput is the requests that met their SLO. A tie (within 1 %) goes to the lower latency, then
+  to in place.
 
 ``split`` takes the best pool wherever one fits (in place, saying why, where none does); ``auto``
 takes whichever serves more; ``joint`` (the default) does not run this pass, so a table planned
@@ -40,7 +42,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.memory.trace import Category
-from xema_ray.plan import DECODE_GPU_FRACTIONS, DecodeChoice, DecodeStage, ExecutionConfig, Mitigation, PlanEntry
+from xema_ray.plan import (DECODE_GPU_FRACTIONS, DecodeChoice, DecodeStage, ExecutionConfig, Mitigation, PlanEntry,
+                           PlanTable)
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.vocabulary import Phase
 
@@ -157,8 +160,23 @@ def handover_s(latent_bytes: int, hw: HardwareProfile) -> float:
     return HANDOVER_FIXED_S + 2 * latent_bytes / (hw.h2d_gbps * 1e9)
 
 
-def _served(goodput: float, load_rps: float | None) -> float:
-    return goodput if load_rps is None else min(goodput, load_rps)
+#: arrivals simulated per side at a load (Poisson), and the seeds they are drawn with
+SIM_REQUESTS = 400
+SIM_SEEDS = (0, 1)
+
+
+def _served(entry: PlanEntry, goodput: float, load_rps: float | None, gpus: int, budget: int) -> float:
+    """Requests/s that meet the SLO: the capacity without a load, else simulated at it."""
+    if load_rps is None:
+        return goodput
+    from xema_ray.sim.simulate import poisson_arrivals, simulate
+
+    table = PlanTable(hardware="planning", gpus=gpus, budget_bytes=budget,
+                      entries={entry.config.template.shape_key: entry})
+    duration = SIM_REQUESTS / load_rps
+    met = [simulate(table, poisson_arrivals(load_rps * 60, duration, {entry.config.template.shape_key: 1.0},
+                                            seed=s)).met for s in SIM_SEEDS]
+    return sum(met) / len(met) / duration
 
 
 def pool_options(entry: PlanEntry, facts: DecodeFacts, latency: LatencyModel, gpus: int, budget: int
@@ -221,7 +239,7 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
     cfg, pred = entry.config, entry.prediction
     if stages == "joint" or not cfg.template.spec.decode_components() or facts is None:
         return entry, None
-    in_place = (_served(pred.goodput_rps, load_rps), pred.latency_s)
+    in_place = (_served(entry, pred.goodput_rps, load_rps, gpus, budget), pred.latency_s)
     base = dict(asked=stages, load_rps=load_rps, in_place_latency_s=pred.latency_s,
                 in_place_goodput_rps=pred.goodput_rps, in_place_peak_bytes=pred.peak_bytes,
                 dit_peak_bytes=facts.dit_peak_bytes, decode_peak_bytes=facts.decode_peak_bytes)
@@ -234,9 +252,10 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
         return entry, DecodeChoice(stage="in_place", reason=why, **base)
     best = options[0]
     for o in options[1:]:
-        if _better((_served(o.goodput_rps, load_rps), o.latency_s), (_served(best.goodput_rps, load_rps), best.latency_s)):
+        if _better((o.goodput_rps, o.latency_s), (best.goodput_rps, best.latency_s)):
             best = o
-    pooled = (_served(best.goodput_rps, load_rps), best.latency_s)
+    candidate = _pooled_entry(entry, best)
+    pooled = (_served(candidate, best.goodput_rps, load_rps, gpus, budget), best.latency_s)
     base.update(pool=best.pool, pool_dp=best.dp, pool_latency_s=best.latency_s, pool_goodput_rps=best.goodput_rps,
                 decode_peak_bytes=best.decode_peak_bytes, dit_peak_bytes=best.dit_peak_bytes)
     wins = _better(pooled, in_place)
@@ -249,13 +268,19 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
         return entry, DecodeChoice(stage="in_place", reason=why, **base)
     why = (f"the pool ({best.pool.describe()}, DiT SP{best.dit.sp} DP{best.dp}) serves {pooled[0] * 60:.2f}/min at {pooled[1]:.1f} s "
            f"against {in_place[0] * 60:.2f}/min at {in_place[1]:.1f} s in place" + ("" if wins else " (asked: split)"))
+    return candidate, DecodeChoice(stage="pool", reason=why, **base)
+
+
+def _pooled_entry(entry: PlanEntry, best: PoolOption) -> PlanEntry:
+    """``entry`` with its decode on ``best``'s pool: the DiT stage's config and peak, the two
+    stages' latency and goodput, a decode worker's peak and seconds."""
+    pred = entry.prediction
     config = ExecutionConfig.model_validate({**best.dit.model_dump(), "decode": best.pool.model_dump()})
     prediction = pred.model_copy(update={
         "peak_bytes": best.dit_peak_bytes, "latency_s": best.latency_s, "goodput_rps": best.goodput_rps,
         "latency_by_batch": {}, "decode_peak_bytes": best.decode_peak_bytes, "decode_s": best.decode_s})
     note = f"decode in place: {pred.latency_s:.1f} s, {pred.goodput_rps * 60:.2f}/min"
-    return entry.model_copy(update={"config": config, "prediction": prediction, "runner_up": note}), \
-        DecodeChoice(stage="pool", reason=why, **base)
+    return entry.model_copy(update={"config": config, "prediction": prediction, "runner_up": note})
 
 
 def one_pool(before: dict[str, PlanEntry], after: dict[str, PlanEntry], decodes: dict[str, DecodeChoice],
