@@ -37,13 +37,14 @@ STAGES = ("joint", "split", "auto")
 SEEDS = (0, 1, 2)
 
 
-def tables(steps: int, load: float) -> dict[str, PlanTable]:
+def tables(steps: int, load: float, box: str) -> dict[str, PlanTable]:
     """The video groups' tables at ``steps`` denoising steps, one per ``--stages`` (``auto`` planned
-    for ``load`` x each group's in-place capacity)."""
+    for ``load`` x each group's in-place capacity). ``box``: ``reference`` (the deployment's groups)
+    or ``8-gpu`` (each model on all eight GPUs, as ``xema plan --gpus 8`` plans it)."""
     group_gpus, served, _ = deployment_groups(DEPLOYMENT)
     video = tuple(t.with_(steps=steps) for t in served if t.spec.decode_components())
-    opts = PlanOptions(hardware="a6000", budget=48 * 10**9, gpus=sum(group_gpus.values()), group_gpus=group_gpus,
-                       measure="never", text_encoder="plan")
+    opts = PlanOptions(hardware="a6000", budget=48 * 10**9, gpus=sum(group_gpus.values()),
+                       group_gpus=group_gpus if box == "reference" else {}, measure="never", text_encoder="plan")
     out = {s: plan(PlanRequest(video, opts.model_copy(update={"stages": s}), layouts=False, use_ray=False)).table
            for s in ("joint", "split")}
     rates = {}
@@ -67,8 +68,8 @@ def capacity_per_min(table: PlanTable) -> float:
     return 0.0 if min(g) <= 0 else 60.0 / statistics.mean(1 / x for x in g)
 
 
-def run(steps: int, load: float, horizon: int) -> list[dict[str, object]]:
-    planned = tables(steps, load)
+def run(steps: int, load: float, horizon: int, box: str) -> list[dict[str, object]]:
+    planned = tables(steps, load, box)
     rows = []
     for model in sorted({e.config.template.model for e in planned["joint"].entries.values()}):
         per = {s: group_table(planned[s], model) for s in STAGES}
@@ -81,7 +82,7 @@ def run(steps: int, load: float, horizon: int) -> list[dict[str, object]]:
                                 SimulationConfig()) for seed in SEEDS]
             lat = sorted(x for r in results for st in r.per_template.values() for x in st.latencies_s)
             rows.append({
-                "steps": steps, "model": model, "stages": s, "rate_per_min": round(rate, 3),
+                "box": box, "steps": steps, "model": model, "stages": s, "rate_per_min": round(rate, 3),
                 "plans": {k: e.config.describe() for k, e in t.entries.items()},
                 "choices": {k: d.stage for k, d in t.provenance.decode_stages.items() if k in t.entries},
                 "reasons": {k: d.reason for k, d in t.provenance.decode_stages.items() if k in t.entries},
@@ -99,21 +100,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the in-place capacity")
-    p.add_argument("--steps", type=int, nargs="+", default=[50, 8])
+    p.add_argument("--runs", nargs="+", default=["reference:50", "reference:8", "8-gpu:4"],
+                   help="BOX:STEPS, BOX one of reference (the deployment's 2-GPU video groups) and 8-gpu")
     p.add_argument("--horizon", type=int, default=300, help="simulated duration in mean in-place latencies")
     args = p.parse_args()
     t0 = time.perf_counter()
-    rows = [r for steps in args.steps for r in run(steps, args.load, args.horizon)]
-    print(f"{'steps':>5} {'model':<14} {'stages':<6} {'rate/min':>9} {'capacity':>9} {'attain':>7} {'goodput':>8} "
+    runs = [(box, int(steps)) for box, steps in (x.split(":") for x in args.runs)]
+    rows = [r for box, steps in runs for r in run(steps, args.load, args.horizon, box)]
+    print(f"{'box':<9} {'steps':>5} {'model':<14} {'stages':<6} {'rate/min':>9} {'capacity':>9} {'attain':>7} {'goodput':>8} "
           f"{'p50 s':>7} {'p90 s':>7}  plans")
     for r in rows:
-        print(f"{r['steps']:>5} {r['model']:<14} {r['stages']:<6} {r['rate_per_min']:>9} {r['capacity_per_min']:>9} "
+        print(f"{r['box']:<9} {r['steps']:>5} {r['model']:<14} {r['stages']:<6} {r['rate_per_min']:>9} {r['capacity_per_min']:>9} "
               f"{r['attainment']:>7.1%} {r['goodput_per_min']:>8} {r['p50_s']!s:>7} {r['p90_s']!s:>7}  "
               f"{'; '.join(r['plans'].values())}")  # type: ignore[union-attr]
     for r in rows:
         if r["stages"] == "auto":
             for k, why in r["reasons"].items():  # type: ignore[union-attr]
-                print(f"auto, {r['steps']} steps, {k}: {why}")
+                print(f"auto, {r['box']}, {r['steps']} steps, {k}: {why}")
     print(f"{time.perf_counter() - t0:.0f} s on {platform.machine()}, {platform.python_version()}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

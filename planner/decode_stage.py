@@ -59,6 +59,16 @@ HANDOVER_FIXED_S = 0.005
 GOODPUT_TIE = 0.01
 
 
+class DitStage(BaseModel):
+    """One way the DiT workers may run beside a pool (one data-parallel group), and its peak per GPU
+    without the decode interval."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: ExecutionConfig
+    peak_bytes: int = Field(ge=0)
+
+
 class DecodeFacts(BaseModel):
     """What the choice needs from a template's trace, measured in its planning task."""
 
@@ -68,9 +78,11 @@ class DecodeFacts(BaseModel):
     config: ExecutionConfig = Field(description="the configuration the figures were taken for (the task's entry)")
     dit_peak_bytes: int = Field(ge=0, description="per GPU, the DiT workers' reserved peak outside the decode and "
                                                    "post events, the entry's VAE mitigations dropped")
-    dit_peak_by_sp: dict[int, int] = Field(
-        default_factory=dict, description="the same at each Ulysses degree the template runs at within the group "
-                                          "(a pool's GPUs may leave another SP the better DiT stage)")
+    dit_stages: tuple[DitStage, ...] = Field(
+        default=(), description="the DiT stages a pool may sit beside, each with its peak: at each Ulysses degree "
+                                "the template runs at within the group (a pool's GPUs may leave another SP the better "
+                                "one), with the entry's DiT mitigations and without any (the decode was often why "
+                                "they were needed)")
     decode_peak_bytes: int = Field(ge=0, description="a decode worker's reserved peak for one request, unmitigated")
     decode_mitigated_peak_bytes: int | None = Field(
         default=None, ge=0, description="the same with the entry's VAE mitigations (None: the entry has none)")
@@ -105,14 +117,16 @@ def dit_stage_configs(config: ExecutionConfig, gpus: int) -> list[ExecutionConfi
     SP and at each other Ulysses degree that fits ``gpus`` with a GPU left for a pool."""
     kept = tuple(m for m in config.mitigations if m not in vae_mitigations(config))
     own = config.model_copy(update={"mitigations": kept, "dp": 1, "decode": None, "layout_ref": None})
-    out = [own]
+    out = [own] + ([own.model_copy(update={"mitigations": ()})] if kept else [])
     sp = 1
     while sp < gpus:
-        if sp != config.sp and not any(m.kind == "hsdp" for m in kept if sp == 1):
-            try:
-                out.append(ExecutionConfig.model_validate({**own.model_dump(), "ulysses": sp, "ring": 1}))
-            except ValueError:
-                pass  # the template has no split at this degree
+        if sp != config.sp:
+            for mitigations in {kept, ()}:
+                try:
+                    out.append(ExecutionConfig.model_validate({**own.model_dump(), "ulysses": sp, "ring": 1,
+                                                               "mitigations": [m.model_dump() for m in mitigations]}))
+                except ValueError:
+                    pass  # the template has no split at this degree, or a mitigation needs another SP
         sp *= 2
     return out
 
@@ -126,13 +140,12 @@ def _dit_peak(model: TracePlannerModel, config: ExecutionConfig) -> int:
 def decode_facts(model: TracePlannerModel, config: ExecutionConfig, gpus: int) -> DecodeFacts:
     """The DiT workers' peak without the decode interval (at each SP the group's ``gpus`` allow) and
     a decode worker's peak, from the template's trace under ``config`` (the task's chosen entry)."""
-    stages = dit_stage_configs(config, gpus)
-    by_sp = {c.sp: _dit_peak(model, c) for c in stages}
+    stages = tuple(DitStage(config=c, peak_bytes=_dit_peak(model, c)) for c in dit_stage_configs(config, gpus))
     one = ExecutionConfig(template=config.template)
     vae = vae_mitigations(config)
     mitigated = _decode_peak(model, one.model_copy(update={"mitigations": vae})) if vae else None
-    return DecodeFacts(template=config.template.shape_key, config=config, dit_peak_bytes=by_sp[config.sp],
-                       dit_peak_by_sp=by_sp,
+    return DecodeFacts(template=config.template.shape_key, config=config, dit_peak_bytes=stages[0].peak_bytes,
+                       dit_stages=stages,
                        decode_peak_bytes=_decode_peak(model, one), decode_mitigated_peak_bytes=mitigated,
                        latent_bytes=int(math.prod(config.template.latent_shape())) * 4)
 
@@ -187,9 +200,10 @@ def pool_options(entry: PlanEntry, facts: DecodeFacts, latency: LatencyModel, gp
     # what the entry's latency holds beside the cost model's batch (the text encoder's placement)
     extra = max(0.0, pred.latency_s - latency.seconds(cfg))
     stages = []
-    for dit in dit_stage_configs(cfg, gpus):
-        peak = facts.dit_peak_by_sp.get(dit.sp)
-        if peak is None or peak > budget:
+    for s in facts.dit_stages:
+        # the entry's own text-encoder placement (the residency and encoder passes ran after the facts)
+        dit, peak = s.config.model_copy(update={"text_encoder": cfg.text_encoder}), s.peak_bytes
+        if peak > budget or dit.sp > gpus - 1:
             continue
         est = latency.estimate(dit)
         stages.append((dit, peak, max(1e-9, latency.seconds(dit) - est.per_phase.get(Phase.DECODE, 0.0) + extra)))
@@ -246,7 +260,7 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
     options = pool_options(entry, facts, latency, gpus, budget)
     if not options:
         why = (f"the DiT workers' peak without the decode, {facts.dit_peak_bytes / 1e9:.2f} GB, is over the budget"
-               if min(facts.dit_peak_by_sp.values(), default=facts.dit_peak_bytes) > budget else
+               if min((s.peak_bytes for s in facts.dit_stages), default=facts.dit_peak_bytes) > budget else
                f"no pool fits: {gpus} GPU(s) leave none beside an SP group" if gpus < 2 else
                f"a decode worker's peak ({facts.decode_peak_bytes / 1e9:.2f} GB) fits no GPU")
         return entry, DecodeChoice(stage="in_place", reason=why, **base)

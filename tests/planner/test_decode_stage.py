@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from xema_ray.plan import DecodeStage, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
 from xema_ray.templates import RequestTemplate
 
-from planner.decode_stage import DecodeFacts, choose_decode, pool_options
+from planner.decode_stage import DecodeFacts, DitStage, choose_decode, dit_stage_configs, pool_options
 from planner.driver import PlanOptions
 from planner.latency import LatencyModel
 from planner.pipeline import PlanRequest, plan
@@ -67,9 +67,10 @@ def _entry(cfg: ExecutionConfig, latency: LatencyModel, slo: float) -> PlanEntry
 
 
 def _facts(cfg: ExecutionConfig, dit: int = 14 * GB, decode: int = 30 * GB) -> DecodeFacts:
-    return DecodeFacts(template=cfg.template.shape_key, config=cfg, dit_peak_bytes=dit,
-                       dit_peak_by_sp={1: dit + 10 * GB, 2: dit + 4 * GB, cfg.sp: dit}, decode_peak_bytes=decode,
-                       latent_bytes=10**7)
+    peaks = {1: dit + 10 * GB, 2: dit + 4 * GB, cfg.sp: dit}
+    stages = tuple(DitStage(config=c, peak_bytes=peaks.get(c.sp, dit)) for c in dit_stage_configs(cfg, 8))
+    return DecodeFacts(template=cfg.template.shape_key, config=cfg, dit_peak_bytes=dit, dit_stages=stages,
+                       decode_peak_bytes=decode, latent_bytes=10**7)
 
 
 def test_joint_keeps_the_entry_as_planned_and_records_nothing() -> None:
