@@ -14,7 +14,8 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, field_validator,
+                      model_serializer, model_validator)
 
 from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: ExecutionConfig.experts
 from xema_ray.host_budget import HostBytes, NodeHost
@@ -467,6 +468,15 @@ class PlanProvenance(BaseModel):
                                           "by (empty: the hardware's own seconds)")
     notes: dict[str, str] = Field(
         default_factory=dict, description="keys of an earlier free-form provenance that have no field here")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_decode_stages(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A table planned with every decode in place (``--stages joint``) is written as before the
+        field existed: ``make plan``'s reference table does not change."""
+        out: dict[str, Any] = handler(self)
+        if not self.decode_stages:
+            out.pop("decode_stages", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod
