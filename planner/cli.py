@@ -143,6 +143,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         loads = read_loads(args.load) if args.load else {}
         if loads and args.planner != "xema":
             raise ValueError("--load plans Xema for a load; baselines plan for isolated goodput")
+        if args.stages != "joint" and args.planner != "xema":
+            raise ValueError(f"--stages {args.stages} plans Xema's decode stage; baselines decode in place "
+                             "(--stages joint)")
         if args.hardware not in hardware_names():
             raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
     except (ValueError, OSError) as e:

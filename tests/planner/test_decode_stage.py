@@ -166,3 +166,10 @@ def test_plan_auto_records_a_choice_per_template_and_joint_none(tmp_path: Path) 
         assert (result.table.entries[key].config.decode is not None) == (d.stage == "pool")
     joint = plan(PlanRequest(templates[:1], opts.model_copy(update={"stages": "joint"}), layouts=False, use_ray=False))
     assert joint.table.provenance.decode_stages == {} and joint.table.entries[COG.shape_key].config.decode is None
+
+
+def test_error_raised_if_a_baseline_is_asked_for_a_decode_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli import main
+
+    assert main(["plan", "--templates", "tiny-cogvideox:64x64x9", "--planner", "grid", "--stages", "split"]) == 2
+    assert "--stages split plans Xema's decode stage" in capsys.readouterr().err
