@@ -275,7 +275,7 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
     wins = _better(pooled, in_place)
     if stages == "auto" and not wins:
         lose = ("the GPUs it takes from the DiT cost more goodput than the decode it frees them of"
-                if pooled[0] < in_place[0] else "it serves as much but is no faster")
+                if _better((in_place[0], 0.0), (pooled[0], 0.0)) else "it serves as much but is no faster")
         why = (f"in place serves {in_place[0] * 60:.2f}/min at {in_place[1]:.1f} s; the best pool "
                f"({best.pool.describe()}, DiT SP{best.dit.sp} DP{best.dp}) serves {pooled[0] * 60:.2f}/min at "
                f"{pooled[1]:.1f} s: {lose}")
