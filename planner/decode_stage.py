@@ -262,7 +262,8 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
         why = (f"the DiT workers' peak without the decode, {facts.dit_peak_bytes / 1e9:.2f} GB, is over the budget"
                if min((s.peak_bytes for s in facts.dit_stages), default=facts.dit_peak_bytes) > budget else
                f"no pool fits: {gpus} GPU(s) leave none beside an SP group" if gpus < 2 else
-               f"a decode worker's peak ({facts.decode_peak_bytes / 1e9:.2f} GB) fits no GPU")
+               f"no pool fits beside a DiT SP group on {gpus} GPUs with a decode worker's peak of "
+               f"{facts.decode_peak_bytes / 1e9:.2f} GB (unmitigated) within a GPU's budget")
         return entry, DecodeChoice(stage="in_place", reason=why, **base)
     best = options[0]
     for o in options[1:]:

@@ -98,7 +98,7 @@ def test_split_stays_in_place_saying_why_when_no_pool_fits() -> None:
     entry, choice = choose_decode(e, _facts(cfg), lat, 1, 48 * GB, "split")
     assert entry == e and choice is not None and choice.stage == "in_place" and "leave none" in choice.reason
     entry, choice = choose_decode(e, _facts(cfg, decode=60 * GB), lat, 2, 48 * GB, "split")
-    assert entry == e and choice is not None and "fits no GPU" in choice.reason
+    assert entry == e and choice is not None and "no pool fits beside a DiT SP group" in choice.reason
 
 
 def test_a_decode_that_fits_half_a_gpu_offers_fractional_workers() -> None:
