@@ -173,3 +173,15 @@ def test_error_raised_if_a_baseline_is_asked_for_a_decode_stage(capsys: pytest.C
 
     assert main(["plan", "--templates", "tiny-cogvideox:64x64x9", "--planner", "grid", "--stages", "split"]) == 2
     assert "--stages split plans Xema's decode stage" in capsys.readouterr().err
+
+
+def test_verify_counts_one_requests_decode_whatever_the_dit_batch() -> None:
+    from xema_ray.measure.verify import verify_stages
+
+    t = RequestTemplate(model="tiny-cogvideox", width=64, height=64, frames=9, steps=2)
+    four = ExecutionConfig(template=t, batch=4, decode=DecodeStage(workers=1, gpus_per_worker=0.5))
+    one = four.model_copy(update={"batch": 1})
+    v4, v1 = verify_stages(four, 10**9), verify_stages(one, 10**9)
+    assert v4.error is None and v1.error is None and v4.fits and v4.decode_budget_bytes == 5 * 10**8
+    assert v4.decode_peak_bytes == v1.decode_peak_bytes  # a decode worker decodes one request
+    assert v4.device_peak_bytes > v1.device_peak_bytes  # the DiT workers run the batch of four

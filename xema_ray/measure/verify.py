@@ -221,8 +221,8 @@ def verify_stages(config: ExecutionConfig, budget_bytes: int, predicted_peak_byt
                   predicted_decode_peak_bytes: int | None = None, adapters: LoraPoolConfig | None = None) -> VerifyEntry:
     """An entry with a decode stage (``config.decode``), its two workers checked apart: the DiT
     workers' peak up to the decode (the worker's own run of the DiT's config; the decode is handed
-    over there) against the budget, and a decode worker's peak (the same worker's decode under the
-    pool's mitigations, with only the decoder's weights held) against its share of a GPU."""
+    over there) against the budget, and a decode worker's peak (the worker's decode of one request
+    under the pool's mitigations, with only the decoder's weights held) against its share of a GPU."""
     assert config.decode is not None
     t0 = time.perf_counter()
     spec = config.template.spec
@@ -237,12 +237,12 @@ def verify_stages(config: ExecutionConfig, budget_bytes: int, predicted_peak_byt
     if error is None:
         dit_peak, decode_peak = stage_peaks(tracer.raw(), components, sum(held.values()))
         pool = config.decode_worker()
-        if pool.mitigations:  # the pool decodes under its own mitigations: its decode counted under them
+        if pool.mitigations or config.batch > 1:
+            # a decode worker decodes one request, under the pool's mitigations: that decode counted
+            # in a run of its own (one request, one GPU, the pool's mitigations)
             tracer = AllocationTracer("meta", {})
             held = {}
-            _, error = _run_worker(pool.model_copy(update={"mitigations": dit_cfg.mitigations + pool.mitigations,
-                                                           "batch": 1}),
-                                   steps, tracer, markers=True, decoder_bytes=held)
+            _, error = _run_worker(pool, steps, tracer, markers=True, decoder_bytes=held)
             if error is None:
                 decode_peak = stage_peaks(tracer.raw(), components, sum(held.values()))[1]
     decode_budget = int(budget_bytes * config.decode.gpus_per_worker) if config.decode.gpus_per_worker < 1 else budget_bytes
