@@ -419,7 +419,7 @@ PLANNER_SPEAKERS: dict[str, str] = {
 }
 #: the run's passes in order (``planner.pipeline.PASSES``): a new pass is added here with its place
 PLANNER_PASSES = ("templates", "load_aware", "groups", "expert_switch", "host_memory", "table", "layouts", "write")
-GROUP_PASSES = ("residency", "text_encoder", "expert_switch")
+GROUP_PASSES = ("residency", "text_encoder", "expert_switch", "decode_stage")
 
 
 def _planner_imports() -> dict[str, set[str]]:

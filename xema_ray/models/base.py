@@ -292,6 +292,12 @@ class ModelSpec(ABC):
         folders name them (what ``BuildOptions.component_dtypes`` may address)."""
         return ("transformer", "vae", "text_encoder")
 
+    def decode_components(self) -> tuple[str, ...]:
+        """The components a decode stage of its own holds (``ExecutionConfig.decode``): what turns
+        the denoised latents into the output. A video model's VAE; an image model's decode is too
+        short to be worth a hand-over, so it offers none (empty: always decoded in place)."""
+        return ("vae",) if self.kind == "video" else ()
+
     def scheduler(self, cls: type[Any], default_config: dict[str, Any], opts: BuildOptions) -> Any:
         """The pipeline's scheduler: the repository's ``scheduler/scheduler_config.json`` when
         ``opts.weights_dir`` has one, else ``default_config`` (the published repository's values).

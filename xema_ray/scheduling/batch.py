@@ -51,8 +51,20 @@ class DispatchPlan:
     def of_entry(cls, entry: PlanEntry, slo_s: float | None = None, shares: PhaseShares | None = None) -> DispatchPlan:
         """What the dispatcher needs from a plan table entry (``slo_s``: another SLO than the plan's;
         ``shares``: where its latency goes, ``xema_ray.profiling.phases``; None: no phases known)."""
+        from xema_ray.scheduling.decode_stage import dit_stage_latency, pooled
+
         c, p = entry.config, entry.prediction
         phases = {} if shares is None else {"denoise_frac": shares.denoise, "decode_encode_frac": shares.decode_encode}
+        if pooled(entry):
+            # the DiT workers hold the batch until its last step; the decode pool has the rest
+            # (``decode_stage.decode_plan``): no decode tail here, its SLO what is left after it
+            total = p.latency_s
+            dit = dit_stage_latency(entry)
+            phases = {"denoise_frac": min(1.0, phases.get("denoise_frac", 1.0) * total / max(dit, 1e-9)),
+                      "decode_encode_frac": 0.0}
+            return cls(batch=c.batch, sp=c.sp, slo_s=(p.slo_s if slo_s is None else slo_s) - (total - dit),
+                       latency_s=dit, steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
+                       static_layout=c.layout_ref is not None, min_latency_s=None, **phases)
         return cls(batch=c.batch, sp=c.sp, slo_s=p.slo_s if slo_s is None else slo_s, latency_s=p.latency_s,
                    steps=c.template.steps, peak_bytes=p.peak_bytes, pause_bytes=p.pause_bytes,
                    static_layout=c.layout_ref is not None, min_latency_s=p.latency_by_batch.get(1), **phases)

@@ -115,9 +115,11 @@ class Dispatcher(Generic[P]):
         return self.slo_admission.take_shed()
 
     # ------------------------------------------------------------------ queue
-    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int) -> None:
+    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int,
+               deadline: float | None = None) -> None:
         """Queue a request (``steps``: the denoising steps it runs, resolved where the request met its
-        template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``). Raises
+        template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``; ``deadline``:
+        one it already has, the request's second stage: ``xema_ray.scheduling.decode_stage``). Raises
         KeyError for an unplanned template, OverflowError when full."""
         if template not in self.plans:
             raise KeyError(template)
@@ -127,7 +129,8 @@ class Dispatcher(Generic[P]):
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
         plan = self.plans[template].for_steps(steps)
-        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, steps, payload))
+        due = now + plan.slo_s if deadline is None else deadline
+        heapq.heappush(q, Pending(due, next(self._seq), template, now, request_id, steps, payload))
 
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""
