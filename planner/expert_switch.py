@@ -6,14 +6,16 @@ module prices the ways to hold the experts and keeps the one with the lowest pre
 (the highest goodput of one group), the way ``planner.residency_choice`` prices residencies:
 
 - ``hold_both``: both experts stay on the device; nothing moves (only when they fit).
-- ``swap_prefetched``: one expert on the device at a time, both on pinned host memory. During
-  the last high-noise steps the side stream copies as many of the low-noise expert's blocks as the
-  free memory holds (the prefetch); at the switch the high-noise expert is released (its pinned
-  host copy stays, so nothing is copied back) and the rest of the low-noise expert is streamed in
-  block by block, ahead of the first low-noise forward. When the decode starts the low-noise
-  expert is released and as many high-noise blocks as the decode leaves room for return under it,
-  the rest under the next request's first forward. This is what the worker executes
-  (``xema_ray.mitigation.expert_swap``), so ``xema verify`` counts it.
+- ``swap_prefetched``: one expert on the device at a time, both on pinned host memory; the
+  device memory for one expert's blocks is placed at load and the two experts take it in turn
+  (block ``i`` of either in slot ``i``). During the last high-noise steps the side stream copies
+  as many of the low-noise expert's blocks as the free memory holds (the prefetch, request
+  memory until the decode); at the switch the high-noise expert leaves its slots (its pinned host
+  copy stays, so nothing is copied back) and the rest of the low-noise expert is streamed into
+  them block by block, ahead of the first low-noise forward. When the decode starts the
+  low-noise expert is released and the high-noise blocks return to their slots under it. This is
+  what the worker executes (``xema_ray.mitigation.expert_swap``), so ``xema verify`` counts it and
+  the static layout holds the request's activations and the prefetch only.
 - ``split_blocks``: K blocks of each expert live on the host and stream through the device in
   every forward (block offload); the smallest K that fits, so no switch event at all.
 
@@ -186,31 +188,32 @@ def _swap_prefetched(f: _Stages) -> StrategyCost:
     expert_blocks = sum(block_sizes(f.template.spec))
     blk, n = expert_blocks / f.n_blocks, f.n_blocks
     kept = f.weights - 2 * expert_blocks  # encoder, VAE, both experts' embeddings and heads
-    stage_hi = _reserved(kept + expert_blocks, max(f.act_hi, f.act_text))
-    pre_blocks = min(n, int(max(0, f.budget - stage_hi) // blk))
+    act = max(f.act_hi, f.act_text, f.act_lo)
+    # the prefetch is request memory (the static layout places it among the activations until the
+    # decode), so it takes the layout's margins as they do; the slots are weights placed at load
+    pre_blocks = next((k for k in range(n, 0, -1) if _reserved(kept + expert_blocks, act + k * blk) <= f.budget), 0)
     pre_bytes = int(pre_blocks * blk)
     pre_steps = min(f.high_steps, max(1, math.ceil(pre_bytes / f.bw / f.step_s))) if pre_bytes else 0
     stall_switch = _streamed_stall(pre_blocks, n, blk / f.bw, f.block_compute_s)
-    # the low-noise expert leaves when the decode starts; as many high-noise blocks as the decode
-    # leaves room for return under it, the rest after the request (the next one's first forward
-    # waits for each just before it runs it)
-    dec_blocks = min(n, int(max(0, f.budget - _reserved(kept, f.act_decode)) // blk))
-    stall_back = (max(0.0, dec_blocks * blk / f.bw - f.decode_s)
-                  + _streamed_stall(dec_blocks, n, blk / f.bw, f.block_compute_s))
-    live = (kept + expert_blocks + pre_bytes + max(f.act_hi, f.act_text), kept + expert_blocks + f.act_lo,
-            kept + dec_blocks * blk + f.act_decode)  # the prefetch, the switch, the decode
-    peak = max(_reserved(kept + expert_blocks + pre_bytes, max(f.act_hi, f.act_text)),
-               _reserved(kept + expert_blocks, f.act_lo), _reserved(kept + dec_blocks * blk, f.act_decode))
+    # the two experts take turns in one region of one expert's blocks, placed at load (block i of
+    # either in slot i): the low-noise blocks not prefetched are copied into the slots the
+    # high-noise ones leave at the switch, and when the decode starts every high-noise block
+    # returns into its slot under it (no request memory: the static layout holds the activations
+    # and the prefetch, which stays until the decode)
+    dec_blocks = n
+    stall_back = max(0.0, n * blk / f.bw - f.decode_s)
+    live = (kept + expert_blocks + pre_bytes + max(f.act_hi, f.act_text), kept + expert_blocks + pre_bytes + f.act_lo,
+            kept + expert_blocks + f.act_decode)  # the prefetch, the low-noise steps, the decode
+    peak = max(_reserved(kept + expert_blocks, act + pre_bytes), _reserved(kept + expert_blocks, f.act_decode))
     return StrategyCost(
         strategy="swap_prefetched", fits=peak <= f.budget, peak_bytes=peak, live_peak_bytes=int(max(live)),
-        switch_peak_bytes=_reserved(kept + expert_blocks + pre_bytes, f.act_hi),
+        switch_peak_bytes=_reserved(kept + expert_blocks, f.act_hi + pre_bytes),
         latency_s=f.total_s + stall_switch + stall_back, stall_s=stall_switch + stall_back,
         h2d_bytes=2 * expert_blocks, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
         prefetch_blocks=pre_blocks, decode_blocks=dec_blocks,
         note=f"{pre_blocks} of {n} low-noise blocks prefetched during the last {pre_steps} high-noise step(s); "
              f"the other {n - pre_blocks} stream in under the first low-noise forward; "
-             f"{dec_blocks} high-noise blocks return under the VAE decode, the rest under the next request's "
-             f"first forward")
+             f"into the slots the high-noise ones leave; the high-noise blocks return to them under the VAE decode")
 
 
 def _split_blocks(f: _Stages, hw: HardwareProfile) -> StrategyCost | None:
