@@ -35,10 +35,12 @@ memory (both experts pinned: ``xema_ray.runtime.host_bytes.config_host_bytes``) 
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -260,7 +262,8 @@ def plan_expert_switch(template: RequestTemplate, trace: MemoryTrace, budget: in
     """Price every way of holding a two-expert model's experts and choose one.
 
     The stage split priced is the trace's (``ModelSpec.expert_stages`` at the template's steps, on
-    the spec's scheduler: the one a worker loads without a checkpoint of its own).
+    the scheduler the trace was labelled with: the checkpoint's the group serves, else the spec's;
+    ``expert_switch_plans``).
 
     Args:
         template: the template (batch 1), of a model with two expert stages.
@@ -347,30 +350,38 @@ def switched_entry(old: PlanEntry, plan: ExpertSwitchPlan) -> PlanEntry:
 
 #: switch plans made in this process, by (template, budget, hardware, group GPUs, SLO): a group is
 #: finished again while the host budget is fitted, and its switch plans do not change
-_PLANS: dict[tuple[str, int, str, int, float], ExpertSwitchPlan] = {}
-_TRACES: dict[str, MemoryTrace] = {}
+_PLANS: dict[tuple[str, int, str, int, float, str], ExpertSwitchPlan] = {}
+_TRACES: dict[tuple[str, str], MemoryTrace] = {}
 
 
-def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile, gpus: int
+def _scheduler_key(scheduler_config: Mapping[str, Any] | None) -> str:
+    return json.dumps(scheduler_config, sort_keys=True, default=str) if scheduler_config is not None else ""
+
+
+def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile, gpus: int,
+                 scheduler_config: Mapping[str, Any] | None = None
                  ) -> tuple[dict[str, PlanEntry], list[ExpertSwitchPlan]]:
     """One model group's entries (shape key -> entry, after its text-encoder placement) with each
     two-expert template's switch plan made its entry (``switched_entry``), and those plans; a group
     of one-expert models comes back as it is. What a group's ``expert_switch`` pass runs
     (``planner.finishing``), so the layouts, the residency and the node's host memory are those
-    of the entries the worker will run."""
+    of the entries the worker will run. ``scheduler_config``: the scheduler of the checkpoint the
+    group serves (its ``weights_dir``), on which the switch is priced; None: the spec's."""
     from xema_ray.analyzer.run import trace_template
 
     out, plans = dict(entries), []
+    sched = _scheduler_key(scheduler_config)
     for k, e in entries.items():
         t = e.config.template
-        if e.config.experts is not None or len(t.spec.expert_stages(t)) != 2:
+        if e.config.experts is not None or len(t.spec.expert_stages(t, scheduler_config)) != 2:
             continue
-        key = (t.key, budget, hw.name, gpus, e.prediction.slo_s)
+        key = (t.key, budget, hw.name, gpus, e.prediction.slo_s, sched)
         if key not in _PLANS:
-            if t.key not in _TRACES:
-                _TRACES[t.key] = trace_template(t)
+            if (t.key, sched) not in _TRACES:
+                _TRACES[(t.key, sched)] = trace_template(t, scheduler_config=scheduler_config)
             (_PLANS[key],) = expert_switch_plans([t], budget, hw, {}, gpus, slo_of={t.shape_key: e.prediction.slo_s},
-                                                 traces=_TRACES)
+                                                 traces={t.key: _TRACES[(t.key, sched)]},
+                                                 scheduler_config=scheduler_config)
         plans.append(_PLANS[key])
         out[k] = switched_entry(e, _PLANS[key])
     return out, plans
@@ -388,7 +399,8 @@ class ExpertSwitchFile(BaseModel):
 def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: HardwareProfile,
                         gpus_of: dict[str, int], default_gpus: int,
                         slo_of: dict[str, float] | None = None,
-                        traces: dict[str, MemoryTrace] | None = None) -> list[ExpertSwitchPlan]:
+                        traces: dict[str, MemoryTrace] | None = None,
+                        scheduler_config: Mapping[str, Any] | None = None) -> list[ExpertSwitchPlan]:
     """The switch plan of every template whose model has two expert stages (others: none).
 
     A group of several GPUs runs each request sequence-parallel over ``sp`` of them, in
@@ -396,15 +408,19 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
     attention heads) is planned, and the one with the best goodput kept (replicas / latency, 0
     past the template's SLO from ``slo_of``, by shape key); ties go to the lower latency. The
     others are listed in ``alternatives`` with their figures. ``traces``: templates' unmitigated
-    traces already made (by ``RequestTemplate.key``), else traced here."""
+    traces already made (by ``RequestTemplate.key``, their steps named on ``scheduler_config``),
+    else traced here. ``scheduler_config``: the scheduler the workers load (a checkpoint's own,
+    ``xema_ray.models.base.checkpoint_scheduler_config``): its shift decides which steps each
+    expert runs, so the stage split, the prefetch and the latency priced are the run's; None: the
+    spec's."""
     from xema_ray.analyzer.run import trace_template
 
     out = []
     for t in templates:
-        if len(t.spec.expert_stages(t)) != 2:
+        if len(t.spec.expert_stages(t, scheduler_config)) != 2:
             continue
         gpus = gpus_of.get(t.model, default_gpus)
-        trace = (traces or {}).get(t.key) or trace_template(t)
+        trace = (traces or {}).get(t.key) or trace_template(t, scheduler_config=scheduler_config)
         slo = (slo_of or {}).get(t.shape_key, math.inf)
         splits = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and t.spec.attention_heads % sp == 0
                   and (sp == 1 or t.spec.sequence_parallel_for(t))]

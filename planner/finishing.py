@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from xema_ray.host_budget import NodeHost
@@ -44,6 +45,9 @@ class GroupInputs:
     allowed: dict[str, tuple[str, ...]] | None = None
     #: the GPUs of the group (each split into SP x replicas by the expert switch)
     gpus: int = 1
+    #: the scheduler config of the checkpoint the group serves (None: the spec's), on which the
+    #: expert switch is priced
+    scheduler_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ def expert_switch_pass(group: GroupInputs, state: GroupState) -> GroupState:
     residency and the node's host memory (``planner.host_choice``) are then the switch's."""
     from planner.expert_switch import switch_group
 
-    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus)
+    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus,
+                                  scheduler_config=group.scheduler_config)
     if not plans:
         return state
     return residency_pass(group, replace(state, entries=entries, switches=tuple(plans)))
@@ -117,11 +122,12 @@ GROUP_PASSES: tuple[GroupPass, ...] = (
 
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
-                 gpus: int = 1) -> GroupState:
+                 gpus: int = 1, scheduler_config: dict[str, Any] | None = None) -> GroupState:
     """One model group's planned entries made final by ``GROUP_PASSES``: the entries to serve
     with, the residency (None: a baseline or no entry), the placement chosen per entry (for the
-    summary) and the expert-switch plans. ``gpus``: the group's GPUs."""
-    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus)
+    summary) and the expert-switch plans. ``gpus``: the group's GPUs; ``scheduler_config``: its
+    checkpoint's scheduler (None: the spec's)."""
+    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus, scheduler_config)
     state = GroupState(entries)
     for p in GROUP_PASSES:
         state = p.run(group, state)
@@ -161,7 +167,8 @@ class GroupFinisher:
     def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
                 ) -> GroupState:
         return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus))
+                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus),
+                            scheduler_config=self.opts.scheduler_configs.get(model))
 
     def _keep(self, model: str, finished: GroupState) -> None:
         self.entries.update(finished.entries)

@@ -257,3 +257,44 @@ def test_a_batch_at_another_step_count_switches_at_its_own_step(tiny, monkeypatc
             assert seen == [(steps, t.spec.expert_stages(t.with_(steps=steps))[0].steps)]
     finally:
         worker.shutdown()
+
+
+def test_the_switch_is_priced_on_the_scheduler_of_the_groups_checkpoint(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A group serving a checkpoint (its ``weights_dir``) runs that checkpoint's scheduler: here a
+    ``flow_shift`` of 3.0 instead of the spec's 12, so the high-noise expert runs 2 of 6 steps, not
+    4. ``xema plan --deployment`` reads it, and the expert switch is priced on that split (the
+    experts' steps, the prefetch within the high-noise steps), not the spec's."""
+    import json
+
+    import yaml
+
+    from planner.cli import deployment_scheduler_configs
+    from planner.driver import PlanOptions
+    from planner.expert_switch import ExpertSwitchFile
+    from planner.pipeline import PlanRequest, plan
+
+    t, trace = tiny
+    own = dict(t.spec.scheduler_config) | {"flow_shift": 3.0}
+    ckpt = tmp_path / "tiny-wan2.2"
+    (ckpt / "scheduler").mkdir(parents=True)
+    (ckpt / "scheduler" / "scheduler_config.json").write_text(json.dumps(own))
+    deployment = tmp_path / "d.yaml"
+    deployment.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "deployments.app:app", "args": {
+        "models": [{"model": t.model, "workers": 1, "weights_dir": str(ckpt),
+                    "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 6}]}]}}]}))
+    assert deployment_scheduler_configs(deployment) == {t.model: own}
+    assert [(s.first_step, s.last_step) for s in t.spec.expert_stages(t, own)] == [(0, 1), (2, 5)]
+
+    budget = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes - 1
+    (spec_priced,) = expert_switch_plans([t], budget, A6000, {}, 1, traces={t.key: trace})
+    (own_priced,) = expert_switch_plans([t], budget, A6000, {}, 1, scheduler_config=own)
+    assert [(u.first_step, u.last_step) for u in spec_priced.experts] == [(0, 3), (4, 5)]
+    assert [(u.first_step, u.last_step) for u in own_priced.experts] == [(0, 1), (2, 5)]
+    swap = own_priced.cost("swap_prefetched")
+    assert swap.prefetch_blocks > 0 and 1 <= swap.prefetch_steps <= 2
+    # the planner's own run: the group's checkpoint scheduler reaches the expert-switch pass
+    opts = PlanOptions(hardware="a6000", budget=budget, gpus=1, measure="never", scheduler_configs={t.model: own})
+    result = plan(PlanRequest((t,), opts, out=str(tmp_path / "t.json"), layouts=False, use_ray=False))
+    assert result.written.experts is not None
+    (written,) = ExpertSwitchFile.model_validate_json(result.written.experts.read_text()).plans
+    assert [(u.first_step, u.last_step) for u in written.experts] == [(0, 1), (2, 5)]

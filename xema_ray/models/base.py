@@ -60,6 +60,27 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+#: where a diffusers directory keeps its scheduler's config
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+
+
+def checkpoint_scheduler_config(weights_dir: str | Path) -> dict[str, Any] | None:
+    """The scheduler config of the checkpoint in ``weights_dir`` (``scheduler/scheduler_config.json``,
+    what a worker loading it runs: ``ModelSpec.scheduler``); None where it has none (the worker
+    then runs the spec's).
+
+    Raises:
+        ValueError: the file is not a JSON object.
+    """
+    path = Path(weights_dir) / SCHEDULER_CONFIG
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a scheduler config is a JSON object")
+    return config
+
+
 @dataclass(frozen=True)
 class ExpertStage:
     """The denoising steps one transformer component runs (a two-expert model has two stages)."""
@@ -301,9 +322,9 @@ class ModelSpec(ABC):
                 this one: another may keep state across steps and allocate differently).
         """
         if opts.weights_dir is not None:
-            path = Path(opts.weights_dir) / "scheduler" / "scheduler_config.json"
-            if path.is_file():
-                config = json.loads(path.read_text())
+            path = Path(opts.weights_dir) / SCHEDULER_CONFIG
+            config = checkpoint_scheduler_config(opts.weights_dir)
+            if config is not None:
                 named = config.get("_class_name", cls.__name__)
                 if named != cls.__name__:
                     from xema_ray.models.loading import CheckpointError
