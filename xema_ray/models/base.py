@@ -207,6 +207,7 @@ class ModelSpec(ABC):
         seeded generator, on the device or the host as ``opts.host_modules`` says."""
         from xema_ray.models.loading import (
             CheckpointWeights,
+            HostShare,
             SeededWeights,
             WeightSource,
             build_on_meta,
@@ -242,7 +243,7 @@ class ModelSpec(ABC):
                 host = any(path == p or path.startswith(p + ".") for p in prefixes)
                 return WeightHome.HOST if host else WeightHome.DEVICE
 
-            share = f"{self.name}|{subfolder}" if opts.share_host else None
+            share = HostShare(f"{self.name}|{subfolder}", opts.app) if opts.share_host else None
             report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share)
             setattr(model, PLACEMENT_ATTR, report)
         if opts.component_dtypes and subfolder != "transformer":
@@ -260,7 +261,7 @@ class ModelSpec(ABC):
         host buffer for the parts that stream, or in a host buffer to run on the CPU. A
         random-weight encoder is built at the real config with seeded values the same way."""
         from xema_ray.placement import PLACEMENT_ATTR, WeightHome
-        from xema_ray.models.loading import CheckpointWeights, SeededWeights, WeightSource, materialize
+        from xema_ray.models.loading import CheckpointWeights, HostShare, SeededWeights, WeightSource, materialize
         from xema_ray.models.text_encoders import (
             build_encoder_on_meta,
             build_tokenizer,
@@ -298,7 +299,7 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        share = f"{self.name}|text_encoder|{placement}" if opts.share_host else None
+        share = HostShare(f"{self.name}|text_encoder|{placement}", opts.app) if opts.share_host else None
         report = materialize(model, device, dtype, source, home_of, share=share, pinned=placement != "cpu")
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
