@@ -367,6 +367,7 @@ def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile
     (``planner.finishing``), so the layouts, the residency and the node's host memory are those
     of the entries the worker will run. ``scheduler_config``: the scheduler of the checkpoint the
     group serves (its ``weights_dir``), on which the switch is priced; None: the spec's."""
+    from planner.traces import PLANNER_TRACE, meta_pipeline
     from xema_ray.analyzer.run import trace_template
 
     out, plans = dict(entries), []
@@ -378,7 +379,9 @@ def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile
         key = (t.key, budget, hw.name, gpus, e.prediction.slo_s, sched)
         if key not in _PLANS:
             if (t.key, sched) not in _TRACES:
-                _TRACES[(t.key, sched)] = trace_template(t, scheduler_config=scheduler_config)
+                # as the planning tasks trace (DiT blocks replayed: exact; the process's meta pipeline)
+                _TRACES[(t.key, sched)] = trace_template(t, PLANNER_TRACE, pipeline=meta_pipeline(t.model),
+                                                         scheduler_config=scheduler_config)
             (_PLANS[key],) = expert_switch_plans([t], budget, hw, {}, gpus, slo_of={t.shape_key: e.prediction.slo_s},
                                                  traces={t.key: _TRACES[(t.key, sched)]},
                                                  scheduler_config=scheduler_config)
