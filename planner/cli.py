@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 # Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
@@ -82,6 +82,19 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
+def deployment_scheduler_configs(path: Path) -> dict[str, dict[str, Any]]:
+    """``model -> the scheduler config of its group's checkpoint`` of a ``serve run`` YAML (groups
+    whose ``weights_dir`` holds ``scheduler/scheduler_config.json``): what the plans are priced on."""
+    from xema_ray.deployment import DeploymentShape
+
+    out = {}
+    for g in DeploymentShape.from_serve_yaml(path).models:
+        config = g.scheduler_config()
+        if config is not None:
+            out[g.model] = config
+    return out
+
+
 def recorded_command(argv: list[str], root: Path = ROOT) -> str:
     """The command as the table's provenance records it: relative to the checkout, so the record
     reads the same on every machine (``python -m planner plan ...``, ``xema plan ...``; a path
@@ -124,11 +137,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
+    schedulers: dict[str, dict[str, Any]] = {}
     stated: str | None = None
     try:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
             pools = deployment_adapter_pools(Path(args.deployment))
+            schedulers = deployment_scheduler_configs(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
             if outside:
@@ -156,7 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
                        host_budget=host_budget, adapter_pools=pools, stages=args.stages,
-                       template_loads=template_loads(templates, loads))
+                       template_loads=template_loads(templates, loads), scheduler_configs=schedulers)
     request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
                           layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,
                           command=recorded_command(sys.argv))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from xema_ray.host_budget import NodeHost
@@ -48,6 +49,9 @@ class GroupInputs:
     stages: str = "joint"
     #: shape key -> its expected requests/s (the decode choice caps goodput there)
     loads: dict[str, float] = field(default_factory=dict)
+    #: the scheduler config of the checkpoint the group serves (None: the spec's), on which the
+    #: expert switch is priced
+    scheduler_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ def expert_switch_pass(group: GroupInputs, state: GroupState) -> GroupState:
     residency and the node's host memory (``planner.host_choice``) are then the switch's."""
     from planner.expert_switch import switch_group
 
-    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus)
+    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus,
+                                  scheduler_config=group.scheduler_config)
     if not plans:
         return state
     return residency_pass(group, replace(state, entries=entries, switches=tuple(plans)))
@@ -143,11 +148,14 @@ GROUP_PASSES: tuple[GroupPass, ...] = (
 
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
-                 gpus: int = 1, stages: str = "joint", loads: dict[str, float] | None = None) -> GroupState:
+                 gpus: int = 1, stages: str = "joint", loads: dict[str, float] | None = None,
+                 scheduler_config: dict[str, Any] | None = None) -> GroupState:
     """One model group's planned entries made final by ``GROUP_PASSES``: the entries to serve
     with, the residency (None: a baseline or no entry), the placement chosen per entry (for the
-    summary) and the expert-switch plans. ``gpus``: the group's GPUs."""
-    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus, stages, dict(loads or {}))
+    summary) and the expert-switch plans. ``gpus``: the group's GPUs; ``scheduler_config``: its
+    checkpoint's scheduler (None: the spec's)."""
+    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus, stages, dict(loads or {}),
+                        scheduler_config)
     state = GroupState(entries)
     for p in GROUP_PASSES:
         state = p.run(group, state)
@@ -189,7 +197,8 @@ class GroupFinisher:
                 ) -> GroupState:
         return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
                             self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus),
-                            stages=self.opts.stages, loads=self.opts.template_loads)
+                            stages=self.opts.stages, loads=self.opts.template_loads,
+                            scheduler_config=self.opts.scheduler_configs.get(model))
 
     def _keep(self, model: str, finished: GroupState) -> None:
         self.entries.update(finished.entries)

@@ -4,7 +4,7 @@ the types the template pass (``planner.driver``) and the passes after it (``plan
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +39,10 @@ class PlanOptions(BaseModel):
                                         "plans whose node fits it are preferred (planner.host_choice)")
     send_candidates: bool = Field(
         default=False, description="every task sends its other candidates (the host budget's second pass)")
+    scheduler_configs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="model -> the scheduler config of the checkpoint its group serves (the "
+                                          "deployment's weights_dir: scheduler/scheduler_config.json): its expert "
+                                          "switch is priced on the steps each expert runs there")
     adapter_pools: dict[str, LoraPoolConfig] = Field(
         default_factory=dict, description="model -> its group's LoRA adapter pool (the deployment's adapters:): "
                                           "its plans are traced with the pool and every sample's adapters")

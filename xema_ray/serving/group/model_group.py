@@ -84,6 +84,19 @@ def _ticket(r: Pending[_Ticket]) -> _Ticket:
     return r.payload
 
 
+def replica_app_name() -> str:
+    """The Serve application this replica belongs to (its workers' shared host segments are that
+    app's); ``DEFAULT_APP`` outside a Serve replica (in-process tests)."""
+    from xema_ray.platforms.host_memory import DEFAULT_APP
+
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name or DEFAULT_APP
+    except Exception:  # noqa: BLE001 — not inside a Serve replica
+        return DEFAULT_APP
+
+
 class ModelGroup:
     """Serve deployment body; wrapped by ``serve.deployment`` in ``deployments/app.py``.
 
@@ -158,7 +171,7 @@ class ModelGroup:
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
-                               adapters=c.adapters, adapter_sources=adapters)
+                               adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name())
         return WorkerSetSpec(
             device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus, backend=s.worker_set,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),

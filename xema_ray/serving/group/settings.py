@@ -89,3 +89,6 @@ class GroupSettings(BaseModel):
                                   "measured; None: the fallback split (``PhaseEstimate.from_plan``)")
     emulation: EmulationConfig | None = Field(default=None, description='device "emulated": the templates\' phases '
                                               "from the plan table (docs/emulated.md)")
+    app: str | None = Field(default=None, min_length=1,
+                            description="the Serve application the group belongs to: names its workers' shared host "
+                                        "segments; None: the replica's own (Serve's replica context), else 'default'")
