@@ -95,7 +95,7 @@ class StepPreemption(Generic[P]):
             self.state.running[bid] = a
             self.state.progress[bid].since = now
             self.decisions.append(Decision(now, "resume", bid, a.template, _ids(a)))
-            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True))
+            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True, run_s=a.run_s))
         return out
 
     def pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
@@ -119,13 +119,13 @@ class StepPreemption(Generic[P]):
         return a if a is not None else self._paused[batch_id]
 
     def remaining_s(self, batch_id: int, now: float) -> float:
-        """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
-        return self.state.progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
+        """Predicted seconds a running or paused batch still needs (``Assignment.held_s`` less what it ran)."""
+        return self.state.progress[batch_id].remaining(self.assignment(batch_id).held_s, now)
 
     def _expected_end(self, bid: int, now: float) -> float:
         a = self.assignment(bid)
         prog = self.state.progress[bid]
-        return now + prog.remaining(a.plan.latency_s, now)
+        return now + prog.remaining(a.held_s, now)
 
     def _to_boundary(self, bid: int, now: float) -> float | None:
         """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
@@ -134,7 +134,7 @@ class StepPreemption(Generic[P]):
         a = self.state.running[bid]
         v = self.state.plans[a.template]
         step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
-        denoise_left = self.state.progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.decode_encode_frac
+        denoise_left = self.state.progress[bid].remaining(a.held_s, now) - a.plan.latency_s * v.decode_encode_frac
         # the boundary after the last step is none: a worker pauses only between steps (step < total)
         if step <= 0 or denoise_left <= step * (1 + 1e-9):
             return None
@@ -148,7 +148,7 @@ class StepPreemption(Generic[P]):
             if w in self.state.busy:
                 t = max(t, self._expected_end(self.state.busy[w], now))
         for held in {self.state.held[w] for w in group if w in self.state.held}:
-            t += self.state.progress[held].remaining(self._paused[held].plan.latency_s, now)
+            t += self.state.progress[held].remaining(self._paused[held].held_s, now)
         return t
 
     def _switch_s(self, a: str, b: str) -> float:

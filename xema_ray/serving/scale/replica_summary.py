@@ -151,10 +151,10 @@ def summarize(dispatcher: Dispatcher, replica: str, now: float, wall: float | No
             open_slots=plan.batch - partial if partial else 0, arrival_rate=(rates or {}).get(key, 0.0))
     running = []
     for a, paused in [*((a, False) for a in dispatcher.running), *((a, True) for a in dispatcher.paused)]:
-        # the dispatcher counts a batch's remaining time against its plan's full-batch latency; a
-        # partial batch ends sooner (``PlanBrief.latency_for``): what it ran, against its own latency
-        own = plans[a.template].latency_for(len(a.requests)) if a.template in plans else a.plan.latency_s
-        ran = a.plan.latency_s - dispatcher.remaining_s(a.batch_id, now)
+        # the dispatcher counts a batch's remaining time against ``held_s`` (the full batch's latency);
+        # the batch ends when it has run as priced, sub-batches included (``Assignment.run_s``)
+        own = a.run_s
+        ran = a.held_s - dispatcher.remaining_s(a.batch_id, now)
         rem = max(0.0, own - ran)
         steps = a.plan.steps
         running.append(RunningBatch(
