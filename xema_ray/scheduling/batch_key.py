@@ -21,7 +21,7 @@ model group's execution, the predicted queue wait, SLO admission and the simulat
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -36,6 +36,7 @@ BatchPolicy = Literal["by_key", "mixed"]
 DEFAULT_BATCH_POLICY: BatchPolicy = "by_key"
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True, order=True)
@@ -76,10 +77,11 @@ def sub_batches(items: Iterable[T], key: Callable[[T], BatchKey]) -> list[tuple[
     return list(out.items())
 
 
-def batch_seconds(keys: Sequence[BatchKey], latency_for: Callable[[BatchKey, int], float]) -> float:
+def batch_seconds(keys: Sequence[K], latency_for: Callable[[K, int], float]) -> float:
     """Predicted seconds a batch of requests of ``keys`` holds its workers: one sub-batch per key, run
     one after the other, each ``latency_for(key, n)`` for its ``n`` requests (the plan's
-    latency-by-batch at the key's step count: ``DispatchPlan.batch_seconds``).
+    latency-by-batch at the key's step count: ``DispatchPlan.batch_seconds``; a key is a ``BatchKey``,
+    or its number in a replica's summary).
 
     Example:
         >>> ks = [BatchKey(10, (g, None)) for g in (1.0, 2.0, 1.0)]
