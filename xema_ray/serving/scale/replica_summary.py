@@ -155,8 +155,9 @@ def summarize(dispatcher: Dispatcher, replica: str, now: float, wall: float | No
         pending = dispatcher.queued(key)
         if not pending and not (rates or {}).get(key):
             continue
-        partial = len(pending) % plan.batch
-        numbers: dict[BatchKey, int] = {BatchKey(steps=plan.steps): 0}  # the template's default key: 0
+        default = BatchKey(steps=plan.steps)  # the template's default key: 0; a new request's open slots are its
+        partial = sum(default.joins(r.key, dispatcher.batching) for r in pending) % plan.batch
+        numbers: dict[BatchKey, int] = {default: 0}
         keys = [numbers.setdefault(r.key, len(numbers)) for r in pending[:MAX_DEADLINES]]
         queues[key] = TemplateQueue(
             queued=len(pending), deadlines_s=[r.deadline - now for r in pending[:MAX_DEADLINES]],
