@@ -151,12 +151,25 @@ def sweep(table: PlanTable, templates: dict[str, RequestTemplate], duration_s: f
     return out
 
 
+def _start(box: dict, port: int, attempts: int = 3) -> None:
+    """The box started; on a loaded machine Serve's proxy may miss its start-up timeout: again, from scratch."""
+    for attempt in range(1, attempts + 1):
+        try:
+            start_box(box, port=port)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray's actor errors: retried, the last one raised
+            print(f"box start {attempt} failed ({type(e).__name__}); load {os.getloadavg()}", flush=True)
+            stop_box()
+            if attempt == attempts:
+                raise
+
+
 def _live(args: dict, policy: BatchPolicy, arrs: list[Arrival], templates: dict[str, RequestTemplate]) -> list[Outcome]:
     box = {**args, "models": [{**g, "batching": policy} for g in args["models"]]}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     try:
-        start_box(box, port=port)
+        _start(box, port)
         warm = [Arrival(t=0.05 * i, template=k, request_id=f"warm{i}") for i, k in enumerate(sorted(templates))]
         asyncio.run(drive(base, warm, templates))
         return asyncio.run(drive(base, arrs, templates))
@@ -205,11 +218,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per live run (emulated clock)")
     ap.add_argument("--sweep-duration", type=float, default=300.0, help="seconds of arrivals per simulated sweep point")
     ap.add_argument("--sim-only", action="store_true", help="the simulated sweep alone (no live runs)")
+    ap.add_argument("--resimulate", action="store_true", help="no live run: the simulated half again on the "
+                    "outcomes --out recorded (its live figures unchanged)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     args = _box_args(a.config, Path(tempfile.mkdtemp(prefix="xema-batch-key-")))
     args["models"] = [{**g, "time_scale": TIME_SCALE} for g in args["models"] if g["model"] == MODEL]
     table, templates = _table(args)
+    if a.resimulate:
+        old = Result.model_validate_json(a.out.read_text())
+        runs = [compare(table, r.policy, [Arrival(t=o.t_sent, template=o.template, request_id=o.request_id,
+                                                  guidance_scale=r.guidance[o.request_id]) for o in r.outcomes],
+                        r.outcomes, old.duration_s) for r in old.runs]
+        result = old.model_copy(update={"runs": runs})
+        a.out.write_text(result.model_dump_json(indent=1))
+        print(markdown(result))
+        return
     points = sweep(table, templates, a.sweep_duration)
     runs: list[PolicyRun] = []
     if not a.sim_only:
