@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   guidance_scale=r.guidance[o.request_id]) for o in r.outcomes],
                         r.outcomes, old.duration_s) for r in old.runs]
         result = old.model_copy(update={"runs": runs})
-        a.out.write_text(result.model_dump_json(indent=1))
+        a.out.write_text(result.model_dump_json() + "\n")
         print(markdown(result))
         return
     points = sweep(table, templates, a.sweep_duration)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                     machine=f"{platform.node()} {os.cpu_count()} CPUs", wall_s=time.monotonic() - t_start)
     if runs:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(result.model_dump_json(indent=1))
+        a.out.write_text(result.model_dump_json() + "\n")
         print(markdown(result))
         print(f"wrote {a.out} ({result.wall_s:.0f} s)")
 
