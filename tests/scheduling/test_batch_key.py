@@ -94,3 +94,14 @@ def test_the_replay_batches_and_prices_queued_keys_as_the_dispatcher() -> None:
         # mixed: the running batch (4 calls, 6 s) then the queued one (4 calls, 6 s); by_key: the
         # running call of one (1.5 s) then the three queued keys, one call each
         assert predict_wait(s, "t", now=0.0) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("batching", "members", "held"), [("mixed", 4, 4.0 + 6.0 - 4.0), ("by_key", 1, 4.0)])
+def test_the_next_batch_is_priced_before_it_starts(batching: str, members: int, held: float) -> None:
+    """What preemption and a late partial batch weigh: the batch the queue would start now, priced."""
+    d = _dispatcher(batching)
+    for i, g in enumerate(GUIDANCE):
+        d.submit("t", f"r{i}", now=0.0, key=_key(g))
+    nxt = d.state.next_batch("t")
+    assert len(nxt) == members and d.queue_depth("t") == 4  # nothing popped
+    assert PLAN.held_s([r.key for r in nxt]) == pytest.approx(held)

@@ -16,7 +16,6 @@ from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.batch import Assignment, DispatchState, P, Pending, pop_batch
-from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchPolicy
 
 
 class Refused(OverflowError):
@@ -29,14 +28,11 @@ class SloAdmission(Generic[P]):
     Args:
         state: the dispatcher's state (plans, queues, which workers run which batch).
         policy: what happens to late requests and which templates are refused (None: plain EDF).
-        batching: what a batch of late requests may mix (the dispatcher's ``BatchPolicy``).
     """
 
-    def __init__(self, state: DispatchState[P], policy: AdmissionPolicy | None,
-                 batching: BatchPolicy = DEFAULT_BATCH_POLICY) -> None:
+    def __init__(self, state: DispatchState[P], policy: AdmissionPolicy | None) -> None:
         self.state = state
         self.policy = policy
-        self.batching = batching
         self.late: dict[str, list[Pending[P]]] = {k: [] for k in state.plans}  # can no longer meet their SLO
         self._shed: list[Pending[P]] = []  # dropped, for the caller to answer (take_shed)
         self.shed_total = 0
@@ -71,7 +67,7 @@ class SloAdmission(Generic[P]):
                 group = self.state.free_group(plan.sp)
                 if group is None:
                     break
-                out.append(self.state.start(template, group, pop_batch(q, plan.batch, self.batching), plan, now))
+                out.append(self.state.start(template, group, pop_batch(q, plan.batch, self.state.batching), plan, now))
         return out
 
     def take_shed(self) -> list[Pending[P]]:

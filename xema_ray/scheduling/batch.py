@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from xema_ray.scheduling.batch_key import BatchKey, BatchPolicy, batch_seconds
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchKey, BatchPolicy, batch_seconds
 
 if TYPE_CHECKING:
     from xema_ray.plan import PlanEntry
@@ -80,6 +80,11 @@ class DispatchPlan:
             6.0
         """
         return batch_seconds(keys, lambda k, n: self.for_steps(k.steps).latency_for(n))
+
+    def held_s(self, keys: tuple[BatchKey, ...] | list[BatchKey]) -> float:
+        """Seconds the dispatcher counts a batch of ``keys`` against while it runs: the full batch's
+        latency, as for every batch, plus the time its calls take beyond one (``Assignment.held_s``)."""
+        return self.latency_s + max(0.0, self.batch_seconds(keys) - self.latency_for(len(keys)))
 
     def for_steps(self, steps: int) -> DispatchPlan:
         """This plan for a batch of ``steps`` denoising steps (the plan's own: itself). Memory
@@ -179,6 +184,7 @@ class DispatchState(Generic[P]):
     plans: dict[str, DispatchPlan]
     workers: int
     queues: dict[str, list[Pending[P]]] = field(default_factory=dict)
+    batching: BatchPolicy = DEFAULT_BATCH_POLICY  # what one batch may mix (``batch_key``)
     busy: dict[int, int] = field(default_factory=dict)  # worker -> batch id running on it
     held: dict[int, int] = field(default_factory=dict)  # worker -> paused batch whose state it holds
     running: dict[int, Assignment[P]] = field(default_factory=dict)
@@ -196,6 +202,14 @@ class DispatchState(Generic[P]):
         self.running[a.batch_id] = a
         self.progress[a.batch_id] = BatchProgress(since=now)
         return a
+
+    def next_batch(self, template: str) -> list[Pending[P]]:
+        """The requests the template's next batch would take now (``pop_batch``'s, left queued)."""
+        q = sorted(self.queues[template])
+        if not q:
+            return []
+        plan = self.plans[template]
+        return [r for r in q if q[0].key.joins(r.key, self.batching)][: plan.batch]
 
     def free_group(self, sp: int) -> tuple[int, ...] | None:
         """The first aligned group of ``sp`` workers that runs and holds nothing (None: none is free)."""

@@ -70,16 +70,21 @@ class Dispatcher(Generic[P]):
         self.workers = workers
         self.wait_window_s = wait_window_s
         self.max_queue = max_queue
-        self.batching: BatchPolicy = batching
-        self.state: DispatchState[P] = DispatchState(dict(plans), workers, queues={k: [] for k in plans})
+        self.state: DispatchState[P] = DispatchState(dict(plans), workers, queues={k: [] for k in plans},
+                                                     batching=batching)
         self._seq = itertools.count()
         self.step_preemption: StepPreemption[P] = StepPreemption(self.state, preemption)
-        self.slo_admission: SloAdmission[P] = SloAdmission(self.state, admission, batching)
+        self.slo_admission: SloAdmission[P] = SloAdmission(self.state, admission)
 
     # ------------------------------------------------------------------ the state and the parts' answers
     @property
     def plans(self) -> dict[str, DispatchPlan]:
         return self.state.plans
+
+    @property
+    def batching(self) -> BatchPolicy:
+        """What one batch may mix (``batch_key.BatchPolicy``)."""
+        return self.state.batching
 
     @property
     def preemption(self) -> PreemptionPolicy | None:
@@ -190,7 +195,9 @@ class Dispatcher(Generic[P]):
             return True
         # waiting out the window would make the head request miss: start the partial batch now
         adm = self.admission
-        return adm is not None and adm.partial_when_late and oldest + self.wait_window_s + plan.latency_s > q[0].deadline
+        if adm is None or not adm.partial_when_late:
+            return False
+        return oldest + self.wait_window_s + plan.held_s([r.key for r in self.state.next_batch(template)]) > q[0].deadline
 
     def replace_plans(self, plans: dict[str, DispatchPlan], admission: AdmissionPolicy | None = None) -> None:
         """Serve new plans for the same templates (a new plan table), every queued request kept
