@@ -36,6 +36,7 @@ from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import Assignment, DispatchPlan
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchKey, BatchPolicy, batch_seconds
 from xema_ray.scheduling.decode_stage import decode_plans, dit_stage_latency, pool_size, pooled
 from xema_ray.scheduling.dispatcher import Dispatcher
 
@@ -57,6 +58,14 @@ class Arrival(BaseModel):
     request_id: str = ""
     steps: int | None = Field(default=None, ge=1, description="its own denoising steps (None: the template's); "
                               "the dispatcher batches one step count and scales latency and SLO by it")
+    guidance_scale: float | None = Field(default=None, description="its guidance scale (None: the model's default); "
+                                         "a batch runs one call per guidance (``BatchKey``)")
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert guidance")
+
+    def key(self, template_steps: int) -> BatchKey:
+        """What its batch cannot mix (``template_steps``: its template's, where it names none)."""
+        return BatchKey(steps=template_steps if self.steps is None else self.steps,
+                        guidance=(self.guidance_scale, self.guidance_scale_2))
 
 
 class TemplateStats(BaseModel):
@@ -158,6 +167,9 @@ class SimulationConfig:
     #: and the paused batches' step boundaries follow, as the live model group's (default, with
     #: preemption: ``phase_shares(table)``)
     phases: Mapping[str, PhaseShares] | None = None
+    #: what one batch may mix (``xema_ray.scheduling.batch_key``): each batch is priced as it runs,
+    #: one call per key, as the live group runs it
+    batching: BatchPolicy = DEFAULT_BATCH_POLICY
     #: seconds a preempting batch waits beyond its victims' step boundaries and state moves (the pause
     #: handshake: the pause call, the parked run's return, the group's event loop), measured live
     #: (``/v1/stats`` ``preemption.<model>.park_overhead``); 0: none
@@ -194,7 +206,7 @@ def _dispatchers(table: PlanTable, config: SimulationConfig,
         workers, pool_gpus = pool_size(entries)
         out[m] = Dispatcher(p, workers=table.group_gpus.get(m, table.gpus) - pool_gpus,
                             wait_window_s=config.wait_window_s, max_queue=10**9, preemption=policy(m),
-                            admission=table.admission.get(m) if config.admission else None)
+                            admission=table.admission.get(m) if config.admission else None, batching=config.batching)
         if workers:  # its decode pool: a batch of one per decode worker, no wait for a batch to fill
             out[m + DECODE_SUFFIX] = Dispatcher(decode_plans(entries), workers=workers, wait_window_s=0.0,
                                                 max_queue=10**9)
@@ -286,8 +298,12 @@ class _Simulation:
             self.own[key] = (latency, latency)
             return latency
         wait = self._park_victims(m, a, d)
-        base = d.plans[a.template].latency_s  # a batch at its own step count: the dispatcher's scaling
-        latency = self.batch_latency(a.template, len(a.requests)) * (a.plan.latency_s / base if base > 0 else 1.0)
+        plan = d.plans[a.template]
+
+        def call_s(key: BatchKey, n: int) -> float:  # one call of n at the key's step count: the dispatcher's scaling
+            return self.batch_latency(a.template, n) * (plan.for_steps(key.steps).latency_s / plan.latency_s
+                                                        if plan.latency_s > 0 else 1.0)
+        latency = batch_seconds([r.key for r in a.requests], call_s)  # one call per key, as the group runs them
         self.own[key] = (latency, latency)
         return wait + latency + self.switches.cost(m, a.template, a.workers)
 
@@ -331,7 +347,7 @@ class _Simulation:
                     pool = self.disps[key[0] + DECODE_SUFFIX]
                     for r in a.requests:
                         self.arrived_at[r.request_id] = r.arrival
-                        pool.submit(r.template, r.request_id, now, steps=1, deadline=r.deadline + self._tail(r.template))
+                        pool.submit(r.template, r.request_id, now, key=BatchKey(steps=1), deadline=r.deadline + self._tail(r.template))
                     continue
                 for r in a.requests:
                     arrival = self.arrived_at.pop(r.request_id, r.arrival)
@@ -351,8 +367,7 @@ class _Simulation:
         try:
             d = self.disps[self.model_of[arr.template]]
             # the trace's front door, as the API for an HTTP request: no steps, its plan's own
-            steps = d.plans[arr.template].steps if arr.steps is None else arr.steps
-            d.submit(arr.template, arr.request_id, now, steps=steps)
+            d.submit(arr.template, arr.request_id, now, key=arr.key(d.plans[arr.template].steps))
         except Refused:
             self.shed += 1
 
