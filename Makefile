@@ -31,8 +31,9 @@ install: $(STAMP)
 
 # CPU tests (what CI runs). GPU tests are marked `gpu` and run by `make gpu-check`. Under the string-hash
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
+# PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
 test: install
-	PYTHONHASHSEED=0 $(PY) -m pytest -q -m "not gpu"
+	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu"
 
 # The Ray Serve app on CPU with the tiny models (plans from the committed plans/demo-cpu.json); Ctrl+C stops it.
 # `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
@@ -119,6 +120,12 @@ bench: install
 bench-emulated: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
+
+# The batching policy by measurement (issue #50, BENCHMARKS.md "One batch key"): by_key vs mixed with a
+# guidance mix, simulated over a rate sweep and live on the emulated box's Flux.2 group (60 s per policy)
+bench-batch-key: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_batch_key.py --out bench/results/batch_key.json
 
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
 bench-preemption: install

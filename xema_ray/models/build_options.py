@@ -50,6 +50,9 @@ class BuildOptions:
     #: this model, weights and residency on the node: ``xema_ray.platforms.host_memory``); False:
     #: this worker's own exact-size buffer
     share_host: bool = False
+    #: the Serve application the worker serves: its shared segments are that app's (two apps on a
+    #: node never share or sweep each other's); ``host_memory.DEFAULT_APP`` outside Serve
+    app: str = "default"
 
     def dtype_for(self, component: str) -> torch.dtype:
         """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""

@@ -85,6 +85,10 @@ class ModelLoadConfig(BaseModel):
                     "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers (and on meta, which "
                     "stands for them in xema verify); off = each worker "
                     "its own exact-size buffer")
+    app: str = Field(
+        default="default", min_length=1,
+        description="the Serve application the worker serves: its shared host segments are named after it "
+                    "(xema-<app>-<key>), so two apps on one node never share or sweep each other's")
 
     adapters: LoraPoolConfig | None = Field(
         default=None, description="serve LoRA adapters per sample: the device pool's size (xema_ray.lora); None: none")
@@ -256,7 +260,7 @@ class Worker(WorkerBase):
                             component_dtypes=kept,
                             host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
-                            share_host=load.shares_host(self.platform.name))
+                            share_host=load.shares_host(self.platform.name), app=load.app)
         pipe = spec.build_pipeline(opts)
         placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
