@@ -48,7 +48,7 @@ _SPEED_ORDER = (QualityTier.LOSSLESS, QualityTier.BALANCED, QualityTier.FAST)
 
 
 #: the tier names a request may name (they are refused where not served)
-_NAMED = {"lossless", "balanced", "fast"}
+TIER_NAMES = frozenset({"lossless", "balanced", "fast"})
 
 
 def served_tiers(t: RequestTemplate, table: PlanTable | None = None) -> frozenset[QualityTier]:
@@ -106,7 +106,7 @@ def resolve_quality(value: str | None, served: frozenset[QualityTier]) -> Qualit
         return asked if len(served) > 1 else QualityTier.LOSSLESS
     if asked in served:
         return asked
-    if value in _NAMED:
+    if value in TIER_NAMES:
         tiers = ", ".join(t.value for t in _SPEED_ORDER if t in served)
         raise OptionRefused(f"quality {value!r} is not served for this template; it serves: {tiers}", "quality")
     if asked is QualityTier.FAST:  # the fastest tier served

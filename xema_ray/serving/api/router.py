@@ -64,7 +64,7 @@ from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.api.video_jobs import ApiError, VideoJobs
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
-from xema_ray.serving.api.quality import quality_tier_infos
+from xema_ray.serving.api.quality import quality_tier_infos, served_tiers
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.edits import ImageEditRequest, edit_body_doc, edit_inputs
 from xema_ray.serving.api.uploads import ImageRefused, Upload
@@ -147,7 +147,8 @@ class Router:
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         # the document states this deployment: its templates, planned batches, adapter pools, job store
         install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
-                        adapter_pools or {}, url_images=jobs is not None)
+                        adapter_pools or {}, url_images=jobs is not None,
+                        tiers={k: frozenset(q.value for q in served_tiers(t, table)) for k, t in self.served.items()})
         self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, self.groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
