@@ -55,10 +55,26 @@ def load_or_plan(cfg: ServeConfig, templates: list[RequestTemplate]) -> tuple[Pl
         missing = [t.shape_key for t in templates if t.shape_key not in table.entries]
         if missing:
             raise ValueError(f"plan table {cfg.plan_table} has no plan for {', '.join(missing)}")
+        table = with_tiers(table, cfg)
     else:
         table = plan_now(cfg, templates)
     host = parse_bytes(cfg.emulated_host_memory) if cfg.device == "emulated" else None
     return table, check_runnable(table, cfg, templates, host_memory_bytes=host)
+
+
+def with_tiers(table: PlanTable, cfg: ServeConfig) -> PlanTable:
+    """``table`` with the deployment's quality tiers priced where an entry has none (a table
+    planned before tiers were, or by a planner that prices none): arithmetic on the entry's own
+    predictions (``planner.tiers``), nothing measured. An entry planned at one tier (``xema plan
+    --quality``) or already priced is left as it is."""
+    from planner.tiers import price_tiers
+
+    bare = {k: e for k, e in table.entries.items() if not e.tiers and e.config.step_cache is None}
+    if not bare:
+        return table
+    priced = price_tiers(table.model_copy(update={"entries": bare}),
+                         {g.model: g.quality_tiers for g in cfg.models if g.quality_tiers})
+    return table.model_copy(update={"entries": {**table.entries, **priced.entries}})
 
 
 def group_dtypes(cfg: ServeConfig) -> dict[str, Any]:
@@ -79,6 +95,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
     from planner.latency import LatencyModel
     from planner.pause_state import with_pause_bytes
     from planner.stages import plan_template
+    from planner.tiers import price_tiers
     from planner.trace_model import TracePlannerModel
     from planner.traces import TraceCache
 
@@ -108,8 +125,10 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
             "raise the budget, add workers or drop these templates"
         )
     gpus = max(gpus_of.values())
-    return PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
-                     group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+    table = PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
+                      group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+    # each template's quality tiers priced (the planner's tiers pass): the groups serve what is priced
+    return price_tiers(table, {g.model: g.quality_tiers for g in cfg.models if g.quality_tiers})
 
 
 def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s: float | None = None) -> PlanTable:

@@ -129,6 +129,9 @@ PLAN: tuple[PlannedTest, ...] = (
                      "57 GB of weights)"),
     PlannedTest(match=_Z + "wan2.2-ti2v-5b", part=3, expected_s=45, timeout_s=180, device_gb=40,
                 what="analyzer vs max_memory_allocated, Wan2.2-TI2V-5B 1280x704x49 + first frame, 2 steps"),
+    PlannedTest(match="tests/gpu/test_quality_psnr_gpu.py::", part=3, expected_s=60, timeout_s=240, device_gb=40,
+                files=("quality_psnr.json",),
+                what="quality tier fast vs lossless on CogVideoX-5B 720x480x9, 20 steps: PSNR, wall times, cached bytes"),
     PlannedTest(match="tests/gpu/test_lora_gpu.py::", part=3, expected_s=40, timeout_s=150, device_gb=16,
                 files=("lora_gpu.json",),
                 what="per-sample LoRA on CUDA: batch {A, B, none, A+B} vs diffusers' merge; a Flux.2 single "

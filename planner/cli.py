@@ -82,6 +82,13 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
+def deployment_tiers(path: Path) -> dict[str, Any]:
+    """``model -> its quality tiers`` of a ``serve run`` YAML (groups with ``quality_tiers:``)."""
+    from xema_ray.deployment import DeploymentShape
+
+    return {g.model: g.quality_tiers for g in DeploymentShape.from_serve_yaml(path).models if g.quality_tiers}
+
+
 def deployment_scheduler_configs(path: Path) -> dict[str, dict[str, Any]]:
     """``model -> the scheduler config of its group's checkpoint`` of a ``serve run`` YAML (groups
     whose ``weights_dir`` holds ``scheduler/scheduler_config.json``): what the plans are priced on."""
@@ -137,12 +144,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
+    tiers: dict[str, Any] = {}
     schedulers: dict[str, dict[str, Any]] = {}
     stated: str | None = None
     try:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
             pools = deployment_adapter_pools(Path(args.deployment))
+            tiers = deployment_tiers(Path(args.deployment))
             schedulers = deployment_scheduler_configs(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
@@ -174,7 +183,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        template_loads=template_loads(templates, loads), scheduler_configs=schedulers)
     request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
                           layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,
-                          command=recorded_command(sys.argv))
+                          command=recorded_command(sys.argv), tiers=tiers, quality=args.quality)
     try:
         result = plan(request, on_event=say_event)
     except PlanError as e:
@@ -199,6 +208,19 @@ def say_event(event: PlanEvent) -> None:
               f"{event.host_budget / 1e9:.1f} GB: planning again with every template's other candidates")
 
 
+def say_tiers(result: PlanResult) -> None:
+    """Each entry's quality tiers beside its lossless plan (``planner.tiers``)."""
+    lossless = {r.template: r.entry.prediction for r in result.results if r.entry is not None}
+    for key, e in result.table.entries.items():
+        base = lossless.get(key)
+        for name, tier in e.tiers.items():
+            if name == "lossless" or base is None or base.latency_s <= 0:
+                continue
+            print(f"quality {name} {key}: latency {tier.latency_s:.2f} s ({tier.latency_s / base.latency_s:.2f}x "
+                  f"lossless {base.latency_s:.2f} s), peak {tier.peak_bytes / 1e9:.2f} GB (cached outputs "
+                  f"{tier.cache_bytes / 1e6:.1f} MB), {tier.cache.describe() if tier.cache else 'no cache'}")
+
+
 def say_result(result: PlanResult) -> None:
     """The run's summary, in the order the passes made it: layouts, plans, groups, the node's host
     memory, the expert switches, the times, the files written."""
@@ -218,6 +240,7 @@ def say_result(result: PlanResult) -> None:
         print(describe(p))
     if result.written.experts is not None:
         print(f"wrote {result.written.experts}")
+    say_tiers(result)
     for key in result.switched:
         e = table.entries[key]
         print(f"table entry {key}: {e.config.describe()}, predicted peak {e.prediction.peak_bytes / 1e9:.2f} GB, "
@@ -315,6 +338,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help='expected load per model group (traffic profile JSON: {"MODEL": {"rate_per_min": R, "mix": '
                         '{"TEMPLATE": W}, "slo_scale": S}}): its plans and admission policy maximise the simulated '
                         "SLO attainment there (planner.load_aware); without it, isolated goodput")
+    p.add_argument("--quality", choices=("lossless", "balanced", "fast"), default=None,
+                   help="plan one quality tier: each entry's config and prediction are the tier's (default: every "
+                        "tier the models serve priced beside lossless, PlanEntry.tiers; docs/quality.md)")
     p.add_argument("--stages", choices=("joint", "split", "auto"), default="joint",
                    help="where each video template's VAE decode runs: joint: in place on the DiT workers (default); "
                         "split: on a decode pool of its own wherever one fits (config.decode); auto: the better of "

@@ -25,6 +25,8 @@ the state with its own (``Pass.reads`` / ``Pass.writes``, checked as it runs):
   (``xema_ray.runtime.host_bytes.config_host_bytes``).
 - ``table``: the plan table, its provenance and the node's host memory.
 - ``layouts``: the static layouts solved, each entry pointing at its own.
+- ``tiers``: each (template, quality tier) priced (``planner.tiers``); with ``--quality`` the
+  entries are that tier's.
 - ``write``: the table, the expert-switch plans and the statistics written.
 
 A new pass (quality tiers, weight formats, a decode stage) is one more ``Pass`` in ``PASSES``,
@@ -47,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from xema_ray.plan import DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, TextEncoderChoice
+from xema_ray.plan import (DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, QualityTierSpec,
+                           TextEncoderChoice)
 from xema_ray.templates import RequestTemplate
 
 from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
@@ -82,6 +85,10 @@ class PlanRequest:
     wait_s: float = 10.0
     #: the command recorded in the table's provenance (``planner.cli.recorded_command``)
     command: str = ""
+    #: model -> its quality tiers (the deployment's ``quality_tiers``; absent: ``DEFAULT_TIERS``)
+    tiers: Mapping[str, Mapping[str, QualityTierSpec]] = field(default_factory=dict)
+    #: plan this one tier (``--quality``): the entries are the tier's; None: every tier priced beside lossless
+    quality: str | None = None
 
 
 @dataclass(frozen=True)
@@ -366,6 +373,19 @@ def _with_switches(run: PlanRun, state: PlanState) -> PlanState:
     return dataclasses.replace(state, switches=switches, switched=switched)
 
 
+def tiers_pass(run: PlanRun, state: PlanState) -> PlanState:
+    """Each (template, quality tier) priced (``planner.tiers``): latency with the tier's computed
+    steps, memory with its cached outputs; ``--quality`` makes each entry the tier's."""
+    from planner.tiers import TierNotServed, price_tiers
+
+    assert state.table is not None  # the table pass ran
+    try:
+        table = price_tiers(state.table, run.request.tiers, run.request.quality)
+    except TierNotServed as e:
+        raise PlanRefused(str(e)) from None
+    return dataclasses.replace(state, table=table)
+
+
 def write_pass(run: PlanRun, state: PlanState) -> PlanState:
     """The table (with the run's total time), the expert-switch plans beside it, the statistics."""
     from planner.expert_switch import ExpertSwitchFile
@@ -396,6 +416,7 @@ PASSES: tuple[Pass, ...] = (
          writes=("results", "groups", "switches", "switched"), refuses=True),
     Pass("table", table_pass, reads=("results", "planned_s", "loaded", "groups"), writes=("table",)),
     Pass("layouts", layouts_pass, reads=("table", "planned_s"), writes=("table", "layouts", "total_s")),
+    Pass("tiers", tiers_pass, reads=("table",), writes=("table",), refuses=True),
     Pass("write", write_pass, reads=("table", "switches", "total_s", "planned_s", "results"), writes=("written",)),
 )
 

@@ -418,7 +418,8 @@ PLANNER_SPEAKERS: dict[str, str] = {
     "planner/__main__.py": "``python -m planner``: the process's entry and its exit status",
 }
 #: the run's passes in order (``planner.pipeline.PASSES``): a new pass is added here with its place
-PLANNER_PASSES = ("templates", "load_aware", "groups", "expert_switch", "host_memory", "table", "layouts", "write")
+PLANNER_PASSES = ("templates", "load_aware", "groups", "expert_switch", "host_memory", "table", "layouts", "tiers",
+                  "write")
 GROUP_PASSES = ("residency", "text_encoder", "expert_switch", "decode_stage")
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.lora_pool import LoraPoolConfig
+from xema_ray.plan import QualityTierSpec, check_tiers
 from xema_ray.templates import RequestTemplate
 
 
@@ -56,6 +57,10 @@ class GroupShape(BaseModel):
     adapters: LoraPoolConfig | None = Field(
         default=None, description="serve LoRA adapters per request: the folder loaded at start-up and the device "
                                   "pool (slots x max_rank) the plans count; None: no adapters")
+    quality_tiers: dict[str, QualityTierSpec] | None = Field(
+        default=None, description="the quality tiers the group serves, name -> {cache, weights} (lossless "
+                                  "required, as every step in the model's weights); None: lossless and fast "
+                                  "(xema_ray.plan.DEFAULT_TIERS; docs/quality.md)")
     weights_dir: Path | None = Field(
         default=None, description="the group's diffusers checkpoint (None: random weights): its scheduler config is "
                                   "the one the workers run, so plans are priced on it")
@@ -74,6 +79,8 @@ class GroupShape(BaseModel):
     def _known_model(self) -> GroupShape:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        if self.quality_tiers is not None:
+            check_tiers(self.quality_tiers)
         if self.component_dtypes:
             from xema_ray.models import get_model_spec
             from xema_ray.models.base import model_dtypes

@@ -59,9 +59,10 @@ def test_error_raised_if_a_pass_changes_what_it_does_not_write() -> None:
 
 
 def test_the_passes_keep_todays_order() -> None:
-    # the host memory is counted after the expert switch (a two-expert model pins both experts)
+    # the host memory is counted after the expert switch (a two-expert model pins both experts);
+    # the tiers are priced from the finished entries (their layouts' peaks)
     assert [p.name for p in PASSES] == ["templates", "load_aware", "groups", "expert_switch", "host_memory", "table",
-                                        "layouts", "write"]
+                                        "layouts", "tiers", "write"]
 
 
 @pytest.mark.parametrize(("argv", "recorded"), [

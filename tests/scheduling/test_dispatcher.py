@@ -119,3 +119,23 @@ def test_late_requests_start_in_batches_of_one_step_count() -> None:
         d.submit("t", f"r{i}", now=0.0, key=BatchKey(steps=steps))
     batches = {tuple(r.request_id for r in a.requests): a.plan.steps for a in d.dispatch(now=0.5)}
     assert batches == {("r0", "r2"): 10, ("r1", "r3"): 20}
+
+
+def test_requests_of_different_quality_tiers_never_share_a_batch() -> None:
+    """Tiers never mix (``BatchKey.quality``): a lossless and a fast request of one template and
+    step count run in batches of their own, late ones too."""
+    from xema_ray.plan import AdmissionPolicy
+
+    plan = DispatchPlan(batch=4, sp=1, slo_s=20.0, latency_s=10.0, steps=10)
+    d: Dispatcher[None] = Dispatcher({"t": plan}, workers=2, wait_window_s=0.0)
+    for i, quality in enumerate(["lossless", "fast", "lossless", "fast"]):
+        d.submit("t", f"r{i}", now=0.0, key=BatchKey(steps=10, quality=quality))
+    batches = {tuple(r.request_id for r in a.requests): {r.key.quality for r in a.requests}
+               for a in d.dispatch(now=0.0)}
+    assert batches == {("r0", "r2"): {"lossless"}, ("r1", "r3"): {"fast"}}
+
+    late = DispatchPlan(batch=4, sp=1, slo_s=1.0, latency_s=10.0, steps=10)
+    d = Dispatcher({"t": late}, workers=2, wait_window_s=0.0, admission=AdmissionPolicy(late="deprioritise"))
+    for i, quality in enumerate(["fast", "lossless", "fast"]):
+        d.submit("t", f"r{i}", now=0.0, key=BatchKey(steps=10, quality=quality))
+    assert {tuple(r.request_id for r in a.requests) for a in d.dispatch(now=0.5)} == {("r0", "r2"), ("r1",)}

@@ -20,6 +20,8 @@ from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.analyzer.tracer import AllocationTracer
 from xema_ray.mitigation.hsdp import ShapeOnlyGroup
 from xema_ray.mitigation.registry import apply_mitigations
+from xema_ray.mitigation.step_cache import StepCacheConfig
+from xema_ray.mitigation.step_cache import apply as apply_step_cache
 from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
@@ -32,6 +34,7 @@ def trace_with_mitigations(
     world_size: int = 2,
     baseline: MemoryTrace | None = None,
     pipeline: Any | None = None,
+    step_cache: bool = False,
 ) -> MemoryTrace:
     """The memory trace of ``template`` with ``mitigations`` applied (meta device by default).
 
@@ -43,6 +46,10 @@ def trace_with_mitigations(
         baseline: the unmitigated trace, needed only for mitigations located by event ranges.
         pipeline: a pipeline built for ``options.device`` (default: built here); mitigations
             are removed from it afterwards.
+        step_cache: trace a step-cached quality tier: the step cache is installed computing
+            every traced step, so its cached outputs are allocated at the first step and held to
+            the end of the call, as in a real run (the skipped steps allocate less than a
+            computed one, never more: the computed steps' pattern bounds them).
 
     Example:
         >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=3)
@@ -56,6 +63,8 @@ def trace_with_mitigations(
     pipe = pipeline if pipeline is not None else spec.build_pipeline(BuildOptions(device=opts.device, dtype=dtype))
     comm = ShapeOnlyGroup(world_size=world_size) if any(m.kind == "hsdp" for m in mitigations) else None
     applied = apply_mitigations(pipe, spec, mitigations, comm=comm, trace=baseline)
+    if step_cache:
+        applied.handles.append(apply_step_cache(pipe, spec, StepCacheConfig(mask=(1,) * template.steps)))
 
     def prepare(_pipe: Any, tracer: AllocationTracer) -> contextlib.AbstractContextManager[None]:
         for h in applied.handles:

@@ -15,6 +15,8 @@ activation_offload      ``activation_offload``              module paths / tenso
 dit_chunking            ``dit_chunking``                    DiT blocks / sequence chunks
 vae_chunking            ``vae_chunking``                    decoder paths or chains PARENT[START:] / bands
 temporary_serialization ``serialization``                   module paths or blocks / sub-batches
+step_cache              ``step_cache``                      the denoisers / a fixed step mask (a quality
+                                                            tier, not a memory knob: ``docs/quality.md``)
 =====================  ===================================  ============================================
 
 ``registry`` maps a plan's ``Mitigation`` to a config (``primitive_for``), dispatches a config to its
@@ -31,6 +33,7 @@ from xema_ray.mitigation.hooks import MitigationHandle
 from xema_ray.mitigation.hsdp import HSDPConfig, ProcessGroupCollective, ShapeOnlyGroup, apply_hsdp
 from xema_ray.mitigation.registry import apply_mitigations, primitive_for
 from xema_ray.mitigation.serialization import SerializationConfig, apply_serialization
+from xema_ray.mitigation.step_cache import StepCacheConfig, apply_step_cache
 from xema_ray.mitigation.vae_chunking import VaeChunkingConfig, apply_vae_chunking
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "MitigationHandle",
     "ProcessGroupCollective",
     "SerializationConfig",
+    "StepCacheConfig",
     "ShapeOnlyGroup",
     "VaeChunkingConfig",
     "apply_block_offload",
@@ -48,6 +52,7 @@ __all__ = [
     "apply_hsdp",
     "apply_mitigations",
     "apply_serialization",
+    "apply_step_cache",
     "apply_vae_chunking",
     "primitive_for",
 ]

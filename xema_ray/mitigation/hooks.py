@@ -36,6 +36,7 @@ HOOK_NAMES = {
     "serialize": "xema_serialize",
     "expert_swap": "xema_expert_swap",
     "expert_swap_block": "xema_expert_swap_block",
+    "step_cache": "xema_step_cache",
 }
 
 

@@ -26,19 +26,21 @@ import numpy as np
 
 from xema_ray.memory.analysis import event_modules, unit_of
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.mitigation import activation_offload, block_offload, dit_chunking, hsdp, serialization, vae_chunking
+from xema_ray.mitigation import activation_offload, block_offload, dit_chunking, hsdp, serialization, step_cache, vae_chunking
 from xema_ray.mitigation.activation_offload import ActivationOffloadConfig
 from xema_ray.mitigation.block_offload import BlockOffloadConfig
 from xema_ray.mitigation.dit_chunking import DitChunkingConfig
 from xema_ray.mitigation.hooks import MitigationHandle
 from xema_ray.mitigation.hsdp import Collective, HSDPConfig
 from xema_ray.mitigation.serialization import SerializationConfig
+from xema_ray.mitigation.step_cache import StepCacheConfig
 from xema_ray.mitigation.vae_chunking import VaeChunkingConfig
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.plan import Mitigation
 
 PrimitiveConfig = (
     BlockOffloadConfig | HSDPConfig | ActivationOffloadConfig | DitChunkingConfig | VaeChunkingConfig | SerializationConfig
+    | StepCacheConfig
 )
 #: a primitive's entry point: ``apply(pipe, spec, config, comm)`` -> the handle that removes it
 Apply = Callable[[Any, ModelSpec, Any, Collective | None], MitigationHandle]
@@ -51,6 +53,7 @@ PRIMITIVES: dict[type, Apply] = {
     ActivationOffloadConfig: activation_offload.apply,
     VaeChunkingConfig: vae_chunking.apply,
     SerializationConfig: serialization.apply,
+    StepCacheConfig: step_cache.apply,
 }
 
 

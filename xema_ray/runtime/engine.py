@@ -135,6 +135,8 @@ class BatchResult(BaseModel):
     layout_misses: int = Field(default=0, description="allocations that fell back to the dynamic region")
     layout_reserved_bytes: int = Field(default=0, description="bytes the static allocator held after the batch (0: not armed)")
     pauses: int = Field(default=0, description="times the batch was paused at a step boundary (preempted)")
+    steps_computed: int | None = Field(default=None, description="denoising steps that ran the transformer (fewer "
+                                       "than the batch's under a step-cached quality tier; None: not reported)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
 
 
@@ -319,6 +321,23 @@ class ExecutionEngine:
         }
         return PipelineRun(out, phases, group.rank if group is not None else 0, armed, layout, encoded)
 
+    def step_cache_for(self, config: ExecutionConfig, steps: int) -> Any:
+        """The batch's step mask (``xema_ray.mitigation.step_cache.StepCacheConfig``) where its
+        config carries a quality tier's schedule and the batch is long enough to skip a step;
+        None: every step computed (lossless). A two-expert model's switch restarts the warm-up.
+        On the meta device the cache is installed whatever the mask, so that ``xema verify``
+        counts its buffers over the few steps it runs."""
+        if config.step_cache is None:
+            return None
+        from xema_ray.mitigation.step_cache import StepCacheConfig
+
+        at_steps = config.template.model_copy(update={"steps": steps})
+        scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
+        resets = tuple(s.first_step for s in self.spec.expert_stages(at_steps, scheduler_config)[1:])
+        cache = StepCacheConfig.for_request(config.step_cache, steps, resets)
+        # shape-only (``xema verify``): the few steps it runs skip none, but the buffers count
+        return cache if cache.skips or self.shape_only else None
+
     def _batch_env(self, config: ExecutionConfig, group: Any, steps: int, arm: bool,
                    adapters: Any = None) -> tuple[contextlib.ExitStack, RequestReport | None]:
         """The batch's mitigations, static layout (armed at ``steps``), SP and adapters, entered on
@@ -334,6 +353,11 @@ class ExecutionEngine:
                 # the switch and the prefetch at the batch's own step count, on the loaded scheduler
                 at_steps = config.template.model_copy(update={"steps": steps})
                 env.enter_context(apply_expert_swap(self.pipe, self.spec, at_steps, config.experts, self.experts))
+            cache = self.step_cache_for(config, steps)
+            if cache is not None:
+                from xema_ray.mitigation.step_cache import apply as apply_step_cache
+
+                env.enter_context(apply_step_cache(self.pipe, self.spec, cache))
             if arm:
                 assert self.arm_layout is not None and config.layout_ref is not None
                 layout = env.enter_context(self.arm_layout(config.layout_ref, steps))
@@ -393,7 +417,12 @@ class ExecutionEngine:
             layout_armed=run.armed,
             layout_hits=run.layout.hits if run.layout is not None else 0,
             layout_misses=run.layout.misses if run.layout is not None else 0,
+            steps_computed=self._steps_computed(config, batch.steps),
         )
+
+    def _steps_computed(self, config: ExecutionConfig, steps: int) -> int:
+        cache = self.step_cache_for(config, steps)
+        return steps if cache is None else steps - cache.skips
 
     # ------------------------------------------------------------------ outputs
     @staticmethod

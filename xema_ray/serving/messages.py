@@ -174,6 +174,9 @@ class GenerateResult(RequestOutput):
     replica: str | None = Field(default=None, description="the group replica that ran it (its job-store owner id)")
     group_seconds: float | None = Field(default=None, ge=0, description="seconds it spent in the group (queued + "
                                                                        "its batch); the rest of its latency is the front end's")
+    quality: str = Field(default="lossless", description="the quality tier it was served at (X-Xema-Quality)")
+    quality_note: str | None = Field(default=None, description="why it was served at another tier than asked "
+                                                               "(a request too short to skip a step ran lossless)")
 
 
 class GroupStatus(BaseModel):

@@ -16,10 +16,17 @@ from xema_ray.serving.messages import GroupLayoutStats
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 
 
+#: the Stats counter of requests answered at a quality tier: ``quality.<tier>``
+QUALITY_COUNT = "quality."
+
+
 class StatsResponse(BaseModel):
     """``GET /v1/stats``."""
 
     received: int = Field(ge=0, description="generation requests received by every Router replica since the app started")
+    quality: dict[str, int] = Field(
+        default_factory=dict, description="generation requests answered, by the quality tier they were served at "
+                                          "(lossless, fast, ...; the X-Xema-Quality header's values)")
     static_layouts: dict[str, GroupLayoutStats] = Field(
         default_factory=dict, description="per model group: the static allocator's status and counters per template")
     preemption: dict[str, PreemptionReport] = Field(

@@ -252,7 +252,7 @@ def test_the_document_is_the_deployments(served: RouterHarness) -> None:
                                                                                  "tiny-qwen-image"]
 
 
-@pytest.mark.parametrize("quality", ["high", "low", "auto", "hd", "medium", "standard", "lossless", "fast"])
+@pytest.mark.parametrize("quality", ["high", "low", "auto", "hd", "medium", "standard", "lossless"])
 def test_openai_quality_values_are_served(served: RouterHarness, quality: str) -> None:
     r = served.post("/v1/images/generations", {"model": "tiny-flux2", "prompt": "a fox", "size": "64x64",
                                                "quality": quality})

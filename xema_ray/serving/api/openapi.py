@@ -74,7 +74,7 @@ def _enum(props: dict[str, Any], name: str, values: list[Any]) -> None:
 
 def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: RequestLimits,
                   batches: dict[str, int] | None = None, pools: dict[str, LoraPoolConfig] | None = None,
-                  url_images: bool = True) -> dict[str, Any]:
+                  url_images: bool = True, tiers: dict[str, frozenset[str]] | None = None) -> dict[str, Any]:
     """The document for ``app`` serving ``served`` under ``limits`` (``batches``: each template's
     planned batch, default 1; ``pools``: the adapter pools by model; ``url_images``: whether the job
     store serves ``response_format: url``); the request bodies narrowed by ``served_schemas.narrow``."""
@@ -123,7 +123,7 @@ def build_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: Requ
                 props[text] = {"anyOf": [{"type": "string", "maxLength": limits.max_text_chars}, {"type": "null"}],
                                **{k: v for k, v in props[text].items() if k not in ("anyOf", "type")}}
     document_options(components, served, _REQUEST_KINDS)
-    narrow(components, served, batches or {k: 1 for k in served}, pools or {}, url_images)
+    narrow(components, served, batches or {k: 1 for k in served}, pools or {}, url_images, tiers or {})
     _describe_parameters(schema, served)
     schema["info"]["x-limits"] = limits.model_dump()
     return schema
@@ -161,13 +161,13 @@ def _describe_parameters(schema: dict[str, Any], served: dict[str, RequestTempla
 
 def install_openapi(app: FastAPI, served: dict[str, RequestTemplate], limits: RequestLimits,
                     batches: dict[str, int] | None = None, pools: dict[str, LoraPoolConfig] | None = None,
-                    url_images: bool = True) -> None:
+                    url_images: bool = True, tiers: dict[str, frozenset[str]] | None = None) -> None:
     """Serve ``build_openapi``'s document at ``/openapi.json`` (built once, on first request, from
     the deployment this Router replica was started with)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, served, limits, batches, pools, url_images)
+            app.openapi_schema = build_openapi(app, served, limits, batches, pools, url_images, tiers)
         return app.openapi_schema
 
     app.openapi_schema = None

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models.options import OptionRefused, OptionRules
+from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import fallback_shares
 from xema_ray.scheduling.batch import DispatchPlan
 from xema_ray.serving.api.quality import resolve_quality, served_tiers
@@ -54,7 +55,8 @@ def rules_of(model: str, served: dict[str, RequestTemplate]) -> OptionRules:
     return t.spec.option_rules()
 
 
-def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req: Any) -> RequestOptions:
+def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req: Any,
+                    table: PlanTable | None = None) -> RequestOptions:
     """``req``'s options for template ``t``, checked. Raises ``OptionRefused`` (422 / 400).
 
     Args:
@@ -62,6 +64,7 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
         served: every served template (for the models named in a 400).
         req: the parsed request (``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``,
             ``num_inference_steps``, ``quality``; a missing attribute counts as not given).
+        table: the plan table served (the tiers each template is priced at); None: lossless only.
     """
     guidance = getattr(req, "guidance_scale", None)
     negative = getattr(req, "negative_prompt", None)
@@ -78,7 +81,7 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
     # the one place "not given" means the template's steps: below the API every layer carries the int
     return RequestOptions(guidance_scale=guidance, guidance_scale_2=guidance_2, negative_prompt=negative,
                           steps=t.steps if steps is None else steps,
-                          quality=resolve_quality(getattr(req, "quality", None), served_tiers(t)))
+                          quality=resolve_quality(getattr(req, "quality", None), served_tiers(t, table)))
 
 
 def option_error(e: OptionRefused) -> dict[str, Any]:

@@ -33,7 +33,9 @@ def where_headers(t: RequestTemplate, out: GenerateResult) -> dict[str, str]:
     """Response headers saying how the request ran: template, batch and the workers of its group."""
     headers = {"X-Xema-Template": t.shape_key, "X-Xema-Batch-Id": str(out.batch_id),
                "X-Xema-Batch-Size": str(out.batch_size), "X-Xema-Workers": ",".join(map(str, out.workers)),
-               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}"}
+               "X-Xema-Batch-Seconds": f"{out.batch_seconds:.4f}", "X-Xema-Quality": out.quality}
+    if out.quality_note is not None:  # asked for a lossy tier, served lossless (too few steps to skip one)
+        headers["X-Xema-Quality-Note"] = out.quality_note
     if out.emulated:  # an emulated worker made it: no model ran (docs/emulated.md)
         headers["X-Xema-Emulated"] = "true"
     if out.group_seconds is not None:  # queued + batch time in the model group; the rest is the front end

@@ -52,7 +52,7 @@ from xema_ray.serving.api.health import (
 )
 from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.group.preemption import PreemptionReport
-from xema_ray.serving.stats import BufferedCounts, StatsResponse
+from xema_ray.serving.stats import QUALITY_COUNT, BufferedCounts, StatsResponse
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.api.refusals import RefusalMeter
 from xema_ray.serving.api.responses import documented as _documented, front_timing as _front_timing, where_headers as _where
@@ -64,6 +64,7 @@ from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.api.video_jobs import ApiError, VideoJobs
 from xema_ray.models.options import OptionRefused
 from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
+from xema_ray.serving.api.quality import quality_tier_infos, served_tiers
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.edits import ImageEditRequest, edit_body_doc, edit_inputs
 from xema_ray.serving.api.uploads import ImageRefused, Upload
@@ -141,11 +142,13 @@ class Router:
         self.served: dict[str, RequestTemplate] = {t.shape_key: t for t in templates}
         self._ids = itertools.count()
         self.received = 0  # generation requests that reached this replica (the Stats deployment counts all)
+        self.served_quality: dict[str, int] = {}  # answered, by the tier served (the Stats deployment counts all)
         self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
         # the document states this deployment: its templates, planned batches, adapter pools, job store
         install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
-                        adapter_pools or {}, url_images=jobs is not None)
+                        adapter_pools or {}, url_images=jobs is not None,
+                        tiers={k: frozenset(q.value for q in served_tiers(t, table)) for k, t in self.served.items()})
         self.jobs_cfg = jobs
         self.jobs = VideoJobs(self.jobs_cfg, self.groups, self.served, self.table, emulated,
                               self.auth.max_jobs_in_flight) if self.jobs_cfg else None
@@ -187,6 +190,13 @@ class Router:
         if self._counts is not None:
             self._counts.add("received")
 
+    def _count_served(self, quality: str) -> None:
+        """One request answered at tier ``quality`` (``/v1/stats``'s ``quality``), here and in Stats."""
+        key = f"{QUALITY_COUNT}{quality}"
+        self.served_quality[quality] = self.served_quality.get(quality, 0) + 1
+        if self._counts is not None:
+            self._counts.add(key)
+
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
@@ -217,7 +227,9 @@ class Router:
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
-                return call.result()
+                result = call.result()
+                self._count_served(result.quality)
+                return result
             response.cancel()
             call.cancel()
             raise GroupUnavailable(f"{t.model}: {gone.result()}; the request was not completed, retry later")
@@ -257,7 +269,7 @@ class Router:
                 t, references = await edit_inputs(req, uploads, self.served)
             else:
                 t = self._template(req.model, req.size, 1, "image")
-            opts = resolve_options(t, self.served, req)
+            opts = resolve_options(t, self.served, req, self.table)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
         except OptionRefused as e:
@@ -371,7 +383,7 @@ class Router:
         req = await parse_request(request, VideoRequest)
         try:
             t = self._template(req.model, req.size, req.num_frames, "video")
-            opts = resolve_options(t, self.served, req)
+            opts = resolve_options(t, self.served, req, self.table)
         except UnsupportedTemplate as e:
             return _error(400, str(e), supported_templates=e.supported, param=e.param)
         except OptionRefused as e:
@@ -404,7 +416,8 @@ class Router:
                                     options=rules.describe(), references=t.references,
                                     reference_size=f"{t.reference_width}x{t.reference_height}" if t.references else None,
                                     latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
-                                    predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s))
+                                    predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s,
+                                    quality_tiers=quality_tier_infos(e)))
         return out
 
     @app.get("/v1/plans")
@@ -421,17 +434,20 @@ class Router:
         reason where nothing is armed, e.g. on CPU) and its step-level preemption (batches paused,
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
         received = self.received
+        quality = dict(self.served_quality)
         if self.stats is not None:
             if self._counts is not None:
                 await self._counts.flush()  # this replica's own requests are in the answer
             try:
                 counts = await asyncio.wait_for(self._stats_counts(), timeout=2.0)
                 received = counts.get("received", 0)
+                quality = {k.removeprefix(QUALITY_COUNT): n for k, n in counts.items() if k.startswith(QUALITY_COUNT)}
             except Exception:
                 pass
         layouts, preemption, adapters = await asyncio.gather(self._layout_stats(), self._preemption_stats(),
                                                              self.adapter_admin.pool_stats(STATS_TIMEOUT_S))
-        return StatsResponse(received=received, static_layouts=layouts, preemption=preemption, adapters=adapters)
+        return StatsResponse(received=received, quality=dict(sorted(quality.items())), static_layouts=layouts,
+                             preemption=preemption, adapters=adapters)
 
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
         async def ask(model: str) -> GroupLayoutStats:

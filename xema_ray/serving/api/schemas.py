@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xema_ray.lora_pool import LoraUse
-from xema_ray.serving.api.quality import QualityValue
+from xema_ray.serving.api.quality import QualityTierInfo, QualityValue
 from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
@@ -176,6 +176,9 @@ class VideoRequest(_Common):
                                            description="a two-expert model's low-noise expert guidance (Wan2.2 "
                                                        "A14B; default: guidance_scale, as diffusers); models of one "
                                                        "expert refuse it")
+    quality: QualityValue | None = Field(
+        default=None, description="the quality tier (lossless, the default; fast; auto) or OpenAI's image values, "
+                                  "as on images; a tier the template does not serve is a 422; docs/quality.md")
 
 
 class ImageData(BaseModel):
@@ -212,6 +215,8 @@ class TemplateInfo(BaseModel):
     predicted_latency_s: float
     predicted_peak_gb: float
     slo_s: float
+    quality_tiers: list[QualityTierInfo] = Field(default_factory=list, description="the tiers served, lossless "
+                                                 "first, each with its predictions (docs/quality.md)")
 
 
 class UnsupportedTemplate(ValueError):

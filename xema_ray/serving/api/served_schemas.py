@@ -30,6 +30,7 @@ from typing import Any
 
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.models.options import OptionRules
+from xema_ray.serving.api.quality import ACCEPTED, TIER_NAMES
 from xema_ray.serving.api.schemas import MAX_SEED
 from xema_ray.serving.api.videos import served_seconds
 from xema_ray.templates import RequestTemplate
@@ -85,8 +86,17 @@ def _with_true_cfg(branch: dict[str, Any], rules: OptionRules) -> list[dict[str,
             {**branch, "properties": {**props, "guidance_scale": _NULL}}]
 
 
+def _quality(props: dict[str, Any], keys: list[str], tiers: dict[str, frozenset[str]]) -> dict[str, Any]:
+    """``quality``'s values the templates ``keys`` all take: OpenAI's (resolved to what is served)
+    and the tier names every one of them serves (``serving/api/quality.py``)."""
+    if "quality" not in props:
+        return {}
+    served = frozenset.intersection(*(tiers.get(k, frozenset({"lossless"})) for k in keys))
+    return {"quality": {"anyOf": [{"enum": [v for v in ACCEPTED if v not in TIER_NAMES or v in served]}, _NULL]}}
+
+
 def _template_branches(name: str, ours: list[RequestTemplate], props: dict[str, Any], batches: dict[str, int],
-                       pools: dict[str, LoraPoolConfig]) -> list[dict[str, Any]]:
+                       pools: dict[str, LoraPoolConfig], tiers: dict[str, frozenset[str]]) -> list[dict[str, Any]]:
     """One branch per template of ``ours`` (an edit's: one per model and reference count)."""
     branches: list[dict[str, Any]] = []
     if name == "ImageEditRequest":
@@ -97,7 +107,8 @@ def _template_branches(name: str, ours: list[RequestTemplate], props: dict[str, 
             rules = ts[0].spec.option_rules()
             p = {"model": {"const": model}, "size": {"enum": sorted({_size(t) for t in ts}) + ["auto"]},
                  "n": {"maximum": min(batches[t.shape_key] for t in ts)},
-                 "image": {"minItems": refs, "maxItems": refs}, **_options(rules, props, pools.get(model))}
+                 "image": {"minItems": refs, "maxItems": refs}, **_options(rules, props, pools.get(model)),
+                 **_quality(props, [t.shape_key for t in ts], tiers)}
             branches += _with_true_cfg({"properties": p, "x-template": sorted(t.shape_key for t in ts)}, rules)
         return branches
     defaults = {}  # VideoCreate without size: the smallest template of the model and reference count
@@ -106,7 +117,7 @@ def _template_branches(name: str, ours: list[RequestTemplate], props: dict[str, 
     for t in sorted(ours, key=lambda t: t.shape_key):
         rules = t.spec.option_rules()
         p: dict[str, Any] = {"model": {"const": t.model}, "size": {"const": _size(t)},
-                             **_options(rules, props, pools.get(t.model))}
+                             **_options(rules, props, pools.get(t.model)), **_quality(props, [t.shape_key], tiers)}
         required = ["model", "size"]
         if "n" in props:
             p["n"] = {"maximum": batches[t.shape_key]}
@@ -137,7 +148,7 @@ def _seed_bound(props: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batches: dict[str, int],
-           pools: dict[str, LoraPoolConfig], url_images: bool) -> None:
+           pools: dict[str, LoraPoolConfig], url_images: bool, tiers: dict[str, frozenset[str]] | None = None) -> None:
     """Narrow the request components to ``served`` (see the module).
 
     Args:
@@ -146,6 +157,8 @@ def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batch
         batches: each template's planned batch (the most ``n`` it takes).
         pools: the adapter pool of each model whose group has ``adapters:``.
         url_images: whether ``response_format: url`` is served (the job store is configured).
+        tiers: the quality tiers each template is served at (a tier named by its name that a
+            template does not serve is refused there; absent: lossless only).
     """
     for name, (kind, refs) in REQUEST_SCHEMAS.items():
         schema = components.get(name)
@@ -163,7 +176,7 @@ def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batch
             props["input_reference"] = {"anyOf": [*IMAGE_REFERENCE["anyOf"], _NULL], "default": None,
                                         "description": props["input_reference"].get("description", "")}
         if ours:
-            schema["anyOf"] = _template_branches(name, ours, props, batches, pools)
+            schema["anyOf"] = _template_branches(name, ours, props, batches, pools, tiers or {})
         bound = _seed_bound(props)
         if bound and "seed" in props:
             schema["allOf"] = bound

@@ -143,7 +143,7 @@ class VideoJobs:
             if len(uploads) > 1:
                 raise ImageRefused(f"input_reference: one image is taken, got {len(uploads)}", "input_reference", 400)
             t = map_video_request(req, self.served, len(uploads))
-            opts = resolve_options(t, self.served, req)
+            opts = resolve_options(t, self.served, req, self.table)
             references = await asyncio.to_thread(reference_images, uploads, t) if uploads else ()
         except UnsupportedTemplate as e:
             raise ApiError(400, str(e), param=e.param or "size", code="unsupported_template",
@@ -159,7 +159,7 @@ class VideoJobs:
         epoch = await self._call(store.epoch)
         rec = JobRecord(id=new_job_id(epoch), model=t.model, template=t.shape_key, prompt=req.prompt, seed=seed,
                         guidance_scale=opts.guidance_scale, guidance_scale_2=opts.guidance_scale_2,
-                        negative_prompt=opts.negative_prompt, steps=opts.steps,
+                        negative_prompt=opts.negative_prompt, steps=opts.steps, quality=opts.quality,
                         size=f"{t.width}x{t.height}", seconds=served_seconds(t),
                         frames=t.frames, predicted_s=predicted, created_at=time.time(), tenant=tenant,
                         references=len(references), lora=tuple(req.lora or ()))
@@ -269,7 +269,7 @@ class VideoJobs:
         return await self.groups[rec.model].submit_job(GroupRequest(
             template=rec.template, request_id=rec.id, prompt=rec.prompt, seed=rec.seed,
             guidance_scale=rec.guidance_scale, guidance_scale_2=rec.guidance_scale_2,
-            negative_prompt=rec.negative_prompt, steps=rec.steps,
+            negative_prompt=rec.negative_prompt, steps=rec.steps, quality=rec.quality,
             references=tuple(references), lora=rec.lora))
 
     async def reconcile(self) -> int:

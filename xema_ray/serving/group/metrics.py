@@ -29,12 +29,13 @@ class ServingMetrics:
     def __init__(self, model: str, plans: Callable[[], tuple[Mapping[str, PlanEntry], int | None]] = lambda: ({}, None),
                  summary: Callable[[], ReplicaSummary] | None = None) -> None:
         tags = ("template",)
-        self.requests = metrics.Counter("xema_requests", "requests completed", tag_keys=(*tags, "model"))
-        self.requests.set_default_tags({"model": model})  # Serve adds keys to the dict it gets
-        self.slo_met = metrics.Counter("xema_slo_met", "requests finished within their SLO", tag_keys=(*tags, "model"))
-        self.slo_met.set_default_tags({"model": model})
-        self.slo_missed = metrics.Counter("xema_slo_missed", "requests finished after their SLO", tag_keys=(*tags, "model"))
-        self.slo_missed.set_default_tags({"model": model})
+        self.requests = metrics.Counter("xema_requests", "requests completed", tag_keys=(*tags, "model", "quality"))
+        self.requests.set_default_tags({"model": model, "quality": "lossless"})  # Serve adds keys to the dict it gets
+        self.slo_met = metrics.Counter("xema_slo_met", "requests finished within their SLO",
+                                     tag_keys=(*tags, "model", "quality"))
+        self.slo_met.set_default_tags({"model": model, "quality": "lossless"})
+        self.slo_missed = metrics.Counter("xema_slo_missed", "requests finished after their SLO", tag_keys=(*tags, "model", "quality"))
+        self.slo_missed.set_default_tags({"model": model, "quality": "lossless"})
         self.failed = metrics.Counter("xema_requests_failed", "requests that failed after retry", tag_keys=(*tags, "model"))
         self.failed.set_default_tags({"model": model})
         self.rejected = metrics.Counter("xema_requests_rejected", "requests refused: queue full", tag_keys=(*tags, "model"))
@@ -47,8 +48,8 @@ class ServingMetrics:
         self.worker_restarts = metrics.Counter("xema_worker_set_restarts", "worker sets rebuilt", tag_keys=("model",))
         self.worker_restarts.set_default_tags({"model": model})
         self.latency = metrics.Histogram("xema_request_latency_s", "arrival to result", boundaries=_LATENCY_BOUNDS,
-                                         tag_keys=(*tags, "model"))
-        self.latency.set_default_tags({"model": model})
+                                         tag_keys=(*tags, "model", "quality"))
+        self.latency.set_default_tags({"model": model, "quality": "lossless"})
         self.batch_seconds = metrics.Histogram("xema_batch_seconds", "batch execution time", boundaries=_LATENCY_BOUNDS,
                                                tag_keys=(*tags, "model"))
         self.batch_seconds.set_default_tags({"model": model})
@@ -143,8 +144,9 @@ class ServingMetrics:
         self.paused_seconds.inc(paused_s, tags=t)
         self.paused_bytes.set(float(held_bytes), tags=t)
 
-    def observe_request(self, template: str, latency_s: float, met: bool) -> None:
-        t = {"template": template}
+    def observe_request(self, template: str, latency_s: float, met: bool, quality: str = "lossless") -> None:
+        """A request finished: its latency and SLO, labelled by template and the quality tier it ran at."""
+        t = {"template": template, "quality": quality}
         self.requests.inc(tags=t)
         self.latency.observe(latency_s, tags=t)
         (self.slo_met if met else self.slo_missed).inc(tags=t)

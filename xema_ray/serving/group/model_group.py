@@ -41,6 +41,7 @@ from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.batch_key import BatchKey, sub_batches
 from xema_ray.scheduling.dispatcher import Dispatcher
+from xema_ray.scheduling.quality import choose_auto
 from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
 from xema_ray.serving.group.adapter_registry import RegistryClient
 from xema_ray.serving.group.adapters import GroupAdapters, folder_sources
@@ -49,6 +50,8 @@ from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
                                        InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
+from xema_ray.serving.group.quality import served_quality
+from xema_ray.vocabulary import QualityTier
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
 from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
@@ -264,6 +267,16 @@ class ModelGroup:
         self.publisher.note_arrival(req.template)
         return request
 
+    def _key_of(self, req: GroupRequest) -> BatchKey:
+        """``req``'s batch key with its tier resolved: its own, or for ``auto`` the one its queue
+        allows (``xema_ray.scheduling.quality.choose_auto``)."""
+        if req.quality != QualityTier.AUTO:
+            return req.batch_key
+        entry = self.entries[req.template]
+        groups = max(1, self.n_workers // max(1, entry.config.sp))
+        tier = choose_auto(entry, self.dispatcher.queue_depth(req.template), groups)
+        return replace(req.batch_key, quality=tier)
+
     def _queue_full(self, template: str, e: OverflowError) -> QueueFull:
         self.metrics.rejected.inc(tags={"template": template})
         return QueueFull(str(e), retry_after_s=max(1.0, self.dispatcher.plans[template].latency_s))
@@ -281,7 +294,7 @@ class ModelGroup:
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, fut), key=req.batch_key)
+                                   _Ticket(request, fut), key=self._key_of(req))
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -299,7 +312,7 @@ class ModelGroup:
         ticket = _Ticket(request, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
-                                                                                 ticket, key=req.batch_key)):
+                                                                                 ticket, key=self._key_of(req))):
                 return False
         except OverflowError as e:  # the job went back to the store
             raise self._queue_full(req.template, e) from None
@@ -404,7 +417,9 @@ class ModelGroup:
             if not reqs:
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
-        batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
+        quality = key.quality  # one tier per batch (``BatchKey``: tiers never mix)
+        batch = Batch(config=entry.tier_config(quality).for_batch(len(reqs)),
+                      requests=tuple(_ticket(r).request for r in reqs),
                       guidance_scale=key.guidance[0], guidance_scale_2=key.guidance[1], steps=steps)
         t0 = time.monotonic()
         try:
@@ -424,7 +439,7 @@ class ModelGroup:
             outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
                                                      workers=a.workers, batch_seconds=seconds,
                                                      queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                     replica=self.owner)
+                                                     replica=self.owner, **served_quality(quality, steps, lead))
         return True
 
     async def _fail(self, t: _Ticket, e: Exception) -> None:
@@ -466,7 +481,8 @@ class ModelGroup:
                     # its time in this group (queue + batch): the rest of its latency is the front end's
                     t.future.set_result(outputs[r.request_id].model_copy(update={"group_seconds": time.monotonic() - r.arrival}))
                 now = time.monotonic()
-                self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline)
+                served = outputs[r.request_id].quality if r.request_id in outputs else r.key.quality
+                self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline, served)
         except Exception as e:  # every request of the batch gets the error; none is dropped
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
                 cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()

@@ -40,6 +40,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from xema_ray.lora_pool import LoraUse
+from xema_ray.vocabulary import QualityTier
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed"]
 TERMINAL: tuple[JobStatus, ...] = ("completed", "failed")
@@ -89,6 +90,8 @@ class JobRecord(BaseModel):
                                                                      "guidance (None: guidance_scale's)")
     negative_prompt: str | None = Field(default=None, description="None: the model's default")
     steps: int = Field(ge=1, description="the denoising steps it runs (resolved by the API: its own or its template's)")
+    quality: QualityTier = Field(default=QualityTier.LOSSLESS, description="the quality tier it runs at (resolved "
+                                                                           "by the API; auto: by its group)")
     lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters and scales (checked by the group)")
     references: int = Field(default=0, ge=0, description="input images, stored as files (``reference_name``) "
                             "beside the record")

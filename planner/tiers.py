@@ -1,0 +1,109 @@
+"""The planner's ``tiers`` pass: each (template, quality tier) priced (``docs/quality.md``).
+
+A tier is a variant of a template's plan (``xema_ray.plan.QualityTierSpec``): the same
+configuration, its denoising steps computed as the tier's fixed-budget mask says. Its latency is
+the cost model's for the computed steps: the entry's latency split by phase on the table's
+hardware (``xema_ray.profiling.phases``), the denoising share scaled by computed / planned steps
+(a reused step costs nothing but its copy of the cached output). Its memory is the entry's peak
+plus the cached outputs, one transformer output per pass of a step (``cached_output_bytes``; the
+analyzer traces the same buffers, ``trace_with_mitigations(step_cache=True)``, and a test holds
+the two equal). A step-cached batch runs without the entry's static layout (its skipped steps
+allocate less than the layout's order expects), on the dynamic region the peak already counts.
+
+Example:
+    >>> from xema_ray.plan import DEFAULT_TIERS, ExecutionConfig, PlanEntry, PlanPrediction
+    >>> from xema_ray.templates import RequestTemplate
+    >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=50)
+    >>> e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
+    ...     peak_bytes=10**6, latency_s=1.0, goodput_rps=1.0, slo_s=2.0, latency_source="estimated"))
+    >>> fast = tier_plan(e, DEFAULT_TIERS["fast"], denoise_share=0.95)
+    >>> round(fast.latency_s, 3), fast.peak_bytes - 10**6
+    (0.316, 1024)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from xema_ray.analyzer.run import default_dtype_for
+from xema_ray.mitigation.step_cache import cached_output_bytes
+from xema_ray.plan import DEFAULT_TIERS, PlanEntry, PlanPrediction, PlanTable, QualityTierSpec, TierPlan
+from xema_ray.profiling.phases import phase_shares
+
+
+class TierNotServed(ValueError):
+    """``--quality`` names a tier a planned model does not define."""
+
+
+def cache_bytes(entry: PlanEntry) -> int:
+    """Device bytes a step-cached batch of ``entry`` keeps: its transformer outputs, per pass."""
+    t = entry.config.batched_template
+    spec = t.spec
+    itemsize = default_dtype_for(spec).itemsize
+    return cached_output_bytes(spec, math.prod(spec.latent_shape(t)) // t.batch, t.batch, itemsize)
+
+
+def tier_plan(entry: PlanEntry, tier: QualityTierSpec, denoise_share: float) -> TierPlan:
+    """``entry`` at ``tier``: latency with the tier's computed steps, peak with its cached outputs.
+
+    Args:
+        entry: the template's (lossless) plan.
+        tier: the tier's definition.
+        denoise_share: the denoising loop's share of the entry's latency on its hardware.
+    """
+    p = entry.prediction
+    if tier.cache is None:
+        return TierPlan(cache=None, weights=tier.weights, latency_s=p.latency_s, peak_bytes=p.peak_bytes)
+    t = entry.config.template
+    resets = tuple(s.first_step for s in t.spec.expert_stages(t)[1:])
+    computed = tier.cache.computed_steps(t.steps, resets)
+    latency = p.latency_s * (1.0 - denoise_share * (1.0 - computed / t.steps))
+    kept = cache_bytes(entry)
+    return TierPlan(cache=tier.cache, weights=tier.weights, latency_s=latency, peak_bytes=p.peak_bytes + kept,
+                    cache_bytes=kept)
+
+
+def price_tiers(table: PlanTable, tiers: Mapping[str, Mapping[str, QualityTierSpec]] | None = None,
+                only: str | None = None) -> PlanTable:
+    """``table`` with every entry's tiers priced (``PlanEntry.tiers``).
+
+    Args:
+        table: the planned table (lossless entries, their layouts solved).
+        tiers: model -> its tiers (the deployment's ``quality_tiers``); a model not named serves
+            ``DEFAULT_TIERS``.
+        only: plan this one tier (``xema plan --quality``): each entry becomes the tier's (its
+            config carries the schedule, its prediction is the tier's) and lists only it.
+
+    Raises:
+        TierNotServed: ``only`` is a tier some planned model does not define.
+    """
+    shares = phase_shares(table)
+    entries = {}
+    not_armed = dict(table.provenance.layouts_not_armed)
+    for key, e in table.entries.items():
+        defined = (tiers or {}).get(e.config.template.model, DEFAULT_TIERS)
+        if only is not None and only not in defined:
+            raise TierNotServed(f"quality {only!r}: {e.config.template.model} serves {', '.join(sorted(defined))}")
+        names = [only] if only is not None else sorted(defined)
+        priced = {n: tier_plan(e, defined[n], shares[key].denoise) for n in names}
+        entries[key] = e.model_copy(update={"tiers": priced}) if only is None else _as_tier(e, only, priced[only])
+        if only is not None and priced[only].cache is not None:
+            not_armed[key] = (f"quality {only}: a step-cached batch runs on the dynamic region (its reused steps "
+                              "allocate less, in another order, than a static layout is solved for)")
+    provenance = table.provenance.model_copy(update={"layouts_not_armed": not_armed})
+    return table.model_copy(update={"entries": entries, "provenance": provenance})
+
+
+def _as_tier(e: PlanEntry, name: str, tier: TierPlan) -> PlanEntry:
+    """``e`` planned at one tier: its config runs the tier's cache, its prediction is the tier's."""
+    if tier.cache is None:
+        return e.model_copy(update={"tiers": {name: tier}})
+    config = e.config.model_copy(update={"step_cache": tier.cache, "layout_ref": None})
+    p = e.prediction
+    goodput = 0.0 if tier.latency_s > p.slo_s else config.dp * config.batch / max(tier.latency_s, 1e-9)
+    prediction = PlanPrediction(**{**p.model_dump(), "latency_s": tier.latency_s, "peak_bytes": tier.peak_bytes,
+                                   "goodput_rps": goodput, "latency_by_batch": {
+                                       n: s * tier.latency_s / p.latency_s for n, s in p.latency_by_batch.items()}
+                                   if p.latency_s > 0 else {}})
+    return e.model_copy(update={"config": config, "prediction": prediction, "tiers": {name: tier}})

@@ -1,0 +1,21 @@
+"""The quality tier a batch was served at, for its results (the Router's ``X-Xema-Quality``
+header, ``/v1/stats`` and the ``quality`` label of the request metrics).
+
+A step-cached tier asked for by a request too short to skip a step ran every step: it was
+served lossless, and its result says so (``quality_note``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xema_ray.runtime.engine import BatchResult
+
+
+def served_quality(tier: str, steps: int, lead: BatchResult) -> dict[str, Any]:
+    """``GenerateResult`` fields for a batch run at ``tier`` over ``steps`` steps, ``lead`` its
+    SP rank 0's result (``steps_computed``: the steps that ran the transformer)."""
+    if tier != "lossless" and lead.steps_computed is not None and lead.steps_computed >= steps:
+        return {"quality": "lossless", "quality_note": f"{tier} asked; {steps} steps are too few to skip one, "
+                                                       "every step was computed"}
+    return {"quality": tier}
