@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from xema_ray.placement import HOST_BUFFER_ATTR, WeightHome
-from xema_ray.platforms.host_memory import HostBuffer, SharedSegments, align, torch_pinned_bytes
+from xema_ray.platforms.host_memory import HostBuffer, SegmentHolder, SharedSegments, align, torch_pinned_bytes
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,17 @@ def plan_pack(root: nn.Module, dtype: torch.dtype, home_of: Callable[[str], Weig
     return HostPack(tuple(slots))
 
 
-def open_host_buffer(pack: HostPack, device: torch.device, key: str | None) -> HostBuffer | None:
+def open_host_buffer(pack: HostPack, device: torch.device, key: str | None,
+                     holder: SegmentHolder | None = None) -> HostBuffer | None:
     """The buffer ``pack``'s tensors will be views into: none on meta (nothing is allocated) or
     for an empty pack; the node's segment named ``key`` (filled already when another worker made
-    it); else this worker's own."""
+    it; a new one owned by ``holder``, which keeps it after its last worker, when given); else
+    this worker's own."""
     if device.type == "meta" or not pack.slots:
         return None
     if key is None:
         return HostBuffer.private(pack.nbytes)
-    return SharedSegments().open(key, pack.nbytes)
+    return SharedSegments(owner=holder.owner_record() if holder is not None else None).open(key, pack.nbytes)
 
 
 def finish_host_buffer(component: nn.Module, buf: HostBuffer, device: torch.device, pinned: bool) -> None:

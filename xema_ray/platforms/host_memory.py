@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from xema_ray.platforms.base import Platform
@@ -168,6 +169,25 @@ def process_owner(pid: int | None = None) -> dict[str, int | str | None]:
     """The owner record of a process (default: this one): pid and start time."""
     pid = os.getpid() if pid is None else pid
     return {"pid": pid, "start": _process_start(pid)}
+
+
+class SegmentHolder(BaseModel):
+    """A node-level process that keeps the segments it owns after their last worker closes them
+    (a group scaled to zero keeps its host copy, so that its wake maps it): its ``process_owner``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pid: int = Field(ge=1, description="the holder's process id")
+    start: str | None = Field(description="its start time in clock ticks (a pid and this name one process)")
+
+    @classmethod
+    def this_process(cls) -> SegmentHolder:
+        own = process_owner()
+        return cls(pid=int(own["pid"] or 0), start=own["start"] if isinstance(own["start"], str) else None)
+
+    def owner_record(self) -> dict[str, int | str | None]:
+        """The ``.owner`` record of a segment it keeps."""
+        return {"pid": self.pid, "start": self.start, "keep": 1}
 
 
 def owner_alive(owner: dict[str, object]) -> bool:
