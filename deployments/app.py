@@ -29,6 +29,7 @@ from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
+from xema_ray.serving.api.wake import WakePolicy
 from xema_ray.serving.startup import gpu_shortfall, paused_host_bytes, preflight, served_templates
 from xema_ray.serving.stats import Stats
 from xema_ray.serving.group.worker_set import WORKER_KINDS
@@ -63,9 +64,16 @@ class ServedModelGroup(ModelGroup):
     drains what is left (``SummaryPublisher.drain``: queued jobs handed back, running batches
     finished within the budget)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
+                 **kwargs: Any) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        super().__init__(*args, **kwargs)
+        real = settings is None or settings.emulation is None
+        if real and config.wants_host_copy() and "host_holder" not in kwargs:
+            # the node keeps the model's host copy past this replica (a group scaled to zero wakes warm)
+            from xema_ray.serving.group.host_keeper import node_holder
+
+            kwargs["host_holder"] = node_holder(serve.get_replica_context().app_name)
+        super().__init__(config, plans, settings, **kwargs)
 
     async def __del__(self) -> None:
         await self.drain(DRAIN_S)
@@ -182,6 +190,9 @@ def build_app(args: dict[str, Any]) -> Application:
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
-    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
+    # the groups that scale to zero: the Router holds their requests while they wake (api/wake.py)
+    wake = {g.model: WakePolicy(timeout_s=g.autoscaling.wake_timeout_s, max_queue=g.max_queue)
+            for g in cfg.models if g.autoscaling is not None and g.scales_to_zero}
+    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, wake=wake,
                        emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,
                        adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None})

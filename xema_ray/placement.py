@@ -63,7 +63,8 @@ class PlacementReport:
     in the shared buffer too: ``host_copy_bytes`` are their bytes, copied to the device from it.
     The weight phase's seconds: ``source_s`` values read or generated into their host slot (or
     straight to their home without a host copy), ``device_copy_s`` host copy -> device (zero when
-    nothing was copied).
+    nothing was copied). A CPU device keeps a memory-mapped checkpoint's tensors as they are read
+    (no copy): their pages are read when first touched, after ``source_s``.
     """
 
     device_bytes: int = 0

@@ -442,9 +442,8 @@ class _Placer:
         buf = self.buf
         views = ({n: buf.view(s.offset, s.shape, s.dtype) for n in own if (s := self.slots.get((path, n))) is not None}
                  if buf is not None and (home is WeightHome.HOST or self.host_copy) else {})
-        start = time.perf_counter()
+        start, copied = time.perf_counter(), self.report.device_copy_s
         values = self._values(path, sub, own, home, views)
-        self.report.source_s += time.perf_counter() - start
         for name, meta in own.items():
             t = self._tensor(name, meta, sub, home, views, values)
             if t is None:
@@ -462,6 +461,8 @@ class _Placer:
                 self.report.device_bytes += nbytes
             else:
                 self.report.host_bytes += nbytes
+        # values read or generated and copied into their host slot or home: all but the device copies
+        self.report.source_s += (time.perf_counter() - start) - (self.report.device_copy_s - copied)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A device-homed tensor's copy from its slot in the host copy (a CPU device gets its own

@@ -33,12 +33,18 @@ from xema_ray.serving.scale.replica_summary import (
 )
 
 
+#: how long a request to a group scaled to zero is held by default: a replica's start (a Ray actor,
+#: its workers, imports, the weights from the node's host copy, docs/serving.md "Scale to zero")
+WAKE_TIMEOUT_S = 120.0
+
+
 class AutoscalingSpec(BaseModel):
     """A model group's autoscaling (the YAML's ``autoscaling:``); replicas stay within the bounds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_replicas: int = Field(default=1, ge=1, description="replicas kept however idle")
+    min_replicas: int = Field(default=1, ge=0, description="replicas kept however idle; 0: the group scales to zero "
+                                                            "when idle and the first request wakes it")
     max_replicas: int = Field(default=4, ge=1, description="replicas at most (each needs `workers` GPUs)")
     target_attainment: float = Field(default=0.9, gt=0, le=1,
                                      description="add a replica when predicted attainment falls below this")
@@ -48,6 +54,13 @@ class AutoscalingSpec(BaseModel):
     upscale_delay_s: float = Field(default=0.0, ge=0, description="how long a scale-up decision must hold")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="how long a scale-down decision must hold")
     metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas publish their summary")
+    wake_timeout_s: float = Field(default=WAKE_TIMEOUT_S, gt=0,
+                                  description="min_replicas 0: how long a request to the group at zero is held while "
+                                              "a replica starts, before a 503 `waking` with Retry-After")
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:
@@ -140,6 +153,11 @@ def _attainment(summaries: Sequence[ReplicaSummary], window_s: float, now: float
     return total
 
 
+def idle(s: ReplicaSummary) -> bool:
+    """Nothing queued, running or arrived over the replica's arrival window."""
+    return not s.running and all(q.queued == 0 and q.arrival_rate == 0 for q in s.queues.values())
+
+
 def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: AutoscalingSpec, now: float) -> ScaleDecision:
     """The replica count for the next window (bounded by the spec), from the published summaries
     of the running replicas (``current`` counts replicas still starting too)."""
@@ -178,6 +196,10 @@ def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: Aut
         return ScaleDecision(replicas=max(lo, len(live)), action="down", attainment=frac,
                              reason=f"the {len(live)} running replicas predict {frac:.3f} without the "
                                     f"{current - len(live)} not running")
+    if lo == 0 and current == len(live) == 1 and idle(live[0]):
+        # nothing queued, running or arriving over the summary's window: give the GPUs back (Serve
+        # holds the decision for downscale_delay_s; the next request wakes the group)
+        return ScaleDecision(replicas=0, action="down", attainment=frac, reason="idle: scaled to zero")
     if current > lo and len(live) == current and len(live) > 1:
         # the replica with the least to do is the one whose load is cheapest to share out
         loads = [sum(q.queued for q in s.queues.values()) + sum(b.requests for b in s.running) for s in live]
