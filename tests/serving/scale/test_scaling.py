@@ -231,6 +231,22 @@ def test_min_replicas_is_kept() -> None:
     assert decide_replicas(quiet, current=1, spec=SPEC.model_copy(update={"min_replicas": 2}), now=100.0).replicas == 2
 
 
+def test_an_idle_group_that_scales_to_zero_gives_its_last_replica_back() -> None:
+    zero = AutoscalingSpec(min_replicas=0, max_replicas=2)
+    assert zero.scales_to_zero and not SPEC.scales_to_zero
+    d = decide_replicas([replica("r0")], current=1, spec=zero, now=100.0)
+    assert d.action == "down" and d.replicas == 0 and "idle" in d.reason
+    # anything queued, running or arrived over the window keeps it
+    for busy in (replica("r0", queues={"img": q(1)}), replica("r0", queues={"img": q(0, rate=0.05)}),
+                 replica("r0", running=[RunningBatch(template="img", workers=[0], requests=1, remaining_s=5.0,
+                                                     remaining_steps=5, deadline_s=30.0)])):
+        assert decide_replicas([busy], current=1, spec=zero, now=100.0).replicas == 1
+    # at zero (no summary: no replica) it stays there; Serve wakes it for the first request
+    assert decide_replicas([], current=0, spec=zero, now=100.0).replicas == 0
+    # min_replicas 1 never drops the last one
+    assert decide_replicas([replica("r0")], current=1, spec=SPEC, now=100.0).replicas == 1
+
+
 def test_error_raised_if_max_replicas_is_below_min_replicas() -> None:
     with pytest.raises(ValueError, match="max_replicas"):
         AutoscalingSpec(min_replicas=3, max_replicas=2)

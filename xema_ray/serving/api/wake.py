@@ -12,7 +12,8 @@ group's ``max_queue`` requests; past that a request gets the 503 ``queue_full`` 
 admission gives (``limit: models[].max_queue``).
 
 Counted: ``/v1/stats``'s ``waking`` (per group: held, woke, timed out, refused full, seconds held)
-and the ``xema_wake_wait_s`` histogram (``model``, ``outcome``: woke | timed_out).
+and the ``xema_wake_wait_s`` histogram (``model``: every held request's wait, however it ended; a
+503 ``waking`` is also ``xema_requests_refused{reason="waking"}``).
 """
 
 from __future__ import annotations
@@ -108,12 +109,12 @@ class WakeGate:
             self._add(model, "wait_ms", round(waited * 1000))
             if done:
                 self._add(model, "woke")
-                self._observe(model, "woke", waited)
+                self._observe(model, waited)
                 return
             reply.cancel()
             call.cancel()
             self._add(model, "timed_out")
-            self._observe(model, "timed_out", waited)
+            self._observe(model, waited)
             raise GroupWaking(f"{model}: its group is waking from zero replicas and did not serve within "
                               f"wake_timeout_s ({policy.timeout_s:g} s); retry later",
                               retry_after_s=max(WAKING_RETRY_AFTER_S, policy.timeout_s / 4))
@@ -129,8 +130,8 @@ class WakeGate:
         if self._count is not None:
             self._count(name, n)
 
-    def _observe(self, model: str, outcome: str, seconds: float) -> None:
-        """``xema_wake_wait_s{model, outcome}`` (made on first use, inside a Serve replica only)."""
+    def _observe(self, model: str, seconds: float) -> None:
+        """``xema_wake_wait_s{model}`` (made on first use, inside a Serve replica only)."""
         if self._histogram is None:
             try:
                 from ray.serve import get_replica_context, metrics
@@ -140,5 +141,5 @@ class WakeGate:
                 return
             self._histogram = metrics.Histogram("xema_wake_wait_s", "seconds a request was held while its group "
                                                 "woke from zero replicas", boundaries=_WAIT_BOUNDS,
-                                                tag_keys=("model", "outcome"))
-        self._histogram.observe(seconds, tags={"model": model, "outcome": outcome})
+                                                tag_keys=("model",))
+        self._histogram.observe(seconds, tags={"model": model})
