@@ -191,7 +191,8 @@ def build_app(args: dict[str, Any]) -> Application:
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     # the groups that scale to zero: the Router holds their requests while they wake (api/wake.py)
-    wake = {g.model: WakePolicy(timeout_s=g.autoscaling.wake_timeout_s, max_queue=g.max_queue)
+    wake = {g.model: WakePolicy(timeout_s=g.autoscaling.wake_timeout(table.replica_start.get(g.model)),
+                                max_queue=g.max_queue)
             for g in cfg.models if g.autoscaling is not None and g.scales_to_zero}
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, wake=wake,
                        emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,

@@ -300,3 +300,17 @@ def test_serve_policy_decides_from_the_latest_published_summaries() -> None:
     policy = SloAutoscalingPolicy(spec.model_dump(), {k: p.model_dump() for k, p in PLANS.items()})
     n, state = policy(_Ctx(by_name, target=2))
     assert n == 6 and state["xema_decision"]["action"] == "up"
+
+
+def test_the_wake_timeout_is_the_specs_else_three_plan_warm_starts() -> None:
+    from xema_ray.plan import ReplicaStart
+    from xema_ray.profiling.replica_start import MEASURED_CPU, predict_start
+
+    start = predict_start(2_150_000_000, MEASURED_CPU)  # the benchmark's model: its measured phases back
+    assert start.warm_s == pytest.approx(MEASURED_CPU.process_s + 3.3, abs=0.05)
+    assert start.cold_s == pytest.approx(MEASURED_CPU.process_s + 8.4 + 3.3, abs=0.05)
+    zero = AutoscalingSpec(min_replicas=0)
+    assert zero.wake_timeout(start) == pytest.approx(3 * start.warm_s)
+    assert zero.wake_timeout(ReplicaStart(weight_bytes=1, cold_s=1.0, warm_s=1.0, basis="b")) == 30.0
+    assert zero.wake_timeout(None) == 120.0
+    assert AutoscalingSpec(min_replicas=0, wake_timeout_s=5.0).wake_timeout(start) == 5.0

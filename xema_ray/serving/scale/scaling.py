@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xema_ray.plan import ReplicaStart
+
 from xema_ray.serving.scale.replica_summary import (
     MAX_DEADLINES,
     Attainment,
@@ -33,9 +35,11 @@ from xema_ray.serving.scale.replica_summary import (
 )
 
 
-#: how long a request to a group scaled to zero is held by default: a replica's start (a Ray actor,
-#: its workers, imports, the weights from the node's host copy, docs/serving.md "Scale to zero")
+#: how long a request to a group scaled to zero is held when the plan predicts no start: a replica's
+#: start (a Ray actor, its workers, imports, the weights from the node's host copy, docs/serving.md
+#: "Scale to zero"); with a prediction, three times its warm start, at least ``MIN_WAKE_TIMEOUT_S``
 WAKE_TIMEOUT_S = 120.0
+MIN_WAKE_TIMEOUT_S = 30.0
 
 
 class AutoscalingSpec(BaseModel):
@@ -54,9 +58,16 @@ class AutoscalingSpec(BaseModel):
     upscale_delay_s: float = Field(default=0.0, ge=0, description="how long a scale-up decision must hold")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="how long a scale-down decision must hold")
     metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas publish their summary")
-    wake_timeout_s: float = Field(default=WAKE_TIMEOUT_S, gt=0,
-                                  description="min_replicas 0: how long a request to the group at zero is held while "
-                                              "a replica starts, before a 503 `waking` with Retry-After")
+    wake_timeout_s: float | None = Field(
+        default=None, gt=0, description="min_replicas 0: how long a request to the group at zero is held while a "
+                                        "replica starts, before a 503 `waking` with Retry-After; None: three times the "
+                                        "plan's predicted warm start, at least 30 s (120 s without one)")
+
+    def wake_timeout(self, start: ReplicaStart | None) -> float:
+        """``wake_timeout_s``, else from the plan table's predicted warm start of the group's replica."""
+        if self.wake_timeout_s is not None:
+            return self.wake_timeout_s
+        return max(MIN_WAKE_TIMEOUT_S, 3 * start.warm_s) if start is not None else WAKE_TIMEOUT_S
 
     @property
     def scales_to_zero(self) -> bool:
