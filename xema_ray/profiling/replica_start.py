@@ -39,9 +39,11 @@ class StartFigures(BaseModel):
     basis: str
 
 
-#: bench/bench_warm_start.py --repeats 3, 2026-12-06, 2-core CPU VM (medians of 3): process start
-#: + imports 11.2 s; 2.15 GB checkpoint -> host copy 8.4 s; host copy -> device (a memory copy) 3.3 s
-MEASURED_CPU = StartFigures(process_s=11.2, read_gbps=2.15 / 8.4, copy_gbps=2.15 / 3.3,
+#: bench/bench_warm_start.py, 2026-12-06, 2-core CPU VM, the run at load average ~7
+#: (bench/results/warm_start_load7.json, medians of 2): warm process start + imports 12.3 s; 2.15 GB
+#: checkpoint -> host copy 8.4 s (cold); host copy -> device (a memory copy) 3.3 s (warm). The run
+#: at load ~20 (warm_start.json) measured the same steps 1-3x slower: the machine is shared
+MEASURED_CPU = StartFigures(process_s=12.3, read_gbps=2.15 / 8.4, copy_gbps=2.15 / 3.3,
                             basis="bench/bench_warm_start.py on the 2-core CPU VM, 2026-12-06")
 
 
