@@ -108,7 +108,8 @@ class WakeGate:
             waited = time.monotonic() - start
             self._add(model, "wait_ms", round(waited * 1000))
             if done:
-                self._add(model, "woke")
+                if done != {gone}:  # served, or answered: not a death fact (the Router answers that one)
+                    self._add(model, "woke")
                 self._observe(model, waited)
                 return
             reply.cancel()
