@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
+.PHONY: install test serve demo-plan serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
 # torch for the machine (install/install.py, docs/install-gpu.md): where nvidia-smi lists a GPU, the CUDA
 # build of torch 2.13.0 (PyPI's: CUDA 13.0, NVIDIA driver >= 580; TORCH_INDEX=.../whl/cu128 for CUDA 12.8)
@@ -31,14 +31,21 @@ install: $(STAMP)
 
 # CPU tests (what CI runs). GPU tests are marked `gpu` and run by `make gpu-check`. Under the string-hash
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
+# PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
 test: install
-	PYTHONHASHSEED=0 $(PY) -m pytest -q -m "not gpu"
+	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu"
 
-# The Ray Serve app on CPU with the three tiny models (plans computed at start-up); Ctrl+C stops it.
+# The Ray Serve app on CPU with the tiny models (plans from the committed plans/demo-cpu.json); Ctrl+C stops it.
 # `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
 # (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
 serve: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
+
+# The demo's committed plan table, planned as start-up would plan deployments/xema.yaml (calibrated on this
+# machine, no cache kept); OVERHEAD_S / VIDEO_OVERHEAD_S: the serving path's seconds per image request / video job, measured on
+# the 2-core VM (BENCHMARKS.md "Start-up"), added to every latency: the demo's SLOs price what a request pays.
+demo-plan: install
+	PYTHONPATH=$(CURDIR) $(PY) -m deployments.planning deployments/xema.yaml --out plans/demo-cpu.json --overhead-s $(or $(OVERHEAD_S),0.033) --video-overhead-s $(or $(VIDEO_OVERHEAD_S),0.2)
 
 # The paper's 8x A6000 box emulated on this machine (docs/emulated.md): a Ray node of its own that
 # declares 8 GPUs, workers that take plans/a6000x8.json's latencies / time_scale; Ctrl+C stops it.

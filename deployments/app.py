@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.console_traces import trace_view
-from deployments.planning import load_or_plan
+from deployments.planning import load_or_plan, resolve_plan_table
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
@@ -134,9 +134,27 @@ def adapter_registry(cfg: ServeConfig, options: dict[str, Any]) -> Any:
                             max_ongoing_requests=1000, **HEALTH_CHECK).bind()
 
 
+def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, PlanEntry]) -> dict[str, Any]:
+    """What a group's replica asks Ray for. Ray actors (``worker_set: ray``): a placement group of one
+    bundle per worker, the replica in bundle 0 next to worker 0 with no CPU of its own. In-process
+    workers (``worker_set: inprocess``): the replica alone, reserving what its workers' bundles would
+    have (no placement group, no process per worker); every plan must be SP 1 (one torch.distributed
+    world per process), refused here naming the template otherwise."""
+    if cfg.worker_set == "inprocess":
+        wide = sorted(k for k, e in plans.items() if e.config.sp > 1)
+        if wide:
+            raise ValueError(f"worker_set: inprocess runs plans of SP 1 only; {g.model}'s plans for {', '.join(wide)} "
+                             "use SP > 1: set worker_set: ray, or plan them at SP 1")
+        return {"ray_actor_options": {"num_cpus": round(g.workers * cfg.worker_cpus, 4),
+                                      **({"resources": dict(g.bundle_resources)} if g.bundle_resources else {})}}
+    bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
+    return {"ray_actor_options": {"num_cpus": 0}, "placement_group_bundles": [dict(bundle) for _ in range(g.workers)],
+            "placement_group_strategy": "STRICT_PACK"}
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
-    cfg = ServeConfig.model_validate(args)
+    cfg = resolve_plan_table(ServeConfig.model_validate(args))
     exposed = exposed_ports_warning()
     if exposed is not None:  # Ray is already bound: tell, loudly (docs/serving.md "Ports")
         logger.warning(exposed)
@@ -157,21 +175,17 @@ def build_app(args: dict[str, Any]) -> Application:
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
         emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)) if cfg.device == "emulated" else None
-        bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
         deployment = serve.deployment(
             ServedModelGroup,
             name=f"ModelGroup:{g.model}",
             **scaling_options(g, plans),
-            # the replica sits in bundle 0 next to worker 0 and needs no CPU of its own
-            ray_actor_options={"num_cpus": 0},
-            placement_group_bundles=[dict(bundle) for _ in range(g.workers)],
-            placement_group_strategy="STRICT_PACK",
+            **worker_resources(cfg, g, plans),
             max_ongoing_requests=10_000,  # the dispatcher bounds its queues and answers 503 itself
             **HEALTH_CHECK,
         )
         residency = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
         settings = GroupSettings(
-            device=cfg.device, worker_cpus=cfg.worker_cpus, jobs=cfg.jobs,
+            device=cfg.device, worker_cpus=cfg.worker_cpus, worker_set=cfg.worker_set, jobs=cfg.jobs,
             layouts_dir=layouts_dir(cfg.plan_table) if cfg.plan_table is not None else None,
             preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
             emulation=emulation, admission=table.admission.get(g.model),

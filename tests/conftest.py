@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
+import sys
+import threading
 
 # A Serve handle's router keeps a metrics thread that outlives ``ray.shutdown()``; its next
 # ``ray.wait`` would start a fresh local Ray in the pytest process (Ray's auto-init), and the next
@@ -23,6 +27,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: a folder named gpu matches that
             item.add_marker(skip)
+
+
+def _stop_serve_router_thread(timeout_s: float = 5.0) -> None:
+    """Stop the asyncio loop Ray Serve runs its handles' routers on in this process (a daemon thread,
+    ``SingletonThreadRouter``): its tasks (long polls, metrics pushes) outlive ``ray.shutdown()``, and
+    a task still running in Ray's core worker while the interpreter tears it down kills the process
+    with SIGSEGV after every test has passed. Cancel them, stop the loop and wait for its thread."""
+    router = sys.modules.get("ray.serve._private.router")
+    loop = getattr(getattr(router, "SingletonThreadRouter", None), "_asyncio_loop", None)
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout_s)
+    except (concurrent.futures.TimeoutError, RuntimeError):
+        pass  # stopped below all the same
+    loop.call_soon_threadsafe(loop.stop)
+    for thread in threading.enumerate():
+        if thread.name.endswith("(_run_router_event_loop)"):
+            thread.join(timeout_s)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _stop_serve_router_thread()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The models added beyond the paper's three, served as ``make serve`` serves them: their groups of
-``deployments/xema.yaml``, plans computed at start-up, requests through the official ``openai``
+``deployments/xema.yaml`` (its committed plan table, workers in their replicas), requests through the official ``openai``
 client (a video job of the two-expert tiny-wan2.2, an image of tiny-qwen-image, an image-to-video
 job of tiny-wan2.2-i2v)."""
 
@@ -50,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="xema", route_prefix="/")  # no plan_table: planned at start-up
+        serve.run(build_app(args), name="xema", route_prefix="/")  # plans/demo-cpu.json, as make serve
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300)
         yield f"http://127.0.0.1:{port}"
     finally:

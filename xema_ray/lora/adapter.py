@@ -24,140 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 # an adapter's name (URL-safe) and what a request asks for: the request-side schemas, light to import
-from xema_ray.lora_pool import NAME_PATTERN, LoraUse  # noqa: F401  (re-exported: xema_ray.lora.LoraUse)
+from xema_ray.lora_pool import LoraUse  # noqa: F401  (re-exported: xema_ray.lora.LoraUse)
+# what crosses the API and the worker boundary about an adapter: light schemas and errors (re-exported here)
+from xema_ray.lora_pool import (  # noqa: F401
+    EXPERT_COMPONENTS, AdapterPathRefused, AdapterRejected, AdapterSource, ExpertFiles)
 
 #: the pipeline components an adapter may adapt (Wan2.2 A14B has two experts)
 ADAPTED_COMPONENTS = ("transformer", "transformer_2")
-
-
-#: an ``experts`` key -> the pipeline component (expert) its file adapts, whatever the file's key prefix
-#: (diffusers: a plain load adapts ``transformer``, ``load_into_transformer_2=True`` adapts ``transformer_2``)
-EXPERT_COMPONENTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
-
-
-def _optional_not_null(schema: dict[str, Any], required: list[str] | None = None, min_properties: int = 0) -> None:
-    """The JSON schema of a model whose optional fields are left out, never null (``_not_null``):
-    each ``anyOf [X, null]`` property becomes ``X``; ``required``: one of these fields must be
-    given; ``min_properties``: at least that many fields must be."""
-    for prop in schema.get("properties", {}).values():
-        branches = prop.get("anyOf")
-        if branches is not None and {"type": "null"} in branches:
-            kept = [b for b in branches if b != {"type": "null"}]
-            if len(kept) == 1:
-                prop.pop("anyOf")
-                prop.update(kept[0])
-            prop.pop("default", None)
-    if required:
-        schema["oneOf"] = [{"required": [f]} for f in required]
-    if min_properties:
-        schema["minProperties"] = min_properties
-
-
-def _not_null(v: object, info: ValidationInfo) -> object:
-    """An optional file field given as null is refused (leave it out instead): the document says so."""
-    if v is None:
-        raise ValueError(f"{info.field_name} may be left out, not null")
-    return v
-
-
-class ExpertFiles(BaseModel):
-    """A two-expert model's LoRA pair (Wan2.2 A14B): one file per expert, either may be omitted."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid",
-                              json_schema_extra=lambda s, _: _optional_not_null(s, min_properties=1))
-
-    high_noise: Path | None = Field(
-        default=None, description="the high-noise expert's file (transformer; the file of a pair diffusers loads "
-                                  "plainly)")
-    low_noise: Path | None = Field(
-        default=None, description="the low-noise expert's file (transformer_2; the file diffusers loads with "
-                                  "load_into_transformer_2=True)")
-
-    _no_null = field_validator("high_noise", "low_noise", mode="before")(_not_null)
-
-    def files(self) -> dict[str, Path]:
-        """``experts`` key -> file, for the keys given."""
-        return {k: p for k in EXPERT_COMPONENTS if (p := getattr(self, k)) is not None}
-
-
-class AdapterSource(BaseModel):
-    """Where an adapter comes from (``POST /v1/adapters``, or a file of the YAML's ``adapters:`` folder):
-    one file (``path``), or a two-expert model's pair (``experts``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid",
-                              json_schema_extra=lambda s, _: _optional_not_null(s, ["path", "experts"]))
-
-    name: str = Field(pattern=NAME_PATTERN, description="what requests call it")
-    model: str = Field(min_length=1, description="the served model it is for, e.g. 'tiny-flux2'")
-    path: Path | None = Field(
-        default=None, description="a .safetensors file (or a folder holding exactly one), readable by the workers; on "
-                                  "a two-expert model it adapts the high-noise expert, or both when it holds "
-                                  "transformer. and transformer_2. keys (one of path and experts)")
-    experts: ExpertFiles | None = Field(
-        default=None, description="a two-expert model's LoRA pair (Wan2.2 A14B), one file per expert (one of path and "
-                                  "experts): the slot decides the expert whatever the file's key prefix")
-
-    _no_null = field_validator("path", "experts", mode="before")(_not_null)
-
-    @field_validator("experts")
-    @classmethod
-    def _not_with_path(cls, v: ExpertFiles | None, info: ValidationInfo) -> ExpertFiles | None:
-        if v is not None and info.data.get("path") is not None:
-            raise ValueError("give path (one file) or experts (one file per expert), not both")
-        if v is not None and not v.files():
-            raise ValueError("name a file for high_noise, low_noise or both")
-        return v
-
-    @model_validator(mode="after")
-    def _a_file(self) -> AdapterSource:
-        if self.path is None and self.experts is None:
-            raise ValueError("path (one file) or experts (one file per expert) is required")
-        return self
-
-    def files(self) -> list[tuple[str | None, Path]]:
-        """The files to read: ``(None, path)``, or ``(experts key, file)`` per expert given."""
-        if self.experts is not None:
-            return list(self.experts.files().items())
-        assert self.path is not None  # one of the two (validated)
-        return [(None, self.path)]
-
-    def paths(self) -> dict[str, Path]:
-        """Every file it names, by its field (``path``, ``experts.<key>``): each must lie under the
-        group's adapter roots."""
-        return {"path" if k is None else f"experts.{k}": p for k, p in self.files()}
-
-
-class AdapterRejected(ValueError):
-    """A file that cannot serve as ``adapter`` for the model (HTTP 422 naming the adapter and the key,
-    or the request's field ``param`` where one is at fault, e.g. ``experts``)."""
-
-    def __init__(self, message: str, adapter: str, key: str | None = None, param: str | None = None) -> None:
-        # in args: it crosses the worker -> group -> router boundary by pickle
-        super().__init__(message, adapter, key, param)
-        self.adapter = adapter
-        self.key = key
-        self.param = param
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class AdapterPathRefused(PermissionError):
-    """An adapter path outside the group's ``adapters.roots`` (HTTP 403). The message is the same
-    whether or not the file exists: the answer tells nothing about the server's files."""
-
-    def __init__(self, adapter: str, param: str = "path") -> None:
-        super().__init__(adapter, param)  # args: it crosses the group -> router boundary by pickle
-        self.adapter = adapter
-        self.param = param  # the field naming the file: path, or experts.<key>
-
-    def __str__(self) -> str:
-        return (f"adapter {self.adapter!r}: {self.param} is not under this deployment's adapter roots (adapters.roots, "
-                "default adapters.dir); copy the file there")
 
 
 @dataclass(frozen=True)

@@ -21,46 +21,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from xema_ray.lora_pool import LoraPoolConfig
+from xema_ray.lora_pool import AdapterInfo, LoraPoolConfig, PoolStats  # noqa: F401  (re-exported)
 from xema_ray.lora.adapter import ADAPTED_COMPONENTS, AdapterRejected, LoraAdapter, LoraUse
-
-
-class AdapterInfo(BaseModel):
-    """One loaded adapter (``GET /v1/adapters``)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    model: str
-    path: str = ""
-    rank: int
-    layers: int = Field(description="linear layers it adapts")
-    bytes: int = Field(description="its factors' bytes (host copy; a device slot holds them rank-padded)")
-    resident: bool = Field(description="in a device slot now")
-    skipped_keys: int = Field(default=0, description="keys the stated tolerance let through unapplied")
-    experts: dict[str, str] = Field(default_factory=dict, description="a LoRA pair's files per expert (high_noise, "
-                                                                      "low_noise), registered through `experts`")
-    expert_layers: dict[str, int] = Field(default_factory=dict, description="layers it adapts per adapted component "
-                                                                            "(transformer, transformer_2)")
-
-
-class PoolStats(BaseModel):
-    """The pool's counters (``/v1/stats``)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    slots: int
-    max_rank: int
-    device_bytes: int = Field(description="the stacks' bytes on the device (fixed at load)")
-    adapters: int = Field(description="adapters known (on the host)")
-    resident: int
-    copies: int = Field(description="adapters copied into a slot since load")
-    evictions: int = Field(description="resident adapters moved out for another (least recently used)")
-    bytes_copied: int
-    wait_s: float = Field(description="seconds batches waited for adapter copies")
 
 
 @dataclass(frozen=True)

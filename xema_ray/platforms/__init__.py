@@ -14,8 +14,21 @@ Example:
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from xema_ray.platforms.base import MemoryStats, Platform, PlatformName
+if TYPE_CHECKING:
+    from xema_ray.platforms.base import MemoryStats, Platform, PlatformName
+
+
+def __getattr__(name: str) -> Any:
+    """``MemoryStats``, ``Platform`` and ``PlatformName`` from ``base`` on first use: the package's
+    light modules (``host_memory``, ``topology``) import without torch (the serving app's
+    processes that run no model read them)."""
+    if name in ("MemoryStats", "Platform", "PlatformName"):
+        from xema_ray.platforms import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["MemoryStats", "Platform", "PlatformName", "current_platform", "get_platform"]
 

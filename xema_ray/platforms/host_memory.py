@@ -49,10 +49,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a buffer is made: start-up's checks (shm_dir) run without it
+    import torch
+
     from xema_ray.platforms.base import Platform
 
 #: tensors in a packed buffer start at multiples of this (the CUDA allocator's granularity; DMA
@@ -112,6 +113,8 @@ class HostBuffer:
 
     @classmethod
     def private(cls, nbytes: int) -> HostBuffer:
+        import torch
+
         return cls(torch.empty(max(nbytes, 1), dtype=torch.uint8), nbytes)
 
     @property
@@ -120,6 +123,8 @@ class HostBuffer:
 
     def view(self, offset: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` over the buffer's bytes at ``offset``."""
+        import torch
+
         n = int(torch.Size(shape).numel()) * dtype.itemsize
         if offset % ALIGN or offset + n > self.nbytes:
             raise ValueError(f"view of {n} bytes at offset {offset} does not fit an aligned slot of a "
@@ -371,6 +376,8 @@ class SharedSegments:
     @staticmethod
     def _mapped(path: Path, fd: int, nbytes: int) -> HostBuffer:
         mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        import torch
+
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         return HostBuffer(data, nbytes, path=path, fd=fd, mapping=mapping)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,8 @@ from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.phase_clock import PhaseClock
 from xema_ray.runtime.progress import StepObserver, step_callback
 from xema_ray.runtime.references import batch_references
+# what crosses the worker boundary, light to import (the Router and the group speak them without torch)
+from xema_ray.runtime.requests import DEFAULT_VIDEO_FPS, GenerationRequest, RequestOutput  # noqa: F401  (re-exported)
 from xema_ray.runtime.request_errors import attributed, encode_attributed, encode_negatives
 from xema_ray.runtime.text import EncodedPrompts
 from xema_ray.vocabulary import Phase
@@ -70,27 +72,10 @@ class PipelineRun(NamedTuple):
     layout: RequestReport | None  #: the armed layout's report, filled at its exit (None: none armed)
     prompts: EncodedPrompts  #: the batch's encoded prompts (token counts, truncation)
 
-#: CogVideoX's published sampling frame rate (the diffusers examples export at 8 fps); models
-#: that know their own rate (LTX-2's ``frame_rate``) use that.
-DEFAULT_VIDEO_FPS = 8.0
 
 
 class MitigationLibraryMissing(ValueError):
     """A config asks for mitigations but ``xema_ray.mitigation`` is not importable."""
-
-
-class GenerationRequest(BaseModel):
-    """One client request inside a batch."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    request_id: str = Field(min_length=1, description="caller's id, echoed in the output")
-    prompt: str = Field(description="text prompt")
-    seed: int = Field(ge=0, lt=2**63, description="noise seed; same seed, same bytes")
-    references: tuple[bytes, ...] = Field(default=(), repr=False, description="its own reference images (PNG)")
-    lora: tuple[LoraUse, ...] = Field(default=(), description="LoRA adapters stacked on it, with scales (xema_ray.lora)")
-    negative_prompt: str | None = Field(default=None, description="None: the model's default negative prompt "
-                                        "(only models that run classifier-free guidance are sent one)")
 
 
 class Batch(BaseModel):
@@ -126,24 +111,6 @@ class PhaseTimings(BaseModel):
     decode_s: float = Field(ge=0, description="VAE decode (+ audio VAE and vocoder) and post-processing")
     encode_s: float = Field(ge=0, description="PNG / MP4 / WAV encoding")
     total_s: float = Field(ge=0, description="the whole batch, including mitigation and SP set-up")
-
-
-class RequestOutput(BaseModel):
-    """The encoded result of one request."""
-
-    model_config = ConfigDict(frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
-
-    request_id: str
-    seed: int
-    media_type: Literal["image/png", "video/mp4"]
-    data: bytes = Field(repr=False)
-    width: int
-    height: int
-    frames: int
-    audio_wav: bytes | None = Field(default=None, repr=False, description="LTX-2's sound track")
-    prompt_tokens: int | None = Field(default=None, description="tokens of the prompt (None: no text encoder)")
-    prompt_truncated: bool = Field(default=False, description="the prompt was cut to the encoder's token limit")
-    emulated: bool = Field(default=False, description="made by an emulated worker: no model ran (xema_ray.runtime.emulated)")
 
 
 class BatchResult(BaseModel):

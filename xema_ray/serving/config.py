@@ -44,6 +44,11 @@ class ServeConfig(BaseModel):
         default=Path.home() / ".cache" / "xema-ray",
         description="profile store and analyzer traces kept across restarts (None: keep nothing)")
     worker_cpus: float = Field(default=0.25, gt=0, description="CPUs reserved per worker bundle")
+    worker_set: Literal["ray", "inprocess"] = Field(
+        default="ray", description="where a group's workers run: ray, one Ray actor per worker in the replica's "
+                                   "placement group (any SP degree, any device); inprocess, threads of the group's own "
+                                   "replica (device: cpu, plans of SP 1 only: no process per worker to start, the "
+                                   "replica reserves workers x worker_cpus)")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
@@ -69,6 +74,9 @@ class ServeConfig(BaseModel):
         scaled = self.time_scale != 1.0 or any(g.time_scale is not None for g in self.models)
         if self.device != "emulated" and scaled:
             raise ValueError(f"time_scale applies to device: emulated only (device is {self.device!r})")
+        if self.worker_set == "inprocess" and self.device != "cpu":
+            raise ValueError(f"worker_set: inprocess runs on device: cpu only (device is {self.device!r}): one "
+                             "process cannot hold several GPUs' workers")
         if self.device == "emulated" and self.plan_table is None:
             raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
         return self

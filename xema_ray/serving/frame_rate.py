@@ -4,7 +4,7 @@ bottom of ``serving/``: the API and the group both reach it, and it imports no r
 
 from __future__ import annotations
 
-from xema_ray.runtime.engine import DEFAULT_VIDEO_FPS
+from xema_ray.runtime.requests import DEFAULT_VIDEO_FPS
 from xema_ray.templates import RequestTemplate
 
 

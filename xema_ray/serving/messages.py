@@ -11,9 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from xema_ray.lora import LoraUse
+from xema_ray.lora_pool import LoraUse
 from xema_ray.models.options import STEPS_MAX
-from xema_ray.runtime.engine import GenerationRequest, RequestOutput
+from xema_ray.runtime.requests import GenerationRequest, RequestOutput
 from xema_ray.vocabulary import QualityTier
 
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, Field
 
-from xema_ray.lora.pool import PoolStats
+from xema_ray.lora_pool import PoolStats
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.messages import GroupLayoutStats
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from xema_ray.lora import AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, PoolStats
+from xema_ray.lora_pool import AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, PoolStats
 from xema_ray.serving.api.auth import admin_of
 from xema_ray.serving.api.errors import ErrorResponse, cause_of, error_response, exception_response
 from xema_ray.serving.api.validation import parse_request, request_body_doc

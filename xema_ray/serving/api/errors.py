@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,10 +33,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.serving.api.schemas import UnsupportedTemplate
 from xema_ray.serving.api.wake import GroupWaking
 from xema_ray.serving.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
+
+if TYPE_CHECKING:
+    from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 
 logger = logging.getLogger("xema_ray.serving")
 
@@ -85,6 +88,14 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
         return text
     size = f"{len(value)} characters" if isinstance(value, str | bytes) else f"{len(text)} characters as text"
     return f"{text[:limit]}... ({size})"
+
+
+def _is_device_oom(cause: BaseException) -> TypeGuard[DeviceOutOfMemory]:
+    """Whether ``cause`` is a ``DeviceOutOfMemory``. Its class is a ``torch.OutOfMemoryError``, so
+    the Router's process (which runs no model) imports it only when one arrives: unpickling one
+    imports its module, and before that no such error can be here."""
+    module = sys.modules.get("xema_ray.runtime.out_of_memory")
+    return module is not None and isinstance(cause, module.DeviceOutOfMemory)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -138,7 +149,7 @@ def exception_response(e: BaseException) -> JSONResponse | None:
                               retry_after_s=cause.retry_after_s, limit="models[].autoscaling.wake_timeout_s")
     if isinstance(cause, GroupUnavailable):
         return error_response(503, str(cause), "service_unavailable", code="group_unavailable")
-    if isinstance(cause, DeviceOutOfMemory):  # one batch failed; the worker serves the next
+    if _is_device_oom(cause):  # one batch failed; the worker serves the next
         return error_response(503, str(cause), "service_unavailable", code="device_out_of_memory",
                               retry_after_s=OOM_RETRY_AFTER_S, oom=cause)
     if isinstance(cause, RequestFailedAlone):  # a bug one request hit alone; its neighbours were served

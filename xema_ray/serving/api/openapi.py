@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from xema_ray.lora.adapter import AdapterSource
+from xema_ray.lora_pool import AdapterSource
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.serving.api.schemas import ImageRequest, RequestLimits, VideoRequest
 from xema_ray.serving.api.auth import key_required

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from xema_ray.lora import LoraPoolConfig, LoraUse
+from xema_ray.lora_pool import LoraPoolConfig, LoraUse
 from xema_ray.plan import PlanTable
 from xema_ray.serving.api.adapters import ADD_ROUTE, DELETE_ROUTE, LIST_ROUTE, AdapterAdmin
 from xema_ray.serving.api.schemas import (

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from xema_ray.lora.adapter import LoraUse
+from xema_ray.lora_pool import LoraUse
 from xema_ray.serving.api.quality import QualityValue
 from xema_ray.templates import RequestTemplate
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from xema_ray.lora.adapter import LoraUse
+from xema_ray.lora_pool import LoraUse
 from xema_ray.serving.api.schemas import MAX_SEED, UnsupportedTemplate, current_limits, integral_floats, parse_size
 from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.jobs.store import JobRecord, JobStoreConfig

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
-from xema_ray.lora import AdapterSource
+from xema_ray.lora_pool import AdapterSource
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from xema_ray.lora_pool import LoraPoolConfig
-from xema_ray.lora import AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, LoraUse, PoolStats
+from xema_ray.lora_pool import (AdapterInfo, AdapterPathRefused, AdapterRejected, AdapterSource, LoraPoolConfig, LoraUse,
+                                PoolStats)
 from xema_ray.serving.group.adapter_registry import RegistryClient, RegistryState
 from xema_ray.serving.messages import InvalidRequest
 

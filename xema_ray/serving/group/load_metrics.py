@@ -28,14 +28,17 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 from ray.serve import metrics
 
 from xema_ray.plan import PlanEntry
-from xema_ray.runtime.engine import BatchResult
 from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.scale.replica_summary import ReplicaSummary, predict_attainment, probe
+
+if TYPE_CHECKING:  # a type only: the Router's console reads this module, and its process runs no model
+    from xema_ray.runtime.engine import BatchResult
 
 logger = logging.getLogger("xema_ray.serving")
 

@@ -167,7 +167,7 @@ class ModelGroup:
                                adapters=c.adapters, adapter_sources=adapters,
                                host_copy=c.wants_host_copy() and s.emulation is None, host_copy_holder=self.host_holder)
         return WorkerSetSpec(
-            device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus,
+            device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus, backend=s.worker_set,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),
             concurrency=WORKER_CONCURRENCY if self.policy is not None else 1,
             # a CUDA worker installs the static allocator when its plans carry layouts to arm

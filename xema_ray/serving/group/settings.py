@@ -84,6 +84,8 @@ class GroupSettings(BaseModel):
     device: str = Field(default="cpu", description='the kind of worker (``worker_set.WORKER_KINDS``: "cpu", '
                                                    '"cuda", "emulated")')
     worker_cpus: float = Field(default=0.25, description="CPUs per worker")
+    worker_set: Literal["ray", "inprocess"] | None = Field(
+        default=None, description="the worker set's backend (``worker_set.worker_set_for``); None: the device's own")
     jobs: JobStoreConfig | None = Field(default=None, description="the job store's config; None: no video jobs")
     layouts_dir: Path | None = Field(default=None, description="the plan table's layouts folder (plans with a "
                                                                "layout_ref arm theirs)")
