@@ -6,8 +6,8 @@ The real Router (its health probes, ``WakeGate``, error mapping, ``/v1/stats``) 
 in-process ModelGroup; Serve's part is stood in for as it behaves (``ray/serve/_private/router.py``,
 ``wrap_queued_request``): a call to a deployment with no running replica waits at the handle and
 makes the controller start one (``ScaledToZero``), which then answers; the controller reports the
-running replicas (``replica_counts``). The live app's autoscaler dropping an idle group to zero is
-``tests/serving/scale/test_scaling.py``'s and the scale-to-zero live test's.
+running replicas (``replica_counts``). The autoscaler's decision to drop an idle group to zero is
+tested in ``tests/serving/scale/test_scaling.py``.
 """
 
 from __future__ import annotations
