@@ -118,6 +118,20 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
     return {**opts, "num_replicas": "auto"}
 
 
+def wake_policy(g: ModelGroupConfig, table: PlanTable) -> WakePolicy:
+    """How the Router holds the requests of a group that scales to zero: its wake timeout from the
+    YAML, else from the plan's predicted warm start of its replica (predicted here, from the same
+    measured figures, for a table planned without one: the start-up plans and older tables)."""
+    assert g.autoscaling is not None
+    start = table.replica_start.get(g.model)
+    if start is None and g.autoscaling.wake_timeout_s is None:
+        from xema_ray.profiling.replica_start import predict_start, start_figures
+        from xema_ray.runtime.host_bytes import model_weight_bytes
+
+        start = predict_start(model_weight_bytes(g.model), start_figures(None))
+    return WakePolicy(timeout_s=g.autoscaling.wake_timeout(start), max_queue=g.max_queue)
+
+
 def replicated(g: ModelGroupConfig) -> bool:
     """Whether the group may run several replicas (``replicas:`` above 1, or ``autoscaling:``)."""
     return g.autoscaling is not None or g.replicas > 1
@@ -205,9 +219,7 @@ def build_app(args: dict[str, Any]) -> Application:
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
     # the groups that scale to zero: the Router holds their requests while they wake (api/wake.py)
-    wake = {g.model: WakePolicy(timeout_s=g.autoscaling.wake_timeout(table.replica_start.get(g.model)),
-                                max_queue=g.max_queue)
-            for g in cfg.models if g.autoscaling is not None and g.scales_to_zero}
+    wake = {g.model: wake_policy(g, table) for g in cfg.models if g.scales_to_zero}
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, wake=wake,
                        emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,
                        adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None})

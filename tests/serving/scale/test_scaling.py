@@ -314,3 +314,20 @@ def test_the_wake_timeout_is_the_specs_else_three_plan_warm_starts() -> None:
     assert zero.wake_timeout(ReplicaStart(weight_bytes=1, cold_s=1.0, warm_s=1.0, basis="b")) == 30.0
     assert zero.wake_timeout(None) == 120.0
     assert AutoscalingSpec(min_replicas=0, wake_timeout_s=5.0).wake_timeout(start) == 5.0
+
+
+def test_a_table_without_a_start_prediction_gets_one_at_start_up() -> None:
+    from deployments.app import wake_policy
+    from xema_ray.plan import PlanTable
+    from xema_ray.profiling.replica_start import MEASURED_CPU, predict_start
+    from xema_ray.runtime.host_bytes import model_weight_bytes
+    from xema_ray.serving.group.settings import ModelGroupConfig
+
+    g = ModelGroupConfig(model="tiny-flux2", templates=[{"width": 64, "height": 64}], max_queue=5,
+                         autoscaling={"min_replicas": 0, "max_replicas": 2})
+    assert g.scales_to_zero and g.wants_host_copy()  # its wake maps the node's host copy
+    table = PlanTable(hardware="cpu", gpus=1, budget_bytes=10**9)
+    warm = predict_start(model_weight_bytes("tiny-flux2"), MEASURED_CPU).warm_s
+    assert wake_policy(g, table).timeout_s == pytest.approx(max(30.0, 3 * warm)) and wake_policy(g, table).max_queue == 5
+    planned = table.model_copy(update={"replica_start": {"tiny-flux2": predict_start(10**11, MEASURED_CPU)}})
+    assert wake_policy(g, planned).timeout_s == pytest.approx(3 * planned.replica_start["tiny-flux2"].warm_s)
