@@ -121,6 +121,12 @@ bench-emulated: install
 	mkdir -p bench/results
 	PYTHONPATH=$(CURDIR) $(PY) bench/bench_emulated.py --out bench/results/emulated.json
 
+# The batching policy by measurement (issue #50, BENCHMARKS.md "One batch key"): by_key vs mixed with a
+# guidance mix, simulated over a rate sweep and live on the emulated box's Flux.2 group (60 s per policy)
+bench-batch-key: install
+	mkdir -p bench/results
+	PYTHONPATH=$(CURDIR) $(PY) bench/bench_batch_key.py --out bench/results/batch_key.json
+
 # Step-level preemption: simulated attainment with/without on the reference box + live latency on CPU (<= 10 min)
 bench-preemption: install
 	mkdir -p bench/results

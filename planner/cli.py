@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 # Only light modules at the top (pydantic, numpy): ``xema --help`` and ``xema plan --help`` must
 # answer in well under a second. What builds models (torch, diffusers) or starts Ray is imported
@@ -27,6 +27,8 @@ from planner.latency import hardware_names
 
 if TYPE_CHECKING:
     from xema_ray.plan import PlanTable, TextEncoderChoice
+
+    from planner.load_aware import GroupLoad
 
     from planner.pipeline import LayoutReport, PlanEvent, PlanResult
     from planner.task_io import TemplateResult
@@ -80,6 +82,19 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
+def deployment_scheduler_configs(path: Path) -> dict[str, dict[str, Any]]:
+    """``model -> the scheduler config of its group's checkpoint`` of a ``serve run`` YAML (groups
+    whose ``weights_dir`` holds ``scheduler/scheduler_config.json``): what the plans are priced on."""
+    from xema_ray.deployment import DeploymentShape
+
+    out = {}
+    for g in DeploymentShape.from_serve_yaml(path).models:
+        config = g.scheduler_config()
+        if config is not None:
+            out[g.model] = config
+    return out
+
+
 def recorded_command(argv: list[str], root: Path = ROOT) -> str:
     """The command as the table's provenance records it: relative to the checkout, so the record
     reads the same on every machine (``python -m planner plan ...``, ``xema plan ...``; a path
@@ -99,6 +114,19 @@ def _relative(arg: str, root: Path) -> str:
     return f"{name}{eq}{value}"
 
 
+def template_loads(templates: list[RequestTemplate], loads: dict[str, GroupLoad]) -> dict[str, float]:
+    """Shape key -> its expected requests/s: its group's rate split by the mix (uniform without one)."""
+    out: dict[str, float] = {}
+    for model, load in loads.items():
+        keys = [t.shape_key for t in templates if t.model == model]
+        weights = {k: load.mix.get(k, 0.0) if load.mix else 1.0 for k in keys}
+        total = sum(weights.values())
+        for k in keys:
+            if total > 0:
+                out[k] = load.rate_per_min / 60 * weights[k] / total
+    return out
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """The flags read into a ``planner.pipeline.PlanRequest``, planned, and the run said: the
     summary on stdout, errors on stderr; exit 2 for a request that cannot be planned as asked, 3
@@ -109,11 +137,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
+    schedulers: dict[str, dict[str, Any]] = {}
     stated: str | None = None
     try:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
             pools = deployment_adapter_pools(Path(args.deployment))
+            schedulers = deployment_scheduler_configs(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
             outside = sorted({t.model for t in templates} - set(group_gpus))
             if outside:
@@ -128,6 +158,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         loads = read_loads(args.load) if args.load else {}
         if loads and args.planner != "xema":
             raise ValueError("--load plans Xema for a load; baselines plan for isolated goodput")
+        if args.stages != "joint" and args.planner != "xema":
+            raise ValueError(f"--stages {args.stages} plans Xema's decode stage; baselines decode in place "
+                             "(--stages joint)")
         if args.hardware not in hardware_names():
             raise ValueError(f"unknown hardware {args.hardware!r}; known: {', '.join(hardware_names())}")
     except (ValueError, OSError) as e:
@@ -137,7 +170,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
-                       host_budget=host_budget, adapter_pools=pools)
+                       host_budget=host_budget, adapter_pools=pools, stages=args.stages,
+                       template_loads=template_loads(templates, loads), scheduler_configs=schedulers)
     request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
                           layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,
                           command=recorded_command(sys.argv))
@@ -237,6 +271,11 @@ def print_groups(table: PlanTable, encoders: dict[str, TextEncoderChoice]) -> No
     for k in table.entries:
         if k in encoders:
             print(f"text encoder {k}: {encoders[k].describe()}")
+    for k, d in table.provenance.decode_stages.items():
+        pool = f"{d.pool.describe()}" if d.pool is not None else "no pool fits"
+        print(f"decode {k}: {'pool' if d.stage == 'pool' else 'in place'} ({pool}; DiT peak without the decode "
+              f"{(d.dit_peak_bytes or 0) / 1e9:.2f} GB, a decode worker's {(d.decode_peak_bytes or 0) / 1e9:.2f} GB): "
+              f"{d.reason}")
     for model, r in table.residency.items():
         figures = ", ".join(f"{k} {v * 60:.2f}/min" for k, v in r.goodput_rps.items())
         print(f"residency {model}: {r.policy} ({figures}; host {r.host_bytes_per_worker / 1e9:.2f} GB per worker)")
@@ -276,6 +315,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help='expected load per model group (traffic profile JSON: {"MODEL": {"rate_per_min": R, "mix": '
                         '{"TEMPLATE": W}, "slo_scale": S}}): its plans and admission policy maximise the simulated '
                         "SLO attainment there (planner.load_aware); without it, isolated goodput")
+    p.add_argument("--stages", choices=("joint", "split", "auto"), default="joint",
+                   help="where each video template's VAE decode runs: joint: in place on the DiT workers (default); "
+                        "split: on a decode pool of its own wherever one fits (config.decode); auto: the better of "
+                        "the two per template, by goodput at its load, then latency (planner.decode_stage)")
     p.add_argument("--out", default=None, help="plan table JSON to write")
     p.add_argument("--stats", default=None, help="per-template planning statistics JSON to write")
     p.add_argument("--no-ray", action="store_true", help="plan in this process instead of Ray tasks")

@@ -81,7 +81,11 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         candidates = tuple(with_pause_bytes(with_latency_source(e, timer), cache)
                            for e in load_candidates(counting, xema.ranked, opts.budget, xema.slo_s or 0.0,
                                                     LatencySource.ESTIMATED)[1:])
-    facts = None
+    facts = decoding = None
+    if entry is not None and opts.stages != "joint" and template.spec.decode_components():
+        from planner.decode_stage import decode_facts
+
+        decoding = decode_facts(model, entry.config, gpus)  # the trace is here; the choice is the driver's
     if entry is not None:
         entry = with_pause_bytes(with_latency_source(entry, timer), cache)
         if opts.text_encoder == "plan" and template.spec.text_encoder is not None:
@@ -100,6 +104,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         estimated = profiled - measured
     return TemplateResult(
         template=template.shape_key, slo_s=xema.slo_s, entry=entry, candidates=candidates, encoder_facts=facts,
+        decode_facts=decoding,
         device=device or "none", traced=traced, profiled=profiled, analysed=analysed, finished=finished,
         pruned_memory=pruned_memory, pruned_slo=pruned_slo, measured=measured, estimated=estimated,
         not_measured=not_measured, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0,

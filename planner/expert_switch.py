@@ -6,14 +6,16 @@ module prices the ways to hold the experts and keeps the one with the lowest pre
 (the highest goodput of one group), the way ``planner.residency_choice`` prices residencies:
 
 - ``hold_both``: both experts stay on the device; nothing moves (only when they fit).
-- ``swap_prefetched``: one expert on the device at a time, both on pinned host memory. During
-  the last high-noise steps the side stream copies as many of the low-noise expert's blocks as the
-  free memory holds (the prefetch); at the switch the high-noise expert is released (its pinned
-  host copy stays, so nothing is copied back) and the rest of the low-noise expert is streamed in
-  block by block, ahead of the first low-noise forward. When the decode starts the low-noise
-  expert is released and as many high-noise blocks as the decode leaves room for return under it,
-  the rest under the next request's first forward. This is what the worker executes
-  (``xema_ray.mitigation.expert_swap``), so ``xema verify`` counts it.
+- ``swap_prefetched``: one expert on the device at a time, both on pinned host memory; the
+  device memory for one expert's blocks is placed at load and the two experts take it in turn
+  (block ``i`` of either in slot ``i``). During the last high-noise steps the side stream copies
+  as many of the low-noise expert's blocks as the free memory holds (the prefetch, request
+  memory until the decode); at the switch the high-noise expert leaves its slots (its pinned host
+  copy stays, so nothing is copied back) and the rest of the low-noise expert is streamed into
+  them block by block, ahead of the first low-noise forward. When the decode starts the
+  low-noise expert is released and the high-noise blocks return to their slots under it. This is
+  what the worker executes (``xema_ray.mitigation.expert_swap``), so ``xema verify`` counts it and
+  the static layout holds the request's activations and the prefetch only.
 - ``split_blocks``: K blocks of each expert live on the host and stream through the device in
   every forward (block offload); the smallest K that fits, so no switch event at all.
 
@@ -33,10 +35,12 @@ memory (both experts pinned: ``xema_ray.runtime.host_bytes.config_host_bytes``) 
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -186,31 +190,32 @@ def _swap_prefetched(f: _Stages) -> StrategyCost:
     expert_blocks = sum(block_sizes(f.template.spec))
     blk, n = expert_blocks / f.n_blocks, f.n_blocks
     kept = f.weights - 2 * expert_blocks  # encoder, VAE, both experts' embeddings and heads
-    stage_hi = _reserved(kept + expert_blocks, max(f.act_hi, f.act_text))
-    pre_blocks = min(n, int(max(0, f.budget - stage_hi) // blk))
+    act = max(f.act_hi, f.act_text, f.act_lo)
+    # the prefetch is request memory (the static layout places it among the activations until the
+    # decode), so it takes the layout's margins as they do; the slots are weights placed at load
+    pre_blocks = next((k for k in range(n, 0, -1) if _reserved(kept + expert_blocks, act + k * blk) <= f.budget), 0)
     pre_bytes = int(pre_blocks * blk)
     pre_steps = min(f.high_steps, max(1, math.ceil(pre_bytes / f.bw / f.step_s))) if pre_bytes else 0
     stall_switch = _streamed_stall(pre_blocks, n, blk / f.bw, f.block_compute_s)
-    # the low-noise expert leaves when the decode starts; as many high-noise blocks as the decode
-    # leaves room for return under it, the rest after the request (the next one's first forward
-    # waits for each just before it runs it)
-    dec_blocks = min(n, int(max(0, f.budget - _reserved(kept, f.act_decode)) // blk))
-    stall_back = (max(0.0, dec_blocks * blk / f.bw - f.decode_s)
-                  + _streamed_stall(dec_blocks, n, blk / f.bw, f.block_compute_s))
-    live = (kept + expert_blocks + pre_bytes + max(f.act_hi, f.act_text), kept + expert_blocks + f.act_lo,
-            kept + dec_blocks * blk + f.act_decode)  # the prefetch, the switch, the decode
-    peak = max(_reserved(kept + expert_blocks + pre_bytes, max(f.act_hi, f.act_text)),
-               _reserved(kept + expert_blocks, f.act_lo), _reserved(kept + dec_blocks * blk, f.act_decode))
+    # the two experts take turns in one region of one expert's blocks, placed at load (block i of
+    # either in slot i): the low-noise blocks not prefetched are copied into the slots the
+    # high-noise ones leave at the switch, and when the decode starts every high-noise block
+    # returns into its slot under it (no request memory: the static layout holds the activations
+    # and the prefetch, which stays until the decode)
+    dec_blocks = n
+    stall_back = max(0.0, n * blk / f.bw - f.decode_s)
+    live = (kept + expert_blocks + pre_bytes + max(f.act_hi, f.act_text), kept + expert_blocks + pre_bytes + f.act_lo,
+            kept + expert_blocks + f.act_decode)  # the prefetch, the low-noise steps, the decode
+    peak = max(_reserved(kept + expert_blocks, act + pre_bytes), _reserved(kept + expert_blocks, f.act_decode))
     return StrategyCost(
         strategy="swap_prefetched", fits=peak <= f.budget, peak_bytes=peak, live_peak_bytes=int(max(live)),
-        switch_peak_bytes=_reserved(kept + expert_blocks + pre_bytes, f.act_hi),
+        switch_peak_bytes=_reserved(kept + expert_blocks, f.act_hi + pre_bytes),
         latency_s=f.total_s + stall_switch + stall_back, stall_s=stall_switch + stall_back,
         h2d_bytes=2 * expert_blocks, prefetch_bytes=pre_bytes, prefetch_steps=pre_steps,
         prefetch_blocks=pre_blocks, decode_blocks=dec_blocks,
         note=f"{pre_blocks} of {n} low-noise blocks prefetched during the last {pre_steps} high-noise step(s); "
              f"the other {n - pre_blocks} stream in under the first low-noise forward; "
-             f"{dec_blocks} high-noise blocks return under the VAE decode, the rest under the next request's "
-             f"first forward")
+             f"into the slots the high-noise ones leave; the high-noise blocks return to them under the VAE decode")
 
 
 def _split_blocks(f: _Stages, hw: HardwareProfile) -> StrategyCost | None:
@@ -257,7 +262,8 @@ def plan_expert_switch(template: RequestTemplate, trace: MemoryTrace, budget: in
     """Price every way of holding a two-expert model's experts and choose one.
 
     The stage split priced is the trace's (``ModelSpec.expert_stages`` at the template's steps, on
-    the spec's scheduler: the one a worker loads without a checkpoint of its own).
+    the scheduler the trace was labelled with: the checkpoint's the group serves, else the spec's;
+    ``expert_switch_plans``).
 
     Args:
         template: the template (batch 1), of a model with two expert stages.
@@ -344,30 +350,41 @@ def switched_entry(old: PlanEntry, plan: ExpertSwitchPlan) -> PlanEntry:
 
 #: switch plans made in this process, by (template, budget, hardware, group GPUs, SLO): a group is
 #: finished again while the host budget is fitted, and its switch plans do not change
-_PLANS: dict[tuple[str, int, str, int, float], ExpertSwitchPlan] = {}
-_TRACES: dict[str, MemoryTrace] = {}
+_PLANS: dict[tuple[str, int, str, int, float, str], ExpertSwitchPlan] = {}
+_TRACES: dict[tuple[str, str], MemoryTrace] = {}
 
 
-def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile, gpus: int
+def _scheduler_key(scheduler_config: Mapping[str, Any] | None) -> str:
+    return json.dumps(scheduler_config, sort_keys=True, default=str) if scheduler_config is not None else ""
+
+
+def switch_group(entries: dict[str, PlanEntry], budget: int, hw: HardwareProfile, gpus: int,
+                 scheduler_config: Mapping[str, Any] | None = None
                  ) -> tuple[dict[str, PlanEntry], list[ExpertSwitchPlan]]:
     """One model group's entries (shape key -> entry, after its text-encoder placement) with each
     two-expert template's switch plan made its entry (``switched_entry``), and those plans; a group
     of one-expert models comes back as it is. What a group's ``expert_switch`` pass runs
     (``planner.finishing``), so the layouts, the residency and the node's host memory are those
-    of the entries the worker will run."""
+    of the entries the worker will run. ``scheduler_config``: the scheduler of the checkpoint the
+    group serves (its ``weights_dir``), on which the switch is priced; None: the spec's."""
+    from planner.traces import PLANNER_TRACE, meta_pipeline
     from xema_ray.analyzer.run import trace_template
 
     out, plans = dict(entries), []
+    sched = _scheduler_key(scheduler_config)
     for k, e in entries.items():
         t = e.config.template
-        if e.config.experts is not None or len(t.spec.expert_stages(t)) != 2:
+        if e.config.experts is not None or len(t.spec.expert_stages(t, scheduler_config)) != 2:
             continue
-        key = (t.key, budget, hw.name, gpus, e.prediction.slo_s)
+        key = (t.key, budget, hw.name, gpus, e.prediction.slo_s, sched)
         if key not in _PLANS:
-            if t.key not in _TRACES:
-                _TRACES[t.key] = trace_template(t)
+            if (t.key, sched) not in _TRACES:
+                # as the planning tasks trace (DiT blocks replayed: exact; the process's meta pipeline)
+                _TRACES[(t.key, sched)] = trace_template(t, PLANNER_TRACE, pipeline=meta_pipeline(t.model),
+                                                         scheduler_config=scheduler_config)
             (_PLANS[key],) = expert_switch_plans([t], budget, hw, {}, gpus, slo_of={t.shape_key: e.prediction.slo_s},
-                                                 traces=_TRACES)
+                                                 traces={t.key: _TRACES[(t.key, sched)]},
+                                                 scheduler_config=scheduler_config)
         plans.append(_PLANS[key])
         out[k] = switched_entry(e, _PLANS[key])
     return out, plans
@@ -385,7 +402,8 @@ class ExpertSwitchFile(BaseModel):
 def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: HardwareProfile,
                         gpus_of: dict[str, int], default_gpus: int,
                         slo_of: dict[str, float] | None = None,
-                        traces: dict[str, MemoryTrace] | None = None) -> list[ExpertSwitchPlan]:
+                        traces: dict[str, MemoryTrace] | None = None,
+                        scheduler_config: Mapping[str, Any] | None = None) -> list[ExpertSwitchPlan]:
     """The switch plan of every template whose model has two expert stages (others: none).
 
     A group of several GPUs runs each request sequence-parallel over ``sp`` of them, in
@@ -393,15 +411,19 @@ def expert_switch_plans(templates: list[RequestTemplate], budget: int, hw: Hardw
     attention heads) is planned, and the one with the best goodput kept (replicas / latency, 0
     past the template's SLO from ``slo_of``, by shape key); ties go to the lower latency. The
     others are listed in ``alternatives`` with their figures. ``traces``: templates' unmitigated
-    traces already made (by ``RequestTemplate.key``), else traced here."""
+    traces already made (by ``RequestTemplate.key``, their steps named on ``scheduler_config``),
+    else traced here. ``scheduler_config``: the scheduler the workers load (a checkpoint's own,
+    ``xema_ray.models.base.checkpoint_scheduler_config``): its shift decides which steps each
+    expert runs, so the stage split, the prefetch and the latency priced are the run's; None: the
+    spec's."""
     from xema_ray.analyzer.run import trace_template
 
     out = []
     for t in templates:
-        if len(t.spec.expert_stages(t)) != 2:
+        if len(t.spec.expert_stages(t, scheduler_config)) != 2:
             continue
         gpus = gpus_of.get(t.model, default_gpus)
-        trace = (traces or {}).get(t.key) or trace_template(t)
+        trace = (traces or {}).get(t.key) or trace_template(t, scheduler_config=scheduler_config)
         slo = (slo_of or {}).get(t.shape_key, math.inf)
         splits = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and t.spec.attention_heads % sp == 0
                   and (sp == 1 or t.spec.sequence_parallel_for(t))]

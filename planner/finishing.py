@@ -1,4 +1,4 @@
-"""The group passes (``GROUP_PASSES``: residency, text encoder, expert switch) and who runs them: each model
+"""The group passes (``GROUP_PASSES``: residency, text encoder, expert switch, decode stage) and who runs them: each model
 group's plans made final once its templates are planned, its layouts started (``GroupFinisher``);
 under an expected load (``finish_every_group``) or a host budget's second pass
 (``GroupFinisher.fit_host``) all groups together."""
@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from xema_ray.host_budget import NodeHost
 from planner.expert_switch import ExpertSwitchPlan
-from xema_ray.plan import GroupResidency, PlanEntry, TextEncoderChoice
+from xema_ray.plan import DecodeChoice, GroupResidency, PlanEntry, TextEncoderChoice
 from xema_ray.templates import RequestTemplate
 
 from planner.latency import LatencyModel
@@ -44,6 +45,13 @@ class GroupInputs:
     allowed: dict[str, tuple[str, ...]] | None = None
     #: the GPUs of the group (each split into SP x replicas by the expert switch)
     gpus: int = 1
+    #: where decodes run (``planner.decode_stage``: joint, split, auto)
+    stages: str = "joint"
+    #: shape key -> its expected requests/s (the decode choice caps goodput there)
+    loads: dict[str, float] = field(default_factory=dict)
+    #: the scheduler config of the checkpoint the group serves (None: the spec's), on which the
+    #: expert switch is priced
+    scheduler_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class GroupState:
     residency: GroupResidency | None = None
     encoders: dict[str, TextEncoderChoice] = field(default_factory=dict)
     switches: tuple[ExpertSwitchPlan, ...] = ()
+    decodes: dict[str, DecodeChoice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,10 +110,31 @@ def expert_switch_pass(group: GroupInputs, state: GroupState) -> GroupState:
     residency and the node's host memory (``planner.host_choice``) are then the switch's."""
     from planner.expert_switch import switch_group
 
-    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus)
+    entries, plans = switch_group(state.entries, group.budget, group.latency.hardware, group.gpus,
+                                  scheduler_config=group.scheduler_config)
     if not plans:
         return state
     return residency_pass(group, replace(state, entries=entries, switches=tuple(plans)))
+
+
+def decode_stage_pass(group: GroupInputs, state: GroupState) -> GroupState:
+    """Each video template's decode in place or on a pool of its own (``planner.decode_stage``;
+    ``--stages split|auto``; last: the entries' latencies and peaks are final). Xema only."""
+    from planner.decode_stage import choose_decode
+
+    if group.stages == "joint" or group.planner != "xema":
+        return state
+    from planner.decode_stage import one_pool
+
+    facts = {r.template: r.decode_facts for r in group.results if r.decode_facts is not None}
+    entries, decodes = dict(state.entries), dict(state.decodes)
+    for k, e in state.entries.items():
+        entries[k], choice = choose_decode(e, facts.get(k), group.latency, group.gpus, group.budget,
+                                           group.stages, group.loads.get(k))  # type: ignore[arg-type]
+        if choice is not None:
+            decodes[k] = choice
+    entries, decodes = one_pool(state.entries, entries, decodes, group.gpus)
+    return replace(state, entries=entries, decodes=decodes)
 
 
 #: the passes over one model group's plans, in order; a new per-group choice is one more pass here
@@ -112,16 +142,20 @@ GROUP_PASSES: tuple[GroupPass, ...] = (
     GroupPass("residency", residency_pass),
     GroupPass("text_encoder", text_encoder_pass),
     GroupPass("expert_switch", expert_switch_pass),
+    GroupPass("decode_stage", decode_stage_pass),
 )
 
 
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
-                 gpus: int = 1) -> GroupState:
+                 gpus: int = 1, stages: str = "joint", loads: dict[str, float] | None = None,
+                 scheduler_config: dict[str, Any] | None = None) -> GroupState:
     """One model group's planned entries made final by ``GROUP_PASSES``: the entries to serve
     with, the residency (None: a baseline or no entry), the placement chosen per entry (for the
-    summary) and the expert-switch plans. ``gpus``: the group's GPUs."""
-    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus)
+    summary) and the expert-switch plans. ``gpus``: the group's GPUs; ``scheduler_config``: its
+    checkpoint's scheduler (None: the spec's)."""
+    group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus, stages, dict(loads or {}),
+                        scheduler_config)
     state = GroupState(entries)
     for p in GROUP_PASSES:
         state = p.run(group, state)
@@ -142,6 +176,7 @@ class GroupFinisher:
         self.residency: dict[str, GroupResidency] = {}
         self.encoders: dict[str, TextEncoderChoice] = {}
         self.switches: dict[str, tuple[ExpertSwitchPlan, ...]] = {}  # model -> its templates' switch plans
+        self.decodes: dict[str, DecodeChoice] = {}  # shape key -> where its decode runs (--stages split|auto)
         self.planned: dict[str, PlanEntry] = {}  # the tasks' (or the load's) choices, before finishing
         self.results: dict[str, list[TemplateResult]] = {}
 
@@ -161,11 +196,14 @@ class GroupFinisher:
     def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
                 ) -> GroupState:
         return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus))
+                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus),
+                            stages=self.opts.stages, loads=self.opts.template_loads,
+                            scheduler_config=self.opts.scheduler_configs.get(model))
 
     def _keep(self, model: str, finished: GroupState) -> None:
         self.entries.update(finished.entries)
         self.encoders.update(finished.encoders)
+        self.decodes.update(finished.decodes)
         if finished.residency is not None:
             self.residency[model] = finished.residency
         if finished.switches:

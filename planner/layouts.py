@@ -85,10 +85,19 @@ class LayoutWave:
         #: after ``collect``: model -> its workers' one dynamic region; shape key -> why it keeps no layout
         self.dynamic_bytes: dict[str, int] = {}
         self.not_armed: dict[str, str] = {}
+        self._skipped: dict[str, str] = {}  # shape key -> why no layout is solved for it
+        self._kept: dict[str, PlanEntry] = {}  # those entries, as they were submitted
 
     def submit(self, entries: dict[str, PlanEntry]) -> None:
         """Start solving these entries' layouts (longest first: fewer idle cores at the end)."""
         for k in sorted(entries, key=lambda k: entries[k].config.template.latent_length, reverse=True):
+            if entries[k].config.decode is not None:
+                # the DiT workers' stream ends at the last step and the pool's is one decode: the
+                # worker arms a layout over its whole pipeline call, which neither of them runs
+                self._skipped[k] = ("its decode runs on a pool of its own (--stages): the DiT workers and "
+                                    "the decode workers run with the dynamic allocator")
+                self._kept[k] = entries[k]
+                continue
             self._entries[k] = entries[k]
             args = (entries[k], self.gpu, str(self.folder))
             if not self.use_ray:
@@ -128,7 +137,8 @@ class LayoutWave:
             by_model.setdefault(self._entries[k].config.template.model, []).append(k)
         self.dynamic_bytes = {m: group_dynamic_bytes([(arts[k].loaded_bytes, arts[k].reserved_bytes) for k in keys],
                                                      budget_bytes) for m, keys in sorted(by_model.items())}
-        self.not_armed = {}
+        self.not_armed = dict(self._skipped)
+        out.update(self._kept)
         for m, keys in by_model.items():
             dyn = self.dynamic_bytes[m]
             for k in keys:

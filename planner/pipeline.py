@@ -12,7 +12,8 @@ the state with its own (``Pass.reads`` / ``Pass.writes``, checked as it runs):
   with (``planner.load_aware``).
 - ``groups``: each model group's ``GROUP_PASSES`` (residency, text-encoder placement, and for a
   two-expert model (Wan2.2-A14B) its plan at the expert switch made the template's entry:
-  ``planner.finishing``, ``planner.expert_switch``), then its layouts start
+  ``planner.finishing``, ``planner.expert_switch``; with ``--stages split|auto`` each video
+  template's decode in place or on a pool of its own, ``planner.decode_stage``), then its layouts start
   (``planner.layouts.LayoutWave``: solved for the entries the worker will run, the swap
   included). No pass between ``templates`` and this one couples the groups without a load, so
   each group is then finished inside ``templates``, as soon as its last template is planned,
@@ -46,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from xema_ray.plan import GroupResidency, PlanEntry, PlanProvenance, PlanTable, ReplicaStart, TextEncoderChoice
+from xema_ray.plan import (DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, ReplicaStart,
+                           TextEncoderChoice)
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.templates import RequestTemplate
 
@@ -112,11 +114,12 @@ class Written:
 
 @dataclass(frozen=True)
 class FinishedGroups:
-    """The model groups' final entries, residencies and text-encoder placements."""
+    """The model groups' final entries, residencies, text-encoder placements and decode choices."""
 
     entries: dict[str, PlanEntry]
     residency: dict[str, GroupResidency]
     encoders: dict[str, TextEncoderChoice]
+    decodes: dict[str, DecodeChoice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,8 @@ class Pass:
 
 
 def _snapshot(finisher: GroupFinisher) -> FinishedGroups:
-    return FinishedGroups(dict(finisher.entries), dict(finisher.residency), dict(finisher.encoders))
+    return FinishedGroups(dict(finisher.entries), dict(finisher.residency), dict(finisher.encoders),
+                          dict(finisher.decodes))
 
 
 def templates_pass(run: PlanRun, state: PlanState) -> PlanState:
@@ -326,6 +330,7 @@ def table_pass(run: PlanRun, state: PlanState) -> PlanState:
             command=run.request.command, wall_s=round(state.planned_s, 1), profiled=sum(r.profiled for r in results),
             tasks_cpu_s=round(sum(r.cpu_s for r in results), 1),
             text_encoders={k: groups.encoders[k] for k in in_order if k in groups.encoders},
+            decode_stages={k: groups.decodes[k] for k in in_order if k in groups.decodes},
             measured=sum(r.measured for r in results), estimated=sum(r.estimated for r in results),
             infeasible=tuple(r.template for r in results if r.entry is None),
             planned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),

@@ -4,12 +4,13 @@ the types the template pass (``planner.driver``) and the passes after it (``plan
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import LoraPoolConfig, PlanEntry
 
+from planner.decode_stage import DecodeFacts
 from planner.text_encoder import EncoderFacts
 
 
@@ -38,9 +39,19 @@ class PlanOptions(BaseModel):
                                         "plans whose node fits it are preferred (planner.host_choice)")
     send_candidates: bool = Field(
         default=False, description="every task sends its other candidates (the host budget's second pass)")
+    scheduler_configs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="model -> the scheduler config of the checkpoint its group serves (the "
+                                          "deployment's weights_dir: scheduler/scheduler_config.json): its expert "
+                                          "switch is priced on the steps each expert runs there")
     adapter_pools: dict[str, LoraPoolConfig] = Field(
         default_factory=dict, description="model -> its group's LoRA adapter pool (the deployment's adapters:): "
                                           "its plans are traced with the pool and every sample's adapters")
+    stages: Literal["joint", "split", "auto"] = Field(
+        default="joint", description="where video decodes run (planner.decode_stage): joint: in place; split: a "
+                                     "decode pool wherever one fits; auto: the better of the two per template")
+    template_loads: dict[str, float] = Field(
+        default_factory=dict, description="shape key -> its expected requests/s (from --load): the decode choice's "
+                                          "goodput is capped there")
 
 
 class TemplateResult(BaseModel):
@@ -54,6 +65,8 @@ class TemplateResult(BaseModel):
     candidates: tuple[PlanEntry, ...] = Field(
         default=(), description="its other assembled configurations, when its model group has an expected load")
     encoder_facts: EncoderFacts | None = Field(default=None, description="what placing its text encoder needs")
+    decode_facts: DecodeFacts | None = Field(default=None, description="what choosing its decode stage needs "
+                                                                       "(--stages split|auto)")
     device: str = Field(description="where candidates were measured: cuda, cpu, or none (the cost model)")
     traced: int = Field(description="analyzer traces taken (not found in the trace cache)")
     profiled: int = Field(description="candidates whose latency was asked")

@@ -419,7 +419,7 @@ PLANNER_SPEAKERS: dict[str, str] = {
 }
 #: the run's passes in order (``planner.pipeline.PASSES``): a new pass is added here with its place
 PLANNER_PASSES = ("templates", "load_aware", "groups", "expert_switch", "host_memory", "table", "layouts", "write")
-GROUP_PASSES = ("residency", "text_encoder", "expert_switch")
+GROUP_PASSES = ("residency", "text_encoder", "expert_switch", "decode_stage")
 
 
 def _planner_imports() -> dict[str, set[str]]:
@@ -578,6 +578,7 @@ def test_every_layer_below_the_api_carries_the_steps_as_a_required_int() -> None
 
     from xema_ray.runtime.engine import Batch, ExecutionEngine
     from xema_ray.scheduling.batch import Pending
+    from xema_ray.scheduling.batch_key import BatchKey
     from xema_ray.scheduling.dispatcher import Dispatcher
     from xema_ray.serving.api.options import RequestOptions
     from xema_ray.serving.messages import GroupRequest
@@ -586,11 +587,15 @@ def test_every_layer_below_the_api_carries_the_steps_as_a_required_int() -> None
     for model in (RequestOptions, GroupRequest, JobRecord, Batch):
         field = model.model_fields["steps"]
         assert field.is_required() and field.annotation in (int, "int"), f"{model.__name__}.steps: {field}"
-    pending = next(f for f in dataclasses.fields(Pending) if f.name == "steps")
-    assert pending.type in (int, "int") and pending.default is dataclasses.MISSING
-    for fn in (Dispatcher.submit, ExecutionEngine.run_pipeline):
-        p = inspect.signature(fn).parameters["steps"]
-        assert p.default is inspect.Parameter.empty and p.annotation in (int, "int"), f"{fn.__qualname__}: {p}"
+    # below the group, the steps travel in the request's batch key (``xema_ray.scheduling.batch_key``)
+    steps = next(f for f in dataclasses.fields(BatchKey) if f.name == "steps")
+    assert steps.type in (int, "int") and steps.default is dataclasses.MISSING
+    pending = next(f for f in dataclasses.fields(Pending) if f.name == "key")
+    assert pending.type in (BatchKey, "BatchKey") and pending.default is dataclasses.MISSING
+    for fn, name, annotations in ((Dispatcher.submit, "key", (BatchKey, "BatchKey")),
+                                  (ExecutionEngine.run_pipeline, "steps", (int, "int"))):
+        p = inspect.signature(fn).parameters[name]
+        assert p.default is inspect.Parameter.empty and p.annotation in annotations, f"{fn.__qualname__}: {p}"
 
 
 # ---- part E: determinism and fault tests that hold on any 2-core machine, loaded or not

@@ -223,6 +223,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for e in report.entries:
         w(f"{e.template:<32}{e.plan[:43]:<44}{e.text_encoder or '-':>9}{gb(e.device_peak_bytes):>13}{gb(e.load_peak_bytes):>12}"
           f"{gb(e.host_bytes):>11}{gb(e.budget_bytes):>10}  {'yes' if e.fits else 'NO'}\n")
+        if e.decode_peak_bytes is not None:
+            w(f"    decode stage: the DiT workers' peak above is up to the decode; a decode worker's peak "
+              f"{gb(e.decode_peak_bytes)} of its {gb(e.decode_budget_bytes or 0)} "
+              f"(predicted {gb(e.predicted_decode_peak_bytes or 0)}): "
+              f"{'fits' if e.decode_peak_bytes <= (e.decode_budget_bytes or 0) else 'OVER'}\n")
         if e.layout_misses is not None:
             w(f"    static layout: reserved {gb(e.static_reserved_bytes or 0)} = "
               f"{(e.static_reserved_bytes or 0) / max(1, e.lower_bound_bytes or 0):.3f} x the lower bound "

@@ -9,7 +9,7 @@ so planning never imports serving (docs/architecture.md, "The layers").
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +56,19 @@ class GroupShape(BaseModel):
     adapters: LoraPoolConfig | None = Field(
         default=None, description="serve LoRA adapters per request: the folder loaded at start-up and the device "
                                   "pool (slots x max_rank) the plans count; None: no adapters")
+    weights_dir: Path | None = Field(
+        default=None, description="the group's diffusers checkpoint (None: random weights): its scheduler config is "
+                                  "the one the workers run, so plans are priced on it")
+
+    def scheduler_config(self) -> dict[str, Any] | None:
+        """The scheduler config of the group's checkpoint (None: no ``weights_dir``, or it has none:
+        the workers run the spec's). A relative ``weights_dir`` is the current directory's, as
+        ``serve run`` reads it."""
+        if self.weights_dir is None:
+            return None
+        from xema_ray.models.base import checkpoint_scheduler_config
+
+        return checkpoint_scheduler_config(self.weights_dir.expanduser().resolve())
 
     @model_validator(mode="after")
     def _known_model(self) -> GroupShape:

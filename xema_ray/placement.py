@@ -174,6 +174,15 @@ class HostCopy:
             return self.data.clone()
         return _device.to_device(self.data, self.device, stream, self.pending)
 
+    def into_device(self, dst: torch.Tensor, stream: _device.TransferStream | None = None) -> torch.Tensor:
+        """``dst`` (a device tensor of this shape and dtype that already exists) filled with the
+        host data, on ``stream`` if given (``streams.copy_into``: allocates nothing)."""
+        if dst.shape != self.shape or dst.dtype != self.dtype:
+            raise ValueError(f"a {tuple(self.shape)} {self.dtype} host copy cannot fill a {tuple(dst.shape)} {dst.dtype} tensor")
+        if self.data is not None:
+            _device.copy_into(dst, self.data, stream, self.pending)
+        return dst
+
     def placeholder(self) -> torch.Tensor:
         """What the original tensor object points to while offloaded: the host data itself on
         CPU and CUDA (so a stray read fails loudly with a device mismatch on CUDA and still

@@ -14,7 +14,8 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, field_validator,
+                      model_serializer, model_validator)
 
 from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: ExecutionConfig.experts
 from xema_ray.host_budget import HostBytes, NodeHost
@@ -72,6 +73,64 @@ class Mitigation(BaseModel):
         return "blocks" if self.blocks is not None else "modules" if self.modules is not None else "events"
 
 
+#: the GPU fractions a decode worker may take below one GPU: each divides a GPU exactly
+DECODE_GPU_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125)
+
+
+class DecodeStage(BaseModel):
+    """A decode stage of its own: the template's latents are handed to a pool of ``workers``
+    decode workers (the VAE resident, nothing else of the model), each on ``gpus_per_worker``
+    GPUs, instead of being decoded in place on the DiT workers, which are free for the next batch
+    as soon as the last denoising step ends. ``mitigations``: what a decode worker applies for the
+    decode alone (VAE primitives only; empty: none needed).
+
+    Example:
+        >>> DecodeStage(workers=2, gpus_per_worker=0.5).gpus
+        1
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    workers: int = Field(ge=1, description="decode workers in the pool")
+    gpus_per_worker: float = Field(gt=0, description="GPUs each decode worker takes: a whole number, or a fraction "
+                                                     "that divides one GPU (0.5, 0.25, 0.125)")
+    mitigations: tuple[Mitigation, ...] = Field(default=(), description="VAE mitigations a decode worker applies")
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _divides_a_gpu(cls, v: float) -> float:
+        if v >= 1:
+            if v != int(v):
+                raise ValueError(f"gpus_per_worker {v} must be a whole number of GPUs or a fraction that divides "
+                                 f"one GPU ({', '.join(map(str, DECODE_GPU_FRACTIONS))})")
+            return float(v)
+        per_gpu = 1 / v
+        if abs(per_gpu - round(per_gpu)) > 1e-9:
+            raise ValueError(f"gpus_per_worker {v} does not divide a GPU (1/{v} = {per_gpu:.3f} workers per GPU); "
+                             f"use a whole number or one of {', '.join(map(str, DECODE_GPU_FRACTIONS))}")
+        return v
+
+    @field_validator("mitigations")
+    @classmethod
+    def _vae_only(cls, v: tuple[Mitigation, ...]) -> tuple[Mitigation, ...]:
+        for m in v:
+            if m.modules is None or not all(p.startswith("vae") for p in m.modules):
+                raise ValueError(f"decode mitigations apply to the VAE only (modules under 'vae'); {m.kind} is "
+                                 f"located at {m.location_kind} {m.modules or m.blocks or m.events}")
+        return v
+
+    @property
+    def gpus(self) -> int:
+        """Whole GPUs the pool occupies (fractional workers packed onto shared GPUs)."""
+        return math.ceil(self.workers * self.gpus_per_worker - 1e-9)
+
+    def describe(self) -> str:
+        """E.g. 'decode pool 2x0.5 GPU'."""
+        g = f"{self.gpus_per_worker:g}"
+        extra = "".join(f" +{m.kind}×{m.intensity}" for m in self.mitigations)
+        return f"decode pool {self.workers}x{g} GPU{extra}"
+
+
 class ExecutionConfig(BaseModel):
     """How one batch of a template runs on a group of ``sp`` GPUs; ``dp`` such groups serve in parallel.
 
@@ -99,6 +158,9 @@ class ExecutionConfig(BaseModel):
     experts: ExpertSwap | None = Field(
         default=None, description="a two-expert model's expert switch as planned; None: both experts as the "
                                   "pipeline holds them (on the device)")
+    decode: DecodeStage | None = Field(
+        default=None, description="a decode stage of its own (the latents handed to a pool of decode workers); "
+                                  "None: decoded in place on the DiT workers")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
@@ -115,6 +177,8 @@ class ExecutionConfig(BaseModel):
         if self.sp > tokens:
             raise ValueError(f"sp={self.sp} exceeds the {tokens} tokens of {self.template.key}")
         n_blocks = spec.num_dit_blocks
+        if self.decode is not None and not spec.decode_components():
+            raise ValueError(f"decode: {spec.name} has no decoder a decode stage could hold")
         if self.experts is not None:
             if "transformer_2" not in spec.component_names():
                 raise ValueError(f"experts: {spec.name} does not have two experts")
@@ -141,7 +205,13 @@ class ExecutionConfig(BaseModel):
 
     @property
     def gpus(self) -> int:
+        """The DiT workers' GPUs (SP x DP); a decode pool's are ``total_gpus - gpus``."""
         return self.sp * self.dp
+
+    @property
+    def total_gpus(self) -> int:
+        """The GPUs the plan occupies: the DiT workers' and its decode pool's."""
+        return self.gpus + (self.decode.gpus if self.decode is not None else 0)
 
     @property
     def batched_template(self) -> RequestTemplate:
@@ -167,7 +237,9 @@ class ExecutionConfig(BaseModel):
     def config_hash(self) -> str:
         """Hash over exactly the fields that change memory or latency (keys profile stores and layouts)."""
         # a config without an expert switch hashes as before the field existed (stored profiles, layouts)
-        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | ({"experts"} if self.experts is None else set()))
+        # likewise without a decode stage (decoded in place)
+        payload = self.model_dump_json(exclude={"layout_ref", "dp"} | ({"experts"} if self.experts is None else set())
+                                       | ({"decode"} if self.decode is None else set()))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -177,7 +249,24 @@ class ExecutionConfig(BaseModel):
         parts += [f"{m.kind}×{m.intensity}" for m in self.mitigations]
         if self.experts is not None:
             parts.append(self.experts.describe())
+        if self.decode is not None:
+            parts.append(self.decode.describe())
         return " + ".join(parts)
+
+    def dit_stage(self) -> ExecutionConfig:
+        """What the DiT workers run: this config with the decode handed over (its VAE mitigations
+        are the pool's business) and no decode stage."""
+        if self.decode is None:
+            return self
+        kept = tuple(m for m in self.mitigations if not (m.modules and all(p.startswith("vae") for p in m.modules)))
+        return self.model_copy(update={"decode": None, "mitigations": kept, "layout_ref": None})
+
+    def decode_worker(self) -> ExecutionConfig:
+        """One request's decode as a decode worker runs it: batch 1, one GPU's SP, the pool's
+        mitigations (the DiT's config of the template otherwise; its layout not armed)."""
+        pool = self.decode.mitigations if self.decode is not None else tuple(
+            m for m in self.mitigations if m.modules and all(p.startswith("vae") for p in m.modules))
+        return ExecutionConfig(template=self.template, mitigations=pool, text_encoder=self.text_encoder)
 
 
 
@@ -210,6 +299,13 @@ class PlanPrediction(BaseModel):
         default=None, description="host memory one worker holds for this plan's weights (xema_ray.host_budget): "
                                   "resident, pinned, shared with the node's other workers, transient at load; "
                                   "None: not recorded (a table planned before these figures)")
+    decode_peak_bytes: int | None = Field(
+        default=None, ge=0, description="with a decode stage: a decode worker's predicted reserved peak (the VAE and "
+                                        "one request's decode; ``peak_bytes`` is then the DiT workers' without the "
+                                        "decode interval); None: decoded in place")
+    decode_s: float | None = Field(
+        default=None, ge=0, description="with a decode stage: seconds a decode worker takes for one request, the "
+                                         "latents' hand-over included (``latency_s`` includes them)")
 
     @field_validator("latency_source", mode="before")
     @classmethod
@@ -320,6 +416,28 @@ class TextEncoderChoice(BaseModel):
         return f"{self.placement} (+{self.seconds_per_batch:.2f} s per batch)"
 
 
+class DecodeChoice(BaseModel):
+    """Where a template's decode runs, as the planner's ``decode_stage`` pass chose it, with the
+    figures it compared (``xema plan --stages``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    asked: Literal["split", "auto"] = Field(description="split: a pool wherever one fits; auto: the better of the two")
+    stage: Literal["in_place", "pool"] = Field(description="the choice: decoded in place, or by a decode pool")
+    load_rps: float | None = Field(default=None, ge=0, description="the template's expected load the goodputs are "
+                                                                   "capped at (None: no load given, capacity)")
+    in_place_latency_s: float = Field(ge=0)
+    in_place_goodput_rps: float = Field(ge=0)
+    in_place_peak_bytes: int = Field(ge=0, description="the DiT workers' peak with the decode in place")
+    pool: DecodeStage | None = Field(default=None, description="the best pool that fits (None: none fits)")
+    pool_dp: int | None = Field(default=None, ge=1, description="DiT data-parallel groups left beside that pool")
+    pool_latency_s: float | None = Field(default=None, ge=0)
+    pool_goodput_rps: float | None = Field(default=None, ge=0)
+    dit_peak_bytes: int | None = Field(default=None, ge=0, description="the DiT workers' peak without the decode")
+    decode_peak_bytes: int | None = Field(default=None, ge=0, description="a decode worker's peak")
+    reason: str = Field(description="why this choice, in words")
+
+
 _LEGACY_ENCODER = re.compile(r"^(device|streamed|cpu) \(\+([0-9.]+) s per batch\)$")
 
 
@@ -355,11 +473,23 @@ class PlanProvenance(BaseModel):
         default_factory=dict, description="model -> its workers' one dynamic region (allocator.margins.group_dynamic_bytes)")
     layouts_not_armed: dict[str, str] = Field(
         default_factory=dict, description="shape key -> why its entry keeps no layout")
+    decode_stages: dict[str, DecodeChoice] = Field(
+        default_factory=dict, description="shape key -> where its decode runs and why (xema plan --stages split|auto; "
+                                          "empty: --stages joint, every decode in place)")
     emulated_time_scale: dict[str, float] = Field(
         default_factory=dict, description="model -> what ``runtime.emulation.scale_table`` divided its latencies "
                                           "by (empty: the hardware's own seconds)")
     notes: dict[str, str] = Field(
         default_factory=dict, description="keys of an earlier free-form provenance that have no field here")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_decode_stages(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A table planned with every decode in place (``--stages joint``) is written as before the
+        field existed: ``make plan``'s reference table does not change."""
+        out: dict[str, Any] = handler(self)
+        if not self.decode_stages:
+            out.pop("decode_stages", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -455,10 +585,11 @@ class PlanTable(BaseModel):
                                  "each entry must be keyed by its own template's shape key")
             model = e.config.template.model
             available = self.group_gpus.get(model, self.gpus)
-            if e.config.gpus > available:
+            if e.config.total_gpus > available:
                 where = f"{model}'s group of {available}" if model in self.group_gpus else str(available)
-                raise ValueError(f"{key}: plan {e.config.describe()} needs {e.config.gpus} GPUs "
-                                 f"(SP {e.config.sp} x DP {e.config.dp}) but the table is for {where}")
+                pool = f" + a decode pool of {e.config.decode.gpus}" if e.config.decode is not None else ""
+                raise ValueError(f"{key}: plan {e.config.describe()} needs {e.config.total_gpus} GPUs "
+                                 f"(SP {e.config.sp} x DP {e.config.dp}{pool}) but the table is for {where}")
         return self
 
     def lookup(self, template: RequestTemplate) -> PlanEntry:

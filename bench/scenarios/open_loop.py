@@ -33,11 +33,13 @@ class Outcome(BaseModel):
     error: str | None = None
 
 
-def _request(t: RequestTemplate, prompt: str) -> tuple[str, dict]:
+def _request(t: RequestTemplate, prompt: str, guidance_scale: float | None = None) -> tuple[str, dict]:
     size = f"{t.width}x{t.height}"
+    guidance = {} if guidance_scale is None else {"guidance_scale": guidance_scale}  # None: the model's default
     if t.spec.kind == "image":
-        return "/v1/images/generations", {"model": t.model, "prompt": prompt, "size": size, "response_format": "b64_json"}
-    return "/v1/videos/sync", {"model": t.model, "prompt": prompt, "size": size, "num_frames": t.frames}
+        return "/v1/images/generations", {"model": t.model, "prompt": prompt, "size": size, "response_format": "b64_json",
+                                          **guidance}
+    return "/v1/videos/sync", {"model": t.model, "prompt": prompt, "size": size, "num_frames": t.frames, **guidance}
 
 
 async def _one(session: object, base: str, arr: Arrival, t: RequestTemplate, t0: float, timeout_s: float) -> Outcome:
@@ -45,7 +47,7 @@ async def _one(session: object, base: str, arr: Arrival, t: RequestTemplate, t0:
 
     assert isinstance(session, aiohttp.ClientSession)
     await asyncio.sleep(max(0.0, t0 + arr.t - time.perf_counter()))
-    path, body = _request(t, f"emulated load {arr.request_id}")
+    path, body = _request(t, f"emulated load {arr.request_id}", arr.guidance_scale)
     sent = time.perf_counter()
     try:
         async with session.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:

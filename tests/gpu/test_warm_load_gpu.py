@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from xema_ray.models.loading import SeededWeights, materialize
+from xema_ray.models.loading import HostShare, SeededWeights, materialize
 from xema_ray.platforms.host_memory import SharedSegments
 
 pytestmark = pytest.mark.gpu  # planned in gpu_check/gpu_plan.py: part 2, 7 s, needs the shm step
@@ -36,9 +36,9 @@ def test_a_warm_load_copies_the_host_copy_to_the_device_at_pinned_bandwidth(tmp_
     device = torch.device("cuda")
     source = SeededWeights(0, "warm")
     cold = _model()
-    filled = materialize(cold, device, torch.bfloat16, source, share="warm-load-gpu", host_copy=True)
+    filled = materialize(cold, device, torch.bfloat16, source, share=HostShare("warm-load-gpu"), host_copy=True)
     warm = _model()
-    mapped = materialize(warm, device, torch.bfloat16, source, share="warm-load-gpu", host_copy=True)
+    mapped = materialize(warm, device, torch.bfloat16, source, share=HostShare("warm-load-gpu"), host_copy=True)
     nbytes = LAYERS * WIDTH * WIDTH * 2
     assert filled.host_copy_bytes == mapped.host_copy_bytes == nbytes and filled.host_attached_bytes == 0
     assert mapped.host_attached_bytes == mapped.host_shared_bytes >= nbytes  # mapped: nothing read

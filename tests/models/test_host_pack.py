@@ -320,3 +320,37 @@ def test_a_host_copy_is_kept_for_the_next_worker_which_maps_it_instead_of_readin
     assert all(p.untyped_storage().data_ptr() not in seg_ptrs for p in block0.parameters())
     second.shutdown()
     assert _segments(shm) == kept
+
+
+def test_two_apps_on_one_node_keep_their_own_segments_and_never_sweep_each_others(shm: Path) -> None:
+    """The Serve application's name reaches the loader (``ModelLoadConfig.app`` -> ``BuildOptions.app``
+    -> ``materialize``'s ``HostShare``): two apps loading the same model and weights on one node
+    each fill a segment named after their app (``xema-<app>-<key>``) instead of mapping the
+    other's, and one app's sweep leaves the other's segment, even one whose owner is gone."""
+    import json
+
+    from xema_ray.platforms.host_memory import segment_app
+
+    load = _with_blocks(ModelLoadConfig(model="tiny-flux2", share_host_weights="on", seed=3), Residency(host_blocks=(0,)))
+    workers, loaded = [], []
+    for app in ("xema", "other-app"):
+        w = Worker(platform="cpu")
+        w.init_device(ParallelConfig(rank=0, world_size=1))
+        loaded.append(w.load_model(load.model_copy(update={"app": app})))
+        workers.append(w)
+    token = segment_app("other-app")
+    assert token != "other-app" and token.startswith("other_app.")
+    names = _segments(shm)
+    assert len(names) == 2 and {n.split("-")[1] for n in names} == {"xema", token}
+    assert [x.host_attached_bytes for x in loaded] == [0, 0]  # each app filled its own: nothing was mapped across
+    assert all(x.host_shared_bytes > 0 for x in loaded)
+    # a segment of app "xema" whose owner is gone (a killed worker's): "other-app"'s sweep (each
+    # open runs one) leaves it; "xema"'s own removes it
+    stale = shm / "xema-xema-stale"
+    stale.write_bytes(bytes(4096))
+    stale.with_name(stale.name + ".owner").write_text(json.dumps({"pid": 2**22 + 7, "start": None}))
+    assert SharedSegments(shm, app=token).sweep() == [] and stale.exists()
+    assert SharedSegments(shm, app="xema").sweep() == ["xema-xema-stale"] and not stale.exists()
+    for w in workers:
+        w.shutdown()
+    assert _segments(shm) == []

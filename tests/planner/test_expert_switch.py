@@ -119,7 +119,8 @@ def test_the_worker_runs_the_chosen_switch_and_verify_counts_it(tiny) -> None:  
     """Below the hold-both peak the planner swaps; the table's config for it runs in the serving
     worker (xema verify's meta run), whose counted peak agrees with the planner's and moves with
     the switch: the prefetched low-noise blocks sit on top of the high-noise expert in the last
-    high-noise step, and the high-noise blocks that return under the decode add to its peak."""
+    high-noise step, and the high-noise blocks that return under the decode go back into the
+    slots the load placed (they add nothing to its peak)."""
     from planner.expert_switch import switch_config
     from xema_ray.measure.verify import verify_config
     t, trace = tiny
@@ -138,7 +139,52 @@ def test_the_worker_runs_the_chosen_switch_and_verify_counts_it(tiny) -> None:  
         update={"prefetch_blocks": 0, "prefetch_steps": 0, "decode_blocks": 0})})
     (den, whole), (den0, whole0) = _denoise_and_whole_peaks(config), _denoise_and_whole_peaks(quiet)
     assert den - den0 == sum(blocks[:chosen.prefetch_blocks])
-    assert whole - whole0 == sum(blocks[:chosen.decode_blocks])
+    assert whole == whole0
+
+
+def test_the_arriving_expert_reuses_the_departing_experts_memory_and_the_layout_is_kept(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The serving worker's own load + execute (meta): the load places one expert's blocks, and
+    the request allocates no expert block but the prefetch (the low-noise blocks are copied into
+    the memory the high-noise ones leave at the switch, and back at the decode), so the static
+    layout holds the activations and the prefetch only; with it the entry fits the budget the
+    planner chose the swap for, keeps its layout, and ``xema verify`` replays the worker's stream
+    against it with no miss and counts a peak within the budget."""
+    from planner.expert_switch import switch_config
+    from planner.layouts import attach_layouts
+    from xema_ray.allocator.artifact import layouts_dir, load_artifact
+    from xema_ray.measure.verify import trace_here, verify_config
+    from xema_ray.plan import PlanEntry, PlanPrediction
+
+    t, trace = tiny
+    budget = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes - 1
+    p = plan_expert_switch(t, trace, budget, A6000)
+    chosen = p.cost(p.chosen)
+    config = switch_config(t, p, text_encoder=None)
+    assert config.experts is not None and config.experts.prefetch_blocks > 0
+    blocks = _allocated_block_bytes(t)
+    (stream,) = trace_here(config, (t.steps,), replay_blocks=False)
+    quiet = config.model_copy(update={"experts": config.experts.model_copy(
+        update={"prefetch_blocks": 0, "prefetch_steps": 0})})
+    (stream0,) = trace_here(quiet, (t.steps,), replay_blocks=False)
+    assert stream.loaded_bytes == stream0.loaded_bytes >= sum(blocks)  # one expert, placed at load
+    # the request's live bytes while it denoises: its activations, plus the prefetch alone (never
+    # a second expert: the low-noise blocks go where the high-noise ones were)
+    def denoise_peak(tr) -> int:  # type: ignore[no-untyped-def]
+        return int(tr.active_curve()[:tr.step_bounds[-1]].max())
+
+    assert denoise_peak(stream) - denoise_peak(stream0) == sum(blocks[:config.experts.prefetch_blocks])
+    assert denoise_peak(stream0) < sum(blocks)
+    entry = PlanEntry(config=config, prediction=PlanPrediction(peak_bytes=chosen.peak_bytes, latency_s=chosen.latency_s,
+                                                               goodput_rps=1 / chosen.latency_s, slo_s=1e9,
+                                                               latency_source="estimated"))
+    table = tmp_path / "plan.json"
+    kept = attach_layouts({"k": entry}, table, "any", use_ray=False, budget_bytes=budget)[0]["k"]
+    assert kept.config.layout_ref is not None and kept.prediction.peak_bytes <= budget
+    art = load_artifact(layouts_dir(table), kept.config.layout_ref)
+    assert art.loaded_bytes + art.reserved_bytes <= budget
+    v = verify_config(kept.config, budget, predicted_peak_bytes=kept.prediction.peak_bytes, layout=art,
+                      layouts_dir=layouts_dir(table))
+    assert v.error is None and v.fits and v.layout_misses == 0 and v.device_peak_bytes <= budget
 
 
 def test_the_host_memory_of_a_swap_is_both_experts_as_the_worker_pins_them(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -211,3 +257,44 @@ def test_a_batch_at_another_step_count_switches_at_its_own_step(tiny, monkeypatc
             assert seen == [(steps, t.spec.expert_stages(t.with_(steps=steps))[0].steps)]
     finally:
         worker.shutdown()
+
+
+def test_the_switch_is_priced_on_the_scheduler_of_the_groups_checkpoint(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A group serving a checkpoint (its ``weights_dir``) runs that checkpoint's scheduler: here a
+    ``flow_shift`` of 3.0 instead of the spec's 12, so the high-noise expert runs 2 of 6 steps, not
+    4. ``xema plan --deployment`` reads it, and the expert switch is priced on that split (the
+    experts' steps, the prefetch within the high-noise steps), not the spec's."""
+    import json
+
+    import yaml
+
+    from planner.cli import deployment_scheduler_configs
+    from planner.driver import PlanOptions
+    from planner.expert_switch import ExpertSwitchFile
+    from planner.pipeline import PlanRequest, plan
+
+    t, trace = tiny
+    own = dict(t.spec.scheduler_config) | {"flow_shift": 3.0}
+    ckpt = tmp_path / "tiny-wan2.2"
+    (ckpt / "scheduler").mkdir(parents=True)
+    (ckpt / "scheduler" / "scheduler_config.json").write_text(json.dumps(own))
+    deployment = tmp_path / "d.yaml"
+    deployment.write_text(yaml.safe_dump({"applications": [{"name": "x", "import_path": "deployments.app:app", "args": {
+        "models": [{"model": t.model, "workers": 1, "weights_dir": str(ckpt),
+                    "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 6}]}]}}]}))
+    assert deployment_scheduler_configs(deployment) == {t.model: own}
+    assert [(s.first_step, s.last_step) for s in t.spec.expert_stages(t, own)] == [(0, 1), (2, 5)]
+
+    budget = plan_expert_switch(t, trace, 64 * 2**20, A6000).cost("hold_both").peak_bytes - 1
+    (spec_priced,) = expert_switch_plans([t], budget, A6000, {}, 1, traces={t.key: trace})
+    (own_priced,) = expert_switch_plans([t], budget, A6000, {}, 1, scheduler_config=own)
+    assert [(u.first_step, u.last_step) for u in spec_priced.experts] == [(0, 3), (4, 5)]
+    assert [(u.first_step, u.last_step) for u in own_priced.experts] == [(0, 1), (2, 5)]
+    swap = own_priced.cost("swap_prefetched")
+    assert swap.prefetch_blocks > 0 and 1 <= swap.prefetch_steps <= 2
+    # the planner's own run: the group's checkpoint scheduler reaches the expert-switch pass
+    opts = PlanOptions(hardware="a6000", budget=budget, gpus=1, measure="never", scheduler_configs={t.model: own})
+    result = plan(PlanRequest((t,), opts, out=str(tmp_path / "t.json"), layouts=False, use_ray=False))
+    assert result.written.experts is not None
+    (written,) = ExpertSwitchFile.model_validate_json(result.written.experts.read_text()).plans
+    assert [(u.first_step, u.last_step) for u in written.experts] == [(0, 1), (2, 5)]

@@ -18,7 +18,7 @@ from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.models import BuildOptions, get_model_spec
 from xema_ray.models.loading import CheckpointError
 from xema_ray.parallel.groups import ParallelConfig
-from xema_ray.plan import ExecutionConfig, Mitigation, PlanTable
+from xema_ray.plan import DecodeStage, ExecutionConfig, Mitigation, PlanTable
 from xema_ray.runtime.engine import Batch, GenerationRequest
 from xema_ray.runtime.residency import Residency, block_sizes
 from xema_ray.measure.verify import verify_config
@@ -132,6 +132,10 @@ def test_error_raised_if_group_cannot_run_plan() -> None:
     table = _table({t: ExecutionConfig(template=t, ulysses=1, dp=4)}, gpus=8)
     with pytest.raises(PlanNotRunnable, match=r"uses 4 GPUs \(SP 1 x DP 4\), the tiny-cogvideox group has 3"):
         check_runnable(table, cfg, [t])
+    # a decode pool planned for it (xema plan --stages split): its DiT config cannot decode in place
+    pooled = ExecutionConfig(template=t, decode=DecodeStage(workers=1, gpus_per_worker=1))
+    with pytest.raises(PlanNotRunnable, match=r"hands its decode to a decode pool \(config.decode"):
+        check_runnable(_table({t: pooled}), cfg, [t])
 
 
 def test_error_raised_if_host_memory_too_small() -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
@@ -27,9 +28,9 @@ def _dispatcher(budget: int = 48 * GB, host: int | None = None, long: DispatchPl
 
 
 def _long_then_short(d: Dispatcher[None], short_at: float = 10.0) -> list:
-    d.submit("long", "L", 0.0, steps=d.plans["long"].steps)
+    d.submit("long", "L", 0.0, key=BatchKey(steps=d.plans["long"].steps))
     assert [a.template for a in d.dispatch(0.0)] == ["long"]
-    d.submit("short", "S", short_at, steps=d.plans["short"].steps)
+    d.submit("short", "S", short_at, key=BatchKey(steps=d.plans["short"].steps))
     return d.dispatch(short_at)
 
 
@@ -94,7 +95,7 @@ def test_a_paused_state_measured_larger_raises_the_plan_figure_the_memory_check_
 def test_a_worker_holding_a_paused_batch_takes_no_other_batch_meanwhile() -> None:
     d = _dispatcher(workers=1)
     (a,) = _long_then_short(d)
-    d.submit("short", "S2", 11.0, steps=d.plans["short"].steps)  # the worker runs S and holds L: S2 waits (no second pause)
+    d.submit("short", "S2", 11.0, key=BatchKey(steps=d.plans["short"].steps))  # the worker runs S and holds L: S2 waits (no second pause)
     assert d.dispatch(11.0) == []
     d.complete(a.batch_id)
     started = d.dispatch(15.0)  # L resumes first; S2 then preempts it again (its 2nd pause of 2)
@@ -148,7 +149,7 @@ def test_an_sp2_batch_pauses_on_all_its_ranks_and_resumes_on_the_same_group() ->
     d = _dispatcher(long=long_sp2, workers=2)
     (a,) = _long_then_short(d)
     assert a.workers == (0,) and [p.batch_id for p in a.preempts] == [0]
-    d.submit("short", "S2", 11.0, steps=d.plans["short"].steps)  # worker 1 is idle but holds the paused batch's state: not taken
+    d.submit("short", "S2", 11.0, key=BatchKey(steps=d.plans["short"].steps))  # worker 1 is idle but holds the paused batch's state: not taken
     assert d.dispatch(11.0) == []
     d.complete(a.batch_id)
     started = d.dispatch(15.0)

@@ -16,6 +16,7 @@ from xema_ray.plan import PlanEntry, PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.runtime.emulation import emulation_for, scale_table
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
@@ -98,9 +99,9 @@ def test_the_dispatcher_sees_no_boundary_after_the_last_step() -> None:
     d: Dispatcher[None] = Dispatcher({k: DispatchPlan.of_entry(e, shares=LONG_SHARES if k == LONG.shape_key else None)
                                       for k, e in _table().entries.items()},
                                      workers=1, wait_window_s=0, preemption=PreemptionPolicy(budget_bytes=48 * GB))
-    d.submit(LONG.shape_key, "L", 0.0, steps=d.plans[LONG.shape_key].steps)
+    d.submit(LONG.shape_key, "L", 0.0, key=BatchKey(steps=d.plans[LONG.shape_key].steps))
     d.dispatch(0.0)
-    d.submit(SHORT.shape_key, "S", 50.0, steps=d.plans[SHORT.shape_key].steps)
+    d.submit(SHORT.shape_key, "S", 50.0, key=BatchKey(steps=d.plans[SHORT.shape_key].steps))
     # at 50 L is 2.5 s into its last step: the end of that step is no boundary, so no pause is asked
     assert d.dispatch(50.0) == [] and not d.decisions
 
@@ -121,9 +122,9 @@ def test_the_dispatcher_predicts_the_wait_for_its_victims_to_park() -> None:
     d: Dispatcher[None] = Dispatcher({k: DispatchPlan.of_entry(e, shares=LONG_SHARES if k == LONG.shape_key else None)
                                       for k, e in table.entries.items()},
                                      workers=1, wait_window_s=0, preemption=PreemptionPolicy(budget_bytes=15 * GB))
-    d.submit(LONG.shape_key, "L", 0.0, steps=d.plans[LONG.shape_key].steps)
+    d.submit(LONG.shape_key, "L", 0.0, key=BatchKey(steps=d.plans[LONG.shape_key].steps))
     d.dispatch(0.0)
-    d.submit(SHORT.shape_key, "S", 30.0, steps=d.plans[SHORT.shape_key].steps)
+    d.submit(SHORT.shape_key, "S", 30.0, key=BatchKey(steps=d.plans[SHORT.shape_key].steps))
     (a,) = d.dispatch(30.0)
     assert a.preempts[0].offload and a.park_wait_s == pytest.approx(5.0 + 0.3)  # to the boundary at 35, the move out
 

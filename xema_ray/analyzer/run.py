@@ -13,7 +13,7 @@ CogVideoX analysis to seconds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,7 @@ def trace_template(
     options: TraceOptions | None = None,
     pipeline: Any | None = None,
     prepare: Callable[[Any, AllocationTracer], contextlib.AbstractContextManager[None]] | None = None,
+    scheduler_config: Mapping[str, Any] | None = None,
 ) -> MemoryTrace:
     """The memory trace of one request of ``template`` (batch included).
 
@@ -82,6 +83,9 @@ def trace_template(
         pipeline: a pipeline already built for ``options.device`` (default: built here).
         prepare: optional ``(pipeline, tracer) -> context manager`` entered around the call, for
             callers that install mitigations (the mitigation library) before tracing.
+        scheduler_config: the scheduler the serving worker loads (a checkpoint's own:
+            ``xema_ray.models.base.checkpoint_scheduler_config``); a model of several experts has
+            its steps named after the expert that runs them on it (None: the spec's scheduler).
 
     Example:
         >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=4)
@@ -98,9 +102,10 @@ def trace_template(
         BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
     traced = steps_to_trace(spec.settling_steps_for(template), spec.step_lifetime)
     traced_steps = min(template.steps, traced) if opts.replicate else template.steps
-    stages = spec.expert_stages(template)
+    stages = spec.expert_stages(template, scheduler_config)
     # replicated steps must be alike: one expert runs them all, the others' steps are named after
-    one_expert = len(stages) > 1 and traced_steps < template.steps
+    # their experts (so are all steps on a scheduler other than the one the pipeline was built with)
+    one_expert = len(stages) > 1 and (traced_steps < template.steps or scheduler_config is not None)
     tracer, replay = _traced_call(pipe, spec, template, traced_steps, opts, dtype, prepare=prepare,
                                   one_expert=one_expert)
     raw = tracer.raw()

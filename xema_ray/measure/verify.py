@@ -80,6 +80,13 @@ class VerifyEntry(BaseModel):
     lower_bound_bytes: int | None = Field(default=None, description="max live bytes of the request (no layout can do better)")
     layout_misses: int | None = Field(default=None, description="allocations of the worker's stream the layout did not "
                                                                 "place (replayed through the host arena)")
+    decode_peak_bytes: int | None = Field(
+        default=None, description="with a decode stage (config.decode): a decode worker's device peak, counted from the "
+                                  "same worker's decode with only the decoder's weights held; device_peak_bytes is then "
+                                  "the DiT workers' peak up to the decode (None: decoded in place)")
+    decode_budget_bytes: int | None = Field(
+        default=None, description="a decode worker's budget: its share of a GPU's (gpus_per_worker x budget)")
+    predicted_decode_peak_bytes: int | None = Field(default=None, description="the planner's prediction of it")
 
 
 class VerifyReport(BaseModel):
@@ -115,13 +122,15 @@ def device_peaks(raw: RawTrace) -> tuple[int, int]:
 def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, markers: bool,
                 group_plans: Iterable[ExecutionConfig] = (), residency: ResidencyPolicy = "per_template",
                 layouts_dir: Path | None = None, replay_blocks: bool = False,
-                one_expert: bool = False, adapters: LoraPoolConfig | None = None) -> tuple[LoadedModel | None, str | None]:
+                one_expert: bool = False, adapters: LoraPoolConfig | None = None,
+                decoder_bytes: dict[str, int] | None = None) -> tuple[LoadedModel | None, str | None]:
     """Load and run one batch of ``config`` (``steps`` denoising steps) with the serving worker on
     meta under ``tracer``; (what the load placed, error). ``replay_blocks``: the
     analyzer's block replay (``xema_ray.analyzer.block_replay``, exact) beneath the batch's hooks,
     SP ranks included (the fake process group's collectives are allocations like any other).
     ``adapters``: the group's LoRA pool, loaded with the model (its stacks count in the load) and
-    filled with worst-case adapters that every sample of the batch stacks."""
+    filled with worst-case adapters that every sample of the batch stacks. ``decoder_bytes``:
+    filled with the device bytes of each of the spec's decode components as the load placed them."""
     from xema_ray.placement import forget_placeholders
 
     template = config.template
@@ -159,6 +168,8 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
             tracer.mark(LOAD_END)
             engine = worker.engine
             assert engine is not None
+            if decoder_bytes is not None:
+                decoder_bytes.update(_decoder_bytes(engine.pipe, template.spec.decode_components()))
             # the analyzer's assembly of the worker's call: its markers around the batch, the block
             # replay beneath the hooks the engine installs for the batch (its ``inner_env``)
             with assembled(engine.pipe, tracer, "meta", markers=markers, replay_blocks=replay_blocks,
@@ -172,6 +183,79 @@ def _run_worker(config: ExecutionConfig, steps: int, tracer: AllocationTracer, m
         return loaded, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
         worker.shutdown()
+
+
+def _decoder_bytes(pipe: object, components: tuple[str, ...]) -> dict[str, int]:
+    """Device bytes (caching-allocator rounded) of each decode component's weights as placed."""
+    out = {}
+    for name in components:
+        comp = getattr(pipe, name, None)
+        if isinstance(comp, torch.nn.Module):
+            tensors = [*comp.parameters(), *comp.buffers()]
+            out[name] = sum(round_size(t.numel() * t.element_size()) for t in tensors if t.device.type != "cpu")
+    return out
+
+
+def stage_peaks(raw: RawTrace, components: tuple[str, ...], decoder_bytes: int) -> tuple[int, int]:
+    """(the DiT workers' peak up to the first decode, a decode worker's peak) of one worker's run
+    with the analyzer's markers: the decode worker holds the decoder's weights and what the decode
+    allocates, not the rest of the model's weights (the device bytes placed at load less the
+    decoder's)."""
+    kinds = np.asarray(raw.event_kind, dtype=np.int8)
+    sizes = np.asarray([round_size(r.nbytes) for r in raw.records], dtype=np.int64)
+    alloc_of = np.asarray(raw.event_alloc, dtype=np.int64)
+    live = np.cumsum(np.where(kinds == ALLOC, sizes[alloc_of], -sizes[alloc_of]))
+    load_end = next(pos for pos, label in raw.markers if label == LOAD_END)
+    begins = [pos for pos, label in raw.markers if label in {f"begin:{c}" for c in components}]
+    ends = [pos for pos, label in raw.markers if label in {f"end:{c}" for c in components}]
+    if not begins or not ends:
+        raise RuntimeError("the worker's run has no decode: nothing to hand a decode stage")
+    first, last = min(begins), max(ends)
+    loaded = int(live[load_end - 1]) if load_end > 0 else 0
+    dit = int(live[:first].max()) if first > 0 else 0
+    decode = int(live[first:last + 1].max()) - (loaded - decoder_bytes)
+    return dit, max(decoder_bytes, decode)
+
+
+def verify_stages(config: ExecutionConfig, budget_bytes: int, predicted_peak_bytes: int | None = None,
+                  predicted_decode_peak_bytes: int | None = None, adapters: LoraPoolConfig | None = None) -> VerifyEntry:
+    """An entry with a decode stage (``config.decode``), its two workers checked apart: the DiT
+    workers' peak up to the decode (the worker's own run of the DiT's config; the decode is handed
+    over there) against the budget, and a decode worker's peak (the worker's decode of one request
+    under the pool's mitigations, with only the decoder's weights held) against its share of a GPU."""
+    assert config.decode is not None
+    t0 = time.perf_counter()
+    spec = config.template.spec
+    steps = min(config.template.steps, steps_to_trace(spec.settling_steps_for(config.template), spec.step_lifetime))
+    dit_cfg = config.dit_stage()
+    components = spec.decode_components()
+    tracer = AllocationTracer("meta", {})
+    held: dict[str, int] = {}
+    loaded, error = _run_worker(dit_cfg, steps, tracer, markers=True, adapters=adapters, decoder_bytes=held)
+    dit_peak = decode_peak = 0
+    load_peak = device_peaks(tracer.raw())[1]
+    if error is None:
+        dit_peak, decode_peak = stage_peaks(tracer.raw(), components, sum(held.values()))
+        pool = config.decode_worker()
+        if pool.mitigations or config.batch > 1:
+            # a decode worker decodes one request, under the pool's mitigations: that decode counted
+            # in a run of its own (one request, one GPU, the pool's mitigations)
+            tracer = AllocationTracer("meta", {})
+            held = {}
+            _, error = _run_worker(pool, steps, tracer, markers=True, decoder_bytes=held)
+            if error is None:
+                decode_peak = stage_peaks(tracer.raw(), components, sum(held.values()))[1]
+    decode_budget = int(budget_bytes * config.decode.gpus_per_worker) if config.decode.gpus_per_worker < 1 else budget_bytes
+    return VerifyEntry(
+        template=config.template.shape_key, plan=config.describe(), device_peak_bytes=dit_peak,
+        load_peak_bytes=load_peak, host_bytes=loaded.host_bytes if loaded else 0,
+        host=host_of(loaded) if loaded else None, host_before=host_before_of(config, loaded) if loaded else None,
+        text_encoder=loaded.text_encoder if loaded else None, budget_bytes=budget_bytes,
+        predicted_peak_bytes=predicted_peak_bytes,
+        fits=error is None and dit_peak <= budget_bytes and decode_peak <= decode_budget,
+        steps_traced=steps, seconds=time.perf_counter() - t0, error=error,
+        decode_peak_bytes=decode_peak if error is None else None, decode_budget_bytes=decode_budget,
+        predicted_decode_peak_bytes=predicted_decode_peak_bytes)
 
 
 def worker_trace(config: ExecutionConfig, layouts_dir: Path | None = None, replay_blocks: bool = True) -> MemoryTrace:
@@ -351,6 +435,10 @@ def verify_table(table: PlanTable, templates: Iterable[str] | None = None, path:
             folder = layouts_dir(path)
             layout = load_artifact(folder, e.config.layout_ref)
         pool = adapters if adapters is not None else table.adapter_pools.get(e.config.template.model)
+        if e.config.decode is not None:
+            out.append(verify_stages(e.config, table.budget_bytes, predicted_peak_bytes=e.prediction.peak_bytes,
+                                     predicted_decode_peak_bytes=e.prediction.decode_peak_bytes, adapters=pool))
+            continue
         out.append(verify_config(e.config, table.budget_bytes, group_plans=(),
                                  predicted_peak_bytes=e.prediction.peak_bytes, layout=layout, layouts_dir=folder,
                                  adapters=pool))

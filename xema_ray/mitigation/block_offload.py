@@ -81,6 +81,17 @@ class _OffloadedBlock:
         self.event = self.stream.record()
         self.onloaded = True
 
+    def onload_into(self, slot: list[torch.Tensor]) -> None:
+        """``onload`` into device tensors that already exist (``slot``, one per tensor of the block,
+        in ``tensors`` order; memory another block gave up): the copies are ordered after the
+        compute issued so far, which may still read that memory, and allocate nothing."""
+        if self.onloaded:
+            return
+        for (t, host), dst in zip(self.tensors, slot, strict=True):
+            t.data = host.into_device(dst, self.stream)
+        self.event = self.stream.record()
+        self.onloaded = True
+
     def wait(self) -> None:
         self.onload()
         if self.event is not None:  # None: no side stream (CPU, meta), nothing to wait for

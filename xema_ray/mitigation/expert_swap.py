@@ -6,25 +6,33 @@ after the boundary step. Holding both needs ~57 GB of bf16 weights; one at a tim
 
 ``swap_prefetched`` (``ExpertSwapper``, worker state made once at load, and ``apply_expert_swap``
 for each batch): both experts' DiT blocks are homed on (pinned) host memory at load and the
-high-noise expert is brought to the device then, so the device holds one expert at a time:
+high-noise expert is brought to the device then, so the device holds one expert at a time. The
+device memory the load placed for one expert's blocks is one region the two experts take in
+turn: block ``i`` of either expert lives in slot ``i`` (both experts share one architecture), so
+what the departing expert gave up at the switch is what the arriving one is copied into, and no
+request allocates an expert block except the prefetch (the static layout covers the request's
+activations and the prefetch alone; the slots are weights placed at load):
 
 1. during the last ``prefetch_steps`` high-noise steps the side stream copies the first
-   ``prefetch_blocks`` low-noise blocks into the memory the high-noise steps leave free;
-2. at the switch (the low-noise expert's first forward) the high-noise blocks are released (their
-   pinned host copies stay: nothing is copied back) and the other low-noise blocks are issued on
-   the side stream; each block's pre-hook waits for its own copy, so the first low-noise forward
-   runs the blocks already there while the rest arrive (block offload's overlap);
+   ``prefetch_blocks`` low-noise blocks into memory allocated from what the high-noise steps
+   leave free (their slots are still the high-noise expert's); it is freed when the decode starts;
+2. at the switch (the low-noise expert's first forward) the high-noise blocks leave their slots
+   (their pinned host copies stay: nothing is copied back) and the other low-noise blocks are
+   issued on the side stream into those slots, each copy ordered after the compute that read the
+   slot last; each block's pre-hook waits for its own copy, so the first low-noise forward runs
+   the blocks already there while the rest arrive (block offload's overlap);
 3. when the VAE decode starts, the low-noise blocks are released and the first ``decode_blocks``
-   high-noise blocks come back under the decode; the rest are issued when the batch ends, and
-   the next request's first forward waits for each just before it runs it.
+   high-noise blocks come back into their slots under the decode; the rest are issued when the
+   batch ends, and the next request's first forward waits for each just before it runs it.
 
 Every copy goes through ``xema_ray.platforms.streams``: issued on the side stream, waited for by
 the compute stream with its blocks marked used there (``TransferStream.wait`` -> ``mark_used``),
 so a released block's memory is not handed to the next copy before the compute stream has
 passed its last read (the deferred free of the caching and the static allocator; the emulated
-asynchronous device in ``pytest -m streams`` checks it). On meta (``xema verify``) the copies
-are allocations at the moment they are issued, so the counted peak includes the prefetch on top
-of the high-noise expert, the switch, and what returns under the decode.
+asynchronous device in ``pytest -m streams`` checks it), and a copy into a slot is ordered after
+the compute issued before it (``streams.copy_into``). On meta (``xema verify``) a prefetch is an
+allocation at the moment it is issued and a copy into a slot allocates nothing, so the counted
+peak is the load's one expert plus the prefetch on top of the last high-noise steps.
 
 ``split_blocks``: the first ``host_blocks`` blocks of each expert are homed on the host and
 streamed in every forward: block offload (``xema_ray.mitigation.block_offload``) of both experts,
@@ -85,12 +93,23 @@ class ExpertSwapper:
         #: host->device bytes copied, per expert (the planner's h2d_bytes, counted)
         self.copied: dict[str, int] = dict.fromkeys(EXPERTS, 0)
         self.switches = 0
+        for i, (hi, lo) in enumerate(zip(*(self.blocks[e] for e in EXPERTS), strict=True)):
+            if [(h.shape, h.dtype) for _, h in hi.tensors] != [(h.shape, h.dtype) for _, h in lo.tensors]:
+                raise ValueError(f"expert swap: block {i} of {EXPERTS[0]} and of {EXPERTS[1]} differ in shape; the two "
+                                 f"experts must share one architecture")
         #: the expert that runs next: its blocks are on the device or issued (a prefetch of the other
         #: adds blocks without changing it)
         self.active = "transformer"
-        self.bring("transformer")
+        #: the load's device memory for one expert's blocks, one slot per block index, which the two
+        #: experts' block ``i`` take in turn; the expert whose block ``i`` is in slot ``i`` (None: free)
+        self.slots: list[list[torch.Tensor]] = []
+        self.owner: list[str | None] = []
         for g in self.blocks["transformer"]:
+            g.onload()
+            self.copied["transformer"] += g.bytes
             g.wait()
+            self.slots.append([t.data for t, _ in g.tensors])
+            self.owner.append("transformer")
 
     @property
     def block_bytes(self) -> int:
@@ -103,20 +122,31 @@ class ExpertSwapper:
 
     def bring(self, expert: str, count: int | None = None) -> None:
         """Issue the copies of ``expert``'s first ``count`` blocks (all: None) not yet on the device,
-        in execution order, each with its own event (its block hook waits for it)."""
-        for g in self.blocks[expert][:count]:
-            if not g.onloaded:
+        in execution order, each with its own event (its block hook waits for it). Block ``i``
+        goes into slot ``i`` when the other expert has left it (no allocation: the copy is ordered
+        after the compute that read the slot last); while the other expert still holds it (a
+        prefetch before the switch) into memory allocated now, which the release frees."""
+        for i, g in enumerate(self.blocks[expert][:count]):
+            if g.onloaded:
+                continue
+            if self.owner[i] is None:
+                g.onload_into(self.slots[i])
+                self.owner[i] = expert
+            else:
                 g.onload()
-                self.copied[expert] += g.bytes
+            self.copied[expert] += g.bytes
 
     def release(self, expert: str) -> None:
-        """Drop ``expert``'s device blocks (the host copies stay). The compute stream is marked
-        as their user when it waited for them, so their memory is reused only after it passed
-        its last read."""
-        for g in self.blocks[expert]:
+        """Drop ``expert``'s device blocks (the host copies stay): a block in its slot leaves the
+        slot to the other expert's block, one in memory of its own frees it. The compute stream
+        is marked as their user when it waited for them, and a copy into a slot is ordered after
+        the compute issued before it, so neither is overwritten before compute passed its last read."""
+        for i, g in enumerate(self.blocks[expert]):
             if g.onloaded:
                 g.wait()  # a prefetched block never run: compute is ordered after its copy first
                 g.release()
+                if self.owner[i] == expert:
+                    self.owner[i] = None
 
     def switch_to(self, expert: str, count: int | None = None) -> None:
         """``expert`` runs next: if the other was active it is released first, then ``expert``'s
@@ -242,5 +272,6 @@ def apply_expert_swap(pipe: Any, spec: ModelSpec, template: RequestTemplate, swa
 
 
 def expert_device_tensors(swapper: ExpertSwapper) -> list[torch.Tensor]:
-    """The expert weights on the device now (what a worker counts as placed beyond its load)."""
-    return [t for e in EXPERTS for g in swapper.blocks[e] if g.onloaded for t, _ in g.tensors]
+    """The expert weights on the device now beyond the slots the load placed (prefetched blocks)."""
+    return [t for e in EXPERTS for i, g in enumerate(swapper.blocks[e]) if g.onloaded and swapper.owner[i] != e
+            for t, _ in g.tensors]

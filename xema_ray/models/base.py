@@ -60,6 +60,27 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+#: where a diffusers directory keeps its scheduler's config
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+
+
+def checkpoint_scheduler_config(weights_dir: str | Path) -> dict[str, Any] | None:
+    """The scheduler config of the checkpoint in ``weights_dir`` (``scheduler/scheduler_config.json``,
+    what a worker loading it runs: ``ModelSpec.scheduler``); None where it has none (the worker
+    then runs the spec's).
+
+    Raises:
+        ValueError: the file is not a JSON object.
+    """
+    path = Path(weights_dir) / SCHEDULER_CONFIG
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a scheduler config is a JSON object")
+    return config
+
+
 @dataclass(frozen=True)
 class ExpertStage:
     """The denoising steps one transformer component runs (a two-expert model has two stages)."""
@@ -186,6 +207,7 @@ class ModelSpec(ABC):
         seeded generator, on the device or the host as ``opts.host_modules`` says."""
         from xema_ray.models.loading import (
             CheckpointWeights,
+            HostShare,
             SeededWeights,
             WeightSource,
             build_on_meta,
@@ -221,7 +243,7 @@ class ModelSpec(ABC):
                 host = any(path == p or path.startswith(p + ".") for p in prefixes)
                 return WeightHome.HOST if host else WeightHome.DEVICE
 
-            share = f"{self.name}|{subfolder}" if opts.share_host or opts.host_copy else None
+            share = HostShare(f"{self.name}|{subfolder}", opts.app) if opts.share_host or opts.host_copy else None
             report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share,
                                  host_copy=opts.host_copy, holder=opts.host_holder)
             setattr(model, PLACEMENT_ATTR, report)
@@ -240,7 +262,7 @@ class ModelSpec(ABC):
         host buffer for the parts that stream, or in a host buffer to run on the CPU. A
         random-weight encoder is built at the real config with seeded values the same way."""
         from xema_ray.placement import PLACEMENT_ATTR, WeightHome
-        from xema_ray.models.loading import CheckpointWeights, SeededWeights, WeightSource, materialize
+        from xema_ray.models.loading import CheckpointWeights, HostShare, SeededWeights, WeightSource, materialize
         from xema_ray.models.text_encoders import (
             build_encoder_on_meta,
             build_tokenizer,
@@ -278,7 +300,8 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        share = f"{self.name}|text_encoder|{placement}" if opts.share_host or opts.host_copy else None
+        share = (HostShare(f"{self.name}|text_encoder|{placement}", opts.app)
+                 if opts.share_host or opts.host_copy else None)
         report = materialize(model, device, dtype, source, home_of, share=share, pinned=placement != "cpu",
                              host_copy=opts.host_copy, holder=opts.host_holder)
         setattr(model, PLACEMENT_ATTR, report)
@@ -294,6 +317,12 @@ class ModelSpec(ABC):
         folders name them (what ``BuildOptions.component_dtypes`` may address)."""
         return ("transformer", "vae", "text_encoder")
 
+    def decode_components(self) -> tuple[str, ...]:
+        """The components a decode stage of its own holds (``ExecutionConfig.decode``): what turns
+        the denoised latents into the output. A video model's VAE; an image model's decode is too
+        short to be worth a hand-over, so it offers none (empty: always decoded in place)."""
+        return ("vae",) if self.kind == "video" else ()
+
     def scheduler(self, cls: type[Any], default_config: dict[str, Any], opts: BuildOptions) -> Any:
         """The pipeline's scheduler: the repository's ``scheduler/scheduler_config.json`` when
         ``opts.weights_dir`` has one, else ``default_config`` (the published repository's values).
@@ -303,9 +332,9 @@ class ModelSpec(ABC):
                 this one: another may keep state across steps and allocate differently).
         """
         if opts.weights_dir is not None:
-            path = Path(opts.weights_dir) / "scheduler" / "scheduler_config.json"
-            if path.is_file():
-                config = json.loads(path.read_text())
+            path = Path(opts.weights_dir) / SCHEDULER_CONFIG
+            config = checkpoint_scheduler_config(opts.weights_dir)
+            if config is not None:
                 named = config.get("_class_name", cls.__name__)
                 if named != cls.__name__:
                     from xema_ray.models.loading import CheckpointError

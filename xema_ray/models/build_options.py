@@ -52,6 +52,9 @@ class BuildOptions:
     #: this model, weights and residency on the node: ``xema_ray.platforms.host_memory``); False:
     #: this worker's own exact-size buffer
     share_host: bool = False
+    #: the Serve application the worker serves: its shared segments are that app's (two apps on a
+    #: node never share or sweep each other's); ``host_memory.DEFAULT_APP`` outside Serve
+    app: str = "default"
     #: keep every weight of the model in the node's shared segment (its *host copy*), device-homed
     #: ones too, copied to the device from it: a later worker of the node (a new replica, a group
     #: waking from zero) maps it instead of reading the checkpoint (implies ``share_host``)

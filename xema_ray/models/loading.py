@@ -45,6 +45,7 @@ from torch import nn
 
 from xema_ray.models.meta_build import build_on_meta, no_init_on_meta, parameters_on_meta  # noqa: F401 (read from here too)
 from xema_ray.placement import COMPUTE_DEVICE_ATTR, PlacementReport, WeightHome, placeholder
+from xema_ray.platforms.host_memory import DEFAULT_APP
 
 if TYPE_CHECKING:
     from xema_ray.models.host_pack import HostSlot
@@ -342,13 +343,24 @@ def _modules_in_order(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from root.named_modules(remove_duplicate=True)
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """What a component's host-homed weights are shared as: ``name`` (model and component; the
+    segment's key adds the source's identity and the dtype) among the workers of the Serve
+    application ``app`` on the node (``xema_ray.platforms.host_memory.SharedSegments``: two apps
+    never share or sweep each other's segments)."""
+
+    name: str
+    app: str = DEFAULT_APP
+
+
 def materialize(
     module: nn.Module,
     device: torch.device,
     dtype: torch.dtype,
     source: WeightSource,
     home_of: Callable[[str], WeightHome] = lambda _path: WeightHome.DEVICE,
-    share: str | None = None,
+    share: HostShare | None = None,
     pinned: bool | None = None,
     host_copy: bool = False,
     holder: SegmentHolder | None = None,
@@ -364,9 +376,9 @@ def materialize(
         dtype: floating dtype of the weights.
         source: where values come from.
         home_of: module path -> home; a module's home covers its own tensors (children ask for theirs).
-        share: what names these weights (model, component, dtype; the source adds its own
-            identity) to share their host copy with the node's other workers; None: this
-            worker's own buffer.
+        share: what names these weights (model, component; the source adds its own identity and
+            the dtype) and the Serve application whose workers on the node share their host copy
+            (``HostShare``); None: this worker's own buffer.
         pinned: whether the host buffer is page-locked (default: on CUDA, and on meta, which
             stands for a GPU worker); False for a component that computes on the host CPU.
         host_copy: keep the whole component in the node's shared segment (the *host copy*, needs
@@ -387,8 +399,8 @@ def materialize(
     copy = host_copy and device.type != "meta"  # meta: the residency's own buffer stands for the worker
     pack = plan_pack(module, dtype, (lambda _path: WeightHome.HOST) if copy else home_of)
     pinned = device.type in ("cuda", "meta") if pinned is None else pinned
-    key = None if share is None else pack.key(f"{share}|{'copy|' if copy else ''}{source.identity()}|{dtype}")
-    buf = open_host_buffer(pack, device, key, holder)
+    key = None if share is None else pack.key(f"{share.name}|{'copy|' if copy else ''}{source.identity()}|{dtype}")
+    buf = open_host_buffer(pack, device, key, share.app if share is not None else DEFAULT_APP, holder)
     if copy and buf is not None and pinned and device.type == "cuda":
         from xema_ray.platforms import get_platform
 

@@ -291,6 +291,10 @@ class LTX2Spec(ModelSpec):
     def component_names(self) -> tuple[str, ...]:
         return ("transformer", "vae", "audio_vae", "connectors", "vocoder", "text_encoder")
 
+    def decode_components(self) -> tuple[str, ...]:
+        """The video VAE, and the audio VAE with the vocoder for the sound track."""
+        return ("vae", "audio_vae", "vocoder")
+
     def build_audio_vae(self, opts: BuildOptions) -> nn.Module:
         """The audio VAE (its decoder turns audio latents into a stereo mel spectrogram)."""
         from diffusers import AutoencoderKLLTX2Audio

@@ -456,6 +456,31 @@ class AsyncHostDevice:
         return dst
 
 
+    def copy_into(self, dst: torch.Tensor, host: torch.Tensor, s: Stream) -> None:
+        """Queue ``dst.copy_(host)`` on side stream ``s`` into a device block that already exists
+        (a slot another tensor used: the expert swap's). Writing it while another stream's use of
+        it has not run and ``s`` is not ordered after that use is a hazard (CUDA would overwrite
+        data still being read)."""
+        block = self.blocks[dst.untyped_storage().data_ptr()]
+        offset = dst.storage_offset()
+        meta = torch.empty_strided(dst.size(), dst.stride(), dtype=dst.dtype, device="meta")
+        with self._lock:
+            for u, n in self._unfinished(block.uses, s):
+                self.hazard(f"block #{block.id} at {self.locate(block.ptr)} written by stream {s.name} at "
+                            f"{self._event(s)} while stream {u.name}'s use at its event {n} had not run and was not "
+                            f"ordered before it")
+
+        def work() -> None:
+            with self.suspended():
+                self._raw(block, meta, offset).copy_(host)
+
+        with self._lock:
+            seq = s.issued + 1
+            block.uses[s.handle] = seq
+            block.writer = (s, seq)
+        self.enqueue(s, work)
+
+
 def make_async_host_platform(policy: Policy = "latest", on_hazard: OnHazard = "raise") -> Any:
     """A ``CpuPlatform`` whose device becomes an ``AsyncHostDevice`` once an allocator is installed:
     a worker started on it with ``static_allocator=True`` installs the host arena as its device

@@ -68,6 +68,24 @@ CREATOR_WAIT_S = 900.0
 DEFAULT_APP = "default"
 
 
+def segment_app(app: str | None) -> str:
+    """The token a Serve application's name gives its segments (``xema-<token>-<key>``): the name
+    itself where it is letters, digits, '_' and '.'; else those characters with the others as '_'
+    and a hash of the whole name (two apps never share a token); ``DEFAULT_APP`` for None or ''.
+
+    Example:
+        >>> segment_app("xema"), segment_app(None), segment_app("my-app")[:7]
+        ('xema', 'default', 'my_app.')
+    """
+    if not app:
+        return DEFAULT_APP
+    if re.fullmatch(r"[A-Za-z0-9_.]+", app):
+        return app
+    import hashlib
+
+    return re.sub(r"[^A-Za-z0-9_.]", "_", app) + "." + hashlib.sha256(app.encode()).hexdigest()[:8]
+
+
 class HostMemoryError(OSError):
     """The host cannot hold a weight buffer where it was asked to (named with the bytes)."""
 

@@ -290,6 +290,38 @@ def to_device(host: torch.Tensor, device: torch.device, stream: TransferStream |
     return host.to(device, non_blocking=host.is_pinned())
 
 
+def copy_into(dst: torch.Tensor, host: torch.Tensor, stream: TransferStream | None, pending: object | None = None) -> None:
+    """Write ``host``'s data into ``dst``, a device tensor that already exists (memory another
+    tensor just gave up, still possibly read by compute work queued before now): on ``stream``,
+    ordered after the compute issued so far, so the write waits for those reads; the caller
+    orders compute after the copy (``TransferStream.wait``) before reading ``dst``. Allocates
+    nothing. ``pending``: the event of the device->host copy that filled ``host``."""
+    side = stream is not None and stream.stream is not None
+    emu = _emulated(dst.device) if dst.device.type != "meta" else None
+    if emu is not None and emu.is_device_tensor(dst):
+        if pending is not None:
+            emu.wait_event(stream.stream if side else emu.current_stream(), pending)  # type: ignore[union-attr]
+        if not side:
+            emu.synchronize()
+            with emu.suspended():
+                dst.copy_(host)
+            return
+        stream.after_compute()  # type: ignore[union-attr]
+        emu.copy_into(dst, host, stream.stream)  # type: ignore[union-attr]
+        return
+    if dst.device.type != "cuda":
+        dst.copy_(host)  # meta (shape only) and a CPU "device": nothing is queued
+        return
+    if pending is not None:
+        (stream.stream if side else torch.cuda.current_stream(dst.device)).wait_event(pending)  # type: ignore[union-attr,arg-type]
+    if side:
+        stream.after_compute()  # type: ignore[union-attr]
+        with torch.cuda.stream(stream.stream):  # type: ignore[union-attr]
+            dst.copy_(host, non_blocking=host.is_pinned())
+        return
+    dst.copy_(host, non_blocking=host.is_pinned())
+
+
 def synchronize(device: torch.device) -> None:
     """The CPU waits for ``device``'s queued work (the emulated device's queues run)."""
     emu = _emulated(device)

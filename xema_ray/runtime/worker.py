@@ -86,6 +86,10 @@ class ModelLoadConfig(BaseModel):
                     "and residency (xema_ray.platforms.host_memory): auto = on CUDA workers (and on meta, which "
                     "stands for them in xema verify); off = each worker "
                     "its own exact-size buffer")
+    app: str = Field(
+        default="default", min_length=1,
+        description="the Serve application the worker serves: its shared host segments are named after it "
+                    "(xema-<app>-<key>), so two apps on one node never share or sweep each other's")
     host_copy: bool = Field(
         default=False,
         description="keep every weight in the node's host copy (a shared /dev/shm segment, page-locked on CUDA) "
@@ -269,8 +273,8 @@ class Worker(WorkerBase):
                             component_dtypes=kept,
                             host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
-                            share_host=load.shares_host(self.platform.name), host_copy=load.host_copy,
-                            host_holder=load.host_copy_holder)
+                            share_host=load.shares_host(self.platform.name), app=load.app,
+                            host_copy=load.host_copy, host_holder=load.host_copy_holder)
         pipe = spec.build_pipeline(opts)
         placement = opts.encoder_placement()
         self.engine = ExecutionEngine(

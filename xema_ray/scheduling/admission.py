@@ -15,7 +15,7 @@ import heapq
 from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchState, P, Pending, pop_batch
+from xema_ray.scheduling.batch import Assignment, DispatchState, P, Pending, pop_batch
 
 
 class Refused(OverflowError):
@@ -41,9 +41,8 @@ class SloAdmission(Generic[P]):
         """Move queued requests that can no longer meet their SLO (even started now, alone) to the
         late queues; under ``shed``, drop them instead while requests that still can are waiting."""
         for template, q in self.state.queues.items():
-            def fastest(r: Pending[P], template: str = template) -> float:  # alone, at its own step count
-                plan = self.state.plans[template].for_steps(r.steps)
-                return plan.min_latency_s if plan.min_latency_s is not None else plan.latency_s
+            def fastest(r: Pending[P], template: str = template) -> float:  # alone: one call of its own key
+                return self.state.plans[template].batch_seconds([r.key])
             if not q or all(now + fastest(r) <= r.deadline + 1e-9 for r in q):
                 continue
             keep = [r for r in q if now + fastest(r) <= r.deadline + 1e-9]
@@ -68,13 +67,7 @@ class SloAdmission(Generic[P]):
                 group = self.state.free_group(plan.sp)
                 if group is None:
                     break
-                reqs = pop_batch(q, plan.batch)
-                a = Assignment(next(self.state.batch_ids), template, group, reqs, plan)
-                for w in group:
-                    self.state.busy[w] = a.batch_id
-                self.state.running[a.batch_id] = a
-                self.state.progress[a.batch_id] = BatchProgress(since=now)
-                out.append(a)
+                out.append(self.state.start(template, group, pop_batch(q, plan.batch, self.state.batching), plan, now))
         return out
 
     def take_shed(self) -> list[Pending[P]]:

@@ -28,7 +28,8 @@ from typing import Generic
 
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused, SloAdmission
-from xema_ray.scheduling.batch import Assignment, BatchProgress, DispatchPlan, DispatchState, P, Pending, pop_batch
+from xema_ray.scheduling.batch import Assignment, DispatchPlan, DispatchState, P, Pending, pop_batch
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchKey, BatchPolicy
 from xema_ray.scheduling.preemption_policy import Decision, Preemption, PreemptionPolicy, StepPreemption
 
 
@@ -42,18 +43,23 @@ class Dispatcher(Generic[P]):
         max_queue: requests queued per template beyond which ``submit`` refuses (HTTP 503).
         preemption: step-level preemption (``preemption_policy.py``); None: off.
         admission: SLO-aware admission (``admission.py``); None: plain EDF, every request served.
+        batching: what one batch may mix (``batch_key.BatchPolicy``): ``by_key``, requests of one
+            ``BatchKey`` only; ``mixed``, any guidance of one step count and tier, one sub-batch each.
+            Either way every batch is priced as it runs (``DispatchPlan.batch_seconds``).
 
     Example:
         >>> d = Dispatcher({"t": DispatchPlan(batch=2, sp=1, slo_s=10, latency_s=1)}, workers=1)
-        >>> d.submit("t", "r1", now=0.0, steps=1)
-        >>> d.submit("t", "r2", now=0.1, steps=1)
+        >>> d.submit("t", "r1", now=0.0, key=BatchKey(steps=1))
+        >>> d.submit("t", "r2", now=0.1, key=BatchKey(steps=1))
         >>> [a.workers for a in d.dispatch(now=0.1)]
         [(0,)]
     """
 
     def __init__(self, plans: dict[str, DispatchPlan], workers: int, wait_window_s: float = 0.05,
                  max_queue: int = 256, preemption: PreemptionPolicy | None = None,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 admission: AdmissionPolicy | None = None, batching: BatchPolicy = DEFAULT_BATCH_POLICY) -> None:
+        if batching not in ("by_key", "mixed"):
+            raise ValueError(f"batching must be 'by_key' or 'mixed', got {batching!r}")
         if workers < 1:
             raise ValueError(f"a model group needs at least one worker, got {workers}")
         for key, p in plans.items():
@@ -64,7 +70,8 @@ class Dispatcher(Generic[P]):
         self.workers = workers
         self.wait_window_s = wait_window_s
         self.max_queue = max_queue
-        self.state: DispatchState[P] = DispatchState(dict(plans), workers, queues={k: [] for k in plans})
+        self.state: DispatchState[P] = DispatchState(dict(plans), workers, queues={k: [] for k in plans},
+                                                     batching=batching)
         self._seq = itertools.count()
         self.step_preemption: StepPreemption[P] = StepPreemption(self.state, preemption)
         self.slo_admission: SloAdmission[P] = SloAdmission(self.state, admission)
@@ -73,6 +80,11 @@ class Dispatcher(Generic[P]):
     @property
     def plans(self) -> dict[str, DispatchPlan]:
         return self.state.plans
+
+    @property
+    def batching(self) -> BatchPolicy:
+        """What one batch may mix (``batch_key.BatchPolicy``)."""
+        return self.state.batching
 
     @property
     def preemption(self) -> PreemptionPolicy | None:
@@ -115,9 +127,11 @@ class Dispatcher(Generic[P]):
         return self.slo_admission.take_shed()
 
     # ------------------------------------------------------------------ queue
-    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, steps: int) -> None:
-        """Queue a request (``steps``: the denoising steps it runs, resolved where the request met its
-        template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``). Raises
+    def submit(self, template: str, request_id: str, now: float, payload: P | None = None, *, key: BatchKey,
+               deadline: float | None = None) -> None:
+        """Queue a request (``key``: what its batch cannot mix, its steps resolved where the request met
+        its template; its deadline is the SLO scaled to them, ``DispatchPlan.for_steps``; ``deadline``:
+        one it already has, the request's second stage: ``xema_ray.scheduling.decode_stage``). Raises
         KeyError for an unplanned template, OverflowError when full."""
         if template not in self.plans:
             raise KeyError(template)
@@ -126,8 +140,9 @@ class Dispatcher(Generic[P]):
         q = self.state.queues[template]
         if len(q) >= self.max_queue:
             raise OverflowError(f"{template}: {len(q)} requests queued (limit {self.max_queue})")
-        plan = self.plans[template].for_steps(steps)
-        heapq.heappush(q, Pending(now + plan.slo_s, next(self._seq), template, now, request_id, steps, payload))
+        plan = self.plans[template].for_steps(key.steps)
+        due = now + plan.slo_s if deadline is None else deadline
+        heapq.heappush(q, Pending(due, next(self._seq), template, now, request_id, key, payload))
 
     def requeue(self, assignment: Assignment[P]) -> None:
         """Put a failed batch's requests back at the front (their deadlines are unchanged)."""
@@ -179,11 +194,13 @@ class Dispatcher(Generic[P]):
         oldest = min(r.arrival for r in q)
         # ``now >= oldest + window``, the very sum ``next_wakeup`` returns: ``now - oldest >= window``
         # can be False at that wake-up by rounding, and the partial batch then waited for the next event
-        if sum(r.steps == q[0].steps for r in q) >= plan.batch or now >= oldest + self.wait_window_s:
+        if sum(q[0].key.joins(r.key, self.batching) for r in q) >= plan.batch or now >= oldest + self.wait_window_s:
             return True
         # waiting out the window would make the head request miss: start the partial batch now
         adm = self.admission
-        return adm is not None and adm.partial_when_late and oldest + self.wait_window_s + plan.latency_s > q[0].deadline
+        if adm is None or not adm.partial_when_late:
+            return False
+        return oldest + self.wait_window_s + plan.held_s([r.key for r in self.state.next_batch(template)]) > q[0].deadline
 
     def replace_plans(self, plans: dict[str, DispatchPlan], admission: AdmissionPolicy | None = None) -> None:
         """Serve new plans for the same templates (a new plan table), every queued request kept
@@ -220,14 +237,10 @@ class Dispatcher(Generic[P]):
                     if chosen is None:
                         break
                     group, preempts, park_wait = chosen
-                reqs = pop_batch(st.queues[template], plan.batch)
-                a = Assignment(next(st.batch_ids), template, group, reqs, plan, preempts, park_wait_s=park_wait)
-                for p in preempts:
+                reqs = pop_batch(st.queues[template], plan.batch, self.batching)
+                a = st.start(template, group, reqs, plan, now, preempts, park_wait)
+                for p in preempts:  # their workers now hold them, paused
                     self.step_preemption.pause(p, a, now)
-                for w in group:
-                    st.busy[w] = a.batch_id
-                st.running[a.batch_id] = a
-                st.progress[a.batch_id] = BatchProgress(since=now)
                 started.append(a)
         if any(late.late.values()) and not any(st.queues.values()):
             started += late.start_late(now)  # nothing that can still meet its SLO waits
@@ -251,15 +264,15 @@ class Dispatcher(Generic[P]):
         """A running (or paused) batch needs ``more_s`` seconds more from ``now``: its group runs
         part of it again (``xema_ray.serving.group.isolation``: a request failed it). Its expected
         end moves there, so the preemption policy and the replica's summary see the workers busy
-        that long. Counted, as every running batch is, against the plan's full-batch latency: a
-        partial batch keeps the difference on top (``DispatchPlan.latency_for``)."""
+        that long. Counted, as every running batch is, against ``Assignment.held_s``: a partial
+        batch keeps the difference to what it runs as (``Assignment.run_s``) on top."""
         prog = self.state.progress.get(batch_id)
         if prog is None:
             return
         a = self.assignment(batch_id)
         running = now - prog.since if prog.since is not None else 0.0
-        remaining = more_s + a.plan.latency_s - a.plan.latency_for(len(a.requests))
-        prog.ran_s = a.plan.latency_s - remaining - running  # so that ``remaining_s`` is ``remaining``
+        remaining = more_s + a.held_s - a.run_s
+        prog.ran_s = a.held_s - remaining - running  # so that ``remaining_s`` is ``remaining``
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time after ``now`` at which a waiting partial batch becomes ready (None: no

@@ -95,7 +95,7 @@ class StepPreemption(Generic[P]):
             self.state.running[bid] = a
             self.state.progress[bid].since = now
             self.decisions.append(Decision(now, "resume", bid, a.template, _ids(a)))
-            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True))
+            out.append(Assignment(a.batch_id, a.template, a.workers, a.requests, a.plan, resume=True, run_s=a.run_s))
         return out
 
     def pause(self, p: Preemption, by: Assignment[P], now: float) -> None:
@@ -119,13 +119,13 @@ class StepPreemption(Generic[P]):
         return a if a is not None else self._paused[batch_id]
 
     def remaining_s(self, batch_id: int, now: float) -> float:
-        """Predicted seconds a running or paused batch still needs (its plan's latency less what it ran)."""
-        return self.state.progress[batch_id].remaining(self.assignment(batch_id).plan.latency_s, now)
+        """Predicted seconds a running or paused batch still needs (``Assignment.held_s`` less what it ran)."""
+        return self.state.progress[batch_id].remaining(self.assignment(batch_id).held_s, now)
 
     def _expected_end(self, bid: int, now: float) -> float:
         a = self.assignment(bid)
         prog = self.state.progress[bid]
-        return now + prog.remaining(a.plan.latency_s, now)
+        return now + prog.remaining(a.held_s, now)
 
     def _to_boundary(self, bid: int, now: float) -> float | None:
         """Seconds until running batch ``bid`` reaches its next step boundary (None: its steps are
@@ -134,7 +134,7 @@ class StepPreemption(Generic[P]):
         a = self.state.running[bid]
         v = self.state.plans[a.template]
         step = a.plan.latency_s * v.denoise_frac / max(1, a.plan.steps)
-        denoise_left = self.state.progress[bid].remaining(a.plan.latency_s, now) - a.plan.latency_s * v.decode_encode_frac
+        denoise_left = self.state.progress[bid].remaining(a.held_s, now) - a.plan.latency_s * v.decode_encode_frac
         # the boundary after the last step is none: a worker pauses only between steps (step < total)
         if step <= 0 or denoise_left <= step * (1 + 1e-9):
             return None
@@ -148,7 +148,7 @@ class StepPreemption(Generic[P]):
             if w in self.state.busy:
                 t = max(t, self._expected_end(self.state.busy[w], now))
         for held in {self.state.held[w] for w in group if w in self.state.held}:
-            t += self.state.progress[held].remaining(self._paused[held].plan.latency_s, now)
+            t += self.state.progress[held].remaining(self._paused[held].held_s, now)
         return t
 
     def _switch_s(self, a: str, b: str) -> float:
@@ -164,8 +164,9 @@ class StepPreemption(Generic[P]):
         plan = self.state.plans[template].for_steps(head.steps)  # the next batch runs the head's step count
         if pol is None or plan.peak_bytes is None:
             return None
+        need = plan.held_s([r.key for r in self.state.next_batch(template)])  # priced as it will run
         groups = [tuple(range(s, s + plan.sp)) for s in range(0, self.state.workers - plan.sp + 1, plan.sp)]
-        if not groups or min(self._free_at(g, now) for g in groups) + plan.latency_s <= head.deadline:
+        if not groups or min(self._free_at(g, now) for g in groups) + need <= head.deadline:
             return None  # waiting costs it nothing
         best: tuple[tuple[float, int], tuple[int, ...], tuple[Preemption, ...], float] | None = None
         for g in groups:
@@ -175,7 +176,7 @@ class StepPreemption(Generic[P]):
             pauses = []
             wait = 0.0
             for bid in victims:
-                p = self._pause_for(bid, template, plan, head.deadline, now)
+                p = self._pause_for(bid, template, plan, need, head.deadline, now)
                 if p is None:
                     break
                 pauses.append(p)
@@ -185,7 +186,7 @@ class StepPreemption(Generic[P]):
                 move = pol.move_s(self.state.plans[self.state.running[bid].template].pause_bytes) if p.offload else 0.0
                 wait = max(wait, boundary + self._switch_s(self.state.running[bid].template, template) + move)
             else:
-                if now + wait + plan.latency_s > head.deadline:
+                if now + wait + need > head.deadline:
                     continue  # preempting does not save it either
                 slack = min((_deadline(self.state.running[b]) for b in victims), default=float("inf"))
                 key = (len(victims), -slack)
@@ -193,8 +194,10 @@ class StepPreemption(Generic[P]):
                     best = (key, g, tuple(pauses), wait)
         return None if best is None else (best[1], best[2], best[3])
 
-    def _pause_for(self, bid: int, template: str, plan: DispatchPlan, deadline: float, now: float) -> Preemption | None:
-        """How running batch ``bid`` would pause for a batch of ``template``, or None if it may not."""
+    def _pause_for(self, bid: int, template: str, plan: DispatchPlan, need_s: float, deadline: float,
+                   now: float) -> Preemption | None:
+        """How running batch ``bid`` would pause for a batch of ``template`` that holds its workers
+        ``need_s`` (``DispatchPlan.held_s``), or None if it may not."""
         pol = self.policy
         assert pol is not None and plan.peak_bytes is not None
         a = self.state.running[bid]
@@ -212,7 +215,7 @@ class StepPreemption(Generic[P]):
             offload, moves = True, 2 * pol.move_s(v.pause_bytes)
         else:
             return None  # neither the device nor the host has room for the paused state
-        delay = plan.latency_s + self._switch_s(a.template, template) + self._switch_s(template, a.template) + moves
+        delay = need_s + self._switch_s(a.template, template) + self._switch_s(template, a.template) + moves
         end = self._expected_end(bid, now)
         if end + delay > _deadline(a) and end <= _deadline(a):
             return None  # it would meet its deadline, and the pause would make it miss

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from xema_ray.lora_pool import LoraUse
 from xema_ray.models.options import STEPS_MAX
 from xema_ray.runtime.requests import GenerationRequest, RequestOutput
+from xema_ray.scheduling.batch_key import BatchKey, Guidance
 from xema_ray.vocabulary import QualityTier
 
 
@@ -100,9 +101,6 @@ class QueueFull(RuntimeError):
         return str(self.args[0])
 
 
-#: a request's guidance scales: ``guidance_scale`` and a two-expert model's ``guidance_scale_2``
-#: (its model group batches requests of one pair together)
-Guidance = tuple[float | None, float | None]
 
 
 class GroupRequest(BaseModel):
@@ -133,6 +131,11 @@ class GroupRequest(BaseModel):
     def guidance(self) -> Guidance:
         """Both experts' guidance scales (None: the model's default; the second: the first's)."""
         return self.guidance_scale, self.guidance_scale_2
+
+    @property
+    def batch_key(self) -> BatchKey:
+        """What its batch cannot mix (``xema_ray.scheduling.batch_key``): its steps, guidance and tier."""
+        return BatchKey(steps=self.steps, guidance=self.guidance, quality=str(self.quality))
 
     def check_references(self, wants: int) -> None:
         """Raise ``InvalidRequest`` (naming ``image``) unless the request brings its template's

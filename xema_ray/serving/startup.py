@@ -77,8 +77,8 @@ class PlanNotRunnable(ValueError):
 
 def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate],
                    host_memory_bytes: int | None = None, shm: ShmSpace | None = None) -> int:
-    """Refuse, before anything starts, a plan a model group cannot run: its SP degree must divide
-    the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
+    """Refuse, before anything starts, a plan a model group cannot run: a decode pool
+    (``config.decode``; the worker decodes in place); its SP degree must divide the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
     it; the host memory the node's workers hold for their weights (``node_host``) must fit
     the node, while loading too; and their shared weight segments, beside Ray's object store where
     it lies on the same tmpfs, must fit that tmpfs's free bytes (``shm``: default ``ShmSpace.here()``).
@@ -94,7 +94,13 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
     for g in cfg.models:
         for t in (t for t in templates if t.model == g.model):
             c = table.lookup(t).config
-            if g.workers % c.sp:
+            if c.decode is not None:
+                # its DiT config dropped the VAE mitigations the decode needs in place: decoding it
+                # there would run past the budget it was planned for
+                problems.append(f"{t.shape_key}: plan {c.describe()} hands its decode to a decode pool "
+                                "(config.decode, xema plan --stages split|auto), which this server does not run "
+                                "yet: it decodes in place; serve a table planned with --stages joint")
+            elif g.workers % c.sp:
                 problems.append(f"{t.shape_key}: plan {c.describe()} needs SP groups of {c.sp} workers, but the "
                                 f"{g.model} group has {g.workers} (SP must divide the group size)")
             elif c.gpus > g.workers:

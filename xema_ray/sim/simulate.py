@@ -14,6 +14,12 @@ preempting batch starts then, and the paused one resumes when its workers are fr
 residency switches and the move of its state back from the host where it was offloaded (the move
 out delays the preempting batch: the state leaves the device before that batch may start, as on a
 worker).
+
+A template whose plan hands its latents to a decode pool (``ExecutionConfig.decode``) runs as two
+stages, both with the same ``Dispatcher``: its batch holds the group's DiT workers (the group's GPUs
+less the pool's) until its last step (``scheduling.decode_stage.dit_stage_latency``), then each of
+its requests queues for a decode worker of the pool's dispatcher (``<model>:decode``), keeping the
+deadline it got at the door, and meets its SLO when its decode ends in time.
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ from xema_ray.plan import PlanTable
 from xema_ray.profiling.phases import PhaseShares, phase_shares
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import Assignment, DispatchPlan
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchKey, BatchPolicy, batch_seconds
+from xema_ray.scheduling.decode_stage import decode_plans, dit_stage_latency, pool_size, pooled
 from xema_ray.scheduling.dispatcher import Dispatcher
+
+#: the pool dispatcher of a model group's decode stage is keyed by the model's name with this suffix
+DECODE_SUFFIX = ":decode"
 from xema_ray.scheduling.preemption_policy import Decision, PreemptionPolicy
 
 #: a template whose phases are unknown: all of its latency is steps
@@ -47,6 +58,14 @@ class Arrival(BaseModel):
     request_id: str = ""
     steps: int | None = Field(default=None, ge=1, description="its own denoising steps (None: the template's); "
                               "the dispatcher batches one step count and scales latency and SLO by it")
+    guidance_scale: float | None = Field(default=None, description="its guidance scale (None: the model's default); "
+                                         "a batch runs one call per guidance (``BatchKey``)")
+    guidance_scale_2: float | None = Field(default=None, description="a two-expert model's low-noise expert guidance")
+
+    def key(self, template_steps: int) -> BatchKey:
+        """What its batch cannot mix (``template_steps``: its template's, where it names none)."""
+        return BatchKey(steps=template_steps if self.steps is None else self.steps,
+                        guidance=(self.guidance_scale, self.guidance_scale_2))
 
 
 class TemplateStats(BaseModel):
@@ -148,6 +167,9 @@ class SimulationConfig:
     #: and the paused batches' step boundaries follow, as the live model group's (default, with
     #: preemption: ``phase_shares(table)``)
     phases: Mapping[str, PhaseShares] | None = None
+    #: what one batch may mix (``xema_ray.scheduling.batch_key``): each batch is priced as it runs,
+    #: one call per key, as the live group runs it
+    batching: BatchPolicy = DEFAULT_BATCH_POLICY
     #: seconds a preempting batch waits beyond its victims' step boundaries and state moves (the pause
     #: handshake: the pause call, the parked run's return, the group's event loop), measured live
     #: (``/v1/stats`` ``preemption.<model>.park_overhead``); 0: none
@@ -178,12 +200,17 @@ def _dispatchers(table: PlanTable, config: SimulationConfig,
                                 max_preemptions=config.max_preemptions,
                                 switch_s=dict(r.switch_s) if r is not None and r.policy == "per_template" else {},
                                 **({"host_bandwidth": config.host_bandwidth} if config.host_bandwidth is not None else {}))
-    return {
-        m: Dispatcher(p, workers=table.group_gpus.get(m, table.gpus), wait_window_s=config.wait_window_s,
-                      max_queue=10**9, preemption=policy(m),
-                      admission=table.admission.get(m) if config.admission else None)
-        for m, p in by_model.items()
-    }
+    out: dict[str, Dispatcher[None]] = {}
+    for m, p in by_model.items():
+        entries = {k: e for k, e in table.entries.items() if e.config.template.model == m}
+        workers, pool_gpus = pool_size(entries)
+        out[m] = Dispatcher(p, workers=table.group_gpus.get(m, table.gpus) - pool_gpus,
+                            wait_window_s=config.wait_window_s, max_queue=10**9, preemption=policy(m),
+                            admission=table.admission.get(m) if config.admission else None, batching=config.batching)
+        if workers:  # its decode pool: a batch of one per decode worker, no wait for a batch to fill
+            out[m + DECODE_SUFFIX] = Dispatcher(decode_plans(entries), workers=workers, wait_window_s=0.0,
+                                                max_queue=10**9)
+    return out
 
 
 class _ResidencySwitches:
@@ -221,6 +248,8 @@ class _Simulation:
         self.disps = _dispatchers(table, config, self.shares)
         self.switches = _ResidencySwitches(table)
         self.model_of = {k: e.config.template.model for k, e in table.entries.items()}
+        self.pooled = {k for k, e in table.entries.items() if pooled(e)}
+        self.arrived_at: dict[str, float] = {}  # request id -> arrival (a pooled request's decode is counted from it)
         # a batch's own latency, and what was left of it when it (re)started: the work before that
         # (waiting for its victims to park, residency switches, state moves) runs first
         self.own: dict[tuple[str, int], tuple[float, float]] = {}
@@ -232,8 +261,16 @@ class _Simulation:
         self.shed = 0
 
     def _predicted(self, template: str, n: int) -> float:
-        p = self.table.entries[template].prediction
-        return p.latency_by_batch.get(n, p.latency_s)
+        e = self.table.entries[template]
+        if template in self.pooled:
+            return dit_stage_latency(e, n)
+        return e.prediction.latency_by_batch.get(n, e.prediction.latency_s)
+
+    def _tail(self, template: str) -> float:
+        """What the DiT stage's deadline leaves for the decode (the DiT's SLO is the template's less it)."""
+        from xema_ray.scheduling.decode_stage import decode_tail_s
+
+        return decode_tail_s(self.table.entries[template])
 
     def _boundary_of(self, template: str, steps: int, latency: float, ran: float) -> float | None:
         """Where (seconds into its latency) a batch that ran ``ran`` parks: after its next step, if that
@@ -256,9 +293,17 @@ class _Simulation:
             self.own[key] = (self.own[key][0], rest)
             return (rest + self.switches.cost(m, a.template, a.workers)
                     + (self._move_s(d, a.template) if self.offloaded.pop(key, False) else 0.0))
+        if m.endswith(DECODE_SUFFIX):  # one request's decode on a decode worker
+            latency = d.plans[a.template].latency_s
+            self.own[key] = (latency, latency)
+            return latency
         wait = self._park_victims(m, a, d)
-        base = d.plans[a.template].latency_s  # a batch at its own step count: the dispatcher's scaling
-        latency = self.batch_latency(a.template, len(a.requests)) * (a.plan.latency_s / base if base > 0 else 1.0)
+        plan = d.plans[a.template]
+
+        def call_s(key: BatchKey, n: int) -> float:  # one call of n at the key's step count: the dispatcher's scaling
+            return self.batch_latency(a.template, n) * (plan.for_steps(key.steps).latency_s / plan.latency_s
+                                                        if plan.latency_s > 0 else 1.0)
+        latency = batch_seconds([r.key for r in a.requests], call_s)  # one call per key, as the group runs them
         self.own[key] = (latency, latency)
         return wait + latency + self.switches.cost(m, a.template, a.workers)
 
@@ -297,12 +342,20 @@ class _Simulation:
                 del self.running[key]
                 self.own.pop(key, None)
                 a = self.disps[key[0]].complete(key[1])
+                if a.template in self.pooled and not key[0].endswith(DECODE_SUFFIX):
+                    # denoised: its requests' latents go to the pool, their deadlines kept
+                    pool = self.disps[key[0] + DECODE_SUFFIX]
+                    for r in a.requests:
+                        self.arrived_at[r.request_id] = r.arrival
+                        pool.submit(r.template, r.request_id, now, key=BatchKey(steps=1), deadline=r.deadline + self._tail(r.template))
+                    continue
                 for r in a.requests:
+                    arrival = self.arrived_at.pop(r.request_id, r.arrival)
                     st = self.stats[r.template]
-                    lat = now - r.arrival + self._front_end_s(r.template, r.request_id)
+                    lat = now - arrival + self._front_end_s(r.template, r.request_id)
                     st.latencies_s.append(lat)
                     self.by_request[r.request_id] = lat
-                    st.met += lat <= r.deadline - r.arrival + 1e-9
+                    st.met += lat <= r.deadline - arrival + 1e-9
 
     def _arrive(self, arr: Arrival, now: float) -> None:
         """Submit one arrival to its model's dispatcher (a template with no plan fails it)."""
@@ -314,8 +367,7 @@ class _Simulation:
         try:
             d = self.disps[self.model_of[arr.template]]
             # the trace's front door, as the API for an HTTP request: no steps, its plan's own
-            steps = d.plans[arr.template].steps if arr.steps is None else arr.steps
-            d.submit(arr.template, arr.request_id, now, steps=steps)
+            d.submit(arr.template, arr.request_id, now, key=arr.key(d.plans[arr.template].steps))
         except Refused:
             self.shed += 1
 

@@ -22,6 +22,7 @@ from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.runtime.request_errors import RequestFailed
 from xema_ray.scheduling.batch import DispatchPlan, Pending
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.api.errors import exception_response
 from xema_ray.serving.group.isolation import run_isolating, split_in
@@ -31,7 +32,7 @@ from xema_ray.templates import RequestTemplate
 
 
 def _reqs(n: int) -> list[Pending[None]]:
-    return [Pending(float(i), i, "t", 0.0, f"r{i}", steps=1) for i in range(n)]
+    return [Pending(float(i), i, "t", 0.0, f"r{i}", key=BatchKey(steps=1)) for i in range(n)]
 
 
 class StandIn:
@@ -183,7 +184,7 @@ def test_the_dispatcher_holds_a_re_running_batch_its_predicted_time() -> None:
     d: Dispatcher[None] = Dispatcher({"t": DispatchPlan(batch=4, sp=1, slo_s=60, latency_s=4.0, min_latency_s=1.0)}, 1,
                                      wait_window_s=0.0)
     for i in range(4):
-        d.submit("t", f"r{i}", 0.0, steps=d.plans["t"].steps)
+        d.submit("t", f"r{i}", 0.0, key=BatchKey(steps=d.plans["t"].steps))
     (a,) = d.dispatch(0.0)
     assert d.remaining_s(a.batch_id, 10.0) == 0.0  # it overran its prediction
     d.extend(a.batch_id, 2.5, 10.0)
@@ -274,7 +275,8 @@ def test_a_re_run_holds_the_workers_for_the_sub_batches_still_to_come_too(monkey
     """A batch of two guidance values runs as two sub-batches; when the first fails and runs again
     in parts, the dispatcher is told the parts' time plus the second sub-batch's (before: the
     parts' only, so the workers looked free while the second still had to run)."""
-    with running_group("tiny-flux2", {FLUX.shape_key: entry(FLUX, batch=4, latency_s=0.5)}, wait_window_s=1.0) as h:
+    with running_group("tiny-flux2", {FLUX.shape_key: entry(FLUX, batch=4, latency_s=0.5)}, wait_window_s=1.0,
+                       batching="mixed") as h:  # a batch takes both guidance values, as two sub-batches
         told: list[float] = []
         real = h.group.dispatcher.extend
         monkeypatch.setattr(h.group.dispatcher, "extend", lambda b, more_s, now: (told.append(more_s), real(b, more_s, now)))

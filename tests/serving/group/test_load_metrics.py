@@ -13,6 +13,7 @@ from bench.scenarios.factories import plan_entry
 from xema_ray.platforms.base import MemoryStats
 from xema_ray.runtime.engine import BatchResult, PhaseTimings
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.frame_rate import video_fps
 from xema_ray.serving.group.load_metrics import GroupLoad, LoadMetrics, SloWindow, realtime_factor
@@ -60,7 +61,7 @@ def test_predicted_wait_is_the_replay_of_the_queue_and_rises_with_it(load: LoadM
     waits = []
     for queued in (0, 2, 6, 12):
         while d.queue_depth(IMG.shape_key) < queued:
-            d.submit(IMG.shape_key, f"r{d.queue_depth()}", now=90.0, steps=d.plans[IMG.shape_key].steps)  # earlier deadlines than a new request's
+            d.submit(IMG.shape_key, f"r{d.queue_depth()}", now=90.0, key=BatchKey(steps=d.plans[IMG.shape_key].steps))  # earlier deadlines than a new request's
         load.refresh(summarize(d, "replica", now=100.0, wall=5000.0), now=100.0)
         waits.append(load.queue_wait.last(template=IMG.shape_key))
     # idle: a lone request waits the window for its batch of 2 to fill; then a batch of 2 s per
@@ -120,7 +121,7 @@ def test_the_snapshot_carries_the_gauges_figures(load: LoadMetrics) -> None:
                                                _result(1, 80 * 10**6, 10**6, 2.0, 3.0)], requests=1, batch_seconds=4.0,
                        steps=VID.steps)
     d = _dispatcher(kept)
-    d.submit(VID.shape_key, "v1", now=0.0, steps=d.plans[VID.shape_key].steps)
+    d.submit(VID.shape_key, "v1", now=0.0, key=BatchKey(steps=d.plans[VID.shape_key].steps))
     kept.refresh(summarize(d, "r", now=0.0, wall=0.0), now=0.0)
     snap = GroupLoad.model_validate_json(kept.snapshot().model_dump_json())  # crosses to the Router as JSON
     assert snap.budget_bytes == BUDGET and snap.workers[1].headroom_bytes == BUDGET - 80 * 10**6

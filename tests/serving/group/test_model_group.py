@@ -220,3 +220,25 @@ def test_spec_travels_and_names_unknown_devices() -> None:
     with pytest.raises(ValueError, match="unknown worker device 'tpu'; known: cpu, cuda"):
         worker_set_for(spec)
     assert pickle.loads(pickle.dumps(spec)) == spec  # a value: it travels with the deployment
+
+
+def test_the_group_loads_its_workers_under_its_apps_name() -> None:
+    """The app's name reaches every worker's load config (``ModelLoadConfig.app``): it names the
+    node's shared host segments, so two apps on one node keep apart. Outside a Serve replica and
+    without ``GroupSettings.app`` the workers load under "default"."""
+    from xema_ray.serving.group.settings import GroupSettings
+
+    class Captured(Exception):
+        pass
+
+    seen: list[WorkerSetSpec] = []
+
+    def capture(spec: WorkerSetSpec) -> Any:
+        seen.append(spec)
+        raise Captured
+
+    plans = {FLUX_S.shape_key: entry(FLUX_S)}
+    for settings in (GroupSettings(app="my-app"), None):
+        with pytest.raises(Captured):
+            ModelGroup(group_config("tiny-flux2", plans), plans, settings, worker_set=capture)
+    assert [s.load.app for s in seen] == ["my-app", "default"]

@@ -7,6 +7,7 @@ has no boundary left and is not paused."""
 from __future__ import annotations
 
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 
@@ -20,9 +21,9 @@ def _run(long: DispatchPlan, short_at: float, short: DispatchPlan = SHORT,
                                      preemption=PreemptionPolicy(budget_bytes=48 * GB))
     if phases is not None:
         d.set_phases("long", *phases)
-    d.submit("long", "L", 0.0, steps=d.plans["long"].steps)
+    d.submit("long", "L", 0.0, key=BatchKey(steps=d.plans["long"].steps))
     assert [a.template for a in d.dispatch(0.0)] == ["long"]
-    d.submit("short", "S", short_at, steps=d.plans["short"].steps)
+    d.submit("short", "S", short_at, key=BatchKey(steps=d.plans["short"].steps))
     return d, d.dispatch(short_at)
 
 

@@ -8,6 +8,7 @@ from bench.scenarios.factories import plan_entry, plan_table
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.scheduling.admission import Refused
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.sim.simulate import Arrival, SimulationConfig, simulate
 from xema_ray.templates import RequestTemplate
@@ -18,7 +19,7 @@ ONE = DispatchPlan(batch=1, sp=1, slo_s=12, latency_s=10)
 def test_a_partial_batch_starts_at_the_wake_up_time_next_wakeup_gives() -> None:
     # 8280.27210522334 + 0.05 - 8280.27210522334 < 0.05 in floating point: the batch must still start
     d: Dispatcher[None] = Dispatcher({"a": DispatchPlan(batch=2, sp=1, slo_s=100, latency_s=10)}, workers=1)
-    d.submit("a", "r1", now=8280.27210522334, steps=d.plans["a"].steps)
+    d.submit("a", "r1", now=8280.27210522334, key=BatchKey(steps=d.plans["a"].steps))
     wake = d.next_wakeup(8280.27210522334)
     assert wake is not None and wake - 8280.27210522334 < 0.05
     (a,) = d.dispatch(now=wake)
@@ -28,10 +29,10 @@ def test_a_partial_batch_starts_at_the_wake_up_time_next_wakeup_gives() -> None:
 def test_a_partial_batch_starts_at_once_when_waiting_would_make_it_miss() -> None:
     slow = {"a": DispatchPlan(batch=2, sp=1, slo_s=10, latency_s=8)}
     plain: Dispatcher[None] = Dispatcher(slow, workers=1, wait_window_s=5.0)
-    plain.submit("a", "r1", now=0.0, steps=plain.plans["a"].steps)
+    plain.submit("a", "r1", now=0.0, key=BatchKey(steps=plain.plans["a"].steps))
     assert plain.dispatch(now=0.0) == []  # waits up to 5 s for a second request: 0 + 5 + 8 > 10
     aware: Dispatcher[None] = Dispatcher(slow, workers=1, wait_window_s=5.0, admission=AdmissionPolicy())
-    aware.submit("a", "r1", now=0.0, steps=aware.plans["a"].steps)
+    aware.submit("a", "r1", now=0.0, key=BatchKey(steps=aware.plans["a"].steps))
     (a,) = aware.dispatch(now=0.0)
     assert len(a.requests) == 1
 
@@ -39,10 +40,10 @@ def test_a_partial_batch_starts_at_once_when_waiting_would_make_it_miss() -> Non
 def _late_scenario(late: str) -> tuple[Dispatcher[None], list[str]]:
     """One worker: r1 runs 0-10; r2 (deadline 13) can no longer make it at 10; r3 (deadline 21.5) can."""
     d: Dispatcher[None] = Dispatcher({"a": ONE}, workers=1, admission=AdmissionPolicy(late=late))  # type: ignore[arg-type]
-    d.submit("a", "r1", now=0.0, steps=d.plans["a"].steps)
+    d.submit("a", "r1", now=0.0, key=BatchKey(steps=d.plans["a"].steps))
     (first,) = d.dispatch(now=0.0)
-    d.submit("a", "r2", now=1.0, steps=d.plans["a"].steps)
-    d.submit("a", "r3", now=9.5, steps=d.plans["a"].steps)
+    d.submit("a", "r2", now=1.0, key=BatchKey(steps=d.plans["a"].steps))
+    d.submit("a", "r3", now=9.5, key=BatchKey(steps=d.plans["a"].steps))
     assert d.dispatch(now=9.5) == []
     d.complete(first.batch_id)
     order = []
@@ -76,9 +77,9 @@ def test_shed_drops_the_late_request_when_another_waits() -> None:
 
 def test_shed_keeps_a_late_request_when_nothing_else_waits() -> None:
     d: Dispatcher[None] = Dispatcher({"a": ONE}, workers=1, admission=AdmissionPolicy(late="shed"))
-    d.submit("a", "r1", now=0.0, steps=d.plans["a"].steps)
+    d.submit("a", "r1", now=0.0, key=BatchKey(steps=d.plans["a"].steps))
     (first,) = d.dispatch(now=0.0)
-    d.submit("a", "r2", now=1.0, steps=d.plans["a"].steps)
+    d.submit("a", "r2", now=1.0, key=BatchKey(steps=d.plans["a"].steps))
     d.complete(first.batch_id)
     (a,) = d.dispatch(now=10.0)  # late, but it holds no one up
     assert [r.request_id for r in a.requests] == ["r2"] and d.take_shed() == []
@@ -87,9 +88,9 @@ def test_shed_keeps_a_late_request_when_nothing_else_waits() -> None:
 def test_refused_templates_are_refused_at_submit_as_overflow() -> None:
     d: Dispatcher[None] = Dispatcher({"a": ONE, "b": ONE}, workers=1, admission=AdmissionPolicy(refused=("b",)))
     with pytest.raises(Refused, match="not admitted") as e:
-        d.submit("b", "r1", now=0.0, steps=d.plans["b"].steps)
+        d.submit("b", "r1", now=0.0, key=BatchKey(steps=d.plans["b"].steps))
     assert isinstance(e.value, OverflowError)  # the live group answers it as a full queue: 503 + Retry-After
-    d.submit("a", "r2", now=0.0, steps=d.plans["a"].steps)
+    d.submit("a", "r2", now=0.0, key=BatchKey(steps=d.plans["a"].steps))
     assert d.queue_depth() == 1
 
 

@@ -47,7 +47,7 @@ class DispatchOnlyGroup:
             loop.create_task(self._loop())
         fut: asyncio.Future = loop.create_future()
         arrived = time.monotonic()
-        self.dispatcher.submit(template, request_id, arrived, fut, steps=req.steps)
+        self.dispatcher.submit(template, request_id, arrived, fut, key=req.batch_key)
         self._wake.set()
         out = await fut
         return {**out, "replica": self.owner, "node": self.node, "seconds": time.monotonic() - arrived}

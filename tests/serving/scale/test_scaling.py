@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.scale.replica_summary import (
     ArrivalMeter,
@@ -46,11 +47,11 @@ def test_summary_of_a_dispatcher_shows_its_queue_running_batches_and_free_groups
                                                       steps=p.steps) for k, p in PLANS.items()}, workers=2,
                                      wait_window_s=0.0)
     for i in range(3):
-        d.submit("img", f"r{i}", now=0.0, steps=d.plans["img"].steps)
+        d.submit("img", f"r{i}", now=0.0, key=BatchKey(steps=d.plans["img"].steps))
     started = d.dispatch(now=0.0)  # a batch of 2 on worker 0, the third alone on worker 1 (no wait window)
     assert [len(a.requests) for a in started] == [2, 1]
-    d.submit("img", "r3", now=1.0, steps=d.plans["img"].steps)
-    d.submit("vid", "v0", now=1.0, steps=d.plans["vid"].steps)
+    d.submit("img", "r3", now=1.0, key=BatchKey(steps=d.plans["img"].steps))
+    d.submit("vid", "v0", now=1.0, key=BatchKey(steps=d.plans["vid"].steps))
     s = summarize(d, "rep-a", now=4.0, wall=1000.0, rates={"img": 0.5})
     assert s.t == 1000.0 and s.workers == 2
     assert s.queues["img"].queued == 1 and s.queues["img"].deadlines_s == [27.0]  # 1 + 30 - 4
@@ -120,7 +121,7 @@ def test_a_partial_batch_is_replayed_at_its_own_latency() -> None:
 def test_summary_counts_a_partial_batch_against_its_own_latency() -> None:
     d: Dispatcher[None] = Dispatcher({"f": DispatchPlan(batch=3, sp=2, slo_s=12.0, latency_s=10.0, steps=50,
                                                         min_latency_s=5.0)}, workers=4, wait_window_s=0.0)
-    d.submit("f", "r0", now=0.0, steps=d.plans["f"].steps)
+    d.submit("f", "r0", now=0.0, key=BatchKey(steps=d.plans["f"].steps))
     d.dispatch(now=0.0)
     s = summarize(d, "a", now=2.0, wall=2.0)
     assert [b.remaining_s for b in s.running] == [3.0]  # the dispatcher's own count says 8

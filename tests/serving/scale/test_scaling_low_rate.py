@@ -26,6 +26,7 @@ import pytest
 from xema_ray.plan import PlanTable
 from xema_ray.runtime.emulation import scale_table
 from xema_ray.scheduling.batch import DispatchPlan
+from xema_ray.scheduling.batch_key import BatchKey
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.serving.scale.replica_summary import ArrivalMeter, PlanBrief, predict_attainment, summarize
 from xema_ray.serving.scale.scaling import AutoscalingSpec, decide_replicas, summary_from_metrics, summary_metrics
@@ -75,7 +76,7 @@ def run(plan: DispatchPlan, work: dict[int, float], rate: float, seconds: float 
             met += sum(now <= r.deadline + 1e-9 for r in a.requests)
         elif arrival == now:
             if d.queue_depth(TEMPLATE) < d.max_queue:
-                d.submit(TEMPLATE, f"r{n}", now, steps=d.plans[TEMPLATE].steps)
+                d.submit(TEMPLATE, f"r{n}", now, key=BatchKey(steps=d.plans[TEMPLATE].steps))
                 meter.add(TEMPLATE, now)
             n += 1
             arrival = now + rng.expovariate(rate)

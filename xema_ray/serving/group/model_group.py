@@ -39,6 +39,7 @@ from xema_ray.plan import PlanEntry
 from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
 from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
+from xema_ray.scheduling.batch_key import BatchKey, sub_batches
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
 from xema_ray.serving.group.adapter_registry import RegistryClient
@@ -46,7 +47,7 @@ from xema_ray.serving.group.adapters import GroupAdapters, folder_sources
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
-                                       Guidance, InvalidRequest, QueueFull)
+                                       InvalidRequest, QueueFull)
 from xema_ray.serving.group.metrics import ServingMetrics
 from xema_ray.serving.group.plan_reload import GroupPlans, PlanReload, plans_hash
 from xema_ray.serving.group.preemption import PreemptibleRunner, PreemptionReport
@@ -74,8 +75,7 @@ WORKER_CONCURRENCY = 4
 
 @dataclass
 class _Ticket:
-    request: GenerationRequest  # validated on arrival
-    guidance: Guidance  # both experts' scales (``GroupRequest.guidance``)
+    request: GenerationRequest  # validated on arrival (its guidance, steps and tier: its ``Pending.key``)
     future: asyncio.Future[GenerateResult] | None  # None for a job: its result goes to the job store
     job_id: str | None = None
 
@@ -83,6 +83,19 @@ class _Ticket:
 def _ticket(r: Pending[_Ticket]) -> _Ticket:
     assert r.payload is not None  # every live request carries its ticket (only the simulator's carry none)
     return r.payload
+
+
+def replica_app_name() -> str:
+    """The Serve application this replica belongs to (its workers' shared host segments are that
+    app's); ``DEFAULT_APP`` outside a Serve replica (in-process tests)."""
+    from xema_ray.platforms.host_memory import DEFAULT_APP
+
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name or DEFAULT_APP
+    except Exception:  # noqa: BLE001 — not inside a Serve replica
+        return DEFAULT_APP
 
 
 class ModelGroup:
@@ -123,7 +136,8 @@ class ModelGroup:
         self.policy = s.preemption
         dispatch_plans = {k: DispatchPlan.of_entry(e) for k, e in self.entries.items()}
         self.dispatcher: Dispatcher[_Ticket] = Dispatcher(dispatch_plans, workers, config.wait_window_s,
-                                                          config.max_queue, self.policy, admission=s.admission)
+                                                          config.max_queue, self.policy, admission=s.admission,
+                                                          batching=config.batching)
         self.owner = f"{model}-{uuid.uuid4().hex[:12]}"  # this replica, as job owner
         self.jobs = JobLifecycle(model, self.owner, s.jobs)  # video jobs: accepted, started, stored, failed
         self.publisher = SummaryPublisher(model, self.owner, self.dispatcher, self.jobs)
@@ -164,7 +178,7 @@ class ModelGroup:
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
-                               adapters=c.adapters, adapter_sources=adapters,
+                               adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name(),
                                host_copy=c.wants_host_copy() and s.emulation is None, host_copy_holder=self.host_holder)
         return WorkerSetSpec(
             device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus, backend=s.worker_set,
@@ -274,7 +288,7 @@ class ModelGroup:
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         try:
             self.dispatcher.submit(req.template, req.request_id, time.monotonic(),
-                                   _Ticket(request, req.guidance, fut), steps=req.steps)
+                                   _Ticket(request, fut), key=req.batch_key)
         except OverflowError as e:
             raise self._queue_full(req.template, e) from None
         self._queued(req.template)
@@ -289,10 +303,10 @@ class ModelGroup:
             return True
         await self.adapters.synced_for(req.lora)
         request = self._admit(req)
-        ticket = _Ticket(request, req.guidance, None, job_id)
+        ticket = _Ticket(request, None, job_id)
         try:
             if not await self.jobs.accept(job_id, lambda: self.dispatcher.submit(req.template, job_id, time.monotonic(),
-                                                                                 ticket, steps=req.steps)):
+                                                                                 ticket, key=req.batch_key)):
                 return False
         except OverflowError as e:  # the job went back to the store
             raise self._queue_full(req.template, e) from None
@@ -353,19 +367,18 @@ class ModelGroup:
 
     # ------------------------------------------------------------------ execute
     async def _execute(self, a: Assignment[_Ticket]) -> tuple[dict[str, GenerateResult], dict[str, Exception]]:
-        """Run an assignment on its workers (requests with different guidance as sub-batches): the
-        outputs, and the requests at fault with their errors (``isolation``: the others re-ran)."""
+        """Run an assignment on its workers, one sub-batch per ``BatchKey`` (``batch_key.sub_batches``,
+        as the dispatcher priced it): the outputs, and the requests at fault with their errors
+        (``isolation``: the others re-ran)."""
         entry, runs = self.entries[a.template], itertools.count()  # sub-batch labels, re-runs included
-        by_guidance: dict[Guidance, list[Pending[_Ticket]]] = {}
-        for r in a.requests:
-            by_guidance.setdefault(_ticket(r).guidance, []).append(r)
         outputs: dict[str, GenerateResult] = {}
         failed: dict[str, Exception] = {}
-        parts = self.adapters.fit_pool(by_guidance, lambda r: _ticket(r).request.lora, failed, lambda r: r.request_id)
-        for i, (guidance, reqs) in enumerate(parts):
+        parts = self.adapters.fit_pool(dict(sub_batches(a.requests, lambda r: r.key)), lambda r: _ticket(r).request.lora,
+                                       failed, lambda r: r.request_id)
+        for i, (key, reqs) in enumerate(parts):
             later_s = sum(a.plan.latency_for(len(rs)) for _, rs in parts[i + 1:])  # a re-run holds the workers for these too
-            failed.update(await run_isolating(reqs, lambda rs, rerun, g=guidance: self._execute_sub_batch(
-                a, entry, g, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun), a.plan.latency_for,
+            failed.update(await run_isolating(reqs, lambda rs, rerun, k=key: self._execute_sub_batch(
+                a, entry, k, rs, outputs, f"{a.batch_id}.{next(runs)}", rerun), a.plan.latency_for,
                 lambda why, n, more_s, later_s=later_s: self._rerun(a, why, n, more_s + later_s),
                 f"{self.model} batch {a.batch_id}"))
         return outputs, failed
@@ -377,14 +390,14 @@ class ModelGroup:
         self.metrics.reruns.inc(n, tags={"template": a.template, "reason": why})
         self.dispatcher.extend(a.batch_id, more_s, time.monotonic())
 
-    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, guidance: Guidance, reqs: list[
+    async def _execute_sub_batch(self, a: Assignment[_Ticket], entry: PlanEntry, key: BatchKey, reqs: list[
                                  Pending[_Ticket]], outputs: dict[str, GenerateResult], label: str, rerun: bool) -> bool:
-        """One sub-batch (one guidance, one step count) into ``outputs``; ``rerun``: its jobs started
-        before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
+        """One sub-batch (one ``BatchKey``: one guidance, one step count) into ``outputs``; ``rerun``:
+        its jobs started before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
         from xema_ray.runtime.engine import Batch
 
         arrived = {r.request_id: r.arrival for r in reqs}
-        steps = a.plan.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
+        steps = key.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
         estimate = replace(self.estimates[a.template], steps=steps)
         jobs = [r.request_id for r in reqs if _ticket(r).job_id is not None]
         bases: dict[str, float] | None = None
@@ -399,7 +412,7 @@ class ModelGroup:
                 return False
         observer = self.jobs.observer(jobs, len(reqs) - len(jobs), estimate, bases)
         batch = Batch(config=entry.config.for_batch(len(reqs)), requests=tuple(_ticket(r).request for r in reqs),
-                      guidance_scale=guidance[0], guidance_scale_2=guidance[1], steps=steps)
+                      guidance_scale=key.guidance[0], guidance_scale_2=key.guidance[1], steps=steps)
         t0 = time.monotonic()
         try:
             results = await self.runner.run_sub_batch(a, batch, observer, label)

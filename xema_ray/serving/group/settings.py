@@ -12,6 +12,7 @@ from xema_ray.deployment import GroupShape
 from xema_ray.plan import AdmissionPolicy
 from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchPolicy
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.scale.scaling import AutoscalingSpec
@@ -30,6 +31,11 @@ class ModelGroupConfig(GroupShape):
                                   "(min_replicas, max_replicas, target_attainment, window_s, ...); None: fixed replicas")
     wait_window_s: float = Field(default=0.05, ge=0, description="longest wait for a batch to fill")
     max_queue: int = Field(default=64, ge=1, description="queued requests per template before 503")
+    batching: BatchPolicy = Field(
+        default=DEFAULT_BATCH_POLICY,
+        description="what one batch may mix: by_key (requests of one step count, guidance and quality tier only) "
+                    "or mixed (any guidance of one step count and tier, run as one sub-batch per guidance); "
+                    "either way a batch is priced as it runs (docs/internals.md, 'One batch key')")
     residency: Literal["per_template", "shared"] | None = Field(
         default=None,
         description="weight residency: per_template (each batch's plan decides where blocks live; a switch moves "
@@ -101,3 +107,6 @@ class GroupSettings(BaseModel):
                                   "measured; None: the fallback split (``PhaseEstimate.from_plan``)")
     emulation: EmulationConfig | None = Field(default=None, description='device "emulated": the templates\' phases '
                                               "from the plan table (docs/emulated.md)")
+    app: str | None = Field(default=None, min_length=1,
+                            description="the Serve application the group belongs to: names its workers' shared host "
+                                        "segments; None: the replica's own (Serve's replica context), else 'default'")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.scheduling.batch import DispatchPlan, partial_latency
+from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchKey, BatchPolicy, batch_seconds
 from xema_ray.scheduling.dispatcher import Dispatcher
 
 #: queued deadlines kept per template in a summary (beyond it, the rest are spread evenly)
@@ -52,18 +53,23 @@ class PlanBrief(BaseModel):
     steps: int = Field(default=1, ge=1)
     min_latency_s: float | None = Field(default=None, ge=0,
                                         description="predicted seconds of a batch of one (None: latency_s)")
+    latency_by_batch: dict[int, float] = Field(default_factory=dict, description="predicted seconds of a partial "
+                                               "batch of n, as planned (the dispatcher's ``DispatchPlan.latency_for``)")
 
     @classmethod
     def of(cls, p: DispatchPlan) -> PlanBrief:
         return cls(batch=p.batch, sp=p.sp, latency_s=p.latency_s, slo_s=p.slo_s, steps=p.steps,
-                   min_latency_s=p.min_latency_s)
+                   min_latency_s=p.min_latency_s, latency_by_batch=dict(p.latency_by_batch))
 
     def latency_for(self, n: int) -> float:
         """Predicted seconds of a batch of ``n`` requests: a partial batch is faster than a full one
         (a batch of one of Flux.2 256x256 takes half a batch of three), so the replay must not
         charge it the full batch's time — at a low rate every batch is partial, and charging them
         the full time predicts misses that do not happen (the autoscaler then adds replicas for
-        nothing and never removes them). Between one and ``batch``: linear between the two ends."""
+        nothing and never removes them). The plan's latency-by-batch where it has ``n``, else linear
+        between the two ends."""
+        if n < self.batch and n in self.latency_by_batch:
+            return self.latency_by_batch[n]
         return partial_latency(self.latency_s, self.min_latency_s, self.batch, n)
 
 
@@ -78,6 +84,9 @@ class TemplateQueue(BaseModel):
                                           f"earliest first (at most {MAX_DEADLINES})")
     oldest_wait_s: float = Field(default=0.0, ge=0, description="how long the oldest queued request has waited")
     open_slots: int = Field(default=0, ge=0, description="requests that would join the waiting partial batch")
+    keys: list[int] = Field(default_factory=list, description="each queued request's batch key, in the order of "
+                            "deadlines_s: 0 the template's default (its steps, the model's guidance, lossless), 1.. "
+                            "the others by first appearance; empty (or not one per deadline): all 0")
     arrival_rate: float = Field(default=0.0, ge=0, description="requests per second over the recent window")
 
 
@@ -104,6 +113,8 @@ class ReplicaSummary(BaseModel):
     t: float = Field(description="wall-clock time (time.time()) of the summary")
     workers: int = Field(ge=1)
     wait_window_s: float = Field(default=0.05, ge=0)
+    batching: BatchPolicy = Field(default=DEFAULT_BATCH_POLICY, description="what one batch may mix "
+                                  "(``xema_ray.scheduling.batch_key``): the replay batches and prices as the dispatcher")
     plans: dict[str, PlanBrief]
     queues: dict[str, TemplateQueue] = Field(default_factory=dict)
     running: list[RunningBatch] = Field(default_factory=list)
@@ -144,17 +155,21 @@ def summarize(dispatcher: Dispatcher, replica: str, now: float, wall: float | No
         pending = dispatcher.queued(key)
         if not pending and not (rates or {}).get(key):
             continue
-        partial = len(pending) % plan.batch
+        default = BatchKey(steps=plan.steps)  # the template's default key: 0; a new request's open slots are its
+        partial = sum(default.joins(r.key, dispatcher.batching) for r in pending) % plan.batch
+        numbers: dict[BatchKey, int] = {default: 0}
+        keys = [numbers.setdefault(r.key, len(numbers)) for r in pending[:MAX_DEADLINES]]
         queues[key] = TemplateQueue(
             queued=len(pending), deadlines_s=[r.deadline - now for r in pending[:MAX_DEADLINES]],
             oldest_wait_s=max((now - r.arrival for r in pending), default=0.0),
-            open_slots=plan.batch - partial if partial else 0, arrival_rate=(rates or {}).get(key, 0.0))
+            open_slots=plan.batch - partial if partial else 0, arrival_rate=(rates or {}).get(key, 0.0),
+            keys=keys if any(keys) else [])
     running = []
     for a, paused in [*((a, False) for a in dispatcher.running), *((a, True) for a in dispatcher.paused)]:
-        # the dispatcher counts a batch's remaining time against its plan's full-batch latency; a
-        # partial batch ends sooner (``PlanBrief.latency_for``): what it ran, against its own latency
-        own = plans[a.template].latency_for(len(a.requests)) if a.template in plans else a.plan.latency_s
-        ran = a.plan.latency_s - dispatcher.remaining_s(a.batch_id, now)
+        # the dispatcher counts a batch's remaining time against ``held_s`` (the full batch's latency);
+        # the batch ends when it has run as priced, sub-batches included (``Assignment.run_s``)
+        own = a.run_s
+        ran = a.held_s - dispatcher.remaining_s(a.batch_id, now)
         rem = max(0.0, own - ran)
         steps = a.plan.steps
         running.append(RunningBatch(
@@ -167,7 +182,8 @@ def summarize(dispatcher: Dispatcher, replica: str, now: float, wall: float | No
         free[key] = sum(1 for s in range(0, dispatcher.workers - plan.sp + 1, plan.sp)
                         if not busy.intersection(range(s, s + plan.sp)))
     return ReplicaSummary(replica=replica, t=time.time() if wall is None else wall, workers=dispatcher.workers,
-                          wait_window_s=dispatcher.wait_window_s, plans=plans, queues=queues, running=running,
+                          wait_window_s=dispatcher.wait_window_s, batching=dispatcher.batching, plans=plans,
+                          queues=queues, running=running,
                           free_groups=free, draining=draining)
 
 
@@ -178,6 +194,7 @@ class _Req:
     arrival: float
     template: str
     tag: int = -1  # >= 0: a request the caller asks about
+    key: int = 0  # its batch key's number (``TemplateQueue.keys``; 0: the template's default)
 
 
 #: the tag of a running (or paused) batch's members in the replay's outcomes
@@ -206,11 +223,12 @@ def _queued(s: ReplicaSummary, key: str, q: TemplateQueue, age: float) -> list[_
     are spread between the last kept deadline and a fresh request's)."""
     ds = [d - age for d in q.deadlines_s]
     slo = s.plans[key].slo_s
+    keys = q.keys if len(q.keys) == len(ds) else [0] * len(ds)  # reshuffled by the autoscaler's what-ifs: all 0
     extra = q.queued - len(ds)
     if extra > 0:
         last = ds[-1] if ds else slo - q.oldest_wait_s - age
         ds += [last + (slo - age - last) * (i + 1) / (extra + 1) for i in range(extra)]
-    return [_Req(d, -(slo - d), key) for d in ds]
+    return [_Req(d, -(slo - d), key, key=keys[i] if i < len(keys) else 0) for i, d in enumerate(ds)]
 
 
 def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tuple[str, float, int]] = (),
@@ -259,12 +277,14 @@ def schedule(s: ReplicaSummary, now: float | None = None, arrivals: Sequence[tup
         groups = [tuple(range(g, g + plan.sp)) for g in range(0, s.workers - plan.sp + 1, plan.sp)]
         group = min(groups, key=lambda g: max(free_at[w] for w in g))
         ready = max(max(free_at[w] for w in group), q[0].arrival)
-        # a batch takes what has arrived by the time it can start (waiting a window for more)
-        members = [r for r in q if r.arrival <= ready + s.wait_window_s][: plan.batch]
+        # a batch takes what has arrived by the time it can start (waiting a window for more), of the
+        # head's key only (``by_key``) or one sub-batch per key (``mixed``), priced as it runs
+        members = [r for r in q if r.arrival <= ready + s.wait_window_s
+                   and (s.batching == "mixed" or r.key == q[0].key)][: plan.batch]
         if len(members) < plan.batch:
             ready = max(ready, min(r.arrival for r in members) + s.wait_window_s) if members else ready
         start = max(ready, max(r.arrival for r in members))
-        end = start + plan.latency_for(len(members))
+        end = start + batch_seconds([r.key for r in members], lambda _, n: plan.latency_for(n))
         for w in group:
             free_at[w] = end
         for r in members:
