@@ -29,6 +29,7 @@ from xema_ray.serving.ray_env import exposed_ports_warning
 from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 from xema_ray.serving.scale.replica_summary import PlanBrief
 from xema_ray.serving.api.router import Router
+from xema_ray.serving.api.wake import WakePolicy
 from xema_ray.serving.startup import gpu_shortfall, paused_host_bytes, preflight, served_templates
 from xema_ray.serving.stats import Stats
 from xema_ray.serving.group.worker_set import WORKER_KINDS
@@ -63,9 +64,16 @@ class ServedModelGroup(ModelGroup):
     drains what is left (``SummaryPublisher.drain``: queued jobs handed back, running batches
     finished within the budget)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
+                 **kwargs: Any) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        super().__init__(*args, **kwargs)
+        real = settings is None or settings.emulation is None
+        if real and config.wants_host_copy() and "host_holder" not in kwargs:
+            # the node keeps the model's host copy past this replica (a group scaled to zero wakes warm)
+            from xema_ray.serving.group.host_keeper import node_holder
+
+            kwargs["host_holder"] = node_holder(serve.get_replica_context().app_name)
+        super().__init__(config, plans, settings, **kwargs)
 
     async def __del__(self) -> None:
         await self.drain(DRAIN_S)
@@ -108,6 +116,20 @@ def scaling_options(g: ModelGroupConfig, entries: dict[str, PlanEntry]) -> dict[
             policy=AutoscalingPolicy(policy_function=SloAutoscalingPolicy,
                                      policy_kwargs={"spec": a.model_dump(), "plans": briefs}))
     return {**opts, "num_replicas": "auto"}
+
+
+def wake_policy(g: ModelGroupConfig, table: PlanTable) -> WakePolicy:
+    """How the Router holds the requests of a group that scales to zero: its wake timeout from the
+    YAML, else from the plan's predicted warm start of its replica (predicted here, from the same
+    measured figures, for a table planned without one: the start-up plans and older tables)."""
+    assert g.autoscaling is not None
+    start = table.replica_start.get(g.model)
+    if start is None and g.autoscaling.wake_timeout_s is None:
+        from xema_ray.profiling.replica_start import predict_start, start_figures
+        from xema_ray.runtime.host_bytes import model_weight_bytes
+
+        start = predict_start(model_weight_bytes(g.model), start_figures(None))
+    return WakePolicy(timeout_s=g.autoscaling.wake_timeout(start), max_queue=g.max_queue)
 
 
 def replicated(g: ModelGroupConfig) -> bool:
@@ -196,6 +218,8 @@ def build_app(args: dict[str, Any]) -> Application:
                               max_queued_requests=cfg.max_queued_requests, ray_actor_options=dict(ingress_options),
                               **HEALTH_CHECK,
                               backpressure_config={"retry_after_s": 2})
-    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs,
+    # the groups that scale to zero: the Router holds their requests while they wake (api/wake.py)
+    wake = {g.model: wake_policy(g, table) for g in cfg.models if g.scales_to_zero}
+    return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, wake=wake,
                        emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,
                        adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None})

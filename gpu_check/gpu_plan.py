@@ -115,6 +115,8 @@ PLAN: tuple[PlannedTest, ...] = (
     PlannedTest(match="tests/gpu/test_residency_gpu.py::", part=2, expected_s=62, timeout_s=220, needs=("shm",),
                 device_gb=FLUX2_WHOLE_GB,
                 what="Flux.2 1024² under the 48 GB cap: planned / layerwise / no offload within the host-pin budget"),
+    PlannedTest(match="tests/gpu/test_warm_load_gpu.py::", part=2, expected_s=7, timeout_s=60, needs=("shm",),
+                device_gb=4, what="the warm load: 1 GiB host copy -> device from page-locked memory, GB/s vs pageable"),
     # part 3: what the 900 s leave out (a later run: `--part 3`)
     PlannedTest(match="tests/gpu/test_seeded_weights_gpu.py::", part=3, expected_s=13, timeout_s=60, device_gb=8,
                 what="seeded weights filled on the GPU = the CPU build's bytes (one Flux.2 block); host bytes pinned"),

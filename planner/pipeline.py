@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from xema_ray.plan import (DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, QualityTierSpec,
-                           TextEncoderChoice)
+                           ReplicaStart, TextEncoderChoice)
+from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.templates import RequestTemplate
 
 from planner.cluster_fit import NoRoom, TaskShape, fit_tasks
@@ -304,6 +305,16 @@ def host_memory_pass(run: PlanRun, state: PlanState) -> PlanState:
     return _with_switches(run, dataclasses.replace(state, results=tuple(results), groups=_snapshot(groups)))
 
 
+def replica_starts(models: list[str], hardware: HardwareProfile | None) -> dict[str, ReplicaStart]:
+    """Each model's predicted replica start, cold and warm, from measured figures (the wake time
+    of a group scaled to zero: ``xema_ray.profiling.replica_start``)."""
+    from xema_ray.profiling.replica_start import predict_start, start_figures
+    from xema_ray.runtime.host_bytes import model_weight_bytes
+
+    figures = start_figures(hardware)
+    return {m: predict_start(model_weight_bytes(m), figures) for m in models}
+
+
 def table_pass(run: PlanRun, state: PlanState) -> PlanState:
     """The finished groups' entries in the templates' order, with the run's provenance and the
     node's host memory."""
@@ -313,6 +324,8 @@ def table_pass(run: PlanRun, state: PlanState) -> PlanState:
     assert groups is not None  # the groups pass ran
     in_order = [r.template for r in results if r.template in groups.entries]
     table = PlanTable(
+        replica_start=replica_starts(sorted({groups.entries[k].config.template.model for k in in_order}),
+                                     None if opts.hardware == "cpu" else run.latency.hardware),
         hardware=LatencyModel(opts.hardware).fingerprint(opts.gpus), gpus=opts.gpus, budget_bytes=opts.budget,
         group_gpus=opts.group_gpus, slo_scale=opts.slo_scale, planner=opts.planner,
         adapter_pools={m: opts.adapter_pools[m] for m in sorted(opts.adapter_pools)},

@@ -58,6 +58,13 @@ class PlacementReport:
     ``transient_bytes`` the most anonymous host memory the load held at once beyond those buffers
     (values read or generated before they reached their home; memory-mapped checkpoint pages are
     page cache, not counted).
+
+    With the node's host copy (``materialize(host_copy=True)``) the device-homed tensors have slots
+    in the shared buffer too: ``host_copy_bytes`` are their bytes, copied to the device from it.
+    The weight phase's seconds: ``source_s`` values read or generated into their host slot (or
+    straight to their home without a host copy), ``device_copy_s`` host copy -> device (zero when
+    nothing was copied). A CPU device keeps a memory-mapped checkpoint's tensors as they are read
+    (no copy): their pages are read when first touched, after ``source_s``.
     """
 
     device_bytes: int = 0
@@ -69,6 +76,9 @@ class PlacementReport:
     host_shared_bytes: int = 0
     host_attached_bytes: int = 0
     transient_bytes: int = 0
+    host_copy_bytes: int = 0
+    source_s: float = 0.0
+    device_copy_s: float = 0.0
 
     def add(self, other: PlacementReport) -> None:
         """Add a component loaded after this one (transients are not held together: the larger counts)."""
@@ -81,6 +91,9 @@ class PlacementReport:
         self.host_shared_bytes += other.host_shared_bytes
         self.host_attached_bytes += other.host_attached_bytes
         self.transient_bytes = max(self.transient_bytes, other.transient_bytes)
+        self.host_copy_bytes += other.host_copy_bytes
+        self.source_s += other.source_s
+        self.device_copy_s += other.device_copy_s
 
 
 # ---------------------------------------------------------------------------- compute device

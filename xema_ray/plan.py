@@ -464,6 +464,19 @@ class GroupResidency(BaseModel):
     host_bytes_per_worker: int = Field(default=0, ge=0, description="pinned host memory a worker holds at most")
 
 
+class ReplicaStart(BaseModel):
+    """A replica's predicted start (``xema_ray.profiling.replica_start``): process start and imports,
+    then the weight phase, cold (checkpoint -> host copy -> device) or warm (the node's host copy
+    mapped -> device), from measured figures."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight_bytes: int = Field(ge=0, description="every weight of the model: its host copy's size")
+    cold_s: float = Field(ge=0, description="seconds to a loaded replica reading the checkpoint")
+    warm_s: float = Field(ge=0, description="seconds to a loaded replica mapping the node's host copy")
+    basis: str = Field(description="the measured figures behind it")
+
+
 class AdmissionPolicy(BaseModel):
     """How a model group's dispatcher admits and orders requests under load (SLO-aware dispatch,
     ``xema_ray.scheduling.admission``); the load-aware planner chooses it per group. The default is
@@ -664,6 +677,9 @@ class PlanTable(BaseModel):
     adapter_pools: dict[str, LoraPoolConfig] = Field(
         default_factory=dict, description="model -> its group's LoRA adapter pool, counted in its plans' memory "
                                           "(absent: the group serves no adapters)")
+    replica_start: dict[str, ReplicaStart] = Field(
+        default_factory=dict, description="model -> a replica's predicted start, cold and warm (the wake of a group "
+                                          "scaled to zero); absent: not predicted (a table planned before it)")
     host: NodeHost | None = Field(
         default=None, description="the node's host memory for the groups' weights (one replica of each group on one "
                                   "node) against --host-budget or the deployment's stated host_memory; None: not "

@@ -281,6 +281,47 @@ def test_the_gpu_checks_block_pins_the_plans_bytes_rehearsed_on_meta() -> None:
     assert report.host_pow2_bytes > 1.2 * report.host_pinned_bytes  # what per-tensor pinning held
 
 
+def test_a_host_copy_is_kept_for_the_next_worker_which_maps_it_instead_of_reading(shm: Path) -> None:
+    """The node's host copy holds every weight (device-homed ones too, copied to the device from
+    it); kept by a live node-level holder, it outlives its last worker (a group scaled to zero), and
+    the next worker maps it: it reads nothing and places the same weights."""
+    from xema_ray.platforms.host_memory import SegmentHolder
+
+    holder = SegmentHolder(pid=os.getppid(), start=process_owner(os.getppid())["start"])  # type: ignore[arg-type]
+    load = _with_blocks(ModelLoadConfig(model="tiny-flux2", seed=3, host_copy=True, host_copy_holder=holder),
+                        Residency(host_blocks=(1,)))
+    plain = Worker(platform="cpu")
+    plain.init_device(ParallelConfig(rank=0, world_size=1))
+    plain.load_model(load.model_copy(update={"host_copy": False, "host_copy_holder": None}))
+    assert _segments(shm) == []  # CPU, share_host_weights auto: no shared segment without the host copy
+    reference = {k: v.clone() for k, v in plain.engine.pipe.transformer.state_dict().items()}  # type: ignore[union-attr]
+    plain.shutdown()
+
+    first = Worker(platform="cpu")
+    first.init_device(ParallelConfig(rank=0, world_size=1))
+    filled = first.load_model(load)
+    assert filled.host_copy_bytes == filled.device_bytes > 0  # every device weight came through the host copy
+    assert filled.host_attached_bytes == 0 and filled.host_shared_bytes == filled.host_buffer_bytes
+    assert filled.host_buffer_bytes >= filled.device_bytes + filled.host_bytes
+    first.shutdown()
+    kept = _segments(shm)
+    assert len(kept) >= 1  # the holder keeps it after its last worker
+
+    second = Worker(platform="cpu")
+    second.init_device(ParallelConfig(rank=0, world_size=1))
+    warm = second.load_model(load)
+    assert warm.host_attached_bytes == warm.host_shared_bytes == filled.host_shared_bytes  # mapped, not read
+    assert warm.transient_bytes == 0 and warm.host_copy_bytes == filled.host_copy_bytes
+    got = second.engine.pipe.transformer.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    # the device's weights are the worker's own (a CPU device gets a copy): the segment is never written
+    block0 = second.engine.pipe.transformer.transformer_blocks[0]  # type: ignore[union-attr]
+    seg_ptrs = {t.untyped_storage().data_ptr() for t in second.residency.blocks[1][1].parameters()}  # type: ignore[union-attr]
+    assert all(p.untyped_storage().data_ptr() not in seg_ptrs for p in block0.parameters())
+    second.shutdown()
+    assert _segments(shm) == kept
+
+
 def test_two_apps_on_one_node_keep_their_own_segments_and_never_sweep_each_others(shm: Path) -> None:
     """The Serve application's name reaches the loader (``ModelLoadConfig.app`` -> ``BuildOptions.app``
     -> ``materialize``'s ``HostShare``): two apps loading the same model and weights on one node

@@ -38,6 +38,12 @@ def test_plan_prints_nothing_and_returns_a_plan_result(tmp_path: Path, capsys: p
     assert result.table.provenance.command == "python -m planner plan --templates tiny"
     assert result.table.residency and set(result.encoders) == set(result.table.entries)
     assert result.layouts is None and result.switches == () and result.total_s >= result.planned_s
+    # each model's replica start predicted from the measured figures (a group scaled to zero wakes in it)
+    models = {t.model for t in TEMPLATES}
+    assert set(result.table.replica_start) == models
+    assert all(0 < s.warm_s <= s.cold_s and s.weight_bytes > 0 and "bench_warm_start" in s.basis
+               for s in result.table.replica_start.values())
+    assert PlanTable.load(str(out)).replica_start == result.table.replica_start
 
 
 def test_error_raised_if_the_load_names_a_template_not_planned(tmp_path: Path) -> None:

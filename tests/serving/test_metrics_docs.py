@@ -16,7 +16,7 @@ DASHBOARD = ROOT / "deployments" / "grafana" / "xema-dashboard.json"
 _DEFINED = re.compile(r'\b(Counter|Gauge|KeptGauge|Histogram|gauge)\(\s*"(xema_[a-z0-9_]+)"')
 #: what "exported from" may say (docs/metrics.md)
 EVENTS = {*ALWAYS_AFTER_TRAFFIC, "slo miss", "failure", "retry", "rebuild", "out of memory", "preemption",
-          "residency", "layout"}
+          "residency", "layout", "wake"}
 _PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
                  "offset", "le", "sum", "min", "max", "avg", "count", "rate", "increase", "irate", "histogram_quantile",
                  "label_values", "topk", "bottomk", "abs", "clamp_min", "clamp_max"}

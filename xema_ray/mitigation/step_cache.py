@@ -207,7 +207,7 @@ def apply_block_cache(pipe: Any, config: BlockCacheConfig) -> MitigationHandle:
     """cache-dit's DBCache on ``pipe`` with ``config.mask`` as a static step mask (a pipeline
     cache-dit has an adapter for: Flux, Wan, CogVideoX, LTX, Qwen-Image). ``remove()`` releases
     its hooks (``cache_dit.disable_cache``)."""
-    import cache_dit  # heavy (it imports torchao): only where block reuse is asked for
+    import cache_dit  # heavy to import: only where block reuse is asked for
 
     cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
         Fn_compute_blocks=config.fn, Bn_compute_blocks=config.bn, num_inference_steps=len(config.mask),

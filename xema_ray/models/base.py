@@ -243,8 +243,9 @@ class ModelSpec(ABC):
                 host = any(path == p or path.startswith(p + ".") for p in prefixes)
                 return WeightHome.HOST if host else WeightHome.DEVICE
 
-            share = HostShare(f"{self.name}|{subfolder}", opts.app) if opts.share_host else None
-            report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share)
+            share = HostShare(f"{self.name}|{subfolder}", opts.app) if opts.share_host or opts.host_copy else None
+            report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share,
+                                 host_copy=opts.host_copy, holder=opts.host_holder)
             setattr(model, PLACEMENT_ATTR, report)
         if opts.component_dtypes and subfolder != "transformer":
             # components of two dtypes meet: each takes its inputs in its own (the transformer is
@@ -299,8 +300,10 @@ class ModelSpec(ABC):
             host = any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
             return WeightHome.HOST if host else WeightHome.DEVICE
 
-        share = HostShare(f"{self.name}|text_encoder|{placement}", opts.app) if opts.share_host else None
-        report = materialize(model, device, dtype, source, home_of, share=share, pinned=placement != "cpu")
+        share = (HostShare(f"{self.name}|text_encoder|{placement}", opts.app)
+                 if opts.share_host or opts.host_copy else None)
+        report = materialize(model, device, dtype, source, home_of, share=share, pinned=placement != "cpu",
+                             host_copy=opts.host_copy, holder=opts.host_holder)
         setattr(model, PLACEMENT_ATTR, report)
         if placement == "streamed":
             from xema_ray.placement import WEIGHT_HOME_ATTR

@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from xema_ray.platforms.host_memory import SegmentHolder
+
 #: where the text encoder runs: on the device for the whole request, streamed layer by layer
 #: through the device during the set-up interval only, or on the host CPU; "none" = no encoder
 #: (prompt embeddings are seeded stand-ins, docs/measured-facts.md, "Prompts")
@@ -53,6 +55,12 @@ class BuildOptions:
     #: the Serve application the worker serves: its shared segments are that app's (two apps on a
     #: node never share or sweep each other's); ``host_memory.DEFAULT_APP`` outside Serve
     app: str = "default"
+    #: keep every weight of the model in the node's shared segment (its *host copy*), device-homed
+    #: ones too, copied to the device from it: a later worker of the node (a new replica, a group
+    #: waking from zero) maps it instead of reading the checkpoint (implies ``share_host``)
+    host_copy: bool = False
+    #: the node-level process that keeps the host copy after the last worker (None: the workers)
+    host_holder: SegmentHolder | None = None
 
     def dtype_for(self, component: str) -> torch.dtype:
         """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from xema_ray.placement import HOST_BUFFER_ATTR, WeightHome
-from xema_ray.platforms.host_memory import DEFAULT_APP, HostBuffer, SharedSegments, align, segment_app, torch_pinned_bytes
+from xema_ray.platforms.host_memory import (DEFAULT_APP, HostBuffer, SegmentHolder, SharedSegments, align, segment_app,
+                                            torch_pinned_bytes)
 
 
 @dataclass(frozen=True)
@@ -108,17 +109,19 @@ def plan_pack(root: nn.Module, dtype: torch.dtype, home_of: Callable[[str], Weig
     return HostPack(tuple(slots))
 
 
-def open_host_buffer(pack: HostPack, device: torch.device, key: str | None, app: str = DEFAULT_APP
-                     ) -> HostBuffer | None:
+def open_host_buffer(pack: HostPack, device: torch.device, key: str | None, app: str = DEFAULT_APP,
+                     holder: SegmentHolder | None = None) -> HostBuffer | None:
     """The buffer ``pack``'s tensors will be views into: none on meta (nothing is allocated) or
     for an empty pack; the node's segment named ``key`` of the Serve application ``app`` (filled
-    already when another worker of that app made it; another app's is neither used nor swept);
-    else this worker's own."""
+    already when another worker of that app made it; another app's is neither used nor swept; a
+    new one owned by ``holder``, which keeps it after its last worker, when given); else this
+    worker's own."""
     if device.type == "meta" or not pack.slots:
         return None
     if key is None:
         return HostBuffer.private(pack.nbytes)
-    return SharedSegments(app=segment_app(app)).open(key, pack.nbytes)
+    owner = holder.owner_record() if holder is not None else None
+    return SharedSegments(app=segment_app(app), owner=owner).open(key, pack.nbytes)
 
 
 def finish_host_buffer(component: nn.Module, buf: HostBuffer, device: torch.device, pinned: bool) -> None:

@@ -32,6 +32,7 @@ Values come from a ``WeightSource``:
 from __future__ import annotations
 
 import hashlib
+import time
 from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ from xema_ray.platforms.host_memory import DEFAULT_APP
 
 if TYPE_CHECKING:
     from xema_ray.models.host_pack import HostSlot
-    from xema_ray.platforms.host_memory import HostBuffer
+    from xema_ray.platforms.host_memory import HostBuffer, SegmentHolder
 
 
 class CheckpointError(ValueError):
@@ -361,6 +362,8 @@ def materialize(
     home_of: Callable[[str], WeightHome] = lambda _path: WeightHome.DEVICE,
     share: HostShare | None = None,
     pinned: bool | None = None,
+    host_copy: bool = False,
+    holder: SegmentHolder | None = None,
 ) -> PlacementReport:
     """Give every tensor of a meta-built ``module`` its value at its home, one module at a time.
 
@@ -378,17 +381,31 @@ def materialize(
             (``HostShare``); None: this worker's own buffer.
         pinned: whether the host buffer is page-locked (default: on CUDA, and on meta, which
             stands for a GPU worker); False for a component that computes on the host CPU.
+        host_copy: keep the whole component in the node's shared segment (the *host copy*, needs
+            ``share``): device-homed tensors get slots in it too and reach the device by a copy
+            from it (page-locked on CUDA). The first worker of the node fills it from ``source``;
+            a later one (a new replica, a group waking from zero) maps it and reads nothing.
+        holder: the node-level process a new shared segment belongs to: it stays after its last
+            worker closes it, while the holder lives (None: this worker owns it, the last one out
+            removes it).
 
     Returns:
         Bytes placed on the device and on the host (``PlacementReport``).
     """
     from xema_ray.models.host_pack import open_host_buffer, plan_pack, release_host_buffer
 
-    pack = plan_pack(module, dtype, home_of)
+    if host_copy and share is None:
+        raise ValueError("host_copy: the node's host copy is a shared segment; give the weights a share key")
+    copy = host_copy and device.type != "meta"  # meta: the residency's own buffer stands for the worker
+    pack = plan_pack(module, dtype, (lambda _path: WeightHome.HOST) if copy else home_of)
     pinned = device.type in ("cuda", "meta") if pinned is None else pinned
-    key = None if share is None else pack.key(f"{share.name}|{source.identity()}|{dtype}")
-    buf = open_host_buffer(pack, device, key, share.app if share is not None else DEFAULT_APP)
-    placer = _Placer(device, dtype, source, buf, {(s.path, s.name): s for s in pack.slots})
+    key = None if share is None else pack.key(f"{share.name}|{'copy|' if copy else ''}{source.identity()}|{dtype}")
+    buf = open_host_buffer(pack, device, key, share.app if share is not None else DEFAULT_APP, holder)
+    if copy and buf is not None and pinned and device.type == "cuda":
+        from xema_ray.platforms import get_platform
+
+        buf.register(get_platform("cuda"))  # device-homed tensors are copied from it during the load
+    placer = _Placer(device, dtype, source, buf, {(s.path, s.name): s for s in pack.slots}, copy)
     report = placer.report
     report.host_buffer_bytes = pack.nbytes
     report.host_pinned_bytes = pack.nbytes if pinned else 0
@@ -417,8 +434,10 @@ class _Placer:
     host-homed ones go into their slots of ``buf`` (None: no host buffer)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, source: WeightSource, buf: HostBuffer | None,
-                 slots: dict[tuple[str, str], HostSlot]) -> None:
+                 slots: dict[tuple[str, str], HostSlot], host_copy: bool = False) -> None:
         self.device, self.dtype, self.source, self.buf, self.slots = device, dtype, source, buf, slots
+        #: device-homed tensors have slots in ``buf`` too (the node's host copy) and are copied from them
+        self.host_copy = host_copy
         self.report = PlacementReport()
         self.placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
 
@@ -434,12 +453,15 @@ class _Placer:
             return
         buf = self.buf
         views = ({n: buf.view(s.offset, s.shape, s.dtype) for n in own if (s := self.slots.get((path, n))) is not None}
-                 if buf is not None and home is WeightHome.HOST else {})
+                 if buf is not None and (home is WeightHome.HOST or self.host_copy) else {})
+        start, copied = time.perf_counter(), self.report.device_copy_s
         values = self._values(path, sub, own, home, views)
         for name, meta in own.items():
             t = self._tensor(name, meta, sub, home, views, values)
             if t is None:
                 continue
+            if home is WeightHome.DEVICE and name in views:
+                t = self._to_device(t)
             if name in sub._parameters:
                 self.placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
             else:
@@ -451,6 +473,17 @@ class _Placer:
                 self.report.device_bytes += nbytes
             else:
                 self.report.host_bytes += nbytes
+        # values read or generated and copied into their host slot or home: all but the device copies
+        self.report.source_s += (time.perf_counter() - start) - (self.report.device_copy_s - copied)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A device-homed tensor's copy from its slot in the host copy (a CPU device gets its own
+        copy too: the worker's weights never alias the node's segment)."""
+        start = time.perf_counter()
+        out = t.clone() if self.device.type == "cpu" else t.to(self.device)
+        self.report.device_copy_s += time.perf_counter() - start
+        self.report.host_copy_bytes += t.numel() * t.element_size()
+        return out
 
     def _values(self, path: str, sub: nn.Module, own: dict[str, torch.Tensor], home: WeightHome,
                 views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -464,7 +497,8 @@ class _Placer:
         if views and self.buf is not None and self.buf.filled:
             self.source.mark_used(path, list(own))  # another worker of this node filled the segment
             return {}
-        values = _source_values(self.source, path, sub, self.dtype, self.device, home, views or None)
+        filled_at = WeightHome.HOST if views else home  # a host copy's slots are filled on the host
+        values = _source_values(self.source, path, sub, self.dtype, self.device, filled_at, views or None)
         self.report.transient_bytes = max(self.report.transient_bytes, self.source.transient_bytes)
         return values
 

@@ -49,6 +49,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 if TYPE_CHECKING:  # torch is imported where a buffer is made: start-up's checks (shm_dir) run without it
     import torch
 
@@ -190,6 +192,25 @@ def process_owner(pid: int | None = None) -> dict[str, int | str | None]:
     """The owner record of a process (default: this one): pid and start time."""
     pid = os.getpid() if pid is None else pid
     return {"pid": pid, "start": _process_start(pid)}
+
+
+class SegmentHolder(BaseModel):
+    """A node-level process that keeps the segments it owns after their last worker closes them
+    (a group scaled to zero keeps its host copy, so that its wake maps it): its ``process_owner``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pid: int = Field(ge=1, description="the holder's process id")
+    start: str | None = Field(description="its start time in clock ticks (a pid and this name one process)")
+
+    @classmethod
+    def this_process(cls) -> SegmentHolder:
+        own = process_owner()
+        return cls(pid=int(own["pid"] or 0), start=own["start"] if isinstance(own["start"], str) else None)
+
+    def owner_record(self) -> dict[str, int | str | None]:
+        """The ``.owner`` record of a segment it keeps."""
+        return {"pid": self.pid, "start": self.start, "keep": 1}
 
 
 def owner_alive(owner: dict[str, object]) -> bool:

@@ -134,3 +134,16 @@ def group_worker_host_bytes(configs: Iterable[ExecutionConfig], shared: bool, sh
             h = config_host_bytes(c, share, r)
             worker = h if worker is None else worker.max(h)
     return worker
+
+
+@cache
+def model_weight_bytes(model: str) -> int:
+    """Every weight of ``model`` (its transformer, VAE and text encoder) in the dtype a worker loads
+    it in: the size of its host copy (``xema_ray.models.loading.materialize(host_copy=True)``)."""
+    from xema_ray.models.loading import build_on_meta
+
+    spec = get_model_spec(model)
+    vae = build_on_meta(spec.vae_class(), spec.vae_config, _dtype(spec), real_buffers=False)
+    trees = [t for t in (_transformer(model), vae, _encoder(model)) if t is not None]
+    return sum(t.numel() * (_dtype(spec).itemsize if t.is_floating_point() else t.element_size())
+               for tree in trees for t in [*tree.parameters(), *tree.buffers()])

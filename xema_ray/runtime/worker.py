@@ -34,6 +34,7 @@ from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process
 from xema_ray.parallel.sp import SPBackend
 from xema_ray.plan import ExecutionConfig, ExpertSwap
 from xema_ray.platforms import Platform, current_platform, get_platform
+from xema_ray.platforms.host_memory import SegmentHolder
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.runtime.adapters import NO_POOL, AdapterSource, LoraPoolConfig, WorkerAdapters, install_adapters
 from xema_ray.runtime.engine import ArmLayout, Batch, BatchResult, ExecutionEngine
@@ -89,6 +90,14 @@ class ModelLoadConfig(BaseModel):
         default="default", min_length=1,
         description="the Serve application the worker serves: its shared host segments are named after it "
                     "(xema-<app>-<key>), so two apps on one node never share or sweep each other's")
+    host_copy: bool = Field(
+        default=False,
+        description="keep every weight in the node's host copy (a shared /dev/shm segment, page-locked on CUDA) "
+                    "and copy the device's from it: a later worker of this node, weights and residency maps "
+                    "it instead of reading the checkpoint (docs/serving.md, 'Warm replicas')")
+    host_copy_holder: SegmentHolder | None = Field(
+        default=None, description="the node-level process that keeps the host copy after the last worker closes it "
+                                  "(a group scaled to zero wakes warm); None: the last worker out removes it")
 
     adapters: LoraPoolConfig | None = Field(
         default=None, description="serve LoRA adapters per sample: the device pool's size (xema_ray.lora); None: none")
@@ -141,6 +150,10 @@ class LoadedModel(BaseModel):
     host_attached_bytes: int = Field(default=0, description="of the shared segments, those another worker filled")
     transient_bytes: int = Field(default=0, description="most anonymous host memory the load held at once beyond "
                                                         "the buffers")
+    host_copy_bytes: int = Field(default=0, description="device-homed weight bytes copied from the node's host copy")
+    source_s: float = Field(default=0.0, ge=0, description="weight phase: seconds reading (or generating) values into "
+                                                          "their host slot or home; near zero when the host copy was mapped")
+    device_copy_s: float = Field(default=0.0, ge=0, description="weight phase: seconds copying the host copy to the device")
     host_blocks: tuple[int, ...] = Field(description="DiT blocks homed on the host")
     text_encoder: str | None = Field(default=None, description="where the text encoder runs (None: stand-in embeddings)")
     layout_status: str | None = Field(default=None, description="the plans' static layouts: armed per batch, or why not")
@@ -260,7 +273,8 @@ class Worker(WorkerBase):
                             component_dtypes=kept,
                             host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
-                            share_host=load.shares_host(self.platform.name), app=load.app)
+                            share_host=load.shares_host(self.platform.name), app=load.app,
+                            host_copy=load.host_copy, host_holder=load.host_copy_holder)
         pipe = spec.build_pipeline(opts)
         placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
@@ -303,7 +317,8 @@ class Worker(WorkerBase):
                            host_buffer_bytes=placed.host_buffer_bytes, host_pinned_bytes=placed.host_pinned_bytes,
                            host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,
                            host_attached_bytes=placed.host_attached_bytes, transient_bytes=placed.transient_bytes,
-                           host_blocks=residency.host_blocks, text_encoder=placement,
+                           host_copy_bytes=placed.host_copy_bytes, source_s=placed.source_s,
+                           device_copy_s=placed.device_copy_s, host_blocks=residency.host_blocks, text_encoder=placement,
                            layout_status=self.layout_status, adapters_refused=tuple(refused),
                            adapters=tuple(i.name for i in self.list_adapters()))
 

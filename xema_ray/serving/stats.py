@@ -19,6 +19,30 @@ from xema_ray.serving.replica_bind import bind_replica_servers_to_node
 #: the Stats counter of requests answered at a quality tier: ``quality.<tier>``
 QUALITY_COUNT = "quality."
 
+#: the Stats deployment's counters of requests held for a group waking from zero: ``wake|<model>|<what>``
+#: (``api/wake.py``; ``wait_ms`` in milliseconds)
+WAKE_COUNTS = ("held", "woke", "timed_out", "queue_full", "wait_ms")
+
+
+class WakeStats(BaseModel):
+    """One group's requests held while it woke, in ``/v1/stats`` (every Router replica's)."""
+
+    held: int = Field(default=0, ge=0, description="requests that arrived while the group was scaled to zero or waking")
+    woke: int = Field(default=0, ge=0, description="of those, forwarded once the group served")
+    timed_out: int = Field(default=0, ge=0, description="of those, answered 503 `waking` past the wake timeout")
+    queue_full: int = Field(default=0, ge=0, description="refused 503 `queue_full`: max_queue requests already held")
+    wait_s: float = Field(default=0.0, ge=0, description="seconds held, all requests together")
+
+
+def wake_stats(counts: dict[str, int], models: list[str]) -> dict[str, WakeStats]:
+    """The ``waking`` part of ``/v1/stats`` from the Stats deployment's counters."""
+    out = {}
+    for m in models:
+        got = {k: counts.get(f"wake|{m}|{k}", 0) for k in WAKE_COUNTS}
+        out[m] = WakeStats(held=got["held"], woke=got["woke"], timed_out=got["timed_out"],
+                           queue_full=got["queue_full"], wait_s=got["wait_ms"] / 1000)
+    return out
+
 
 class StatsResponse(BaseModel):
     """``GET /v1/stats``."""
@@ -32,6 +56,9 @@ class StatsResponse(BaseModel):
     preemption: dict[str, PreemptionReport] = Field(
         default_factory=dict, description="per model group (that answered within the probe timeout): step-level "
                                           "preemption per template, and the dispatcher's latest decisions")
+    waking: dict[str, WakeStats] = Field(
+        default_factory=dict, description="per model group that scales to zero (autoscaling.min_replicas 0): the "
+                                          "requests held while it woke, and how each ended")
     adapters: dict[str, list[PoolStats]] = Field(
         default_factory=dict, description="per model group serving LoRA adapters: each worker's pool (resident "
                                           "adapters, copies, evictions, seconds batches waited for copies)")

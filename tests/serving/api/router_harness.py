@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -104,9 +104,13 @@ class RouterHarness:
 
 @contextmanager
 def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs: JobStoreConfig | None = None,
-                   adapters: dict[str, LoraPoolConfig] | None = None, **router_kwargs: Any) -> Iterator[RouterHarness]:
+                   adapters: dict[str, LoraPoolConfig] | None = None, handle: Callable[[Any], Any] = LocalHandle,
+                   replica_counts: Callable[[], Awaitable[dict[str, int] | None]] | None = None,
+                   **router_kwargs: Any) -> Iterator[RouterHarness]:
     """The Router serving ``plans`` (one group of one in-process worker per model; ``jobs``: the
-    job store of the video job API; ``adapters``: the adapter pool of each model that has one)."""
+    job store of the video job API; ``adapters``: the adapter pool of each model that has one;
+    ``handle``: what stands for each group's Serve handle; ``replica_counts``: for Serve's
+    controller's count of each group's running replicas)."""
     from ray.serve import context as serve_context
 
     from xema_ray.serving.api import router as router_module
@@ -126,8 +130,10 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     router = object.__new__(cls)  # the class itself: its wrapper's (async) __init__ and __del__ are Serve's
 
     async def build() -> None:
-        cls.__init__(router, {m: LocalHandle(g) for m, g in groups.items()}, table, templates, jobs=jobs,
+        cls.__init__(router, {m: handle(g) for m, g in groups.items()}, table, templates, jobs=jobs,
                      adapter_pools={m: a for m, a in adapters.items() if m in groups}, **router_kwargs)
+        if replica_counts is not None:
+            router.health.replica_counts = replica_counts
     saved = serve_context._INTERNAL_REPLICA_CONTEXT
     try:
         asyncio.run_coroutine_threadsafe(build(), loop).result(60)  # outside a replica: no Serve controller asked

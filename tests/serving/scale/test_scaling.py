@@ -232,6 +232,22 @@ def test_min_replicas_is_kept() -> None:
     assert decide_replicas(quiet, current=1, spec=SPEC.model_copy(update={"min_replicas": 2}), now=100.0).replicas == 2
 
 
+def test_an_idle_group_that_scales_to_zero_gives_its_last_replica_back() -> None:
+    zero = AutoscalingSpec(min_replicas=0, max_replicas=2)
+    assert zero.scales_to_zero and not SPEC.scales_to_zero
+    d = decide_replicas([replica("r0")], current=1, spec=zero, now=100.0)
+    assert d.action == "down" and d.replicas == 0 and "idle" in d.reason
+    # anything queued, running or arrived over the window keeps it
+    for busy in (replica("r0", queues={"img": q(1)}), replica("r0", queues={"img": q(0, rate=0.05)}),
+                 replica("r0", running=[RunningBatch(template="img", workers=[0], requests=1, remaining_s=5.0,
+                                                     remaining_steps=5, deadline_s=30.0)])):
+        assert decide_replicas([busy], current=1, spec=zero, now=100.0).replicas == 1
+    # at zero (no summary: no replica) it stays there; Serve wakes it for the first request
+    assert decide_replicas([], current=0, spec=zero, now=100.0).replicas == 0
+    # min_replicas 1 never drops the last one
+    assert decide_replicas([replica("r0")], current=1, spec=SPEC, now=100.0).replicas == 1
+
+
 def test_error_raised_if_max_replicas_is_below_min_replicas() -> None:
     with pytest.raises(ValueError, match="max_replicas"):
         AutoscalingSpec(min_replicas=3, max_replicas=2)
@@ -285,3 +301,34 @@ def test_serve_policy_decides_from_the_latest_published_summaries() -> None:
     policy = SloAutoscalingPolicy(spec.model_dump(), {k: p.model_dump() for k, p in PLANS.items()})
     n, state = policy(_Ctx(by_name, target=2))
     assert n == 6 and state["xema_decision"]["action"] == "up"
+
+
+def test_the_wake_timeout_is_the_specs_else_three_plan_warm_starts() -> None:
+    from xema_ray.plan import ReplicaStart
+    from xema_ray.profiling.replica_start import MEASURED_CPU, predict_start
+
+    start = predict_start(2_150_000_000, MEASURED_CPU)  # the benchmark's model: its measured phases back
+    assert start.warm_s == pytest.approx(MEASURED_CPU.process_s + 3.3, abs=0.05)
+    assert start.cold_s == pytest.approx(MEASURED_CPU.process_s + 8.4 + 3.3, abs=0.05)
+    zero = AutoscalingSpec(min_replicas=0)
+    assert zero.wake_timeout(start) == pytest.approx(3 * start.warm_s)
+    assert zero.wake_timeout(ReplicaStart(weight_bytes=1, cold_s=1.0, warm_s=1.0, basis="b")) == 30.0
+    assert zero.wake_timeout(None) == 120.0
+    assert AutoscalingSpec(min_replicas=0, wake_timeout_s=5.0).wake_timeout(start) == 5.0
+
+
+def test_a_table_without_a_start_prediction_gets_one_at_start_up() -> None:
+    from deployments.app import wake_policy
+    from xema_ray.plan import PlanTable
+    from xema_ray.profiling.replica_start import MEASURED_CPU, predict_start
+    from xema_ray.runtime.host_bytes import model_weight_bytes
+    from xema_ray.serving.group.settings import ModelGroupConfig
+
+    g = ModelGroupConfig(model="tiny-flux2", templates=[{"width": 64, "height": 64}], max_queue=5,
+                         autoscaling={"min_replicas": 0, "max_replicas": 2})
+    assert g.scales_to_zero and g.wants_host_copy()  # its wake maps the node's host copy
+    table = PlanTable(hardware="cpu", gpus=1, budget_bytes=10**9)
+    warm = predict_start(model_weight_bytes("tiny-flux2"), MEASURED_CPU).warm_s
+    assert wake_policy(g, table).timeout_s == pytest.approx(max(30.0, 3 * warm)) and wake_policy(g, table).max_queue == 5
+    planned = table.model_copy(update={"replica_start": {"tiny-flux2": predict_start(10**11, MEASURED_CPU)}})
+    assert wake_policy(g, planned).timeout_s == pytest.approx(3 * planned.replica_start["tiny-flux2"].warm_s)

@@ -12,7 +12,7 @@ message whether or not the file exists.
 # no `from __future__ import annotations`: FastAPI must see the request models as real classes
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -93,16 +93,17 @@ class AdapterAdmin:
     def __init__(self, groups: Mapping[str, GroupHandle]) -> None:
         self.groups = groups
 
-    async def pool_stats(self, timeout_s: float) -> dict[str, list[PoolStats]]:
+    async def pool_stats(self, timeout_s: float,
+                         skip: Callable[[str], bool] = lambda _m: False) -> dict[str, list[PoolStats]]:
         """Per model serving adapters, each worker's pool (``/v1/stats``; a group that does not
-        answer within ``timeout_s`` is left out)."""
+        answer within ``timeout_s``, or that ``skip`` names, e.g. one scaled to zero, is left out)."""
         async def ask(model: str) -> list[PoolStats]:
             try:
                 return list(await asyncio.wait_for(self.groups[model].adapter_stats(), timeout=timeout_s))
             except Exception:  # noqa: BLE001 — stats never fail the answer
                 return []
 
-        models = sorted(self.groups)
+        models = [m for m in sorted(self.groups) if not skip(m)]
         answers = await asyncio.gather(*(ask(m) for m in models))
         return {m: a for m, a in zip(models, answers, strict=True) if a}
 

@@ -10,7 +10,7 @@ this deployment does not serve, ``supported_templates``. Status codes:
 | 413 | invalid_request_error | the body is larger than ``limits.max_body_bytes`` |
 | 415 | invalid_request_error | the body is not ``application/json`` |
 | 422 | invalid_request_error | a field is missing, malformed or out of range — the model's own range too (``param`` names it); a request that failed inside its batch for its own input (named by the worker, or failing alone with a ``ValueError`` / ``TypeError`` while its neighbours were served: ``serving/group/isolation.py``) |
-| 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, a worker / replica / node died, or the batch ran out of device memory (``entry``, ``requested_bytes``, ``free_bytes`` say what); always with Retry-After |
+| 503 | service_unavailable | an admission limit was hit (``limit`` names it), a group is starting, a group scaled to zero did not wake within its wake timeout (``code: waking``), a worker / replica / node died, or the batch ran out of device memory (``entry``, ``requested_bytes``, ``free_bytes`` say what); always with Retry-After |
 | 500 | server_error | a bug (never for a client's input); ``code: request_failed``: a request that failed inside its batch and again alone, not for its input (its neighbours were served) |
 
 Messages quote at most ``QUOTE_CHARS`` characters of an offending value: a 1 MB prompt is not
@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from xema_ray.serving.api.schemas import UnsupportedTemplate
+from xema_ray.serving.api.wake import GroupWaking
 from xema_ray.serving.messages import GroupUnavailable, InvalidRequest, QueueFull, RequestFailedAlone
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ErrorDetail(BaseModel):
     code: str | None = Field(default=None, description="a machine-readable reason, e.g. queue_full")
     limit: str | None = Field(default=None, description="503 for overload only: the admission limit that was hit "
                                                         "(limits.max_in_flight, models[].max_queue, "
-                                                        "max_queued_requests)")
+                                                        "max_queued_requests, models[].autoscaling.wake_timeout_s)")
     supported_templates: list[str] | None = Field(default=None, description="400 only: the templates served")
     entry: str | None = Field(default=None, description="503 out of device memory only: the plan entry whose batch "
                                                         "failed (template, and its layout when it has one)")
@@ -143,6 +144,9 @@ def exception_response(e: BaseException) -> JSONResponse | None:
     if isinstance(cause, QueueFull):
         return error_response(503, str(cause), "service_unavailable", code="queue_full",
                               retry_after_s=cause.retry_after_s, limit="models[].max_queue")
+    if isinstance(cause, GroupWaking):  # held past its group's wake timeout (api/wake.py)
+        return error_response(503, str(cause), "service_unavailable", code="waking",
+                              retry_after_s=cause.retry_after_s, limit="models[].autoscaling.wake_timeout_s")
     if isinstance(cause, GroupUnavailable):
         return error_response(503, str(cause), "service_unavailable", code="group_unavailable")
     if _is_device_oom(cause):  # one batch failed; the worker serves the next

@@ -14,7 +14,11 @@ pending the last answer stands, unless a fact contradicts it:
 
 States (``/healthz``): ``starting`` (the group never answered yet: it is loading its model),
 ``degraded`` (a fact says its replica is gone, or the group itself reports a degraded worker
-set), ``ok``. New requests are refused (HTTP 503, Retry-After) only on a fact: the group's
+set), ``ok``, and for a group that scales to zero (``sleepers``) ``asleep``: Serve's controller
+reports no running replica of it. An asleep group is ready (a request wakes it and is held
+meanwhile, ``wake.WakeGate``) and is never probed: a status call queued at its handle would wake
+it (Serve scales a deployment at zero up for any request), so its probe asks the controller
+first, and a probe left pending when its replica went away is cancelled, not read as a death. New requests are refused (HTTP 503, Retry-After) only on a fact: the group's
 replica is known gone or not running yet, or the group says it is starting. A group that simply
 has not answered yet is not ready, but a request for it is forwarded (Serve holds it until a
 replica runs). A request already accepted is never given up by the Router: it gets its answer,
@@ -50,7 +54,7 @@ CONTROLLER_TIMEOUT_S = 5.0
 #: Retry-After of a 503 for a group that is starting or whose replica is being replaced
 STARTING_RETRY_AFTER_S = 5
 
-GroupState = Literal["starting", "degraded", "ok"]
+GroupState = Literal["starting", "degraded", "ok", "asleep"]
 #: model name -> running replicas of its group's deployment (Serve's controller), or None: unknown
 ReplicaCounter = Callable[[], Awaitable[dict[str, int] | None]]
 
@@ -71,7 +75,7 @@ class GroupReport(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    status: GroupState = Field(description="starting | degraded | ok")
+    status: GroupState = Field(description="starting | degraded | ok | asleep (scaled to zero: a request wakes it)")
     reason: str | None = Field(default=None, description="why it is not ok")
     accepting: bool = Field(description="new requests are admitted: refused only on a fact (its replica is gone or "
                                         "not running yet, or the group says it is starting)")
@@ -100,6 +104,8 @@ class _Group:
         self.gone_at: float | None = None
         self.pending_since: float | None = None
         self.gone_event = asyncio.Event()  # set while a death fact stands (requests waiting on the group end)
+        self.asleep = False  # a group that scales to zero: Serve's controller reports no running replica
+        self.serving = asyncio.Event()  # set while its last answer says it serves (not starting, not asleep)
 
 
 class GroupHealth:
@@ -111,12 +117,15 @@ class GroupHealth:
             no such fact is consulted).
         interval_s: pause between two probes of one group.
         pending_check_s: a probe pending this long makes it consult ``replica_counts``.
+        sleepers: the groups that scale to zero (``autoscaling.min_replicas: 0``).
     """
 
     def __init__(self, groups: Mapping[str, GroupHandle], replica_counts: ReplicaCounter | None = None,
-                 interval_s: float = PROBE_INTERVAL_S, pending_check_s: float = PENDING_CHECK_S) -> None:
+                 interval_s: float = PROBE_INTERVAL_S, pending_check_s: float = PENDING_CHECK_S,
+                 sleepers: frozenset[str] = frozenset()) -> None:
         self.groups = groups
         self.replica_counts = replica_counts
+        self.sleepers = sleepers
         self.interval_s = interval_s
         self.pending_check_s = pending_check_s
         self._known = {m: _Group() for m in groups}
@@ -132,6 +141,35 @@ class GroupHealth:
         g.last, g.answered_at, g.gone, g.gone_at = status, time.monotonic(), None, None
         g.asked_at = g.answered_at if asked_at is None else asked_at
         g.gone_event.clear()
+        g.asleep = False
+        if str(status.get("status", "ok")) == "starting":
+            g.serving.clear()
+        else:
+            g.serving.set()
+
+    def fell_asleep(self, model: str) -> None:
+        """A group that scales to zero has no running replica: asleep, not gone."""
+        g = self._known[model]
+        if not g.asleep:
+            logger.info("%s: scaled to zero", model)
+        g.asleep, g.gone, g.gone_at = True, None, None
+        g.gone_event.clear()
+        g.serving.clear()
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model``'s group's last answer says it serves (not asleep, starting or gone)."""
+        g = self._known[model]
+        return g.serving.is_set() and g.gone is None
+
+    def quiet(self, model: str) -> bool:
+        """Whether ``model``'s group is not to be called but for a request: it scales to zero and does
+        not serve now (asleep, or waking). Any call waiting at its handle makes Serve wake it, and
+        waits for the wake: the stats and the console leave it out."""
+        return model in self.sleepers and not self.serves(model)
+
+    async def wait_serving(self, model: str) -> None:
+        """Returns once ``model``'s group answers that it serves (a group waking from zero)."""
+        await self._known[model].serving.wait()
 
     def died(self, model: str, reason: str) -> None:
         g = self._known[model]
@@ -140,6 +178,7 @@ class GroupHealth:
             g.gone_at = time.monotonic()
         g.gone = reason
         g.gone_event.set()
+        g.serving.clear()
 
     async def wait_gone(self, model: str) -> str:
         """Returns (the reason) once a death fact about ``model``'s group stands: a request waiting
@@ -172,7 +211,7 @@ class GroupHealth:
             # an answer counts only if its probe was sent after this call: under load the Router's
             # loop may read, after ``start``, an answer a replica gave just before it was killed
             g = self._known[m]
-            return any(t is not None and t >= start for t in (g.asked_at, g.gone_at)) or g.gone is not None
+            return any(t is not None and t >= start for t in (g.asked_at, g.gone_at)) or g.gone is not None or g.asleep
 
         while not all(news(m) for m in self.groups) and time.monotonic() - start < wait_s:
             got = counts.result() if counts.done() else None
@@ -204,6 +243,11 @@ class GroupHealth:
         """One status call, waited for as long as it takes; while it waits, Serve's controller is
         asked (every ``pending_check_s``) whether the group still has a running replica."""
         g = self._known[model]
+        if model in self.sleepers:  # asked now, not a cached answer: the group may have just scaled to zero
+            counts = await self._replica_counts(newer_than=time.monotonic())
+            if counts is not None and counts.get(model, 1) == 0:
+                self.fell_asleep(model)  # not probed: a status call would wake it
+                return
         g.pending_since = asked_at = time.monotonic()
         call = asyncio.ensure_future(self._status(model))
         try:
@@ -212,6 +256,8 @@ class GroupHealth:
                 if done:
                     break
                 await self._check_replicas(model)
+                if self._known[model].asleep:
+                    return  # its replica went away while asked (scaled to zero): the call is cancelled below
             try:
                 self.answered(model, call.result(), asked_at)
             except Exception as e:
@@ -230,6 +276,9 @@ class GroupHealth:
             self._no_replica(model)
 
     def _no_replica(self, model: str) -> None:
+        if model in self.sleepers:
+            self.fell_asleep(model)
+            return
         self.died(model, "Serve reports no running replica of its group (starting, being replaced, or its node is gone)")
 
     async def _replica_counts(self, newer_than: float | None = None) -> dict[str, int] | None:
@@ -270,6 +319,9 @@ class GroupHealth:
             state: GroupState = "degraded" if g.last is not None else "starting"
             return make(model=model, status=state, reason=g.gone, accepting=False, answered_s_ago=ago,
                                probe_pending_s=pending)
+        if g.asleep:
+            return make(model=model, status="asleep", reason="scaled to zero: the next request wakes it",
+                        accepting=True, answered_s_ago=ago, probe_pending_s=pending)
         if g.last is None:
             # no fact yet: not ready, but a request is forwarded (Serve holds it until a replica is up)
             return make(model=model, status="starting", reason="no status answer yet (loading its model)",
@@ -284,7 +336,7 @@ class GroupHealth:
 
     def health(self, plan_hardware: str) -> HealthResponse:
         reports = {m: self.report(m) for m in sorted(self.groups)}
-        not_ok = [m for m, r in reports.items() if r.status != "ok"]
+        not_ok = [m for m, r in reports.items() if r.status not in ("ok", "asleep")]  # asleep: a request wakes it
         if not not_ok:
             status: GroupState = "ok"
         elif any(reports[m].status == "degraded" for m in not_ok):

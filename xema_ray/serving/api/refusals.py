@@ -35,6 +35,7 @@ CODE_REASONS: dict[str, str] = {
     "too_many_jobs": "tenant_jobs_limit",
     "device_out_of_memory": "out_of_memory",
     "group_unavailable": "unavailable",
+    "waking": "waking",  # a group scaled to zero did not wake within its wake timeout
     "replica_died": "unavailable",
     "replica_unavailable": "unavailable",
     "store_unavailable": "store_unavailable",

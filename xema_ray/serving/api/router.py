@@ -53,6 +53,7 @@ from xema_ray.serving.api.health import (
 from xema_ray.serving.group.handle import GroupHandle
 from xema_ray.serving.group.preemption import PreemptionReport
 from xema_ray.serving.stats import QUALITY_COUNT, BufferedCounts, StatsResponse
+from xema_ray.serving.api.wake import WakeGate, WakePolicy, wake_stats
 from xema_ray.serving.api.middleware import RequestGuard
 from xema_ray.serving.api.refusals import RefusalMeter
 from xema_ray.serving.api.responses import documented as _documented, front_timing as _front_timing, where_headers as _where
@@ -123,12 +124,14 @@ class Router:
                  limits: RequestLimits | None = None, jobs: JobStoreConfig | None = None, emulated: bool = False,
                  auth: AuthConfig | None = None,
                  console_traces: Callable[[str, Any, int], TraceView] | None = None,
-                 adapter_pools: dict[str, LoraPoolConfig] | None = None) -> None:
+                 adapter_pools: dict[str, LoraPoolConfig] | None = None,
+                 wake: dict[str, WakePolicy] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
         self.groups: dict[str, GroupHandle] = {m: GroupHandle(h) for m, h in groups.items()}
         self.adapter_admin = AdapterAdmin(self.groups)
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
-        self.health = GroupHealth(self.groups, replica_counts=_replica_counter(sorted(self.groups)))
+        self.health = GroupHealth(self.groups, replica_counts=_replica_counter(sorted(self.groups)),
+                                  sleepers=frozenset(wake or {}))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
             self.health.ensure_started()
         except RuntimeError:  # no running loop here: the first request starts them
@@ -145,6 +148,8 @@ class Router:
         self.served_quality: dict[str, int] = {}  # answered, by the tier served (the Stats deployment counts all)
         self.console_traces = console_traces  # (template, plan entry, budget) -> TraceView
         self._counts = BufferedCounts(self._stats_add, COUNT_FLUSH_S) if stats is not None else None
+        # the groups that scale to zero: their requests are held while they wake (api/wake.py)
+        self.wake = WakeGate(dict(wake or {}), self.health, self._counts.add if self._counts is not None else None)
         # the document states this deployment: its templates, planned batches, adapter pools, job store
         install_openapi(app, self.served, self.limits, {k: table.entries[k].config.batch for k in self.served},
                         adapter_pools or {}, url_images=jobs is not None,
@@ -208,7 +213,12 @@ class Router:
                         references: tuple[bytes, ...] = (), lora: list[LoraUse] | None = None) -> GenerateResult:
         handle = self.groups[t.model]
         self.health.ensure_started()
-        self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
+        waking = self.wake.waking(t.model)  # scaled to zero, or waking: held, not refused
+        if waking:
+            latency = self.table.entries[t.shape_key].prediction.latency_s
+            self.wake.enter(t.model, t.shape_key, retry_after_s=max(1.0, latency))  # a full queue: as admission
+        else:
+            self.health.admit(t.model)  # 503 only while the group is starting or its replica is known gone
         seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
         # accepted: waited for until it answers, or until a fact says its group is gone (Ray's death
         # error, or Serve's controller reporting no running replica) — never because it is slow
@@ -223,6 +233,8 @@ class Router:
             return await response
 
         call = asyncio.ensure_future(result())
+        if waking:  # Serve wakes the group for the request waiting at its handle; held up to the wake timeout
+            await self.wake.hold(t.model, t.shape_key, call, response)
         gone = asyncio.ensure_future(self.health.wait_gone(t.model))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -435,6 +447,7 @@ class Router:
         bytes the paused ones hold, seconds paused; a group that does not answer in time is left out)."""
         received = self.received
         quality = dict(self.served_quality)
+        counts = dict(self.wake.local)  # this replica's own, unless Stats answers for every replica
         if self.stats is not None:
             if self._counts is not None:
                 await self._counts.flush()  # this replica's own requests are in the answer
@@ -445,9 +458,10 @@ class Router:
             except Exception:
                 pass
         layouts, preemption, adapters = await asyncio.gather(self._layout_stats(), self._preemption_stats(),
-                                                             self.adapter_admin.pool_stats(STATS_TIMEOUT_S))
+                                                             self.adapter_admin.pool_stats(STATS_TIMEOUT_S, self.health.quiet))
         return StatsResponse(received=received, quality=dict(sorted(quality.items())), static_layouts=layouts,
-                             preemption=preemption, adapters=adapters)
+                             preemption=preemption, adapters=adapters,
+                             waking=wake_stats(counts, sorted(self.wake.policies)))
 
     async def _layout_stats(self) -> dict[str, GroupLayoutStats]:
         async def ask(model: str) -> GroupLayoutStats:
@@ -456,8 +470,10 @@ class Router:
                 return GroupLayoutStats.model_validate(raw)
             except Exception as e:  # a group being replaced must not fail the stats
                 return GroupLayoutStats(status=f"unavailable: {type(e).__name__}")
-        models = sorted(self.groups)
-        return dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
+        models = [m for m in sorted(self.groups) if not self.health.quiet(m)]  # a call would wake a group at zero
+        asked = dict(zip(models, await asyncio.gather(*(ask(m) for m in models)), strict=True))
+        return {m: asked.get(m) or GroupLayoutStats(status="asleep: scaled to zero, not asked")
+                for m in sorted(self.groups)}
 
     async def _group_layout_stats(self, model: str) -> GroupLayoutStats:
         return await self.groups[model].layout_stats()
@@ -469,7 +485,7 @@ class Router:
                 return PreemptionReport.model_validate(raw)
             except Exception:  # a group being replaced is left out rather than failing the stats
                 return None
-        models = sorted(self.groups)
+        models = [m for m in sorted(self.groups) if not self.health.quiet(m)]  # a call would wake a group at zero
         answers = await asyncio.gather(*(ask(m) for m in models))
         return {m: r for m, r in zip(models, answers, strict=True) if r is not None}
 

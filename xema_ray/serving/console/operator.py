@@ -158,8 +158,11 @@ async def operator_view(router: Any, stats: StatsResponse) -> OperatorView:
         report = router.health.report(m)
         extra = report.model_extra or {}
         running_n, target_n, bounds = targets.get(m, (None, None, None))
-        replicas, loads = await asyncio.gather(replica_summaries(router.groups[m], running_n or 1),
-                                               replica_loads(router.groups[m], running_n or 1))
+        replicas: list[ReplicaSummary] = []
+        loads: list[GroupLoad] = []
+        if not router.health.quiet(m):  # a group scaled to zero is not asked: a call would wake it
+            replicas, loads = await asyncio.gather(replica_summaries(router.groups[m], running_n or 1),
+                                                   replica_loads(router.groups[m], running_n or 1))
         attainment = attainment_of(loads)
         layouts: GroupLayoutStats | None = stats.static_layouts.get(m)
         if layouts is not None and layouts.status.startswith("unavailable"):

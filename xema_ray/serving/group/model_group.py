@@ -64,6 +64,7 @@ from xema_ray.serving.scale.replica_summary import ReplicaSummary
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
+    from xema_ray.platforms.host_memory import SegmentHolder
     from xema_ray.runtime.engine import GenerationRequest
     from xema_ray.runtime.worker import LoadedModel
     from xema_ray.serving.group.load_metrics import GroupLoad
@@ -113,6 +114,9 @@ class ModelGroup:
             for "cpu" and "cuda"; tests give ``InProcessWorkerSet``).
         adapter_registry: the handle of the app's ``AdapterRegistry`` (replicated groups with adapters
             follow it).
+        host_holder: the node-level process that keeps the model's host copy (``host_copy``) after
+            the group's last worker on the node is gone (a group scaled to zero wakes warm); None:
+            the last worker out removes it.
 
     Its collaborators: ``adapters`` (``GroupAdapters``: the LoRA adapters, the admin calls, the
     replicas' sync) and ``publisher`` (``SummaryPublisher``: the replica's summary for the request
@@ -121,8 +125,10 @@ class ModelGroup:
     """
 
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
-                 worker_set: WorkerSetFactory = worker_set_for, adapter_registry: DeploymentHandle | None = None) -> None:
+                 worker_set: WorkerSetFactory = worker_set_for, adapter_registry: DeploymentHandle | None = None,
+                 host_holder: SegmentHolder | None = None) -> None:
         s = settings if settings is not None else GroupSettings()
+        self.host_holder = host_holder
         self._settings = s
         self.config = config
         self.model = model = config.model
@@ -175,7 +181,8 @@ class ModelGroup:
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
-                               adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name())
+                               adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name(),
+                               host_copy=c.wants_host_copy() and s.emulation is None, host_copy_holder=self.host_holder)
         return WorkerSetSpec(
             device=s.device, size=self.n_workers, load=load, worker_cpus=s.worker_cpus, backend=s.worker_set,
             layouts=tuple(sorted({(e.config.ulysses, e.config.ring) for e in entries.values() if e.config.sp > 1})),

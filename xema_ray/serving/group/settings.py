@@ -44,6 +44,10 @@ class ModelGroupConfig(GroupShape):
     share_host_weights: Literal["auto", "on", "off"] = Field(
         default="auto", description="the group's workers on a node share one copy of their host-homed weights "
                                     "(a /dev/shm segment): auto = on GPUs; off = each worker its own exact buffer")
+    host_copy: Literal["auto", "on", "off"] = Field(
+        default="auto", description="keep every weight in the node's host copy (a /dev/shm segment the node keeps): a "
+                                    "new replica or a wake maps it instead of reading the checkpoint; auto = on for a "
+                                    "group that scales to zero (autoscaling.min_replicas 0)")
     max_preemptions: int = Field(
         default=2, ge=0, le=16,
         description="step-level preemption: most times one request is paused for a more urgent batch "
@@ -55,6 +59,14 @@ class ModelGroupConfig(GroupShape):
     bundle_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.autoscaling is not None and self.autoscaling.scales_to_zero
+
+    def wants_host_copy(self) -> bool:
+        """Whether the group's workers keep the node's host copy of the model (``host_copy``)."""
+        return self.host_copy == "on" or (self.host_copy == "auto" and self.scales_to_zero)
 
     @model_validator(mode="after")
     def _known(self) -> ModelGroupConfig:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xema_ray.plan import ReplicaStart
+
 from xema_ray.serving.scale.replica_summary import (
     MAX_DEADLINES,
     Attainment,
@@ -33,12 +35,20 @@ from xema_ray.serving.scale.replica_summary import (
 )
 
 
+#: how long a request to a group scaled to zero is held when the plan predicts no start: a replica's
+#: start (a Ray actor, its workers, imports, the weights from the node's host copy, docs/serving.md
+#: "Scale to zero"); with a prediction, three times its warm start, at least ``MIN_WAKE_TIMEOUT_S``
+WAKE_TIMEOUT_S = 120.0
+MIN_WAKE_TIMEOUT_S = 30.0
+
+
 class AutoscalingSpec(BaseModel):
     """A model group's autoscaling (the YAML's ``autoscaling:``); replicas stay within the bounds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_replicas: int = Field(default=1, ge=1, description="replicas kept however idle")
+    min_replicas: int = Field(default=1, ge=0, description="replicas kept however idle; 0: the group scales to zero "
+                                                            "when idle and the first request wakes it")
     max_replicas: int = Field(default=4, ge=1, description="replicas at most (each needs `workers` GPUs)")
     target_attainment: float = Field(default=0.9, gt=0, le=1,
                                      description="add a replica when predicted attainment falls below this")
@@ -48,6 +58,20 @@ class AutoscalingSpec(BaseModel):
     upscale_delay_s: float = Field(default=0.0, ge=0, description="how long a scale-up decision must hold")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="how long a scale-down decision must hold")
     metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas publish their summary")
+    wake_timeout_s: float | None = Field(
+        default=None, gt=0, description="min_replicas 0: how long a request to the group at zero is held while a "
+                                        "replica starts, before a 503 `waking` with Retry-After; None: three times the "
+                                        "plan's predicted warm start, at least 30 s (120 s without one)")
+
+    def wake_timeout(self, start: ReplicaStart | None) -> float:
+        """``wake_timeout_s``, else from the plan table's predicted warm start of the group's replica."""
+        if self.wake_timeout_s is not None:
+            return self.wake_timeout_s
+        return max(MIN_WAKE_TIMEOUT_S, 3 * start.warm_s) if start is not None else WAKE_TIMEOUT_S
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:
@@ -140,6 +164,11 @@ def _attainment(summaries: Sequence[ReplicaSummary], window_s: float, now: float
     return total
 
 
+def idle(s: ReplicaSummary) -> bool:
+    """Nothing queued, running or arrived over the replica's arrival window."""
+    return not s.running and all(q.queued == 0 and q.arrival_rate == 0 for q in s.queues.values())
+
+
 def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: AutoscalingSpec, now: float) -> ScaleDecision:
     """The replica count for the next window (bounded by the spec), from the published summaries
     of the running replicas (``current`` counts replicas still starting too)."""
@@ -178,6 +207,10 @@ def decide_replicas(summaries: Sequence[ReplicaSummary], current: int, spec: Aut
         return ScaleDecision(replicas=max(lo, len(live)), action="down", attainment=frac,
                              reason=f"the {len(live)} running replicas predict {frac:.3f} without the "
                                     f"{current - len(live)} not running")
+    if lo == 0 and current == len(live) == 1 and idle(live[0]):
+        # nothing queued, running or arriving over the summary's window: give the GPUs back (Serve
+        # holds the decision for downscale_delay_s; the next request wakes the group)
+        return ScaleDecision(replicas=0, action="down", attainment=frac, reason="idle: scaled to zero")
     if current > lo and len(live) == current and len(live) > 1:
         # the replica with the least to do is the one whose load is cheapest to share out
         loads = [sum(q.queued for q in s.queues.values()) + sum(b.requests for b in s.running) for s in live]
