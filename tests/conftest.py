@@ -55,8 +55,25 @@ def _stop_serve_router_thread(timeout_s: float = 5.0) -> None:
             thread.join(timeout_s)
 
 
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over and reported: stop Serve's router thread, then leave with pytest's status
+    without the interpreter's teardown. A process that ran Ray and many Serve handles has died
+    with SIGSEGV in that teardown (Ray's core worker torn down under its own threads) after every
+    test had passed; what the run found is pytest's status, not how native threads die. Only for
+    a whole run: ``XEMA_TEST_TEARDOWN=1`` keeps the interpreter's teardown (to debug it)."""
     _stop_serve_router_thread()
+    if _EXIT_STATUS and os.environ.get("XEMA_TEST_TEARDOWN") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
 
 
 @pytest.fixture(scope="module")
