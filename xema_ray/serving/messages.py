@@ -89,8 +89,8 @@ class RequestFailedAlone(RuntimeError):
         return str(self.args[0])
 
 
-class QueueFull(RuntimeError):
-    """The template's queue is full (HTTP 503 with Retry-After)."""
+class RetryLater(RuntimeError):
+    """A refusal the client may retry after ``retry_after_s`` (HTTP 503 with Retry-After)."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         # both values in args: the exception crosses the replica -> router boundary by pickle
@@ -99,6 +99,10 @@ class QueueFull(RuntimeError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class QueueFull(RetryLater):
+    """The template's queue is full (HTTP 503 with Retry-After)."""
 
 
 

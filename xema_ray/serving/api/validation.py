@@ -37,12 +37,17 @@ def content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-def _number_kinds(model: type[BaseModel], name: str) -> tuple[type, ...]:
+def _field_types(model: type[BaseModel], name: str) -> tuple[Any, ...]:
+    """The types ``name`` of ``model`` takes (a union's members; none for a field it lacks)."""
     field = model.model_fields.get(name)
     if field is None:
         return ()
     ann = field.annotation
-    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
+    return typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
+
+
+def _number_kinds(model: type[BaseModel], name: str) -> tuple[type, ...]:
+    args = _field_types(model, name)
     if str in args:
         return ()  # the field takes text as it is (e.g. seconds: '4')
     return tuple(k for k in (int, float) if k in args)
@@ -50,22 +55,12 @@ def _number_kinds(model: type[BaseModel], name: str) -> tuple[type, ...]:
 
 def _takes_list(model: type[BaseModel], name: str) -> bool:
     """``name`` is a list field of ``model`` (e.g. ``lora: list[LoraUse] | None``)."""
-    field = model.model_fields.get(name)
-    if field is None:
-        return False
-    ann = field.annotation
-    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
-    return any(typing.get_origin(a) is list for a in args)
+    return any(typing.get_origin(a) is list for a in _field_types(model, name))
 
 
 def _takes_object(model: type[BaseModel], name: str) -> bool:
     """``name`` is an object field of ``model`` (e.g. ``experts: ExpertFiles | None``): a form sends it as JSON text."""
-    field = model.model_fields.get(name)
-    if field is None:
-        return False
-    ann = field.annotation
-    args = typing.get_args(ann) if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union else (ann,)
-    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in args)
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in _field_types(model, name))
 
 
 #: a form field of a list of objects as the OpenAI client writes one (``lora[][name]``, ``lora[][scale]``)

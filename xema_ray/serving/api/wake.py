@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xema_ray.serving.messages import QueueFull
+from xema_ray.serving.messages import QueueFull, RetryLater
 from xema_ray.serving.stats import WakeStats, wake_stats  # noqa: F401 (the Router reads them from here)
 
 if TYPE_CHECKING:
@@ -49,15 +49,8 @@ class WakePolicy(BaseModel):
     max_queue: int = Field(ge=1, description="requests held per template while waking (the group's max_queue)")
 
 
-class GroupWaking(RuntimeError):
+class GroupWaking(RetryLater):
     """A request held past its group's wake timeout (HTTP 503 ``waking`` with Retry-After)."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, retry_after_s)
-        self.retry_after_s = retry_after_s
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class WakeGate:
