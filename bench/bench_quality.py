@@ -62,7 +62,7 @@ def _predicted_ratio(url: str, steps: int) -> float | None:
     tiers at the template's own step count: the denoising share behind them is recovered from the
     two predictions (fast computes ``c`` of the template's ``n`` steps) and carried to ``steps``
     as ``planner.tiers`` prices it (a reused step costs nothing)."""
-    from xema_ray.plan import StepCacheSchedule
+    from xema_ray.tier_plan import StepCacheSchedule
 
     info = {t["template"]: t for t in requests.get(f"{url}/v1/templates", timeout=30).json()}.get(TEMPLATE)
     if info is None:

@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from xema_ray.plan import (DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, QualityTierSpec,
-                           ReplicaStart, TextEncoderChoice)
+from xema_ray.plan import (DecodeChoice, GroupResidency, PlanEntry, PlanProvenance, PlanTable, ReplicaStart,
+                           TextEncoderChoice)
+from xema_ray.tier_plan import QualityTierSpec
 from xema_ray.profiling.hardware import HardwareProfile
 from xema_ray.templates import RequestTemplate
 

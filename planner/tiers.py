@@ -1,6 +1,6 @@
 """The planner's ``tiers`` pass: each (template, quality tier) priced (``docs/quality.md``).
 
-A tier is a variant of a template's plan (``xema_ray.plan.QualityTierSpec``): the same
+A tier is a variant of a template's plan (``xema_ray.tier_plan.QualityTierSpec``): the same
 configuration, its denoising steps computed as the tier's fixed-budget mask says. Its latency is
 the cost model's for the computed steps: the entry's latency split by phase on the table's
 hardware (``xema_ray.profiling.phases``), the denoising share scaled by computed / planned steps
@@ -11,7 +11,8 @@ the two equal). A step-cached batch runs without the entry's static layout (its 
 allocate less than the layout's order expects), on the dynamic region the peak already counts.
 
 Example:
-    >>> from xema_ray.plan import DEFAULT_TIERS, ExecutionConfig, PlanEntry, PlanPrediction
+    >>> from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+    >>> from xema_ray.tier_plan import DEFAULT_TIERS
     >>> from xema_ray.templates import RequestTemplate
     >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=50)
     >>> e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
@@ -28,7 +29,8 @@ from collections.abc import Mapping
 
 from xema_ray.analyzer.run import default_dtype_for
 from xema_ray.mitigation.step_cache import cached_output_bytes
-from xema_ray.plan import DEFAULT_TIERS, PlanEntry, PlanPrediction, PlanTable, QualityTierSpec, TierPlan
+from xema_ray.plan import PlanEntry, PlanPrediction, PlanTable
+from xema_ray.tier_plan import DEFAULT_TIERS, QualityTierSpec, TierPlan
 from xema_ray.profiling.phases import phase_shares
 
 

@@ -19,7 +19,7 @@ from tests.source_scan import ROOT, imported as _imported, module_of as _module_
 #: rank per room, lowest first: a room may import its own rank and every rank below it
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("templates", "plan", "vocabulary", "deployment", "platforms", "placement", "hash_seed", "net", "configs",
-     "host_budget", "expert_plan", "lora_pool"),
+     "host_budget", "expert_plan", "lora_pool", "tier_plan"),
     ("models", "memory", "parallel"),
     ("deployment",),
     ("mitigation", "analyzer", "lora"),

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.lora_pool import LoraPoolConfig
-from xema_ray.plan import QualityTierSpec, check_tiers
+from xema_ray.tier_plan import QualityTierSpec, check_tiers
 from xema_ray.templates import RequestTemplate
 
 
@@ -60,7 +60,7 @@ class GroupShape(BaseModel):
     quality_tiers: dict[str, QualityTierSpec] | None = Field(
         default=None, description="the quality tiers the group serves, name -> {cache, weights} (lossless "
                                   "required, as every step in the model's weights); None: lossless and fast "
-                                  "(xema_ray.plan.DEFAULT_TIERS; docs/quality.md)")
+                                  "(xema_ray.tier_plan.DEFAULT_TIERS; docs/quality.md)")
     weights_dir: Path | None = Field(
         default=None, description="the group's diffusers checkpoint (None: random weights): its scheduler config is "
                                   "the one the workers run, so plans are priced on it")

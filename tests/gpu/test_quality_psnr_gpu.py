@@ -23,7 +23,8 @@ import torch
 from planner.tiers import cache_bytes
 from xema_ray.mitigation.step_cache import StepCacheConfig, apply_step_cache
 from xema_ray.models import BuildOptions, get_model_spec
-from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, StepCacheSchedule
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+from xema_ray.tier_plan import StepCacheSchedule
 from xema_ray.templates import RequestTemplate
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from tests.mitigation.conftest import run_pipeline
 from xema_ray.mitigation.step_cache import DENOISERS, StepCacheConfig, apply, apply_step_cache, cached_output_bytes
 from xema_ray.models import BuildOptions, get_model_spec
-from xema_ray.plan import StepCacheSchedule
+from xema_ray.tier_plan import StepCacheSchedule
 
 pytestmark = pytest.mark.usefixtures("no_onednn")  # tests/mitigation/conftest.py
 

@@ -13,7 +13,8 @@ from planner.task_io import PlanOptions
 from planner.tiers import TierNotServed, cache_bytes, price_tiers, tier_plan
 from xema_ray.analyzer.mitigated import trace_with_mitigations
 from xema_ray.memory.trace import MemoryTrace
-from xema_ray.plan import DEFAULT_TIERS, ExecutionConfig, PlanEntry, PlanPrediction, PlanTable, QualityTierSpec
+from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, PlanTable
+from xema_ray.tier_plan import DEFAULT_TIERS, QualityTierSpec
 from xema_ray.templates import RequestTemplate
 
 FLUX = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=50)

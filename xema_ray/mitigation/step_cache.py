@@ -23,7 +23,7 @@ where each is used and why.
 
 Example:
     >>> from xema_ray.models import BuildOptions, get_model_spec
-    >>> from xema_ray.plan import StepCacheSchedule
+    >>> from xema_ray.tier_plan import StepCacheSchedule
     >>> spec = get_model_spec("tiny-flux2")
     >>> pipe = spec.build_pipeline(BuildOptions())
     >>> handle = apply(pipe, spec, StepCacheConfig(mask=StepCacheSchedule().mask(8)))
@@ -47,7 +47,7 @@ from xema_ray.mitigation.hooks import HOOK_NAMES, MitigationHandle, hook_module
 if TYPE_CHECKING:
     from xema_ray.mitigation.hsdp import Collective
     from xema_ray.models import ModelSpec
-    from xema_ray.plan import StepCacheSchedule
+    from xema_ray.tier_plan import StepCacheSchedule
 
 #: the denoiser components a pipeline may hold (Wan2.2: two experts)
 DENOISERS = ("transformer", "transformer_2")

@@ -3,7 +3,8 @@ lossless request meet its SLO; under load, the fastest served tier whose predict
 it; where none does, lossless (a lossy answer would be late all the same).
 
 Example:
-    >>> from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction, StepCacheSchedule, TierPlan
+    >>> from xema_ray.plan import ExecutionConfig, PlanEntry, PlanPrediction
+    >>> from xema_ray.tier_plan import StepCacheSchedule, TierPlan
     >>> from xema_ray.templates import RequestTemplate
     >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=50)
     >>> e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(

@@ -14,7 +14,8 @@ import pytest
 from bench.scenarios.factories import plan_entry
 from planner.tiers import price_tiers
 from tests.serving.api.router_harness import RouterHarness, running_router
-from xema_ray.plan import PlanTable, QualityTierSpec
+from xema_ray.plan import PlanTable
+from xema_ray.tier_plan import QualityTierSpec
 from xema_ray.templates import RequestTemplate
 
 FLUX = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=6)
