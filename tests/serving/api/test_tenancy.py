@@ -157,7 +157,9 @@ def test_tenancy_matrix_with_the_openai_client(server: str) -> None:
 
 def test_a_tenant_holds_at_most_its_jobs_in_flight(server: str) -> None:
     alice, bob = _client(server, KEY_A), _client(server, KEY_B)
-    made = [alice.videos.create(**VIDEO) for _ in range(MAX_JOBS)]
+    # each held job runs 10x the template's steps (seconds on this CPU), so all of them are still in
+    # flight when the next one is asked for, however fast the machine runs the first
+    made = [alice.videos.create(**VIDEO, extra_body={"num_inference_steps": 60}) for _ in range(MAX_JOBS)]
     with pytest.raises(openai.RateLimitError) as e:
         alice.videos.create(**VIDEO)
     assert e.value.response.headers.get("retry-after") and e.value.body["code"] == "too_many_jobs"  # type: ignore[index]
