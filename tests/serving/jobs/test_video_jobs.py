@@ -211,8 +211,12 @@ def test_list_pages(client: Any) -> None:
 
 
 def test_delete_of_a_queued_job_removes_it(client: Any, store: JobStore) -> None:
-    ids = [client.videos.create(model="tiny-cogvideox", prompt=f"q {i}", size="64x64", seconds="2").id for i in range(3)]
-    last = ids[-1]  # SP 2 uses both workers, batch 1: the third is still queued
+    # SP 2 uses both workers, batch 1: the third waits while the first two run; they run 10x the
+    # template's steps, so both are still running when the delete arrives, however fast the machine
+    running = [client.videos.create(model="tiny-cogvideox", prompt=f"q {i}", size="64x64", seconds="2",
+                                    extra_body={"num_inference_steps": 60}).id for i in range(2)]
+    last = client.videos.create(model="tiny-cogvideox", prompt="q 2", size="64x64", seconds="2").id
+    ids = [*running, last]
     deleted = client.videos.delete(last)
     assert deleted.id == last and deleted.deleted and deleted.object == "video.deleted"
     with pytest.raises(openai.NotFoundError):
