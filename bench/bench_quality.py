@@ -2,7 +2,8 @@
 ``POST /v1/images/generations`` on tiny-flux2 128x128 at 50 steps, ``b64_json``, ``fast`` and
 ``lossless`` interleaved (lossless, fast, lossless, fast, ...), one request at a time, ``rounds``
 of each; the median wall time and the median ``X-Xema-Batch-Seconds`` of each tier, their ratios,
-the planner's predicted ratio (``/v1/templates``' ``quality_tiers`` scaled to 50 steps) and the
+the planner's predicted ratio (``/v1/templates``' ``quality_tiers`` carried to 50 steps, a reused
+step priced at what the plan says it costs) and the
 PSNR of the fast image against the lossless one of the same seed.
 
     python -m bench.bench_quality --url http://127.0.0.1:8000 [--out bench/results/quality-tiers.json]
@@ -58,25 +59,23 @@ def _one(url: str, quality: str, steps: int, seed: int) -> tuple[float, float, s
 
 
 def _predicted_ratio(url: str, steps: int) -> float | None:
-    """The planner's fast / lossless latency ratio at ``steps`` steps. ``/v1/templates`` prices the
-    tiers at the template's own step count: the denoising share behind them is recovered from the
-    two predictions (fast computes ``c`` of the template's ``n`` steps) and carried to ``steps``
-    as ``planner.tiers`` prices it (a reused step costs nothing)."""
+    """The planner's fast / lossless latency ratio at ``steps`` steps, priced as ``planner.tiers``
+    prices it: ``/v1/templates`` gives, at the template's own step count ``n``, each tier's latency,
+    a computed step's seconds ``s`` and the fast tier's reused step's ``r`` (the loop's work outside
+    the denoiser, which a reused step still pays); what is not a step is ``lossless - n * s``, and
+    at ``steps`` fast computes ``c`` steps and reuses ``steps - c``."""
     from xema_ray.tier_plan import StepCacheSchedule
 
     info = {t["template"]: t for t in requests.get(f"{url}/v1/templates", timeout=30).json()}.get(TEMPLATE)
     if info is None:
         return None
-    tiers = {q["name"]: q["predicted_latency_s"] for q in info["quality_tiers"]}
-    if "fast" not in tiers or tiers["lossless"] <= 0:
-        return None
-    schedule, n = StepCacheSchedule(), info["steps"]
-    skipped = n - schedule.computed_steps(n)
-    if skipped == 0:
-        return None
-    per_step = (tiers["lossless"] - tiers["fast"]) / skipped  # a reused step saves one step's denoising
-    other = tiers["lossless"] - n * per_step
-    return (other + schedule.computed_steps(steps) * per_step) / (other + steps * per_step)
+    tiers = {q["name"]: q for q in info["quality_tiers"]}
+    if "fast" not in tiers or tiers["fast"].get("predicted_step_s", 0) <= 0:
+        return None  # a server whose plan prices no steps
+    s, r = tiers["fast"]["predicted_step_s"], tiers["fast"]["predicted_reused_step_s"]
+    other = tiers["lossless"]["predicted_latency_s"] - info["steps"] * s
+    c = StepCacheSchedule().computed_steps(steps)
+    return round((other + c * s + (steps - c) * r) / (other + steps * s), 4)
 
 
 def main() -> int:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def machine_fingerprint(cfg: ServeConfig, gpus: int) -> str:
     """What this deployment runs on, in the form plan tables record."""
-    from planner.latency import LatencyModel
+    from planner.latency import LatencyModel, with_reused_step_share
 
     hardware = cfg.hardware or ("cpu" if cfg.device == "cpu" else "local-gpu")
     return LatencyModel(hardware).fingerprint(gpus)
@@ -117,7 +117,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
         if plan.entry is None:
             infeasible.append(t.shape_key)
         else:
-            entries[t.shape_key] = with_pause_bytes(plan.entry, cache)
+            entries[t.shape_key] = with_reused_step_share(with_pause_bytes(plan.entry, cache), latency)
             logger.info("planned %s: %s", t.shape_key, plan.entry.config.describe())
     if infeasible:
         raise ValueError(

@@ -28,7 +28,7 @@ from xema_ray.vocabulary import LatencySource
 
 from planner.baselines import SearchSpace, run_baseline
 from planner.cluster_fit import TaskShape, fit_tasks
-from planner.latency import LatencyModel, combine
+from planner.latency import LatencyModel, combine, with_reused_step_share
 from planner.measure import DeviceLatency, task_device
 # the task's types live below the passes that read them (planner.finishing, planner.pipeline);
 # named here too, where the bench and the tests import them from
@@ -87,7 +87,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
 
         decoding = decode_facts(model, entry.config, gpus)  # the trace is here; the choice is the driver's
     if entry is not None:
-        entry = with_pause_bytes(with_latency_source(entry, timer), cache)
+        entry = with_reused_step_share(with_pause_bytes(with_latency_source(entry, timer), cache), latency)
         if opts.text_encoder == "plan" and template.spec.text_encoder is not None:
             # measured here, where the model's meta pipeline is built already and in parallel
             # with the other tasks; the driver places the encoder after the residency choice

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xema_ray.plan import ExecutionConfig
-from xema_ray.profiling import A6000_8X, H200, HardwareProfile, LatencyEstimate, ProfileStore, estimate_latency
+from xema_ray.plan import ExecutionConfig, PlanEntry
+from xema_ray.profiling import A6000_8X, H200, HardwareProfile, LatencyEstimate, ProfileStore, RequestRecord, estimate_latency
+from xema_ray.profiling.costmodel import reused_step_share as cost_reused_step_share
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import TIMED_SOURCES, LatencySource, PlanLatencySource
 
@@ -67,6 +68,22 @@ class LatencyModel:
         cost model calibrated by such measurements, or the cost model alone."""
         return source_label(self.estimate(config))
 
+    def reused_step_share(self, config: ExecutionConfig) -> float:
+        """A step-cached (reused) denoising step's seconds as a share of a computed one's for
+        ``config``'s template: measured here when the store holds ``calibrate``'s pair for it
+        (at batch 1), else the cost model's (``xema_ray.profiling.costmodel.reused_step_share``)."""
+        pair = _reuse_pair(config)
+        records = [self._measured(c) for c in pair]
+        if len(pair) == 2 and records[0] is not None and records[1] is not None:
+            from xema_ray.measure.profiler import reused_step_share
+
+            return reused_step_share(records[0], records[1], _computed(config))
+        return cost_reused_step_share(config, self.hardware)
+
+    def _measured(self, config: ExecutionConfig) -> RequestRecord | None:
+        return self.store.get_request(self.hardware.fingerprint or "", config.template.model, config.config_hash(),
+                                      LatencySource.MEASURED)
+
     def on_device(self, fingerprint: str) -> None:
         """Key this model's store look-ups by the device a planning task measures on (its NVML
         fingerprint), so measurements made there calibrate the estimates of what is not measured."""
@@ -87,7 +104,8 @@ class LatencyModel:
 
     def calibrate(self, templates: list[RequestTemplate], repeats: int = 1) -> int:
         """Measure one request per template at SP 1, batch 1 on this machine (CPU profiles only),
-        so the cost model's estimates are scaled to it. Returns how many were measured."""
+        so the cost model's estimates are scaled to it, and beside it the same request step-cached
+        (``LatencyProfiler.measure_reuse``: ``reused_step_share``). Returns how many were measured."""
         if self.name != "cpu":
             raise ValueError("calibration by local measurement is for the 'cpu' profile; GPUs use `make gpu-check` data")
         import torch
@@ -100,7 +118,7 @@ class LatencyModel:
         engines: dict[str, ExecutionEngine] = {}
         for t in templates:
             cfg = ExecutionConfig(template=t)
-            if self.store.get_request(self.hardware.fingerprint or "", t.model, cfg.config_hash(), LatencySource.MEASURED):
+            if all(self._measured(c) for c in _reuse_pair(cfg)):
                 continue
             if t.model not in engines:
                 spec = t.spec
@@ -110,11 +128,44 @@ class LatencyModel:
             # the first call of a pipeline pays one-off costs (lazy imports, allocator growth, kernel
             # selection) that no later request pays: run it once unrecorded
             engines[t.model].run_pipeline(cfg, ["warm-up"], [0], output_type="np", steps=cfg.template.steps)
-            profiler.measure(cfg, repeats=repeats)
+            if len(_reuse_pair(cfg)) == 2:  # with it, what a step-cached step costs here (planner.tiers)
+                profiler.measure_reuse(cfg, repeats=max(repeats, REUSE_REPEATS))
+            else:
+                profiler.measure(cfg, repeats=repeats)
             done += 1
         if done:
             self.store.save()  # a restart reuses these measurements (no-op for an in-memory store)
         return done
+
+
+#: interleaved (lossless, step-cached) pairs a calibration times for the reused step's share
+REUSE_REPEATS = 3
+
+
+def _reuse_pair(config: ExecutionConfig) -> tuple[ExecutionConfig, ...]:
+    """``config`` at SP 1, batch 1 and, where its steps leave one to reuse, the same step-cached
+    with ``REUSE_ALL`` (what ``LatencyProfiler.measure_reuse`` times)."""
+    from xema_ray.measure.profiler import REUSE_ALL
+
+    base = ExecutionConfig(template=config.template)
+    if _computed(base) >= base.template.steps:
+        return (base,)
+    return base, base.model_copy(update={"step_cache": REUSE_ALL})
+
+
+def _computed(config: ExecutionConfig) -> int:
+    """Steps ``REUSE_ALL`` computes for ``config``'s template (each expert stage's first)."""
+    from xema_ray.measure.profiler import REUSE_ALL
+
+    t = config.template
+    return REUSE_ALL.computed_steps(t.steps, tuple(s.first_step for s in t.spec.expert_stages(t)[1:]))
+
+
+def with_reused_step_share(entry: PlanEntry, latency: LatencyModel) -> PlanEntry:
+    """``entry`` carrying what a step-cached step of its template costs (``PlanPrediction.reused_step_share``,
+    ``LatencyModel.reused_step_share``), for the tiers pass to price its quality tiers."""
+    share = latency.reused_step_share(entry.config)
+    return entry.model_copy(update={"prediction": entry.prediction.model_copy(update={"reused_step_share": share})})
 
 
 def source_label(est: LatencyEstimate) -> PlanLatencySource:

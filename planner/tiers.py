@@ -2,9 +2,14 @@
 
 A tier is a variant of a template's plan (``xema_ray.tier_plan.QualityTierSpec``): the same
 configuration, its denoising steps computed as the tier's fixed-budget mask says. Its latency is
-the cost model's for the computed steps: the entry's latency split by phase on the table's
-hardware (``xema_ray.profiling.phases``), the denoising share scaled by computed / planned steps
-(a reused step costs nothing but its copy of the cached output). Its memory is the entry's peak
+the entry's latency split by phase on the table's hardware (``xema_ray.profiling.phases``): the
+denoising phase is ``steps`` computed steps of ``s`` seconds; a reused step still costs
+``reused_step_share * s`` (the loop's work outside the denoiser — the scheduler update, the
+pipeline's per-step code, the hook and the copy of the cached output), so each skipped step saves
+``(1 - share) * s``. The share is the entry's ``PlanPrediction.reused_step_share`` (measured on a
+CPU table, the cost model's elsewhere); for a table planned before it was recorded, the cost
+model's on the table's hardware (``xema_ray.profiling.costmodel.reused_step_share``), or 0 on
+hardware without a profile (what such tables were priced with). Its memory is the entry's peak
 plus the cached outputs, one transformer output per pass of a step (``cached_output_bytes``; the
 analyzer traces the same buffers, ``trace_with_mitigations(step_cache=True)``, and a test holds
 the two equal). A step-cached batch runs without the entry's static layout (its skipped steps
@@ -17,9 +22,9 @@ Example:
     >>> t = RequestTemplate(model="tiny-flux2", height=64, width=64, steps=50)
     >>> e = PlanEntry(config=ExecutionConfig(template=t), prediction=PlanPrediction(
     ...     peak_bytes=10**6, latency_s=1.0, goodput_rps=1.0, slo_s=2.0, latency_source="estimated"))
-    >>> fast = tier_plan(e, DEFAULT_TIERS["fast"], denoise_share=0.95)
-    >>> round(fast.latency_s, 3), fast.peak_bytes - 10**6
-    (0.316, 1024)
+    >>> fast = tier_plan(e, DEFAULT_TIERS["fast"], denoise_share=0.95, reused_share=0.2)
+    >>> round(fast.latency_s, 3), round(fast.reused_step_s / fast.step_s, 3), fast.peak_bytes - 10**6
+    (0.453, 0.2, 1024)
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from xema_ray.analyzer.run import default_dtype_for
 from xema_ray.mitigation.step_cache import cached_output_bytes
 from xema_ray.plan import PlanEntry, PlanPrediction, PlanTable
 from xema_ray.tier_plan import DEFAULT_TIERS, QualityTierSpec, TierPlan
-from xema_ray.profiling.phases import phase_shares
+from xema_ray.profiling.costmodel import reused_step_share
+from xema_ray.profiling.phases import phase_shares, table_profile
 
 
 class TierNotServed(ValueError):
@@ -46,24 +52,35 @@ def cache_bytes(entry: PlanEntry) -> int:
     return cached_output_bytes(spec, math.prod(spec.latent_shape(t)) // t.batch, t.batch, itemsize)
 
 
-def tier_plan(entry: PlanEntry, tier: QualityTierSpec, denoise_share: float) -> TierPlan:
+def tier_plan(entry: PlanEntry, tier: QualityTierSpec, denoise_share: float, reused_share: float = 0.0) -> TierPlan:
     """``entry`` at ``tier``: latency with the tier's computed steps, peak with its cached outputs.
 
     Args:
         entry: the template's (lossless) plan.
         tier: the tier's definition.
         denoise_share: the denoising loop's share of the entry's latency on its hardware.
+        reused_share: a reused step's seconds as a share of a computed step's (``reused_share_of``).
     """
     p = entry.prediction
-    if tier.cache is None:
-        return TierPlan(cache=None, weights=tier.weights, latency_s=p.latency_s, peak_bytes=p.peak_bytes)
     t = entry.config.template
+    step = p.latency_s * denoise_share / t.steps
+    if tier.cache is None:
+        return TierPlan(cache=None, weights=tier.weights, latency_s=p.latency_s, peak_bytes=p.peak_bytes, step_s=step)
     resets = tuple(s.first_step for s in t.spec.expert_stages(t)[1:])
-    computed = tier.cache.computed_steps(t.steps, resets)
-    latency = p.latency_s * (1.0 - denoise_share * (1.0 - computed / t.steps))
+    skipped = t.steps - tier.cache.computed_steps(t.steps, resets)
+    reused = step * reused_share
     kept = cache_bytes(entry)
-    return TierPlan(cache=tier.cache, weights=tier.weights, latency_s=latency, peak_bytes=p.peak_bytes + kept,
-                    cache_bytes=kept)
+    return TierPlan(cache=tier.cache, weights=tier.weights, latency_s=p.latency_s - skipped * (step - reused),
+                    peak_bytes=p.peak_bytes + kept, cache_bytes=kept, step_s=step, reused_step_s=reused)
+
+
+def reused_share_of(table: PlanTable, entry: PlanEntry) -> float:
+    """What a reused step of ``entry`` costs, as a share of a computed one: the entry's own
+    (``PlanPrediction.reused_step_share``), else the cost model's on the table's hardware, else 0."""
+    if entry.prediction.reused_step_share is not None:
+        return entry.prediction.reused_step_share
+    profile = table_profile(table)
+    return 0.0 if profile is None else reused_step_share(entry.config, profile)
 
 
 def price_tiers(table: PlanTable, tiers: Mapping[str, Mapping[str, QualityTierSpec]] | None = None,
@@ -88,7 +105,8 @@ def price_tiers(table: PlanTable, tiers: Mapping[str, Mapping[str, QualityTierSp
         if only is not None and only not in defined:
             raise TierNotServed(f"quality {only!r}: {e.config.template.model} serves {', '.join(sorted(defined))}")
         names = [only] if only is not None else sorted(defined)
-        priced = {n: tier_plan(e, defined[n], shares[key].denoise) for n in names}
+        reused = reused_share_of(table, e)
+        priced = {n: tier_plan(e, defined[n], shares[key].denoise, reused) for n in names}
         entries[key] = e.model_copy(update={"tiers": priced}) if only is None else _as_tier(e, only, priced[only])
         if only is not None and priced[only].cache is not None:
             not_armed[key] = (f"quality {only}: a step-cached batch runs on the dynamic region (its reused steps "

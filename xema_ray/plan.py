@@ -312,6 +312,14 @@ class PlanPrediction(BaseModel):
     decode_s: float | None = Field(
         default=None, ge=0, description="with a decode stage: seconds a decode worker takes for one request, the "
                                          "latents' hand-over included (``latency_s`` includes them)")
+    reused_step_share: float | None = Field(
+        default=None, ge=0, le=1,
+        description="seconds of a denoising step that reuses the step cache's output (the loop's work outside "
+                    "the denoiser: scheduler update, per-step pipeline code, the cache's hook and copy) as a share "
+                    "of a computed step's: what a quality tier's skipped step still costs (planner.tiers). Measured "
+                    "where the entry's latency is (a CPU table: a step-cached run at calibration), else the cost "
+                    "model's; None: a table planned before it was recorded (the tiers pass then takes the cost "
+                    "model's on the table's hardware, or 0 on hardware without a profile)")
 
     @field_validator("latency_source", mode="before")
     @classmethod

@@ -103,3 +103,7 @@ class TierPlan(BaseModel):
     latency_s: float = Field(ge=0, description="predicted latency of one batch at the template's steps")
     peak_bytes: int = Field(ge=0, description="predicted peak per GPU, the cached outputs included")
     cache_bytes: int = Field(default=0, ge=0, description="device bytes the cached outputs hold (in the peak)")
+    step_s: float = Field(default=0.0, ge=0, description="predicted seconds of one denoising step that runs the "
+                                                       "denoiser (0: a table priced before steps were)")
+    reused_step_s: float = Field(default=0.0, ge=0, description="predicted seconds of one that reuses the cached output "
+                                                               "(the loop's work outside the denoiser; 0 without a cache)")

@@ -82,3 +82,29 @@ def test_error_raised_if_store_schema_differs(tmp_path: Path) -> None:
     path.write_text('{"schema_version": 0, "segments": [], "requests": []}')
     with pytest.raises(ValueError, match="schema version 0"):
         ProfileStore(path)
+
+
+def test_measure_reuse_records_what_a_reused_step_costs(engine: ExecutionEngine) -> None:
+    """The lossless request and the same with every step after the first reused, interleaved: the
+    reused step is cheaper than a computed one but not free (the scheduler and the loop still run),
+    and the planner's ``LatencyModel`` reads the same share from the store."""
+    from planner.latency import LatencyModel
+    from xema_ray.measure.profiler import REUSE_ALL, reused_step_share
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as test_estimate_tracks_measurement: one thread on a shared box
+    try:
+        store = ProfileStore()
+        profiler = LatencyProfiler(engine, store)
+        config = ExecutionConfig(template=TEMPLATE)
+        lossless, reused = profiler.measure_reuse(config, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert reused.config is not None and reused.config.step_cache == REUSE_ALL
+    assert lossless.config == config and reused.config_hash != lossless.config_hash
+    assert reused.per_phase["denoise"] < lossless.per_phase["denoise"]
+    share = reused_step_share(lossless, reused, computed=1)
+    assert 0.0 < share < 0.9
+    latency = LatencyModel("cpu", store=store)
+    latency.hardware = latency.hardware.model_copy(update={"fingerprint": profiler.fingerprint})
+    assert latency.reused_step_share(ExecutionConfig(template=TEMPLATE, batch=2)) == share

@@ -86,3 +86,39 @@ def test_verify_counts_the_cached_outputs() -> None:
     fast = verify_config(ExecutionConfig(template=t, step_cache=DEFAULT_TIERS["fast"].cache), budget_bytes=2**30)
     assert plain.error is None and fast.error is None
     assert 0 < fast.device_peak_bytes - plain.device_peak_bytes <= cache_bytes(_entry(t)) + 512
+
+
+def test_a_reused_step_is_priced_at_the_share_the_entry_carries() -> None:
+    """A reused step still pays the loop's work outside the denoiser: with a known share the fast
+    tier saves ``(1 - share)`` of a step per skipped step, and the steps it lists carry the
+    pricing (``/v1/templates`` hands them to a client that carries the ratio to other step counts)."""
+    e = _entry(FLUX)  # 10 s, 50 steps
+    computed = DEFAULT_TIERS["fast"].cache.computed_steps(50)  # type: ignore[union-attr]
+    with_share = e.model_copy(update={"prediction": e.prediction.model_copy(update={"reused_step_share": 0.25})})
+    table = PlanTable(hardware="cpu:test", gpus=1, budget_bytes=2**30, entries={FLUX.shape_key: with_share})
+    fast = price_tiers(table).entries[FLUX.shape_key].tiers["fast"]
+    step = 10.0 * 0.95 / 50  # no profile for "cpu:test": 5 % decode for an image
+    assert fast.step_s == pytest.approx(step) and fast.reused_step_s == pytest.approx(0.25 * step)
+    assert fast.latency_s == pytest.approx(10.0 - (50 - computed) * 0.75 * step)
+    # a table planned before the share was recorded, on hardware without a profile: priced as then
+    old = price_tiers(table.model_copy(update={"entries": {FLUX.shape_key: e}})).entries[FLUX.shape_key]
+    assert old.tiers["fast"].latency_s == pytest.approx(10.0 - (50 - computed) * step)
+    assert old.tiers["fast"].latency_s < fast.latency_s
+
+
+def test_an_old_table_on_hardware_with_a_profile_takes_the_cost_models_share() -> None:
+    """No recorded share, a table for the A6000 box: the cost model's reused step (scheduler update,
+    copy of the cached outputs, their launches) — a sliver of a real model's step, more of a tiny one's."""
+    from xema_ray.profiling import A6000_8X
+    from xema_ray.profiling.costmodel import reused_step_share
+
+    real = RequestTemplate(model="flux2", height=1024, width=1024, steps=50)
+    table = PlanTable(hardware=f"1x {A6000_8X.name}", gpus=1, budget_bytes=2**30,
+                      entries={k.shape_key: _entry(k) for k in (real, FLUX)})
+    priced = price_tiers(table).entries
+    for t in (real, FLUX):
+        share = reused_step_share(ExecutionConfig(template=t), A6000_8X)
+        fast = priced[t.shape_key].tiers["fast"]
+        assert fast.reused_step_s == pytest.approx(share * fast.step_s)
+    assert reused_step_share(ExecutionConfig(template=real), A6000_8X) < 1e-3
+    assert 1e-3 < reused_step_share(ExecutionConfig(template=FLUX), A6000_8X) < 1.0

@@ -45,12 +45,16 @@ from xema_ray.plan import ExecutionConfig
 from xema_ray.platforms import Platform, current_platform
 from xema_ray.profiling.store import ProfileStore, RequestRecord, SegmentRecord, now
 from xema_ray.runtime.engine import ExecutionEngine, apply_config_mitigations
+from xema_ray.tier_plan import StepCacheSchedule
 from xema_ray.vocabulary import LatencySource, Phase, PhaseKeyed, latency_phase, trace_decode, trace_step
 
 PIPELINE_UNIT = "<pipeline>"
 #: denoising steps of the calibration request: step 0 (with set-up) and two steady steps (the
 #: analyzer's replication window; two samples of every steady operator combination)
 CALIBRATION_STEPS = 3
+#: the step cache ``measure_reuse`` times: the first step computed, every later one reused (a
+#: two-expert model computes each expert's first step: the cache resets at the switch)
+REUSE_ALL = StepCacheSchedule(warmup=0.0, min_warmup=1, compute_every=1_000_000, final=0)
 
 UnitPhase = tuple[str, str]
 
@@ -404,26 +408,63 @@ class LatencyProfiler:
                 per_phase[latency_phase(kind)] += rec.seconds * count
         return per_phase, by_unit_fallbacks
 
-    def measure(self, config: ExecutionConfig, repeats: int = 1) -> RequestRecord:
-        """Run the full request ``repeats`` times and record the median pipeline latency as "measured"."""
+    def measure_reuse(self, config: ExecutionConfig, repeats: int = 3) -> tuple[RequestRecord, RequestRecord]:
+        """What a step-cached (reused) denoising step costs on this device: ``config``'s request
+        lossless and with every step after the first reusing the cached output (``REUSE_ALL``;
+        a two-expert model computes each expert's first step), run in ``repeats`` interleaved
+        pairs (a loaded machine slows both alike); the pair whose denoising ratio is the median is
+        recorded, both as "measured" (the lossless one is the calibration's measurement of
+        ``config``). ``reused_step_share`` reads the share from the two records."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        totals, phases = [], []
-        for _ in range(repeats):
-            with _no_gc():
-                t0 = time.perf_counter()
-                ph = self.engine.run_pipeline(
-                    config, ["profiling"] * config.batch, list(range(config.batch)), output_type="np",
-                    steps=config.template.steps,
-                ).phases
-                totals.append(time.perf_counter() - t0)
-            phases.append(ph)
-        i = totals.index(statistics.median_low(totals))
+        cached = config.model_copy(update={"step_cache": REUSE_ALL, "layout_ref": None})
+        pairs = [(self._timed(config), self._timed(cached)) for _ in range(repeats)]
+        ratios = [r[1][Phase.DENOISE] / max(lossless[1][Phase.DENOISE], 1e-12) for lossless, r in pairs]
+        lossless, reused = pairs[ratios.index(statistics.median_low(ratios))]
+        return self._record(config, *lossless), self._record(cached, *reused)
+
+    def _timed(self, config: ExecutionConfig) -> tuple[float, dict[Phase, float]]:
+        """(wall seconds, seconds by latency phase) of one full request of ``config``."""
+        with _no_gc():
+            t0 = time.perf_counter()
+            ph = self.engine.run_pipeline(config, ["profiling"] * config.batch, list(range(config.batch)),
+                                          output_type="np", steps=config.template.steps).phases
+            return time.perf_counter() - t0, {latency_phase(k): v for k, v in ph.items()}
+
+    def _record(self, config: ExecutionConfig, total_s: float, per_phase: dict[Phase, float]) -> RequestRecord:
         record = RequestRecord(
             fingerprint=self.fingerprint, model=config.template.model, template=config.template.key,
-            config_hash=config.config_hash(), source=LatencySource.MEASURED, total_s=totals[i],
-            per_phase={latency_phase(k): v for k, v in phases[i].items()},
+            config_hash=config.config_hash(), source=LatencySource.MEASURED, total_s=total_s, per_phase=per_phase,
             steps=config.template.steps, measured_at=now(), config=config,
         )
         self.store.put_request(record)
         return record
+
+    def measure(self, config: ExecutionConfig, repeats: int = 1) -> RequestRecord:
+        """Run the full request ``repeats`` times and record the median pipeline latency as "measured"."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        runs = [self._timed(config) for _ in range(repeats)]
+        totals = [t for t, _ in runs]
+        return self._record(config, *runs[totals.index(statistics.median_low(totals))])
+
+
+def reused_step_share(lossless: RequestRecord, reused: RequestRecord, computed: int) -> float:
+    """A reused step's seconds as a share of a computed step's, from ``measure_reuse``'s records:
+    the lossless request's denoising phase is ``n`` steps of ``s``, the step-cached one's
+    ``computed`` steps of ``s`` and ``n - computed`` of ``r``; the share is ``r / s`` (clamped
+    to [0, 1]: timing noise cannot make a reused step dearer than a computed one, nor free).
+
+    Example:
+        >>> from xema_ray.vocabulary import Phase
+        >>> rec = lambda d: RequestRecord(fingerprint="f", model="m", template="t", config_hash="h",
+        ...     source="measured", total_s=d, per_phase={Phase.DENOISE: d}, steps=4, measured_at=0.0)
+        >>> reused_step_share(rec(4.0), rec(1.6), computed=1)
+        0.2
+    """
+    n = lossless.steps
+    step = lossless.per_phase.get(Phase.DENOISE, 0.0) / n
+    if n <= computed or step <= 0:
+        raise ValueError(f"no reused step to price: {computed} of {n} steps computed")
+    r = (reused.per_phase.get(Phase.DENOISE, 0.0) - computed * step) / (n - computed)
+    return round(min(1.0, max(0.0, r / step)), 6)

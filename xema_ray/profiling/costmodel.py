@@ -29,6 +29,7 @@ measured / modelled) are applied.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 KERNEL_LAUNCH_S = 10e-6
 KERNELS_PER_BLOCK = 40  # launches of one DiT block (GEMMs, norms, rope, attention, elementwise)
+LOOP_KERNELS_PER_STEP = 6  # launches of a step outside the denoiser (the scheduler update, dtype casts)
 
 class LatencyEstimate(BaseModel):
     """Latency of one batch under a config. ``source`` says how it was obtained
@@ -239,10 +241,7 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
     # SP: the output gather once per step (latent tokens x channels, tiny next to the blocks)
     if config.sp > 1:
         step += 2 * hw.collective_latency_s
-    latent = 1
-    for x in template.latent_shape():
-        latent *= x
-    step += 4 * latent * config.batch * 4 / (hw.mem_gbps * 1e9)  # scheduler update on fp32 latents
+    step += scheduler_update_s(template, config.batch, hw)
     decode = vae_decode_s(spec, template, config.batch, hw, vae_chunks, vae_serial, chains)
     if act_offload and spec.kind == "video":
         # the conv caches (intensity = how many per frame batch; the plan's "all" is larger than
@@ -256,6 +255,34 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
         total_s=sum(per_phase.values()), per_phase=per_phase, source=LatencySource.ESTIMATED, per_step_s=step,
         label=f"estimate (roofline, {hw.name})",
     )
+
+
+def scheduler_update_s(template: RequestTemplate, batch: int, hw: HardwareProfile) -> float:
+    """The scheduler's update of one denoising step: a few passes over the fp32 latents."""
+    return 4 * math.prod(template.latent_shape()) * batch * 4 / (hw.mem_gbps * 1e9)
+
+
+def reused_step_share(config: ExecutionConfig, hw: HardwareProfile) -> float:
+    """A step-cached (reused) denoising step's seconds as a share of a computed one's under
+    ``config`` on ``hw``: what such a step still runs — the scheduler update, the copy of each
+    pass's cached output (read and written once) and their kernel launches — over the computed
+    step (``cost_model_estimate``'s ``per_step_s``). The loop's host-side Python is not modelled:
+    on a GPU with real-size blocks it is noise; on the tiny CPU models it is most of a reused step,
+    which is why a CPU table measures the share instead (``LatencyProfiler.measure_reuse``).
+
+    Example:
+        >>> from xema_ray.profiling.hardware import A6000_8X
+        >>> t = RequestTemplate(model="flux2", height=1024, width=1024)
+        >>> reused_step_share(ExecutionConfig(template=t), A6000_8X) < 0.001
+        True
+    """
+    template, spec = config.template, config.template.spec
+    step = cost_model_estimate(config, hw).per_step_s or 0.0
+    rows = config.batch * spec.transformer_rows_per_step()
+    copy = 2 * math.prod(template.latent_shape()) * rows * BYTES / (hw.mem_gbps * 1e9)
+    launches = (LOOP_KERNELS_PER_STEP + len(spec.transformer_passes_per_step())) * KERNEL_LAUNCH_S
+    reused = scheduler_update_s(template, config.batch, hw) + copy + launches
+    return min(1.0, reused / step) if step > 0 else 1.0
 
 
 def _calibration_factors(store: ProfileStore, hw: HardwareProfile, spec: ModelSpec) -> dict[Phase, float]:

@@ -64,6 +64,10 @@ class QualityTierInfo(BaseModel):
     name: str = Field(description="the tier: the value of ``quality`` that asks for it")
     predicted_latency_s: float = Field(description="predicted latency of one batch at the template's steps")
     predicted_peak_gb: float = Field(description="predicted peak per GPU, the cached outputs included")
+    predicted_step_s: float = Field(default=0.0, description="predicted seconds of a denoising step that runs the "
+                                                            "denoiser (0: not priced)")
+    predicted_reused_step_s: float = Field(default=0.0, description="predicted seconds of a step that reuses the step "
+                                                                   "cache's output (0: the tier reuses none)")
 
 
 def quality_tier_infos(entry: PlanEntry) -> list[QualityTierInfo]:
@@ -75,7 +79,9 @@ def quality_tier_infos(entry: PlanEntry) -> list[QualityTierInfo]:
     for name in (t.value for t in _SPEED_ORDER):
         if name in tiers:
             out.append(QualityTierInfo(name=name, predicted_latency_s=tiers[name].latency_s,
-                                       predicted_peak_gb=tiers[name].peak_bytes / 1e9))
+                                       predicted_peak_gb=tiers[name].peak_bytes / 1e9,
+                                       predicted_step_s=tiers[name].step_s,
+                                       predicted_reused_step_s=tiers[name].reused_step_s))
     return out
 
 
