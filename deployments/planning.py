@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def machine_fingerprint(cfg: ServeConfig, gpus: int) -> str:
     """What this deployment runs on, in the form plan tables record."""
-    from planner.latency import LatencyModel, with_reused_step_share
+    from planner.latency import LatencyModel
 
     hardware = cfg.hardware or ("cpu" if cfg.device == "cpu" else "local-gpu")
     return LatencyModel(hardware).fingerprint(gpus)
@@ -92,7 +92,7 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
     ``overhead_s`` is added to every image template's candidate latencies and ``video_overhead_s``
     (default: ``overhead_s``) to every video template's (what serving adds per request: a video
     is a job, submitted, stored and polled)."""
-    from planner.latency import LatencyModel
+    from planner.latency import LatencyModel, with_reused_step_share
     from planner.pause_state import with_pause_bytes
     from planner.stages import plan_template
     from planner.tiers import price_tiers
