@@ -180,6 +180,8 @@ class ModelGroup:
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
+                               weight_formats=tuple(sorted({t.weights for e in entries.values() for t in e.tiers.values()
+                                                            if t.weights != "model"})),  # type: ignore[misc]
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
                                adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name(),
                                host_copy=c.wants_host_copy() and s.emulation is None, host_copy_holder=self.host_holder)
