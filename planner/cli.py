@@ -82,24 +82,6 @@ def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
     return {g.model: g.adapters for g in DeploymentShape.from_serve_yaml(path).models if g.adapters is not None}
 
 
-def quality_weights(quality: str | None, templates: list[Any], tiers: dict[str, Any], hardware: str) -> dict[str, Any]:
-    """``--quality``'s weight format per planned model where the tier quantizes them (its format on
-    ``hardware``: fp8 where the GPU takes it, int8 on the CPU): those templates are planned,
-    traced and priced with the quantized weights, their offload chosen for them."""
-    from planner.latency import LatencyModel
-    from planner.tiers import planned_format, served
-
-    if quality is None:
-        return {}
-    profile = None if hardware == "cpu" else LatencyModel(hardware).hardware
-    out = {}
-    for model in sorted({t.model for t in templates}):
-        tier = served(model, tiers).get(quality)
-        if tier is not None and tier.weights != "model":
-            out[model] = planned_format(tier.weights, profile)
-    return out
-
-
 def deployment_tiers(path: Path) -> dict[str, Any]:
     """``model -> its quality tiers`` of a ``serve run`` YAML (groups with ``quality_tiers:``)."""
     from xema_ray.deployment import DeploymentShape
@@ -193,8 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"planner: {e}", file=sys.stderr)
         return 2
-    weights = quality_weights(args.quality, templates, tiers, args.hardware)
-    opts = PlanOptions(hardware=args.hardware, budget=budget, gpus=gpus, group_gpus=group_gpus, weights=weights,
+    opts = PlanOptions(hardware=args.hardware, budget=budget, gpus=gpus, group_gpus=group_gpus,
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),

@@ -73,6 +73,24 @@ def planned_format(asked: WeightFormat, profile: Any) -> WeightFormat:
     return profile.weight_format(asked)  # type: ignore[no-any-return]
 
 
+def quality_weights(quality: str | None, models: list[str], tiers: Mapping[str, Mapping[str, QualityTierSpec]],
+                    hardware: str) -> dict[str, WeightFormat]:
+    """``--quality``'s weight format per planned model where the tier quantizes them (its format on
+    ``hardware``: fp8 where the GPU takes it, int8 on the CPU): those templates are planned,
+    traced and priced with the quantized weights, their offload chosen for them."""
+    from planner.latency import LatencyModel
+
+    if quality is None:
+        return {}
+    profile = None if hardware == "cpu" else LatencyModel(hardware).hardware
+    out = {}
+    for model in sorted(set(models)):
+        tier = served(model, tiers).get(quality)
+        if tier is not None and tier.weights != "model":
+            out[model] = planned_format(tier.weights, profile)
+    return out
+
+
 def tier_plan(entry: PlanEntry, tier: QualityTierSpec, denoise_share: float, profile: Any = None) -> TierPlan:
     """``entry`` at ``tier``: latency with the tier's computed steps, peak with its cached outputs;
     with quantized weights, the entry's configuration with its weights so (``weights_tier``).

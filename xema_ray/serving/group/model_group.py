@@ -443,12 +443,13 @@ class ModelGroup:
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
         self._tell_phases(a.template, self.estimates[a.template])
+        served = served_quality(quality, steps, lead, batch.config.step_cache is not None)
         for out in lead.outputs:
             # where it ran travels with the result: the router exposes it as response headers
             outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
                                                      workers=a.workers, batch_seconds=seconds,
                                                      queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                     replica=self.owner, **served_quality(quality, steps, lead))
+                                                     replica=self.owner, **served)
         return True
 
     async def _fail(self, t: _Ticket, e: Exception) -> None:
