@@ -362,6 +362,9 @@ class ExecutionEngine:
         layout: RequestReport | None = None
         try:
             if config.weights != self.weights:  # first: the batch's mitigations hook the transformer it runs
+                if adapters is not None and any(adapters):
+                    raise ValueError(f"lora: adapters apply to the model's own weights, not to a {config.weights} "
+                                     "copy (the API refuses them with quality balanced)")
                 env.enter_context(self._swap_weights(config.weights))
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
             if config.experts is not None:

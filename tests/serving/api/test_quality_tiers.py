@@ -140,3 +140,23 @@ def test_videos_take_quality_too(served: RouterHarness) -> None:
     assert fast.body != lossless.body
     bogus = served.post("/v1/videos/sync", {**body, "quality": "ultra"})
     assert bogus.status == 422 and bogus.json()["error"]["param"] == "quality"
+
+
+def test_lora_is_refused_with_balanced_and_medium_falls_back_to_lossless() -> None:
+    """Adapters apply to the model's own weights: ``balanced`` by name with adapters is a 422
+    naming ``lora``; OpenAI's ``medium`` (a hint) resolves to lossless."""
+    from types import SimpleNamespace
+
+    from xema_ray.models.options import OptionRefused
+    from xema_ray.serving.api.options import resolve_options
+
+    table = price_tiers(PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40,
+                                  entries={FLUX.shape_key: plan_entry(FLUX, batch=1, latency_s=0.5, slo_s=60.0)}))
+    lora = [SimpleNamespace(name="style", scale=1.0)]
+    with pytest.raises(OptionRefused) as e:
+        resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="balanced", lora=lora), table)
+    assert e.value.param == "lora"
+    medium = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium", lora=lora), table)
+    assert medium.quality == "lossless"
+    plain = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium"), table)
+    assert plain.quality == "balanced"
