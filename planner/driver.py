@@ -25,6 +25,7 @@ from pathlib import Path
 from xema_ray.plan import ExecutionConfig, PlanEntry
 from xema_ray.templates import RequestTemplate
 from xema_ray.vocabulary import LatencySource
+from xema_ray.tier_plan import WeightFormat
 
 from planner.baselines import SearchSpace, run_baseline
 from planner.cluster_fit import TaskShape, fit_tasks
@@ -56,8 +57,10 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         latency.on_device(timer.fingerprint)  # estimates calibrated by this device's measurements
     elif opts.hardware == "cpu":
         latency.calibrate([template])  # measure SP 1 / batch 1 here; the cost model scales from it
-    cache = TraceCache(Path(opts.trace_cache) if opts.trace_cache else None, adapters=opts.adapter_pools)
-    model = TracePlannerModel(template, timer.seconds, cache)
+    fmt = opts.weights.get(template.model, "model")
+    cache = TraceCache(Path(opts.trace_cache) if opts.trace_cache else None, adapters=opts.adapter_pools,
+                       weights={template.model: fmt} if fmt != "model" else {})
+    model = TracePlannerModel(template, _in_weights(timer.seconds, fmt), cache)
     counting = CountingModel(model)
     xema = plan_template(counting, template, gpus, opts.budget, slo_scale=opts.slo_scale, max_batch=opts.max_batch,
                          latency_source=LatencySource.ESTIMATED)
@@ -86,6 +89,9 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         from planner.decode_stage import decode_facts
 
         decoding = decode_facts(model, entry.config, gpus)  # the trace is here; the choice is the driver's
+    if fmt != "model":  # every configuration was traced and priced with the quantized weights
+        candidates = tuple(_with_weights(e, fmt) for e in candidates)
+        entry = _with_weights(entry, fmt) if entry is not None else None
     if entry is not None:
         entry = with_reused_step_share(with_pause_bytes(with_latency_source(entry, timer), cache), latency)
         if opts.text_encoder == "plan" and template.spec.text_encoder is not None:
@@ -109,6 +115,18 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
         pruned_memory=pruned_memory, pruned_slo=pruned_slo, measured=measured, estimated=estimated,
         not_measured=not_measured, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0,
         started_unix=started, worker_pid=os.getpid())
+
+
+def _in_weights(seconds: Callable[[ExecutionConfig], float], fmt: WeightFormat) -> Callable[[ExecutionConfig], float]:
+    """``seconds`` of a configuration run with its transformer's weights in ``fmt``."""
+    if fmt == "model":
+        return seconds
+    return lambda config: seconds(config.model_copy(update={"weights": fmt}))
+
+
+def _with_weights(entry: PlanEntry, fmt: WeightFormat) -> PlanEntry:
+    """``entry`` whose configuration runs its transformer's weights in ``fmt``."""
+    return entry.model_copy(update={"config": entry.config.model_copy(update={"weights": fmt})})
 
 
 def with_latency_source(entry: PlanEntry, timer: LatencyModel | DeviceLatency) -> PlanEntry:

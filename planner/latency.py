@@ -35,7 +35,7 @@ def cpu_profile() -> HardwareProfile:
         name=f"CPU {cpu.hardware_name()}", gpus=64,  # worker slots are logical on a CPU
         memory_gb=24, bf16_tflops=0.05, mem_gbps=10, h2d_gbps=10,
         nvlink_gbps=0, nvlink_domain=1, pcie_gbps=2, collective_latency_s=200e-6,
-        fingerprint=cpu.hardware_fingerprint(),
+        fingerprint=cpu.hardware_fingerprint(), stored_formats=("int8",),  # torchao's fp8 path is for GPUs
     )
 
 

@@ -483,8 +483,14 @@ def plan(request: PlanRequest, on_event: Callable[[PlanEvent], None] | None = No
         >>> result.written.table is None  # no ``out``: the table is returned, not written
         True
     """
+    from planner.tiers import quality_weights
+
     notify = on_event or (lambda _event: None)
     t0 = time.perf_counter()
+    if request.quality is not None and not request.opts.weights:  # a quantized tier plans with its weights
+        weights = quality_weights(request.quality, [t.model for t in request.templates], request.tiers,
+                                  request.opts.hardware)
+        request = dataclasses.replace(request, opts=request.opts.model_copy(update={"weights": weights}))
     opts = request.opts
     shape = None
     if request.use_ray:

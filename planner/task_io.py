@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.plan import LoraPoolConfig, PlanEntry
+from xema_ray.tier_plan import WeightFormat
 
 from planner.decode_stage import DecodeFacts
 from planner.text_encoder import EncoderFacts
@@ -49,6 +50,9 @@ class PlanOptions(BaseModel):
     stages: Literal["joint", "split", "auto"] = Field(
         default="joint", description="where video decodes run (planner.decode_stage): joint: in place; split: a "
                                      "decode pool wherever one fits; auto: the better of the two per template")
+    weights: dict[str, WeightFormat] = Field(
+        default_factory=dict, description="model -> its transformer's weight format, the hardware's for the tier "
+                                          "planned (xema plan --quality balanced); absent: its own dtype")
     template_loads: dict[str, float] = Field(
         default_factory=dict, description="shape key -> its expected requests/s (from --load): the decode choice's "
                                           "goodput is capped there")

@@ -25,8 +25,10 @@ from functools import cache
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.models.weight_formats import block_bytes_ratio
 from xema_ray.plan import ExecutionConfig, PlanEntry
 from xema_ray.profiling.hardware import HardwareProfile
+from xema_ray.tier_plan import WeightFormat
 from xema_ray.runtime.residency import Residency, block_sizes
 
 from planner.traces import meta_pipeline
@@ -121,10 +123,13 @@ def trace_encode(model: str, batch: int) -> int:
 
 
 @cache
-def _weights_bytes(model: str) -> int:
-    pipe = meta_pipeline(model)
-    return sum(t.numel() * t.element_size() for name, c in pipe.components.items()
-               if isinstance(c, torch.nn.Module) and name != "text_encoder" for t in c.parameters())
+def _weights_bytes(model: str, weights: WeightFormat = "model") -> int:
+    """The pipeline's weights but the encoder's, the transformer's in ``weights`` (as stored)."""
+    from xema_ray.mitigation.weight_quant import stored_bytes
+
+    pipe = meta_pipeline(model, weights=weights)
+    return sum(stored_bytes(c) for name, c in pipe.components.items()
+               if isinstance(c, torch.nn.Module) and name != "text_encoder")
 
 
 def encoder_facts(config: ExecutionConfig) -> EncoderFacts:
@@ -134,14 +139,16 @@ def encoder_facts(config: ExecutionConfig) -> EncoderFacts:
     total, streamed, largest, params = _encoder_facts(model)
     prompts = encode_prompts_count(config)
     return EncoderFacts(model=model, total_bytes=total, streamed_bytes=streamed, largest_part_bytes=largest,
-                        text_params=params, weights_bytes=_weights_bytes(model),
+                        text_params=params, weights_bytes=_weights_bytes(model, config.weights),
                         activation_bytes={prompts: trace_encode(model, prompts)})
 
 
 def _resident_bytes(config: ExecutionConfig, facts: EncoderFacts) -> int:
     """Device weights of the plan outside the DiT's streamed blocks (transformer + VAE + the rest)."""
-    sizes = block_sizes(config.template.spec)
-    return facts.weights_bytes - sum(sizes[i] for i in Residency.of_config(config).host_blocks)
+    spec = config.template.spec
+    ratio = 1.0 if config.weights == "model" else block_bytes_ratio(spec, config.weights)
+    sizes = block_sizes(spec)
+    return facts.weights_bytes - int(ratio * sum(sizes[i] for i in Residency.of_config(config).host_blocks))
 
 
 def placement_costs(entry: PlanEntry, hw: HardwareProfile, facts: EncoderFacts | None = None) -> list[EncoderCosts]:

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, default_dtype_for, trace_template
+from xema_ray.analyzer.run import TRACER_VERSION, TraceOptions, build_for_trace, default_dtype_for, trace_template
 from xema_ray.lora.memory import pool_config_key
-from xema_ray.models import BuildOptions
 from xema_ray.memory.trace import MemoryTrace
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.templates import RequestTemplate
+from xema_ray.tier_plan import WeightFormat
 
 #: how the planner traces: DiT blocks replayed (exact, ``xema_ray.analyzer.block_replay``; LTX-2's
 #: 48 blocks x 3 passes per step run once per signature: ~4.5x faster traces)
@@ -44,6 +44,8 @@ class TraceCache:
     dtypes: dict[str, tuple[torch.dtype, tuple[tuple[str, torch.dtype], ...]]] = field(default_factory=dict)
     #: per model, its group's LoRA adapter pool: traced with the pool's stacks and every sample's adapters
     adapters: dict[str, LoraPoolConfig] = field(default_factory=dict)
+    #: per model, its transformer's weight format (a quantized tier's plan: ``xema plan --quality balanced``)
+    weights: dict[str, WeightFormat] = field(default_factory=dict)
     _mem: dict[str, MemoryTrace] = field(default_factory=dict)
     traced: int = 0
 
@@ -59,15 +61,18 @@ class TraceCache:
         return Path(self.directory) / f"{template.model}-{digest}.json"
 
     def _dtype_key(self, model: str) -> str:
-        """'' at the model's default dtypes (trace files keep their names), else what they are."""
+        """'' at the model's default dtypes and weights (trace files keep their names), else what they are."""
+        fmt = self.weights.get(model, "model")
+        weights = "" if fmt == "model" else f"|weights={fmt}"
         if model not in self.dtypes:
-            return ""
+            return weights
         base, kept = self.dtypes[model]
-        return f"|{base}|" + ",".join(f"{c}={d}" for c, d in kept)
+        return f"|{base}|" + ",".join(f"{c}={d}" for c, d in kept) + weights
 
     def pipeline(self, template: RequestTemplate) -> Any:
         """The model's meta-device pipeline, built on first use in this process."""
-        return meta_pipeline(template.model, *self.dtypes.get(template.model, (None, ())))
+        return meta_pipeline(template.model, *self.dtypes.get(template.model, (None, ())),
+                             weights=self.weights.get(template.model, "model"))
 
     def get(self, template: RequestTemplate) -> MemoryTrace:
         key = template.key + self._dtype_key(template.model) + pool_config_key(self.adapters.get(template.model))
@@ -77,10 +82,10 @@ class TraceCache:
         if path is not None and path.exists():
             trace = MemoryTrace.load(path)
         else:
-            options = PLANNER_TRACE
+            options = replace(PLANNER_TRACE, weights=self.weights.get(template.model, "model"))
             if template.model in self.dtypes:
                 base, kept = self.dtypes[template.model]
-                options = replace(PLANNER_TRACE, dtype=base, component_dtypes=kept)
+                options = replace(options, dtype=base, component_dtypes=kept)
             pool = self.adapters.get(template.model)
             if pool is not None:  # the pool's stacks beside the weights, the deltas' intermediates in each layer
                 from xema_ray.analyzer.lora import trace_with_adapters
@@ -97,7 +102,7 @@ class TraceCache:
 
 
 def meta_pipeline(model: str, dtype: torch.dtype | None = None,
-                  component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()) -> Any:
+                  component_dtypes: tuple[tuple[str, torch.dtype], ...] = (), weights: WeightFormat = "model") -> Any:
     """``model``'s meta-device pipeline at its analysis dtype (or ``dtype``, with components kept in
     their own), built on first use in this process and shared by every trace (and the text-encoder
     placement) of this process."""
@@ -106,8 +111,9 @@ def meta_pipeline(model: str, dtype: torch.dtype | None = None,
     spec = get_model_spec(model)
     dtype = dtype or default_dtype_for(spec)
     key = model if dtype == default_dtype_for(spec) and not component_dtypes else f"{model}|{dtype}|{component_dtypes}"
+    key += "" if weights == "model" else f"|weights={weights}"
     pipe = _META_PIPELINES.get(key)
     if pipe is None:
-        pipe = spec.build_pipeline(BuildOptions(device="meta", dtype=dtype, component_dtypes=component_dtypes))
+        pipe = build_for_trace(spec, TraceOptions(dtype=dtype, component_dtypes=component_dtypes, weights=weights), dtype)
         _META_PIPELINES[key] = pipe
     return pipe

@@ -42,6 +42,9 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, default=None, help="write a PNG like the paper's Figures 2 and 13")
     p.add_argument("--text-encoder", choices=("device", "streamed", "cpu", "none"), default="device",
                    help="trace the model's text encoder in the text phase, placed so (default: on the device)")
+    p.add_argument("--weights", choices=("bf16", "model", "fp8", "int8"), default="model",
+                   help="the transformer's weight format: bf16/model (its own dtype; the tiny models' is fp32), fp8 "
+                        "or int8 (its quantizable layers stored weight-only, torchao's tensors: docs/quality.md)")
     p.add_argument("--layout", action="store_true",
                    help="also solve the static layout and compare with a simulated caching allocator")
     p.add_argument("--device-allocs", type=Path, default=None,
@@ -102,7 +105,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     imports = time.perf_counter() - t0
     placement = None if args.text_encoder == "none" else args.text_encoder
-    trace = trace_template(template, TraceOptions(text_encoder=placement))
+    weights = "model" if args.weights == "bf16" else args.weights
+    if weights != "model" and template.spec.weight_quant is None:
+        print(f"xema analyze: --weights {weights}: {template.model}'s spec names no quantizable weights", file=sys.stderr)
+        return 2
+    trace = trace_template(template, TraceOptions(text_encoder=placement, weights=weights))
     elapsed = time.perf_counter() - t0
     if args.device_allocs is not None:
         from xema_ray.allocator.device_allocs import DeviceAllocMismatch, include, load_record, trace_key

@@ -21,7 +21,7 @@ from xema_ray.expert_plan import ExpertSwap as ExpertSwap  # re-exported: Execut
 from xema_ray.host_budget import HostBytes, NodeHost
 from xema_ray.lora_pool import LoraPoolConfig  # noqa: F401  (PlanTable.adapter_pools; read from here too)
 from xema_ray.templates import RequestTemplate
-from xema_ray.tier_plan import StepCacheSchedule, TierPlan
+from xema_ray.tier_plan import StepCacheSchedule, TierPlan, WeightFormat
 from xema_ray.vocabulary import LatencySource, PlanLatencySource
 
 MitigationKind = Literal[
@@ -164,12 +164,17 @@ class ExecutionConfig(BaseModel):
     decode: DecodeStage | None = Field(
         default=None, description="a decode stage of its own (the latents handed to a pool of decode workers); "
                                   "None: decoded in place on the DiT workers")
+    weights: WeightFormat = Field(
+        default="model", description="the transformer's weight format (a quality tier's: docs/quality.md): 'model', "
+                                     "its own dtype; 'fp8' / 'int8': its quantizable layers stored weight-only")
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
         if self.template.batch != 1:
             raise ValueError(f"template batch must be 1 (batching is the config's `batch`), got {self.template.batch}")
         spec = self.template.spec
+        if self.weights != "model" and spec.weight_quant is None:
+            raise ValueError(f"weights: {spec.name}'s spec names no quantizable weights; it runs in its own dtype only")
         heads = spec.attention_heads
         if heads % self.ulysses:
             raise ValueError(f"ulysses={self.ulysses} must divide {spec.name}'s {heads} attention heads")
@@ -242,7 +247,8 @@ class ExecutionConfig(BaseModel):
         # a config without an expert switch hashes as before the field existed (stored profiles, layouts)
         # likewise without a decode stage (decoded in place) and without a step cache (lossless)
         skip = (({"experts"} if self.experts is None else set()) | ({"decode"} if self.decode is None else set())
-                | ({"step_cache"} if self.step_cache is None else set()))
+                | ({"step_cache"} if self.step_cache is None else set())
+                | ({"weights"} if self.weights == "model" else set()))
         payload = self.model_dump_json(exclude={"layout_ref", "dp"} | skip)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -257,6 +263,8 @@ class ExecutionConfig(BaseModel):
             parts.append(self.decode.describe())
         if self.step_cache is not None:
             parts.append(self.step_cache.describe())
+        if self.weights != "model":
+            parts.append(f"weights {self.weights}")
         return " + ".join(parts)
 
     def dit_stage(self) -> ExecutionConfig:
@@ -354,10 +362,11 @@ class PlanEntry(BaseModel):
     def tier_config(self, tier: str) -> ExecutionConfig:
         """The entry's config run at quality ``tier`` (lossless: the config itself)."""
         plan = self.tiers.get(tier)
-        if plan is None or plan.cache is None:
+        if plan is None or (plan.cache is None and plan.weights == self.config.weights):
             return self.config
-        # a step-cached batch skips steps the static layout's order expects: it runs on the dynamic region
-        return self.config.model_copy(update={"step_cache": plan.cache, "layout_ref": None})
+        # a step-cached batch skips steps the static layout's order expects, and quantized weights
+        # allocate what the layout was not solved for: it runs on the dynamic region
+        return self.config.model_copy(update={"step_cache": plan.cache, "weights": plan.weights, "layout_ref": None})
 
 
 class GroupResidency(BaseModel):

@@ -55,6 +55,10 @@ class StepCacheSchedule(BaseModel):
         return f"step_cache(warmup {self.warmup:g}, 1/{self.compute_every}, final {self.final})"
 
 
+#: a weight format: ``model`` (the model's own dtype: bf16 for real models, fp32 for the tiny ones),
+#: ``fp8`` (e4m3 weight-only, per-channel scales) or ``int8`` (weight-only, per-channel scales)
+WeightFormat = Literal["model", "fp8", "int8"]
+
 #: the tier names a deployment may define (``auto`` is a choice among them, not a tier of its own)
 TierName = Literal["lossless", "balanced", "fast"]
 
@@ -70,13 +74,17 @@ class QualityTierSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cache: StepCacheSchedule | None = Field(default=None, description="a fixed-budget step cache; None: every step")
-    weights: Literal["model"] = Field(default="model", description="the weights' format: 'model', the model's own "
-                                                                   "dtype (quantized formats are a tier of their own)")
+    weights: WeightFormat = Field(default="model", description="the transformer's weight format: 'model' (its own "
+                                                                "dtype), 'fp8' (int8 where the hardware stores no fp8) "
+                                                                "or 'int8' (weight-only, docs/quality.md)")
 
 
 #: the tiers every model serves unless its group defines its own: lossless and the default step cache
 DEFAULT_TIERS: dict[str, QualityTierSpec] = {"lossless": QualityTierSpec(),
                                              "fast": QualityTierSpec(cache=StepCacheSchedule())}
+#: the default ``balanced`` tier: every step, the transformer's weights stored in fp8 (int8 where the
+#: hardware stores no fp8: the CPU); served by default where the model's spec says which layers quantize
+BALANCED = QualityTierSpec(weights="fp8")
 
 
 def check_tiers(tiers: dict[str, QualityTierSpec]) -> dict[str, QualityTierSpec]:
@@ -99,7 +107,8 @@ class TierPlan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     cache: StepCacheSchedule | None = Field(default=None, description="the step cache; None: every step computed")
-    weights: str = Field(default="model", description="weight format ('model': the model's own dtype)")
+    weights: WeightFormat = Field(default="model", description="weight format as planned for the table's hardware "
+                                                                "('model': the model's own dtype)")
     latency_s: float = Field(ge=0, description="predicted latency of one batch at the template's steps")
     peak_bytes: int = Field(ge=0, description="predicted peak per GPU, the cached outputs included")
     cache_bytes: int = Field(default=0, ge=0, description="device bytes the cached outputs hold (in the peak)")

@@ -55,7 +55,7 @@ def test_fast_is_priced_from_its_computed_steps_and_its_cache() -> None:
 def test_price_tiers_lists_every_tier_or_makes_the_entries_one() -> None:
     table = PlanTable(hardware="cpu:test", gpus=1, budget_bytes=2**30, entries={FLUX.shape_key: _entry(FLUX)})
     every = price_tiers(table).entries[FLUX.shape_key]
-    assert sorted(every.tiers) == ["fast", "lossless"] and every.config.step_cache is None
+    assert sorted(every.tiers) == ["balanced", "fast", "lossless"] and every.config.step_cache is None
     fast = price_tiers(table, only="fast").entries[FLUX.shape_key]
     assert list(fast.tiers) == ["fast"] and fast.config.step_cache == DEFAULT_TIERS["fast"].cache
     assert fast.prediction.latency_s == fast.tiers["fast"].latency_s < every.prediction.latency_s

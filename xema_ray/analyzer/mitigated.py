@@ -15,14 +15,13 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from xema_ray.analyzer.run import TraceOptions, default_dtype_for, trace_template
+from xema_ray.analyzer.run import TraceOptions, build_for_trace, default_dtype_for, trace_template
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.analyzer.tracer import AllocationTracer
 from xema_ray.mitigation.hsdp import ShapeOnlyGroup
 from xema_ray.mitigation.registry import apply_mitigations
 from xema_ray.mitigation.step_cache import StepCacheConfig
 from xema_ray.mitigation.step_cache import apply as apply_step_cache
-from xema_ray.models import BuildOptions
 from xema_ray.plan import Mitigation
 from xema_ray.templates import RequestTemplate
 
@@ -60,7 +59,7 @@ def trace_with_mitigations(
     opts = options or TraceOptions()
     spec = template.spec
     dtype = opts.dtype or default_dtype_for(spec)
-    pipe = pipeline if pipeline is not None else spec.build_pipeline(BuildOptions(device=opts.device, dtype=dtype))
+    pipe = pipeline if pipeline is not None else build_for_trace(spec, opts, dtype)
     comm = ShapeOnlyGroup(world_size=world_size) if any(m.kind == "hsdp" for m in mitigations) else None
     applied = apply_mitigations(pipe, spec, mitigations, comm=comm, trace=baseline)
     if step_cache:

@@ -27,6 +27,7 @@ from xema_ray.analyzer.tracer import AllocationTracer
 from xema_ray.memory.trace import Category, MemoryTrace
 from xema_ray.models import BuildOptions, ModelSpec
 from xema_ray.templates import RequestTemplate
+from xema_ray.tier_plan import WeightFormat
 
 TRACER_VERSION = "2"  # 2: step bounds typed (MemoryTrace.step_bounds), not in meta
 
@@ -62,6 +63,19 @@ class TraceOptions:
     #: components kept in a dtype of their own (``BuildOptions.component_dtypes``): an fp32 VAE
     #: beside a bf16 transformer holds and decodes in twice the bytes, which the trace must count
     component_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    #: the transformer's weight format (``xema analyze --weights``): its quantizable layers stored
+    #: so (torchao's own tensors, values and scales), dequantized in each matmul (traced)
+    weights: WeightFormat = "model"
+
+
+def build_for_trace(spec: ModelSpec, opts: TraceOptions, dtype: torch.dtype) -> Any:
+    """``spec``'s pipeline on ``opts.device`` in ``dtype``, its transformer in ``opts.weights``."""
+    pipe = spec.build_pipeline(BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
+    if opts.weights != "model":
+        from xema_ray.mitigation.weight_quant import WeightQuantConfig, quantize_transformer
+
+        quantize_transformer(pipe.transformer, spec, WeightQuantConfig(format=opts.weights))
+    return pipe
 
 
 def default_dtype_for(spec: ModelSpec) -> torch.dtype:
@@ -98,8 +112,7 @@ def trace_template(
     dtype = opts.dtype or default_dtype_for(spec)
     if opts.device == "meta" and spec.size == "real" and opts.count_host:
         raise ValueError("count_host is for tiny-model reference tests; a real model's host tensors would be huge")
-    pipe = pipeline if pipeline is not None else spec.build_pipeline(
-        BuildOptions(device=opts.device, dtype=dtype, component_dtypes=opts.component_dtypes))
+    pipe = pipeline if pipeline is not None else build_for_trace(spec, opts, dtype)
     traced = steps_to_trace(spec.settling_steps_for(template), spec.step_lifetime)
     traced_steps = min(template.steps, traced) if opts.replicate else template.steps
     stages = spec.expert_stages(template, scheduler_config)
@@ -173,6 +186,8 @@ def _trace_meta(template: RequestTemplate, opts: TraceOptions, dtype: torch.dtyp
         "traced_steps": str(traced_steps),
         "text_encoder": opts.text_encoder or "none",
     }
+    if opts.weights != "model":
+        meta["weights"] = opts.weights
     if opts.component_dtypes:
         meta["component_dtypes"] = ",".join(f"{c}={str(d).removeprefix('torch.')}" for c, d in opts.component_dtypes)
     if replay is not None:

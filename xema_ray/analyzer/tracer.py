@@ -158,10 +158,13 @@ class AllocationTracer(TorchDispatchMode):
 
     def register_resident(self, tensors: dict[str, torch.Tensor], category: Category) -> None:
         """Record tensors that exist before the request runs (weights, inputs) as allocated now."""
-        for name, t in tensors.items():
-            if self._counts(t):
-                self._track(t, module=self._intern(self._modules, self._module_index, name), op=-1,
-                            category=int(category))
+        from xema_ray.mitigation.weight_quant import tensor_leaves
+
+        for name, tensor in tensors.items():
+            for t in tensor_leaves(tensor):  # a quantized weight's values and scales, each its own storage
+                if self._counts(t):
+                    self._track(t, module=self._intern(self._modules, self._module_index, name), op=-1,
+                                category=int(category))
 
     def register_module(self, prefix: str, module: nn.Module) -> None:
         """Register a module's parameters and buffers as resident weights."""

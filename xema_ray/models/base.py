@@ -27,6 +27,7 @@ from xema_ray.models.build_options import BuildOptions, TextEncoderPlacement  # 
 from xema_ray.models.cost import BlockCost
 from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.options import OptionRules
+from xema_ray.models.weight_formats import QuantRule
 from xema_ray.models.dtypes import DTYPES, DTypeName, cast_inputs_to_own_dtype, log_cast, model_dtypes  # noqa: F401
 
 if TYPE_CHECKING:
@@ -244,8 +245,10 @@ class ModelSpec(ABC):
                 return WeightHome.HOST if host else WeightHome.DEVICE
 
             share = HostShare(f"{self.name}|{subfolder}", opts.app) if opts.share_host or opts.host_copy else None
+            told = opts.placed
             report = materialize(model, torch.device(opts.device), dtype, source, home_of, share=share,
-                                 host_copy=opts.host_copy, holder=opts.host_holder)
+                                 host_copy=opts.host_copy, holder=opts.host_holder,
+                                 placed=None if told is None else lambda path, m: told(subfolder, path, m))
             setattr(model, PLACEMENT_ATTR, report)
         if opts.component_dtypes and subfolder != "transformer":
             # components of two dtypes meet: each takes its inputs in its own (the transformer is
@@ -440,6 +443,9 @@ class ModelSpec(ABC):
     #: templates a model outside the paper's set is planned and served with (``xema_ray.templates``)
     reference_sizes: tuple[tuple[int, int, int], ...] = ()
     reference_steps: int = 50
+    #: the transformer layers the ``balanced`` tier stores quantized (``xema_ray.models.weight_formats``);
+    #: None: its weights are never quantized, and it serves no ``balanced`` tier
+    weight_quant: QuantRule | None = None
 
     def sequence_parallel_split(self) -> type[SPPlan] | None:
         """The split of this model's transformer for sequence parallelism (one of

@@ -3,11 +3,13 @@ text encoder live. Read by every builder of ``xema_ray.models.base.ModelSpec``."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
 
 from xema_ray.platforms.host_memory import SegmentHolder
 
@@ -61,6 +63,10 @@ class BuildOptions:
     host_copy: bool = False
     #: the node-level process that keeps the host copy after the last worker (None: the workers)
     host_holder: SegmentHolder | None = None
+    #: called with (component, module path, module) as soon as a module's own tensors are placed:
+    #: the worker quantizes the transformer's layers as they arrive, so the device never holds
+    #: more than one layer in the model's dtype beside the quantized ones (``runtime.worker``)
+    placed: Callable[[str, str, nn.Module], None] | None = None
 
     def dtype_for(self, component: str) -> torch.dtype:
         """The dtype ``component`` (a pipeline attribute: "vae", "text_encoder", ...) is built in."""

@@ -15,6 +15,7 @@ from xema_ray.models.base import BuildOptions, ModelSpec
 from xema_ray.models.references import ReferenceInputs
 from xema_ray.models.text_encoders import EncoderChoice
 from xema_ray.models.cost import BYTES, BlockCost
+from xema_ray.models.weight_formats import QuantRule
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -67,6 +68,14 @@ def edit_pipeline_class() -> type[Any]:
 class Flux2Spec(ModelSpec):
     family = "flux2"
     kind = "image"
+    #: the DiT blocks' linear layers stored quantized; the embedders, the modulation and the output
+    #: layers kept in the model's dtype
+    weight_quant = QuantRule(
+        kept=(r"^x_embedder$", r"^context_embedder$", r"^time_guidance_embed\.", r"_modulation", r"^norm_out\.",
+              r"^proj_out$"),
+        source="chosen after the usual weight-only practice for DiTs (the blocks' linear layers quantized; the "
+               "input, conditioning and output layers, a small share of the bytes, kept in 16 bits); not measured "
+               "on trained Flux.2 weights yet (random weights carry no trained sensitivity)")
 
     def __init__(self, name: str, size: str, transformer_config: str, vae_config: str, text_tokens: int,
                  encoder: EncoderChoice | None = None) -> None:

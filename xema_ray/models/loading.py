@@ -364,8 +364,10 @@ def materialize(
     pinned: bool | None = None,
     host_copy: bool = False,
     holder: SegmentHolder | None = None,
+    placed: Callable[[str, nn.Module], None] | None = None,
 ) -> PlacementReport:
-    """Give every tensor of a meta-built ``module`` its value at its home, one module at a time.
+    """Give every tensor of a meta-built ``module`` its value at its home, one module at a time
+    (``placed(path, module)`` told as each module's own tensors are placed).
 
     Host-homed tensors are views into one exact-size buffer (``xema_ray.models.host_pack``),
     page-locked on CUDA; with ``share`` it is the node's shared segment for these weights.
@@ -415,6 +417,9 @@ def materialize(
     try:
         for path, sub in _modules_in_order(module):
             placer.place(path, sub, home_of)
+            if placed is not None:
+                placed(path, sub)
+                placer.refresh(sub)  # a tensor ``placed`` replaced (quantized) is not kept alive here
     except BaseException:
         if buf is not None:
             release_host_buffer(buf, failed=True)
@@ -440,6 +445,13 @@ class _Placer:
         self.host_copy = host_copy
         self.report = PlacementReport()
         self.placed: dict[int, nn.Parameter] = {}  # tied parameters (one object in two modules) stay one
+        self._names: dict[int, list[tuple[int, str]]] = {}  # id(module) -> (id(meta), name) of what it placed
+
+    def refresh(self, sub: nn.Module) -> None:
+        """Point the tied-parameter table at ``sub``'s parameters as they are now."""
+        for key, name in self._names.pop(id(sub), []):
+            if sub._parameters.get(name) is not None:
+                self.placed[key] = sub._parameters[name]  # type: ignore[assignment]
 
     def place(self, path: str, sub: nn.Module, home_of: Callable[[str], WeightHome]) -> None:
         """Give ``sub``'s own parameters and buffers (not its children's) their values at ``home_of(path)``."""
@@ -464,6 +476,7 @@ class _Placer:
                 t = self._to_device(t)
             if name in sub._parameters:
                 self.placed[id(meta)] = sub._parameters[name] = nn.Parameter(t, requires_grad=False)
+                self._names.setdefault(id(sub), []).append((id(meta), name))
             else:
                 sub._buffers[name] = t
             self.report.tensors += 1

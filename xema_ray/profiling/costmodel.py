@@ -16,7 +16,10 @@ not overlap with compute:
 * HSDP: the all-gather of each sharded block's weights, overlapped with the previous block;
 * chunking (per chunk launch overhead and efficiency loss) and temporary serialization
   (``s`` sub-batches each pay the weight reads and lose batching efficiency);
-* batch size through the token count (compute grows linearly, weight reads do not).
+* batch size through the token count (compute grows linearly, weight reads do not);
+* quantized weights (``config.weights``, the ``balanced`` tier): offloaded blocks copy the stored
+  bytes; where the GPU does not compute the format (fp8 on the A6000) a dequantization pass per
+  block and step (``_quantized_blocks``).
 
 The VAE decode is a roofline over an analytic count of decoder convolution FLOPs; the VAE encode
 of a template's reference images (Flux.2 edits, the first frame of image-to-video), before the
@@ -236,7 +239,11 @@ def cost_model_estimate(config: ExecutionConfig, hw: HardwareProfile) -> Latency
             prev = compute[i - 1] if i else 0.0
             t += max(0.0, gather_s - prev)  # prefetched during the previous block
         compute.append(t)
-    copies = [b.weight_bytes / (hw.h2d_gbps * 1e9) for b in blocks]
+    if config.weights != "model":
+        compute, stored = _quantized_blocks(config, hw, blocks, compute)
+    else:
+        stored = [b.weight_bytes for b in blocks]
+    copies = [w / (hw.h2d_gbps * 1e9) for w in stored]
     step = offload_step_s(compute, copies, offloaded, hw.copy_interference) if offloaded else sum(compute)
     # SP: the output gather once per step (latent tokens x channels, tiny next to the blocks)
     if config.sp > 1:
@@ -283,6 +290,26 @@ def reused_step_share(config: ExecutionConfig, hw: HardwareProfile) -> float:
     launches = (LOOP_KERNELS_PER_STEP + len(spec.transformer_passes_per_step())) * KERNEL_LAUNCH_S
     reused = scheduler_update_s(template, config.batch, hw) + copy + launches
     return min(1.0, reused / step) if step > 0 else 1.0
+
+
+def _quantized_blocks(config: ExecutionConfig, hw: HardwareProfile, blocks: list[BlockCost],
+                      compute: list[float]) -> tuple[list[float], list[float]]:
+    """Each block's time and stored weight bytes with its weights in ``config.weights``
+    (weight-only: the arithmetic stays in the model's dtype). Where ``hw`` computes the format
+    natively the block's time is kept (conservative: neither a faster fp8 GEMM nor the smaller
+    weight read is credited); elsewhere (fp8 on the A6000) each quantized weight is first
+    dequantized, a pass over device memory reading the stored bytes and writing the model-dtype
+    ones, before the matmul reads them as before. Host copies of offloaded blocks move the stored bytes."""
+    from xema_ray.models.weight_formats import block_bytes_ratio
+
+    fmt = config.weights
+    assert fmt != "model"
+    ratio = block_bytes_ratio(config.template.spec, fmt)
+    stored = [b.weight_bytes * ratio for b in blocks]
+    if fmt in hw.computed_formats:
+        return list(compute), stored
+    bw = hw.mem_gbps * 1e9
+    return [t + (s + b.weight_bytes) / bw for t, b, s in zip(compute, blocks, stored, strict=True)], stored
 
 
 def _calibration_factors(store: ProfileStore, hw: HardwareProfile, spec: ModelSpec) -> dict[Phase, float]:

@@ -9,6 +9,8 @@ documented next to the calibration points in ``costmodel``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -44,6 +46,24 @@ class HardwareProfile(BaseModel):
         description="achieved bf16 TFLOP/s of the host CPUs for a text encoder placed there (an estimate for a "
                     "2-socket server with AMX; the CPU profile measures its own)")
     fingerprint: str | None = Field(default=None, description="platform fingerprint of this hardware, to match profile-store records")
+    stored_formats: tuple[Literal["fp8", "int8"], ...] = Field(
+        default=("fp8", "int8"), description="quantized weight formats its kernels take (weight-only: dequantized in "
+                                             "the matmul where not computed natively)")
+    computed_formats: tuple[Literal["fp8", "int8"], ...] = Field(
+        default=(), description="quantized formats its tensor cores compute natively (the weight read is the "
+                                "stored bytes, no dequantization pass); the others are storage only")
+
+    def weight_format(self, asked: str) -> str:
+        """The format a tier asking for ``asked`` stores here: itself where the hardware takes it,
+        else int8, else the model's own dtype.
+
+        Example:
+            >>> A6000_8X.weight_format("fp8"), A6000_8X.weight_format("model")
+            ('fp8', 'model')
+        """
+        if asked == "model" or asked in self.stored_formats:
+            return asked
+        return "int8" if "int8" in self.stored_formats else "model"
 
     def link_gbps(self, group_size: int) -> float:
         """Per-GPU bandwidth of collectives within a group of ``group_size`` GPUs: NVLink when the
@@ -59,7 +79,7 @@ class HardwareProfile(BaseModel):
 #: bidirectional); host copies measured at 55 GB/s (docs/measured-facts.md, "Calibration points").
 H200 = HardwareProfile(
     name="NVIDIA H200", gpu_model="NVIDIA H200", gpus=8, memory_gb=141, bf16_tflops=989, mem_gbps=4800, h2d_gbps=55,
-    nvlink_gbps=450, nvlink_domain=8, pcie_gbps=50,
+    nvlink_gbps=450, nvlink_domain=8, pcie_gbps=50, computed_formats=("fp8", "int8"),
 )
 
 #: The paper's box (§9.1): 8x RTX A6000 48 GB (154.8 TFLOP/s bf16 dense, 768 GB/s GDDR6), PCIe 4.0
@@ -67,7 +87,7 @@ H200 = HardwareProfile(
 #: bidirectional).
 A6000_8X = HardwareProfile(
     name="8x NVIDIA RTX A6000 48GB", gpu_model="NVIDIA RTX A6000", gpus=8, memory_gb=48, bf16_tflops=154.8, mem_gbps=768, h2d_gbps=25,
-    nvlink_gbps=56.25, nvlink_domain=2, pcie_gbps=25,
+    nvlink_gbps=56.25, nvlink_domain=2, pcie_gbps=25, computed_formats=("int8",),  # Ampere: no fp8 tensor cores
 )
 
 HARDWARE: dict[str, HardwareProfile] = {"h200": H200, "a6000x8": A6000_8X}

@@ -230,6 +230,11 @@ class ExecutionEngine:
         #: a two-expert model's expert state across batches (``xema_ray.mitigation.expert_swap``),
         #: made by the worker's load when its plans swap the experts
         self.experts: Any = None
+        #: the format of the pipeline's own transformer weights (quantized in place at load where
+        #: every plan of the worker runs one quantized format), and the quantized copies the worker
+        #: keeps beside it for the tiers its group serves (``runtime.worker.hold_weight_formats``)
+        self.weights: str = "model"
+        self.quantized: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ validation
     def _check(self, config: ExecutionConfig) -> None:
@@ -338,6 +343,16 @@ class ExecutionEngine:
         # shape-only (``xema verify``): the few steps it runs skip none, but the buffers count
         return cache if cache.skips or self.shape_only else None
 
+    def _swap_weights(self, fmt: str) -> contextlib.AbstractContextManager[Any]:
+        """The quantized copy of the transformer in ``fmt`` in place of the pipeline's own, for a batch."""
+        from xema_ray.mitigation.weight_quant import WeightQuantConfig, apply
+
+        copy = self.quantized.get(fmt)
+        if copy is None or fmt == "model":
+            raise ValueError(f"weights {fmt}: this worker holds {self.weights} weights and copies in "
+                             f"{sorted(self.quantized) or 'no other format'}")
+        return apply(self.pipe, self.spec, WeightQuantConfig(format=fmt), copy=copy)  # type: ignore[arg-type]
+
     def _batch_env(self, config: ExecutionConfig, group: Any, steps: int, arm: bool,
                    adapters: Any = None) -> tuple[contextlib.ExitStack, RequestReport | None]:
         """The batch's mitigations, static layout (armed at ``steps``), SP and adapters, entered on
@@ -346,6 +361,11 @@ class ExecutionEngine:
         env = contextlib.ExitStack()
         layout: RequestReport | None = None
         try:
+            if config.weights != self.weights:  # first: the batch's mitigations hook the transformer it runs
+                if adapters is not None and any(adapters):
+                    raise ValueError(f"lora: adapters apply to the model's own weights, not to a {config.weights} "
+                                     "copy (the API refuses them with quality balanced)")
+                env.enter_context(self._swap_weights(config.weights))
             env.enter_context(apply_config_mitigations(self.pipe, self.spec, config.mitigations, group))
             if config.experts is not None:
                 from xema_ray.mitigation.expert_swap import apply_expert_swap

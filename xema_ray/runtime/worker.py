@@ -19,16 +19,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from xema_ray.lora import AdapterInfo, AdapterRejected, PoolStats
 from xema_ray.models import BuildOptions, get_model_spec
-from xema_ray.models.base import DTypeName, model_dtypes
+from xema_ray.models.base import DTypeName, ModelSpec, model_dtypes
 from xema_ray.placement import PLACEMENT_ATTR, PlacementReport
 from xema_ray.parallel.groups import ParallelConfig, ProcessGroups, init_process_groups
 from xema_ray.parallel.sp import SPBackend
@@ -50,6 +51,52 @@ if TYPE_CHECKING:
 ResidencyPolicy = Literal["per_template", "shared"]
 
 
+def own_weights(load: ModelLoadConfig) -> str:
+    """The format the worker's own transformer is loaded in: the plans' where they all run one."""
+    planned = {c.weights for c in load.plans}
+    return next(iter(planned)) if len(planned) == 1 else "model"
+
+
+def quantize_as_placed(spec: ModelSpec, fmt: str) -> Callable[[str, str, nn.Module], None]:
+    """``BuildOptions.placed`` storing each quantizable layer of the transformer in ``fmt`` as soon as
+    it is placed (the device holds one layer in the model's dtype at a time, never the whole)."""
+    from xema_ray.mitigation.weight_quant import WeightQuantConfig, quantize_transformer
+
+    rule, config = spec.weight_quant, WeightQuantConfig(format=fmt)  # type: ignore[arg-type]
+    assert rule is not None
+
+    def placed(component: str, path: str, module: nn.Module) -> None:
+        if component == "transformer" and rule.quantizes(path, module):
+            quantize_transformer(module, spec, config)
+
+    return placed
+
+
+def hold_weight_formats(engine: ExecutionEngine, load: ModelLoadConfig) -> int:
+    """The weight formats ``load`` asks for on ``engine``'s pipeline, its transformer loaded in
+    ``own_weights(load)``: a quantized copy of the transformer per other format the plans or the
+    group's tiers name (``xema_ray.mitigation.weight_quant``). Returns the bytes this adds to the
+    placed weights: the copies', less what the own transformer's quantization saved."""
+    from xema_ray.mitigation.weight_quant import WeightQuantConfig, quantized_copy, stored_bytes
+
+    own = own_weights(load)
+    engine.weights = own
+    wanted = ({c.weights for c in load.plans} | set(load.weight_formats)) - {"model", own}
+    if wanted and own != "model":
+        raise ValueError(f"weights: a transformer loaded in {own} cannot be copied into {sorted(wanted)}")
+    for fmt in sorted(wanted):
+        engine.quantized[fmt] = quantized_copy(engine.pipe.transformer, engine.spec, WeightQuantConfig(format=fmt))
+    saved = 0
+    rule = engine.spec.weight_quant
+    if own != "model" and rule is not None:
+        itemsize = engine.dtype.itemsize
+        for name, m in engine.pipe.transformer.named_modules():
+            if rule.quantizes(name, m):
+                bias = m.bias.numel() * m.bias.element_size() if m.bias is not None else 0
+                saved += m.weight.numel() * itemsize + bias - stored_bytes(m)
+    return sum(stored_bytes(m) for m in engine.quantized.values()) - saved
+
+
 class ModelLoadConfig(BaseModel):
     """Which model a worker loads, and how."""
 
@@ -64,6 +111,9 @@ class ModelLoadConfig(BaseModel):
     seed: int = Field(default=0, ge=0, description="seed of random weights (identical on every worker)")
     plans: tuple[ExecutionConfig, ...] = Field(
         default=(), description="the plans of the group's templates: weights are placed once, at load, as they say")
+    weight_formats: tuple[Literal["fp8", "int8"], ...] = Field(
+        default=(), description="quantized formats the group also serves (its quality tiers'): the worker keeps a "
+                                "quantized copy of the transformer for each, beside the plans' own weights")
     text_encoder: Literal["device", "streamed", "cpu", "none"] | None = Field(
         default=None,
         description="where the text encoder runs; None = the plans' choice (the most off-device one among them), "
@@ -274,13 +324,15 @@ class Worker(WorkerBase):
                             host_modules=host_modules, place_on_meta=True,
                             text_encoder=load.encoder_placement(),  # type: ignore[arg-type]
                             share_host=load.shares_host(self.platform.name), app=load.app,
-                            host_copy=load.host_copy, host_holder=load.host_copy_holder)
+                            host_copy=load.host_copy, host_holder=load.host_copy_holder,
+                            placed=None if own_weights(load) == "model" else quantize_as_placed(spec, own_weights(load)))
         pipe = spec.build_pipeline(opts)
         placement = opts.encoder_placement()
         self.engine = ExecutionEngine(
             pipe, spec, self.device, dtype, groups=self.groups, platform=self.platform,
             arm_layout=self.arm_layout, sp_backend=self.sp_backend, text_encoder_placement=placement or "device",
         )
+        quantized_bytes = hold_weight_formats(self.engine, load)
         self.residency = ResidencyManager(spec, pipe.transformer, residency)
         swapped = 0
         if experts is not None and experts.strategy == "swap_prefetched":
@@ -298,7 +350,8 @@ class Worker(WorkerBase):
         if self._mirror_host:
             # the host arena is the device less its weights (placed at load, never mirrored): a
             # batch that would not fit next to them on a budget-sized device does not fit here
-            limit = max(1, load.budget_bytes - placed.device_bytes - swapped) if load.budget_bytes is not None else 0
+            limit = (max(1, load.budget_bytes - placed.device_bytes - swapped - quantized_bytes)
+                     if load.budget_bytes is not None else 0)
             self.allocator.set_limit(limit, device=self.alloc_device)
             # on a CPU host and device are one memory: the embedding cache (host-side on a GPU)
             # would keep a batch's mirrored blocks, static ones included, alive past the batch
@@ -312,7 +365,7 @@ class Worker(WorkerBase):
         self.load_count += 1
         params = sum(p.numel() for p in pipe.transformer.parameters())
         return LoadedModel(model=spec.name, device=str(self.device), dtype=str(dtype).removeprefix("torch."),
-                           parameters=params, device_bytes=placed.device_bytes + swapped,
+                           parameters=params, device_bytes=placed.device_bytes + swapped + quantized_bytes,
                            host_bytes=placed.host_bytes,
                            host_buffer_bytes=placed.host_buffer_bytes, host_pinned_bytes=placed.host_pinned_bytes,
                            host_pow2_bytes=placed.host_pow2_bytes, host_shared_bytes=placed.host_shared_bytes,

@@ -7,6 +7,7 @@ headers say so; tiers never share a batch; ``/v1/stats`` counts the tiers served
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 
 import pytest
@@ -73,6 +74,31 @@ def test_error_raised_if_the_tier_is_not_served_for_the_template(served: RouterH
     assert err["param"] == "quality" and "'fast'" in err["message"] and "serves: lossless" in err["message"]
 
 
+def test_balanced_runs_quantized_weights_and_says_so(served: RouterHarness) -> None:
+    """tiny-flux2 serves ``balanced`` (int8 weight-only on the CPU): the header names it, the
+    image is another within the bound, and OpenAI's ``medium`` asks for it."""
+    from tests.batch_sizes import mean_abs_difference
+
+    s0, _, lossless = _image(served)
+    s1, headers, balanced = _image(served, quality="balanced")
+    s2, medium_headers, _ = _image(served, quality="medium")
+    assert (s0, s1, s2) == (200, 200, 200)
+    assert headers["x-xema-quality"] == medium_headers["x-xema-quality"] == "balanced"
+    a, b = (base64.b64decode(x["data"][0]["b64_json"]) for x in (lossless, balanced))
+    assert 0 < mean_abs_difference(a, b) <= 32.0
+
+
+def test_balanced_is_refused_where_the_weights_are_not_quantizable(served: RouterHarness) -> None:
+    """tiny-ltx2's spec names no quantizable weights: ``balanced`` by name is the 422, ``medium`` lossless."""
+    body = {"model": "tiny-ltx2", "prompt": "a red fox", "size": "64x64", "num_frames": 9, "seed": 3}
+    refused = served.post("/v1/videos/sync", {**body, "quality": "balanced"})
+    assert refused.status == 422
+    err = refused.json()["error"]
+    assert err["param"] == "quality" and "'balanced'" in err["message"] and "serves: lossless, fast" in err["message"]
+    s, _, _ = _image(served, model="tiny-qwen-image", quality="medium")
+    assert s == 200
+
+
 def test_auto_runs_lossless_on_an_idle_queue(served: RouterHarness) -> None:
     s, headers, _ = _image(served, quality="auto")
     assert s == 200 and headers["x-xema-quality"] == "lossless"
@@ -98,7 +124,7 @@ def test_stats_count_the_tiers_served_and_templates_list_them(served: RouterHarn
     assert after.get("fast", 0) == before.get("fast", 0) + 1
     info = {t["template"]: t for t in served.get("/v1/templates").json()}
     flux = [q["name"] for q in info[FLUX.shape_key]["quality_tiers"]]
-    assert flux == ["lossless", "fast"]
+    assert flux == ["lossless", "balanced", "fast"]
     tiers = {q["name"]: q for q in info[FLUX.shape_key]["quality_tiers"]}
     assert tiers["fast"]["predicted_latency_s"] < tiers["lossless"]["predicted_latency_s"]
     assert tiers["fast"]["predicted_peak_gb"] > tiers["lossless"]["predicted_peak_gb"]
@@ -114,3 +140,23 @@ def test_videos_take_quality_too(served: RouterHarness) -> None:
     assert fast.body != lossless.body
     bogus = served.post("/v1/videos/sync", {**body, "quality": "ultra"})
     assert bogus.status == 422 and bogus.json()["error"]["param"] == "quality"
+
+
+def test_lora_is_refused_with_balanced_and_medium_falls_back_to_lossless() -> None:
+    """Adapters apply to the model's own weights: ``balanced`` by name with adapters is a 422
+    naming ``lora``; OpenAI's ``medium`` (a hint) resolves to lossless."""
+    from types import SimpleNamespace
+
+    from xema_ray.models.options import OptionRefused
+    from xema_ray.serving.api.options import resolve_options
+
+    table = price_tiers(PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40,
+                                  entries={FLUX.shape_key: plan_entry(FLUX, batch=1, latency_s=0.5, slo_s=60.0)}))
+    lora = [SimpleNamespace(name="style", scale=1.0)]
+    with pytest.raises(OptionRefused) as e:
+        resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="balanced", lora=lora), table)
+    assert e.value.param == "lora"
+    medium = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium", lora=lora), table)
+    assert medium.quality == "lossless"
+    plain = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium"), table)
+    assert plain.quality == "balanced"

@@ -81,8 +81,20 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
     guidance, guidance_2 = t.spec.guidance_as_given(t, guidance, guidance_2)  # the default named: the default's key
     # the one place "not given" means the template's steps: below the API every layer carries the int
     return RequestOptions(guidance_scale=guidance, guidance_scale_2=guidance_2, negative_prompt=negative,
-                          steps=t.steps if steps is None else steps,
-                          quality=resolve_quality(getattr(req, "quality", None), served_tiers(t, table)))
+                          steps=t.steps if steps is None else steps, quality=_quality(t, req, table))
+
+
+def _quality(t: RequestTemplate, req: Any, table: PlanTable | None) -> QualityTier:
+    """``req``'s tier; LoRA adapters apply to the model's own weights only: ``balanced`` (quantized
+    weights) with adapters is a 422 naming ``lora``, and OpenAI's ``medium`` resolves to lossless."""
+    served = served_tiers(t, table)
+    value = getattr(req, "quality", None)
+    if getattr(req, "lora", None):
+        if value == "balanced" and QualityTier.BALANCED in served:
+            raise OptionRefused("lora: adapters apply to the model's own weights; quality 'balanced' runs quantized "
+                                "ones (ask lossless or fast, or no adapters)", "lora")
+        served = served - {QualityTier.BALANCED}
+    return resolve_quality(value, served)
 
 
 def option_error(e: OptionRefused) -> dict[str, Any]:

@@ -180,6 +180,8 @@ class ModelGroup:
                                dtype=c.dtype, component_dtypes=c.component_dtypes,
                                share_host_weights=c.share_host_weights,
                                plans=tuple(e.config for _, e in sorted(entries.items())),
+                               weight_formats=tuple(sorted({t.weights for e in entries.values() for t in e.tiers.values()
+                                                            if t.weights != "model"})),  # type: ignore[misc]
                                layouts_dir=s.layouts_dir, emulation=s.emulation, budget_bytes=s.budget_bytes,
                                adapters=c.adapters, adapter_sources=adapters, app=s.app or replica_app_name(),
                                host_copy=c.wants_host_copy() and s.emulation is None, host_copy_holder=self.host_holder)
@@ -441,12 +443,13 @@ class ModelGroup:
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
         self._tell_phases(a.template, self.estimates[a.template])
+        served = served_quality(quality, steps, lead, batch.config.step_cache is not None)
         for out in lead.outputs:
             # where it ran travels with the result: the router exposes it as response headers
             outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
                                                      workers=a.workers, batch_seconds=seconds,
                                                      queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                     replica=self.owner, **served_quality(quality, steps, lead))
+                                                     replica=self.owner, **served)
         return True
 
     async def _fail(self, t: _Ticket, e: Exception) -> None:

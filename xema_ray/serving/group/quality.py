@@ -12,10 +12,11 @@ from typing import Any
 from xema_ray.runtime.engine import BatchResult
 
 
-def served_quality(tier: str, steps: int, lead: BatchResult) -> dict[str, Any]:
+def served_quality(tier: str, steps: int, lead: BatchResult, cached: bool = True) -> dict[str, Any]:
     """``GenerateResult`` fields for a batch run at ``tier`` over ``steps`` steps, ``lead`` its
-    SP rank 0's result (``steps_computed``: the steps that ran the transformer)."""
-    if tier != "lossless" and lead.steps_computed is not None and lead.steps_computed >= steps:
+    SP rank 0's result (``steps_computed``: the steps that ran the transformer); ``cached``: the
+    tier's config runs a step cache (a tier of quantized weights alone is served as asked)."""
+    if cached and tier != "lossless" and lead.steps_computed is not None and lead.steps_computed >= steps:
         return {"quality": "lossless", "quality_note": f"{tier} asked; {steps} steps are too few to skip one, "
                                                        "every step was computed"}
     return {"quality": tier}
