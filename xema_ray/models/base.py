@@ -384,6 +384,32 @@ class ModelSpec(ABC):
     def default_guidance_scale(self) -> float:
         return 1.0
 
+    def guidance_as_given(self, t: RequestTemplate, guidance_scale: float | None,
+                          guidance_scale_2: float | None = None) -> tuple[float | None, float | None]:
+        """A request's guidance scales as its batch key carries them: ``(None, None)`` where the
+        pipeline would run them exactly as the model's defaults (a request that names the default
+        explicitly joins the batches of those that name none), else as given. Judged on the call's
+        own arguments (``call_kwargs``, the second expert's scale as the engine sets it), so a
+        two-expert model's ``guidance_scale`` alone, which also sets the low-noise expert's, is the
+        default only where both are.
+
+        Example:
+            >>> from xema_ray.models import get_model_spec
+            >>> from xema_ray.templates import RequestTemplate
+            >>> spec = get_model_spec("tiny-flux2")
+            >>> t = RequestTemplate(model="tiny-flux2", width=64, height=64, steps=2)
+            >>> spec.guidance_as_given(t, spec.default_guidance_scale), spec.guidance_as_given(t, 7.5)
+            ((None, None), (7.5, None))
+        """
+        def call(g1: float | None, g2: float | None) -> dict[str, Any]:
+            kwargs = self.call_kwargs(t, g1)
+            if g2 is not None:
+                kwargs["guidance_scale_2"] = g2
+            return kwargs
+
+        given = (guidance_scale, guidance_scale_2)
+        return (None, None) if given != (None, None) and call(*given) == call(None, None) else given
+
     def transformer_passes_per_step(self) -> tuple[int, ...]:
         """Batch rows per request of each transformer call a denoising step makes: the one place
         a model states its guidance passes. By default (2,) with classifier-free guidance (the

@@ -246,8 +246,10 @@ def test_qwen_guidance_and_true_cfg_are_one_scale() -> None:
     def req(**kw):  # type: ignore[no-untyped-def]
         return SimpleNamespace(**{"guidance_scale": None, "negative_prompt": None, "true_cfg_scale": None,
                                   "num_inference_steps": None, **kw})
-    assert resolve_options(QWEN, served, req(true_cfg_scale=4.0)).guidance_scale == 4.0
-    assert resolve_options(QWEN, served, req(guidance_scale=4.0, true_cfg_scale=4.0)).guidance_scale == 4.0
+    assert resolve_options(QWEN, served, req(true_cfg_scale=5.0)).guidance_scale == 5.0
+    assert resolve_options(QWEN, served, req(guidance_scale=5.0, true_cfg_scale=5.0)).guidance_scale == 5.0
+    default = QWEN.spec.default_guidance_scale  # named, it is the default's batch key: none
+    assert resolve_options(QWEN, served, req(true_cfg_scale=default)).guidance_scale is None
     with pytest.raises(OptionRefused, match="same scale") as e:
         resolve_options(QWEN, served, req(guidance_scale=3.0, true_cfg_scale=4.0))
     assert e.value.param == "true_cfg_scale"

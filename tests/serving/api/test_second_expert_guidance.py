@@ -45,6 +45,24 @@ def test_only_two_expert_models_take_it_and_it_defaults_to_guidance_scale() -> N
     assert (e.value.status, e.value.param) == (422, "guidance_scale_2")
 
 
+def test_the_default_guidance_named_explicitly_gets_the_default_batch_key() -> None:
+    """A request naming the model's default guidance joins the batches of those naming none; on a
+    two-expert model ``guidance_scale`` alone also sets the low-noise expert's (diffusers), so the
+    default's value is the default's key only where the second expert's is the default's too."""
+    served = {WAN.shape_key: WAN, LTX.shape_key: LTX}
+
+    def key(t: RequestTemplate, **given: float) -> tuple[float | None, float | None]:
+        o = resolve_options(t, served, SimpleNamespace(**given))
+        return o.guidance_scale, o.guidance_scale_2
+
+    ltx_default = LTX.spec.default_guidance_scale
+    assert key(LTX) == key(LTX, guidance_scale=ltx_default) == (None, None)
+    assert key(LTX, guidance_scale=ltx_default + 1.0) == (ltx_default + 1.0, None)
+    assert key(WAN, guidance_scale=4.0, guidance_scale_2=3.0) == key(WAN, guidance_scale_2=3.0) == (None, None)
+    assert key(WAN, guidance_scale=4.0) == (4.0, None)  # runs the low-noise expert at 4.0, not the default 3.0
+    assert key(WAN, guidance_scale_2=1.5) == (None, 1.5)
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[RouterHarness]:
     plans = {WAN.shape_key: plan_entry(WAN, batch=2, latency_s=2.0, slo_s=60.0),

@@ -78,6 +78,7 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
             raise OptionRefused(f"{t.model}: guidance_scale ({guidance!r}) and true_cfg_scale ({true_cfg!r}) are the "
                                 "same scale for this model; give one, or the same value", "true_cfg_scale")
         guidance = true_cfg
+    guidance, guidance_2 = t.spec.guidance_as_given(t, guidance, guidance_2)  # the default named: the default's key
     # the one place "not given" means the template's steps: below the API every layer carries the int
     return RequestOptions(guidance_scale=guidance, guidance_scale_2=guidance_2, negative_prompt=negative,
                           steps=t.steps if steps is None else steps,
