@@ -1,4 +1,5 @@
-"""The Ray Serve application: a Router ingress and one ModelGroup deployment per model.
+"""The Ray Serve application: a Router ingress and one ModelGroup deployment per model (or a
+SharedReplica deployment holding several models' groups in one process: ``shared_replicas:``).
 
 ``serve run deployments/xema.yaml`` calls ``build_app`` with the YAML's ``args``; everything is
 composed from one ``ServeConfig``. Without a plan table the plans are computed at start-up
