@@ -31,7 +31,10 @@ def init_ray() -> None:
     # Ray runs its workers at niceness 15 by default: on a machine shared with other jobs the
     # planning tasks (all of this command's work) then only get what those leave
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=None if seeded() else RUNTIME_ENV)
+    from xema_ray.ray_start import init_local_ray
+
+    # a raylet that misses Ray's fixed registration window on a loaded machine: started again
+    init_local_ray(include_dashboard=False, log_to_driver=False, runtime_env=None if seeded() else RUNTIME_ENV)
 
 
 def uses_ray(argv: list[str]) -> bool:

@@ -18,8 +18,8 @@ from tests.source_scan import ROOT, imported as _imported, module_of as _module_
 
 #: rank per room, lowest first: a room may import its own rank and every rank below it
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("templates", "plan", "vocabulary", "deployment", "platforms", "placement", "hash_seed", "net", "configs",
-     "host_budget", "expert_plan", "lora_pool", "tier_plan"),
+    ("templates", "plan", "vocabulary", "platforms", "placement", "hash_seed", "net", "configs",
+     "host_budget", "expert_plan", "lora_pool", "tier_plan", "ray_start"),
     ("models", "memory", "parallel"),
     ("deployment",),
     ("mitigation", "analyzer", "lora"),
@@ -52,13 +52,6 @@ ALLOWED_UP: dict[tuple[str, str], str] = {
 CUDA_ROOMS = ("platforms", "allocator")
 CUDA = re.compile(r"torch\.(cuda|backends\.(cuda|cudnn))\b")
 OUTSIDE = ("planner", "deployments", "bench", "gpu_check", "loadtests", "tests")
-
-
-def _room(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[0] == "xema_ray":
-        return parts[1] if len(parts) > 1 else None
-    return parts[0] if parts[0] in OUTSIDE else None
 
 
 def _room(module: str) -> str | None:

@@ -14,8 +14,6 @@ with ``open_ports=True`` (``make serve XEMA_RAY_OPEN_PORTS=1``) and firewall the
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from xema_ray.hash_seed import HASH_SEED, HASH_SEED_ENV
+from xema_ray.ray_start import RAYLET_TIMEOUT, init_local_ray  # noqa: F401  (its users import it from here too)
 from xema_ray.serving.api.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 #: Ray's switch: "0" makes a node use 127.0.0.1 as its address, so its servers bind only there
@@ -31,7 +30,6 @@ LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OPEN_PORTS_ENV = "XEMA_RAY_OPEN_PORTS"
 PATH_ENV = "PATH"
 
-log = logging.getLogger(__name__)
 
 
 def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -111,46 +109,6 @@ def exposed_ports_warning() -> str | None:
             "Start the app with `xema serve deployments/xema.yaml` (or `make serve`) for 127.0.0.1-only ports, or "
             f"set {OPEN_PORTS_ENV}=1 where Ray is started if a multi-node cluster needs them open "
             "(docs/serving.md \"Ports\").")
-
-
-#: what ``ray.init`` raises when the new node's raylet did not register with the GCS within Ray's
-#: fixed 30 s (``ray._private.node``; not configurable): a loaded 2-core machine, once in a while
-RAYLET_TIMEOUT = "timed out during startup"
-
-
-def init_local_ray(attempts: int = 3, pause_s: float = 5.0, **kwargs: Any) -> None:
-    """``ray.init(**kwargs)`` of a new local cluster, started again when its raylet misses Ray's
-    fixed registration window (``RAYLET_TIMEOUT``; seen once in CI, at the start of a test module
-    right after another module's two-node cluster went away). What the failed start left running
-    (its GCS, raylet and agents: children of this process that were not there before) is killed
-    first, then the start waits ``pause_s`` × the attempt number. Any other error is raised at once.
-
-    Example::
-
-        init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    """
-    import time
-
-    import psutil
-    import ray
-
-    me = psutil.Process()
-    for attempt in range(1, attempts + 1):
-        before = {p.pid for p in me.children(recursive=True)}
-        try:
-            ray.init(**kwargs)
-            return
-        except Exception as e:  # Ray raises a bare Exception for this
-            if RAYLET_TIMEOUT not in str(e) or attempt == attempts:
-                raise
-            log.warning("local Ray did not start (%s); starting it again (attempt %d of %d)", e, attempt + 1, attempts)
-        ray.shutdown()
-        left = [p for p in me.children(recursive=True) if p.pid not in before]
-        for p in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(left, timeout=10)
-        time.sleep(pause_s * attempt)
 
 
 def shutdown_serve_and_ray(settle_s: float = 1.0) -> None:
