@@ -1,4 +1,5 @@
-"""The Ray Serve application: a Router ingress and one ModelGroup deployment per model.
+"""The Ray Serve application: a Router ingress and one ModelGroup deployment per model (or a
+SharedReplica deployment holding several models' groups in one process: ``shared_replicas:``).
 
 ``serve run deployments/xema.yaml`` calls ``build_app`` with the YAML's ``args``; everything is
 composed from one ``ServeConfig``. Without a plan table the plans are computed at start-up
@@ -23,6 +24,7 @@ from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ServeConfig
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.adapter_registry import AdapterRegistry
+from xema_ray.serving.group.shared_replica import SharedReplica, SharedMember
 from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
 from xema_ray.serving.ray_env import exposed_ports_warning
@@ -58,6 +60,17 @@ def preemption_policy(g: ModelGroupConfig, table: PlanTable, host_bytes: int,
     return policy
 
 
+def _served_kwargs(config: ModelGroupConfig, settings: GroupSettings | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A served group's constructor keywords: where it keeps the model's host copy past its replica
+    (``host_copy``: the node's holder, so a group scaled to zero wakes warm)."""
+    real = settings is None or settings.emulation is None
+    if real and config.wants_host_copy() and "host_holder" not in kwargs:
+        from xema_ray.serving.group.host_keeper import node_holder
+
+        kwargs = {**kwargs, "host_holder": node_holder(serve.get_replica_context().app_name)}
+    return kwargs
+
+
 class ServedModelGroup(ModelGroup):
     """ModelGroup as Serve runs it: on scale-down Serve stops routing to the replica, waits for
     its ongoing requests (every synchronous request it accepted), then calls ``__del__``, which
@@ -67,13 +80,20 @@ class ServedModelGroup(ModelGroup):
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
                  **kwargs: Any) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        real = settings is None or settings.emulation is None
-        if real and config.wants_host_copy() and "host_holder" not in kwargs:
-            # the node keeps the model's host copy past this replica (a group scaled to zero wakes warm)
-            from xema_ray.serving.group.host_keeper import node_holder
+        super().__init__(config, plans, settings, **_served_kwargs(config, settings, kwargs))
 
-            kwargs["host_holder"] = node_holder(serve.get_replica_context().app_name)
-        super().__init__(config, plans, settings, **kwargs)
+    async def __del__(self) -> None:
+        await self.drain(DRAIN_S)
+
+
+class ServedSharedReplica(SharedReplica):
+    """SharedReplica as Serve runs it (``shared_replicas:``): its replica's gRPC server bound to the node,
+    each member built as a served group is, and on removal every member drained at once."""
+
+    def __init__(self, members: list[SharedMember]) -> None:
+        bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
+        super().__init__(members, make_group=lambda m: ModelGroup(m.config, m.plans, m.settings,
+                                                                  **_served_kwargs(m.config, m.settings, {})))
 
     async def __del__(self) -> None:
         await self.drain(DRAIN_S)
@@ -166,6 +186,39 @@ def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, Pla
             "placement_group_strategy": "STRICT_PACK"}
 
 
+def group_settings(cfg: ServeConfig, g: ModelGroupConfig, table: PlanTable, reference: PlanTable,
+                   plans: dict[str, PlanEntry], spare_host: int | None) -> tuple[ModelGroupConfig, GroupSettings]:
+    """A group's config as its deployment gets it (its residency resolved from the table) and its
+    ``GroupSettings`` (``table``: the one served, scaled on an emulated box; ``reference``: as planned)."""
+    emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)) if cfg.device == "emulated" else None
+    residency = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
+    settings = GroupSettings(
+        device=cfg.device, worker_cpus=cfg.worker_cpus, worker_set=cfg.worker_set, jobs=cfg.jobs,
+        layouts_dir=layouts_dir(cfg.plan_table) if cfg.plan_table is not None else None,
+        preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
+        emulation=emulation, admission=table.admission.get(g.model),
+        phases=phase_shares(table, plans), budget_bytes=table.budget_bytes,
+    )
+    return g.model_copy(update={"residency": residency}), settings
+
+
+def shared_replica(cfg: ServeConfig, name: str, members: list[SharedMember]) -> Application:
+    """The ``SharedReplica`` deployment ``name`` holding ``members`` (``shared_replicas:``): one replica that
+    reserves what its groups' own replicas would have (their workers' CPUs and resources), and
+    waits on removal as long as the slowest of them would."""
+    cpus, resources, grace = 0.0, {}, 0.0
+    for h in members:
+        opts = worker_resources(cfg, h.config, h.plans)["ray_actor_options"]
+        cpus += opts["num_cpus"]
+        for k, v in opts.get("resources", {}).items():
+            resources[k] = resources.get(k, 0.0) + v
+        grace = max(grace, scaling_options(h.config, h.plans)["graceful_shutdown_timeout_s"])
+    actor = {"num_cpus": round(cpus, 4), **({"resources": resources} if resources else {})}
+    return serve.deployment(ServedSharedReplica, name=name, num_replicas=1, ray_actor_options=actor,
+                            graceful_shutdown_timeout_s=grace, graceful_shutdown_wait_loop_s=0.5,
+                            max_ongoing_requests=10_000, **HEALTH_CHECK).bind(members)
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Compose the application from ``args`` (validated as ``ServeConfig``)."""
     cfg = resolve_plan_table(ServeConfig.model_validate(args))
@@ -185,10 +238,15 @@ def build_app(args: dict[str, Any]) -> Application:
         table = scale_table(table, {g.model: cfg.time_scale_of(g.model) for g in cfg.models})
     ingress_options = {"num_cpus": 0, **({"resources": cfg.router_resources} if cfg.router_resources else {})}
     registry = adapter_registry(cfg, ingress_options)
-    groups = {}
+    where = cfg.group_deployments()
+    groups: dict[str, Any] = {}
+    members: dict[str, list[SharedMember]] = {}
     for g in cfg.models:
         plans = {t.shape_key: table.lookup(t) for t in templates if t.model == g.model}
-        emulation = emulation_for(reference, cfg.time_scale_of(g.model), list(plans)) if cfg.device == "emulated" else None
+        config, settings = group_settings(cfg, g, table, reference, plans, spare_host)
+        if where[g.model].startswith("SharedReplica:"):  # several groups in one replica process (shared_replicas)
+            members.setdefault(where[g.model], []).append(SharedMember(config=config, plans=plans, settings=settings))
+            continue
         deployment = serve.deployment(
             ServedModelGroup,
             name=f"ModelGroup:{g.model}",
@@ -197,16 +255,11 @@ def build_app(args: dict[str, Any]) -> Application:
             max_ongoing_requests=10_000,  # the dispatcher bounds its queues and answers 503 itself
             **HEALTH_CHECK,
         )
-        residency = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
-        settings = GroupSettings(
-            device=cfg.device, worker_cpus=cfg.worker_cpus, worker_set=cfg.worker_set, jobs=cfg.jobs,
-            layouts_dir=layouts_dir(cfg.plan_table) if cfg.plan_table is not None else None,
-            preemption=preemption_policy(g, table, paused_host_bytes(spare_host, cfg), cfg.time_scale_of(g.model)),
-            emulation=emulation, admission=table.admission.get(g.model),
-            phases=phase_shares(table, plans), budget_bytes=table.budget_bytes,
-        )
         shared = {"adapter_registry": registry} if registry is not None and replicated(g) and g.adapters else {}
-        groups[g.model] = deployment.bind(g.model_copy(update={"residency": residency}), plans, settings, **shared)
+        groups[g.model] = deployment.bind(config, plans, settings, **shared)
+    for name, held in members.items():
+        replica = shared_replica(cfg, name, held)
+        groups.update({m.config.model: replica for m in held})
     stats = serve.deployment(Stats, name="Stats", ray_actor_options=dict(ingress_options), **HEALTH_CHECK).bind()
     # the Router answers overload itself (JSON 503 with Retry-After at limits.max_in_flight), so
     # Serve's own limits sit above it, by a whole queue's worth: requests past max_in_flight reach
@@ -222,4 +275,5 @@ def build_app(args: dict[str, Any]) -> Application:
     wake = {g.model: wake_policy(g, table) for g in cfg.models if g.scales_to_zero}
     return router.bind(groups, table, list(templates), stats=stats, limits=cfg.limits, jobs=cfg.jobs, wake=wake,
                        emulated=cfg.device == "emulated", auth=cfg.auth, console_traces=trace_view,
-                       adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None})
+                       adapter_pools={g.model: g.adapters for g in cfg.models if g.adapters is not None},
+                       shared={m: name for m, name in where.items() if name.startswith("SharedReplica:")})

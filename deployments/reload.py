@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import yaml
 
 from xema_ray.plan import PlanTable
-from xema_ray.serving.group.plan_reload import GROUP_DEPLOYMENT, ROUTER_DEPLOYMENT, RouterPlans, group_plans
+from xema_ray.serving.group.plan_reload import ROUTER_DEPLOYMENT, SharedPlans, RouterPlans, group_plans
 
 APP_IMPORT = "deployments.app:build_app"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -83,12 +83,16 @@ def new_config(raw: dict[str, Any], app_name: str, deployed: dict[str, dict[str,
     if missing_layouts:
         raise ValueError(f"the table's layout files are missing: {', '.join(missing_layouts[:5])} "
                          f"(`xema layouts --plan-table {table_path}` writes them)")
-    overrides, hashes = [], {}
+    overrides, hashes, shared = [], {}, {}
+    where = cfg.group_deployments()  # a group's own deployment, or the SharedReplica holding it (shared_replicas)
     for g in cfg.models:
         gp = group_plans(table, g.model, [t.shape_key for t in templates if t.model == g.model], table_path)
-        name = GROUP_DEPLOYMENT.format(model=g.model)
-        overrides.append({"name": name, "user_config": gp.model_dump(mode="json")})
         hashes[g.model] = gp.hash
+        if where[g.model].startswith("SharedReplica:"):
+            shared.setdefault(where[g.model], {})[g.model] = gp
+            continue
+        overrides.append({"name": where[g.model], "user_config": gp.model_dump(mode="json")})
+    overrides += [{"name": n, "user_config": SharedPlans(groups=gs).model_dump(mode="json")} for n, gs in shared.items()]
     overrides.append({"name": ROUTER_DEPLOYMENT, "user_config": RouterPlans(table=table).model_dump(mode="json")})
     named = {o["name"] for o in overrides}
     kept = [d for d in ours.get("deployments", []) if d.get("name") not in named]

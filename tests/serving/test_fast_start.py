@@ -1,7 +1,8 @@
-"""The demo starts fast (issue #49): the app's processes that run no model import no torch, the demo
-YAML serves from its committed plan table (no planning, no cache in HOME at start-up), and its groups'
-workers run in their replicas (``worker_set: inprocess``), whose CPU reservations leave the planner
-room on two cores."""
+"""The demo starts fast (issue #49): the app's processes that run no model import no torch (the
+builder of the app imports no model code either), the demo YAML serves from its committed plan table
+(no planning, no cache in HOME at start-up), its groups' workers run in their replica (``worker_set:
+inprocess``) and its eight groups share one replica process (``shared_replicas: 1``), whose CPU
+reservation leaves the planner room on two cores."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "diffusers", "transformers")
 #: what the HTTP proxy, the Router, Stats and ``xema serve`` itself import: none runs a model
 LIGHT = ("xema_ray.serving.api.middleware", "xema_ray.serving.api.router", "xema_ray.serving.stats",
-         "xema_ray.serving.ray_env", "xema_ray.cli", "xema_ray.serving.config", "xema_ray.serving.messages")
+         "xema_ray.serving.ray_env", "xema_ray.cli", "xema_ray.serving.config", "xema_ray.serving.messages",
+         # what Serve's build task and a group's replica import before the group builds its model
+         "deployments.app", "xema_ray.serving.group.shared_replica")
 
 
 def _demo() -> ServeConfig:
@@ -74,6 +77,44 @@ def test_the_demo_leaves_the_planner_a_cpu_on_two_cores() -> None:
         held += opts["ray_actor_options"]["num_cpus"]
     assert held == pytest.approx(0.65)
     assert 2 - held >= 1.0  # planning tasks ask for min(1, free) CPU each (planner.cluster_fit)
+
+
+def test_the_demos_eight_groups_share_one_replica_process_each_its_own_group(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from deployments.app import build_app
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = _demo()
+    assert cfg.shared_replicas == 1 and set(cfg.group_deployments().values()) == {"SharedReplica:0"}
+    args = yaml.safe_load((ROOT / "deployments" / "xema.yaml").read_text())["applications"][0]["args"]
+    router = build_app(args)._bound_deployment
+    groups = router.init_args[0]
+    assert list(groups) == [g.model for g in cfg.models]  # every model of the YAML still served
+    shared = {id(a) for a in groups.values()}
+    assert len(shared) == 1  # one deployment, one replica process
+    deployment = next(iter(groups.values()))._bound_deployment
+    assert deployment.name == "SharedReplica:0" and deployment.num_replicas == 1
+    assert deployment.ray_actor_options["num_cpus"] == pytest.approx(0.65)  # what the eight replicas reserved
+    members = deployment.init_args[0]
+    assert [m.config.model for m in members] == list(groups)
+    table = PlanTable.load(str(ROOT / "plans" / "demo-cpu.json"))
+    for m in members:  # each with the plans its own deployment had: the same templates, the same entries
+        served = {t.shape_key for t in served_templates(cfg) if t.model == m.config.model}
+        assert set(m.plans) == served and all(m.plans[k].config == table.entries[k].config for k in served)
+    assert router.init_kwargs["shared"] == {m: "SharedReplica:0" for m in groups}
+
+
+def test_groups_that_replicate_keep_a_deployment_of_their_own() -> None:
+    cfg = _demo()
+    models = [cfg.models[0].model_copy(update={"replicas": 2}), *cfg.models[1:4]]
+    two = cfg.model_copy(update={"models": models, "shared_replicas": 2})
+    assert two.group_deployments() == {"tiny-flux2": "ModelGroup:tiny-flux2", "tiny-cogvideox": "SharedReplica:0",
+                                       "tiny-ltx2": "SharedReplica:1", "tiny-cogvideox-i2v": "SharedReplica:0"}
+    assert cfg.model_copy(update={"shared_replicas": 0}).group_deployments()["tiny-ltx2"] == "ModelGroup:tiny-ltx2"
+    with pytest.raises(ValueError, match="shared_replicas: groups share a replica process only with worker_set: inprocess"):
+        ServeConfig.model_validate({"shared_replicas": 1,
+                                    "models": [{"model": "tiny-flux2", "templates": [{"width": 64, "height": 64}]}]})
 
 
 def test_inprocess_workers_refuse_sp2_plans_and_gpus() -> None:

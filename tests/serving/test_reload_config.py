@@ -73,3 +73,20 @@ def test_error_raised_if_the_tables_layout_files_are_missing(tmp_path: Path) -> 
     table.save(str(tmp_path / "t.json"))
     with pytest.raises(ValueError, match=r"t.layouts/7ac23b0e57b84838.json.*xema layouts --plan-table"):
         new_config(RAW, "xema", {"xema": dict(APP)}, tmp_path / "t.json")
+
+
+def test_groups_in_a_shared_replica_get_their_plans_through_it(tmp_path: Path) -> None:
+    from xema_ray.serving.group.plan_reload import SharedPlans
+
+    args = {**ARGS, "worker_set": "inprocess", "shared_replicas": 1}
+    app = {**APP, "args": args}
+    table = PlanTable(hardware=machine_fingerprint(ServeConfig.model_validate(args), 1), gpus=1, budget_bytes=96 * 10**6,
+                      entries={FLUX.shape_key: plan_entry(FLUX, batch=2)})
+    table.save(str(tmp_path / "t.json"))
+    config, hashes = new_config({**RAW, "applications": [app]}, "xema", {"xema": dict(app)}, tmp_path / "t.json")
+    ServeDeploySchema.model_validate(config)
+    by_name = {d["name"]: d["user_config"] for d in config["applications"][0]["deployments"]}
+    assert "ModelGroup:tiny-flux2" not in by_name  # the group has no deployment of its own
+    shared = SharedPlans.model_validate(by_name["SharedReplica:0"])
+    assert shared.groups["tiny-flux2"].hash == hashes["tiny-flux2"]
+    assert shared.groups["tiny-flux2"].plans[FLUX.shape_key].config.batch == 2

@@ -49,6 +49,12 @@ class ServeConfig(BaseModel):
                                    "placement group (any SP degree, any device); inprocess, threads of the group's own "
                                    "replica (device: cpu, plans of SP 1 only: no process per worker to start, the "
                                    "replica reserves workers x worker_cpus)")
+    shared_replicas: int = Field(
+        default=0, ge=0, description="worker_set: inprocess only: the groups of one replica (no replicas: above 1, no "
+                                     "autoscaling:) share this many replica processes (SharedReplica:<i> deployments, "
+                                     "groups dealt in YAML order), each group still its own ModelGroup with its own "
+                                     "queues and workers: torch and the model libraries are imported once per shared "
+                                     "replica, not once per group; 0: one replica process per group (ModelGroup:<model>)")
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     router_replicas: int = Field(default=1, ge=1, description="HTTP ingress replicas (they share the job store)")
@@ -77,9 +83,23 @@ class ServeConfig(BaseModel):
         if self.worker_set == "inprocess" and self.device != "cpu":
             raise ValueError(f"worker_set: inprocess runs on device: cpu only (device is {self.device!r}): one "
                              "process cannot hold several GPUs' workers")
+        if self.shared_replicas and self.worker_set != "inprocess":
+            raise ValueError("shared_replicas: groups share a replica process only with worker_set: inprocess (a ray "
+                             "worker set's placement group is the replica's own)")
         if self.device == "emulated" and self.plan_table is None:
             raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
         return self
+
+    def group_deployments(self) -> dict[str, str]:
+        """Model -> the Serve deployment that runs its group: ``SharedReplica:<i>`` for the groups of
+        one replica when ``shared_replicas`` is set (dealt in YAML order over them), ``ModelGroup:<model>``
+        for the rest (every group when ``shared_replicas`` is 0)."""
+        single = [g.model for g in self.models if g.replicas == 1 and g.autoscaling is None]
+        n = min(self.shared_replicas, len(single))
+        out = {g.model: f"ModelGroup:{g.model}" for g in self.models}
+        for i, m in enumerate(single if n else []):
+            out[m] = f"SharedReplica:{i % n}"
+        return out
 
     def time_scale_of(self, model: str) -> float:
         """The time scale of ``model``'s group (its own, else the app's)."""

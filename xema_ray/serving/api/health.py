@@ -353,9 +353,10 @@ class GroupHealth:
             raise GroupUnavailable(f"{model}: its model group is {r.status}: {r.reason}; retry later")
 
 
-async def serve_replica_counts(app_name: str, models: list[str]) -> dict[str, int] | None:
-    """Running replicas of each ``ModelGroup:<model>`` deployment of ``app_name``, as Serve's
-    controller reports them (``serve.status()``, in a thread: it blocks)."""
+async def serve_replica_counts(app_name: str, deployments: Mapping[str, str]) -> dict[str, int] | None:
+    """Running replicas of the deployment that runs each model's group (``deployments``: model ->
+    ``ModelGroup:<model>``, or the ``SharedReplica`` holding it) in ``app_name``, as Serve's controller
+    reports them (``serve.status()``, in a thread: it blocks)."""
     from ray import serve
 
     status = await asyncio.to_thread(serve.status)
@@ -363,8 +364,8 @@ async def serve_replica_counts(app_name: str, models: list[str]) -> dict[str, in
     if app is None:
         return None
     out = {}
-    for m in models:
-        d = app.deployments.get(f"ModelGroup:{m}")
+    for m, name in deployments.items():
+        d = app.deployments.get(name)
         if d is not None:
             out[m] = sum(n for state, n in d.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
     return out

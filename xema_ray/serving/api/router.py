@@ -90,16 +90,25 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return error_response(status, message, **extra)
 
 
-def _replica_counter(models: list[str]):  # type: ignore[no-untyped-def]
-    """Serve's controller's count of each group's running replicas, for this Router's application
-    (None outside a Serve replica, e.g. in tests that call the Router directly)."""
+def _group_handles(groups: Mapping[str, "DeploymentHandle"], shared: Mapping[str, str] | None) -> dict[str, GroupHandle]:
+    """Each group's typed handle: its own deployment's (``ModelGroup:<model>``), or for a group a
+    ``SharedReplica`` holds (``shared``: model -> that deployment) the shared replica's, naming the member."""
+    shared = shared or {}
+    return {m: GroupHandle(h, member=m, deployment=shared[m]) if m in shared else
+            GroupHandle(h, deployment=f"ModelGroup:{m}") for m, h in groups.items()}
+
+
+def _replica_counter(deployments: dict[str, str]):  # type: ignore[no-untyped-def]
+    """Serve's controller's count of each group's running replicas (``deployments``: model -> the
+    deployment that runs it), for this Router's application (None outside a Serve replica, e.g. in
+    tests that call the Router directly)."""
     try:
         app_name = serve.get_replica_context().app_name
     except Exception:  # not inside a Serve replica
         return None
 
     async def counts() -> dict[str, int] | None:
-        return await serve_replica_counts(app_name, models)
+        return await serve_replica_counts(app_name, deployments)
 
     return counts
 
@@ -115,7 +124,8 @@ STATS_TIMEOUT_S = 5.0
 class Router:
     """Maps requests to templates, looks up the plan, forwards to the model's group.
 
-    ``groups`` (model name -> its group's deployment handle) are held as typed ``GroupHandle``s;
+    ``groups`` (model name -> its group's deployment handle, or its ``SharedReplica``'s for the models
+    ``shared`` names: model -> that deployment) are held as typed ``GroupHandle``s;
     the adapter admin endpoints hand their work to ``adapter_admin`` (``AdapterAdmin``), the
     groups' state to ``health`` (``GroupHealth``), the video job API to ``jobs`` (``VideoJobs``).
     """
@@ -125,12 +135,12 @@ class Router:
                  auth: AuthConfig | None = None,
                  console_traces: Callable[[str, Any, int], TraceView] | None = None,
                  adapter_pools: dict[str, LoraPoolConfig] | None = None,
-                 wake: dict[str, WakePolicy] | None = None) -> None:
+                 wake: dict[str, WakePolicy] | None = None, shared: dict[str, str] | None = None) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        self.groups: dict[str, GroupHandle] = {m: GroupHandle(h) for m, h in groups.items()}
+        self.groups: dict[str, GroupHandle] = _group_handles(groups, shared)
         self.adapter_admin = AdapterAdmin(self.groups)
         self.emulated = emulated  # an emulated box (docs/emulated.md): video objects say so
-        self.health = GroupHealth(self.groups, replica_counts=_replica_counter(sorted(self.groups)),
+        self.health = GroupHealth(self.groups, replica_counts=_replica_counter({m: str(h.deployment) for m, h in sorted(self.groups.items())}),
                                   sleepers=frozenset(wake or {}))
         try:  # probe from start-up on, so that /healthz knows the groups before anyone asks
             self.health.ensure_started()

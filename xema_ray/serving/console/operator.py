@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from xema_ray.plan import PlanTable
@@ -105,8 +105,8 @@ async def replica_loads(handle: GroupHandle, replicas: int) -> list[GroupLoad]:
     return [out[k] for k in sorted(out)]
 
 
-def serve_targets(app_name: str, models: list[str]) -> dict[str, tuple[int, int, str | None]]:
-    """Per model: Serve's running replicas, its target replicas and the autoscaling bounds
+def serve_targets(app_name: str, deployments: Mapping[str, str]) -> dict[str, tuple[int, int, str | None]]:
+    """Per model (``deployments``: model -> the deployment that runs its group): Serve's running replicas, its target replicas and the autoscaling bounds
     (``ServeInstanceDetails``, what ``serve.status()`` reads; blocking: call it in a thread)."""
     import ray
     from ray.serve.context import _get_global_client
@@ -122,8 +122,8 @@ def serve_targets(app_name: str, models: list[str]) -> dict[str, tuple[int, int,
     out: dict[str, tuple[int, int, str | None]] = {}
     if app is None:
         return out
-    for m in models:
-        d = app.deployments.get(f"ModelGroup:{m}")
+    for m, name in deployments.items():
+        d = app.deployments.get(name)
         if d is None:
             continue
         running = sum(1 for r in d.replicas if str(getattr(r.state, "value", r.state)) == "RUNNING")
@@ -152,7 +152,8 @@ async def operator_view(router: Any, stats: StatsResponse) -> OperatorView:
     its ``/v1/stats`` answer)."""
     models = sorted(router.groups)
     app_name = _app_name()
-    targets = (await _ask(lambda: asyncio.to_thread(serve_targets, app_name, models)) if app_name else None) or {}
+    deployments = {m: getattr(router.groups[m], "deployment", None) or f"ModelGroup:{m}" for m in models}
+    targets = (await _ask(lambda: asyncio.to_thread(serve_targets, app_name, deployments)) if app_name else None) or {}
 
     async def group(m: str) -> GroupView:
         report = router.health.report(m)

@@ -6,6 +6,10 @@ Serve's ``DeploymentHandle`` answers ``handle.method.remote(...)`` with a ``Depl
 whatever the method; this class states each call's arguments and answer once, so a caller reads
 ``await group.estimate(key) -> float`` instead of an untyped attribute chain. Tests hand it an
 in-process stand-in with the same ``method.remote(...)`` shape.
+
+A group that a ``SharedReplica`` holds (``shared_replicas:``: several groups in one replica process) is
+called through the host's handle with the group's model first; ``member`` says so, and every
+method below passes it, so a caller never knows where the group lives.
 """
 
 from __future__ import annotations
@@ -37,59 +41,69 @@ class GroupHandle:
 
     Args:
         handle: the group's Serve deployment handle (or a stand-in answering ``method.remote(...)``).
+        member: the group's model where ``handle`` is a ``SharedReplica``'s (it holds several groups);
+            None: the handle is the group's own deployment.
+        deployment: the Serve deployment that runs the group, whose replicas are the group's (None: not known).
     """
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, member: str | None = None, deployment: str | None = None) -> None:
         self.handle = handle
+        self.member = member
+        self.deployment = deployment
+
+    def _remote(self, method: str, *args: Any) -> Any:
+        """``method.remote(*args)`` on the group (the host's method with the member first)."""
+        call = getattr(self.handle, method)
+        return call.remote(self.member, *args) if self.member is not None else call.remote(*args)
 
     # ------------------------------------------------------------------ requests and jobs
     def generate(self, req: GroupRequest) -> Reply[GenerateResult]:
         """Queue one request; the reply (awaited for its result, or cancelled) is Serve's."""
-        reply: Reply[GenerateResult] = self.handle.generate.remote(req)
+        reply: Reply[GenerateResult] = self._remote("generate", req)
         return reply
 
     async def submit_job(self, req: GroupRequest) -> bool:
-        return bool(await self.handle.submit_job.remote(req))
+        return bool(await self._remote("submit_job", req))
 
     async def cancel_job(self, job_id: str) -> bool:
-        return bool(await self.handle.cancel_job.remote(job_id))
+        return bool(await self._remote("cancel_job", job_id))
 
     async def estimate(self, template: str) -> float:
-        return float(await self.handle.estimate.remote(template))
+        return float(await self._remote("estimate", template))
 
     # ------------------------------------------------------------------ state and reports
     async def status(self) -> dict[str, Any]:
         """The group's ``GroupStatus`` as JSON (its health answer)."""
-        out: dict[str, Any] = await self.handle.status.remote()
+        out: dict[str, Any] = await self._remote("status")
         return out
 
     async def layout_stats(self) -> GroupLayoutStats:
-        out: GroupLayoutStats = await self.handle.layout_stats.remote()
+        out: GroupLayoutStats = await self._remote("layout_stats")
         return out
 
     async def preemption_stats(self) -> PreemptionReport:
-        out: PreemptionReport = await self.handle.preemption_stats.remote()
+        out: PreemptionReport = await self._remote("preemption_stats")
         return out
 
     async def replica_summary(self) -> dict[str, Any]:
         """One replica's ``ReplicaSummary`` as JSON (Serve picks the replica)."""
-        out: dict[str, Any] = await self.handle.replica_summary.remote()
+        out: dict[str, Any] = await self._remote("replica_summary")
         return out
 
     async def load_stats(self) -> GroupLoad:
-        out: GroupLoad = await self.handle.load_stats.remote()
+        out: GroupLoad = await self._remote("load_stats")
         return out
 
     # ------------------------------------------------------------------ adapters
     async def add_adapter(self, source: AdapterSource) -> AdapterInfo:
-        out: AdapterInfo = await self.handle.add_adapter.remote(source)
+        out: AdapterInfo = await self._remote("add_adapter", source)
         return out
 
     async def remove_adapter(self, name: str) -> bool:
-        return bool(await self.handle.remove_adapter.remote(name))
+        return bool(await self._remote("remove_adapter", name))
 
     async def list_adapters(self) -> list[AdapterInfo]:
-        return list(await self.handle.list_adapters.remote())
+        return list(await self._remote("list_adapters"))
 
     async def adapter_stats(self) -> list[PoolStats]:
-        return list(await self.handle.adapter_stats.remote())
+        return list(await self._remote("adapter_stats"))

@@ -36,13 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xema_ray.plan import PlanEntry
-from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
-from xema_ray.runtime.progress import BatchCancelled
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.batch_key import BatchKey, sub_batches
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.quality import choose_auto
-from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
 from xema_ray.serving.group.adapter_registry import RegistryClient
 from xema_ray.serving.group.adapters import GroupAdapters, folder_sources
 from xema_ray.serving.group.isolation import run_isolating
@@ -61,8 +58,10 @@ from xema_ray.serving.jobs.progress import PhaseEstimate
 from xema_ray.serving.group.replica_stats import SummaryPublisher
 from xema_ray.serving.scale.replica_summary import ReplicaSummary
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch, diffusers and the model code stay out of the import: the app's builder imports this
     from ray.serve.handle import DeploymentHandle
+
+    from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
 
     from xema_ray.platforms.host_memory import SegmentHolder
     from xema_ray.runtime.engine import GenerationRequest
@@ -410,6 +409,7 @@ class ModelGroup:
         """One sub-batch (one ``BatchKey``: one guidance, one step count) into ``outputs``; ``rerun``:
         its jobs started before. False: nothing ran (every member deleted meanwhile): no neighbour was served."""
         from xema_ray.runtime.engine import Batch
+        from xema_ray.runtime.progress import BatchCancelled
 
         arrived = {r.request_id: r.arrival for r in reqs}
         steps = key.steps  # the dispatcher batched one step count (``DispatchPlan.for_steps``)
@@ -494,6 +494,8 @@ class ModelGroup:
                 served = outputs[r.request_id].quality if r.request_id in outputs else r.key.quality
                 self.metrics.observe_request(a.template, now - r.arrival, now <= r.deadline, served)
         except Exception as e:  # every request of the batch gets the error; none is dropped
+            from xema_ray.runtime.out_of_memory import DeviceOutOfMemory
+
             if isinstance(e, DeviceOutOfMemory):  # this batch alone failed (a JSON 503); the workers serve on
                 cause = getattr(e, "cause", e)  # a Ray actor's error: RayTaskError.as_instanceof_cause()
                 self.metrics.out_of_memory.inc(tags={"template": a.template})

@@ -66,6 +66,14 @@ class GroupPlans(BaseModel):
         return plans_hash(self.plans)
 
 
+class SharedPlans(BaseModel):
+    """A ``SharedReplica``'s ``user_config`` (``shared_replicas:``): each of its groups' ``GroupPlans``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    groups: dict[str, GroupPlans] = Field(description="model -> its group's part of the new plan table")
+
+
 class RouterPlans(BaseModel):
     """The Router's ``user_config``: the table it reports (``/v1/templates``, ``/v1/plans``) and
     predicts job progress with."""

@@ -7,9 +7,10 @@ served lossless, and its result says so (``quality_note``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xema_ray.runtime.engine import BatchResult
+if TYPE_CHECKING:  # the group's module imports no torch (the app's builder imports it)
+    from xema_ray.runtime.engine import BatchResult
 
 
 def served_quality(tier: str, steps: int, lead: BatchResult, cached: bool = True) -> dict[str, Any]:

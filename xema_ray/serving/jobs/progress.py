@@ -26,10 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from xema_ray.runtime.engine import PhaseTimings
 from xema_ray.serving.jobs.store import JobStoreConfig, open_store
 
 if TYPE_CHECKING:
+    from xema_ray.runtime.engine import PhaseTimings
     from xema_ray.profiling.phases import PhaseShares
 
 logger = logging.getLogger("xema_ray.serving")
