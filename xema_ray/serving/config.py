@@ -77,6 +77,10 @@ class ServeConfig(BaseModel):
         if self.worker_set == "inprocess" and self.device != "cpu":
             raise ValueError(f"worker_set: inprocess runs on device: cpu only (device is {self.device!r}): one "
                              "process cannot hold several GPUs' workers")
+        pooled = [i for i, g in enumerate(self.models) if g.decode is not None]
+        if self.device == "emulated" and pooled:
+            raise ValueError(f"models[{pooled[0]}].decode: a decode pool runs on device: cpu or cuda (an emulated "
+                             "worker decodes in place, its decode priced in the batch's latency)")
         if self.device == "emulated" and self.plan_table is None:
             raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
         return self
