@@ -88,3 +88,22 @@ def test_a_cuda_pool_with_a_smaller_gpu_share_than_planned_is_refused() -> None:
         check_runnable(table, small, served_templates(small), shm=SHM, host_memory_bytes=10**12)
     same = _cfg({"workers": 2, "gpus_per_worker": 0.5}, device="cuda")
     assert check_runnable(table, same, served_templates(same), shm=SHM, host_memory_bytes=10**12) > 0
+
+
+def test_the_demo_serves_tiny_cogvideox_with_the_pool_its_plan_table_chose() -> None:
+    """``make serve``'s YAML gives tiny-cogvideox a decode pool, and the committed table's entries for
+    it come from the planner's decode-stage pass (``--stages split``): each carries ``config.decode``
+    and its choice with the reason; no other group's entry plans a pool, and start-up serves it."""
+    import yaml
+
+    args = yaml.safe_load((ROOT / "deployments" / "xema.yaml").read_text())["applications"][0]["args"]
+    cfg = ServeConfig.model_validate(args)
+    table = PlanTable.load(str(ROOT / "plans" / "demo-cpu.json"))
+    pooled = {k for k, e in table.entries.items() if e.config.decode is not None}
+    assert {g.model for g in cfg.models if g.decode is not None} == {"tiny-cogvideox"}
+    assert pooled == {"tiny-cogvideox/64x64x9", "tiny-cogvideox/128x96x17"}
+    for k in pooled:
+        choice = table.provenance.decode_stages[k]
+        assert choice.stage == "pool" and choice.asked == "split" and choice.reason
+    templates = served_templates(cfg)
+    assert check_runnable(table, cfg, templates, shm=SHM, host_memory_bytes=10**12) > 0
