@@ -48,6 +48,11 @@ def test_a_good_block_reads_as_its_pool() -> None:
     assert _cfg().models[0].decode is None  # no block: every decode in place
 
 
+def test_a_model_that_decodes_in_place_only_refuses_a_pool_at_start() -> None:
+    with pytest.raises(ValidationError, match=r"models\.0\n.*decode: tiny-ltx2 decodes in place only"):
+        ServeConfig.model_validate({"models": [{"model": "tiny-ltx2", "templates": TEMPLATES, "decode": {"workers": 1}}]})
+
+
 def test_an_emulated_box_refuses_a_pool_naming_the_group() -> None:
     with pytest.raises(ValidationError, match=r"models\[0\]\.decode: a decode pool runs on device: cpu or cuda"):
         _cfg({"workers": 1}, device="emulated")

@@ -109,6 +109,12 @@ class ModelGroupConfig(GroupShape):
             # workers run in other directories: a relative path means the one `serve run` started in
             # (its contents are checked where the weights are read: on the workers' machines)
             self.weights_dir = self.weights_dir.expanduser().resolve()
+        if self.decode is not None:
+            from xema_ray.models import get_model_spec
+
+            if not get_model_spec(self.model).hands_over_latents:
+                raise ValueError(f"decode: {self.model} decodes in place only (its spec offers no decode of handed-over "
+                                 "latents): drop its decode: block")
         a = self.autoscaling
         if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be within autoscaling's min_replicas "
