@@ -170,7 +170,9 @@ def adapter_registry(cfg: ServeConfig, options: dict[str, Any]) -> Any:
 
 def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, PlanEntry]) -> dict[str, Any]:
     """What a group's replica asks Ray for. Ray actors (``worker_set: ray``): a placement group of one
-    bundle per worker, the replica in bundle 0 next to worker 0 with no CPU of its own. In-process
+    bundle per worker, the replica in bundle 0 next to worker 0 with no CPU of its own, then one bundle
+    per decode worker of the group's ``decode:`` pool (``worker_cpus``, and its GPU share on a GPU
+    device). In-process
     workers (``worker_set: inprocess``): the replica alone, reserving what its workers' bundles would
     have (no placement group, no process per worker); every plan must be SP 1 (one torch.distributed
     world per process), refused here naming the template otherwise."""
@@ -182,7 +184,11 @@ def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, Pla
         return {"ray_actor_options": {"num_cpus": round(g.workers * cfg.worker_cpus, 4),
                                       **({"resources": dict(g.bundle_resources)} if g.bundle_resources else {})}}
     bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
-    return {"ray_actor_options": {"num_cpus": 0}, "placement_group_bundles": [dict(bundle) for _ in range(g.workers)],
+    bundles = [dict(bundle) for _ in range(g.workers)]
+    if g.decode is not None:  # the decode pool's bundles follow the DiT workers' (serving/group/decode_pool.py)
+        gpu = {"GPU": g.decode.gpus_per_worker} if WORKER_KINDS[cfg.device].num_gpus else {}
+        bundles += [{"CPU": cfg.worker_cpus, **gpu, **g.bundle_resources} for _ in range(g.decode.workers)]
+    return {"ray_actor_options": {"num_cpus": 0}, "placement_group_bundles": bundles,
             "placement_group_strategy": "STRICT_PACK"}
 
 

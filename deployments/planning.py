@@ -7,7 +7,9 @@ Moved verbatim from ``xema_ray.serving.startup`` (which keeps the checks: ``serv
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from xema_ray.memory.analysis import parse_bytes
@@ -150,6 +152,7 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s:
     start = time.monotonic()
     video = overhead_s if video_overhead_s is None else video_overhead_s
     table = plan_now(cfg, served_templates(cfg), overhead_s=overhead_s, video_overhead_s=video)
+    table = with_decode_pools(table, cfg, served_templates(cfg))  # the groups with a decode: block
     table = table.model_copy(update={"provenance": table.provenance.model_copy(update={
         "command": f"python -m deployments.planning {config} --out {out} --overhead-s {overhead_s:g} "
                    f"--video-overhead-s {video:g}",
@@ -159,6 +162,62 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s:
         "notes": {"serving_overhead_s": f"{overhead_s:.4f}", "video_serving_overhead_s": f"{video:.4f}"}})})
     table.save(out)
     return table
+
+
+def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
+    """``table`` with the planner's decode-stage pass run, as ``--stages split``, for the groups whose
+    YAML holds a ``decode:`` block (docs/decode-stage.md): each of their video templates' decode on
+    the best pool that fits (``planner.decode_stage.choose_decode``; one pool per group,
+    ``one_pool``), the choice and its figures in ``provenance.decode_stages``. The other groups'
+    entries are kept as they are."""
+    from planner.decode_stage import choose_decode, decode_facts, one_pool
+    from planner.latency import LatencyModel
+    from planner.trace_model import TracePlannerModel
+    from planner.traces import TraceCache
+
+    pooled = {g.model: g for g in cfg.models if g.decode is not None}
+    mine = [t for t in templates if t.model in pooled]
+    if not mine:
+        return table
+    latency = LatencyModel("cpu" if cfg.device == "cpu" else (cfg.hardware or "local-gpu"))
+    if latency.name == "cpu":
+        latency.calibrate(mine)
+    cache = TraceCache(None, dtypes=group_dtypes(cfg))
+    entries, choices = dict(table.entries), dict(table.provenance.decode_stages)
+    for model, g in pooled.items():
+        before = {t.shape_key: table.entries[t.shape_key] for t in mine if t.model == model}
+        after, decodes = {}, {}
+        for k, e in before.items():
+            facts = decode_facts(TracePlannerModel(e.config.template, latency.seconds, cache), e.config, g.workers)
+            after[k], choice = choose_decode(e, facts, latency, g.workers, table.budget_bytes, "split")
+            if choice is not None:
+                decodes[k] = choice
+        after, decodes = one_pool(before, after, decodes, g.workers)
+        entries.update(after)
+        choices.update(decodes)
+    provenance = table.provenance.model_copy(update={"decode_stages": choices})
+    return table.model_copy(update={"entries": entries, "provenance": provenance})
+
+
+def pools_only(config: str, out: str) -> PlanTable:
+    """``out``'s table with only the decode-stage pass run again for ``config``'s groups that hold a
+    ``decode:`` block (``with_decode_pools``), written back to ``out``."""
+    import yaml
+
+    raw = yaml.safe_load(open(config))["applications"][0]["args"]
+    args = {k: v for k, v in raw.items() if k not in ("plan_table", "cache_dir")}
+    cfg = ServeConfig.model_validate({**args, "cache_dir": None})
+    from xema_ray.serving.startup import served_templates
+
+    before = PlanTable.load(out)
+    table = with_decode_pools(before, cfg, served_templates(cfg))
+    raw = json.loads(Path(out).read_text())  # only what the pass changed is written: the rest stays byte for byte
+    for k, e in table.entries.items():
+        if e != before.entries[k]:
+            raw["entries"][k] = e.model_dump(mode="json")
+    raw["provenance"]["decode_stages"] = {k: d.model_dump(mode="json") for k, d in table.provenance.decode_stages.items()}
+    Path(out).write_text(json.dumps(raw, indent=1))
+    return PlanTable.load(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                         "client latency minus the batch's seconds), added to every image template's latencies")
     p.add_argument("--video-overhead-s", type=float, default=None,
                    help="the same for a video job (submitted, stored, polled); default: --overhead-s")
+    p.add_argument("--decode-pools-only", action="store_true",
+                   help="keep --out's entries and run only the decode-stage pass (--stages split) for the groups "
+                        "with a decode: block")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    table = demo_table(a.config, a.out, a.overhead_s, a.video_overhead_s)
+    table = (pools_only(a.config, a.out) if a.decode_pools_only
+             else demo_table(a.config, a.out, a.overhead_s, a.video_overhead_s))
     for k, e in sorted(table.entries.items()):
         print(f"{k}: {e.config.describe()} latency {e.prediction.latency_s:.3f} s, SLO {e.prediction.slo_s:.3f} s")
     return 0

@@ -78,6 +78,28 @@ class Mitigation(BaseModel):
 DECODE_GPU_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125)
 
 
+def gpu_share(v: float) -> float:
+    """``v`` GPUs as one worker may take them: a whole number, or a fraction that divides one GPU
+    (0.5, 0.25, ...); anything else is refused with the fractions that would do.
+
+    Example:
+        >>> gpu_share(0.25)
+        0.25
+    """
+    if v <= 0:
+        raise ValueError(f"gpus_per_worker {v} must be above 0")
+    if v >= 1:
+        if v != int(v):
+            raise ValueError(f"gpus_per_worker {v} must be a whole number of GPUs or a fraction that divides "
+                             f"one GPU ({', '.join(map(str, DECODE_GPU_FRACTIONS))})")
+        return float(v)
+    per_gpu = 1 / v
+    if abs(per_gpu - round(per_gpu)) > 1e-9:
+        raise ValueError(f"gpus_per_worker {v} does not divide a GPU (1/{v} = {per_gpu:.3f} workers per GPU); "
+                         f"use a whole number or one of {', '.join(map(str, DECODE_GPU_FRACTIONS))}")
+    return v
+
+
 class DecodeStage(BaseModel):
     """A decode stage of its own: the template's latents are handed to a pool of ``workers``
     decode workers (the VAE resident, nothing else of the model), each on ``gpus_per_worker``
@@ -100,16 +122,7 @@ class DecodeStage(BaseModel):
     @field_validator("gpus_per_worker")
     @classmethod
     def _divides_a_gpu(cls, v: float) -> float:
-        if v >= 1:
-            if v != int(v):
-                raise ValueError(f"gpus_per_worker {v} must be a whole number of GPUs or a fraction that divides "
-                                 f"one GPU ({', '.join(map(str, DECODE_GPU_FRACTIONS))})")
-            return float(v)
-        per_gpu = 1 / v
-        if abs(per_gpu - round(per_gpu)) > 1e-9:
-            raise ValueError(f"gpus_per_worker {v} does not divide a GPU (1/{v} = {per_gpu:.3f} workers per GPU); "
-                             f"use a whole number or one of {', '.join(map(str, DECODE_GPU_FRACTIONS))}")
-        return v
+        return gpu_share(v)
 
     @field_validator("mitigations")
     @classmethod

@@ -326,6 +326,18 @@ class ModelSpec(ABC):
         short to be worth a hand-over, so it offers none (empty: always decoded in place)."""
         return ("vae",) if self.kind == "video" else ()
 
+    @property
+    def hands_over_latents(self) -> bool:
+        """Whether a serving group may decode this model's latents on a decode pool of its own
+        (``decode_latents``); False: it decodes in place only."""
+        return False
+
+    def decode_latents(self, pipe: Any, latents: torch.Tensor) -> Any:
+        """The frames a decode worker makes of one batch of denoised latents (the pipeline's own
+        output with ``output_type="latent"``): a float array [B, F, H, W, 3] in [0, 1], what the
+        pipeline itself returns with ``output_type="np"``."""
+        raise NotImplementedError(f"{self.name} decodes in place only (no hand-over of its latents)")
+
     def scheduler(self, cls: type[Any], default_config: dict[str, Any], opts: BuildOptions) -> Any:
         """The pipeline's scheduler: the repository's ``scheduler/scheduler_config.json`` when
         ``opts.weights_dir`` has one, else ``default_config`` (the published repository's values).

@@ -110,6 +110,17 @@ class CogVideoXSpec(ModelSpec):
 
         return CogVideoXPipeline
 
+    @property
+    def hands_over_latents(self) -> bool:
+        return True
+
+    def decode_latents(self, pipe: Any, latents: torch.Tensor) -> Any:
+        """The pipeline's own decode after its loop: bit-exact with ``output_type="np"`` (the 1.0
+        models this spec builds pad no latent frames: no ``patch_size_t``)."""
+        with torch.no_grad():
+            video = pipe.decode_latents(latents)
+            return pipe.video_processor.postprocess_video(video=video, output_type="np")
+
     def build_pipeline(self, opts: BuildOptions) -> DiffusionPipeline:
         from diffusers import CogVideoXDDIMScheduler
 

@@ -38,6 +38,7 @@ from xema_ray.parallel.sp import SPBackend, apply_sequence_parallel
 from xema_ray.plan import ExecutionConfig, Mitigation
 from xema_ray.platforms import MemoryStats, Platform, current_platform
 from xema_ray.runtime.adapters import AdapterPool, LoraUse, enter_adapters  # LoRA adapters (xema_ray.lora)
+from xema_ray.runtime.decode_worker import HandedLatents
 from xema_ray.runtime.encode import encode_mp4, encode_png, encode_wav
 from xema_ray.runtime.pause import PauseControl
 from xema_ray.runtime.phase_clock import PhaseClock
@@ -138,6 +139,8 @@ class BatchResult(BaseModel):
     steps_computed: int | None = Field(default=None, description="denoising steps that ran the transformer (fewer "
                                        "than the batch's under a step-cached quality tier; None: not reported)")
     paused_s: float = Field(default=0.0, ge=0, description="seconds the batch spent paused")
+    handed: list[HandedLatents] = Field(default_factory=list, description="a plan with a decode pool "
+                                        "(config.decode): each request's latents for the pool, in place of outputs")
 
 
 @contextlib.contextmanager
@@ -402,11 +405,13 @@ class ExecutionEngine:
         config = batch.config
         group_rank = self.groups.select(config.ulysses, config.ring).rank if config.sp > 1 and self.groups else 0
         output_rank = group_rank == 0
+        hand_over = output_rank and config.decode is not None and not self.shape_only  # the pool decodes
         prompts = [r.prompt for r in batch.requests]
         seeds = [r.seed for r in batch.requests]
         try:
             run = self.run_pipeline(
-                config, prompts, seeds, batch.guidance_scale, output_type="np" if output_rank else "latent",
+                config, prompts, seeds, batch.guidance_scale,
+                output_type="np" if output_rank and not hand_over else "latent",
                 observer=observer, control=control, negative_prompts=[r.negative_prompt for r in batch.requests],
                 steps=batch.steps, request_ids=[r.request_id for r in batch.requests],
                 adapters=[r.lora for r in batch.requests], guidance_scale_2=batch.guidance_scale_2,
@@ -418,10 +423,11 @@ class ExecutionEngine:
                 if ended is not None:
                     ended()
             raise
-        if observer is not None and output_rank:
+        if observer is not None and output_rank and not hand_over:
             observer.on_decoded()
         t_enc = time.perf_counter()
-        outputs = self._encode(batch, run.output, run.prompts) if output_rank and not self.shape_only else []
+        handed = self._hand_over(batch, run.output, run.prompts) if hand_over else []
+        outputs = self._encode(batch, run.output, run.prompts) if output_rank and not self.shape_only and not hand_over else []
         encode_s = time.perf_counter() - t_enc
         return BatchResult(
             template=config.template.key,
@@ -438,6 +444,7 @@ class ExecutionEngine:
             layout_hits=run.layout.hits if run.layout is not None else 0,
             layout_misses=run.layout.misses if run.layout is not None else 0,
             steps_computed=self._steps_computed(config, batch.steps),
+            handed=handed,
         )
 
     def _steps_computed(self, config: ExecutionConfig, steps: int) -> int:
@@ -448,6 +455,14 @@ class ExecutionEngine:
     @staticmethod
     def _prompt_fields(p: EncodedPrompts, k: int) -> dict[str, Any]:
         return {"prompt_tokens": p.tokens[k], "prompt_truncated": p.truncated[k]}
+
+    def _hand_over(self, batch: Batch, out: Any, prompts: EncodedPrompts) -> list[HandedLatents]:
+        """Each request's latents (the pipeline's ``output_type="latent"`` output) for the decode pool,
+        on the host: the group puts them in Ray's object store."""
+        latents = out.frames if hasattr(out, "frames") else out.images
+        host = latents.detach().to("cpu", torch.float32).numpy()  # numpy: zero-copy in the object store
+        return [HandedLatents(request_id=r.request_id, seed=r.seed, latents=host[k:k + 1].copy(),
+                              **self._prompt_fields(prompts, k)) for k, r in enumerate(batch.requests)]
 
     def _encode(self, batch: Batch, out: Any, prompts: EncodedPrompts) -> list[RequestOutput]:
         t = batch.config.template

@@ -86,6 +86,10 @@ class ServeConfig(BaseModel):
         if self.shared_replicas and self.worker_set != "inprocess":
             raise ValueError("shared_replicas: groups share a replica process only with worker_set: inprocess (a ray "
                              "worker set's placement group is the replica's own)")
+        pooled = [i for i, g in enumerate(self.models) if g.decode is not None]
+        if self.device == "emulated" and pooled:
+            raise ValueError(f"models[{pooled[0]}].decode: a decode pool runs on device: cpu or cuda (an emulated "
+                             "worker decodes in place, its decode priced in the batch's latency)")
         if self.device == "emulated" and self.plan_table is None:
             raise ValueError("device: emulated takes its latencies from a plan table: give plan_table")
         return self

@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray import deployment
 from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
-from xema_ray.plan import PlanTable
+from xema_ray.plan import ExecutionConfig, PlanTable
 from xema_ray.platforms.host_memory import DEFAULT_SHM_DIR, shm_dir
 from xema_ray.serving.config import ServeConfig
+from xema_ray.serving.group.settings import ModelGroupConfig
 from xema_ray.templates import RequestTemplate
 
 
@@ -78,7 +79,7 @@ class PlanNotRunnable(ValueError):
 def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate],
                    host_memory_bytes: int | None = None, shm: ShmSpace | None = None) -> int:
     """Refuse, before anything starts, a plan a model group cannot run: a decode pool
-    (``config.decode``; the worker decodes in place); its SP degree must divide the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
+    (``config.decode``) where the group has none (``decode_problem``); its SP degree must divide the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
     it; the host memory the node's workers hold for their weights (``node_host``) must fit
     the node, while loading too; and their shared weight segments, beside Ray's object store where
     it lies on the same tmpfs, must fit that tmpfs's free bytes (``shm``: default ``ShmSpace.here()``).
@@ -94,12 +95,9 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
     for g in cfg.models:
         for t in (t for t in templates if t.model == g.model):
             c = table.lookup(t).config
-            if c.decode is not None:
-                # its DiT config dropped the VAE mitigations the decode needs in place: decoding it
-                # there would run past the budget it was planned for
-                problems.append(f"{t.shape_key}: plan {c.describe()} hands its decode to a decode pool "
-                                "(config.decode, xema plan --stages split|auto), which this server does not run "
-                                "yet: it decodes in place; serve a table planned with --stages joint")
+            problem = decode_problem(t.shape_key, c, g, cfg.device)
+            if problem is not None:
+                problems.append(problem)
             elif g.workers % c.sp:
                 problems.append(f"{t.shape_key}: plan {c.describe()} needs SP groups of {c.sp} workers, but the "
                                 f"{g.model} group has {g.workers} (SP must divide the group size)")
@@ -124,6 +122,27 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
     if problems:
         raise PlanNotRunnable("plan table cannot run on this deployment:\n  " + "\n  ".join(problems))
     return total - node.resident_bytes
+
+
+def decode_problem(key: str, c: ExecutionConfig, g: ModelGroupConfig, device: str) -> str | None:
+    """What is wrong with serving ``key``'s plan ``c`` on group ``g``'s decode pool, None if nothing.
+    A plan that hands its decode to a pool (``config.decode``) needs a group with one: its DiT
+    config dropped the VAE mitigations the decode needs in place, so decoding it there would run
+    past the budget it was planned for. On a GPU device each decode worker needs at least the GPU
+    share the plan's decode peak was checked against."""
+    if c.decode is None:
+        return None
+    if g.decode is None:
+        return (f"{key}: plan {c.describe()} hands its decode to a decode pool of {c.decode.workers} worker(s) "
+                f"x {c.decode.gpus_per_worker:g} GPU (config.decode, xema plan --stages split|auto), but the "
+                f"{g.model} group has no decode: block, and its DiT config dropped the VAE mitigations the decode "
+                "needs in place; add decode: {workers, gpus_per_worker} to the group, or serve a table planned "
+                "with --stages joint")
+    if device == "cuda" and g.decode.gpus_per_worker < c.decode.gpus_per_worker:
+        return (f"{key}: plan {c.describe()} decodes on {c.decode.gpus_per_worker:g} GPU per decode worker, the "
+                f"{g.model} group's decode.gpus_per_worker is {g.decode.gpus_per_worker:g} (its decode peak "
+                "would not fit the smaller share)")
+    return None
 
 
 def node_host_memory(cfg: ServeConfig, given: int | None = None) -> tuple[int, str]:
@@ -233,10 +252,10 @@ def gpu_shortfall(cfg: ServeConfig, cluster_gpus: float) -> str | None:
     not an error: a cluster autoscaler (KubeRay) adds GPU nodes for the pending bundles."""
     if cfg.device != "cuda":
         return None
-    asked = {g.model: g.workers * g.replicas for g in cfg.models}
+    asked = {g.model: (g.workers + (g.decode.gpus if g.decode is not None else 0)) * g.replicas for g in cfg.models}
     if sum(asked.values()) <= cluster_gpus:
         return None
-    return (f"device: cuda: the groups' workers ask for {sum(asked.values())} GPUs ("
-            + ", ".join(f"{m} {n}" for m, n in asked.items()) + f"), the Ray cluster has {cluster_gpus:g} now: "
+    return (f"device: cuda: the groups' workers ask for {sum(asked.values()):g} GPUs ("
+            + ", ".join(f"{m} {n:g}" for m, n in asked.items()) + f"), the Ray cluster has {cluster_gpus:g} now: "
             "the groups wait for them (nvidia-smi lists the machine's; CUDA_VISIBLE_DEVICES may hide some; without "
             "an autoscaler adding GPU nodes, they never come: docs/install-gpu.md)")

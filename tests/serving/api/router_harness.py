@@ -106,11 +106,12 @@ class RouterHarness:
 def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs: JobStoreConfig | None = None,
                    adapters: dict[str, LoraPoolConfig] | None = None, handle: Callable[[Any], Any] = LocalHandle,
                    replica_counts: Callable[[], Awaitable[dict[str, int] | None]] | None = None,
-                   **router_kwargs: Any) -> Iterator[RouterHarness]:
+                   decode: dict[str, dict[str, Any]] | None = None, **router_kwargs: Any) -> Iterator[RouterHarness]:
     """The Router serving ``plans`` (one group of one in-process worker per model; ``jobs``: the
     job store of the video job API; ``adapters``: the adapter pool of each model that has one;
     ``handle``: what stands for each group's Serve handle; ``replica_counts``: for Serve's
-    controller's count of each group's running replicas)."""
+    controller's count of each group's running replicas; ``decode``: the ``decode:`` block of each
+    model that has a decode pool)."""
     from ray.serve import context as serve_context
 
     from xema_ray.serving.api import router as router_module
@@ -122,10 +123,13 @@ def running_router(plans: dict[str, PlanEntry], wait_window_s: float = 0.3, jobs
     for key, e in plans.items():
         by_model.setdefault(e.config.template.model, {})[key] = e
     adapters = adapters or {}
-    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s, adapters=adapters.get(m)), ps,
+    pools = decode or {}
+    groups = {m: ModelGroup(group_config(m, ps, wait_window_s=wait_window_s, adapters=adapters.get(m),
+                                         decode=pools.get(m)), ps,
                             GroupSettings(jobs=jobs), worker_set=InProcessWorkerSet) for m, ps in by_model.items()}
     templates: list[RequestTemplate] = [e.config.template for e in plans.values()]
-    table = PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40, entries=dict(plans))
+    gpus = max([1, *(e.config.total_gpus for e in plans.values())])  # a decode pool's GPUs counted
+    table = PlanTable(hardware="cpu:harness", gpus=gpus, budget_bytes=2**40, entries=dict(plans))
     cls = router_module.Router.__mro__[1]  # the class under serve.ingress's wrapper
     router = object.__new__(cls)  # the class itself: its wrapper's (async) __init__ and __del__ are Serve's
 

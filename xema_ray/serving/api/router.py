@@ -31,6 +31,7 @@ from xema_ray.serving.api.schemas import (
     ImageRequest,
     ImageResponse,
     RequestLimits,
+    DecodeInfo,
     TemplateInfo,
     UnsupportedTemplate,
     VideoRequest,
@@ -439,7 +440,10 @@ class Router:
                                     reference_size=f"{t.reference_width}x{t.reference_height}" if t.references else None,
                                     latent_length=t.latent_length, plan=e.config.describe(), predicted_latency_s=e.prediction.latency_s,
                                     predicted_peak_gb=e.prediction.peak_bytes / 1e9, slo_s=e.prediction.slo_s,
-                                    quality_tiers=quality_tier_infos(e)))
+                                    quality_tiers=quality_tier_infos(e),
+                                    decode=DecodeInfo(workers=e.config.decode.workers,
+                                                      gpus_per_worker=e.config.decode.gpus_per_worker)
+                                    if e.config.decode is not None else None))
         return out
 
     @app.get("/v1/plans")

@@ -196,6 +196,13 @@ class ImageResponse(BaseModel):
                                                             "docs/emulated.md); absent otherwise")
 
 
+class DecodeInfo(BaseModel):
+    """A template's decode pool in ``GET /v1/templates``: its decode workers and each one's GPUs."""
+
+    workers: int
+    gpus_per_worker: float
+
+
 class TemplateInfo(BaseModel):
     """One supported template, its plan and predictions (``GET /v1/templates``)."""
 
@@ -217,6 +224,8 @@ class TemplateInfo(BaseModel):
     slo_s: float
     quality_tiers: list[QualityTierInfo] = Field(default_factory=list, description="the tiers served, lossless "
                                                  "first, each with its predictions (docs/quality.md)")
+    decode: DecodeInfo | None = Field(default=None, description="the decode pool the template's latents are handed "
+                                      "to, as planned (config.decode; docs/decode-stage.md); null: decoded in place")
 
 
 class UnsupportedTemplate(ValueError):

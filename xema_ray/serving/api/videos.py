@@ -124,6 +124,9 @@ class Video(BaseModel):
     size: str
     status: Literal["queued", "in_progress", "completed", "failed"]
     error: VideoError | None = None
+    stage: Literal["denoise", "decode"] | None = Field(
+        default=None, description="while in_progress: denoise, or decode (its latents on the group's decode pool); "
+                                  "absent otherwise (an addition to OpenAI's object)")
     emulated: bool | None = Field(default=None, description="true: served by an emulated box (no model ran; "
                                                             "docs/emulated.md); absent otherwise")
 
@@ -132,6 +135,8 @@ class Video(BaseModel):
         out = self.model_dump(mode="json")
         if not self.emulated:
             out.pop("emulated")
+        if self.stage is None:
+            out.pop("stage")
         return out
 
 
@@ -222,7 +227,8 @@ def video_view(rec: JobRecord, emulated: bool = False) -> Video:
     return Video(id=rec.id, created_at=int(rec.created_at), model=rec.model, progress=pct, prompt=rec.prompt,
                  seconds=rec.seconds, size=rec.size, status=rec.status, error=err,
                  completed_at=int(rec.completed_at) if rec.completed_at else None,
-                 expires_at=int(rec.expires_at) if rec.expires_at else None, emulated=True if emulated else None)
+                 expires_at=int(rec.expires_at) if rec.expires_at else None, emulated=True if emulated else None,
+                 stage=rec.stage if rec.status == "in_progress" else None)
 
 
 def poll_after_ms(rec: JobRecord, cfg: JobStoreConfig, now: float | None = None) -> int:

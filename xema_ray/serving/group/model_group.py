@@ -33,15 +33,17 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from xema_ray.plan import PlanEntry
+from xema_ray.plan import ExecutionConfig, PlanEntry
 from xema_ray.scheduling.batch import Assignment, DispatchPlan, Pending
 from xema_ray.scheduling.batch_key import BatchKey, sub_batches
 from xema_ray.scheduling.dispatcher import Dispatcher
 from xema_ray.scheduling.quality import choose_auto
 from xema_ray.serving.group.adapter_registry import RegistryClient
 from xema_ray.serving.group.adapters import GroupAdapters, folder_sources
+from xema_ray.serving.group.decode_pool import pool_for
 from xema_ray.serving.group.isolation import run_isolating
 from xema_ray.serving.group.layout_stats import LayoutCounters
 from xema_ray.serving.messages import (GenerateResult, GroupLayoutStats, GroupRequest, GroupStatus, GroupUnavailable,
@@ -64,7 +66,8 @@ if TYPE_CHECKING:  # torch, diffusers and the model code stay out of the import:
     from xema_ray.lora import AdapterInfo, AdapterSource, PoolStats
 
     from xema_ray.platforms.host_memory import SegmentHolder
-    from xema_ray.runtime.engine import GenerationRequest
+    from xema_ray.runtime.decode_worker import HandedLatents
+    from xema_ray.runtime.engine import GenerationRequest, RequestOutput
     from xema_ray.runtime.worker import LoadedModel
     from xema_ray.serving.group.load_metrics import GroupLoad
 
@@ -161,7 +164,13 @@ class ModelGroup:
                                       RegistryClient(adapter_registry) if adapter_registry is not None else None)
         self.workers.on_loaded = self._loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
+        #: the decode pool (``decode:``; decode_pool.py): batch id -> request id -> its decode
+        self.decode_pool = pool_for(config, s)
+        self._decodes: dict[int, dict[str, asyncio.Task[GenerateResult]]] = {}
+        self._freed: dict[int, float] = {}  # batches whose DiT workers were freed at the hand-over
         self.workers.start()
+        if self.decode_pool is not None:
+            self.decode_pool.start()
 
     def _loaded(self, loaded: LoadedModel) -> None:
         """A worker set loaded (its ``on_loaded``): its layouts' status, the adapters it holds."""
@@ -443,14 +452,32 @@ class ModelGroup:
         self.estimates[a.template] = replace(PhaseEstimate.from_timings(steps, lead.timings),
                                              steps=entry.config.template.steps)
         self._tell_phases(a.template, self.estimates[a.template])
-        served = served_quality(quality, steps, lead, batch.config.step_cache is not None)
-        for out in lead.outputs:
-            # where it ran travels with the result: the router exposes it as response headers
-            outputs[out.request_id] = GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs),
-                                                     workers=a.workers, batch_seconds=seconds,
-                                                     queued_s=max(0.0, t0 - arrived[out.request_id]),
-                                                     replica=self.owner, **served)
+        def result(out: RequestOutput) -> GenerateResult:  # where it ran: the router's response headers
+            return GenerateResult(**dict(out), batch_id=a.batch_id, batch_size=len(reqs), workers=a.workers,
+                                  batch_seconds=seconds, queued_s=max(0.0, t0 - arrived[out.request_id]),
+                                  replica=self.owner, **served_quality(quality, steps, lead, batch.config.step_cache is not None))
+
+        outputs.update((out.request_id, result(out)) for out in lead.outputs)
+        if lead.handed:  # the decode pool's: decoded after the DiT workers are freed (``_run``)
+            await self._hand_over(a.batch_id, lead.handed, batch.config, result, jobs)
         return True
+
+    async def _hand_over(self, batch_id: int, handed: list[HandedLatents], config: ExecutionConfig,
+                         result: Callable[[RequestOutput], GenerateResult], jobs: list[str]) -> None:
+        """Each request's latents into Ray's object store and onto the decode pool (its reference
+        held by its task until the video is written: a lost decode worker decodes it again)."""
+        pool = self.decode_pool
+        if pool is None:
+            raise RuntimeError(f"{self.model}: a plan hands its decode to a pool, the group has none")
+        mitigations = config.decode.mitigations if config.decode is not None else ()
+
+        async def one(ref: Any) -> GenerateResult:
+            return result(await pool.decode(ref, mitigations))
+
+        tasks = self._decodes.setdefault(batch_id, {})
+        for h in handed:
+            tasks[h.request_id] = asyncio.ensure_future(one(pool.put(h)))
+        await self.jobs.decoding([j for j in jobs if j in tasks])
 
     async def _fail(self, t: _Ticket, e: Exception) -> None:
         if t.job_id is not None:
@@ -469,6 +496,7 @@ class ModelGroup:
                 generation = self.workers.generation
                 try:
                     outputs, failed = await self._execute(a)
+                    await self._decoded(a, outputs, failed)
                     break
                 except WorkerDied as e:
                     if attempt == 2:
@@ -506,11 +534,35 @@ class ModelGroup:
         finally:
             self.runner.state.finished(a.batch_id)  # a batch that ends instead of parking frees its preemptor
             self.jobs.finished(r.request_id for r in a.requests)
-            self.dispatcher.complete(a.batch_id)
-            self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
-            self.reload.batch_done.set()
-            if self._wake is not None:
-                self._wake.set()
+            for task in self._decodes.pop(a.batch_id, {}).values():
+                task.cancel()  # a batch that failed after its hand-over: nothing waits for its decodes
+            if self._freed.pop(a.batch_id, None) is None:  # not freed at its hand-over
+                self._free(a, started)
+
+    def _free(self, a: Assignment[_Ticket], started: float) -> None:
+        """The batch's DiT workers are free: the dispatcher told, the loop woken."""
+        self.dispatcher.complete(a.batch_id)
+        self.metrics.batch_seconds.observe(time.monotonic() - started, tags={"template": a.template})
+        self.reload.batch_done.set()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _decoded(self, a: Assignment[_Ticket], outputs: dict[str, GenerateResult],
+                       failed: dict[str, Exception]) -> None:
+        """A batch whose latents went to the decode pool: its DiT workers freed at once (the next
+        batch starts while this one decodes), then each request's video into ``outputs`` or its
+        error into ``failed`` (a decode failure fails that request alone)."""
+        tasks = self._decodes.get(a.batch_id)
+        if not tasks:
+            return
+        self._freed[a.batch_id] = time.monotonic()
+        self._free(a, time.monotonic())
+        for rid, task in tasks.items():
+            try:
+                outputs[rid] = await task
+            except Exception as e:  # noqa: BLE001 — this request's decode alone
+                failed[rid] = e
+        self._decodes.pop(a.batch_id, None)
 
     def _paused_with(self, name: str) -> bool:
         """A batch paused at a step boundary (step-level preemption) has a request stacking ``name``."""
@@ -598,3 +650,13 @@ class ModelGroup:
         if not 0 <= index < self.n_workers:
             raise ValueError(f"worker index must be in [0, {self.n_workers}), got {index}")
         self.workers.kill(index)
+
+    async def decode_pool_report(self) -> dict[str, Any] | None:
+        """The decode pool's workers, GPU share and counters (decoded, retried, replaced); None: none."""
+        return self.decode_pool.report() if self.decode_pool is not None else None
+
+    async def kill_decode_worker(self, index: int) -> None:
+        """Fault injection for tests and drills: kill one decode worker of the pool."""
+        if self.decode_pool is None or not 0 <= index < len(self.decode_pool.slots):
+            raise ValueError(f"{self.model}: no decode worker {index}")
+        self.decode_pool.kill(index)

@@ -178,6 +178,13 @@ class JobLifecycle:
         ``others`` synchronous requests beside them; ``bases``: a re-run's, ``rerun``); None: no job in it."""
         return JobProgress(self.cfg, jobs, others, estimate, bases) if jobs and self.cfg is not None else None
 
+    async def decoding(self, jobs: list[str]) -> None:
+        """The jobs' latents went to the group's decode pool: their stage is decode from now."""
+        if self.cfg is None or not jobs:
+            return
+        store = self.store()
+        await asyncio.gather(*(store_call(self.cfg, store.set_stage, j, "decode") for j in jobs))
+
     async def store_result(self, job_id: str, out: GenerateResult) -> None:
         """Hand the result to the store; one the store cannot take now is kept (bounded) and
         retried in the background, so the batch's workers never wait for the store."""

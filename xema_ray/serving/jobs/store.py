@@ -101,6 +101,9 @@ class JobRecord(BaseModel):
     status: JobStatus = "queued"
     progress: float = Field(default=0.0, ge=0, le=1, description="fraction of the predicted time done")
     step: int = Field(default=0, ge=0, description="denoising steps finished")
+    stage: Literal["denoise", "decode"] | None = Field(
+        default=None, description="while in progress: denoise (the DiT workers' steps), or decode (its latents on "
+                                  "the group's decode pool, docs/decode-stage.md); None: not started or finished")
     predicted_s: float = Field(gt=0, description="predicted run time (plan, refined by measured batches)")
     created_at: float
     started_at: float | None = None
@@ -310,7 +313,7 @@ class JobStore(ABC):
                 return None
             now = time.time()
             return r.model_copy(update={"status": "in_progress", "started_at": now, "progress_at": now, "step": 0,
-                                        "progress": 0.0, "predicted_s": predicted_s})
+                                        "progress": 0.0, "predicted_s": predicted_s, "stage": "denoise"})
         return self._update(job_id, fn) is not None
 
     def rerun(self, job_id: str, owner: str, remaining_s: float) -> float | None:
@@ -334,6 +337,14 @@ class JobStore(ABC):
                                         "progress_at": time.time()})
         self._update(job_id, fn)
 
+    def set_stage(self, job_id: str, stage: Literal["denoise", "decode"]) -> None:
+        """The job's stage while in progress (its latents handed to the decode pool: decode)."""
+        def fn(r: JobRecord) -> JobRecord | None:
+            if r.deleted or r.status != "in_progress":
+                return None
+            return r.model_copy(update={"stage": stage, "progress_at": time.time()})
+        self._update(job_id, fn)
+
     def complete(self, job_id: str, files: dict[str, tuple[bytes, str]]) -> bool:
         """Store the result files and mark the job completed (False: it was deleted meanwhile)."""
         rec = self._load(job_id)
@@ -347,7 +358,8 @@ class JobStore(ABC):
         def fn(r: JobRecord) -> JobRecord | None:
             if r.deleted:
                 return None
-            return r.model_copy(update={"status": "completed", "progress": 1.0, "completed_at": now, "expires_at": expires})
+            return r.model_copy(update={"status": "completed", "progress": 1.0, "completed_at": now, "expires_at": expires,
+                                        "stage": None})
         done = self._update(job_id, fn) is not None
         if not done:
             for name in files:
@@ -360,7 +372,7 @@ class JobStore(ABC):
         def fn(r: JobRecord) -> JobRecord | None:
             if r.deleted or r.status in TERMINAL:
                 return None
-            return r.model_copy(update={"status": "failed", "completed_at": now, "expires_at": now + self.cfg.ttl_s,
+            return r.model_copy(update={"status": "failed", "stage": None, "completed_at": now, "expires_at": now + self.cfg.ttl_s,
                                         "error_code": code, "error_message": message})
         self._update(job_id, fn)
 
@@ -369,7 +381,7 @@ class JobStore(ABC):
         def fn(r: JobRecord) -> JobRecord | None:
             if r.deleted or r.status in TERMINAL or r.owner != expected_owner:
                 return None
-            return r.model_copy(update={"status": "queued", "owner": None, "progress": 0.0, "step": 0,
+            return r.model_copy(update={"status": "queued", "owner": None, "progress": 0.0, "step": 0, "stage": None,
                                         "started_at": None, "progress_at": None})
         return self._update(job_id, fn)
 
