@@ -59,11 +59,16 @@ def test_the_demo_serves_its_committed_table_without_planning(monkeypatch: pytes
     assert {t.shape_key for t in templates} <= set(table.entries)
     assert all(table.lookup(t).config.sp == 1 for t in templates)  # in-process workers run SP 1
     assert list(tmp_path.iterdir()) == []
-    # the deployment's quality tiers priced on the committed entries (nothing measured): lossless and fast
+    # the deployment's quality tiers priced on the committed entries (nothing measured): lossless and
+    # fast everywhere, balanced (int8 weights on the CPU) where the model's spec quantizes its weights
     for t in templates:
         e = table.lookup(t)
-        assert sorted(e.tiers) == ["fast", "lossless"] and e.tiers["lossless"].latency_s == e.prediction.latency_s
+        quantizes = t.spec.weight_quant is not None
+        assert sorted(e.tiers) == (["balanced"] if quantizes else []) + ["fast", "lossless"]
+        assert e.tiers["lossless"].latency_s == e.prediction.latency_s
         assert e.tiers["fast"].latency_s <= e.prediction.latency_s
+        if quantizes:
+            assert e.tiers["balanced"].weights == "int8" and e.tiers["balanced"].cache is None
 
 
 def test_the_demo_leaves_the_planner_a_cpu_on_two_cores() -> None:
