@@ -167,9 +167,9 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s:
 def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
     """``table`` with the planner's decode-stage pass run, as ``--stages split``, for the groups whose
     YAML holds a ``decode:`` block (docs/decode-stage.md): each of their video templates' decode on
-    the best pool that fits (``planner.decode_stage.choose_decode``; one pool per group,
-    ``one_pool``), the choice and its figures in ``provenance.decode_stages``. The other groups'
-    entries are kept as they are."""
+    the pool the YAML runs where it fits (``planner.decode_stage.choose_decode``; one pool per group,
+    ``one_pool``), the choice and its figures in ``provenance.decode_stages``, the pooled entries'
+    quality tiers priced again on their new predictions. The other groups' entries are kept as they are."""
     from planner.decode_stage import choose_decode, decode_facts, one_pool
     from planner.latency import LatencyModel
     from planner.trace_model import TracePlannerModel
@@ -189,14 +189,17 @@ def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[Reques
         after, decodes = {}, {}
         for k, e in before.items():
             facts = decode_facts(TracePlannerModel(e.config.template, latency.seconds, cache), e.config, g.workers)
-            after[k], choice = choose_decode(e, facts, latency, g.workers, table.budget_bytes, "split")
+            after[k], choice = choose_decode(e, facts, latency, g.workers, table.budget_bytes, "split",
+                                             pool=(g.decode.workers, g.decode.gpus_per_worker))
             if choice is not None:
                 decodes[k] = choice
         after, decodes = one_pool(before, after, decodes, g.workers)
         entries.update(after)
         choices.update(decodes)
+    # a pooled entry's prediction is new: its tiers are priced again on it (``with_tiers``)
+    entries = {k: e if e == table.entries[k] else e.model_copy(update={"tiers": {}}) for k, e in entries.items()}
     provenance = table.provenance.model_copy(update={"decode_stages": choices})
-    return table.model_copy(update={"entries": entries, "provenance": provenance})
+    return with_tiers(table.model_copy(update={"entries": entries, "provenance": provenance}), cfg)
 
 
 def pools_only(config: str, out: str) -> PlanTable:

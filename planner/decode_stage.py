@@ -247,9 +247,11 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyModel, gpus: int, budget: int,
-                  stages: Stages, load_rps: float | None = None) -> tuple[PlanEntry, DecodeChoice | None]:
+                  stages: Stages, load_rps: float | None = None,
+                  pool: tuple[int, float] | None = None) -> tuple[PlanEntry, DecodeChoice | None]:
     """The entry with its decode where ``stages`` puts it, and the choice with its figures (None
-    for ``joint``, or a template whose model offers no decode stage)."""
+    for ``joint``, or a template whose model offers no decode stage). ``pool``: (workers,
+    GPUs per worker) of the one pool the group runs (a deployment's ``decode:`` block); None: any."""
     cfg, pred = entry.config, entry.prediction
     if stages == "joint" or not cfg.template.spec.decode_components() or facts is None:
         return entry, None
@@ -257,7 +259,8 @@ def choose_decode(entry: PlanEntry, facts: DecodeFacts | None, latency: LatencyM
     base = dict(asked=stages, load_rps=load_rps, in_place_latency_s=pred.latency_s,
                 in_place_goodput_rps=pred.goodput_rps, in_place_peak_bytes=pred.peak_bytes,
                 dit_peak_bytes=facts.dit_peak_bytes, decode_peak_bytes=facts.decode_peak_bytes)
-    options = pool_options(entry, facts, latency, gpus, budget)
+    options = [o for o in pool_options(entry, facts, latency, gpus, budget)
+               if pool is None or (o.pool.workers, o.pool.gpus_per_worker) == pool]
     if not options:
         why = (f"the DiT workers' peak without the decode, {facts.dit_peak_bytes / 1e9:.2f} GB, is over the budget"
                if min((s.peak_bytes for s in facts.dit_stages), default=facts.dit_peak_bytes) > budget else

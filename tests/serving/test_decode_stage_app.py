@@ -22,9 +22,13 @@ from ray import serve
 from tests.serving.test_new_models_app import serve_yaml_args
 from xema_ray.net import free_port
 from xema_ray.serving.api.ready import wait_ready
+from xema_ray.serving.config import ServeConfig
 from xema_ray.serving.ray_env import apply_ray_env, init_local_ray, shutdown_serve_and_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+#: make serve's application config, only its tiny-cogvideox group (with its decode pool)
+DEMO = ServeConfig.model_validate(serve_yaml_args(("tiny-cogvideox",)))
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +64,10 @@ def test_templates_show_the_decode_pool(server: str) -> None:
 
 
 def test_video_jobs_show_the_decode_stage_and_survive_a_killed_decode_worker(server: str, client: Any) -> None:
-    group = serve.get_deployment_handle("ModelGroup:tiny-cogvideox", app_name="xema")
-    before = group.decode_pool_report.remote().result()
+    # the group runs in the demo's shared replica (shared_replicas: 1): its methods take the model first
+    host = serve.get_deployment_handle(DEMO.group_deployments()["tiny-cogvideox"], app_name="xema")
+    member = ("tiny-cogvideox",) if DEMO.shared_replicas else ()
+    before = host.decode_pool_report.remote(*member).result()
     assert before is not None and before["alive"] == 1
     # 1 s at CogVideoX's 8 fps: the 64x64x9 template; six jobs queue on the one decode worker
     jobs = [client.videos.create(model="tiny-cogvideox", prompt=f"a fox {i}", size="64x64", seconds="1")
@@ -73,14 +79,14 @@ def test_video_jobs_show_the_decode_stage_and_survive_a_killed_decode_worker(ser
         views = [requests.get(f"{server}/v1/videos/{j.id}", timeout=30).json() for j in jobs]
         stages |= {v["stage"] for v in views if v.get("stage")}
         if not killed and any(v.get("stage") == "decode" for v in views):
-            group.kill_decode_worker.remote(0).result()  # the actor dies while jobs decode on it
+            host.kill_decode_worker.remote(*member, 0).result()  # the actor dies while jobs decode on it
             killed = True
         if all(v["status"] in ("completed", "failed") for v in views):
             break
         time.sleep(0.05)
     assert killed and "decode" in stages, stages
     assert [v["status"] for v in views] == ["completed"] * len(jobs), views  # no accepted job lost
-    after = group.decode_pool_report.remote().result()
+    after = host.decode_pool_report.remote(*member).result()
     assert after["replaced"] >= before["replaced"] + 1 and after["alive"] == 1, after
     assert after["decoded"] >= before["decoded"] + len(jobs)
     frames = iio.imread(io.BytesIO(client.videos.download_content(jobs[0].id).read()), extension=".mp4")

@@ -108,6 +108,12 @@ class SharedReplica:
     async def kill_worker(self, model: str, index: int) -> None:
         await self.group(model).kill_worker(index)
 
+    async def decode_pool_report(self, model: str) -> dict[str, Any] | None:
+        return await self.group(model).decode_pool_report()
+
+    async def kill_decode_worker(self, model: str, index: int) -> None:
+        await self.group(model).kill_decode_worker(index)
+
     # ------------------------------------------------------------------ adapters
     async def add_adapter(self, model: str, source: AdapterSource) -> AdapterInfo:
         return await self.group(model).add_adapter(source)
