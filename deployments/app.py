@@ -92,8 +92,10 @@ class ServedSharedReplica(SharedReplica):
 
     def __init__(self, members: list[SharedMember]) -> None:
         bind_replica_servers_to_node()  # before Serve starts this replica's gRPC server (replica_bind)
-        super().__init__(members, make_group=lambda m: ModelGroup(m.config, m.plans, m.settings,
+        super().__init__(members, make_group=lambda m: ModelGroup(m.config, m.plans, m.settings, wait_decode=False,
                                                                   **_served_kwargs(m.config, m.settings, {})))
+        for group in self.groups.values():  # the decode workers loaded while the members were built
+            group.wait_started()
 
     async def __del__(self) -> None:
         await self.drain(DRAIN_S)

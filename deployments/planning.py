@@ -69,11 +69,11 @@ def with_tiers(table: PlanTable, cfg: ServeConfig) -> PlanTable:
     planned before tiers were, or by a planner that prices none): arithmetic on the entry's own
     predictions (``planner.tiers``), nothing measured. An entry planned at one tier (``xema plan
     --quality``) or already priced is left as it is."""
-    from planner.tiers import price_tiers
-
     bare = {k: e for k, e in table.entries.items() if not e.tiers and e.config.step_cache is None}
     if not bare:
         return table
+    from planner.tiers import price_tiers  # the pricing's imports (diffusers among them) only where a price is missing
+
     priced = price_tiers(table.model_copy(update={"entries": bare}),
                          {g.model: g.quality_tiers for g in cfg.models if g.quality_tiers})
     return table.model_copy(update={"entries": {**table.entries, **priced.entries}})

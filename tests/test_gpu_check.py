@@ -63,6 +63,7 @@ NAMED = ("ray", "fastapi", "redis", "xfuser", "openai", "locust", "schemathesis"
 BLOCKER = '''
 """Rehearsal of the GPU machine (tests/test_gpu_check.py): the modules it lacks do not import, and
 importlib.metadata sees only the distributions it has (its list and the kit), as pip's checks there do."""
+import importlib.util
 import os
 import re
 import sys
@@ -81,6 +82,18 @@ class _NotOnTheGpuMachine(MetaPathFinder):
 
 
 sys.meta_path.insert(0, _NotOnTheGpuMachine())
+
+# a probe (diffusers' is_torchao_available, find_spec(name) is None) answers as the GPU machine does: absent
+_find_spec = importlib.util.find_spec
+
+
+def _absent_there(name, package=None):
+    if name.partition(".")[0] in _BLOCKED:
+        return None
+    return _find_spec(name, package)
+
+
+importlib.util.find_spec = _absent_there
 
 if _VISIBLE is not None:
     _KEEP = frozenset(_VISIBLE.split(","))

@@ -134,7 +134,8 @@ def test_error_raised_if_group_cannot_run_plan() -> None:
         check_runnable(table, cfg, [t])
     # a decode pool planned for it (xema plan --stages split): its DiT config cannot decode in place
     pooled = ExecutionConfig(template=t, decode=DecodeStage(workers=1, gpus_per_worker=1))
-    with pytest.raises(PlanNotRunnable, match=r"hands its decode to a decode pool \(config.decode"):
+    with pytest.raises(PlanNotRunnable, match=r"hands its decode to a decode pool of 1 worker\(s\) x 1 GPU \(config.decode.*"
+                                              r"the tiny-cogvideox group has no decode: block"):
         check_runnable(_table({t: pooled}), cfg, [t])
 
 

@@ -72,11 +72,16 @@ def test_error_raised_if_guidance_is_not_finite(app: FastAPI, value: str) -> Non
     _assert_shape(post_json(app, "/v1/videos", body.encode()), 422, "guidance_scale")
 
 
-def test_error_raised_if_derived_seeds_overflow(app: FastAPI) -> None:
-    err = _assert_shape(post_json(app, IMAGES, {**GOOD, "seed": 2**63 - 1, "n": 2}), 422)
-    assert "seed" in err["message"] and "9223372036854775806" in err["message"]
-    assert post_json(app, IMAGES, {**GOOD, "seed": 2**63 - 2, "n": 2}).status == 200
+def test_error_raised_if_derived_seeds_could_overflow(app: FastAPI) -> None:
+    """Image i runs with seed + i: an image request's seed is at most 2^63 - 10 (the last of the
+    most images a request takes is still a seed), one bound whatever n, as the document says."""
+    err = _assert_shape(post_json(app, IMAGES, {**GOOD, "seed": 2**63 - 1, "n": 2}), 422, "seed")
+    assert "9223372036854775798" in err["message"]
+    _assert_shape(post_json(app, IMAGES, {**GOOD, "seed": 2**63 - 9}), 422, "seed")
+    assert post_json(app, IMAGES, {**GOOD, "seed": 2**63 - 10, "n": 2}).status == 200
     _assert_shape(post_json(app, IMAGES, {**GOOD, "seed": 2**63}), 422, "seed")
+    seed = ImageRequest.model_json_schema()["properties"]["seed"]
+    assert [b.get("maximum") for b in seed["anyOf"]] == [2**63 - 10, None]  # what the document says
 
 
 def test_error_quotes_only_a_prefix_of_a_huge_prompt(app: FastAPI) -> None:

@@ -142,20 +142,22 @@ def test_videos_take_quality_too(served: RouterHarness) -> None:
     assert bogus.status == 422 and bogus.json()["error"]["param"] == "quality"
 
 
-def test_lora_is_refused_with_balanced_and_medium_falls_back_to_lossless() -> None:
-    """Adapters apply to the model's own weights: ``balanced`` by name with adapters is a 422
-    naming ``lora``; OpenAI's ``medium`` (a hint) resolves to lossless."""
+def test_lora_runs_lossless_for_balanced_and_medium() -> None:
+    """Adapters apply to the model's own weights: ``balanced`` by name with adapters runs lossless
+    and the answer's note says why (a valid request, served: never a 422); OpenAI's ``medium`` (a
+    hint) resolves to lossless as well."""
     from types import SimpleNamespace
 
-    from xema_ray.models.options import OptionRefused
-    from xema_ray.serving.api.options import resolve_options
+    from xema_ray.serving.api.options import quality_note, resolve_options
 
     table = price_tiers(PlanTable(hardware="cpu:harness", gpus=1, budget_bytes=2**40,
                                   entries={FLUX.shape_key: plan_entry(FLUX, batch=1, latency_s=0.5, slo_s=60.0)}))
     lora = [SimpleNamespace(name="style", scale=1.0)]
-    with pytest.raises(OptionRefused) as e:
-        resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="balanced", lora=lora), table)
-    assert e.value.param == "lora"
+    asked = SimpleNamespace(quality="balanced", lora=lora)
+    assert resolve_options(FLUX, {FLUX.shape_key: FLUX}, asked, table).quality == "lossless"
+    assert "served lossless" in quality_note(FLUX, asked, table)["X-Xema-Quality-Note"]
+    assert quality_note(FLUX, SimpleNamespace(quality="balanced"), table) == {}
+    assert resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="balanced"), table).quality == "balanced"
     medium = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium", lora=lora), table)
     assert medium.quality == "lossless"
     plain = resolve_options(FLUX, {FLUX.shape_key: FLUX}, SimpleNamespace(quality="medium"), table)

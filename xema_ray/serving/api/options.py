@@ -85,16 +85,29 @@ def resolve_options(t: RequestTemplate, served: dict[str, RequestTemplate], req:
 
 
 def _quality(t: RequestTemplate, req: Any, table: PlanTable | None) -> QualityTier:
-    """``req``'s tier; LoRA adapters apply to the model's own weights only: ``balanced`` (quantized
-    weights) with adapters is a 422 naming ``lora``, and OpenAI's ``medium`` resolves to lossless."""
+    """``req``'s tier. LoRA adapters apply to the model's own weights only, so a request with
+    adapters runs no tier of quantized weights: ``balanced`` by name, and OpenAI's ``medium``,
+    run lossless (``quality_note`` says so in the answer)."""
     served = served_tiers(t, table)
     value = getattr(req, "quality", None)
-    if getattr(req, "lora", None):
-        if value == "balanced" and QualityTier.BALANCED in served:
-            raise OptionRefused("lora: adapters apply to the model's own weights; quality 'balanced' runs quantized "
-                                "ones (ask lossless or fast, or no adapters)", "lora")
+    if _adapters_skip_balanced(req, served):
         served = served - {QualityTier.BALANCED}
+        if value == QualityTier.BALANCED.value:
+            return QualityTier.LOSSLESS
     return resolve_quality(value, served)
+
+
+def _adapters_skip_balanced(req: Any, served: frozenset[QualityTier]) -> bool:
+    return bool(getattr(req, "lora", None)) and QualityTier.BALANCED in served
+
+
+def quality_note(t: RequestTemplate, req: Any, table: PlanTable | None) -> dict[str, str]:
+    """The ``X-Xema-Quality-Note`` header of a request that named ``balanced`` with adapters (served
+    lossless: adapters apply to the model's own weights); empty otherwise."""
+    if getattr(req, "quality", None) == QualityTier.BALANCED.value and _adapters_skip_balanced(req, served_tiers(t, table)):
+        return {"X-Xema-Quality-Note": "balanced asked; LoRA adapters apply to the model's own weights, not "
+                                       "quantized ones: served lossless"}
+    return {}
 
 
 def option_error(e: OptionRefused) -> dict[str, Any]:

@@ -65,7 +65,7 @@ from xema_ray.serving.jobs.store import JobStore, JobStoreConfig, open_store, st
 from xema_ray.serving.api.media import MEDIA_TYPES, transcode_image
 from xema_ray.serving.api.video_jobs import ApiError, VideoJobs
 from xema_ray.models.options import OptionRefused
-from xema_ray.serving.api.options import RequestOptions, option_error, resolve_options
+from xema_ray.serving.api.options import RequestOptions, option_error, quality_note, resolve_options
 from xema_ray.serving.api.quality import quality_tier_infos, served_tiers
 from xema_ray.serving.api.validation import parse_request, request_body_doc
 from xema_ray.serving.api.edits import ImageEditRequest, edit_body_doc, edit_inputs
@@ -322,7 +322,8 @@ class Router:
             data = [await self._image_data(o.data, req, str(request.base_url)) for o in outs]
             body = ImageResponse(created=int(time.time()), data=data, output_format=req.output_format, size=f"{t.width}x{t.height}",
                                  emulated=True if any(o.emulated for o in outs) else None)
-            response = JSONResponse(content=body.model_dump(exclude_none=True), headers=_where(t, outs[0]))
+            response = JSONResponse(content=body.model_dump(exclude_none=True),
+                                    headers={**_where(t, outs[0]), **quality_note(t, req, self.table)})
             response.headers.update(_front_timing(entered, called, answered))
             return response
 
@@ -415,7 +416,7 @@ class Router:
         async def run() -> Response:
             out = await self._generate(t, req.prompt, req.seed, opts, lora=req.lora)
             return Response(content=out.data, media_type="video/mp4",
-                            headers={**_where(t, out), "X-Xema-Frames": str(out.frames)})
+                            headers={**_where(t, out), **quality_note(t, req, self.table), "X-Xema-Frames": str(out.frames)})
 
         return await self._guarded(run())
 

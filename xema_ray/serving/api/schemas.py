@@ -24,6 +24,12 @@ from xema_ray.templates import RequestTemplate
 
 MAX_PROMPT_CHARS = 10_000
 MAX_SEED = 2**63 - 1  # seeds feed torch.Generator.manual_seed, which takes a signed 64-bit integer
+#: the most images one image request asks for (``n``)
+MAX_IMAGES = 10
+#: an image request's largest ``seed``: image ``i`` of ``n`` runs with ``seed + i``, so the last of the
+#: most images a request can ask for is still a seed (one bound whatever ``n``: the document states it
+#: as a plain maximum, with no rule between two fields)
+MAX_IMAGE_SEED = MAX_SEED - MAX_IMAGES + 1
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -134,8 +140,11 @@ class ImageRequest(_Common):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    n: int = Field(default=1, ge=1, le=10, description="images for this prompt, up to the template's planned batch "
-                                                        "(each its own request, with seed, seed+1, ...)")
+    n: int = Field(default=1, ge=1, le=MAX_IMAGES, description="images for this prompt, up to the template's planned "
+                                                                "batch (each its own request, with seed, seed+1, ...)")
+    seed: int | None = Field(default=None, ge=0, le=MAX_IMAGE_SEED,
+                             description=f"image i runs with seed + i: at most 2^63 - {MAX_IMAGES} (the last of {MAX_IMAGES} "
+                                         "images is then 2^63 - 1, torch's largest seed)")
     response_format: Literal["b64_json", "url"] = Field(
         default="b64_json", description="url: a link on this server, valid as long as video results (jobs.ttl_s)")
     output_format: Literal["png", "jpeg", "webp"] = "png"
@@ -156,14 +165,6 @@ class ImageRequest(_Common):
     @classmethod
     def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
         return _check_text(v, info, _limits.max_text_chars)
-
-    @model_validator(mode="after")
-    def _seeds_in_range(self) -> ImageRequest:
-        # image i runs with seed + i: the last one must still be a valid seed
-        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
-            raise ValueError(f"seed {self.seed} with n={self.n} derives seeds up to {self.seed + self.n - 1}, "
-                             f"beyond the largest seed {MAX_SEED}; use seed <= {MAX_SEED - self.n + 1}")
-        return self
 
 
 class VideoRequest(_Common):

@@ -11,7 +11,6 @@ components ``build_openapi`` made:
   ``n`` up to the template's planned batch, the number of reference images, and its model's
   options (guidance and steps ranges; ``negative_prompt`` and ``true_cfg_scale`` only where the
   model takes them; ``lora`` only where its group has ``adapters:``, at most ``max_per_request``);
-- ``seed`` at most ``MAX_SEED - n + 1`` (image ``i`` runs with ``seed + i``);
 - ``response_format: url`` only with the job store; ``quality`` the accepted values;
 - ``input_reference`` (JSON) a ``data:image/...;base64,`` URL, ``format: image-data-url``;
 - a ``<Name>Form`` twin of each body for ``multipart/form-data``: a form has no ``null`` (a field
@@ -31,7 +30,6 @@ from typing import Any
 from xema_ray.lora_pool import LoraPoolConfig
 from xema_ray.models.options import OptionRules
 from xema_ray.serving.api.quality import ACCEPTED, TIER_NAMES
-from xema_ray.serving.api.schemas import MAX_SEED
 from xema_ray.serving.api.videos import served_seconds
 from xema_ray.templates import RequestTemplate
 
@@ -139,14 +137,6 @@ def _template_branches(name: str, ours: list[RequestTemplate], props: dict[str, 
     return branches
 
 
-def _seed_bound(props: dict[str, Any]) -> list[dict[str, Any]]:
-    """``seed + n - 1`` stays a seed: for each ``k`` above 1, ``n < k`` or ``seed <= MAX_SEED - k + 1``
-    (no ``if`` / ``not``: properties alone, which every generator reads; an absent ``n`` is 1)."""
-    n_max = props.get("n", {}).get("maximum", 1)
-    return [{"anyOf": [{"properties": {"n": {"maximum": k - 1}}},
-                       {"properties": {"seed": {"maximum": MAX_SEED - k + 1}}}]} for k in range(2, n_max + 1)]
-
-
 def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batches: dict[str, int],
            pools: dict[str, LoraPoolConfig], url_images: bool, tiers: dict[str, frozenset[str]] | None = None) -> None:
     """Narrow the request components to ``served`` (see the module).
@@ -177,9 +167,6 @@ def narrow(components: dict[str, Any], served: dict[str, RequestTemplate], batch
                                         "description": props["input_reference"].get("description", "")}
         if ours:
             schema["anyOf"] = _template_branches(name, ours, props, batches, pools, tiers or {})
-        bound = _seed_bound(props)
-        if bound and "seed" in props:
-            schema["allOf"] = bound
     adapter = components.get("AdapterSource")
     if adapter is not None:
         adapter["additionalProperties"] = False

@@ -183,7 +183,9 @@ class VideoJobs:
                                retry_after_s=refused.retry_after_s) from None
             if isinstance(refused, InvalidRequest):  # it could never run: refused like bad input
                 await self._call(store.discard, rec.id)
-                raise ApiError(422, str(refused), param=refused.param, code="invalid_value") from None
+                not_found = refused.status == 404  # a name of nothing loaded (an adapter), as the sync path says
+                raise ApiError(refused.status, str(refused), type="not_found_error" if not_found else "invalid_request_error",
+                               param=refused.param, code="not_found" if not_found else "invalid_value") from None
             # the group is unreachable: the job is stored and ``reconcile`` dispatches it later
             logger.exception("dispatching %s failed; it stays queued for re-dispatch", rec.id)
         return self._video(rec)

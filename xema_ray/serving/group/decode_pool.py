@@ -80,20 +80,52 @@ class DecodePool:
         self.retried = 0  # decodes run again after their worker died
         self.replaced = 0  # decode workers started again
         self._ready: asyncio.Event | None = None
+        self._loading: list[Any] = []  # the VAE loads ``spawn`` started, until ``wait_started``
         self._replacing: dict[int, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ start, replace
     def start(self) -> None:
         """Start every decode worker and load its VAE (blocking: the group's start-up)."""
-        self.slots = [_Slot(i, self._spawn(i)) for i in range(self.cfg.workers)]
+        self.spawn()
+        self.wait_started()
+
+    def spawn(self) -> None:
+        """Start every decode worker without waiting for its VAE (Ray actors: their processes start
+        and load beside the caller's own start-up; ``wait_started`` waits for them). In process the
+        workers load here."""
+        self._loading = []
+        self.slots = []
+        for i in range(self.cfg.workers):
+            handle, loading = self._launch(i)
+            self.slots.append(_Slot(i, handle))
+            if loading is not None:
+                self._loading.append(loading)
+
+    def wait_started(self) -> None:
+        """Block until every worker ``spawn`` started has loaded its VAE (re-raising a load's error)."""
+        loading, self._loading = self._loading, []
+        if loading:
+            import ray
+
+            ray.get(loading)
 
     def _spawn(self, i: int) -> Any:
+        """Decode worker ``i``, loaded (blocking: a replacement)."""
+        handle, loading = self._launch(i)
+        if loading is not None:
+            import ray
+
+            ray.get(loading)
+        return handle
+
+    def _launch(self, i: int) -> tuple[Any, Any]:
+        """(decode worker ``i``, the reference its VAE's load completes; None in process, loaded already)."""
         from xema_ray.runtime.decode_worker import DecodeWorker
 
         if self.backend == "inprocess":
             worker = DecodeWorker(self.device)
             worker.load(self.load)
-            return worker
+            return worker, None
         import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -105,8 +137,7 @@ class DecodePool:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=self.bundle_offset + i)
         actor = ray.remote(DecodeWorker).options(**opts).remote(platform=self.device)
-        ray.get(actor.load.remote(self.load))
-        return actor
+        return actor, actor.load.remote(self.load)
 
     def _lost(self, slot: _Slot) -> None:
         """``slot``'s worker died: start its replacement in the background (once)."""

@@ -119,6 +119,9 @@ class ModelGroup:
         host_holder: the node-level process that keeps the model's host copy (``host_copy``) after
             the group's last worker on the node is gone (a group scaled to zero wakes warm); None:
             the last worker out removes it.
+        wait_decode: wait for the decode pool's workers to load before returning; False: the
+            caller calls ``wait_started`` (a shared replica, once every member is built, so that
+            the decode workers load while the other members build).
 
     Its collaborators: ``adapters`` (``GroupAdapters``: the LoRA adapters, the admin calls, the
     replicas' sync) and ``publisher`` (``SummaryPublisher``: the replica's summary for the request
@@ -128,7 +131,7 @@ class ModelGroup:
 
     def __init__(self, config: ModelGroupConfig, plans: dict[str, PlanEntry], settings: GroupSettings | None = None,
                  worker_set: WorkerSetFactory = worker_set_for, adapter_registry: DeploymentHandle | None = None,
-                 host_holder: SegmentHolder | None = None) -> None:
+                 host_holder: SegmentHolder | None = None, wait_decode: bool = True) -> None:
         s = settings if settings is not None else GroupSettings()
         self.host_holder = host_holder
         self._settings = s
@@ -168,9 +171,17 @@ class ModelGroup:
         self.decode_pool = pool_for(config, s)
         self._decodes: dict[int, dict[str, asyncio.Task[GenerateResult]]] = {}
         self._freed: dict[int, float] = {}  # batches whose DiT workers were freed at the hand-over
+        if self.decode_pool is not None:  # its workers' processes start beside this group's own load
+            self.decode_pool.spawn()
         self.workers.start()
+        if wait_decode:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until the decode pool's workers have loaded (a group built with ``wait_decode=False``
+        is started once this returns)."""
         if self.decode_pool is not None:
-            self.decode_pool.start()
+            self.decode_pool.wait_started()
 
     def _loaded(self, loaded: LoadedModel) -> None:
         """A worker set loaded (its ``on_loaded``): its layouts' status, the adapters it holds."""
