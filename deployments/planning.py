@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,13 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
     entries = {}
     infeasible = []
     gpus_of = {g.model: g.workers for g in cfg.models}
+    sp_degrees = [1] if cfg.worker_set == "inprocess" else None  # in-process workers run SP 1 only
     for t in templates:
         extra = overhead_s if t.spec.kind != "video" or video_overhead_s is None else video_overhead_s
         seconds = latency.seconds if not extra else (lambda c, f=latency.seconds, x=extra: f(c) + x)
         model = TracePlannerModel(t, seconds, cache)
-        plan = plan_template(model, t, gpus_of[t.model], budget, slo_scale=cfg.slo_scale, latency_source=latency.source)
+        plan = plan_template(model, t, gpus_of[t.model], budget, slo_scale=cfg.slo_scale, latency_source=latency.source,
+                             sp_degrees=sp_degrees)
         if plan.entry is None:
             infeasible.append(t.shape_key)
         else:
@@ -128,7 +131,8 @@ def plan_now(cfg: ServeConfig, templates: list[RequestTemplate], overhead_s: flo
         )
     gpus = max(gpus_of.values())
     table = PlanTable(hardware=latency.fingerprint(gpus), gpus=gpus, budget_bytes=budget, slo_scale=cfg.slo_scale,
-                      group_gpus=gpus_of, planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
+                      group_gpus={g.model: g.gpus for g in cfg.models},  # DiT workers and decode pool
+                      planner="xema", entries=entries, provenance=PlanProvenance(planned="at start-up"))
     # each template's quality tiers priced (the planner's tiers pass): the groups serve what is priced
     return price_tiers(table, {g.model: g.quality_tiers for g in cfg.models if g.quality_tiers})
 
@@ -169,7 +173,9 @@ def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[Reques
     YAML holds a ``decode:`` block (docs/decode-stage.md): each of their video templates' decode on
     the pool the YAML runs where it fits (``planner.decode_stage.choose_decode``; one pool per group,
     ``one_pool``), the choice and its figures in ``provenance.decode_stages``, the pooled entries'
-    quality tiers priced again on their new predictions. The other groups' entries are kept as they are."""
+    quality tiers priced again on their new predictions; the group planned on its DiT workers and the
+    pool's GPUs (``GroupShape.gpus``: serving runs the pool on top of the DiT workers). The other
+    groups' entries are kept as they are."""
     from planner.decode_stage import choose_decode, decode_facts, one_pool
     from planner.latency import LatencyModel
     from planner.trace_model import TracePlannerModel
@@ -188,18 +194,22 @@ def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[Reques
         before = {t.shape_key: table.entries[t.shape_key] for t in mine if t.model == model}
         after, decodes = {}, {}
         for k, e in before.items():
-            facts = decode_facts(TracePlannerModel(e.config.template, latency.seconds, cache), e.config, g.workers)
-            after[k], choice = choose_decode(e, facts, latency, g.workers, table.budget_bytes, "split",
-                                             pool=(g.decode.workers, g.decode.gpus_per_worker))
+            # on the group's GPUs with the pool's, which serving runs on top of its DiT workers
+            facts = decode_facts(TracePlannerModel(e.config.template, latency.seconds, cache), e.config, g.gpus)
+            if cfg.worker_set == "inprocess":  # its DiT workers run SP 1 only (deployments/app.py)
+                facts = facts.model_copy(update={"dit_stages": tuple(s for s in facts.dit_stages if s.config.sp == 1)})
+            after[k], choice = choose_decode(e, facts, latency, g.gpus, table.budget_bytes, "split", pool=g.pool)
             if choice is not None:
                 decodes[k] = choice
-        after, decodes = one_pool(before, after, decodes, g.workers)
+        after, decodes = one_pool(before, after, decodes, g.gpus)
         entries.update(after)
         choices.update(decodes)
     # a pooled entry's prediction is new: its tiers are priced again on it (``with_tiers``)
     entries = {k: e if e == table.entries[k] else e.model_copy(update={"tiers": {}}) for k, e in entries.items()}
     provenance = table.provenance.model_copy(update={"decode_stages": choices})
-    return with_tiers(table.model_copy(update={"entries": entries, "provenance": provenance}), cfg)
+    group_gpus = {**table.group_gpus, **{m: g.gpus for m, g in pooled.items()}}  # a pool comes on top of workers
+    return with_tiers(table.model_copy(update={"entries": entries, "provenance": provenance,
+                                               "group_gpus": group_gpus}), cfg)
 
 
 def pools_only(config: str, out: str) -> PlanTable:
@@ -213,12 +223,17 @@ def pools_only(config: str, out: str) -> PlanTable:
     from xema_ray.serving.startup import served_templates
 
     before = PlanTable.load(out)
+    pooled = sorted(k for k, e in before.entries.items() if e.config.decode is not None)
+    if pooled:  # the pass compares a pool with the entry's decode in place: it needs the in-place entries
+        raise ValueError(f"{out}: {', '.join(pooled)} already decode on a pool; plan the whole table again "
+                         "(make demo-plan), which runs the decode-stage pass on the in-place entries")
     table = with_decode_pools(before, cfg, served_templates(cfg))
     raw = json.loads(Path(out).read_text())  # only what the pass changed is written: the rest stays byte for byte
     for k, e in table.entries.items():
         if e != before.entries[k]:
             raw["entries"][k] = e.model_dump(mode="json")
     raw["provenance"]["decode_stages"] = {k: d.model_dump(mode="json") for k, d in table.provenance.decode_stages.items()}
+    raw["group_gpus"] = table.group_gpus  # a pooled group counts its pool's GPUs on top of its DiT workers
     Path(out).write_text(json.dumps(raw, indent=1))
     return PlanTable.load(out)
 
@@ -238,11 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same for a video job (submitted, stored, polled); default: --overhead-s")
     p.add_argument("--decode-pools-only", action="store_true",
                    help="keep --out's entries and run only the decode-stage pass (--stages split) for the groups "
-                        "with a decode: block")
+                        "with a decode: block (on a table whose entries decode in place)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    table = (pools_only(a.config, a.out) if a.decode_pools_only
-             else demo_table(a.config, a.out, a.overhead_s, a.video_overhead_s))
+    try:
+        table = (pools_only(a.config, a.out) if a.decode_pools_only
+                 else demo_table(a.config, a.out, a.overhead_s, a.video_overhead_s))
+    except ValueError as e:
+        print(f"python -m deployments.planning: {e}", file=sys.stderr)
+        return 2
     for k, e in sorted(table.entries.items()):
         print(f"{k}: {e.config.describe()} latency {e.prediction.latency_s:.3f} s, SLO {e.prediction.slo_s:.3f} s")
     return 0

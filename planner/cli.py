@@ -26,6 +26,7 @@ from planner.baselines import BASELINES
 from planner.latency import hardware_names
 
 if TYPE_CHECKING:
+    from xema_ray.deployment import DecodePoolConfig
     from xema_ray.plan import PlanTable, TextEncoderChoice
 
     from planner.load_aware import GroupLoad
@@ -67,12 +68,19 @@ def parse_templates(text: str, steps: int | None) -> list[RequestTemplate]:
 
 
 def deployment_groups(path: Path) -> tuple[dict[str, int], list[RequestTemplate], str | None]:
-    """``model -> GPUs of its group``, the served templates and the stated host memory of a
-    ``serve run`` YAML."""
+    """``model -> GPUs of its group`` (its DiT workers and its decode pool's, ``GroupShape.gpus``),
+    the served templates and the stated host memory of a ``serve run`` YAML."""
     from xema_ray.deployment import DeploymentShape, served_templates
 
     shape = DeploymentShape.from_serve_yaml(path)
-    return {g.model: g.workers for g in shape.models}, served_templates(shape.models), shape.host_memory
+    return {g.model: g.gpus for g in shape.models}, served_templates(shape.models), shape.host_memory
+
+
+def deployment_decode_pools(path: Path) -> dict[str, DecodePoolConfig]:
+    """``model -> its group's decode pool`` of a ``serve run`` YAML (groups with ``decode:``)."""
+    from xema_ray.deployment import DeploymentShape
+
+    return {g.model: g.decode for g in DeploymentShape.from_serve_yaml(path).models if g.decode is not None}
 
 
 def deployment_adapter_pools(path: Path) -> dict[str, LoraPoolConfig]:
@@ -144,6 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     group_gpus: dict[str, int] = {}
     pools: dict[str, LoraPoolConfig] = {}
+    decode_pools: dict[str, DecodePoolConfig] = {}
     tiers: dict[str, Any] = {}
     schedulers: dict[str, dict[str, Any]] = {}
     stated: str | None = None
@@ -151,6 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.deployment is not None:
             group_gpus, served, stated = deployment_groups(Path(args.deployment))
             pools = deployment_adapter_pools(Path(args.deployment))
+            decode_pools = deployment_decode_pools(Path(args.deployment))
             tiers = deployment_tiers(Path(args.deployment))
             schedulers = deployment_scheduler_configs(Path(args.deployment))
             templates = parse_templates(args.templates, args.steps) if args.templates else served
@@ -179,7 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        slo_scale=args.slo_scale, max_batch=args.max_batch, planner=args.planner,
                        trace_cache=args.trace_cache, time_limit_s=args.time_limit, profile_store=args.profile_store,
                        measure=args.measure, text_encoder=args.text_encoder, loaded_models=tuple(sorted(loads)),
-                       host_budget=host_budget, adapter_pools=pools, stages=args.stages,
+                       host_budget=host_budget, adapter_pools=pools, stages=args.stages, decode_pools=decode_pools,
                        template_loads=template_loads(templates, loads), scheduler_configs=schedulers)
     request = PlanRequest(templates=tuple(templates), opts=opts, loads=loads, out=args.out, stats=args.stats,
                           layouts=args.layouts, use_ray=not args.no_ray, wait_s=args.wait_for_resources,

@@ -49,7 +49,7 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
 
     t0, started, cpu0 = time.perf_counter(), time.time(), time.process_time()
     latency = LatencyModel(opts.hardware, store_path=opts.profile_store)
-    gpus = opts.group_gpus.get(template.model, opts.gpus)  # the template's own group
+    gpus = opts.dit_gpus(template.model)  # the template's own group's DiT workers
     device = task_device(opts.hardware, opts.measure)
     timer: LatencyModel | DeviceLatency = latency
     if device is not None:
@@ -88,7 +88,8 @@ def plan_one(template: RequestTemplate, opts: PlanOptions) -> TemplateResult:
     if entry is not None and opts.stages != "joint" and template.spec.decode_components():
         from planner.decode_stage import decode_facts
 
-        decoding = decode_facts(model, entry.config, gpus)  # the trace is here; the choice is the driver's
+        # the trace is here; the choice is the driver's, on the whole group (a pool's GPUs too)
+        decoding = decode_facts(model, entry.config, opts.group_size(template.model))
     if fmt != "model":  # every configuration was traced and priced with the quantized weights
         candidates = tuple(_with_weights(e, fmt) for e in candidates)
         entry = _with_weights(entry, fmt) if entry is not None else None

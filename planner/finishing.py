@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field, replace
 
+from xema_ray.deployment import DecodePoolConfig
 from xema_ray.host_budget import NodeHost
 from planner.expert_switch import ExpertSwitchPlan
 from xema_ray.plan import DecodeChoice, GroupResidency, PlanEntry, TextEncoderChoice
@@ -43,7 +44,7 @@ class GroupInputs:
     latency: LatencyModel
     budget: int
     allowed: dict[str, tuple[str, ...]] | None = None
-    #: the GPUs of the group (each split into SP x replicas by the expert switch)
+    #: the GPUs of the group's DiT workers (each split into SP x replicas by the expert switch)
     gpus: int = 1
     #: where decodes run (``planner.decode_stage``: joint, split, auto)
     stages: str = "joint"
@@ -52,6 +53,13 @@ class GroupInputs:
     #: the scheduler config of the checkpoint the group serves (None: the spec's), on which the
     #: expert switch is priced
     scheduler_config: dict[str, Any] | None = None
+    #: the deployment's decode pool, on top of ``gpus`` (None: a pool, if any, is carved out of ``gpus``)
+    pool: DecodePoolConfig | None = None
+
+    @property
+    def decode_gpus(self) -> int:
+        """The GPUs the decode-stage pass plans on: the DiT workers' and a deployment's pool's."""
+        return self.gpus + (self.pool.whole_gpus if self.pool is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -129,11 +137,13 @@ def decode_stage_pass(group: GroupInputs, state: GroupState) -> GroupState:
     facts = {r.template: r.decode_facts for r in group.results if r.decode_facts is not None}
     entries, decodes = dict(state.entries), dict(state.decodes)
     for k, e in state.entries.items():
-        entries[k], choice = choose_decode(e, facts.get(k), group.latency, group.gpus, group.budget,
-                                           group.stages, group.loads.get(k))  # type: ignore[arg-type]
+        entries[k], choice = choose_decode(e, facts.get(k), group.latency, group.decode_gpus, group.budget,
+                                           group.stages, group.loads.get(k),  # type: ignore[arg-type]
+                                           pool=None if group.pool is None else (group.pool.workers,
+                                                                                 group.pool.gpus_per_worker))
         if choice is not None:
             decodes[k] = choice
-    entries, decodes = one_pool(state.entries, entries, decodes, group.gpus)
+    entries, decodes = one_pool(state.entries, entries, decodes, group.decode_gpus)
     return replace(state, entries=entries, decodes=decodes)
 
 
@@ -149,13 +159,14 @@ GROUP_PASSES: tuple[GroupPass, ...] = (
 def finish_group(results: list[TemplateResult], entries: dict[str, PlanEntry], planner: str, text_encoder: str,
                  latency: LatencyModel, budget: int, allowed: dict[str, tuple[str, ...]] | None = None,
                  gpus: int = 1, stages: str = "joint", loads: dict[str, float] | None = None,
-                 scheduler_config: dict[str, Any] | None = None) -> GroupState:
+                 scheduler_config: dict[str, Any] | None = None, pool: DecodePoolConfig | None = None) -> GroupState:
     """One model group's planned entries made final by ``GROUP_PASSES``: the entries to serve
     with, the residency (None: a baseline or no entry), the placement chosen per entry (for the
-    summary) and the expert-switch plans. ``gpus``: the group's GPUs; ``scheduler_config``: its
-    checkpoint's scheduler (None: the spec's)."""
+    summary) and the expert-switch plans. ``gpus``: the group's DiT workers' GPUs; ``scheduler_config``:
+    its checkpoint's scheduler (None: the spec's); ``pool``: its deployment's decode pool, on top of
+    ``gpus`` (None: the decode-stage pass carves a pool out of ``gpus``)."""
     group = GroupInputs(tuple(results), planner, text_encoder, latency, budget, allowed, gpus, stages, dict(loads or {}),
-                        scheduler_config)
+                        scheduler_config, pool)
     state = GroupState(entries)
     for p in GROUP_PASSES:
         state = p.run(group, state)
@@ -196,9 +207,10 @@ class GroupFinisher:
     def _finish(self, model: str, entries: dict[str, PlanEntry], allowed: dict[str, tuple[str, ...]] | None = None
                 ) -> GroupState:
         return finish_group(self.results[model], entries, self.opts.planner, self.opts.text_encoder, self.latency,
-                            self.opts.budget, allowed, gpus=self.opts.group_gpus.get(model, self.opts.gpus),
+                            self.opts.budget, allowed, gpus=self.opts.dit_gpus(model),
                             stages=self.opts.stages, loads=self.opts.template_loads,
-                            scheduler_config=self.opts.scheduler_configs.get(model))
+                            scheduler_config=self.opts.scheduler_configs.get(model),
+                            pool=self.opts.decode_pools.get(model))
 
     def _keep(self, model: str, finished: GroupState) -> None:
         self.entries.update(finished.entries)
@@ -218,7 +230,7 @@ class GroupFinisher:
 
         assert self.opts.host_budget is not None
         candidates = {r.template: list(r.candidates) for r in results}
-        finished, node = fit_host_budget(self.planned, candidates, self._finish, self.opts.group_gpus,
+        finished, node = fit_host_budget(self.planned, candidates, self._finish, self.opts.dit_workers(),
                                          self.opts.gpus, self.opts.host_budget, share=self.opts.hardware != "cpu")
         for model, state in finished.items():
             self._keep(model, state)

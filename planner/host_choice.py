@@ -58,7 +58,8 @@ def with_host(entries: dict[str, PlanEntry], share: bool = True) -> dict[str, Pl
 def with_node_host(table: PlanTable, share: bool, budget_bytes: int | None) -> PlanTable:
     """The table with each entry's worker host memory and the node's (``xema_ray.host_budget``)."""
     entries = with_host(table.entries, share)
-    node = node_host(entries, table.residency, table.group_gpus, table.gpus, budget_bytes, share)
+    dit = {m: table.dit_workers(m) for m in {e.config.template.model for e in entries.values()}}
+    node = node_host(entries, table.residency, dit, table.gpus, budget_bytes, share)
     return table.model_copy(update={"entries": entries, "host": node})
 
 

@@ -292,7 +292,7 @@ def host_memory_pass(run: PlanRun, state: PlanState) -> PlanState:
         return state
     results = list(state.results)
     if not groups.defer:
-        node = node_host(groups.entries, groups.residency, opts.group_gpus, opts.gpus, opts.host_budget,
+        node = node_host(groups.entries, groups.residency, opts.dit_workers(), opts.gpus, opts.host_budget,
                          share=opts.hardware != "cpu")
         if node.fits:
             return state

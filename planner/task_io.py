@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xema_ray.deployment import DecodePoolConfig
 from xema_ray.plan import LoraPoolConfig, PlanEntry
 from xema_ray.tier_plan import WeightFormat
 
@@ -23,7 +24,11 @@ class PlanOptions(BaseModel):
     hardware: str = Field(description="hardware profile for latency (planner.latency.hardware_names)")
     budget: int = Field(description="per-GPU memory budget, bytes")
     gpus: int = Field(description="GPUs a template may use where its model has no group of its own")
-    group_gpus: dict[str, int] = Field(default_factory=dict, description="model -> GPUs of its deployment group")
+    group_gpus: dict[str, int] = Field(default_factory=dict, description="model -> GPUs of its deployment group (its "
+                                                                      "DiT workers and its decode pool's)")
+    decode_pools: dict[str, DecodePoolConfig] = Field(
+        default_factory=dict, description="model -> its deployment group's decode pool (the YAML's decode:), on top of "
+                                          "its DiT workers: the decode-stage pass plans that pool and no other")
     slo_scale: float = 1.0
     max_batch: int = 8
     planner: str = Field(default="xema", description="xema or a baseline (planner.baselines.BASELINES)")
@@ -56,6 +61,22 @@ class PlanOptions(BaseModel):
     template_loads: dict[str, float] = Field(
         default_factory=dict, description="shape key -> its expected requests/s (from --load): the decode choice's "
                                           "goodput is capped there")
+
+    def group_size(self, model: str) -> int:
+        """The GPUs ``model``'s group occupies (its deployment group's, else ``gpus``): what its plan
+        table records (``PlanTable.group_gpus``) and the decode-stage pass plans on."""
+        return self.group_gpus.get(model, self.gpus)
+
+    def dit_gpus(self, model: str) -> int:
+        """The GPUs ``model``'s DiT workers have: its group's less a deployment's decode pool (which
+        serving runs on top of the group's ``workers``). Every template's own search plans on them."""
+        pool = self.decode_pools.get(model)
+        return self.group_size(model) - (pool.whole_gpus if pool is not None else 0)
+
+    def dit_workers(self) -> dict[str, int]:
+        """model -> its deployment group's DiT workers, each holding the model's host weights (the
+        host-memory passes count them; a decode worker holds the VAE alone)."""
+        return {m: self.dit_gpus(m) for m in self.group_gpus}
 
 
 class TemplateResult(BaseModel):

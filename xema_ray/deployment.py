@@ -8,13 +8,15 @@ so planning never imports serving (docs/architecture.md, "The layers").
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xema_ray.models import MODEL_NAMES
 from xema_ray.lora_pool import LoraPoolConfig
+from xema_ray.plan import gpu_share
 from xema_ray.tier_plan import QualityTierSpec, check_tiers
 from xema_ray.templates import RequestTemplate
 
@@ -38,6 +40,44 @@ class TemplateSpec(BaseModel):
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
+class DecodePoolConfig(BaseModel):
+    """A model group's decode pool (the YAML's ``decode:`` block): ``workers`` decode workers, Ray
+    actors of their own beside the group's DiT workers (on top of its ``workers``), each holding
+    the model's VAE and decoding the latents the DiT workers hand over (docs/decode-stage.md). On
+    ``device: cuda`` each takes ``gpus_per_worker`` GPUs (a whole number or a fraction that divides
+    one: 1, 0.5, 0.25); on ``device: cpu`` each takes the app's ``worker_cpus`` and no GPU.
+
+    Example:
+        >>> DecodePoolConfig(workers=2, gpus_per_worker=0.5).gpus
+        1.0
+        >>> DecodePoolConfig(workers=3, gpus_per_worker=0.5).whole_gpus
+        2
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    workers: int = Field(ge=1, le=64, description="decode workers in the pool (at least 1)")
+    gpus_per_worker: float = Field(default=1.0, gt=0, description="GPUs each decode worker takes on device: cuda: a "
+                                   "whole number or a fraction that divides one GPU (1, 0.5, 0.25, 0.125); "
+                                   "unused on device: cpu (a decode worker takes worker_cpus)")
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _divides_a_gpu(cls, v: float) -> float:
+        return gpu_share(v)
+
+    @property
+    def gpus(self) -> float:
+        """The GPUs the whole pool takes on a GPU device."""
+        return self.workers * self.gpus_per_worker
+
+    @property
+    def whole_gpus(self) -> int:
+        """The whole GPUs the pool occupies (fractional workers packed onto shared GPUs), as a plan
+        counts a pool (``xema_ray.plan.DecodeStage.gpus``)."""
+        return math.ceil(self.gpus - 1e-9)
+
+
 class GroupShape(BaseModel):
     """One model group as planning sees it: the model, its GPUs, its templates and its dtypes
     (they decide the weights' and activations' bytes the plans are traced with)."""
@@ -45,7 +85,8 @@ class GroupShape(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description=f"registry name: {', '.join(MODEL_NAMES)}")
-    workers: int = Field(default=1, ge=1, le=64, description="GPUs (or CPU slots) of the group")
+    workers: int = Field(default=1, ge=1, le=64, description="the group's DiT workers: its GPUs (or CPU slots) "
+                                                              "but a decode pool's, which come on top")
     templates: list[TemplateSpec] = Field(min_length=1)
     dtype: DTypeName | None = Field(
         default=None, description="the dtype the group computes in; a checkpoint stored in another is cast on load "
@@ -64,6 +105,10 @@ class GroupShape(BaseModel):
     weights_dir: Path | None = Field(
         default=None, description="the group's diffusers checkpoint (None: random weights): its scheduler config is "
                                   "the one the workers run, so plans are priced on it")
+    decode: DecodePoolConfig | None = Field(
+        default=None, description="a decode pool of the group's own: {workers, gpus_per_worker}, on top of its "
+                                  "workers; the templates the plan table hands to a pool (config.decode) decode "
+                                  "there, the others in place. None: every decode in place (docs/decode-stage.md)")
 
     def scheduler_config(self) -> dict[str, Any] | None:
         """The scheduler config of the group's checkpoint (None: no ``weights_dir``, or it has none:
@@ -81,12 +126,30 @@ class GroupShape(BaseModel):
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
         if self.quality_tiers is not None:
             check_tiers(self.quality_tiers)
+        if self.decode is not None:
+            from xema_ray.models import get_model_spec
+
+            if not get_model_spec(self.model).hands_over_latents:
+                raise ValueError(f"decode: {self.model} decodes in place only (its spec offers no decode of handed-over "
+                                 "latents): drop its decode: block")
         if self.component_dtypes:
             from xema_ray.models import get_model_spec
             from xema_ray.models.base import model_dtypes
 
             model_dtypes(get_model_spec(self.model), self.dtype, self.component_dtypes)  # names checked there
         return self
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs the group occupies, as its plan table counts them (``PlanTable.group_gpus``): its
+        DiT workers and, on top of them, its decode pool's whole GPUs."""
+        return self.workers + (self.decode.whole_gpus if self.decode is not None else 0)
+
+    @property
+    def pool(self) -> tuple[int, float] | None:
+        """The decode pool's shape, ``(workers, gpus_per_worker)`` (None: no pool), as the planner's
+        decode-stage pass takes it (``planner.decode_stage.choose_decode``)."""
+        return None if self.decode is None else (self.decode.workers, self.decode.gpus_per_worker)
 
     @property
     def default_dtypes(self) -> bool:

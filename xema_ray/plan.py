@@ -624,6 +624,13 @@ class PlanTable(BaseModel):
     provenance: PlanProvenance = Field(default_factory=PlanProvenance,
                                        description="command line, time, what was measured (PlanProvenance)")
 
+    def dit_workers(self, model: str) -> int:
+        """``model``'s DiT workers: its group's GPUs (``group_gpus``, else ``gpus``) less the decode
+        pool its entries plan (the largest; a group holds one pool), whose workers hold the VAE alone."""
+        pool = max((e.config.decode.gpus for e in self.entries.values()
+                    if e.config.template.model == model and e.config.decode is not None), default=0)
+        return self.group_gpus.get(model, self.gpus) - pool
+
     @model_validator(mode="after")
     def _entries_match(self) -> PlanTable:
         for key, e in self.entries.items():

@@ -168,6 +168,32 @@ def test_plan_auto_records_a_choice_per_template_and_joint_none(tmp_path: Path) 
     assert joint.table.provenance.decode_stages == {} and joint.table.entries[COG.shape_key].config.decode is None
 
 
+def test_deployment_pool_comes_on_top_of_the_dit_workers(tmp_path: Path) -> None:
+    """``xema plan --deployment`` with a group of 2 DiT workers and ``decode: {workers: 1}``: the
+    group counts 3 GPUs (as serving runs them), each template's search plans on the 2 DiT workers,
+    and ``--stages split`` puts the decode on that pool, no other."""
+    from planner.cli import deployment_decode_pools, deployment_groups
+    from xema_ray.deployment import DecodePoolConfig
+
+    yaml_path = tmp_path / "serve.yaml"
+    yaml_path.write_text("applications:\n  - args:\n      models:\n        - model: cogvideox-5b\n          workers: 2\n"
+                         "          decode: {workers: 1}\n          templates: [{width: 1280, height: 720, frames: 49}]\n")
+    group_gpus, served, _ = deployment_groups(yaml_path)
+    pools = deployment_decode_pools(yaml_path)
+    assert group_gpus == {"cogvideox-5b": 3} and pools == {"cogvideox-5b": DecodePoolConfig(workers=1)}
+    opts = PlanOptions(hardware="a6000", budget=48 * 10**9, gpus=3, group_gpus=group_gpus, decode_pools=pools,
+                       measure="never", stages="split")
+    assert opts.dit_gpus("cogvideox-5b") == 2 and opts.group_size("cogvideox-5b") == 3
+    table = plan(PlanRequest(tuple(served), opts, layouts=False, use_ray=False)).table
+    assert table.group_gpus == {"cogvideox-5b": 3}
+    config = table.entries[served[0].shape_key].config
+    assert config.decode is not None and (config.decode.workers, config.decode.gpus_per_worker) == (1, 1.0)
+    assert config.gpus <= 2 and config.total_gpus <= 3  # the DiT on its workers, the pool on top
+    joint = plan(PlanRequest(tuple(served), opts.model_copy(update={"stages": "joint"}), layouts=False,
+                             use_ray=False)).table
+    assert joint.entries[served[0].shape_key].config.gpus <= 2  # in place: the DiT workers only
+
+
 def test_error_raised_if_a_baseline_is_asked_for_a_decode_stage(capsys: pytest.CaptureFixture[str]) -> None:
     from planner.cli import main
 

@@ -139,6 +139,23 @@ def test_error_raised_if_group_cannot_run_plan() -> None:
         check_runnable(_table({t: pooled}), cfg, [t])
 
 
+
+def test_error_raised_if_table_planned_for_group_without_its_decode_pool() -> None:
+    """A group's GPUs are its DiT workers and, on top of them, its decode pool's (as serving runs
+    them): a table planned for the workers alone (the pool carved out of them) is refused."""
+    t = TEMPLATES["tiny-cogvideox"]
+    cfg = ServeConfig.model_validate({"models": [{"model": t.model, "workers": 2, "decode": {"workers": 1},
+                                                  "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 2}]}]})
+    assert cfg.models[0].gpus == 3
+    pooled = ExecutionConfig(template=t, dp=2, decode=DecodeStage(workers=1, gpus_per_worker=1))
+    table = _table({t: pooled}, gpus=3)
+    check_runnable(table.model_copy(update={"group_gpus": {t.model: 3}}), cfg, [t])  # 2 DiT workers + the pool
+    with pytest.raises(PlanNotRunnable, match=r"tiny-cogvideox: the table was planned for a group of 2 GPUs, the "
+                                              r"deployment gives it 3 \(2 DiT workers \+ a decode pool of 1\)"):
+        check_runnable(_table({t: ExecutionConfig(template=t, decode=DecodeStage(workers=1, gpus_per_worker=1))})
+                       .model_copy(update={"group_gpus": {t.model: 2}}), cfg, [t])
+
+
 def test_error_raised_if_host_memory_too_small() -> None:
     t = TEMPLATES["tiny-flux2"]
     cfg = ServeConfig.model_validate({"models": [{"model": t.model, "workers": 2,

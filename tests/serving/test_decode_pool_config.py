@@ -71,7 +71,8 @@ def _pooled_table(share: float = 1.0) -> PlanTable:
         if e.config.template.model == "tiny-cogvideox":
             stage = DecodeStage(workers=1, gpus_per_worker=share)
             entries[k] = e.model_copy(update={"config": e.config.model_copy(update={"decode": stage})})
-    return table.model_copy(update={"entries": entries})
+    # planned for the group's 2 DiT workers and, on top of them, a pool of one GPU
+    return table.model_copy(update={"entries": entries, "group_gpus": {**table.group_gpus, "tiny-cogvideox": 3}})
 
 
 def test_a_pooled_table_is_served_by_a_group_with_a_pool_and_refused_without() -> None:

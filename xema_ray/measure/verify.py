@@ -401,8 +401,8 @@ def host_before_of(config: ExecutionConfig, loaded: LoadedModel) -> HostBytes:
 def node_host(table: PlanTable, entries: list[VerifyEntry], before: bool = False,
               budget_bytes: int | None = None) -> NodeHost | None:
     """One node with one replica of each of the table's model groups (``group_gpus``; a table
-    planned without a deployment: one group of all its GPUs per model), each worker holding the
-    largest of its model's verified entries."""
+    planned without a deployment: one group of all its GPUs per model), each DiT worker holding the
+    largest of its model's verified entries (a decode pool's workers hold the VAE alone: not counted)."""
     per_model: dict[str, HostBytes] = {}
     for e in entries:
         h = e.host_before if before else e.host
@@ -412,7 +412,7 @@ def node_host(table: PlanTable, entries: list[VerifyEntry], before: bool = False
         per_model[model] = per_model[model].max(h) if model in per_model else h
     if not per_model:
         return None
-    groups = [GroupHost(model=m, workers=table.group_gpus.get(m, table.gpus), worker=h) for m, h in sorted(per_model.items())]
+    groups = [GroupHost(model=m, workers=table.dit_workers(m), worker=h) for m, h in sorted(per_model.items())]
     budget = budget_bytes if budget_bytes is not None else (table.host.budget_bytes if table.host is not None else None)
     return NodeHost.of(groups, budget)
 

@@ -80,7 +80,8 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
                    host_memory_bytes: int | None = None, shm: ShmSpace | None = None) -> int:
     """Refuse, before anything starts, a plan a model group cannot run: a decode pool
     (``config.decode``) where the group has none (``decode_problem``); its SP degree must divide the group's workers (every SP group is carved from the worker set) and SP × DP must fit in
-    it; the host memory the node's workers hold for their weights (``node_host``) must fit
+    them; the group the table was planned for must be the deployment's (its DiT workers and its decode
+    pool's GPUs, ``GroupShape.gpus``: a pool comes on top of ``workers``); the host memory the node's workers hold for their weights (``node_host``) must fit
     the node, while loading too; and their shared weight segments, beside Ray's object store where
     it lies on the same tmpfs, must fit that tmpfs's free bytes (``shm``: default ``ShmSpace.here()``).
 
@@ -90,7 +91,6 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
     Raises:
         PlanNotRunnable: naming the template, the plan and the group size, or the host bytes.
     """
-    workers = {g.model: g.workers for g in cfg.models}
     problems = []
     for g in cfg.models:
         for t in (t for t in templates if t.model == g.model):
@@ -105,9 +105,10 @@ def check_runnable(table: PlanTable, cfg: ServeConfig, templates: list[RequestTe
                 problems.append(f"{t.shape_key}: plan {c.describe()} uses {c.gpus} GPUs (SP {c.sp} x DP {c.dp}), "
                                 f"the {g.model} group has {g.workers}")
         planned = table.group_gpus.get(g.model)
-        if planned is not None and planned != workers[g.model]:
+        if planned is not None and planned != g.gpus:
+            pool = f" ({g.workers} DiT workers + a decode pool of {g.gpus - g.workers})" if g.decode is not None else ""
             problems.append(f"{g.model}: the table was planned for a group of {planned} GPUs, the deployment gives it "
-                            f"{workers[g.model]} (re-plan with xema plan --deployment)")
+                            f"{g.gpus}{pool} (re-plan with xema plan --deployment)")
     total, where = node_host_memory(cfg, host_memory_bytes)
     node = node_host(table, cfg, templates, total)
     if not node.fits:

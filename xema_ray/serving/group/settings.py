@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xema_ray.deployment import GroupShape
-from xema_ray.plan import AdmissionPolicy, gpu_share
+from xema_ray.deployment import DecodePoolConfig, GroupShape
+from xema_ray.plan import AdmissionPolicy
 from xema_ray.profiling.phases import PhaseShares
 from xema_ray.runtime.emulation import EmulationConfig
 from xema_ray.scheduling.batch_key import DEFAULT_BATCH_POLICY, BatchPolicy
@@ -18,38 +18,8 @@ from xema_ray.serving.jobs.store import JobStoreConfig
 from xema_ray.serving.scale.scaling import AutoscalingSpec
 
 
-class DecodePoolConfig(BaseModel):
-    """A model group's decode pool (the YAML's ``decode:`` block): ``workers`` decode workers, Ray
-    actors of their own beside the group's DiT workers, each holding the model's VAE and decoding
-    the latents the DiT workers hand over (docs/decode-stage.md). On ``device: cuda`` each takes
-    ``gpus_per_worker`` GPUs (a whole number or a fraction that divides one: 1, 0.5, 0.25); on
-    ``device: cpu`` each takes the app's ``worker_cpus`` and no GPU.
-
-    Example:
-        >>> DecodePoolConfig(workers=2, gpus_per_worker=0.5).gpus
-        1.0
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    workers: int = Field(ge=1, le=64, description="decode workers in the pool (at least 1)")
-    gpus_per_worker: float = Field(default=1.0, gt=0, description="GPUs each decode worker takes on device: cuda: a "
-                                   "whole number or a fraction that divides one GPU (1, 0.5, 0.25, 0.125); "
-                                   "unused on device: cpu (a decode worker takes worker_cpus)")
-
-    @field_validator("gpus_per_worker")
-    @classmethod
-    def _divides_a_gpu(cls, v: float) -> float:
-        return gpu_share(v)
-
-    @property
-    def gpus(self) -> float:
-        """The GPUs the whole pool takes on a GPU device."""
-        return self.workers * self.gpus_per_worker
-
-
 class ModelGroupConfig(GroupShape):
-    """One model's worker set (its model, workers and templates are ``GroupShape``'s)."""
+    """One model's worker set (its model, workers, decode pool and templates are ``GroupShape``'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -90,11 +60,6 @@ class ModelGroupConfig(GroupShape):
         default_factory=dict, description="extra Ray resources each worker bundle asks for: a custom resource "
                                           "that only some nodes have pins the group to them")
 
-    decode: DecodePoolConfig | None = Field(
-        default=None, description="a decode pool of the group's own: {workers, gpus_per_worker}; the templates the "
-                                  "plan table hands to a pool (config.decode) decode there, the others in place. "
-                                  "None: every decode in place (docs/decode-stage.md)")
-
     @property
     def scales_to_zero(self) -> bool:
         return self.autoscaling is not None and self.autoscaling.scales_to_zero
@@ -109,12 +74,6 @@ class ModelGroupConfig(GroupShape):
             # workers run in other directories: a relative path means the one `serve run` started in
             # (its contents are checked where the weights are read: on the workers' machines)
             self.weights_dir = self.weights_dir.expanduser().resolve()
-        if self.decode is not None:
-            from xema_ray.models import get_model_spec
-
-            if not get_model_spec(self.model).hands_over_latents:
-                raise ValueError(f"decode: {self.model} decodes in place only (its spec offers no decode of handed-over "
-                                 "latents): drop its decode: block")
         a = self.autoscaling
         if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be within autoscaling's min_replicas "
