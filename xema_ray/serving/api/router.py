@@ -17,9 +17,9 @@ import itertools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
@@ -76,6 +76,16 @@ from xema_ray.templates import RequestTemplate
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
+
+#: the path parameters whose values another answer gives (the OpenAPI document says which)
+VideoId = Annotated[str, Path(description="a video job's id: the `id` that `POST /v1/videos` answered (`GET /v1/videos` "
+                                          "lists the caller's jobs)")]
+AdapterName = Annotated[str, Path(description="an adapter's name, as `POST /v1/adapters` registered it (`GET /v1/adapters` "
+                                              "lists them)")]
+ImageFileName = Annotated[str, Path(description="a stored image's file name: the last part of the `url` an image request "
+                                                "with `response_format: url` answered")]
+TemplateKey = Annotated[str, Path(description="a served template's key, e.g. `tiny-flux2/64x64x1`, as `GET /v1/templates` "
+                                              "lists them (`template`)")]
 
 app = FastAPI(title="Xema-Ray", description="Diffusion serving with trace-guided memory mitigation and planned execution")
 install_error_handlers(app)
@@ -195,7 +205,7 @@ class Router:
         return await self.adapter_admin.list_adapters(request)
 
     @app.delete("/v1/adapters/{name}", **DELETE_ROUTE)
-    async def delete_adapter(self, name: str, request: Request, model: str | None = None) -> Any:
+    async def delete_adapter(self, name: AdapterName, request: Request, model: str | None = None) -> Any:
         """Unload ``name`` (of ``?model=``, or of every model that has it)."""
         return await self.adapter_admin.delete_adapter(name, request, model)
 
@@ -348,7 +358,7 @@ class Router:
 
     @app.get("/v1/images/files/{name}", response_model=None,
              responses=_documented(404, media=("image/png", "image/jpeg", "image/webp")))
-    async def image_file(self, name: str) -> Response:
+    async def image_file(self, name: ImageFileName) -> Response:
         """An image generated with ``response_format="url"`` (until it expires)."""
         got = None
         if self.jobs_cfg is not None and name.startswith("img_") and "/" not in name:
@@ -387,16 +397,16 @@ class Router:
         return await self._job_api(lambda j: j.list(after, limit, order, tenant_of(request)))
 
     @app.get("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
-    async def retrieve_video(self, video_id: str, request: Request) -> Response:
+    async def retrieve_video(self, video_id: VideoId, request: Request) -> Response:
         return await self._job_api(lambda j: j.retrieve(video_id, tenant_of(request)))
 
     @app.delete("/v1/videos/{video_id}", response_model=None, responses=_documented(404))
-    async def delete_video(self, video_id: str, request: Request) -> Response:
+    async def delete_video(self, video_id: VideoId, request: Request) -> Response:
         return await self._job_api(lambda j: j.delete(video_id, tenant_of(request)))
 
     @app.get("/v1/videos/{video_id}/content", response_model=None,
              responses=_documented(400, 404, media=("video/mp4", "image/png")))
-    async def video_content(self, video_id: str, request: Request,
+    async def video_content(self, video_id: VideoId, request: Request,
                             variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> Response:
         return await self._job_api(lambda j: j.content(video_id, variant, tenant_of(request)))
 
@@ -519,7 +529,7 @@ class Router:
         return await operator_view(self, await type(self).stats(self))  # self.stats: the Stats deployment
 
     @app.get("/v1/console/traces/{template:path}", response_model=None, responses=_documented(403, 404))
-    async def console_trace(self, template: str) -> TraceView | JSONResponse:
+    async def console_trace(self, template: TemplateKey) -> TraceView | JSONResponse:
         """A template's memory trace against the budget (docs/console.md). Behind API keys: an admin key."""
         if template not in self.served or template not in self.table.entries or self.console_traces is None:
             return _error(404, f"no trace of {template!r} here", type_="not_found_error", param="template")
