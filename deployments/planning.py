@@ -157,6 +157,7 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s:
     video = overhead_s if video_overhead_s is None else video_overhead_s
     table = plan_now(cfg, served_templates(cfg), overhead_s=overhead_s, video_overhead_s=video)
     table = with_decode_pools(table, cfg, served_templates(cfg))  # the groups with a decode: block
+    table = with_node_host(table, cfg, served_templates(cfg))
     table = table.model_copy(update={"provenance": table.provenance.model_copy(update={
         "command": f"python -m deployments.planning {config} --out {out} --overhead-s {overhead_s:g} "
                    f"--video-overhead-s {video:g}",
@@ -166,6 +167,15 @@ def demo_table(config: str, out: str, overhead_s: float = 0.0, video_overhead_s:
         "notes": {"serving_overhead_s": f"{overhead_s:.4f}", "video_serving_overhead_s": f"{video:.4f}"}})})
     table.save(out)
     return table
+
+
+def with_node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
+    """``table`` with the node's host memory for ``cfg``'s groups recorded (``table.host``), counted as
+    start-up counts it (``xema_ray.serving.startup.node_host``, each group's figure with its basis):
+    start-up then takes the figures from the table instead of building every model on the meta device."""
+    from xema_ray.serving.startup import node_host
+
+    return table.model_copy(update={"host": node_host(table.model_copy(update={"host": None}), cfg, templates)})
 
 
 def with_decode_pools(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplate]) -> PlanTable:
@@ -234,6 +244,7 @@ def pools_only(config: str, out: str) -> PlanTable:
             raw["entries"][k] = e.model_dump(mode="json")
     raw["provenance"]["decode_stages"] = {k: d.model_dump(mode="json") for k, d in table.provenance.decode_stages.items()}
     raw["group_gpus"] = table.group_gpus  # a pooled group counts its pool's GPUs on top of its DiT workers
+    raw["host"] = with_node_host(table, cfg, served_templates(cfg)).host.model_dump(mode="json")  # type: ignore[union-attr]
     Path(out).write_text(json.dumps(raw, indent=1))
     return PlanTable.load(out)
 

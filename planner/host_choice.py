@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
+from xema_ray.host_budget import NodeHost, fmt_bytes
 from xema_ray.plan import GroupResidency, PlanEntry, PlanTable
-from xema_ray.runtime.host_bytes import config_host_bytes, group_worker_host_bytes
+from xema_ray.runtime.host_bytes import config_host_bytes, group_host
 
 
 class HostBudgetError(ValueError):
@@ -40,9 +40,7 @@ def node_host(entries: dict[str, PlanEntry], residency: dict[str, GroupResidency
     groups = []
     for model, es in sorted(by_model.items()):
         shared = model in residency and residency[model].policy == "shared"
-        worker = group_worker_host_bytes([e.config for e in es], shared, share)
-        assert worker is not None
-        groups.append(GroupHost(model=model, workers=group_gpus.get(model, gpus), worker=worker))
+        groups.append(group_host(model, [e.config for e in es], group_gpus.get(model, gpus), shared, share))
     return NodeHost.of(groups, budget_bytes)
 
 

@@ -21,6 +21,9 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -51,6 +54,15 @@ class HostBytes(BaseModel):
         return HostBytes(**{k: max(getattr(self, k), getattr(other, k)) for k in HostBytes.model_fields})
 
 
+def host_basis(config_hashes: Iterable[str], shared_residency: bool, share: bool) -> str:
+    """What one worker's host figure of a group is counted from, hashed: its plans' configs
+    (``ExecutionConfig.config_hash``, in any order), whether its residency is the union of theirs
+    (``shared``), whether its workers share the node's segments. The figure is a function of these
+    alone (``xema_ray.runtime.host_bytes.group_worker_host_bytes``), so equal bases count equal bytes."""
+    payload = ",".join(sorted(set(config_hashes))) + f"|shared={shared_residency}|share={share}"
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
 class GroupHost(BaseModel):
     """One model group's workers on the node."""
 
@@ -59,6 +71,9 @@ class GroupHost(BaseModel):
     model: str
     workers: int = Field(ge=1)
     worker: HostBytes
+    basis: str | None = Field(
+        default=None, description="what ``worker`` was counted from, hashed (``host_basis``): start-up takes a "
+                                  "table's figure where its own group hashes the same; None: not recorded")
 
     @property
     def first_worker_bytes(self) -> int:

@@ -73,3 +73,39 @@ def test_error_raised_if_the_shared_segments_exceed_dev_shms_free_bytes(referenc
     # the CPU demo and CI: no segment planned, so a 64 MB /dev/shm is enough
     cpu = cfg.model_copy(update={"device": "cpu"})
     assert node_host(table, cpu, templates).shared_bytes == 0 and container.problem(0) is None
+
+
+@pytest.fixture(scope="module")
+def demo():  # type: ignore[no-untyped-def]
+    args = yaml.safe_load((ROOT / "deployments" / "xema.yaml").read_text())["applications"][0]["args"]
+    cfg = ServeConfig.model_validate({k: v for k, v in args.items() if k != "plan_table"})
+    return cfg, PlanTable.load(str(ROOT / "plans" / "demo-cpu.json")), served_templates(cfg)
+
+
+def test_start_up_takes_the_tables_host_figures_where_counted_from_the_same_plans(demo, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue #49: the demo's table records each group's host figure with its basis (``host_basis``), as
+    ``make demo-plan`` counts it; start-up takes it instead of building eight models on the meta device
+    (seconds of diffusers imports in Serve's build task), and only where its own group hashes the same."""
+    from deployments.planning import with_node_host
+    from xema_ray.runtime import host_bytes
+
+    cfg, table, templates = demo
+    assert table.host is not None and all(g.basis is not None for g in table.host.groups)
+    counted = node_host(table.model_copy(update={"host": None}), cfg, templates)
+    assert with_node_host(table, cfg, templates).host == table.host  # the committed figures are current
+    calls: list[str] = []
+    real = host_bytes.group_host
+    monkeypatch.setattr(host_bytes, "group_host", lambda model, *a, **k: calls.append(model) or real(model, *a, **k))
+    assert node_host(table, cfg, templates) == counted and calls == []
+    # another sharing or residency for one group: that group is counted again, the others are taken
+    share = cfg.model_copy(update={"models": [g.model_copy(update={"share_host_weights": "on"}) if g.model == "tiny-flux2"
+                                              else g for g in cfg.models]})
+    assert node_host(table, share, templates).groups[0].basis != table.host.groups[0].basis and calls == ["tiny-flux2"]
+    resid = cfg.model_copy(update={"models": [g.model_copy(update={"residency": "shared"}) if g.model == "tiny-ltx2"
+                                              else g for g in cfg.models]})
+    node_host(table, resid, templates)
+    assert calls == ["tiny-flux2", "tiny-ltx2"]
+    # a figure recorded for other plans is not taken, whatever it says
+    wrong = table.host.model_copy(update={"groups": [g.model_copy(update={"worker": g.worker.model_copy(
+        update={"resident_bytes": 10**15}), "basis": "0" * 16}) for g in table.host.groups]})
+    assert node_host(table.model_copy(update={"host": wrong}), cfg, templates).resident_bytes == counted.resident_bytes

@@ -23,7 +23,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from xema_ray.host_budget import HostBytes
+from xema_ray.host_budget import GroupHost, HostBytes, host_basis
 from xema_ray.models import ModelSpec, get_model_spec
 from xema_ray.models.host_pack import HostPack, plan_pack
 from xema_ray.placement import WeightHome
@@ -134,6 +134,18 @@ def group_worker_host_bytes(configs: Iterable[ExecutionConfig], shared: bool, sh
             h = config_host_bytes(c, share, r)
             worker = h if worker is None else worker.max(h)
     return worker
+
+
+def group_host(model: str, configs: Iterable[ExecutionConfig], workers: int, shared: bool,
+               share: bool = True) -> GroupHost:
+    """A model group's workers on the node (``group_worker_host_bytes``), with the basis of its
+    figure (``host_basis``) recorded beside it."""
+    configs = list(configs)
+    worker = group_worker_host_bytes(configs, shared, share)
+    if worker is None:
+        raise ValueError(f"{model}: no plan to count host memory for")
+    return GroupHost(model=model, workers=workers, worker=worker,
+                     basis=host_basis((c.config_hash() for c in configs), shared, share))
 
 
 @cache

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray import deployment
-from xema_ray.host_budget import GroupHost, NodeHost, fmt_bytes
+from xema_ray.host_budget import NodeHost, fmt_bytes, host_basis
 from xema_ray.plan import ExecutionConfig, PlanTable
 from xema_ray.platforms.host_memory import DEFAULT_SHM_DIR, shm_dir
 from xema_ray.serving.config import ServeConfig
@@ -168,19 +168,27 @@ def node_host(table: PlanTable, cfg: ServeConfig, templates: list[RequestTemplat
               budget_bytes: int | None = None) -> NodeHost:
     """The host memory of one replica of every group on one node: each worker holds the largest of
     its templates' plans (all of their blocks under a shared residency), one copy of its shared
-    segments per node where workers share them (CUDA and emulated GPUs)."""
-    from xema_ray.runtime.host_bytes import group_worker_host_bytes
-
+    segments per node where workers share them (CUDA and emulated GPUs). A group's worker figure is
+    the table's own (``table.host``) where it was counted from the same plans, residency and sharing
+    (``host_basis``); otherwise it is counted here, each model built on the meta device
+    (``xema_ray.runtime.host_bytes``: seconds of imports)."""
+    recorded = {g.model: g for g in table.host.groups} if table.host is not None else {}
     groups = []
     for g in cfg.models:
         share = g.share_host_weights == "on" or (g.share_host_weights == "auto" and cfg.device in ("cuda", "emulated"))
         configs = [table.lookup(t).config for t in templates if t.model == g.model]
         if not configs:
             continue
-        policy = g.residency or (table.residency[g.model].policy if g.model in table.residency else "per_template")
-        per_worker = group_worker_host_bytes(configs, policy == "shared", share)
-        assert per_worker is not None
-        groups.append(GroupHost(model=g.model, workers=g.workers, worker=per_worker))
+        shared = (g.residency or (table.residency[g.model].policy if g.model in table.residency
+                                  else "per_template")) == "shared"
+        basis = host_basis((c.config_hash() for c in configs), shared, share)
+        known = recorded.get(g.model)
+        if known is not None and known.basis == basis:
+            groups.append(known.model_copy(update={"workers": g.workers}))
+            continue
+        from xema_ray.runtime.host_bytes import group_host
+
+        groups.append(group_host(g.model, configs, g.workers, shared, share))
     return NodeHost.of(groups, budget_bytes)
 
 
