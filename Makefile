@@ -11,7 +11,7 @@ DURATION ?= 60
 MIX ?= uniform
 PLAN_TABLE ?= plans/a6000x8.json
 
-.PHONY: install test serve demo-plan serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
+.PHONY: install pyc test serve demo-plan serve-emulated bench-emulated loadtest-emulated checkpoints serve-checkpoints plan layouts serve-a6000x8 verify loadtest figures bench bench-preemption bench-tenancy gpu-kit bench-scale gpu-check clean
 
 # torch for the machine (install/install.py, docs/install-gpu.md): where nvidia-smi lists a GPU, the CUDA
 # build of torch 2.13.0 (PyPI's: CUDA 13.0, NVIDIA driver >= 580; TORCH_INDEX=.../whl/cu128 for CUDA 12.8)
@@ -32,13 +32,18 @@ install: $(STAMP)
 # CPU tests (what CI runs). GPU tests are marked `gpu` and run by `make gpu-check`. Under the string-hash
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
-test: install
+test: install pyc
 	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu"
+
+# The project's modules compiled once (only what changed since): every process of the app and of the
+# tests imports them, and where PYTHONDONTWRITEBYTECODE is set none of them would keep its bytecode.
+pyc: install
+	$(PY) -m compileall -q -j 0 xema_ray planner deployments bench loadtests tests >/dev/null
 
 # The Ray Serve app on CPU with the tiny models (plans from the committed plans/demo-cpu.json); Ctrl+C stops it.
 # `xema serve` is `serve run` with the app's Ray settings: Ray's internal ports on 127.0.0.1 only
 # (XEMA_RAY_OPEN_PORTS=1 opens them) and the proxy's errors as JSON (docs/serving.md "Ports").
-serve: install
+serve: install pyc
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/xema serve deployments/xema.yaml
 
 # The demo's committed plan table, planned as start-up would plan deployments/xema.yaml (calibrated on this

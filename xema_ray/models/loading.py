@@ -172,7 +172,10 @@ class SeededWeights(WeightSource):
         if callable(reset):
             twin = _cpu_twin(module, out)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_seed_for(self.seed, self.component, path))
+                # the CPU generator alone (what the twin's reset draws from): ``torch.manual_seed`` also
+                # seeds every lazily initialised accelerator, each call recording a stack trace
+                # (a third of a tiny model's load)
+                torch.default_generator.manual_seed(_seed_for(self.seed, self.component, path))
                 try:
                     with torch.no_grad():
                         reset_fn = getattr(twin, "reset_parameters")
