@@ -15,6 +15,8 @@ from xema_ray.runtime.engine import Batch
 from xema_ray.runtime.requests import GenerationRequest
 from xema_ray.runtime.worker import ModelLoadConfig, Worker
 
+from tests.batch_sizes import assert_same_picture_across_batch_sizes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,11 +45,20 @@ def test_a_pooled_plan_hands_over_latents_and_the_decode_worker_makes_the_same_v
     d = DecodeWorker("cpu")
     assert d.load(DecodeLoad(model="tiny-cogvideox")) == "cpu"
     assert d.pipe.transformer is None and d.pipe.text_encoder is None and d.pipe.vae is not None
+    # the pipeline decoded the batch of 2 in one VAE call, the decode worker one request at a time:
+    # the same pictures within the bound across batch sizes (tests/batch_sizes.py), not the same bytes
     for handed, want in zip(pooled.handed, in_place.outputs, strict=True):
         got = d.decode(handed)
         assert (got.request_id, got.frames, got.width, got.height) == (want.request_id, 9, 64, 64)
-        assert got.data == want.data  # bit-exact: same seeded VAE, the spec's own decode, the same encoder
+        assert_same_picture_across_batch_sizes(got.data, want.data)
         assert got.prompt_tokens == want.prompt_tokens
+    # a request alone, decoded in place and by the decode worker (one VAE call of one request on both
+    # sides): bit-exact, as the same seeded VAE, the spec's own decode and the same encoder make it
+    one = config.for_batch(1)
+    alone = w.engine.execute(_batch(one, ids=("a",)))
+    handed = w.engine.execute(_batch(one.model_copy(update={"decode": DecodeStage(workers=1, gpus_per_worker=1)}),
+                                     ids=("a",))).handed
+    assert d.decode(handed[0]).data == alone.outputs[0].data
 
 
 def test_a_model_that_decodes_in_place_only_refuses_a_decode_worker() -> None:
