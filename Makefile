@@ -33,7 +33,7 @@ install: $(STAMP)
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
 test: install pyc
-	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" -n $(or $(TEST_PROCESSES),2) --dist loadfile
+	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" $(if $(TEST_PROCESSES),-n $(TEST_PROCESSES) --dist loadfile,)
 
 # The project's modules compiled once (only what changed since): every process of the app and of the
 # tests imports them, and where PYTHONDONTWRITEBYTECODE is set none of them would keep its bytecode.

@@ -21,9 +21,10 @@ import torch  # noqa: E402
 
 
 #: the slowest modules of a serial run (seconds: setup, calls and teardown, ``pytest --durations``),
-#: started first: ``make test`` runs the modules on two processes (pytest-xdist, ``--dist loadfile``),
-#: each taking the next module in order, so the run does not end on one process with a long module
-#: (a module missing here keeps its place after these; an outdated figure only orders worse)
+#: started first where the suite runs on several processes (``make test TEST_PROCESSES=2``: pytest-xdist,
+#: ``--dist loadfile``, each process taking the next module in order), so the run does not end on one
+#: process with a long module (a module missing here keeps its place after these; an outdated figure
+#: only orders worse). A run on one process keeps the files' order.
 SLOWEST_MODULES: dict[str, float] = {
     "tests/serving/test_hardening.py": 137.5, "tests/test_gpu_check.py": 132.0,
     "tests/serving/jobs/test_video_jobs.py": 124.4, "tests/planner/test_ray_job.py": 119.2,
@@ -42,8 +43,8 @@ SLOWEST_MODULES: dict[str, float] = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the slowest modules first, each module's tests in their own order (a stable sort)
-    items.sort(key=lambda item: -SLOWEST_MODULES.get(item.nodeid.split("::", 1)[0], 0.0))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the slowest modules first, each in its own order
+        items.sort(key=lambda item: -SLOWEST_MODULES.get(item.nodeid.split("::", 1)[0], 0.0))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run by `make gpu-check` on a GPU machine)")

@@ -84,7 +84,8 @@ def test_a_load_step_adds_a_replica_on_another_node_and_the_group_drains_back(cl
         calls, i = [], 0
         while not until():
             req = GroupRequest(template="img", request_id=f"r{rate}-{i}", prompt="", seed=0, steps=PLANS["img"]["steps"])
-            calls.append(asyncio.ensure_future(handle.generate.remote(req)))
+            # an answer within 120 s (seconds here): one never answered fails the test naming it, not a hang
+            calls.append(asyncio.ensure_future(asyncio.wait_for(handle.generate.remote(req), 120)))
             i += 1
             await asyncio.sleep(1 / rate)
         return await asyncio.gather(*calls, return_exceptions=True)
