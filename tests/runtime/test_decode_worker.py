@@ -64,3 +64,17 @@ def test_a_pooled_plan_hands_over_latents_and_the_decode_worker_makes_the_same_v
 def test_a_model_that_decodes_in_place_only_refuses_a_decode_worker() -> None:
     with pytest.raises(ValueError, match="tiny-ltx2 decodes in place only"):
         DecodeWorker("cpu").load(DecodeLoad(model="tiny-ltx2"))
+
+
+def test_the_decode_workers_module_imports_no_model_code() -> None:
+    """A pool starts its Ray actors from this module before its replica imports the model code
+    (``ModelGroup`` spawns the pool first): importing it must not import torch or diffusers, or the
+    actors' processes would start only after that import."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nimport xema_ray.runtime.decode_worker\n"
+            "print(json.dumps(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -14,12 +14,9 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from xema_ray.models import get_model_spec
-from xema_ray.models.build_options import BuildOptions
-from xema_ray.models.dtypes import model_dtypes
 from xema_ray.plan import Mitigation
 from xema_ray.platforms import get_platform
 from xema_ray.runtime.encode import encode_mp4
@@ -63,6 +60,9 @@ class DecodeWorker:
 
     def load(self, load: DecodeLoad) -> str:
         """Build the VAE on this worker's device; returns the device's name."""
+        from xema_ray.models.build_options import BuildOptions
+        from xema_ray.models.dtypes import model_dtypes
+
         spec = get_model_spec(load.model)
         if not spec.hands_over_latents:
             raise ValueError(f"{spec.name} decodes in place only: its group cannot hold a decode pool")
@@ -82,6 +82,8 @@ class DecodeWorker:
         """``handed``'s frames as its MP4, under the pool's VAE ``mitigations``."""
         if self.pipe is None:
             raise RuntimeError("decode worker not loaded")
+        import torch
+
         from xema_ray.runtime.engine import apply_config_mitigations
 
         latents = torch.from_numpy(np.ascontiguousarray(handed.latents)).to(self.device, self.pipe.vae.dtype)

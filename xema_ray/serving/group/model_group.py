@@ -162,17 +162,17 @@ class ModelGroup:
             self._tell_phases(k, est)
         self.plans_hash = plans_hash(self.entries)
         self.reload = PlanReload()
+        #: the decode pool (``decode:``; decode_pool.py): batch id -> request id -> its decode
+        self.decode_pool = pool_for(config, s)
+        self._decodes: dict[int, dict[str, asyncio.Task[GenerateResult]]] = {}
+        self._freed: dict[int, float] = {}  # batches whose DiT workers were freed at the hand-over
+        if self.decode_pool is not None:  # its workers' processes start first, beside this group's own
+            self.decode_pool.spawn()      # imports and load (the worker spec imports the model code)
         self.workers = worker_set(self._worker_spec(self.entries, s, folder_sources(model, config.adapters)))
         self.adapters = GroupAdapters(model, self.owner, config.adapters, self.workers, self._paused_with,
                                       RegistryClient(adapter_registry) if adapter_registry is not None else None)
         self.workers.on_loaded = self._loaded
         self.runner = PreemptibleRunner(model, self.workers, self.dispatcher, self.policy, self.metrics)
-        #: the decode pool (``decode:``; decode_pool.py): batch id -> request id -> its decode
-        self.decode_pool = pool_for(config, s)
-        self._decodes: dict[int, dict[str, asyncio.Task[GenerateResult]]] = {}
-        self._freed: dict[int, float] = {}  # batches whose DiT workers were freed at the hand-over
-        if self.decode_pool is not None:  # its workers' processes start beside this group's own load
-            self.decode_pool.spawn()
         self.workers.start()
         if wait_decode:
             self.wait_started()

@@ -49,8 +49,8 @@ class SharedReplica:
     """Serve deployment body holding several model groups (module docstring).
 
     Args:
-        members: the groups this replica holds, built in this order (one at a time: model
-            building patches process-wide state, so two never build at once).
+        members: the groups this replica holds, in this order; built one at a time (model building
+            patches process-wide state, so two never build at once), those with a decode pool first.
         make_group: builds one member (``deployments/app.py`` gives the served ``ModelGroup``).
     """
 
@@ -62,9 +62,11 @@ class SharedReplica:
         if len(set(names)) != len(names):
             raise ValueError(f"a shared replica holds each model once, got {names}")
         make = make_group or (lambda m: ModelGroup(m.config, m.plans, m.settings))
-        self.groups: dict[str, ModelGroup] = {}
-        for m in members:
-            self.groups[m.config.model] = make(m)
+        # the members with a decode pool first: a pool starts its workers' processes before its
+        # group imports the model code, so they import and load beside the rest of this replica's
+        # start-up rather than after it; the members are kept in the given order all the same
+        built = {m.config.model: make(m) for m in sorted(members, key=lambda m: m.config.decode is None)}
+        self.groups: dict[str, ModelGroup] = {name: built[name] for name in names}
 
     def group(self, model: str) -> ModelGroup:
         """The member serving ``model``; ``KeyError`` naming the members otherwise."""
