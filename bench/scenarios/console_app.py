@@ -1,6 +1,6 @@
 """The app the console's browser test and benchmark drive (``tests/serving/test_console_browser.py``,
 ``bench/bench_console.py``): tiny Flux.2 (image) and tiny CogVideoX (video jobs) on CPU, one
-worker each, API keys on (a user key and an admin key), a budget below CogVideoX's unmitigated
+worker each (threads of one shared replica, as ``make serve`` runs its groups), API keys on (a user key and an admin key), a budget below CogVideoX's unmitigated
 peak so that its trace shows pressure intervals and the plan a VAE mitigation placed on them;
 and Chromium (Debian's ``chromium``, driven by Playwright's bundled driver: nothing downloads a
 browser) with every request URL recorded."""
@@ -27,7 +27,9 @@ BUDGET = 18 * 10**6
 
 def app_args(jobs_dir: Path) -> dict[str, Any]:
     return {
-        "device": "cpu", "worker_cpus": 0.25, "jobs": {"path": str(jobs_dir)},
+        # the groups' workers threads of one shared replica, as make serve runs them
+        "device": "cpu", "worker_cpus": 0.25, "worker_set": "inprocess", "shared_replicas": 1,
+        "jobs": {"path": str(jobs_dir)},
         "auth": {"api_keys": [{"key": USER_KEY, "tenant": "user"}, {"key": ADMIN_KEY, "tenant": "ops", "admin": True}]},
         "models": [
             {"model": "tiny-flux2", "workers": 1, "wait_window_s": 0.05, "max_queue": 64,

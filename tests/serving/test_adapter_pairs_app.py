@@ -33,7 +33,8 @@ def app(tmp_path_factory):  # type: ignore[no-untyped-def]
     files = {"style": write_adapter(roots / "style.safetensors", wan, rank=4, seed=5, std=0.2),
              "flux": write_adapter(roots / "flux.safetensors", flux, rank=4, seed=6)}  # fits no Wan layer
     args = {
-        "device": "cpu", "worker_cpus": 0.25, "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
+        # the worker a thread of the group's replica, as make serve runs it
+        "device": "cpu", "worker_cpus": 0.25, "worker_set": "inprocess", "jobs": {"path": str(tmp_path_factory.mktemp("jobs"))},
         "models": [{"model": "tiny-wan2.2", "workers": 1, "wait_window_s": 0.05, "max_queue": 16,
                     "templates": [{"width": 64, "height": 64, "frames": 9, "steps": 4}],
                     "adapters": {"roots": [str(roots)], "slots": 2, "max_rank": 8}}],

@@ -38,7 +38,8 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     ckpt = tmp_path_factory.mktemp("checkpoints")
     for m in TINY_MODELS:
         write_checkpoint(m, ckpt)
-    args = {"device": "cpu", "worker_cpus": 0.25,
+    # the groups' workers threads of one shared replica, as deployments/xema-checkpoints.yaml runs them
+    args = {"device": "cpu", "worker_cpus": 0.25, "worker_set": "inprocess", "shared_replicas": 1,
             "models": [{"model": m, "workers": 1, "weights_dir": str(ckpt / m), "templates": [t]} for m, t in TEMPLATES.items()]}
     table = plan_table([plan_entry(RequestTemplate(model=m, **t), text_encoder="device", slo_s=60.0,
                                    latency_source="estimated") for m, t in TEMPLATES.items()],

@@ -42,7 +42,8 @@ def _args(published: Path) -> dict:  # type: ignore[type-arg]
 
 @pytest.fixture(scope="module")
 def server(published: Path, tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
-    args = _args(published)
+    # the groups' workers threads of one shared replica, as deployments/xema-checkpoints.yaml runs them
+    args = {**_args(published), "worker_set": "inprocess", "shared_replicas": 1}
     table = plan_table([plan_entry(RequestTemplate(model=m, **t), text_encoder="device", slo_s=60.0,
                                    latency_source="estimated") for m, t in TEMPLATES.items()],
                        hardware=machine_fingerprint(ServeConfig.model_validate(args), 1))

@@ -101,7 +101,8 @@ def store_server() -> Iterator[Redis]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, store_server: Redis) -> Iterator[str]:
     args: dict[str, Any] = {
-        "device": "cpu", "worker_cpus": 0.25,
+        # the groups' workers threads of one shared replica, as make serve runs them (the API under test)
+        "device": "cpu", "worker_cpus": 0.25, "worker_set": "inprocess", "shared_replicas": 1,
         "auth": {"api_keys": [{"key": KEY_A, "tenant": "alice"}, KEY_B], "max_jobs_in_flight": MAX_JOBS},
         "jobs": {"backend": "redis", "redis_url": store_server.url, "prefix": "tenancy", "ttl_s": 600, "lease_s": 2.0,
                  "poll_min_ms": 20, "timeout_s": 2.0},
