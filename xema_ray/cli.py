@@ -389,7 +389,7 @@ def _serve(args: argparse.Namespace) -> int:
     that starts Ray, hence not one the YAML or the app can make (docs/serving.md "Ports")."""
     import os
 
-    from xema_ray.serving.ray_env import ray_env
+    from xema_ray.serving.ray_env import ray_env, serve_run_config
 
     if "--reload-plans" in args.serve_args:
         from deployments.reload import reload_plans
@@ -400,7 +400,12 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         return reload_plans(args.config, opts.table, dashboard=opts.dashboard, app_name=opts.app, timeout_s=opts.timeout)
     serve = Path(sys.executable).parent / "serve"
-    os.execve(str(serve), [str(serve), "run", args.config, *args.serve_args], ray_env())
+    env = ray_env()
+    config = serve_run_config(args.config, env, args.serve_args)
+    if config != args.config:
+        print(f"xema serve: {args.config} without its controller_options, which this cluster's environment sets "
+              f"({config})", file=sys.stderr, flush=True)
+    os.execve(str(serve), [str(serve), "run", config, *args.serve_args], env)
     return 1  # not reached
 
 

@@ -1,6 +1,7 @@
 """`serve run deployments/<any>.yaml` gets the proxy's JSON errors from the file itself, and the
-commands that start Ray (`xema serve`, `make serve*`) give it 127.0.0.1-only ports; an app built
-on a cluster whose ports are open says so. No Ray cluster needed."""
+commands that start Ray (`xema serve`, `make serve*`) give it 127.0.0.1-only ports and the same
+errors from the cluster's environment; an app built on a cluster whose ports are open says so. No
+Ray cluster needed."""
 
 from __future__ import annotations
 
@@ -40,6 +41,40 @@ def test_ray_env_makes_ports_local_unless_opened() -> None:
     env = ray_env.ray_env(open_ports=False, base={})
     assert env[ray_env.LOCAL_ONLY_ENV] == "0" and env[PROXY_CALLBACK_ENV] == PROXY_CALLBACK
     assert ray_env.LOCAL_ONLY_ENV not in ray_env.ray_env(base={ray_env.OPEN_PORTS_ENV: "1"})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_xema_serve_drops_the_controller_options_its_cluster_environment_sets(
+        path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A runtime environment on Serve's controller makes every process Serve starts a fresh one:
+    where the cluster ``serve run`` starts has the proxy's variable already, ``xema serve`` hands
+    it the same config without the block (and the proxy still gets its middleware from the
+    environment); never where ``serve run`` may attach to a cluster started elsewhere."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    env = ray_env.ray_env(open_ports=False, base={})
+    served = ray_env.serve_run_config(str(path), env)
+    assert served != str(path) and Path(served).parent == tmp_path
+    original, derived = yaml.safe_load(path.read_text()), yaml.safe_load(Path(served).read_text())
+    assert derived == {k: v for k, v in original.items() if k != "controller_options"}
+    ServeDeploySchema.model_validate(derived)  # what `serve run` validates
+    assert env[PROXY_CALLBACK_ENV] == PROXY_CALLBACK  # ... the proxy's middleware from the cluster's environment
+    assert ray_env.serve_run_config(str(path), env) == served  # one file per content, written once
+    assert len(list(tmp_path.iterdir())) == 1
+    # kept as written where the cluster is not the one started with env
+    assert ray_env.serve_run_config(str(path), env, ["--address", "auto"]) == str(path)
+    assert ray_env.serve_run_config(str(path), env, ["--address=ray://h:10001"]) == str(path)
+    assert ray_env.serve_run_config(str(path), {**env, "RAY_ADDRESS": "auto"}) == str(path)
+    assert ray_env.serve_run_config(str(path), {**env, PROXY_CALLBACK_ENV: "other:callback"}) == str(path)
+
+
+def test_xema_serve_keeps_controller_options_that_hold_more(tmp_path: Path) -> None:
+    raw = yaml.safe_load((ROOT / "deployments" / "xema.yaml").read_text())
+    env = ray_env.ray_env(open_ports=False, base={})
+    more = {**raw, "controller_options": {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK},
+                                                          "pip": ["x"]}}}
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump(more))
+    assert ray_env.serve_run_config(str(tmp_path / "more.yaml"), env) == str(tmp_path / "more.yaml")
+    assert ray_env.serve_run_config(str(tmp_path / "missing.yaml"), env) == str(tmp_path / "missing.yaml")
 
 
 def test_an_app_on_a_cluster_with_open_ports_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

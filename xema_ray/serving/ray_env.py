@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,52 @@ def ray_env(open_ports: bool | None = None, base: Mapping[str, str] | None = Non
     else:
         env[LOCAL_ONLY_ENV] = "0"
     return env
+
+
+def serve_run_config(config: str, env: Mapping[str, str], serve_args: Sequence[str] = ()) -> str:
+    """The config ``xema serve`` hands ``serve run``: ``config`` itself, or, where the Ray cluster
+    ``serve run`` starts gets every variable of the YAML's ``controller_options.runtime_env`` from
+    ``env`` already (the proxy's JSON errors, ``ray_env``), the same config without
+    ``controller_options``, written to the temporary folder (one file per content).
+
+    Why: a runtime environment on Serve's controller is inherited by everything Serve starts (its
+    HTTP proxy, the build task, every replica), and a process with a runtime environment of its own
+    cannot be one of the workers Ray started ahead: each starts afresh. On the 2-core VM the demo
+    answered 4-5 s sooner without it (BENCHMARKS.md "Start-up"). The YAML keeps the block for a
+    plain ``serve run``, which gets the middleware from it.
+
+    Kept as it is when ``serve run`` may attach to a running cluster (``--address``, ``-a`` or
+    ``RAY_ADDRESS``: that cluster's environment is not ``env``), or when the block holds anything
+    else.
+    """
+    import hashlib
+    import tempfile
+
+    import yaml
+
+    if "RAY_ADDRESS" in env or any(a in ("--address", "-a") or a.startswith("--address=") for a in serve_args):
+        return config
+    try:
+        raw = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return config  # serve run reads it and says what is wrong
+    options = raw.get("controller_options") if isinstance(raw, dict) else None
+    if not isinstance(options, dict) or set(options) != {"runtime_env"}:
+        return config
+    runtime_env = options["runtime_env"]
+    if not isinstance(runtime_env, dict) or set(runtime_env) != {"env_vars"} or not isinstance(runtime_env["env_vars"], dict):
+        return config
+    if any(env.get(k) != str(v) for k, v in runtime_env["env_vars"].items()):
+        return config
+    text = (f"# {Path(config).resolve()} as `xema serve` runs it: controller_options dropped, this cluster's "
+            "environment sets them (xema_ray/serving/ray_env.py serve_run_config)\n"
+            + yaml.safe_dump({k: v for k, v in raw.items() if k != "controller_options"}, sort_keys=False))
+    out = Path(tempfile.gettempdir()) / f"xema-serve-{Path(config).stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    if not out.is_file() or out.read_text() != text:
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    return str(out)
 
 
 def with_bin_first(path: str, bin_dir: str) -> str:
