@@ -32,8 +32,11 @@ install: $(STAMP)
 # CPU tests (what CI runs). GPU tests are marked `gpu` and run by `make gpu-check`. Under the string-hash
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
+# TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one);
+# 2 by default (~30 min instead of ~40 on a 2-core machine: a Ray app's start-up leaves a core idle); 1: one.
+TEST_PROCESSES ?= 2
 test: install pyc
-	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" $(if $(TEST_PROCESSES),-n $(TEST_PROCESSES) --dist loadfile,)
+	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile,)
 
 # The project's modules compiled once (only what changed since): every process of the app and of the
 # tests imports them, and where PYTHONDONTWRITEBYTECODE is set none of them would keep its bytecode.
