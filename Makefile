@@ -33,8 +33,8 @@ install: $(STAMP)
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
 # TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one);
-# 2 by default (~30 min instead of ~40 on a 2-core machine: a Ray app's start-up leaves a core idle); 1: one.
-TEST_PROCESSES ?= 2
+# 1 by default; 2: ~30 min instead of ~40 on a 2-core machine, not the default (docs/repository.md).
+TEST_PROCESSES ?= 1
 test: install pyc
 	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile,)
 
