@@ -133,9 +133,14 @@ def test_image_formats_and_thumbnail() -> None:
 
 
 def test_an_unreachable_store_costs_progress_not_the_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from xema_ray.serving.jobs.progress import JobProgress
+    from xema_ray.serving.jobs.progress import JobProgress, close_publisher, publisher_for
 
     cfg = JobStoreConfig(backend="redis", redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
-    obs = JobProgress(cfg, ["video_a"], others=0, estimate=PhaseEstimate(4, 0.0, 1.0, 0.0, 0.0))
-    assert obs.on_step(1, 4) is False  # keep going
-    obs.on_decoded()
+    try:
+        obs = JobProgress(cfg, ["video_a"], others=0, estimate=PhaseEstimate(4, 0.0, 1.0, 0.0, 0.0))
+        assert obs.on_step(1, 4) is False  # keep going
+        obs.on_decoded()
+    finally:  # its publisher's retries end with the test, not with the process
+        pub = publisher_for(cfg)
+        close_publisher(cfg)
+        assert not pub._thread.is_alive()

@@ -113,6 +113,7 @@ class ProgressPublisher:
         self._healthy = True  # the last round finished within SYNC_WAIT_S
         self.dropped = 0  # progress updates dropped because the buffer was full
         self.failures = 0  # store calls that failed (the thread retries)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="xema-progress", daemon=True)
         self._thread.start()
 
@@ -173,11 +174,19 @@ class ProgressPublisher:
         with self._lock:
             return not self._pending and not self._stops
 
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread (what it has not written is dropped): ``close_publisher``."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        while True:
+        while not self._closed:
             self._wake.wait(timeout=POLL_S)
             self._wake.clear()
+            if self._closed:
+                return
             with self._lock:
                 pending, self._pending = self._pending, OrderedDict()
                 stops, self._stops = self._stops, {}
@@ -223,6 +232,15 @@ def publisher_for(store: JobStoreConfig) -> ProgressPublisher:
         if key not in _publishers:
             _publishers[key] = ProgressPublisher(store)
         return _publishers[key]
+
+
+def close_publisher(store: JobStoreConfig) -> None:
+    """Stop and forget this process's publisher for ``store``, if it has one (a store that went
+    away for good; a test that pointed one at nothing, so that its retries end with it)."""
+    with _publishers_lock:
+        pub = _publishers.pop(store.model_dump_json(), None)
+    if pub is not None:
+        pub.close()
 
 
 class JobProgress:
