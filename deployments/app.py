@@ -24,7 +24,6 @@ from xema_ray.allocator.artifact import layouts_dir
 from xema_ray.serving.config import ServeConfig
 from xema_ray.scheduling.preemption_policy import PreemptionPolicy
 from xema_ray.serving.group.adapter_registry import AdapterRegistry
-from xema_ray.serving.group.decode_pool import decodes_in_replica
 from xema_ray.serving.group.shared_replica import SharedReplica, SharedMember
 from xema_ray.serving.group.model_group import ModelGroup
 from xema_ray.serving.group.settings import GroupSettings, ModelGroupConfig
@@ -177,17 +176,14 @@ def worker_resources(cfg: ServeConfig, g: ModelGroupConfig, plans: dict[str, Pla
     per decode worker of the group's ``decode:`` pool (``worker_cpus``, and its GPU share on a GPU
     device). In-process
     workers (``worker_set: inprocess``): the replica alone, reserving what its workers' bundles would
-    have, and on ``device: cpu`` its decode workers' too (threads of the replica as well:
-    ``decodes_in_replica``); no placement group, no process per worker; every plan must be SP 1 (one torch.distributed
+    have (no placement group, no process per worker); every plan must be SP 1 (one torch.distributed
     world per process), refused here naming the template otherwise."""
     if cfg.worker_set == "inprocess":
         wide = sorted(k for k, e in plans.items() if e.config.sp > 1)
         if wide:
             raise ValueError(f"worker_set: inprocess runs plans of SP 1 only; {g.model}'s plans for {', '.join(wide)} "
                              "use SP > 1: set worker_set: ray, or plan them at SP 1")
-        in_replica = g.decode is not None and decodes_in_replica(cfg.worker_set, cfg.device)
-        decoders = g.decode.workers if in_replica and g.decode is not None else 0  # threads of the replica too
-        return {"ray_actor_options": {"num_cpus": round((g.workers + decoders) * cfg.worker_cpus, 4),
+        return {"ray_actor_options": {"num_cpus": round(g.workers * cfg.worker_cpus, 4),
                                       **({"resources": dict(g.bundle_resources)} if g.bundle_resources else {})}}
     bundle = {**WORKER_KINDS[cfg.device].bundle(cfg.worker_cpus), **g.bundle_resources}
     bundles = [dict(bundle) for _ in range(g.workers)]

@@ -79,10 +79,9 @@ def test_the_demo_leaves_the_planner_a_cpu_on_two_cores() -> None:
         plans = {t.shape_key: table.lookup(t) for t in served_templates(cfg) if t.model == g.model}
         opts = worker_resources(cfg, g, plans)
         assert "placement_group_bundles" not in opts  # no placement group: the replica holds its workers
-        # the replica reserves its DiT workers' CPUs and its decode workers' (threads of it too)
-        decoders = g.decode.workers if g.decode is not None else 0
-        assert opts["ray_actor_options"]["num_cpus"] == pytest.approx((g.workers + decoders) * cfg.worker_cpus)
         held += opts["ray_actor_options"]["num_cpus"]
+        if g.decode is not None:  # the decode pool's actors ask for their own CPUs (worker_cpus each)
+            held += g.decode.workers * cfg.worker_cpus
     assert held == pytest.approx(0.70)
     assert 2 - held >= 1.0  # planning tasks ask for min(1, free) CPU each (planner.cluster_fit)
 
@@ -103,8 +102,7 @@ def test_the_demos_eight_groups_share_one_replica_process_each_its_own_group(
     assert len(shared) == 1  # one deployment, one replica process
     deployment = next(iter(groups.values()))._bound_deployment
     assert deployment.name == "SharedReplica:0" and deployment.num_replicas == 1
-    # what the eight replicas reserved: their 13 DiT workers and tiny-cogvideox's decode worker, threads of it
-    assert deployment.ray_actor_options["num_cpus"] == pytest.approx(0.70)
+    assert deployment.ray_actor_options["num_cpus"] == pytest.approx(0.65)  # what the eight replicas reserved
     members = deployment.init_args[0]
     assert [m.config.model for m in members] == list(groups)
     table = PlanTable.load(str(ROOT / "plans" / "demo-cpu.json"))

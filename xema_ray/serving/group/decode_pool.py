@@ -16,9 +16,7 @@ worker (``runtime/decode_worker.py`` ``DecodeWorker``):
 
 Backends: Ray actors (deployed: ``num_cpus`` = the app's ``worker_cpus``, and on ``device: cuda``
 ``num_gpus`` = ``gpus_per_worker``; in the replica's placement group, in the bundles after the DiT
-workers', where it has one), or in-process workers on threads: on ``device: cpu`` where the
-group's DiT workers are threads of its replica (``worker_set: inprocess``, the replica reserving
-the decode workers' CPUs with its own; ``decodes_in_replica``), and in the group's tests without Ray.
+workers', where it has one), or in-process workers on threads (the group's tests, no Ray).
 """
 
 from __future__ import annotations
@@ -255,17 +253,9 @@ class DecodePool:
         self.slots = []
 
 
-def decodes_in_replica(worker_set: str | None, device: str) -> bool:
-    """Whether a deployed group's decode workers are threads of its replica (``pool_for``)."""
-    return worker_set == "inprocess" and device == "cpu"
-
-
 def pool_for(config: ModelGroupConfig, s: GroupSettings) -> DecodePool | None:
-    """The group's decode pool (None: no ``decode:`` block), not started. On ``device: cpu`` its
-    workers run where the group's DiT workers run: threads of the replica when those are
-    (``worker_set: inprocess``: no process of its own to start and import the model code in).
-    Otherwise Ray actors wherever Ray runs (a deployed group; on a GPU each its own GPU share),
-    else in process (the group's tests)."""
+    """The group's decode pool (None: no ``decode:`` block), not started: Ray actors wherever Ray
+    runs (a deployed group, whatever its DiT workers' backend), else in process (the group's tests)."""
     if config.decode is None:
         return None
     from xema_ray.runtime.decode_worker import DecodeLoad
@@ -274,5 +264,5 @@ def pool_for(config: ModelGroupConfig, s: GroupSettings) -> DecodePool | None:
                       component_dtypes=dict(config.component_dtypes))
     import ray
 
-    backend: PoolBackend = "ray" if ray.is_initialized() and not decodes_in_replica(s.worker_set, s.device) else "inprocess"
+    backend: PoolBackend = "ray" if ray.is_initialized() else "inprocess"
     return DecodePool(config.model, config.decode, load, s.device, s.worker_cpus, backend, bundle_offset=config.workers)
