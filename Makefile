@@ -33,10 +33,21 @@ install: $(STAMP)
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
 # TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one);
-# 1 by default; 2: ~30 min instead of ~40 on a 2-core machine, not the default (docs/repository.md).
-TEST_PROCESSES ?= 1
+# 2 by default (docs/repository.md); 1 runs every module in file order on one process. On two or more,
+# the modules in ALONE_TESTS run afterwards on a process of their own, with nothing beside them.
+TEST_PROCESSES ?= 2
+#: a multi-node scale-out whose replicas' requests once went unanswered beside another module's cluster
+ALONE_TESTS := tests/serving/scale/test_scale_out.py
+TEST_ENV := PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1
 test: install pyc
-	PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not gpu" $(if $(filter-out 0 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile,)
+ifeq ($(filter-out 0 1,$(TEST_PROCESSES)),)
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu"
+else
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu" -n $(TEST_PROCESSES) --dist loadfile $(addprefix --ignore=,$(ALONE_TESTS)); \
+	  parallel=$$?; $(TEST_ENV) $(PY) -m pytest -q -m "not gpu" $(ALONE_TESTS); alone=$$?; \
+	  echo "make test: $(TEST_PROCESSES) processes exited $$parallel, then $(ALONE_TESTS) alone $$alone"; \
+	  [ $$parallel -eq 0 ] && [ $$alone -eq 0 ]
+endif
 
 # The project's modules compiled once (only what changed since): every process of the app and of the
 # tests imports them, and where PYTHONDONTWRITEBYTECODE is set none of them would keep its bytecode.

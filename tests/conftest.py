@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 
 #: the slowest modules of a serial run (seconds: setup, calls and teardown, ``pytest --durations``),
-#: started first where the suite runs on several processes (``make test TEST_PROCESSES=2``: pytest-xdist,
+#: started first where the suite runs on several processes (``make test``, two by default: pytest-xdist,
 #: ``--dist loadfile``, each process taking the next module in order), so the run does not end on one
 #: process with a long module (a module missing here keeps its place after these; an outdated figure
 #: only orders worse). A run on one process keeps the files' order.

@@ -23,6 +23,8 @@ from xema_ray.net import free_port
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
+#: "1" keeps each cluster's temp dir (its nodes' logs) after ``shutdown`` and says where, to read a failure
+KEEP_LOGS_ENV = "XEMA_KEEP_CLUSTER_LOGS"
 
 
 @dataclass
@@ -269,6 +271,9 @@ class LocalCluster:
             self._kill(node)
         self.workers.clear()
         self.head = None
+        if os.environ.get(KEEP_LOGS_ENV) == "1":
+            print(f"LocalCluster: logs kept in {self.temp_dir} ({KEEP_LOGS_ENV}=1)", file=sys.stderr)
+            return
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ helpers
