@@ -144,3 +144,49 @@ def test_an_unreachable_store_costs_progress_not_the_batch(tmp_path) -> None:  #
         pub = publisher_for(cfg)
         close_publisher(cfg)
         assert not pub._thread.is_alive()
+
+
+def test_concurrent_thumbnail_requests_make_it_once_and_a_deleted_job_gets_404(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from bench.scenarios.factories import plan_table
+    from xema_ray.serving.api import video_jobs
+    from xema_ray.serving.jobs.store import open_store, result_name
+
+    frames = np.zeros((3, 16, 16, 3), dtype=np.uint8)
+    frames[0, :, :, 0] = 200
+    mp4 = encode_mp4(frames, 8.0)
+    made: list[int] = []
+
+    def counted(data: bytes) -> bytes:
+        made.append(1)
+        time.sleep(0.2)  # slow enough that every request below arrives while it is being made
+        return first_frame_png(data)
+
+    monkeypatch.setattr(video_jobs, "first_frame_png", counted)
+    cfg = JobStoreConfig(path=tmp_path)
+    store = open_store(cfg)
+    for job_id in ("vid_a", "vid_b"):
+        store.create(JobRecord(id=job_id, model="tiny-cogvideox", template="tiny-cogvideox/16x16x3", prompt="p", seed=0,
+                               steps=2, size="16x16", seconds="1", frames=3, predicted_s=1.0, created_at=time.time()))
+        assert store.complete(job_id, {result_name(job_id, "video"): (mp4, "video/mp4")})
+    jobs = video_jobs.VideoJobs(cfg, groups={}, served={}, table=plan_table([]))
+
+    async def many(job_id: str, n: int) -> list:  # type: ignore[type-arg]
+        return await asyncio.gather(*(jobs.content(job_id, "thumbnail") for _ in range(n)), return_exceptions=True)
+
+    got = asyncio.run(many("vid_a", 16))
+    assert made == [1] and {r.status_code for r in got} == {200} and len({bytes(r.body) for r in got}) == 1
+    assert store.get_file(result_name("vid_a", "thumbnail")) is not None  # later requests read it from the store
+    asyncio.run(many("vid_a", 4))
+    assert made == [1]
+
+    async def racing_delete() -> list:  # type: ignore[type-arg]
+        thumbs = asyncio.gather(*(jobs.content("vid_b", "thumbnail") for _ in range(4)), return_exceptions=True)
+        await asyncio.sleep(0.05)  # the thumbnail is being made
+        await asyncio.to_thread(store.delete, "vid_b")
+        return await thumbs
+
+    raced = asyncio.run(racing_delete())
+    assert all(isinstance(r, video_jobs.ApiError) and r.status == 404 for r in raced), raced
+    assert store.get_file(result_name("vid_b", "thumbnail")) is None  # taken back, not left behind

@@ -100,6 +100,7 @@ class VideoJobs:
         self._task: asyncio.Task | None = None
         self._last_purge = 0.0
         self._estimates: dict[str, tuple[float, float]] = {}  # template -> (seconds, when asked)
+        self._thumbnails: dict[str, asyncio.Future[tuple[bytes, str]]] = {}  # thumbnail being made -> its result
 
     def store(self) -> JobStore:
         return open_store(self.cfg)
@@ -227,25 +228,42 @@ class VideoJobs:
         if rec.status != "completed":
             raise ApiError(400, f"video {video_id} is not ready: status {rec.status}, progress {video_view(rec).progress}%",
                            param="video_id")
-        store = self.store()
-        got = await self._call(store.get_file, result_name(video_id, "video"))
+        if variant == "thumbnail":
+            got = await self._thumbnail(video_id, rec)
+        else:
+            got = await self._video_file(video_id)
+        return Response(content=got[0], media_type=got[1], headers=self._headers())
+
+    async def _video_file(self, video_id: str) -> tuple[bytes, str]:
+        got = await self._call(self.store().get_file, result_name(video_id, "video"))
         if got is None:
             raise ApiError(404, f"the result of {video_id} has expired", type="not_found_error", param="video_id")
-        if variant == "thumbnail":
-            name = result_name(video_id, "thumbnail")
-            thumb = await self._call(store.get_file, name)
-            if thumb is None:
-                png = await asyncio.to_thread(first_frame_png, got[0])
-                await self._call(store.put_file, name, png, "image/png", rec.expires_at or time.time() + self.cfg.ttl_s)
-                # a DELETE that ran while the thumbnail was made removed the files before this one
-                # was written: look again, and take it back (the job is gone for this client too)
-                if await self._call(store.get, video_id) is None:
-                    await self._call(store.delete_file, name)
-                    raise ApiError(404, f"no video {video_id!r}: it was deleted", type="not_found_error",
-                                   param="video_id")
-                thumb = (png, "image/png")
-            got = thumb
-        return Response(content=got[0], media_type=got[1], headers=self._headers())
+        return got
+
+    async def _thumbnail(self, video_id: str, rec: JobRecord) -> tuple[bytes, str]:
+        """The first frame as a PNG, made once: requests for a thumbnail not in the store yet wait on
+        the one that makes it (on this replica) rather than each reading the video and encoding it."""
+        name = result_name(video_id, "thumbnail")
+        thumb = await self._call(self.store().get_file, name)
+        if thumb is not None:
+            return thumb
+        making = self._thumbnails.get(name)
+        if making is None:
+            making = asyncio.ensure_future(self._make_thumbnail(video_id, rec, name))
+            self._thumbnails[name] = making
+            making.add_done_callback(lambda _: self._thumbnails.pop(name, None))
+        return await asyncio.shield(making)  # a client that goes away does not cancel the others' thumbnail
+
+    async def _make_thumbnail(self, video_id: str, rec: JobRecord, name: str) -> tuple[bytes, str]:
+        video = await self._video_file(video_id)
+        png = await asyncio.to_thread(first_frame_png, video[0])
+        await self._call(self.store().put_file, name, png, "image/png", rec.expires_at or time.time() + self.cfg.ttl_s)
+        # a DELETE that ran while the thumbnail was made removed the files before this one was
+        # written: look again, and take it back (the job is gone for this client too)
+        if await self._call(self.store().get, video_id) is None:
+            await self._call(self.store().delete_file, name)
+            raise ApiError(404, f"no video {video_id!r}: it was deleted", type="not_found_error", param="video_id")
+        return png, "image/png"
 
     # ------------------------------------------------------------------ dispatch
     async def _predicted_s(self, t: RequestTemplate) -> float:
