@@ -235,7 +235,9 @@ def test_a_drop_waiting_for_a_batch_blocks_no_other_change(files: dict[str, Path
 
             r2.group.workers.collective_rpc = rpc  # type: ignore[method-assign]
             assert r1.call(lambda g: g.remove_adapter("A")) is True
-            assert "A" not in _names(r2) and removes  # refused there at once; the workers still hold it
+            assert "A" not in _names(r2)  # acknowledged: r2 refuses A from now on
+            _until(lambda: bool(removes), timeout_s=30)  # its workers are told in the background, and refuse
+            assert "A" in r2.group.adapters._dropping  # the workers still hold it
             r1.call(lambda g: g.add_adapter(AdapterSource(name="C", model="tiny-flux2", path=files["C"])), timeout=60)
             assert _names(r2) == {"C"} and "A" in r2.group.adapters._dropping  # applied beside the waiting drop
             busy.clear()
