@@ -3,11 +3,13 @@ the app's Ray settings (`ray_env`: the environment's `python` first on the clust
 entry point runs as written) produces a plan table for the tiny models: with logical GPUs
 (candidates timed on this CPU) beside placement groups that hold most of the CPUs, as a serving
 app's do (the tasks take a fraction of a CPU), and on a cluster with no GPUs at all (tasks request
-none; every latency estimated). With every CPU held, the job stops within 30 s and names who holds them."""
+none; every latency estimated). With every CPU held, the job stops after its own wait for room
+(``WAIT_S``) and names who holds them."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.scenarios.local_cluster import BIN, LocalCluster
+from planner.cluster_fit import WAIT_S
 from xema_ray.plan import PlanTable
 from xema_ray.serving.ray_env import ray_env
 
@@ -61,13 +64,17 @@ def test_ray_job_submit_writes_a_plan_table(tmp_path: Path, cluster_gpus: int, h
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         if cluster_gpus:
             assert "planning tasks ask for 0.5 CPU per task" in job.stdout, job.stdout[-3000:]
-            # every CPU held now: the job stops within seconds and says what it asked, what is free, who holds it
+            # every CPU held now: the job stops after its wait for room and says what it asked, what is free,
+            # who holds it. The wait is the planner's own figure; the wall clock around `ray job submit` (a
+            # client, the job's driver, imports) only guards against a job left waiting for the CPUs
             _hold(cluster, 0.5, "SERVE_REPLICA::xema#ModelGroup:tiny-ltx2#test")
             t0 = time.monotonic()
             full = _submit(cluster, [*plan[:-4], "--out", str(tmp_path / "never.json")])
             seconds = time.monotonic() - t0
             said = full.stdout + full.stderr
-            assert full.returncode != 0 and seconds < 30, (seconds, said[-3000:])
+            assert full.returncode != 0 and seconds < 120, (seconds, said[-3000:])
+            waited = re.search(r"after (\d+) s the cluster has", said)
+            assert waited is not None and WAIT_S <= float(waited.group(1)) <= WAIT_S + 10, said[-3000:]
             assert "at least 0.1 CPU" in said and "0 of 2 CPUs" in said, said[-3000:]
             assert "ModelGroup:tiny-flux2" in said and "ModelGroup:tiny-ltx2" in said, said[-3000:]
             assert not (tmp_path / "never.json").exists()
