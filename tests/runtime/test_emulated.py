@@ -26,6 +26,16 @@ COG = "cogvideox-5b/1280x720x49"  # 2,154 s planned
 FLUX = "flux2/256x256x1"  # batch 3: 41.1 s planned, a partial batch of 1: 20.0 s
 
 
+#: how late one wake-up may come on a loaded machine (two test suites beside each other: 0.11 s seen)
+LATE_S = 0.25
+
+
+def _took(seconds: float, planned: float, rel: float = 0.05, wakes: int = 1) -> None:
+    """The emulator sleeps to absolute deadlines: its lateness does not add up over steps, so a run
+    takes the planned time within ``rel``, plus at most ``wakes`` late wake-ups."""
+    assert planned * (1 - rel) <= seconds <= planned * (1 + rel) + wakes * LATE_S, (seconds, planned)
+
+
 def _worker(keys: list[str], time_scale: float) -> EmulatedWorker:
     w = EmulatedWorker(emulation=emulation_for(TABLE, time_scale, keys))
     w.init_device(ParallelConfig(rank=0, world_size=1))
@@ -81,10 +91,10 @@ def test_a_batch_takes_the_plan_entrys_latency_over_time_scale(key: str, n: int,
     t0 = time.perf_counter()
     r = w.execute(_batch(key, n), obs)
     took = time.perf_counter() - t0
-    assert took == pytest.approx(planned, rel=0.05)
+    _took(took, planned)
     assert [s for s, _ in obs.seen] == list(range(1, 51)) and obs.decoded
     assert r.memory.peak_bytes == p.peak_bytes and r.memory.source == "plan (emulated)"
-    assert r.timings.total_s == pytest.approx(planned, rel=0.05)
+    _took(r.timings.total_s, planned)
     assert len(r.outputs) == n and all(o.emulated for o in r.outputs)
 
 
@@ -96,7 +106,8 @@ def test_the_observer_stops_a_batch_at_a_step_boundary() -> None:
     with pytest.raises(BatchCancelled) as e:
         w.execute(_batch(COG), obs, run_id="c")
     assert e.value.step == 10 and obs.seen[-1][0] == 10 and not obs.decoded
-    assert time.perf_counter() - t0 == pytest.approx(ph.text_s + 10 * ph.denoise_step_s, rel=0.1, abs=0.02)
+    _took(time.perf_counter() - t0, ph.text_s + 10 * ph.denoise_step_s, rel=0.1)
+    assert time.perf_counter() - t0 < ph.total_s  # the other 40 steps and the decode never slept
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -117,7 +128,7 @@ def test_a_pause_parks_at_a_step_boundary_and_resume_finishes_the_rest(offload: 
     r = w.resume("p")
     rest = time.perf_counter() - t1
     moves = 2 * w.emulation.move_s(paused.state_bytes) if offload else 0.0
-    assert ran + rest == pytest.approx(ph.total_s + moves, rel=0.1)
+    _took(ran + rest, ph.total_s + moves, rel=0.1, wakes=2)
     assert r.pauses == 1 and r.paused_s >= 0.2 and [s for s, _ in obs.seen] == list(range(1, 51))
     assert w.paused_runs() == []
 
@@ -143,11 +154,11 @@ def test_a_residency_switch_between_templates_is_charged() -> None:
     w.execute(_batch(a, 1))
     t0 = time.perf_counter()
     r = w.execute(_batch(b))
-    assert time.perf_counter() - t0 == pytest.approx(emu.templates[b].total_s + 0.4, rel=0.05)
+    _took(time.perf_counter() - t0, emu.templates[b].total_s + 0.4)
     assert r.timings.text_s >= 0.4
     t0 = time.perf_counter()
     w.execute(_batch(b))  # already held: no switch
-    assert time.perf_counter() - t0 == pytest.approx(emu.templates[b].total_s, rel=0.05)
+    _took(time.perf_counter() - t0, emu.templates[b].total_s)  # LATE_S < the 0.4 s switch
 
 
 def test_outputs_are_valid_files_of_the_requested_size_marked_emulated(tmp_path: Path) -> None:
