@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -160,7 +160,7 @@ def test_steps_never_wait_for_a_paused_store(paused_redis: tuple[str, int]) -> N
     rounds, waited = publisher_for(cfg)._rounds, []  # the steps that waited for a round, with the wait granted
     wait_for = rounds.wait_for
 
-    def counted(predicate, timeout=None):  # type: ignore[no-untyped-def]
+    def counted(predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         waited.append(timeout)
         return wait_for(predicate, timeout=timeout)
 
