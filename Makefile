@@ -39,12 +39,19 @@ TEST_PROCESSES ?= 2
 #: a multi-node scale-out whose replicas' requests once went unanswered beside another module's cluster
 ALONE_TESTS := tests/serving/scale/test_scale_out.py
 TEST_ENV := PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1
+# TEST_TIMEOUT_S: a test's setup, call or teardown that runs longer fails (pytest-timeout, SIGALRM: the
+# test's stack in its report, its fixtures torn down, the run goes on), so a hang fails one test instead of
+# stalling the run. Should the signal not be taken (a wait in native code), pytest's faulthandler prints
+# every thread's stack a minute later. --durations: the slowest tests, at the end of every run.
+TEST_TIMEOUT_S ?= 900
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -m "not gpu" --timeout=$(TEST_TIMEOUT_S) --timeout-method=signal \
+  -o faulthandler_timeout=$(shell echo $$(( $(TEST_TIMEOUT_S) + 60 ))) --durations=10
 test: install pyc
 ifeq ($(filter-out 0 1,$(TEST_PROCESSES)),)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu"
+	$(PYTEST)
 else
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu" -n $(TEST_PROCESSES) --dist loadfile $(addprefix --ignore=,$(ALONE_TESTS)); \
-	  parallel=$$?; $(TEST_ENV) $(PY) -m pytest -q -m "not gpu" $(ALONE_TESTS); alone=$$?; \
+	$(PYTEST) -n $(TEST_PROCESSES) --dist loadfile $(addprefix --ignore=,$(ALONE_TESTS)); \
+	  parallel=$$?; $(PYTEST) $(ALONE_TESTS); alone=$$?; \
 	  echo "make test: $(TEST_PROCESSES) processes exited $$parallel, then $(ALONE_TESTS) alone $$alone"; \
 	  [ $$parallel -eq 0 ] && [ $$alone -eq 0 ]
 endif
