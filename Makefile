@@ -39,8 +39,8 @@ TEST_PROCESSES ?= 2
 #: a multi-node scale-out whose replicas' requests once went unanswered beside another module's cluster
 ALONE_TESTS := tests/serving/scale/test_scale_out.py
 TEST_ENV := PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1
-# TEST_TIMEOUT_S: a test's setup, call or teardown that runs longer fails (pytest-timeout, SIGALRM: the
-# test's stack in its report, its fixtures torn down, the run goes on), so a hang fails one test instead of
+# TEST_TIMEOUT_S: a test that runs longer, its setup and teardown included, fails (pytest-timeout, SIGALRM:
+# its stack in its report, its fixtures torn down, the run goes on), so a hang fails one test instead of
 # stalling the run. Should the signal not be taken (a wait in native code), pytest's faulthandler prints
 # every thread's stack a minute later. --durations: the slowest tests, at the end of every run.
 TEST_TIMEOUT_S ?= 900
