@@ -32,7 +32,8 @@ install: $(STAMP)
 # CPU tests (what CI runs). GPU tests are marked `gpu` and run by `make gpu-check`. Under the string-hash
 # seed the layouts are solved and served with (xema_ray/hash_seed.py), so traces need no seeded child process.
 # PYTHONFAULTHANDLER: a crash after the last test (interpreter teardown) still prints every thread's stack.
-# TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one);
+# TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one;
+# --no-loadscope-reorder: modules in the collection's order, not the most tests first);
 # 2 by default (docs/repository.md); 1 runs every module in file order on one process. On two or more,
 # the modules in ALONE_TESTS run afterwards on a process of their own, with nothing beside them.
 TEST_PROCESSES ?= 2
@@ -50,7 +51,7 @@ test: install pyc
 ifeq ($(filter-out 0 1,$(TEST_PROCESSES)),)
 	$(PYTEST)
 else
-	$(PYTEST) -n $(TEST_PROCESSES) --dist loadfile $(addprefix --ignore=,$(ALONE_TESTS)); \
+	$(PYTEST) -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(addprefix --ignore=,$(ALONE_TESTS)); \
 	  parallel=$$?; $(PYTEST) $(ALONE_TESTS); alone=$$?; \
 	  echo "make test: $(TEST_PROCESSES) processes exited $$parallel, then $(ALONE_TESTS) alone $$alone"; \
 	  [ $$parallel -eq 0 ] && [ $$alone -eq 0 ]

@@ -102,3 +102,56 @@ def test_error_raised_if_steps_differ_names_the_first_differing_event() -> None:
     with pytest.raises(StepPatternError, match=r"first difference at event 0 of the step: "
                                                r"\(0, 512, 0, 0, 0\) vs \(0, 1024, 0, 0, 0\)"):
         expand_steps(_raw(events, recs[:2], markers), steps=10)
+
+
+def test_a_batch_on_another_thread_leaves_the_trace_unchanged() -> None:
+    """The tracer's module hooks and its attention swap are process-wide, its dispatch mode is not:
+    modules and attention another thread runs during a trace (a worker's batch beside the tracing
+    in one process) are neither recorded nor attributed, never pause the trace, and that thread
+    gets real attention values."""
+    import threading
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Busy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+            self.norm = nn.LayerNorm(64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.proj(x).unflatten(-1, (4, 16)).transpose(1, 2)
+            return self.norm(F.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(2))
+
+    template = TINY[0]
+    alone = trace_template(template, TraceOptions(device="cpu", replicate=False))
+    busy, x = Busy().eval(), torch.randn(1, 32, 64)
+    with torch.no_grad():
+        want = busy(x)
+    stop, runs, wrong = threading.Event(), [0], []
+
+    def batches() -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                got = busy(x)
+                if not torch.allclose(got, want, atol=1e-5):
+                    wrong.append(float((got - want).abs().max()))
+                runs[0] += 1
+
+    thread = threading.Thread(target=batches, daemon=True)
+    thread.start()
+    try:
+        while runs[0] == 0:  # the other thread is running batches before the trace starts
+            stop.wait(0.01)
+        before = runs[0]
+        beside = trace_template(template, TraceOptions(device="cpu", replicate=False))
+        during = runs[0] - before
+    finally:
+        stop.set()
+        thread.join(30)
+    assert during > 0, "no batch ran during the trace: the test checked nothing"
+    assert not wrong, wrong
+    assert beside.signature() == alone.signature()
+    assert beside.n_events == alone.n_events and beside.peak() == alone.peak()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -270,10 +271,17 @@ class AllocationTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ module attribution
     def __enter__(self) -> AllocationTracer:
+        # the dispatch mode is thread-local, the module hooks global: a module another thread runs
+        # meanwhile (a batch on a worker's thread) is neither this trace's nor on its stack
+        owner = threading.get_ident()
+
         def pre(module: nn.Module, _inputs: object) -> None:
-            self._module_stack.append(module)
+            if threading.get_ident() == owner:
+                self._module_stack.append(module)
 
         def post(module: nn.Module, _inputs: object, _output: object) -> None:
+            if threading.get_ident() != owner:
+                return
             # pop back to this module: a forward that raised left its children on the stack
             while self._module_stack:
                 if self._module_stack.pop() is module:
@@ -357,12 +365,21 @@ def cuda_like_attention(tracer: AllocationTracer | None) -> Iterator[None]:
     """Swap ``F.scaled_dot_product_attention`` for ``make_cuda_like_sdpa`` while tracing.
 
     diffusers looks the function up on ``torch.nn.functional`` at call time, so patching the
-    module attribute reaches every attention processor and dispatch backend."""
-    F.scaled_dot_product_attention = make_cuda_like_sdpa(tracer)
+    module attribute reaches every attention processor and dispatch backend. The attribute is the
+    whole process's: only the thread that entered gets the traced attention; any other thread (a
+    batch running beside the trace) gets what was there before, and never pauses the tracer."""
+    owner = threading.get_ident()
+    before = F.scaled_dot_product_attention
+    traced = make_cuda_like_sdpa(tracer)
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return (traced if threading.get_ident() == owner else before)(*args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _ORIGINAL_SDPA
+        F.scaled_dot_product_attention = before
 
 
 _RECORD_FIELDS = operator.attrgetter("nbytes", "begin", "end", "category", "module", "op", "free_module")

@@ -42,9 +42,18 @@ def cluster():  # type: ignore[no-untyped-def]
         c.shutdown()
 
 
-def _replicas() -> int:
+#: the longest a request sent to the group at zero may take to be served (a replica's start is ~5 s here)
+WAKE_S = 120
+
+
+def _states() -> dict[str, int]:
+    """The group's replicas by state (RUNNING, STARTING, STOPPING, ...)."""
     states = serve.status().applications["zero"].deployments["group"].replica_states
-    return sum(n for state, n in states.items() if state == "RUNNING")
+    return {str(state): n for state, n in states.items() if n}
+
+
+def _replicas() -> int:
+    return _states().get("RUNNING", 0)
 
 
 def test_an_idle_group_scales_to_zero_and_a_request_wakes_it_and_is_served(cluster) -> None:  # type: ignore[no-untyped-def]
@@ -66,8 +75,8 @@ def test_an_idle_group_scales_to_zero_and_a_request_wakes_it_and_is_served(clust
     try:
         assert _replicas() == 1
         deadline = time.time() + 90
-        while _replicas() > 0:  # idle: nothing queued, running or arrived
-            assert time.time() < deadline, "the idle group never scaled to zero"
+        while _states():  # idle: nothing queued, running or arrived; the replica stopped, not only stopping
+            assert time.time() < deadline, f"the idle group never scaled to zero: {_states()}"
             time.sleep(0.5)
 
         async def wake() -> tuple[dict, float]:  # type: ignore[type-arg]
@@ -76,7 +85,12 @@ def test_an_idle_group_scales_to_zero_and_a_request_wakes_it_and_is_served(clust
                                                             steps=PLANS["img"]["steps"]))
             return out, time.time() - start
 
-        out, waited = asyncio.run(wake())
+        try:  # bounded: a request nobody wakes for fails the test, naming what Serve saw, instead of waiting forever
+            out, waited = asyncio.run(asyncio.wait_for(wake(), WAKE_S))
+        except TimeoutError:
+            status = serve.status().applications["zero"].deployments["group"]
+            raise AssertionError(f"a request to the group at zero was not served within {WAKE_S} s: replicas "
+                                 f"{_states()}, deployment {status.status} {status.message!r}") from None
         assert out["replica"] and out["seconds"] >= 0  # served by the replica that woke
         print(f"woke and served in {waited:.1f} s")
         assert _replicas() == 1  # it woke: a replica runs again
