@@ -35,10 +35,12 @@ install: $(STAMP)
 # TEST_PROCESSES: pytest processes (pytest-xdist, --dist loadfile: a module's tests and fixtures on one;
 # --no-loadscope-reorder: modules in the collection's order, not the most tests first);
 # 2 by default (docs/repository.md); 1 runs every module in file order on one process. On two or more,
-# the modules in ALONE_TESTS run afterwards on a process of their own, with nothing beside them.
+# each module in ALONE_TESTS runs afterwards on a process of its own, with nothing beside it.
 TEST_PROCESSES ?= 2
-#: a multi-node scale-out whose replicas' requests once went unanswered beside another module's cluster
-ALONE_TESTS := tests/serving/scale/test_scale_out.py
+#: a multi-node scale-out whose replicas' requests once went unanswered beside another module's cluster;
+#: a group's wake from zero, the last module on two processes, which most likely stalled a CI run until its
+#: 90 min ran out (its wait for the answer had no bound then)
+ALONE_TESTS := tests/serving/scale/test_scale_out.py tests/serving/scale/test_scale_to_zero_live.py
 TEST_ENV := PYTHONHASHSEED=0 PYTHONFAULTHANDLER=1
 # TEST_TIMEOUT_S: a test that runs longer, its setup and teardown included, fails (pytest-timeout, SIGALRM:
 # its stack in its report, its fixtures torn down, the run goes on), so a hang fails one test instead of
@@ -52,8 +54,8 @@ ifeq ($(filter-out 0 1,$(TEST_PROCESSES)),)
 	$(PYTEST)
 else
 	$(PYTEST) -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(addprefix --ignore=,$(ALONE_TESTS)); \
-	  parallel=$$?; $(PYTEST) $(ALONE_TESTS); alone=$$?; \
-	  echo "make test: $(TEST_PROCESSES) processes exited $$parallel, then $(ALONE_TESTS) alone $$alone"; \
+	  parallel=$$?; alone=0; for m in $(ALONE_TESTS); do $(PYTEST) $$m || alone=$$?; done; \
+	  echo "make test: $(TEST_PROCESSES) processes exited $$parallel, then each of $(ALONE_TESTS) alone $$alone"; \
 	  [ $$parallel -eq 0 ] && [ $$alone -eq 0 ]
 endif
 
