@@ -119,7 +119,7 @@ def main() -> None:
     os.environ.update({**FAST_HEALTH, **extra})
     try:
         cluster.start_head(num_cpus=4, num_gpus=0, dashboard=False, resources={"xema_head": 100})
-        ray.init(address=cluster.gcs_address, log_to_driver=False)
+        cluster.connect(log_to_driver=False)
         cluster.add_nodes(args.nodes, num_cpus=2, num_gpus=args.gpus, timeout_s=300, wave=1)
         print(f"[{b.now():.0f}s] cluster: head + {args.nodes} x {args.gpus} emulated GPUs", flush=True)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port}, proxy_location="HeadOnly")

@@ -425,7 +425,7 @@ def main() -> None:
     jobs_dir = Path(tempfile.mkdtemp(prefix="xema-scale-jobs-"))
     try:
         cluster.start_head(num_cpus=4, num_gpus=0, dashboard=False, resources={"xema_head": 100})
-        ray.init(address=cluster.gcs_address, log_to_driver=False)
+        cluster.connect(log_to_driver=False)
         cluster.add_nodes(args.nodes, num_cpus=2, num_gpus=args.gpus, timeout_s=300, wave=args.wave)
         print(f"[{b.now():.0f}s] cluster: head + {args.nodes} x {args.gpus} emulated GPUs", flush=True)
         from deployments.app import build_app

@@ -266,6 +266,25 @@ class LocalCluster:
         if node in self.workers:
             self.workers.remove(node)
 
+    def connect(self, attempts: int = 3, **init_kwargs: object) -> None:
+        """``ray.init`` this process as a driver of the cluster, tried ``attempts`` times: on a loaded
+        2-core machine the head's GCS can miss the driver's first request (``ray.init`` then raises
+        "Timed out while waiting for GCS to become available"); raises with every attempt's error."""
+        import ray
+
+        errors = []
+        for attempt in range(attempts):
+            try:
+                ray.init(address=self.gcs_address, **init_kwargs)
+                return
+            except (RuntimeError, ConnectionError, ray.exceptions.RpcError) as e:
+                errors.append(f"attempt {attempt + 1}: {e!r}"[:600])
+                if ray.is_initialized():
+                    ray.shutdown()
+                time.sleep(2.0)
+        raise RuntimeError(f"ray.init could not connect to the local cluster at {self.gcs_address} "
+                           f"in {attempts} attempts:\n" + "\n".join(errors))
+
     def shutdown(self) -> None:
         for node in [*self.workers, *([self.head] if self.head else [])]:
             self._kill(node)

@@ -42,7 +42,7 @@ def cluster():  # type: ignore[no-untyped-def]
                      auth_mode=os.environ.get("RAY_AUTH_MODE", "disabled"))
     try:
         c.start_head(num_cpus=2, num_gpus=0, dashboard=False)
-        ray.init(address=c.gcs_address, log_to_driver=False)
+        c.connect(log_to_driver=False)
         c.add_nodes(2, num_cpus=1, num_gpus=2)
         yield c
     finally:

@@ -34,7 +34,7 @@ def cluster():  # type: ignore[no-untyped-def]
     c = LocalCluster(env={"PYTHONPATH": root}, auth_mode=os.environ.get("RAY_AUTH_MODE", "disabled"))
     try:
         c.start_head(num_cpus=2, num_gpus=0, dashboard=False)
-        ray.init(address=c.gcs_address, log_to_driver=False)
+        c.connect(log_to_driver=False)
         yield c
     finally:
         if ray.is_initialized():

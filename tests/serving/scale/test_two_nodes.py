@@ -59,7 +59,7 @@ def cluster():  # type: ignore[no-untyped-def]
     try:
         c.start_head(num_cpus=2, num_gpus=2, dashboard=False, resources={"xema_head": 100})
         os.environ.update(FAST_HEALTH)
-        ray.init(address=c.gcs_address, log_to_driver=False)
+        c.connect(log_to_driver=False)
         c.add_node(num_cpus=2, num_gpus=2, resources={"xema_node_b": 100})
         yield c
     finally:
